@@ -1,0 +1,94 @@
+"""`casque dev ...`: run the local stack (a real Cassandra and ZooKeeper) on this machine."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from casque.devstack import artifacts
+from casque.devstack.paths import state_dir
+from casque.devstack.stack import Stack, StackPorts
+from casque.errors import StackError
+
+app = typer.Typer(help="Run a local Cassandra and ZooKeeper for development and tests.", no_args_is_help=True)
+console = Console()
+
+StateOption = Annotated[
+    Path | None, typer.Option("--state-dir", help="Where data, logs and pid files live (default: $CASQUE_STATE_DIR or ~/.local/state/casque/dev).")
+]
+
+
+def _recorded(root: Path) -> Stack:
+    stack = Stack.load(root)
+    if stack is None:
+        raise StackError(f"no stack was started from {root}; run `casque dev up`")
+    return stack
+
+
+@app.command()
+def install() -> None:
+    """Resolve the Cassandra and ZooKeeper jars into the cache (done by `up` too)."""
+    artifacts.ensure_all()
+    console.print(f"Cassandra {artifacts.CASSANDRA_VERSION}: {artifacts.CASSANDRA.lib_dir}")
+    console.print(f"ZooKeeper {artifacts.ZOOKEEPER_VERSION}: {artifacts.ZOOKEEPER.lib_dir}")
+
+
+@app.command()
+def up(
+    nodes: Annotated[int, typer.Option(min=1, max=3, help="Cassandra nodes: 1, or 3 for a ring on 127.0.0.1-3.")] = 1,
+    heap_mb: Annotated[int | None, typer.Option(min=512, help="Heap of each Cassandra node, in MiB.")] = None,
+    state: StateOption = None,
+) -> None:
+    """Start ZooKeeper and Cassandra (or find them running) and wait until both answer."""
+    root = state or state_dir()
+    heap = heap_mb or (1536 if nodes == 1 else 1024)
+    stack = Stack(root=root, nodes=nodes, ports=StackPorts(), heap_mb=heap)
+    stack.up(report=lambda line: console.print(f"[dim]{line}[/dim]"))
+    console.print(f"Cassandra: {', '.join(f'{a}:{stack.ports.native}' for a in stack.contact_points)} (CQL)")
+    console.print(f"ZooKeeper: {stack.zookeeper_hosts}")
+    console.print(f"State and logs: {root}")
+
+
+@app.command()
+def status(state: StateOption = None) -> None:
+    """Show which services of the local stack run, where, and their logs."""
+    stack = _recorded(state or state_dir())
+    table = Table("service", "address", "pid", "log")
+    for service in stack.status():
+        table.add_row(service.name, service.address, str(service.pid) if service.running else "[red]stopped[/red]", str(service.log))
+    console.print(table)
+    if not all(s.running for s in stack.status()):
+        raise typer.Exit(3)
+
+
+@app.command()
+def logs(
+    service: Annotated[str, typer.Argument(help="zookeeper, cassandra-1, cassandra-2, ...")] = "cassandra-1",
+    lines: Annotated[int, typer.Option("-n", "--lines")] = 50,
+    follow: Annotated[bool, typer.Option("-f", "--follow")] = False,
+    state: StateOption = None,
+) -> None:
+    """Print the end of a service's log."""
+    stack = _recorded(state or state_dir())
+    by_name = {s.name: s for s in stack.status()}
+    if service not in by_name:
+        raise StackError(f"unknown service {service!r}; one of: {', '.join(by_name)}")
+    args = ["tail", "-n", str(lines)] + (["-F"] if follow else []) + [str(by_name[service].log)]
+    subprocess.run(args, check=False)
+
+
+@app.command()
+def down(state: StateOption = None) -> None:
+    """Stop exactly the processes `up` started."""
+    root = state or state_dir()
+    stack = Stack.load(root)
+    if stack is None:
+        console.print("nothing to stop")
+        return
+    stack.down(report=console.print)
+    console.print("local stack stopped")

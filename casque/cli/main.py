@@ -1,0 +1,24 @@
+"""The `casque` command. Subcommands live in their own modules; errors become one line and an exit code."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from casque.cli import dev
+from casque.errors import CasqueError
+
+app = typer.Typer(help="casque: a replayable queue on Cassandra and ZooKeeper.", no_args_is_help=True)
+app.add_typer(dev.app, name="dev")
+
+# Exit codes: 1 for casque's own refusals (bad input, unreachable backend), 2 is typer's usage error.
+EXIT_CASQUE_ERROR = 1
+
+
+def main() -> None:
+    try:
+        app(prog_name="casque")
+    except CasqueError as error:
+        print(f"casque: {error}", file=sys.stderr)
+        sys.exit(EXIT_CASQUE_ERROR)

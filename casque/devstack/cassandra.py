@@ -1,0 +1,215 @@
+"""One Cassandra 5.0 node of the local stack: its configuration, start, readiness and nodetool.
+
+Sized for a small machine (2 cores): a 1-2 GiB heap, few compaction and I/O threads, and
+loopback addresses only. A ring of N nodes uses 127.0.0.1..N on the same ports, which Linux
+accepts because the whole 127.0.0.0/8 range is loopback.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from casque.devstack import processes
+from casque.devstack.artifacts import CASSANDRA
+from casque.errors import StackError
+
+# Java 17 module openings that Cassandra 5.0 needs (the same list its own launcher passes).
+JAVA17_MODULE_FLAGS = [
+    "-Djdk.attach.allowAttachSelf=true",
+    "--add-exports", "java.base/jdk.internal.misc=ALL-UNNAMED",
+    "--add-exports", "java.management.rmi/com.sun.jmx.remote.internal.rmi=ALL-UNNAMED",
+    "--add-exports", "java.rmi/sun.rmi.registry=ALL-UNNAMED",
+    "--add-exports", "java.rmi/sun.rmi.server=ALL-UNNAMED",
+    "--add-exports", "java.sql/java.sql=ALL-UNNAMED",
+    "--add-exports", "java.base/java.lang.ref=ALL-UNNAMED",
+    "--add-exports", "jdk.unsupported/sun.misc=ALL-UNNAMED",
+    "--add-exports", "jdk.compiler/com.sun.tools.javac.file=ALL-UNNAMED",
+    "--add-exports", "jdk.attach/sun.tools.attach=ALL-UNNAMED",
+    "--add-opens", "java.base/java.lang.module=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.loader=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.ref=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.reflect=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.math=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.module=ALL-UNNAMED",
+    "--add-opens", "java.base/jdk.internal.util.jar=ALL-UNNAMED",
+    "--add-opens", "jdk.management/com.sun.management.internal=ALL-UNNAMED",
+    "--add-opens", "java.base/sun.nio.ch=ALL-UNNAMED",
+    "--add-opens", "java.base/java.io=ALL-UNNAMED",
+    "--add-opens", "java.base/java.lang.reflect=ALL-UNNAMED",
+    "--add-opens", "jdk.compiler/com.sun.tools.javac=ALL-UNNAMED",
+    "--add-opens", "java.base/java.lang=ALL-UNNAMED",
+    "--add-opens", "java.base/java.util=ALL-UNNAMED",
+    "-Dio.netty.tryReflectionSetAccessible=true",
+]
+
+
+@dataclass(frozen=True)
+class CassandraNode:
+    """Where one node lives and listens."""
+
+    directory: Path
+    address: str = "127.0.0.1"
+    native_port: int = 9042
+    storage_port: int = 7000
+    jmx_port: int = 7199
+    seeds: str = "127.0.0.1"
+    cluster_name: str = "casque-dev"
+    heap_mb: int = 1536
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / "logs" / "system.log"
+
+    @property
+    def stdout_path(self) -> Path:
+        return self.directory / "stdout.log"
+
+    def render_yaml(self) -> str:
+        d = self.directory.resolve()
+        seeds = ",".join(f"{seed}:{self.storage_port}" for seed in self.seeds.split(","))
+        return f"""\
+cluster_name: {self.cluster_name}
+num_tokens: 16
+partitioner: org.apache.cassandra.dht.Murmur3Partitioner
+data_file_directories: [{d}/data]
+commitlog_directory: {d}/commitlog
+saved_caches_directory: {d}/saved_caches
+hints_directory: {d}/hints
+cdc_raw_directory: {d}/cdc_raw
+commitlog_sync: periodic
+commitlog_sync_period: 10000ms
+seed_provider:
+  - class_name: org.apache.cassandra.locator.SimpleSeedProvider
+    parameters:
+      - seeds: "{seeds}"
+listen_address: {self.address}
+rpc_address: {self.address}
+storage_port: {self.storage_port}
+native_transport_port: {self.native_port}
+start_native_transport: true
+endpoint_snitch: SimpleSnitch
+# A fresh local ring has no data to stream, so joining nodes skip bootstrap.
+auto_bootstrap: false
+authenticator: AllowAllAuthenticator
+authorizer: AllowAllAuthorizer
+concurrent_reads: 8
+concurrent_writes: 16
+concurrent_counter_writes: 4
+concurrent_compactors: 1
+memtable_heap_space: 256MiB
+memtable_offheap_space: 256MiB
+auto_snapshot: false
+materialized_views_enabled: false
+# Tests create and drop many keyspaces; schema agreement is checked by the driver.
+"""
+
+    def render_logback(self) -> str:
+        return f"""<configuration>
+  <appender name="FILE" class="ch.qos.logback.core.FileAppender">
+    <file>{self.log_path.resolve()}</file>
+    <encoder><pattern>%-5level [%thread] %date{{ISO8601}} %F:%L - %msg%n</pattern></encoder>
+  </appender>
+  <root level="INFO"><appender-ref ref="FILE"/></root>
+</configuration>
+"""
+
+    def write_config(self) -> None:
+        for sub in ("data", "commitlog", "saved_caches", "hints", "cdc_raw", "logs"):
+            (self.directory / sub).mkdir(parents=True, exist_ok=True)
+        (self.directory / "cassandra.yaml").write_text(self.render_yaml())
+        (self.directory / "logback.xml").write_text(self.render_logback())
+
+    def java_command(self) -> list[str]:
+        d = self.directory.resolve()
+        return [
+            "java",
+            processes.owner_marker(self.directory),
+            f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m",
+            "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=300", "-Xss512k",
+            "-XX:+ExitOnOutOfMemoryError",
+            f"-javaagent:{CASSANDRA.jar('jamm')}",
+            *JAVA17_MODULE_FLAGS,
+            f"-Dcassandra.config=file://{d}/cassandra.yaml",
+            f"-Dcassandra.storagedir={d}",
+            f"-Dcassandra.logdir={d}/logs",
+            f"-Dlogback.configurationFile={d}/logback.xml",
+            f"-Dcassandra.jmx.local.port={self.jmx_port}",
+            "-Dcassandra-foreground=yes",
+            # A single node, or a ring of fresh nodes, has nothing to wait for.
+            "-Dcassandra.skip_wait_for_gossip_to_settle=0",
+            "-Dcassandra.ring_delay_ms=1000",
+            "-cp", CASSANDRA.classpath(),
+            "org.apache.cassandra.service.CassandraDaemon",
+        ]
+
+    def start(self) -> int:
+        self.write_config()
+        processes.rotate(self.log_path)
+        return processes.spawn(self.directory, self.java_command(), "stdout.log")
+
+    def pid(self) -> int | None:
+        return processes.running_pid(self.directory)
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        """Wait until the node answers a CQL query; fail fast if the process died."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.pid() is None:
+                raise StackError(self._failure("exited during startup"))
+            if self._cql_answers():
+                return
+            time.sleep(0.5)
+        raise StackError(self._failure(f"did not answer CQL within {timeout:.0f}s"))
+
+    def _failure(self, what: str) -> str:
+        errors = [line for line in processes.log_tail(self.log_path, 400) if "ERROR" in line]
+        reason = errors[-1].strip() if errors else "no ERROR line in the log"
+        return f"Cassandra {self.address}:{self.native_port} {what}: {reason} (log: {self.log_path})"
+
+    def _cql_answers(self) -> bool:
+        try:
+            with socket.create_connection((self.address, self.native_port), timeout=1.0):
+                pass
+        except OSError:
+            return False
+        from cassandra.cluster import Cluster
+        from cassandra.policies import WhiteListRoundRobinPolicy
+
+        cluster = Cluster(
+            [self.address], port=self.native_port, connect_timeout=5,
+            load_balancing_policy=WhiteListRoundRobinPolicy([self.address]),
+        )
+        try:
+            session = cluster.connect()
+            session.execute("SELECT release_version FROM system.local")
+            return True
+        except Exception:  # any failure here only means "not ready yet"
+            return False
+        finally:
+            cluster.shutdown()
+
+    def nodetool(self, *args: str, timeout: float = 120.0) -> str:
+        command = [
+            "java", *JAVA17_MODULE_FLAGS,
+            f"-Dcassandra.storagedir={self.directory.resolve()}",
+            f"-Dlogback.configurationFile={self.directory.resolve()}/logback-tools.xml",
+            "-cp", CASSANDRA.classpath(),
+            "org.apache.cassandra.tools.NodeTool", "-h", "127.0.0.1", "-p", str(self.jmx_port),
+            *args,
+        ]
+        tools_log = self.directory / "logback-tools.xml"
+        if not tools_log.exists():
+            tools_log.write_text(
+                "<configuration><root level=\"WARN\"/></configuration>\n"
+            )
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+        if result.returncode != 0:
+            raise StackError(f"nodetool {' '.join(args)} failed: {result.stderr.strip() or result.stdout.strip()}")
+        return result.stdout
+
+    def stop(self) -> bool:
+        return processes.terminate(self.directory)

@@ -1,0 +1,135 @@
+"""Background server processes that the local stack owns, found again through pid files.
+
+A pid file alone is not proof: after a reboot the pid may belong to another program. Every
+process we start carries a marker argument (`-Dcasque.owner=<dir>`), and a pid counts as
+ours only while its command line still holds that marker, so `down` never kills a stranger.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from casque.errors import StackError
+
+
+def owner_marker(directory: Path) -> str:
+    return f"-Dcasque.owner={directory.resolve()}"
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+def running_pid(directory: Path) -> int | None:
+    """The pid of the live process started for `directory`, if there is one."""
+    pid_file = directory / "pid"
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if owner_marker(directory) in _cmdline(pid) and not _is_zombie(pid):
+        return pid
+    return None
+
+
+def spawn(directory: Path, argv: Sequence[str], log_name: str) -> int:
+    """Start `argv` detached from our session, output appended to `directory/log_name`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    log = directory / log_name
+    # Keep one previous log, so that a startup failure is read from this start's lines only.
+    rotate(log)
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            list(argv),
+            cwd=directory,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    (directory / "pid").write_text(f"{process.pid}\n")
+    return process.pid
+
+
+def terminate(directory: Path, grace_seconds: float = 45.0) -> bool:
+    """Stop the process started for `directory`: SIGTERM, then SIGKILL after the grace period.
+
+    Returns whether a process was running.
+    """
+    pid = running_pid(directory)
+    if pid is None:
+        (directory / "pid").unlink(missing_ok=True)
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline:
+        _reap(pid)
+        if running_pid(directory) is None:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(100):
+            _reap(pid)
+            if running_pid(directory) is None:
+                break
+            time.sleep(0.05)
+        else:
+            raise StackError(f"process {pid} for {directory} survived SIGKILL")
+    (directory / "pid").unlink(missing_ok=True)
+    return True
+
+
+def pause(directory: Path) -> None:
+    """SIGSTOP the process: for fault tests (a paused server looks alive but answers nothing)."""
+    pid = running_pid(directory)
+    if pid is None:
+        raise StackError(f"no running process for {directory}")
+    os.kill(pid, signal.SIGSTOP)
+
+
+def resume(directory: Path) -> None:
+    pid = running_pid(directory)
+    if pid is None:
+        raise StackError(f"no running process for {directory}")
+    os.kill(pid, signal.SIGCONT)
+
+
+def _reap(pid: int) -> None:
+    # Only children of this process can be reaped; for others waitpid raises and the
+    # /proc check alone decides.
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def rotate(path: Path) -> None:
+    """Move `path` aside (keeping one previous copy) so a new start writes a fresh log."""
+    if path.exists():
+        path.replace(path.with_name(path.name + ".1"))
+
+
+def log_tail(path: Path, lines: int = 20) -> list[str]:
+    try:
+        content = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return content[-lines:]

@@ -1,0 +1,169 @@
+"""The local stack: one ZooKeeper and a Cassandra node or ring, owned by one state directory.
+
+`up` is idempotent: it starts only what is not already running from the same directory,
+and `down` stops exactly the processes whose pid files and owner markers say are ours.
+The layout (node count, ports) is saved in `stack.json` so that `status`, `logs` and
+`down` act on what `up` really started.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from casque.devstack import artifacts
+from casque.devstack.cassandra import CassandraNode
+from casque.devstack.zookeeper import ZooKeeperServer
+from casque.errors import StackError
+
+Report = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    native: int = 9042
+    storage: int = 7000
+    jmx: int = 7199
+    zookeeper: int = 2181
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    name: str
+    address: str
+    pid: int | None
+    log: Path
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None
+
+
+@dataclass(frozen=True)
+class Stack:
+    root: Path
+    nodes: int = 1
+    ports: StackPorts = field(default_factory=StackPorts)
+    heap_mb: int = 1536
+    cluster_name: str = "casque-dev"
+
+    @property
+    def state_file(self) -> Path:
+        return self.root / "stack.json"
+
+    @property
+    def contact_points(self) -> list[str]:
+        return [node.address for node in self.cassandra_nodes()]
+
+    @property
+    def zookeeper_hosts(self) -> str:
+        return self.zookeeper().connect_string
+
+    def cassandra_nodes(self) -> list[CassandraNode]:
+        return [
+            CassandraNode(
+                directory=self.root / f"cassandra-{i}",
+                address=f"127.0.0.{i}",
+                native_port=self.ports.native,
+                storage_port=self.ports.storage,
+                jmx_port=self.ports.jmx + 100 * (i - 1),
+                seeds="127.0.0.1",
+                cluster_name=self.cluster_name,
+                heap_mb=self.heap_mb,
+            )
+            for i in range(1, self.nodes + 1)
+        ]
+
+    def zookeeper(self) -> ZooKeeperServer:
+        return ZooKeeperServer(directory=self.root / "zookeeper", client_port=self.ports.zookeeper)
+
+    @classmethod
+    def load(cls, root: Path) -> Stack | None:
+        """The stack that an earlier `up` recorded in `root`, if any."""
+        try:
+            saved = json.loads((root / "stack.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return cls(
+            root=root,
+            nodes=int(saved["nodes"]),
+            ports=StackPorts(**saved["ports"]),
+            heap_mb=int(saved["heap_mb"]),
+            cluster_name=str(saved["cluster_name"]),
+        )
+
+    def _save(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.state_file.write_text(
+            json.dumps(
+                {"nodes": self.nodes, "ports": asdict(self.ports), "heap_mb": self.heap_mb,
+                 "cluster_name": self.cluster_name},
+                indent=2,
+            )
+        )
+
+    def status(self) -> list[ServiceStatus]:
+        zk = self.zookeeper()
+        services = [ServiceStatus("zookeeper", zk.connect_string, zk.pid(), zk.log_path)]
+        for i, node in enumerate(self.cassandra_nodes(), start=1):
+            services.append(
+                ServiceStatus(f"cassandra-{i}", f"{node.address}:{node.native_port}", node.pid(), node.log_path)
+            )
+        return services
+
+    def up(self, report: Report = lambda _: None) -> None:
+        """Start whatever is not running and wait until CQL and ZooKeeper answer."""
+        recorded = Stack.load(self.root)
+        if recorded is not None and recorded != self and any(s.running for s in recorded.status()):
+            raise StackError(
+                f"a {recorded.nodes}-node stack with other settings runs from {self.root}; "
+                "run `casque dev down` first"
+            )
+        report("resolving Cassandra and ZooKeeper from Maven Central (cached after the first run)")
+        artifacts.ensure_all()
+        self._save()
+
+        zk = self.zookeeper()
+        if zk.pid() is None:
+            _require_free(zk.address, zk.client_port, "ZooKeeper")
+            report(f"starting ZooKeeper on {zk.connect_string}")
+            zk.start()
+        zk.wait_ready()
+
+        nodes = self.cassandra_nodes()
+        seed, others = nodes[0], nodes[1:]
+        # The seed first: the others join the ring through it.
+        self._start_node(seed, report)
+        seed.wait_ready()
+        for node in others:
+            self._start_node(node, report)
+        for node in others:
+            node.wait_ready()
+
+    def _start_node(self, node: CassandraNode, report: Report) -> None:
+        if node.pid() is not None:
+            return
+        _require_free(node.address, node.native_port, "Cassandra CQL")
+        _require_free(node.address, node.storage_port, "Cassandra storage")
+        report(f"starting Cassandra on {node.address}:{node.native_port}")
+        node.start()
+
+    def down(self, report: Report = lambda _: None) -> None:
+        """Stop every process this stack started: Cassandra first, ZooKeeper last."""
+        for node in reversed(self.cassandra_nodes()):
+            if node.stop():
+                report(f"stopped Cassandra {node.address}")
+        if self.zookeeper().stop():
+            report("stopped ZooKeeper")
+
+
+def _require_free(address: str, port: int, what: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        if probe.connect_ex((address, port)) == 0:
+            raise StackError(
+                f"{what} port {address}:{port} is already in use by a process this stack did not start"
+            )

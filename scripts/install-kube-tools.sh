@@ -1,0 +1,258 @@
+#!/usr/bin/env bash
+# Install kube-apiserver, kubectl, etcd and helm for casque's Kubernetes tests.
+#
+# Everything is built from source with the Go toolchain, fetching code only from
+# the Go module proxy, so it works on machines that can reach package registries
+# but not GitHub release downloads.
+#
+#   bash scripts/install-kube-tools.sh            # build what is missing
+#   bash scripts/install-kube-tools.sh --force    # rebuild everything
+#
+# Output:  ${CASQUE_CACHE:-$HOME/.cache/casque}/kube/bin/{kube-apiserver,kubectl,etcd,helm}
+# Each binary has a stamp file (bin/.stamps/<tool>) recording the pinned version
+# and build recipe; when every stamp matches, the script exits immediately.
+# The Go module and build caches (GOMODCACHE, GOCACHE) are left at their
+# defaults, so a rebuild after changing a pin only recompiles what changed.
+set -euo pipefail
+
+# ---- pinned versions -------------------------------------------------------
+KUBE_VERSION="v1.32.13"   # k8s.io/kubernetes (kube-apiserver, kubectl)
+ETCD_VERSION="v3.5.35"    # go.etcd.io/etcd/server/v3 (kube 1.32 wants etcd >= 3.5.11)
+HELM_VERSION="v3.22.0"    # helm.sh/helm/v3
+# Bump when the build recipe (flags, layout) changes, to force a rebuild.
+RECIPE_REV="1"
+# ---------------------------------------------------------------------------
+
+CACHE_ROOT="${CASQUE_CACHE:-$HOME/.cache/casque}"
+KUBE_DIR="${CACHE_ROOT}/kube"
+BIN_DIR="${KUBE_DIR}/bin"
+STAMP_DIR="${BIN_DIR}/.stamps"
+SRC_DIR="${KUBE_DIR}/src"
+TOOLS=(kube-apiserver kubectl etcd helm)
+
+FORCE=0
+for arg in "$@"; do
+  case "${arg}" in
+    --force) FORCE=1 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "install-kube-tools: unknown argument: ${arg}" >&2; exit 2 ;;
+  esac
+done
+
+tool_version() {
+  case "$1" in
+    kube-apiserver|kubectl) echo "${KUBE_VERSION}" ;;
+    etcd) echo "${ETCD_VERSION}" ;;
+    helm) echo "${HELM_VERSION}" ;;
+  esac
+}
+
+expected_stamp() {
+  echo "$1 $(tool_version "$1") recipe=${RECIPE_REV}"
+}
+
+is_current() {
+  local tool="$1"
+  [[ -x "${BIN_DIR}/${tool}" && -f "${STAMP_DIR}/${tool}" ]] || return 1
+  [[ "$(<"${STAMP_DIR}/${tool}")" == "$(expected_stamp "${tool}")" ]]
+}
+
+report() {
+  local tool
+  for tool in "${TOOLS[@]}"; do
+    printf '%-15s %-9s %s\n' "${tool}" "$(tool_version "${tool}")" "${BIN_DIR}/${tool}"
+  done
+}
+
+missing_tools() {
+  local tool
+  for tool in "${TOOLS[@]}"; do
+    if [[ "${FORCE}" == 1 ]] || ! is_current "${tool}"; then
+      echo "${tool}"
+    fi
+  done
+}
+
+# Fast path: nothing to do (no Go invocation, no lock).
+if [[ -z "$(missing_tools)" ]]; then
+  report
+  exit 0
+fi
+
+mkdir -p "${BIN_DIR}" "${STAMP_DIR}" "${SRC_DIR}"
+
+# Serialise concurrent runs (e.g. several test sessions on a fresh machine).
+exec 9>"${KUBE_DIR}/.install.lock"
+if command -v flock >/dev/null 2>&1; then
+  flock 9
+fi
+
+# Another run may have finished the work while we waited for the lock.
+mapfile -t TODO < <(missing_tools)
+if [[ ${#TODO[@]} -eq 0 ]]; then
+  report
+  exit 0
+fi
+
+if ! command -v go >/dev/null 2>&1; then
+  echo "install-kube-tools: the Go toolchain ('go') is required but not on PATH" >&2
+  exit 1
+fi
+
+export CGO_ENABLED=0
+export GOWORK=off
+export GOFLAGS="-mod=mod"
+# GOTOOLCHAIN is left alone: with the default 'auto', an older local Go fetches
+# the toolchain a module asks for from the module proxy.
+
+log() { echo "install-kube-tools: $*" >&2; }
+
+wants() {
+  local t
+  for t in "${TODO[@]}"; do
+    [[ "${t}" == "$1" ]] && return 0
+  done
+  return 1
+}
+
+# Directory of a downloaded module in the module cache.
+module_dir() {
+  local dir
+  dir="$(go mod download -json "$1" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')"
+  if [[ -z "${dir}" || ! -d "${dir}" ]]; then
+    log "could not download module $1"
+    exit 1
+  fi
+  echo "${dir}"
+}
+
+# The 'go' directive of a module's go.mod (e.g. 1.23.0).
+go_directive() {
+  sed -n 's/^go \([0-9.]*\)[[:space:]]*$/\1/p' "$1/go.mod" | head -n1
+}
+
+# Write a throwaway main module into $1 with go directive $2; the rest of its go.mod
+# (requires, replaces) is read from stdin. There is deliberately no `go mod tidy`:
+# tidy also wants the modules used by the *tests* of every dependency, and some of
+# those (e.g. k8s.io/cri-client) are not on every proxy. `go build -mod=mod` records
+# exactly what the build needs, all of it pinned by the dependency's own go.mod.
+write_module() {
+  local dir="$1" godir="$2"
+  rm -rf "${dir}"
+  mkdir -p "${dir}"
+  {
+    echo "module casque.invalid/kubetools"
+    echo
+    echo "go ${godir}"
+    echo
+    echo "godebug default=go$(echo "${godir}" | cut -d. -f1,2)"
+    echo
+    cat
+  } >"${dir}/go.mod"
+}
+
+# Build packages $3... in module dir $1 with extra ldflags $2 and install them.
+build_into_bin() {
+  local dir="$1" ldflags="$2"
+  shift 2
+  local out
+  out="$(mktemp -d "${KUBE_DIR}/.build.XXXXXX")"
+  (cd "${dir}" && go build -trimpath -ldflags "-s -w ${ldflags}" -o "${out}/" "$@")
+  local pkg built name
+  for pkg in "$@"; do
+    case "${pkg}" in
+      # etcd's main package; go names the binary after the element before /v3.
+      go.etcd.io/etcd/server/v3) built="server" name="etcd" ;;
+      *) built="${pkg##*/}" name="${pkg##*/}" ;;
+    esac
+    mv -f "${out}/${built}" "${BIN_DIR}/${name}"
+    expected_stamp "${name}" >"${STAMP_DIR}/${name}"
+  done
+  rm -rf "${out}"
+}
+
+elapsed() { echo "$(( $(date +%s) - $1 ))s"; }
+
+START_ALL="$(date +%s)"
+log "building: ${TODO[*]} (go $(go env GOVERSION), cache ${KUBE_DIR})"
+
+# ---- etcd ------------------------------------------------------------------
+if wants etcd; then
+  t0="$(date +%s)"
+  etcd_src="$(module_dir "go.etcd.io/etcd/server/v3@${ETCD_VERSION}")"
+  etcd_v2="v2.30${ETCD_VERSION#v3.}"   # client/v2 is versioned v2.305.x for etcd v3.5.x
+  write_module "${SRC_DIR}/etcd" "$(go_directive "${etcd_src}")" <<EOF
+require (
+	go.etcd.io/etcd/api/v3 ${ETCD_VERSION}
+	go.etcd.io/etcd/client/pkg/v3 ${ETCD_VERSION}
+	go.etcd.io/etcd/client/v2 ${etcd_v2}
+	go.etcd.io/etcd/client/v3 ${ETCD_VERSION}
+	go.etcd.io/etcd/pkg/v3 ${ETCD_VERSION}
+	go.etcd.io/etcd/raft/v3 ${ETCD_VERSION}
+	go.etcd.io/etcd/server/v3 ${ETCD_VERSION}
+)
+EOF
+  build_into_bin "${SRC_DIR}/etcd" "" "go.etcd.io/etcd/server/v3"
+  log "etcd built in $(elapsed "${t0}")"
+fi
+
+# ---- kube-apiserver, kubectl ------------------------------------------------
+if wants kube-apiserver || wants kubectl; then
+  t0="$(date +%s)"
+  kube_src="$(module_dir "k8s.io/kubernetes@${KUBE_VERSION}")"
+  staging_version="v0.${KUBE_VERSION#v1.}"   # v1.32.13 -> v0.32.13
+  # Every k8s.io/* module that k8s.io/kubernetes replaces with ./staging/...
+  mapfile -t staging < <(sed -n 's#^[[:space:]]*\(k8s\.io/[^[:space:]]*\)[[:space:]]*=>[[:space:]]*\./staging/.*#\1#p' \
+    "${kube_src}/go.mod")
+  if [[ ${#staging[@]} -eq 0 ]]; then
+    log "found no staging replacements in ${kube_src}/go.mod"
+    exit 1
+  fi
+  pkgs=()
+  wants kube-apiserver && pkgs+=("k8s.io/kubernetes/cmd/kube-apiserver")
+  wants kubectl && pkgs+=("k8s.io/kubernetes/cmd/kubectl")
+  {
+    echo "require k8s.io/kubernetes ${KUBE_VERSION}"
+    echo
+    echo "replace ("
+    for m in "${staging[@]}"; do
+      echo "	${m} => ${m} ${staging_version}"
+    done
+    echo ")"
+  } | write_module "${SRC_DIR}/kubernetes" "$(go_directive "${kube_src}")"
+  minor="${KUBE_VERSION#v1.}"; minor="${minor%%.*}"
+  kube_ldflags=""
+  for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+    kube_ldflags+=" -X ${pkg}.gitVersion=${KUBE_VERSION}"
+    kube_ldflags+=" -X ${pkg}.gitMajor=1 -X ${pkg}.gitMinor=${minor}"
+    kube_ldflags+=" -X ${pkg}.gitTreeState=clean"
+  done
+  build_into_bin "${SRC_DIR}/kubernetes" "${kube_ldflags}" "${pkgs[@]}"
+  log "${pkgs[*]##*/} built in $(elapsed "${t0}")"
+fi
+
+# ---- helm --------------------------------------------------------------------
+if wants helm; then
+  t0="$(date +%s)"
+  helm_src="$(module_dir "helm.sh/helm/v3@${HELM_VERSION}")"
+  write_module "${SRC_DIR}/helm" "$(go_directive "${helm_src}")" <<EOF
+require helm.sh/helm/v3 ${HELM_VERSION}
+EOF
+  build_into_bin "${SRC_DIR}/helm" \
+    "-X helm.sh/helm/v3/internal/version.version=${HELM_VERSION} -X helm.sh/helm/v3/internal/version.gitTreeState=clean" \
+    "helm.sh/helm/v3/cmd/helm"
+  log "helm built in $(elapsed "${t0}")"
+fi
+
+# Sanity check: every binary runs and reports the pinned version.
+"${BIN_DIR}/etcd" --version | grep -q "etcd Version: ${ETCD_VERSION#v}" \
+  || { log "etcd does not report ${ETCD_VERSION}"; exit 1; }
+"${BIN_DIR}/kube-apiserver" --version | grep -q "${KUBE_VERSION}" \
+  || { log "kube-apiserver does not report ${KUBE_VERSION}"; exit 1; }
+"${BIN_DIR}/kubectl" version --client | grep -q "${KUBE_VERSION}" \
+  || { log "kubectl does not report ${KUBE_VERSION}"; exit 1; }
+"${BIN_DIR}/helm" version --short | grep -q "${HELM_VERSION}" \
+  || { log "helm does not report ${HELM_VERSION}"; exit 1; }
+
+log "done in $(elapsed "${START_ALL}")"
+report
