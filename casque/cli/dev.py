@@ -40,14 +40,30 @@ def install() -> None:
 
 @app.command()
 def up(
-    nodes: Annotated[int, typer.Option(min=1, max=3, help="Cassandra nodes: 1, or 3 for a ring on 127.0.0.1-3.")] = 1,
+    nodes: Annotated[int | None, typer.Option(min=1, max=3, help="Cassandra nodes: 1, or 3 for a ring on 127.0.0.1-3.")] = None,
     heap_mb: Annotated[int | None, typer.Option(min=512, help="Heap of each Cassandra node, in MiB.")] = None,
+    cql_port: Annotated[int | None, typer.Option(help="CQL port (default 9042).")] = None,
+    storage_port: Annotated[int | None, typer.Option(help="Cassandra inter-node port (default 7000).")] = None,
+    jmx_port: Annotated[int | None, typer.Option(help="JMX port of node 1; node N uses +100*(N-1) (default 7199).")] = None,
+    zookeeper_port: Annotated[int | None, typer.Option(help="ZooKeeper client port (default 2181).")] = None,
     state: StateOption = None,
 ) -> None:
-    """Start ZooKeeper and Cassandra (or find them running) and wait until both answer."""
+    """Start ZooKeeper and Cassandra (or find them running) and wait until both answer.
+
+    Settings not given are taken from the stack recorded in the state directory, if any.
+    """
     root = state or state_dir()
-    heap = heap_mb or (1536 if nodes == 1 else 1024)
-    stack = Stack(root=root, nodes=nodes, ports=StackPorts(), heap_mb=heap)
+    recorded = Stack.load(root)
+    base = recorded.ports if recorded else StackPorts()
+    ports = StackPorts(
+        native=cql_port or base.native,
+        storage=storage_port or base.storage,
+        jmx=jmx_port or base.jmx,
+        zookeeper=zookeeper_port or base.zookeeper,
+    )
+    node_count = nodes or (recorded.nodes if recorded else 1)
+    heap = heap_mb or (recorded.heap_mb if recorded and recorded.nodes == node_count else (1536 if node_count == 1 else 1024))
+    stack = Stack(root=root, nodes=node_count, ports=ports, heap_mb=heap)
     stack.up(report=lambda line: console.print(f"[dim]{line}[/dim]"))
     console.print(f"Cassandra: {', '.join(f'{a}:{stack.ports.native}' for a in stack.contact_points)} (CQL)")
     console.print(f"ZooKeeper: {stack.zookeeper_hosts}")

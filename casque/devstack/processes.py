@@ -65,6 +65,11 @@ def spawn(directory: Path, argv: Sequence[str], log_name: str) -> int:
             start_new_session=True,
         )
     (directory / "pid").write_text(f"{process.pid}\n")
+    # Until exec completes, /proc shows our own command line without the marker; wait for
+    # it so that running_pid() is true from here on while the server lives.
+    deadline = time.monotonic() + 10.0
+    while running_pid(directory) is None and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     return process.pid
 
 

@@ -125,7 +125,14 @@ class Stack:
         report("resolving Cassandra and ZooKeeper from Maven Central (cached after the first run)")
         artifacts.ensure_all()
         self._save()
+        try:
+            self._start_all(report)
+        except BaseException:
+            # Leave nothing half-started behind: the next `up` starts from a clean slate.
+            self.down()
+            raise
 
+    def _start_all(self, report: Report) -> None:
         zk = self.zookeeper()
         if zk.pid() is None:
             _require_free(zk.address, zk.client_port, "ZooKeeper")
@@ -148,6 +155,7 @@ class Stack:
             return
         _require_free(node.address, node.native_port, "Cassandra CQL")
         _require_free(node.address, node.storage_port, "Cassandra storage")
+        _require_free("127.0.0.1", node.jmx_port, "Cassandra JMX")
         report(f"starting Cassandra on {node.address}:{node.native_port}")
         node.start()
 

@@ -1,0 +1,3 @@
+from casque.cli.main import main
+
+main()

@@ -1,0 +1,53 @@
+"""Connection settings shared by every casque process, read from CASQUE_* environment variables."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+Consistency = Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM", "EACH_QUORUM", "ALL"]
+
+
+class ReplicationSettings(BaseSettings):
+    """The installation keyspace's replication. SimpleStrategy with factor 1 is for the local stack only."""
+
+    model_config = SettingsConfigDict(env_prefix="CASQUE_REPLICATION_")
+
+    strategy: Literal["SimpleStrategy", "NetworkTopologyStrategy"] = "SimpleStrategy"
+    factor: int = Field(default=1, ge=1, le=9)
+    # NetworkTopologyStrategy: datacenter name -> replicas, e.g. CASQUE_REPLICATION_DATACENTERS='{"dc1": 3}'
+    datacenters: dict[str, int] = Field(default_factory=dict)
+
+    def cql_map(self) -> str:
+        if self.strategy == "SimpleStrategy":
+            return f"{{'class': 'SimpleStrategy', 'replication_factor': {self.factor}}}"
+        if not self.datacenters:
+            raise ValueError("NetworkTopologyStrategy needs at least one datacenter")
+        dcs = ", ".join(f"'{dc}': {rf}" for dc, rf in sorted(self.datacenters.items()))
+        return f"{{'class': 'NetworkTopologyStrategy', {dcs}}}"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CASQUE_")
+
+    # Comma-separated in the environment: CASQUE_CASSANDRA_CONTACT_POINTS=10.0.0.1,10.0.0.2
+    cassandra_contact_points: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["127.0.0.1"])
+    cassandra_port: int = 9042
+    cassandra_username: str | None = None
+    cassandra_password: str | None = None
+    cassandra_local_dc: str | None = None
+    keyspace: str = Field(default="casque", pattern=r"^[a-z][a-z0-9_]{0,47}$")
+    consistency: Consistency = "LOCAL_QUORUM"
+    zookeeper_hosts: str = "127.0.0.1:2181"
+    # Every znode of the installation lives under this path (see casque.znodes).
+    zookeeper_root: str = Field(default="/casque", pattern=r"^(/[A-Za-z0-9_.-]+)+$")
+    replication: ReplicationSettings = Field(default_factory=ReplicationSettings)
+
+    @field_validator("cassandra_contact_points", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: object) -> object:
+        if isinstance(value, str) and not value.startswith("["):
+            return [host.strip() for host in value.split(",") if host.strip()]
+        return value

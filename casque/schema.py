@@ -1,0 +1,244 @@
+"""The Cassandra schema of casque: one keyspace per installation, one messages table per queue.
+
+The messages table is insert-only. A queue is an append-only log of numbered batches; a
+batch's rows share one partition `(shard, bucket)` with `bucket = batch // batches_per_bucket`,
+so partitions stay bounded and a batch can be claimed and written in one conditional
+single-partition batch. Data leaves only by TTL: the table's `default_time_to_live` is the
+queue's retention and TimeWindowCompactionStrategy groups rows by write time, so whole
+SSTables expire together and no read walks tombstones.
+
+This module is the only place that writes DDL; the operator, the sidecar, the CLI and the
+Spark jobs import the names from here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from casque.errors import InvalidSpec
+
+# Kubernetes object names for queues and subscribers: DNS labels.
+NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+# The header row of a batch has this seq; message rows count from 0.
+HEADER_SEQ = -1
+
+# A batch's rows, by design, never exceed this many bytes (one conditional write, one
+# mutation far below the commit log's limit), and a bucket holds this many batches:
+# the largest possible partition is their product (64 MiB).
+MAX_BATCH_BYTES = 512 * 1024
+BATCHES_PER_BUCKET = 128
+
+# Tombstones from TTL expiry are purged after this. Zero would disable hints for the table
+# (Cassandra keeps hints no longer than gc_grace_seconds), so keep the default hint window.
+GC_GRACE_SECONDS = 3 * 3600
+
+MIN_RETENTION_SECONDS = 60
+MAX_RETENTION_SECONDS = 10 * 365 * 86400
+TWCS_TARGET_WINDOWS = 24
+
+ACKS_TABLE = "acks"
+
+
+def validate_name(kind: str, name: str) -> str:
+    if not NAME_PATTERN.match(name):
+        raise InvalidSpec(
+            f"{kind} name {name!r} must be a DNS label: lowercase letters, digits and '-', at most 63"
+        )
+    return name
+
+
+@dataclass(frozen=True, order=True)
+class QueueRef:
+    """A queue's identity: the Kubernetes namespace and name of its Queue resource.
+
+    The local stack (no Kubernetes) uses the namespace "default".
+    """
+
+    namespace: str
+    name: str
+
+    def __post_init__(self) -> None:
+        validate_name("namespace", self.namespace)
+        validate_name("queue", self.name)
+
+    @classmethod
+    def parse(cls, text: str) -> QueueRef:
+        """`name` or `namespace/name`."""
+        namespace, _, name = text.rpartition("/")
+        return cls(namespace or "default", name)
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def key(self) -> str:
+        """The queue's key in shared tables."""
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def messages_table(self) -> str:
+        # Table names allow [a-zA-Z0-9_]{1,48}; the readable prefix may collide after
+        # truncation, the hash of the full identity does not.
+        digest = hashlib.sha256(self.key.encode()).hexdigest()[:10]
+        readable = self.name.replace("-", "_")[:30]
+        return f"m_{readable}_{digest}"
+
+
+def bucket_of(batch: int, batches_per_bucket: int = BATCHES_PER_BUCKET) -> int:
+    return batch // batches_per_bucket
+
+
+def validate_retention(seconds: int) -> int:
+    if not MIN_RETENTION_SECONDS <= seconds <= MAX_RETENTION_SECONDS:
+        raise InvalidSpec(
+            f"retention must be between {MIN_RETENTION_SECONDS}s and {MAX_RETENTION_SECONDS}s, got {seconds}s"
+        )
+    return seconds
+
+
+def twcs_window(retention_seconds: int) -> tuple[str, int]:
+    """The TWCS window for a retention: about 24 windows over the retention period.
+
+    Fewer, larger windows mean fewer SSTables to read; more windows mean expired data is
+    dropped sooner. Cassandra's guidance is 20 to 30 windows.
+    """
+    validate_retention(retention_seconds)
+    window = retention_seconds / TWCS_TARGET_WINDOWS
+    if window < 3600:
+        return "MINUTES", max(1, math.ceil(window / 60))
+    if window < 86400:
+        return "HOURS", math.ceil(window / 3600)
+    return "DAYS", math.ceil(window / 86400)
+
+
+def _compaction(retention_seconds: int) -> str:
+    unit, size = twcs_window(retention_seconds)
+    # unchecked_tombstone_compaction lets a fully expired SSTable be dropped even when it
+    # overlaps older ones.
+    return (
+        "{'class': 'TimeWindowCompactionStrategy', "
+        f"'compaction_window_unit': '{unit}', 'compaction_window_size': {size}, "
+        "'unchecked_tombstone_compaction': 'true'}"
+    )
+
+
+def keyspace_ddl(keyspace: str, replication_cql: str) -> str:
+    return f"CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = {replication_cql}"
+
+
+def messages_table_ddl(keyspace: str, queue: QueueRef, retention_seconds: int) -> str:
+    return f"""CREATE TABLE IF NOT EXISTS {keyspace}.{queue.messages_table} (
+    shard int,
+    bucket bigint,
+    batch_no bigint,
+    seq int,
+    message_id text,
+    published_at timestamp,
+    key text,
+    attributes map<text, text>,
+    payload blob,
+    content_type text,
+    client_id text,
+    expires_at timestamp,
+    writer text,
+    message_count int,
+    PRIMARY KEY ((shard, bucket), batch_no, seq)
+) WITH CLUSTERING ORDER BY (batch_no ASC, seq ASC)
+  AND default_time_to_live = {validate_retention(retention_seconds)}
+  AND gc_grace_seconds = {GC_GRACE_SECONDS}
+  AND compaction = {_compaction(retention_seconds)}
+  AND comment = 'casque queue {queue.key}'"""
+
+
+def alter_retention_ddl(keyspace: str, queue: QueueRef, retention_seconds: int) -> str:
+    """New retention applies to rows written from now on; existing rows keep their TTL."""
+    return (
+        f"ALTER TABLE {keyspace}.{queue.messages_table} WITH default_time_to_live = "
+        f"{validate_retention(retention_seconds)} AND compaction = {_compaction(retention_seconds)}"
+    )
+
+
+def drop_messages_table_ddl(keyspace: str, queue: QueueRef) -> str:
+    """Used only by the Delete deletion policy of a Queue: the table goes whole, never row by row."""
+    return f"DROP TABLE IF EXISTS {keyspace}.{queue.messages_table}"
+
+
+def shared_tables_ddl(keyspace: str) -> list[str]:
+    """Tables shared by all queues of the installation. Rows carry their own TTL."""
+    return [
+        # Acks of messages in batches that are not complete yet, so that a new lease
+        # holder skips them. Written once per message, never updated or deleted; the
+        # row's TTL is the queue's retention. `outcome` is 'ack' or 'dead' (dead-lettered).
+        f"""CREATE TABLE IF NOT EXISTS {keyspace}.{ACKS_TABLE} (
+    queue text,
+    subscriber text,
+    shard int,
+    bucket bigint,
+    batch_no bigint,
+    seq int,
+    outcome text,
+    acked_at timestamp,
+    PRIMARY KEY ((queue, subscriber, shard, bucket), batch_no, seq)
+) WITH CLUSTERING ORDER BY (batch_no ASC, seq ASC)
+  AND gc_grace_seconds = {GC_GRACE_SECONDS}
+  AND compaction = {_compaction(7 * 86400)}""",
+    ]
+
+
+@dataclass(frozen=True)
+class TableOptions:
+    """What Cassandra reports of a messages table, to compare with the wanted state."""
+
+    exists: bool
+    default_time_to_live: int = 0
+    compaction: dict[str, str] | None = None
+
+
+def ensure_keyspace(session: Any, keyspace: str, replication_cql: str) -> None:
+    session.execute(keyspace_ddl(keyspace, replication_cql))
+    for ddl in shared_tables_ddl(keyspace):
+        session.execute(ddl)
+
+
+def ensure_queue_table(session: Any, keyspace: str, queue: QueueRef, retention_seconds: int) -> bool:
+    """Create the queue's table, or change its retention if it differs. Returns whether anything changed."""
+    current = read_table_options(session, keyspace, queue)
+    if not current.exists:
+        session.execute(messages_table_ddl(keyspace, queue, retention_seconds))
+        return True
+    unit, size = twcs_window(retention_seconds)
+    compaction = current.compaction or {}
+    if (
+        current.default_time_to_live != retention_seconds
+        or compaction.get("compaction_window_unit") != unit
+        or compaction.get("compaction_window_size") != str(size)
+    ):
+        session.execute(alter_retention_ddl(keyspace, queue, retention_seconds))
+        return True
+    return False
+
+
+def read_table_options(session: Any, keyspace: str, queue: QueueRef) -> TableOptions:
+    row = session.execute(
+        "SELECT default_time_to_live, compaction FROM system_schema.tables "
+        "WHERE keyspace_name = %s AND table_name = %s",
+        (keyspace, queue.messages_table),
+    ).one()
+    if row is None:
+        return TableOptions(exists=False)
+    return TableOptions(
+        exists=True, default_time_to_live=int(row.default_time_to_live), compaction=dict(row.compaction)
+    )
+
+
+def count_queue_tables(session: Any, keyspace: str) -> int:
+    """Tables in the keyspace; Cassandra slows down past a few hundred, so the operator warns near 200."""
+    rows = session.execute(
+        "SELECT table_name FROM system_schema.tables WHERE keyspace_name = %s", (keyspace,)
+    )
+    return sum(1 for row in rows if row.table_name.startswith("m_"))

@@ -1,0 +1,91 @@
+"""Every ZooKeeper path casque uses, named once.
+
+    {root}/queues/{namespace}/{queue}                         queue config (JSON)
+    {root}/queues/{namespace}/{queue}/shards/{shard}/head     published watermark: every batch <= head exists
+    {root}/queues/{namespace}/{queue}/subscribers/{sub}       subscriber config (JSON)
+        .../subscribers/{sub}/offsets/{shard}                 every message in batches < offset is done
+        .../subscribers/{sub}/members/{member}                ephemeral: a live consumer (sidecar)
+        .../subscribers/{sub}/leases/{shard}                  ephemeral: the member consuming the shard
+        .../subscribers/{sub}/seek                            the latest seek request (JSON)
+    {root}/queues/{namespace}/{queue}/mover                   election of the delayed-message mover
+
+Offsets and heads are decimal integers in the znode data, written with the znode version
+as compare-and-set, so that they only move forward unless a seek says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from casque.schema import QueueRef, validate_name
+
+
+@dataclass(frozen=True)
+class QueuePaths:
+    root: str
+    queue: QueueRef
+
+    @property
+    def base(self) -> str:
+        return f"{self.root}/queues/{self.queue.namespace}/{self.queue.name}"
+
+    @property
+    def shards(self) -> str:
+        return f"{self.base}/shards"
+
+    def head(self, shard: int) -> str:
+        return f"{self.shards}/{shard}/head"
+
+    @property
+    def subscribers(self) -> str:
+        return f"{self.base}/subscribers"
+
+    def subscriber(self, name: str) -> SubscriberPaths:
+        return SubscriberPaths(self, validate_name("subscriber", name))
+
+    @property
+    def mover(self) -> str:
+        return f"{self.base}/mover"
+
+
+@dataclass(frozen=True)
+class SubscriberPaths:
+    queue: QueuePaths
+    name: str
+
+    @property
+    def base(self) -> str:
+        return f"{self.queue.subscribers}/{self.name}"
+
+    @property
+    def offsets(self) -> str:
+        return f"{self.base}/offsets"
+
+    def offset(self, shard: int) -> str:
+        return f"{self.offsets}/{shard}"
+
+    @property
+    def members(self) -> str:
+        return f"{self.base}/members"
+
+    def member(self, member_id: str) -> str:
+        return f"{self.members}/{member_id}"
+
+    @property
+    def leases(self) -> str:
+        return f"{self.base}/leases"
+
+    def lease(self, shard: int) -> str:
+        return f"{self.leases}/{shard}"
+
+    @property
+    def seek(self) -> str:
+        return f"{self.base}/seek"
+
+
+def queue_paths(root: str, queue: QueueRef) -> QueuePaths:
+    return QueuePaths(root.rstrip("/"), queue)
+
+
+def queues_root(root: str) -> str:
+    return f"{root.rstrip('/')}/queues"
