@@ -25,3 +25,33 @@ class BackendUnavailable(CasqueError):
     """Cassandra or ZooKeeper did not answer in time; the caller may retry."""
 
     code = "backend_unavailable"
+
+
+class QueueNotFound(CasqueError):
+    code = "queue_not_found"
+
+
+class SubscriberNotFound(CasqueError):
+    code = "subscriber_not_found"
+
+
+class InvalidChange(InvalidSpec):
+    """An update that would break existing data, such as fewer shards."""
+
+    code = "invalid_change"
+
+
+class StaleReceipt(CasqueError):
+    """The receipt is not the message's current delivery: it expired, was redelivered or moved."""
+
+    code = "stale_receipt"
+
+
+class MessageTooLarge(CasqueError):
+    code = "message_too_large"
+
+
+class PositionOutOfRange(CasqueError):
+    """A seek target older than retention or beyond the head."""
+
+    code = "position_out_of_range"

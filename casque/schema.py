@@ -27,11 +27,12 @@ NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # The header row of a batch has this seq; message rows count from 0.
 HEADER_SEQ = -1
 
-# A batch's rows, by design, never exceed this many bytes (one conditional write, one
-# mutation far below the commit log's limit), and a bucket holds this many batches:
-# the largest possible partition is their product (64 MiB).
-MAX_BATCH_BYTES = 512 * 1024
-BATCHES_PER_BUCKET = 128
+# A batch's rows stay under this many bytes (one conditional write, one mutation far below
+# the commit log's limit) unless a single message is larger, and a bucket holds this many
+# batches: the largest partition is about their product (64 MiB). Fixed for all queues,
+# because readers compute buckets from batch numbers.
+MAX_BATCH_BYTES = 1024 * 1024
+BATCHES_PER_BUCKET = 64
 
 # Tombstones from TTL expiry are purged after this. Zero would disable hints for the table
 # (Cassandra keeps hints no longer than gc_grace_seconds), so keep the default hint window.

@@ -11,10 +11,12 @@ from casque.schema import (
     read_table_options,
 )
 
+REPLICATION = "{'class': 'SimpleStrategy', 'replication_factor': 1}"
+
 
 def test_queue_table_create_is_idempotent_and_alter_changes_retention(cql: Session, keyspace: str) -> None:
     queue = QueueRef("default", "orders")
-    ensure_keyspace(cql, keyspace, "{'class': 'SimpleStrategy', 'replication_factor': 1}")
+    ensure_keyspace(cql, keyspace, REPLICATION)
     assert ensure_queue_table(cql, keyspace, queue, 86400) is True
     assert ensure_queue_table(cql, keyspace, queue, 86400) is False
 
@@ -33,7 +35,7 @@ def test_queue_table_create_is_idempotent_and_alter_changes_retention(cql: Sessi
 
 def test_rows_get_the_table_ttl(cql: Session, keyspace: str) -> None:
     queue = QueueRef("default", "ttl")
-    ensure_keyspace(cql, keyspace, "{'class': 'SimpleStrategy', 'replication_factor': 1}")
+    ensure_keyspace(cql, keyspace, REPLICATION)
     ensure_queue_table(cql, keyspace, queue, 3600)
     cql.execute(
         f"INSERT INTO {keyspace}.{queue.messages_table} (shard, bucket, batch_no, seq, payload) "

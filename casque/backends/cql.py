@@ -1,0 +1,85 @@
+"""Cassandra access for asyncio code: a session from Settings and awaitable statements.
+
+The driver runs its I/O on its own threads; `execute` bridges a ResponseFuture into the
+running event loop without blocking it. Driver errors are mapped once, here, to casque's
+own errors (a timeout or an unavailable replica set is `BackendUnavailable`: retryable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from cassandra import ConsistencyLevel, OperationTimedOut, ReadTimeout, Unavailable, WriteTimeout
+from cassandra.auth import PlainTextAuthProvider
+from cassandra.cluster import Cluster, ExecutionProfile, EXEC_PROFILE_DEFAULT, NoHostAvailable, Session
+from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
+from cassandra.query import Statement
+
+from casque.config import Settings
+from casque.errors import BackendUnavailable
+
+RETRYABLE = (WriteTimeout, ReadTimeout, Unavailable, OperationTimedOut, NoHostAvailable)
+
+
+def consistency(name: str) -> int:
+    return int(getattr(ConsistencyLevel, name))
+
+
+def serial_consistency(name: str) -> int:
+    """The Paxos consistency that matches a write consistency (local for LOCAL_*)."""
+    return ConsistencyLevel.LOCAL_SERIAL if name.startswith("LOCAL_") else ConsistencyLevel.SERIAL
+
+
+def connect(settings: Settings) -> tuple[Cluster, Session]:
+    auth = None
+    if settings.cassandra_username:
+        auth = PlainTextAuthProvider(settings.cassandra_username, settings.cassandra_password or "")
+    profile = ExecutionProfile(
+        load_balancing_policy=TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=settings.cassandra_local_dc)),
+        consistency_level=consistency(settings.consistency),
+        request_timeout=10.0,
+    )
+    cluster = Cluster(
+        settings.cassandra_contact_points,
+        port=settings.cassandra_port,
+        auth_provider=auth,
+        execution_profiles={EXEC_PROFILE_DEFAULT: profile},
+        protocol_version=5,
+    )
+    try:
+        session = cluster.connect()
+    except NoHostAvailable as error:
+        cluster.shutdown()
+        raise BackendUnavailable(f"Cassandra at {settings.cassandra_contact_points} is unreachable: {error}") from error
+    return cluster, session
+
+
+async def execute(session: Session, statement: str | Statement, params: Sequence[Any] | None = None) -> Any:
+    """Run a statement without blocking the loop; returns the driver's ResultSet."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+    response = session.execute_async(statement, params)
+
+    def on_result(_: Any) -> None:
+        loop.call_soon_threadsafe(_settle, done, response, None)
+
+    def on_error(error: BaseException) -> None:
+        loop.call_soon_threadsafe(_settle, done, response, error)
+
+    response.add_callbacks(on_result, on_error)
+    try:
+        return await done
+    except RETRYABLE as error:
+        raise BackendUnavailable(f"Cassandra: {type(error).__name__}: {error}") from error
+
+
+def _settle(done: asyncio.Future[Any], response: Any, error: BaseException | None) -> None:
+    if done.cancelled():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        # The ResultSet (not only the first page) so callers can read `was_applied` and paging state.
+        done.set_result(response.result())

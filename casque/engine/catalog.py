@@ -1,0 +1,205 @@
+"""Creating, changing and removing queues and subscribers in Cassandra and ZooKeeper.
+
+These are the reconcile actions of the operator and of `casque apply`: plain, idempotent
+functions of (wanted spec, current state). Applying the same spec twice changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from casque.engine import positions
+from casque.errors import InvalidChange, QueueNotFound, SubscriberNotFound
+from casque.schema import (
+    QueueRef,
+    count_queue_tables,
+    drop_messages_table_ddl,
+    ensure_keyspace,
+    ensure_queue_table,
+    validate_name,
+)
+from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState
+from casque.store import Store
+
+# Cassandra's memory use grows with the number of tables; warn well before it hurts.
+TABLE_COUNT_WARNING = 200
+
+
+@dataclass
+class Changes:
+    """What an apply did, for status messages and events."""
+
+    actions: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.actions)
+
+
+def ensure_installation(store: Store) -> None:
+    """The keyspace, the shared tables and the root znodes."""
+    ensure_keyspace(store.session, store.keyspace, store.replication_cql)
+    store.zk.ensure_path(f"{store.zk_root}/queues")
+
+
+def read_int(store: Store, path: str) -> int:
+    data, _ = store.zk.get(path)
+    return int(data.decode() or 0)
+
+
+def read_queue(store: Store, queue: QueueRef) -> QueueState:
+    try:
+        data, _ = store.zk.get(store.paths(queue).base)
+    except NoNodeError as missing:
+        raise QueueNotFound(f"queue {queue} does not exist") from missing
+    if not data:  # created by a path of a child, or an apply that stopped half-way
+        raise QueueNotFound(f"queue {queue} does not exist")
+    return QueueState.model_validate_json(data)
+
+
+def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
+    changes = Changes()
+    paths = store.paths(queue)
+    try:
+        current: QueueState | None = read_queue(store, queue)
+    except QueueNotFound:
+        current = None
+    if current is not None and spec.shards < current.spec.shards:
+        raise InvalidChange(
+            f"queue {queue} has {current.spec.shards} shards; shards can be added, never removed"
+        )
+    if ensure_queue_table(store.session, store.keyspace, queue, spec.retention_seconds):
+        changes.actions.append(
+            f"table {queue.messages_table} {'created' if current is None else 'retention set'}"
+            f" ({spec.retention_seconds}s)"
+        )
+    state = QueueState(spec=spec, created_at=current.created_at if current else datetime.now(timezone.utc))
+    payload = state.model_dump_json().encode()
+    if current is None:
+        store.zk.ensure_path(paths.subscribers)
+        try:
+            store.zk.set(paths.base, payload)
+        except NoNodeError:
+            store.zk.create(paths.base, payload, makepath=True)
+        changes.actions.append("queue znode created")
+    elif current != state:
+        store.zk.set(paths.base, payload)
+        changes.actions.append("queue spec updated")
+    old_shards = current.spec.shards if current else 0
+    for shard in range(spec.shards):
+        if _create_if_absent(store, paths.head(shard), b"0") and shard >= old_shards and current is not None:
+            changes.actions.append(f"shard {shard} added")
+    # Subscribers read new shards from their first batch.
+    for name in list_subscribers(store, queue):
+        for shard in range(spec.shards):
+            _create_if_absent(store, paths.subscriber(name).offset(shard), b"1")
+    tables = count_queue_tables(store.session, store.keyspace)
+    if tables >= TABLE_COUNT_WARNING:
+        changes.warnings.append(
+            f"keyspace {store.keyspace} holds {tables} queue tables; Cassandra slows down past a few hundred"
+        )
+    return changes
+
+
+def delete_queue(store: Store, queue: QueueRef, policy: str) -> Changes:
+    """Delete drops the table and the znodes; Retain keeps both, so re-creating the queue finds its data."""
+    changes = Changes()
+    if policy != "Delete":
+        changes.actions.append("retained table and znodes")
+        return changes
+    store.session.execute(drop_messages_table_ddl(store.keyspace, queue))
+    store.zk.delete(store.paths(queue).base, recursive=True)
+    changes.actions.append(f"dropped table {queue.messages_table} and removed znodes")
+    return changes
+
+
+def list_queues(store: Store, namespace: str | None = None) -> list[QueueRef]:
+    root = f"{store.zk_root}/queues"
+    namespaces = [namespace] if namespace else _children(store, root)
+    return sorted(QueueRef(ns, name) for ns in namespaces for name in _children(store, f"{root}/{ns}"))
+
+
+def list_subscribers(store: Store, queue: QueueRef) -> list[str]:
+    return sorted(_children(store, store.paths(queue).subscribers))
+
+
+def read_subscriber(store: Store, queue: QueueRef, name: str) -> SubscriberState:
+    try:
+        data, _ = store.zk.get(store.paths(queue).subscriber(name).base)
+    except NoNodeError as missing:
+        raise SubscriberNotFound(f"subscriber {name} of queue {queue} does not exist") from missing
+    return SubscriberState.model_validate_json(data)
+
+
+def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberSpec) -> Changes:
+    """Create the subscriber (offsets set from its start position) or update its settings.
+
+    The start position applies once, at creation; moving an existing subscriber is a seek.
+    """
+    validate_name("subscriber", name)
+    if spec.queue != queue.name:
+        raise InvalidChange(f"subscriber {name} names queue {spec.queue}, not {queue.name}")
+    queue_state = read_queue(store, queue)
+    changes = Changes()
+    paths = store.paths(queue).subscriber(name)
+    try:
+        current: SubscriberState | None = read_subscriber(store, queue, name)
+    except SubscriberNotFound:
+        current = None
+    if current is None:
+        for shard in range(queue_state.spec.shards):
+            head = read_int(store, store.paths(queue).head(shard))
+            offset = start_offset(store, queue, shard, head, spec)
+            _create_if_absent(store, paths.offset(shard), str(offset).encode())
+        state = SubscriberState(spec=spec, created_at=datetime.now(timezone.utc))
+        store.zk.ensure_path(paths.members)
+        store.zk.ensure_path(paths.leases)
+        store.zk.set(paths.base, state.model_dump_json().encode())
+        changes.actions.append(f"subscriber created at {_describe(spec.start_position)}")
+    elif current.spec != spec:
+        store.zk.set(paths.base, SubscriberState(spec=spec, created_at=current.created_at).model_dump_json().encode())
+        changes.actions.append("subscriber spec updated")
+    return changes
+
+
+def delete_subscriber(store: Store, queue: QueueRef, name: str) -> Changes:
+    """A subscriber's state lives only in ZooKeeper (and TTL'd ack rows), so deleting it is always safe."""
+    path = store.paths(queue).subscriber(name).base
+    try:
+        store.zk.delete(path, recursive=True)
+    except NoNodeError:
+        return Changes()
+    return Changes(actions=[f"subscriber {name} removed"])
+
+
+def start_offset(store: Store, queue: QueueRef, shard: int, head: int, spec: SubscriberSpec) -> int:
+    position = spec.start_position
+    if position == "latest":
+        return head + 1
+    if position == "earliest":
+        return positions.earliest_batch(store, queue, shard, head)
+    assert isinstance(position, datetime)
+    return positions.batch_at_time(store, queue, shard, head, position)
+
+
+def _describe(position: object) -> str:
+    return position.isoformat() if isinstance(position, datetime) else str(position)
+
+
+def _children(store: Store, path: str) -> list[str]:
+    try:
+        return list(store.zk.get_children(path))
+    except NoNodeError:
+        return []
+
+
+def _create_if_absent(store: Store, path: str, value: bytes) -> bool:
+    try:
+        store.zk.create(path, value, makepath=True)
+        return True
+    except NodeExistsError:
+        return False

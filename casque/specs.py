@@ -1,0 +1,115 @@
+"""What a Queue and a Subscriber are: the specs users declare (as custom resources or files).
+
+The same models validate a CR's spec in the operator, a file given to `casque apply`, and the
+JSON kept in the queue's and subscriber's znodes. Durations are written as `30s`, `15m`,
+`12h`, `7d` (or plain seconds).
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from casque.schema import MAX_RETENTION_SECONDS, MIN_RETENTION_SECONDS, NAME_PATTERN
+
+_DURATION = re.compile(r"^(\d+)(s|m|h|d)?$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+MAX_SHARDS = 256
+MAX_PRIORITIES = 10
+# A message is at most this many bytes (payload + key + attributes); a batch always holds at
+# least one message, so this also bounds a single-message batch.
+MAX_MESSAGE_BYTES_LIMIT = 1024 * 1024
+StartPosition = Literal["earliest", "latest"] | datetime
+
+
+def parse_duration(value: object) -> int:
+    """Seconds in `value`: an int, or a string such as '90s', '15m', '12h', '7d'."""
+    if isinstance(value, bool):
+        raise ValueError("a duration is a number of seconds or a string like '15m'")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value.strip())
+        if match:
+            return int(match.group(1)) * _UNIT_SECONDS[match.group(2) or "s"]
+    raise ValueError(f"invalid duration {value!r}: use seconds or a number with s, m, h or d")
+
+
+def format_duration(seconds: int) -> str:
+    for unit in ("d", "h", "m"):
+        if seconds and seconds % _UNIT_SECONDS[unit] == 0:
+            return f"{seconds // _UNIT_SECONDS[unit]}{unit}"
+    return f"{seconds}s"
+
+
+class _Spec(BaseModel):
+    # camelCase on the wire (Kubernetes style), snake_case in Python.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class QueueSpec(_Spec):
+    shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] = 4
+    retention_seconds: Annotated[
+        int, Field(ge=MIN_RETENTION_SECONDS, le=MAX_RETENTION_SECONDS, alias="retention")
+    ] = 7 * 86400
+    max_message_bytes: Annotated[int, Field(ge=1024, le=MAX_MESSAGE_BYTES_LIMIT)] = 256 * 1024
+    priorities: Annotated[int, Field(ge=1, le=MAX_PRIORITIES)] = 1
+    default_delay_seconds: Annotated[int, Field(ge=0, alias="defaultDelay")] = 0
+    consistency: Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM", "EACH_QUORUM", "ALL"] = "LOCAL_QUORUM"
+    deletion_policy: Literal["Retain", "Delete"] = "Retain"
+
+    @field_validator("retention_seconds", "default_delay_seconds", mode="before")
+    @classmethod
+    def _durations(cls, value: object) -> int:
+        return parse_duration(value)
+
+    @model_validator(mode="after")
+    def _delay_within_retention(self) -> QueueSpec:
+        if self.default_delay_seconds >= self.retention_seconds:
+            raise ValueError("defaultDelay must be shorter than retention")
+        return self
+
+
+class SubscriberSpec(_Spec):
+    queue: Annotated[str, Field(pattern=NAME_PATTERN.pattern)]
+    start_position: StartPosition = "latest"
+    visibility_timeout_seconds: Annotated[int, Field(ge=1, le=12 * 3600, alias="visibilityTimeout")] = 30
+    max_deliveries: Annotated[int, Field(ge=0, le=1000)] = 10
+    dead_letter_queue: Annotated[str | None, Field(pattern=NAME_PATTERN.pattern)] = None
+    push_url: str | None = None
+
+    @field_validator("visibility_timeout_seconds", mode="before")
+    @classmethod
+    def _durations(cls, value: object) -> int:
+        return parse_duration(value)
+
+    @model_validator(mode="after")
+    def _dead_letter_elsewhere(self) -> SubscriberSpec:
+        if self.dead_letter_queue is not None and self.dead_letter_queue == self.queue:
+            raise ValueError("deadLetterQueue must be another queue than the subscriber's own")
+        return self
+
+
+class QueueState(BaseModel):
+    """A queue's znode data: its spec plus what is fixed when the queue is created."""
+
+    model_config = ConfigDict(frozen=True)
+
+    spec: QueueSpec
+    created_at: datetime
+
+
+class SubscriberState(BaseModel):
+    """A subscriber's znode data."""
+
+    model_config = ConfigDict(frozen=True)
+
+    spec: SubscriberSpec
+    created_at: datetime

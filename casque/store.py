@@ -1,0 +1,57 @@
+"""The connections every casque component works through: a Cassandra session and a ZooKeeper client.
+
+A `Store` also knows where this installation lives (keyspace, znode root). Components
+receive a Store instead of building their own clients, so a test or a process opens the
+backends once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cassandra.cluster import Cluster, Session
+from kazoo.client import KazooClient
+
+from casque.backends import cql, zk
+from casque.config import Settings
+from casque.schema import QueueRef
+from casque.znodes import QueuePaths, queue_paths
+
+
+@dataclass
+class Store:
+    session: Session
+    zk: KazooClient
+    keyspace: str
+    zk_root: str
+    replication_cql: str
+    cluster: Cluster | None = None
+
+    @classmethod
+    def open(cls, settings: Settings) -> Store:
+        cluster, session = cql.connect(settings)
+        try:
+            client = zk.connect(settings)
+        except Exception:
+            cluster.shutdown()
+            raise
+        return cls(
+            session=session,
+            zk=client,
+            keyspace=settings.keyspace,
+            zk_root=settings.zookeeper_root,
+            replication_cql=settings.replication.cql_map(),
+            cluster=cluster,
+        )
+
+    def paths(self, queue: QueueRef) -> QueuePaths:
+        return queue_paths(self.zk_root, queue)
+
+    def table(self, queue: QueueRef) -> str:
+        return f"{self.keyspace}.{queue.messages_table}"
+
+    def close(self) -> None:
+        self.zk.stop()
+        self.zk.close()
+        if self.cluster is not None:
+            self.cluster.shutdown()
