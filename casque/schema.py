@@ -43,6 +43,7 @@ MAX_RETENTION_SECONDS = 10 * 365 * 86400
 TWCS_TARGET_WINDOWS = 24
 
 ACKS_TABLE = "acks"
+PUBLISH_IDS_TABLE = "publish_ids"
 
 
 def validate_name(kind: str, name: str) -> str:
@@ -148,6 +149,8 @@ def messages_table_ddl(keyspace: str, queue: QueueRef, retention_seconds: int) -
     expires_at timestamp,
     writer text,
     message_count int,
+    total_messages bigint,
+    total_bytes bigint,
     PRIMARY KEY ((shard, bucket), batch_no, seq)
 ) WITH CLUSTERING ORDER BY (batch_no ASC, seq ASC)
   AND default_time_to_live = {validate_retention(retention_seconds)}
@@ -172,22 +175,38 @@ def drop_messages_table_ddl(keyspace: str, queue: QueueRef) -> str:
 def shared_tables_ddl(keyspace: str) -> list[str]:
     """Tables shared by all queues of the installation. Rows carry their own TTL."""
     return [
-        # Acks of messages in batches that are not complete yet, so that a new lease
-        # holder skips them. Written once per message, never updated or deleted; the
-        # row's TTL is the queue's retention. `outcome` is 'ack' or 'dead' (dead-lettered).
+        # What a subscriber has done with messages of batches that are not complete yet,
+        # so that a new lease holder skips acked messages and keeps delivery counts.
+        # Written once per event, never deleted; the row's TTL is the queue's retention.
+        # `epoch` changes with every seek, so a replay does not see the acks of the
+        # previous pass. `outcome` is 'ack' or 'dead' (dead-lettered); `deliveries` is
+        # the count at the last redelivery.
         f"""CREATE TABLE IF NOT EXISTS {keyspace}.{ACKS_TABLE} (
     queue text,
     subscriber text,
+    epoch int,
     shard int,
     bucket bigint,
     batch_no bigint,
     seq int,
     outcome text,
-    acked_at timestamp,
-    PRIMARY KEY ((queue, subscriber, shard, bucket), batch_no, seq)
+    deliveries int,
+    PRIMARY KEY ((queue, subscriber, epoch, shard, bucket), batch_no, seq)
 ) WITH CLUSTERING ORDER BY (batch_no ASC, seq ASC)
   AND gc_grace_seconds = {GC_GRACE_SECONDS}
   AND compaction = {_compaction(7 * 86400)}""",
+        # Client message ids of recent publishes, for idempotent publish; rows expire
+        # after the deduplication window.
+        f"""CREATE TABLE IF NOT EXISTS {keyspace}.{PUBLISH_IDS_TABLE} (
+    queue text,
+    client_id text,
+    message_id text,
+    shard int,
+    batch_no bigint,
+    seq int,
+    PRIMARY KEY ((queue, client_id))
+) WITH gc_grace_seconds = {GC_GRACE_SECONDS}
+  AND compaction = {_compaction(86400)}""",
     ]
 
 

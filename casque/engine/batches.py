@@ -1,0 +1,195 @@
+"""Reading and writing a queue's log of numbered batches in Cassandra.
+
+A batch is claimed and written in one step: a conditional single-partition batch whose
+header row (seq -1) is inserted IF NOT EXISTS together with every message row. Cassandra
+applies it whole or not at all, so whoever wins batch N owns it entirely and a loser's rows
+never exist: two writers can never merge into one batch, and no crash can leave a claimed
+batch half written.
+
+Publishers only ever claim N after learning that N-1 exists (they wrote it, or lost it to
+someone else), so a shard's batches are contiguous: a reader that finds N knows 1..N-1
+exist or have expired, and a reader that does not find N knows nobody has it yet.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from cassandra.query import BatchStatement, BatchType, PreparedStatement
+
+from casque.backends import cql
+from casque.engine.messages import OutgoingMessage, Position, StoredMessage
+from casque.schema import HEADER_SEQ, QueueRef, bucket_of
+from casque.store import Store
+
+# Rows fetched per read of a shard; a read never ends inside a batch it returns.
+READ_ROWS = 2000
+
+
+@dataclass(frozen=True)
+class Header:
+    batch: int
+    published_at: datetime | None
+    writer: str | None
+    message_count: int
+    total_messages: int | None
+    total_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The outcome of one attempt to write batch N: ours, or someone else's (whose header we got)."""
+
+    applied: bool
+    header: Header | None
+
+
+@dataclass(frozen=True)
+class Batch:
+    header: Header
+    messages: list[StoredMessage]
+
+
+class Log:
+    """Prepared statements for one queue's messages table."""
+
+    def __init__(self, store: Store, queue: QueueRef, consistency: str) -> None:
+        self.store = store
+        self.queue = queue
+        self.consistency = cql.consistency(consistency)
+        self.serial_consistency = cql.serial_consistency(consistency)
+        table = store.table(queue)
+        prepare = store.session.prepare
+        self._insert_header: PreparedStatement = prepare(
+            f"INSERT INTO {table} (shard, bucket, batch_no, seq, published_at, writer, message_count, "
+            "total_messages, total_bytes) VALUES (?, ?, ?, -1, ?, ?, ?, ?, ?) IF NOT EXISTS"
+        )
+        columns = ("shard, bucket, batch_no, seq, message_id, published_at, key, attributes, payload, "
+                   "content_type, client_id, expires_at")
+        self._insert_message = prepare(
+            f"INSERT INTO {table} ({columns}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        )
+        self._insert_message_ttl = prepare(
+            f"INSERT INTO {table} ({columns}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ?"
+        )
+        self._read_header = prepare(
+            f"SELECT batch_no, published_at, writer, message_count, total_messages, total_bytes FROM {table} "
+            "WHERE shard = ? AND bucket = ? AND batch_no = ? AND seq = -1"
+        )
+        self._read_header.consistency_level = self.consistency
+        self._read_header_serial = prepare(self._read_header.query_string)
+        self._read_header_serial.consistency_level = self.serial_consistency
+        self._read_from = prepare(
+            f"SELECT * FROM {table} WHERE shard = ? AND bucket = ? AND batch_no >= ? LIMIT {READ_ROWS}"
+        )
+        self._read_from.consistency_level = self.consistency
+
+    async def claim(
+        self,
+        shard: int,
+        batch: int,
+        messages: Sequence[tuple[str, OutgoingMessage]],
+        writer: str,
+        totals: tuple[int, int] | None,
+        now: datetime | None = None,
+    ) -> Claim:
+        """Try to write batch `batch` of `shard` with `messages` (message id, message)."""
+        published_at = now or datetime.now(timezone.utc)
+        bucket = bucket_of(batch)
+        size = sum(m.size for _, m in messages)
+        total_messages = totals[0] + len(messages) if totals else None
+        total_bytes = totals[1] + size if totals else None
+        statement = BatchStatement(
+            batch_type=BatchType.UNLOGGED,  # one partition: atomic without the batchlog
+            consistency_level=self.consistency,
+            serial_consistency_level=self.serial_consistency,
+        )
+        statement.add(
+            self._insert_header,
+            (shard, bucket, batch, published_at, writer, len(messages), total_messages, total_bytes),
+        )
+        for seq, (message_id, message) in enumerate(messages):
+            values: list[Any] = [
+                shard, bucket, batch, seq, message_id, published_at, message.key,
+                dict(message.attributes) or None, message.payload, message.content_type,
+                message.client_id, None,
+            ]
+            if message.ttl_seconds:
+                values[-1] = published_at + timedelta(seconds=message.ttl_seconds)
+                statement.add(self._insert_message_ttl, (*values, message.ttl_seconds))
+            else:
+                statement.add(self._insert_message, values)
+        result = await cql.execute(self.store.session, statement)
+        if result.was_applied:
+            return Claim(True, Header(batch, published_at, writer, len(messages), total_messages, total_bytes))
+        return Claim(False, _header_from_row(batch, result.one()))
+
+    async def read_header(self, shard: int, batch: int, serial: bool = False) -> Header | None:
+        """The header of a batch; `serial` settles any Paxos round still in progress for it first."""
+        statement = self._read_header_serial if serial else self._read_header
+        rows = await cql.execute(self.store.session, statement, (shard, bucket_of(batch), batch))
+        row = rows.one()
+        return None if row is None else _header_from_row(batch, row)
+
+    async def read_from(self, shard: int, first_batch: int) -> list[Batch]:
+        """Whole batches from `first_batch` on, within first_batch's bucket, in order."""
+        rows = await cql.execute(self.store.session, self._read_from, (shard, bucket_of(first_batch), first_batch))
+        batches: list[Batch] = []
+        header: Header | None = None
+        messages: list[StoredMessage] = []
+        count = 0
+        for row in rows.current_rows:
+            count += 1
+            if row.seq == HEADER_SEQ:
+                if header is not None:
+                    batches.append(Batch(header, messages))
+                header, messages = _header_from_row(row.batch_no, row), []
+                continue
+            if header is None or header.batch != row.batch_no:
+                continue  # rows of a batch whose header lies before the read: cannot happen when reading from its start
+            messages.append(
+                StoredMessage(
+                    position=Position(shard, row.batch_no, row.seq),
+                    message_id=row.message_id,
+                    published_at=_utc(row.published_at),
+                    payload=row.payload or b"",
+                    key=row.key,
+                    attributes=dict(row.attributes or {}),
+                    content_type=row.content_type,
+                    expires_at=_utc(row.expires_at) if row.expires_at else None,
+                )
+            )
+        if header is not None:
+            complete = len(messages) == header.message_count
+            # A read that stopped at the row limit may have cut the last batch; it is read
+            # again, whole, next time. A batch is also "short" when ephemeral rows expired.
+            if complete or count < READ_ROWS:
+                batches.append(Batch(header, messages))
+        return batches
+
+
+def new_writer_id(publisher_id: str) -> str:
+    """A unique id for one claim attempt: after a timeout, the header tells whether it was ours."""
+    return f"{publisher_id}/{uuid.uuid4().hex[:12]}"
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment
+
+
+def _header_from_row(batch: int, row: Any) -> Header | None:
+    if row is None:
+        return None
+    published = getattr(row, "published_at", None)
+    return Header(
+        batch=batch,
+        published_at=_utc(published) if published else None,
+        writer=getattr(row, "writer", None),
+        message_count=getattr(row, "message_count", None) or 0,
+        total_messages=getattr(row, "total_messages", None),
+        total_bytes=getattr(row, "total_bytes", None),
+    )

@@ -1,0 +1,100 @@
+"""Messages as the engine sees them: what a publisher sends, what is stored, what a consumer gets."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from casque.errors import CasqueError
+
+
+class InvalidReceipt(CasqueError):
+    code = "invalid_receipt"
+
+
+@dataclass(frozen=True)
+class OutgoingMessage:
+    payload: bytes
+    key: str | None = None
+    attributes: Mapping[str, str] = field(default_factory=dict)
+    content_type: str | None = None
+    # Idempotent publish: a second publish with the same id within the window returns the first result.
+    client_id: str | None = None
+    # Ephemeral messages: never delivered after this many seconds from publish.
+    ttl_seconds: int | None = None
+
+    @property
+    def size(self) -> int:
+        """Bytes counted against the queue's max message size."""
+        return (
+            len(self.payload)
+            + len((self.key or "").encode())
+            + sum(len(k.encode()) + len(v.encode()) for k, v in self.attributes.items())
+        )
+
+
+@dataclass(frozen=True)
+class Published:
+    message_id: str
+    shard: int
+    batch: int
+    seq: int
+    duplicate: bool = False
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a message sits in a queue's log."""
+
+    shard: int
+    batch: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    position: Position
+    message_id: str
+    published_at: datetime
+    payload: bytes
+    key: str | None = None
+    attributes: Mapping[str, str] = field(default_factory=dict)
+    content_type: str | None = None
+    expires_at: datetime | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.payload)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    message: StoredMessage
+    receipt: str
+    delivery_count: int
+    # Monotonic-clock second after which the message becomes visible again unless acked.
+    visible_until: float
+
+
+# A receipt names the message and the one delivery it was handed out with. The nonce changes
+# with every delivery, so a worker whose visibility timeout expired cannot ack (or nack) the
+# message after it was handed to someone else.
+_RECEIPT = struct.Struct(">IqiQ")
+
+
+def encode_receipt(position: Position, nonce: int) -> str:
+    raw = _RECEIPT.pack(position.shard, position.batch, position.seq, nonce)
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_receipt(receipt: str) -> tuple[Position, int]:
+    try:
+        raw = base64.urlsafe_b64decode(receipt + "=" * (-len(receipt) % 4))
+        shard, batch, seq, nonce = _RECEIPT.unpack(raw)
+    except (binascii.Error, struct.error, ValueError) as error:
+        raise InvalidReceipt(f"not a casque receipt: {receipt[:40]!r}") from error
+    return Position(shard, batch, seq), nonce

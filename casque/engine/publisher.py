@@ -1,0 +1,228 @@
+"""Publishing: group commit of concurrent publishes into atomically claimed batches.
+
+Each shard has one writer with at most one batch write in flight. Publishes that arrive
+while a write is in flight wait in the shard's pending list and go out together in the
+next batch, so under load one conditional write carries many messages and at low load a
+message waits only for its own write. A publish is acknowledged only after its batch is
+written at the queue's consistency level.
+
+Shard choice: a message with a key goes to the shard of its key (per-key order); others go
+to this publisher's preferred shard (a hash of its id, so publishers rarely contend for one
+shard) and spill to the least busy shard when the preferred one has a backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from casque.backends import zk
+from casque.engine.batches import Claim, Log, new_writer_id
+from casque.engine.heads import HeadAdvancer
+from casque.engine.idempotency import IdempotencyGuard
+from casque.engine.messages import OutgoingMessage, Published
+from casque.errors import BackendUnavailable, InvalidSpec, MessageTooLarge
+from casque.schema import MAX_BATCH_BYTES, QueueRef
+from casque.specs import QueueSpec
+from casque.store import Store
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH_MESSAGES = 1000
+# A preferred shard with this many messages waiting behind a write in flight spills over.
+SPILL_BACKLOG = 64
+# After this many lost claims in a row, re-read the head instead of walking one batch at a time.
+RESYNC_AFTER_CONFLICTS = 3
+
+
+@dataclass
+class _Pending:
+    message_id: str
+    message: OutgoingMessage
+    future: asyncio.Future[Published]
+
+
+@dataclass
+class PublisherCounters:
+    messages: int = 0
+    batches: int = 0
+    conflicts: int = 0
+    unknown_outcomes: int = 0
+    cassandra_writes: int = 0
+    zookeeper_reads: int = 0
+
+
+class ShardWriter:
+    def __init__(self, publisher: Publisher, shard: int) -> None:
+        self._publisher = publisher
+        self.shard = shard
+        self.pending: deque[_Pending] = deque()
+        self.busy = False
+        self._last_batch: int | None = None
+        self._totals: tuple[int, int] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.heads = HeadAdvancer(publisher.store.zk, publisher.store.paths(publisher.queue).head(shard))
+
+    def submit(self, item: _Pending) -> None:
+        self.pending.append(item)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        self.busy = True
+        try:
+            if self._publisher.linger > 0:
+                await asyncio.sleep(self._publisher.linger)
+            while self.pending:
+                items = self._take()
+                try:
+                    batch = await self._write(items)
+                except BaseException as error:
+                    self._last_batch = None  # knowledge of the shard is unsure: resync before the next claim
+                    for item in items:
+                        if not item.future.done():
+                            item.future.set_exception(error)
+                    if isinstance(error, asyncio.CancelledError):
+                        raise
+                    continue
+                for seq, item in enumerate(items):
+                    if not item.future.done():
+                        item.future.set_result(Published(item.message_id, self.shard, batch, seq))
+        finally:
+            self.busy = False
+
+    def _take(self) -> list[_Pending]:
+        items = [self.pending.popleft()]
+        size = items[0].message.size
+        while self.pending and len(items) < MAX_BATCH_MESSAGES:
+            nxt = self.pending[0].message.size
+            if size + nxt > MAX_BATCH_BYTES:
+                break
+            items.append(self.pending.popleft())
+            size += nxt
+        return items
+
+    async def _sync(self) -> None:
+        """Learn the latest batch from the head watermark (and its running totals)."""
+        counters = self._publisher.counters
+        store = self._publisher.store
+        data, _ = await _zk_get(store, store.paths(self._publisher.queue).head(self.shard))
+        counters.zookeeper_reads += 1
+        head = int(data or b"0")
+        self._last_batch = head
+        self._totals = (0, 0) if head == 0 else None
+        if head:
+            header = await self._publisher.log.read_header(self.shard, head)
+            if header is not None and header.total_messages is not None and header.total_bytes is not None:
+                self._totals = (header.total_messages, header.total_bytes)
+
+    async def _write(self, items: list[_Pending]) -> int:
+        publisher = self._publisher
+        counters = publisher.counters
+        conflicts = 0
+        while True:
+            if self._last_batch is None or conflicts >= RESYNC_AFTER_CONFLICTS:
+                previous = self._last_batch
+                await self._sync()
+                assert self._last_batch is not None
+                if previous is not None and self._last_batch < previous:
+                    self._last_batch = previous  # the head lags what we learned: keep the larger
+                    self._totals = None
+                conflicts = 0
+            batch = self._last_batch + 1
+            writer = new_writer_id(publisher.publisher_id)
+            claim = await self._claim(batch, items, writer)
+            counters.cassandra_writes += 1
+            header = claim.header
+            self._last_batch = batch
+            self._totals = (
+                (header.total_messages, header.total_bytes)
+                if header is not None and header.total_messages is not None and header.total_bytes is not None
+                else None
+            )
+            if claim.applied:
+                counters.batches += 1
+                counters.messages += len(items)
+                self.heads.advance(batch)
+                return batch
+            counters.conflicts += 1
+            conflicts += 1
+
+    async def _claim(self, batch: int, items: list[_Pending], writer: str) -> Claim:
+        log_ = self._publisher.log
+        payload = [(item.message_id, item.message) for item in items]
+        try:
+            return await log_.claim(self.shard, batch, payload, writer, self._totals)
+        except BackendUnavailable:
+            # A timed-out conditional write may still have been applied. A serial read
+            # settles the Paxos round, so afterwards the header tells whose batch it is.
+            self._publisher.counters.unknown_outcomes += 1
+            header = await log_.read_header(self.shard, batch, serial=True)
+            if header is None:
+                raise
+            return Claim(applied=header.writer == writer, header=header)
+
+
+async def _zk_get(store: Store, path: str) -> tuple[bytes, object]:
+    result: tuple[bytes, object] = await zk.call(store.zk.get_async, path)
+    return result
+
+
+@dataclass
+class Publisher:
+    """Publishes to one queue. One per process and queue; safe for concurrent use."""
+
+    store: Store
+    queue: QueueRef
+    spec: QueueSpec
+    publisher_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    linger: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.log = Log(self.store, self.queue, self.spec.consistency)
+        self.counters = PublisherCounters()
+        self._writers = [ShardWriter(self, shard) for shard in range(self.spec.shards)]
+        self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
+        self._idempotency = IdempotencyGuard(self.store, self.queue)
+
+    def validate(self, message: OutgoingMessage) -> None:
+        if message.size > self.spec.max_message_bytes:
+            raise MessageTooLarge(
+                f"message of {message.size} bytes exceeds the queue's limit of {self.spec.max_message_bytes}"
+            )
+        if message.ttl_seconds is not None and message.ttl_seconds <= 0:
+            raise InvalidSpec("ttl must be a positive number of seconds")
+
+    async def publish(self, messages: Sequence[OutgoingMessage]) -> list[Published]:
+        """Publish all or, on a validation error, none; results in input order."""
+        for message in messages:
+            self.validate(message)
+        return list(await asyncio.gather(*(self._publish_one(m) for m in messages)))
+
+    async def _publish_one(self, message: OutgoingMessage) -> Published:
+        if message.client_id is None:
+            return await self._submit(message)
+        return await self._idempotency.publish_once(message.client_id, lambda: self._submit(message))
+
+    def _submit(self, message: OutgoingMessage) -> asyncio.Future[Published]:
+        future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
+        self._writers[self._choose_shard(message)].submit(_Pending(str(uuid.uuid4()), message, future))
+        return future
+
+    def _choose_shard(self, message: OutgoingMessage) -> int:
+        if message.key is not None:
+            return zlib.crc32(message.key.encode()) % len(self._writers)
+        preferred = self._writers[self._preferred]
+        if not preferred.busy or len(preferred.pending) < SPILL_BACKLOG:
+            return self._preferred
+        return min(self._writers, key=lambda w: (w.busy, len(w.pending))).shard
+
+    async def flush_heads(self) -> None:
+        """Wait until head watermarks reflect every batch written (shutdown and tests)."""
+        for writer in self._writers:
+            await writer.heads.wait()
