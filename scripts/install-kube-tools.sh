@@ -151,6 +151,23 @@ write_module() {
   } >"${dir}/go.mod"
 }
 
+# Run a freshly built tool and make sure it reports the pinned version.
+check_version() {
+  local name="$1" want out
+  want="$(tool_version "${name}")"
+  case "${name}" in
+    etcd) out="$("${BIN_DIR}/etcd" --version)"; want="etcd Version: ${want#v}" ;;
+    kube-apiserver) out="$("${BIN_DIR}/kube-apiserver" --version)" ;;
+    kubectl) out="$("${BIN_DIR}/kubectl" version --client)" ;;
+    helm) out="$("${BIN_DIR}/helm" version --short)" ;;
+  esac
+  if [[ "${out}" != *"${want}"* ]]; then
+    log "${name} does not report ${want}:"
+    echo "${out}" >&2
+    exit 1
+  fi
+}
+
 # Build packages $3... in module dir $1 with extra ldflags $2 and install them.
 build_into_bin() {
   local dir="$1" ldflags="$2"
@@ -165,13 +182,18 @@ build_into_bin() {
       go.etcd.io/etcd/server/v3) built="server" name="etcd" ;;
       *) built="${pkg##*/}" name="${pkg##*/}" ;;
     esac
+    rm -f "${STAMP_DIR}/${name}"
     mv -f "${out}/${built}" "${BIN_DIR}/${name}"
+    check_version "${name}"
     expected_stamp "${name}" >"${STAMP_DIR}/${name}"
   done
   rm -rf "${out}"
 }
 
 elapsed() { echo "$(( $(date +%s) - $1 ))s"; }
+
+# Leftovers of an interrupted build (we hold the lock, so nobody else is building).
+rm -rf "${KUBE_DIR}"/.build.*
 
 START_ALL="$(date +%s)"
 log "building: ${TODO[*]} (go $(go env GOVERSION), cache ${KUBE_DIR})"
@@ -243,16 +265,6 @@ EOF
     "helm.sh/helm/v3/cmd/helm"
   log "helm built in $(elapsed "${t0}")"
 fi
-
-# Sanity check: every binary runs and reports the pinned version.
-"${BIN_DIR}/etcd" --version | grep -q "etcd Version: ${ETCD_VERSION#v}" \
-  || { log "etcd does not report ${ETCD_VERSION}"; exit 1; }
-"${BIN_DIR}/kube-apiserver" --version | grep -q "${KUBE_VERSION}" \
-  || { log "kube-apiserver does not report ${KUBE_VERSION}"; exit 1; }
-"${BIN_DIR}/kubectl" version --client | grep -q "${KUBE_VERSION}" \
-  || { log "kubectl does not report ${KUBE_VERSION}"; exit 1; }
-"${BIN_DIR}/helm" version --short | grep -q "${HELM_VERSION}" \
-  || { log "helm does not report ${HELM_VERSION}"; exit 1; }
 
 log "done in $(elapsed "${START_ALL}")"
 report

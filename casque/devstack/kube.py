@@ -472,6 +472,9 @@ def _start_once(
                 # No controller-manager creates the "default" ServiceAccount in namespaces,
                 # so this admission plugin would reject every Pod.
                 "--disable-admission-plugins=ServiceAccount",
+                # The "kubernetes" Service's Endpoints may not point at a loopback address,
+                # so the default lease reconciler would log an error every few seconds.
+                "--endpoint-reconciler-type=none",
                 "--profiling=false",
                 *extra_apiserver_args,
             ],
