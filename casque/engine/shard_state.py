@@ -1,0 +1,285 @@
+"""What one consumer knows about one leased shard: loaded batches and each message's state.
+
+Pure logic, no I/O: the consumer feeds it batches, acks and the clock. Every operation is
+O(log n) in the number of loaded messages. Ready messages sit in a heap by log position,
+delayed ones in a heap by due time, in-flight ones in a heap by visibility deadline; stale
+heap entries are skipped when they surface. So one long-invisible message never makes a
+receive scan the messages behind it.
+
+The offset is the first batch with a message not yet done (acked or dead-lettered); it
+moves forward only over complete batches.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+from enum import Enum
+
+from casque.engine.messages import Position, StoredMessage
+from casque.errors import StaleReceipt
+
+
+class State(Enum):
+    READY = "ready"
+    DELAYED = "delayed"
+    IN_FLIGHT = "in_flight"
+    DONE = "done"
+
+
+@dataclass
+class Entry:
+    message: StoredMessage
+    state: State = State.READY
+    deliveries: int = 0
+    nonce: int = 0
+    deadline: float = 0.0  # in flight: visible again at this time; delayed: due at this time
+    first_delivered_at: float | None = None
+
+
+@dataclass
+class LoadedBatch:
+    entries: dict[int, Entry]
+    remaining: int
+
+
+@dataclass(frozen=True)
+class Handout:
+    entry: Entry
+    nonce: int
+    redelivery: bool
+
+
+@dataclass
+class ShardCounters:
+    delivered: int = 0
+    redelivered: int = 0
+    acked: int = 0
+    expired_visibility: int = 0
+    expired_ttl: int = 0
+
+
+@dataclass
+class ShardState:
+    shard: int
+    offset: int
+    # Every batch below this has been loaded (or skipped as done); the next read starts here.
+    next_batch: int = 0
+    batches: dict[int, LoadedBatch] = field(default_factory=dict)
+    counters: ShardCounters = field(default_factory=ShardCounters)
+    _ready: list[tuple[int, int]] = field(default_factory=list)
+    _delayed: list[tuple[float, int, int]] = field(default_factory=list)
+    _deadlines: list[tuple[float, int, int, int]] = field(default_factory=list)
+    _in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        self.next_batch = max(self.next_batch, self.offset)
+
+    # --- loading -------------------------------------------------------------------------
+    def add_batch(
+        self,
+        batch: int,
+        messages: list[StoredMessage],
+        done: set[int] | None = None,
+        deliveries: dict[int, int] | None = None,
+    ) -> None:
+        """Load a batch read from the log; `done` seqs were acked before (by any lease holder)."""
+        if batch < self.next_batch:
+            return
+        done = done or set()
+        deliveries = deliveries or {}
+        entries: dict[int, Entry] = {}
+        remaining = 0
+        for message in messages:
+            seq = message.position.seq
+            entry = Entry(message, deliveries=deliveries.get(seq, 0))
+            if seq in done:
+                entry.state = State.DONE
+            else:
+                remaining += 1
+                heapq.heappush(self._ready, (batch, seq))
+            entries[seq] = entry
+        self.batches[batch] = LoadedBatch(entries, remaining)
+        self.next_batch = batch + 1
+
+    def skip_to(self, batch: int) -> None:
+        """Batches below `batch` no longer exist (expired): drop them and move on."""
+        for old in [b for b in self.batches if b < batch]:
+            self._forget(old)
+        self.offset = max(self.offset, batch)
+        self.next_batch = max(self.next_batch, batch)
+
+    # --- delivering ----------------------------------------------------------------------
+    def take(self, limit: int, now: float, visibility: float, expired_ttl: float) -> list[Handout]:
+        """Hand out up to `limit` messages, lowest position first, each with a new nonce.
+
+        `expired_ttl` is the wall-clock now, to drop ephemeral messages past their TTL.
+        """
+        self._release_due(now)
+        handed: list[Handout] = []
+        while self._ready and len(handed) < limit:
+            batch, seq = heapq.heappop(self._ready)
+            entry = self._entry(batch, seq)
+            if entry is None or entry.state is not State.READY:
+                continue
+            expires = entry.message.expires_at
+            if expires is not None and expires.timestamp() <= expired_ttl:
+                # An ephemeral message past its TTL is never delivered; it counts as done.
+                self.counters.expired_ttl += 1
+                self._finish(batch, entry)
+                continue
+            entry.state = State.IN_FLIGHT
+            entry.deliveries += 1
+            entry.nonce = random.getrandbits(63) | 1
+            entry.deadline = now + visibility
+            if entry.first_delivered_at is None:
+                entry.first_delivered_at = now
+            heapq.heappush(self._deadlines, (entry.deadline, batch, seq, entry.nonce))
+            self._in_flight += 1
+            redelivery = entry.deliveries > 1
+            self.counters.delivered += 1
+            if redelivery:
+                self.counters.redelivered += 1
+            handed.append(Handout(entry, entry.nonce, redelivery))
+        return handed
+
+    def ack(self, position: Position, nonce: int) -> bool:
+        """Mark a message done. True if this call did it; False if it was already done.
+
+        Raises StaleReceipt if the message is in flight under another delivery, or is
+        waiting to be delivered again.
+        """
+        entry = self._entry(position.batch, position.seq)
+        if entry is None:
+            if position.batch < self.offset:
+                return False  # done long ago: acks are idempotent
+            raise StaleReceipt(f"message {position.batch}/{position.seq} is not held by this consumer")
+        if entry.state is State.DONE:
+            return False
+        self._require_current(entry, nonce)
+        self.counters.acked += 1
+        self._finish(position.batch, entry)
+        return True
+
+    def nack(self, position: Position, nonce: int, delay: float, now: float) -> Entry:
+        """Make an in-flight message visible again, now or after `delay` seconds."""
+        entry = self._in_flight_entry(position, nonce)
+        self._in_flight -= 1
+        if delay > 0:
+            entry.state = State.DELAYED
+            entry.deadline = now + delay
+            heapq.heappush(self._delayed, (entry.deadline, position.batch, position.seq))
+        else:
+            entry.state = State.READY
+            heapq.heappush(self._ready, (position.batch, position.seq))
+        return entry
+
+    def extend(self, position: Position, nonce: int, visibility: float, now: float) -> float:
+        entry = self._in_flight_entry(position, nonce)
+        entry.deadline = now + visibility
+        heapq.heappush(self._deadlines, (entry.deadline, position.batch, position.seq, nonce))
+        return entry.deadline
+
+    def dead_letter(self, position: Position) -> Entry | None:
+        """Mark a message done because it went to the dead-letter queue."""
+        entry = self._entry(position.batch, position.seq)
+        if entry is None or entry.state is State.DONE:
+            return None
+        if entry.state is State.IN_FLIGHT:
+            self._in_flight -= 1
+        self._finish(position.batch, entry, counted=False)
+        return entry
+
+    # --- progress ------------------------------------------------------------------------
+    def advance_offset(self) -> int:
+        """Move the offset over complete batches and forget them; returns the offset."""
+        while True:
+            loaded = self.batches.get(self.offset)
+            if loaded is None or loaded.remaining > 0:
+                return self.offset
+            self._forget(self.offset)
+            self.offset += 1
+
+    @property
+    def ready_count(self) -> int:
+        return sum(
+            1 for loaded in self.batches.values() for e in loaded.entries.values() if e.state is State.READY
+        )
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def loaded_messages(self) -> int:
+        return sum(loaded.remaining for loaded in self.batches.values())
+
+    def has_ready(self, now: float) -> bool:
+        self._release_due(now)
+        while self._ready:
+            batch, seq = self._ready[0]
+            entry = self._entry(batch, seq)
+            if entry is not None and entry.state is State.READY:
+                return True
+            heapq.heappop(self._ready)
+        return False
+
+    def next_due(self) -> float | None:
+        """The earliest time a delayed or in-flight message may become ready."""
+        times = []
+        if self._delayed:
+            times.append(self._delayed[0][0])
+        if self._deadlines:
+            times.append(self._deadlines[0][0])
+        return min(times) if times else None
+
+    # --- internals -----------------------------------------------------------------------
+    def _release_due(self, now: float) -> None:
+        while self._delayed and self._delayed[0][0] <= now:
+            due, batch, seq = heapq.heappop(self._delayed)
+            entry = self._entry(batch, seq)
+            if entry is not None and entry.state is State.DELAYED and entry.deadline == due:
+                entry.state = State.READY
+                heapq.heappush(self._ready, (batch, seq))
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, batch, seq, nonce = heapq.heappop(self._deadlines)
+            entry = self._entry(batch, seq)
+            if (
+                entry is not None
+                and entry.state is State.IN_FLIGHT
+                and entry.nonce == nonce
+                and entry.deadline == deadline
+            ):
+                entry.state = State.READY
+                self._in_flight -= 1
+                self.counters.expired_visibility += 1
+                heapq.heappush(self._ready, (batch, seq))
+
+    def _entry(self, batch: int, seq: int) -> Entry | None:
+        loaded = self.batches.get(batch)
+        return None if loaded is None else loaded.entries.get(seq)
+
+    def _require_current(self, entry: Entry, nonce: int) -> None:
+        if entry.state is not State.IN_FLIGHT or entry.nonce != nonce:
+            raise StaleReceipt(
+                "receipt is stale: the message's visibility expired or it was delivered again"
+            )
+
+    def _in_flight_entry(self, position: Position, nonce: int) -> Entry:
+        entry = self._entry(position.batch, position.seq)
+        if entry is None:
+            raise StaleReceipt(f"message {position.batch}/{position.seq} is not held by this consumer")
+        self._require_current(entry, nonce)
+        return entry
+
+    def _finish(self, batch: int, entry: Entry, counted: bool = True) -> None:
+        if entry.state is State.IN_FLIGHT and counted:
+            self._in_flight -= 1
+        entry.state = State.DONE
+        self.batches[batch].remaining -= 1
+
+    def _forget(self, batch: int) -> None:
+        loaded = self.batches.pop(batch, None)
+        if loaded is not None:
+            self._in_flight -= sum(1 for e in loaded.entries.values() if e.state is State.IN_FLIGHT)
