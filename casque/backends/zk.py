@@ -62,11 +62,20 @@ def _settle(done: asyncio.Future[Any], value: Any, error: BaseException | None) 
         done.set_result(value)
 
 
-def in_loop(loop: asyncio.AbstractEventLoop, callback: Callable[..., None]) -> Callable[..., None]:
-    """Wrap a callback that kazoo calls on its thread so it runs in `loop` instead."""
+def watch_in_loop(
+    loop: asyncio.AbstractEventLoop, callback: Callable[..., None], active: Callable[[], bool]
+) -> Callable[..., bool]:
+    """A kazoo watch function that runs `callback` in `loop` instead of kazoo's thread.
 
-    def trampoline(*args: Any) -> None:
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(callback, *args)
+    kazoo passes DataWatch functions (data, stat, event) and ChildrenWatch functions
+    (children); `callback` receives whatever was passed. Once `active()` is false the watch
+    function returns False, which tells kazoo to drop the watch.
+    """
+
+    def trampoline(*args: Any) -> bool:
+        if not active() or loop.is_closed():
+            return False
+        loop.call_soon_threadsafe(callback, *args)
+        return True
 
     return trampoline

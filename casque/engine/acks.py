@@ -1,0 +1,116 @@
+"""Insert-only records of what a subscriber did with messages of incomplete batches.
+
+Rows are written once per event and expire with the queue's retention; nothing is ever
+deleted or updated in place. Writes are group-committed: acks that arrive while a write is
+in flight go out together, one unlogged batch per partition, and each ack is confirmed to
+its caller only after its row is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from cassandra.query import BatchStatement, BatchType
+
+from casque.backends import cql
+from casque.schema import ACKS_TABLE, QueueRef, bucket_of
+from casque.store import Store
+
+ACK = "ack"
+DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class AckEvent:
+    epoch: int
+    shard: int
+    batch: int
+    seq: int
+    outcome: str | None = None  # ACK or DEAD
+    deliveries: int | None = None
+
+
+@dataclass
+class BatchMarks:
+    """What the ack table says about one batch."""
+
+    done: set[int] = field(default_factory=set)
+    deliveries: dict[int, int] = field(default_factory=dict)
+
+
+class AckLog:
+    def __init__(self, store: Store, queue: QueueRef, subscriber: str, retention_seconds: int) -> None:
+        self._store = store
+        self._queue = queue.key
+        self._subscriber = subscriber
+        table = f"{store.keyspace}.{ACKS_TABLE}"
+        self._insert_outcome = store.session.prepare(
+            f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, seq, outcome) "
+            f"VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TTL {int(retention_seconds)}"
+        )
+        self._insert_deliveries = store.session.prepare(
+            f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, seq, deliveries) "
+            f"VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TTL {int(retention_seconds)}"
+        )
+        self._select = store.session.prepare(
+            f"SELECT batch_no, seq, outcome, deliveries FROM {table} WHERE queue = ? AND subscriber = ? "
+            "AND epoch = ? AND shard = ? AND bucket = ? AND batch_no >= ?"
+        )
+        self._pending: list[tuple[AckEvent, asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self.rows_written = 0
+
+    async def load_bucket(self, epoch: int, shard: int, bucket: int, from_batch: int) -> dict[int, BatchMarks]:
+        rows = await cql.execute(
+            self._store.session, self._select, (self._queue, self._subscriber, epoch, shard, bucket, from_batch)
+        )
+        marks: dict[int, BatchMarks] = defaultdict(BatchMarks)
+        for row in rows:
+            mark = marks[row.batch_no]
+            if row.outcome is not None:
+                mark.done.add(row.seq)
+            if row.deliveries is not None:
+                mark.deliveries[row.seq] = row.deliveries
+        return dict(marks)
+
+    def record(self, event: AckEvent) -> asyncio.Future[None]:
+        """Queue `event` for writing; the future completes when its row is durable."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((event, future))
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return future
+
+    async def flush(self) -> None:
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+
+    async def _drain(self) -> None:
+        while self._pending:
+            items, self._pending = self._pending, []
+            partitions: dict[tuple[int, int, int], list[AckEvent]] = defaultdict(list)
+            for event, _ in items:
+                partitions[(event.epoch, event.shard, bucket_of(event.batch))].append(event)
+            writes = [self._write(events) for events in partitions.values()]
+            results = await asyncio.gather(*writes, return_exceptions=True)
+            error = next((r for r in results if isinstance(r, BaseException)), None)
+            for _, future in items:
+                if future.done():
+                    continue
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+
+    async def _write(self, events: list[AckEvent]) -> None:
+        statement = BatchStatement(batch_type=BatchType.UNLOGGED)
+        for e in events:
+            key = (self._queue, self._subscriber, e.epoch, e.shard, bucket_of(e.batch), e.batch, e.seq)
+            if e.outcome is not None:
+                statement.add(self._insert_outcome, (*key, e.outcome))
+            if e.deliveries is not None:
+                statement.add(self._insert_deliveries, (*key, e.deliveries))
+        await cql.execute(self._store.session, statement)
+        self.rows_written += len(events)

@@ -1,0 +1,394 @@
+"""A consumer: one member of a subscriber's group, delivering from the shards it leases.
+
+For each leased shard a reader loads batches ahead of the offset (skipping messages that
+the ack log says are done), wakes on the shard's head znode watch when it has caught up,
+and commits the offset when batches complete. `receive` takes ready messages round-robin
+over all leased shards, so no shard is stranded, and long-polls on an event instead of a
+timer. Each delivery gets a receipt naming its nonce; ack, nack and extend must present
+the current one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from kazoo.exceptions import BadVersionError, NoNodeError
+from kazoo.recipe.watchers import DataWatch
+
+from casque.backends import zk
+from casque.engine import catalog, positions
+from casque.engine.acks import ACK, AckEvent, AckLog, BatchMarks
+from casque.engine.batches import Log
+from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
+from casque.engine.offsets import read_epoch
+from casque.engine.leases import ShardLeases
+from casque.engine.shard_state import ShardState
+from casque.errors import BackendUnavailable, CasqueError, StaleReceipt
+from casque.schema import QueueRef, bucket_of
+from casque.specs import QueueState, SubscriberState
+from casque.store import Store
+
+log = logging.getLogger(__name__)
+
+# Load more batches while fewer than this many messages of the shard are undone in memory.
+PREFETCH_MESSAGES = 2000
+# When caught up, the head watch wakes the reader; this slow check only covers a publisher
+# that died between writing a batch and advancing the head.
+CAUGHT_UP_RECHECK_SECONDS = 5.0
+OFFSET_COMMIT_INTERVAL = 0.05
+
+
+class ConsumerStopped(CasqueError):
+    code = "consumer_stopped"
+
+
+@dataclass
+class ConsumerCounters:
+    deliveries: int = 0
+    redeliveries: int = 0
+    acks: int = 0
+    nacks: int = 0
+    offset_commits: int = 0
+    batch_reads: int = 0
+    ack_bucket_reads: int = 0
+    expired_skipped: int = 0
+
+
+class ShardReader:
+    def __init__(self, consumer: Consumer, shard: int, offset: int, version: int, epoch: int) -> None:
+        self.consumer = consumer
+        self.shard = shard
+        self.epoch = epoch
+        self.state = ShardState(shard=shard, offset=offset)
+        self._committed = offset
+        self._version = version
+        self._head = 0
+        self._wake = asyncio.Event()
+        self._marks: dict[int, dict[int, BatchMarks]] = {}
+        self._stopped = False
+        self._fetch_task: asyncio.Task[None] | None = None
+        self._commit_task: asyncio.Task[None] | None = None
+        self._commit_wanted = asyncio.Event()
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        paths = self.consumer.store.paths(self.consumer.queue)
+        DataWatch(
+            self.consumer.store.zk,
+            paths.head(self.shard),
+            zk.watch_in_loop(loop, self._head_changed, lambda: not self._stopped),
+        )
+        self._fetch_task = loop.create_task(self._fetch_loop())
+        self._commit_task = loop.create_task(self._commit_loop())
+
+    def _head_changed(self, data: bytes | None, *_: object) -> None:
+        if data:
+            self._head = int(data)
+        self._wake.set()
+
+    def space_freed(self) -> None:
+        self._wake.set()
+
+    async def _fetch_loop(self) -> None:
+        log_ = self.consumer.log
+        while not self._stopped:
+            if self.state.loaded_messages >= PREFETCH_MESSAGES:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._wake.clear()
+            first = self.state.next_batch
+            try:
+                batches = await log_.read_from(self.shard, first)
+                self.consumer.counters.batch_reads += 1
+                if batches:
+                    marks = await self._marks_for(first)
+                    for batch in batches:
+                        mark = marks.get(batch.header.batch, BatchMarks())
+                        self.state.add_batch(batch.header.batch, batch.messages, mark.done, mark.deliveries)
+                    self.consumer.notify()
+                    self._schedule_commit()
+                    continue
+                if first <= self._head:
+                    # Batches up to the head exist unless retention expired them: move on.
+                    earliest = await asyncio.to_thread(
+                        positions.earliest_batch, self.consumer.store, self.consumer.queue, self.shard, self._head
+                    )
+                    if earliest > first:
+                        self.consumer.counters.expired_skipped += earliest - first
+                        self.state.skip_to(earliest)
+                        self._schedule_commit()
+                        continue
+            except BackendUnavailable:
+                log.warning("shard %s: backend unavailable while reading; retrying", self.shard)
+                await asyncio.sleep(1.0)
+                continue
+            try:
+                await asyncio.wait_for(self._wake.wait(), CAUGHT_UP_RECHECK_SECONDS)
+            except TimeoutError:
+                pass
+
+    async def _marks_for(self, first_batch: int) -> dict[int, BatchMarks]:
+        bucket = bucket_of(first_batch)
+        if bucket not in self._marks:
+            self._marks = {b: m for b, m in self._marks.items() if b >= bucket}
+            self._marks[bucket] = await self.consumer.acks.load_bucket(
+                self.epoch, self.shard, bucket, self.state.offset
+            )
+            self.consumer.counters.ack_bucket_reads += 1
+        return self._marks[bucket]
+
+    def _schedule_commit(self) -> None:
+        self.state.advance_offset()
+        if self.state.offset != self._committed:
+            self._commit_wanted.set()
+
+    async def _commit_loop(self) -> None:
+        while not self._stopped:
+            await self._commit_wanted.wait()
+            self._commit_wanted.clear()
+            await self.commit()
+            await asyncio.sleep(OFFSET_COMMIT_INTERVAL)  # coalesce: at most one offset write per interval
+
+    async def commit(self) -> None:
+        """Write the offset if it moved. A version conflict means a seek: the consumer reloads."""
+        offset = self.state.offset
+        if offset == self._committed:
+            return
+        path = self.consumer.store.paths(self.consumer.queue).subscriber(self.consumer.subscriber).offset(self.shard)
+        try:
+            stat = await zk.call(self.consumer.store.zk.set_async, path, str(offset).encode(), self._version)
+        except BadVersionError:
+            self.consumer.seek_detected()
+            return
+        except BackendUnavailable:
+            self._commit_wanted.set()
+            return
+        self._version = stat.version
+        self._committed = offset
+        self.consumer.counters.offset_commits += 1
+
+    async def stop(self, flush: bool) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._commit_wanted.set()
+        for task in (self._fetch_task, self._commit_task):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._fetch_task, self._commit_task) if t), return_exceptions=True)
+        if flush:
+            await self.consumer.acks.flush()
+            self.state.advance_offset()
+            await self.commit()
+
+
+@dataclass
+class Consumer:
+    """Receives from one subscriber of one queue. Start it, use it, stop it."""
+
+    store: Store
+    queue: QueueRef
+    subscriber: str
+    member_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def __post_init__(self) -> None:
+        self.counters = ConsumerCounters()
+        self.readers: dict[int, ShardReader] = {}
+        self._available = asyncio.Event()
+        self._rotation = 0
+        self._leases: ShardLeases | None = None
+        self._stopped = False
+        self._reset_pending = False
+
+    async def start(self) -> None:
+        self.queue_state: QueueState = await asyncio.to_thread(catalog.read_queue, self.store, self.queue)
+        self.subscriber_state: SubscriberState = await asyncio.to_thread(
+            catalog.read_subscriber, self.store, self.queue, self.subscriber
+        )
+        spec = self.queue_state.spec
+        self.log = Log(self.store, self.queue, spec.consistency)
+        self.acks = AckLog(self.store, self.queue, self.subscriber, spec.retention_seconds)
+        self.paths = self.store.paths(self.queue).subscriber(self.subscriber)
+        self._leases = ShardLeases(
+            self.store.zk, self.paths, self.member_id, spec.shards,
+            on_acquired=self._acquired, on_released=self._released, on_lost=self._lost,
+        )
+        loop = asyncio.get_running_loop()
+        DataWatch(self.store.zk, self.paths.seek, zk.watch_in_loop(loop, self._seek_changed, lambda: not self._stopped))
+        await self._leases.start()
+
+    @property
+    def visibility_timeout(self) -> float:
+        return float(self.subscriber_state.spec.visibility_timeout_seconds)
+
+    @property
+    def held_shards(self) -> set[int]:
+        return set(self.readers)
+
+    def notify(self) -> None:
+        self._available.set()
+
+    # --- lease callbacks -------------------------------------------------------------
+    async def _acquired(self, shard: int) -> None:
+        epoch, _ = await asyncio.to_thread(read_epoch, self.store.zk, self.paths)
+        data, stat = await zk.call(self.store.zk.get_async, self.paths.offset(shard))
+        reader = ShardReader(self, shard, int(data or b"1"), stat.version, epoch)
+        self.readers[shard] = reader
+        reader.start()
+
+    async def _released(self, shard: int) -> None:
+        reader = self.readers.pop(shard, None)
+        if reader is not None:
+            await reader.stop(flush=True)
+
+    async def _lost(self) -> None:
+        readers, self.readers = self.readers, {}
+        for reader in readers.values():
+            await reader.stop(flush=False)
+
+    # --- seeks -------------------------------------------------------------------------
+    def _seek_changed(self, *_: object) -> None:
+        self.seek_detected()
+
+    def seek_detected(self) -> None:
+        """Restart every held shard from the offsets in ZooKeeper (a seek moved them)."""
+        if self._reset_pending or not self.readers:
+            return
+        self._reset_pending = True
+        asyncio.get_running_loop().create_task(self._reset_all())
+
+    async def _reset_all(self) -> None:
+        try:
+            for shard in sorted(self.readers):
+                old = self.readers.pop(shard)
+                await old.stop(flush=False)
+                await self._acquired(shard)
+        finally:
+            self._reset_pending = False
+        self.notify()
+
+    # --- the queue API -----------------------------------------------------------------
+    async def receive(self, max_messages: int = 10, wait: float = 0.0, visibility: float | None = None) -> list[Delivery]:
+        """Up to `max_messages` deliveries; waits up to `wait` seconds for the first one."""
+        deadline = time.monotonic() + wait
+        while True:
+            if self._stopped:
+                raise ConsumerStopped("the consumer is shutting down")
+            self._available.clear()
+            got = self._take(max_messages, visibility or self.visibility_timeout)
+            if got:
+                await self._record_redeliveries(got)
+                return got
+            now = time.monotonic()
+            remaining = deadline - now
+            if remaining <= 0:
+                return []
+            due = [t for r in self.readers.values() if (t := r.state.next_due()) is not None]
+            if due:
+                remaining = min(remaining, max(0.0, min(due) - now) + 0.001)
+            try:
+                await asyncio.wait_for(self._available.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    def _take(self, max_messages: int, visibility: float) -> list[Delivery]:
+        if self._leases is not None and not self._leases.connected:
+            return []  # SUSPENDED: our leases may be gone; hand out nothing until we know
+        readers = [self.readers[s] for s in sorted(self.readers)]
+        if not readers:
+            return []
+        now, wall = time.monotonic(), time.time()
+        self._rotation = (self._rotation + 1) % len(readers)
+        order = readers[self._rotation:] + readers[: self._rotation]
+        deliveries: list[Delivery] = []
+        # Several passes with small shares each, so every shard with messages gets a turn.
+        while len(deliveries) < max_messages:
+            progressed = False
+            share = max(1, (max_messages - len(deliveries)) // len(order))
+            for reader in order:
+                want = min(share, max_messages - len(deliveries))
+                if want <= 0:
+                    break
+                for handout in reader.state.take(want, now, visibility, wall):
+                    progressed = True
+                    position = handout.entry.message.position
+                    deliveries.append(
+                        Delivery(
+                            message=handout.entry.message,
+                            receipt=encode_receipt(position, handout.nonce),
+                            delivery_count=handout.entry.deliveries,
+                            visible_until=handout.entry.deadline,
+                        )
+                    )
+                    self.counters.deliveries += 1
+                    if handout.redelivery:
+                        self.counters.redeliveries += 1
+                reader.space_freed()
+            if not progressed:
+                break
+        return deliveries
+
+    async def _record_redeliveries(self, deliveries: list[Delivery]) -> None:
+        """Persist delivery counts above one, so a new lease holder keeps counting."""
+        futures = []
+        for d in deliveries:
+            if d.delivery_count > 1:
+                reader = self.readers.get(d.message.position.shard)
+                if reader is not None:
+                    p = d.message.position
+                    futures.append(self.acks.record(AckEvent(reader.epoch, p.shard, p.batch, p.seq,
+                                                             deliveries=d.delivery_count)))
+        if futures:
+            await asyncio.gather(*futures, return_exceptions=True)
+
+    def _reader_for(self, receipt: str) -> tuple[ShardReader, Position, int]:
+        position, nonce = decode_receipt(receipt)
+        reader = self.readers.get(position.shard)
+        if reader is None:
+            raise StaleReceipt(f"shard {position.shard} is no longer leased by this consumer")
+        return reader, position, nonce
+
+    async def ack(self, receipt: str) -> bool:
+        """Acknowledge a delivery. True if this ack completed it, False if it was done already."""
+        reader, position, nonce = self._reader_for(receipt)
+        newly = reader.state.ack(position, nonce)
+        if newly:
+            self.counters.acks += 1
+            await self.acks.record(
+                AckEvent(reader.epoch, reader.shard, position.batch, position.seq, outcome=ACK)
+            )
+            reader._schedule_commit()
+            reader.space_freed()
+        return newly
+
+    async def nack(self, receipt: str, delay: float = 0.0) -> None:
+        reader, position, nonce = self._reader_for(receipt)
+        reader.state.nack(position, nonce, delay, time.monotonic())
+        self.counters.nacks += 1
+        self.notify()
+
+    async def extend(self, receipt: str, visibility: float) -> float:
+        """Keep a delivery invisible for `visibility` more seconds; returns seconds until it is visible."""
+        reader, position, nonce = self._reader_for(receipt)
+        now = time.monotonic()
+        return reader.state.extend(position, nonce, visibility, now) - now
+
+    def in_flight(self) -> int:
+        return sum(r.state.in_flight for r in self.readers.values())
+
+    async def stop(self, drain_seconds: float = 0.0) -> None:
+        """Stop: wait up to `drain_seconds` for in-flight messages to be acked, write
+        acks and offsets, release the leases. Unacked messages go to the next holder."""
+        deadline = time.monotonic() + drain_seconds
+        while self.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._stopped = True
+        self.notify()
+        if self._leases is not None:
+            await self._leases.stop()
+        for shard in list(self.readers):
+            await self._released(shard)

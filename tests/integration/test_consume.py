@@ -1,0 +1,196 @@
+"""Subscribing on a real Cassandra and ZooKeeper: fan-out, competing consumers, crashes, seek."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+from kazoo.client import KazooClient
+
+from casque.engine import catalog
+from casque.engine.consumer import Consumer
+from casque.engine.messages import Delivery, OutgoingMessage
+from casque.engine.offsets import SeekTarget, seek
+from casque.engine.publisher import Publisher
+from casque.errors import StaleReceipt
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+
+QUEUE = QueueRef("default", "work")
+
+
+@pytest.fixture
+def new_store(store: Store, zk_hosts: str) -> Iterator[Callable[[], Store]]:
+    """Stores with ZooKeeper sessions of their own, like separate sidecar processes."""
+    clients: list[KazooClient] = []
+
+    def make() -> Store:
+        client = KazooClient(hosts=zk_hosts, timeout=4.0)
+        client.start(timeout=15)
+        clients.append(client)
+        return Store(store.session, client, store.keyspace, store.zk_root, store.replication_cql)
+
+    yield make
+    for client in clients:
+        client.stop()
+        client.close()
+
+
+async def setup_queue(store: Store, shards: int, subscribers: list[str], start: str = "earliest") -> QueueSpec:
+    spec = QueueSpec(shards=shards, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    for name in subscribers:
+        catalog.apply_subscriber(store, QUEUE, name, SubscriberSpec(queue=QUEUE.name, start_position=start,
+                                                                     visibility_timeout_seconds=30))
+    return spec
+
+
+async def publish_many(store: Store, spec: QueueSpec, n: int, prefix: str = "m") -> set[str]:
+    publisher = Publisher(store, QUEUE, spec)
+    results = await asyncio.gather(
+        *(publisher.publish([OutgoingMessage(f"{prefix}{i}".encode(), key=f"k{i}")]) for i in range(n))
+    )
+    await publisher.flush_heads()
+    return {r[0].message_id for r in results}
+
+
+async def drain(consumer: Consumer, expected: int, ack: bool = True, limit_s: float = 60) -> list[Delivery]:
+    got: list[Delivery] = []
+    deadline = time.monotonic() + limit_s
+    while len(got) < expected and time.monotonic() < deadline:
+        batch = await consumer.receive(max_messages=50, wait=1.0)
+        if ack:
+            await asyncio.gather(*(consumer.ack(d.receipt) for d in batch))
+        got.extend(batch)
+    return got
+
+
+async def wait_for(condition: Callable[[], bool], limit_s: float = 30) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def started() -> AsyncIterator[list[Consumer]]:
+    consumers: list[Consumer] = []
+    yield consumers
+    for consumer in consumers:
+        await consumer.stop()
+
+
+async def test_every_acked_publish_is_delivered_once_and_offsets_reach_the_head(
+    store: Store, started: list[Consumer]
+) -> None:
+    spec = await setup_queue(store, shards=3, subscribers=["billing"])
+    published = await publish_many(store, spec, 300)
+    consumer = Consumer(store, QUEUE, "billing")
+    started.append(consumer)
+    await consumer.start()
+    got = await drain(consumer, 300)
+    counts = Counter(d.message.message_id for d in got)
+    assert set(counts) == published and max(counts.values()) == 1
+    # Per shard, delivery order is log order.
+    for shard in range(3):
+        positions = [(d.message.position.batch, d.message.position.seq) for d in got if d.message.position.shard == shard]
+        assert positions == sorted(positions)
+    for reader in consumer.readers.values():
+        await reader.commit()
+    for shard in range(3):
+        head = catalog.read_int(store, store.paths(QUEUE).head(shard))
+        offset = catalog.read_int(store, store.paths(QUEUE).subscriber("billing").offset(shard))
+        assert offset == head + 1
+
+
+async def test_two_subscribers_each_see_everything(store: Store, started: list[Consumer]) -> None:
+    spec = await setup_queue(store, shards=2, subscribers=["audit", "mailer"])
+    published = await publish_many(store, spec, 120)
+    for name in ("audit", "mailer"):
+        consumer = Consumer(store, QUEUE, name)
+        started.append(consumer)
+        await consumer.start()
+        assert {d.message.message_id for d in await drain(consumer, 120)} == published
+
+
+async def test_long_poll_wakes_on_publish(store: Store, started: list[Consumer]) -> None:
+    spec = await setup_queue(store, shards=1, subscribers=["waiter"], start="latest")
+    consumer = Consumer(store, QUEUE, "waiter")
+    started.append(consumer)
+    await consumer.start()
+    await wait_for(lambda: consumer.held_shards == {0})
+    receiving = asyncio.create_task(consumer.receive(max_messages=1, wait=30))
+    await asyncio.sleep(0)  # let the receive start waiting
+    published = await publish_many(store, spec, 1)
+    deliveries = await receiving
+    assert {d.message.message_id for d in deliveries} == published
+
+
+async def test_competing_consumers_split_shards_and_a_crash_redelivers_only_unacked(
+    store: Store, new_store: Callable[[], Store], started: list[Consumer]
+) -> None:
+    spec = await setup_queue(store, shards=4, subscribers=["workers"])
+    published = await publish_many(store, spec, 200)
+    a_store, b_store = new_store(), new_store()
+    a, b = Consumer(a_store, QUEUE, "workers", member_id="a"), Consumer(b_store, QUEUE, "workers", member_id="b")
+    started.append(a)
+    await a.start()
+    await b.start()
+    await wait_for(lambda: a.held_shards == {0, 2} and b.held_shards == {1, 3})
+
+    # b takes some messages, acks half of them, then its process dies (session closed, no release).
+    taken = await b.receive(max_messages=20, wait=5)
+    assert taken
+    acked_by_b = {d.message.message_id for d in taken[::2]}
+    for d in taken[::2]:
+        await b.ack(d.receipt)
+    await b.acks.flush()
+    b_store.zk.stop()  # the sidecar is gone: ephemeral member and leases vanish
+
+    await wait_for(lambda: a.held_shards == {0, 1, 2, 3})
+    rest = await drain(a, len(published) - len(acked_by_b))
+    from_a = Counter(d.message.message_id for d in rest)
+    assert max(from_a.values()) == 1
+    assert set(from_a) == published - acked_by_b  # unacked ones came back, acked ones did not
+
+
+async def test_stale_receipt_after_visibility_expiry_and_nack_delay(store: Store, started: list[Consumer]) -> None:
+    spec = await setup_queue(store, shards=1, subscribers=["slow"])
+    await publish_many(store, spec, 1)
+    consumer = Consumer(store, QUEUE, "slow")
+    started.append(consumer)
+    await consumer.start()
+    (first,) = await consumer.receive(max_messages=1, wait=10, visibility=0.2)
+    (second,) = await consumer.receive(max_messages=1, wait=10, visibility=30)
+    assert second.message.message_id == first.message.message_id
+    assert second.delivery_count == 2
+    with pytest.raises(StaleReceipt):
+        await consumer.ack(first.receipt)
+    await consumer.nack(second.receipt, delay=0.3)
+    assert await consumer.receive(max_messages=1, wait=0) == []
+    (third,) = await consumer.receive(max_messages=1, wait=10)
+    assert third.delivery_count == 3
+    assert await consumer.ack(third.receipt) is True
+    assert await consumer.ack(third.receipt) is False
+
+
+async def test_seek_to_earliest_replays_and_seek_to_latest_skips(store: Store, started: list[Consumer]) -> None:
+    spec = await setup_queue(store, shards=2, subscribers=["replayer"])
+    published = await publish_many(store, spec, 60)
+    consumer = Consumer(store, QUEUE, "replayer")
+    started.append(consumer)
+    await consumer.start()
+    assert {d.message.message_id for d in await drain(consumer, 60)} == published
+    await consumer.acks.flush()
+
+    await asyncio.to_thread(seek, store, QUEUE, "replayer", SeekTarget("earliest"))
+    replayed = await drain(consumer, 60)
+    assert Counter(d.message.message_id for d in replayed) == Counter(published)
+
+    await asyncio.to_thread(seek, store, QUEUE, "replayer", SeekTarget("latest"))
+    later = await publish_many(store, spec, 5, prefix="late")
+    assert {d.message.message_id for d in await drain(consumer, 5)} == later
