@@ -11,6 +11,7 @@ the current one.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -40,6 +41,8 @@ PREFETCH_MESSAGES = 2000
 # that died between writing a batch and advancing the head.
 CAUGHT_UP_RECHECK_SECONDS = 5.0
 OFFSET_COMMIT_INTERVAL = 0.05
+# Each consumer reports its in-flight and delivery counts in its member znode this often.
+REPORT_INTERVAL_SECONDS = 5.0
 
 
 class ConsumerStopped(CasqueError):
@@ -203,6 +206,7 @@ class Consumer:
         self._leases: ShardLeases | None = None
         self._stopped = False
         self._reset_pending = False
+        self._report_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.queue_state: QueueState = await asyncio.to_thread(catalog.read_queue, self.store, self.queue)
@@ -220,6 +224,28 @@ class Consumer:
         loop = asyncio.get_running_loop()
         DataWatch(self.store.zk, self.paths.seek, zk.watch_in_loop(loop, self._seek_changed, lambda: not self._stopped))
         await self._leases.start()
+        self._report_task = loop.create_task(self._report_loop())
+
+    def report(self) -> dict[str, int]:
+        return {
+            "in_flight": self.in_flight(),
+            "delivered": self.counters.deliveries,
+            "redelivered": self.counters.redeliveries,
+            "acked": self.counters.acks,
+            "shards": len(self.readers),
+        }
+
+    async def publish_report(self) -> None:
+        """Write this consumer's counters into its member znode (read by subscriber stats)."""
+        try:
+            await zk.call(self.store.zk.set_async, self.paths.member(self.member_id), json.dumps(self.report()).encode())
+        except (NoNodeError, BackendUnavailable):
+            pass  # re-registering after a session loss; the next report lands
+
+    async def _report_loop(self) -> None:
+        while not self._stopped:
+            await self.publish_report()
+            await asyncio.sleep(REPORT_INTERVAL_SECONDS)
 
     @property
     def visibility_timeout(self) -> float:
@@ -388,6 +414,8 @@ class Consumer:
             await asyncio.sleep(0.05)
         self._stopped = True
         self.notify()
+        if self._report_task is not None:
+            self._report_task.cancel()
         if self._leases is not None:
             await self._leases.stop()
         for shard in list(self.readers):

@@ -194,3 +194,31 @@ async def test_seek_to_earliest_replays_and_seek_to_latest_skips(store: Store, s
     await asyncio.to_thread(seek, store, QUEUE, "replayer", SeekTarget("latest"))
     later = await publish_many(store, spec, 5, prefix="late")
     assert {d.message.message_id for d in await drain(consumer, 5)} == later
+
+
+async def test_stats_report_published_lag_and_in_flight(store: Store, started: list[Consumer]) -> None:
+    from casque.engine.stats import queue_stats, subscriber_stats
+
+    spec = await setup_queue(store, shards=2, subscribers=["counted"])
+    await publish_many(store, spec, 40)
+    before = await queue_stats(store, QUEUE)
+    assert before.published_messages == 40
+    assert before.published_bytes == sum(len(f"m{i}") + len(f"k{i}") for i in range(40))  # payload and key
+    lagging = await subscriber_stats(store, QUEUE, "counted")
+    assert lagging.lag_messages == 40 and lagging.lag_batches == before.batches
+    assert lagging.oldest_unacked_age_seconds is not None
+
+    consumer = Consumer(store, QUEUE, "counted")
+    started.append(consumer)
+    await consumer.start()
+    held = await drain(consumer, 10, ack=False, limit_s=30)
+    await consumer.publish_report()
+    during = await subscriber_stats(store, QUEUE, "counted")
+    assert during.in_flight == len(held) and during.members == [consumer.member_id]
+    for d in held:
+        await consumer.ack(d.receipt)
+    await drain(consumer, 40 - len(held))
+    for reader in consumer.readers.values():
+        await reader.commit()
+    after = await subscriber_stats(store, QUEUE, "counted")
+    assert after.lag_messages == 0 and after.lag_batches == 0 and after.oldest_unacked_age_seconds is None

@@ -1,0 +1,183 @@
+"""Queue and subscriber statistics, cheap enough to read every few seconds.
+
+A queue's numbers come from one ZooKeeper read and one header read per shard: every batch
+header carries the shard's running totals of messages and bytes, so counting never scans
+the log. A subscriber's lag is the difference of the totals at its offset and at the head;
+its oldest unacked message is the one at its offset. In-flight and redelivery counts come
+from what each live consumer reports in its member znode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from kazoo.exceptions import NoNodeError
+
+from casque.backends import zk
+from casque.engine import catalog
+from casque.engine.batches import Header, Log
+from casque.schema import QueueRef
+from casque.store import Store
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    shard: int
+    head: int
+    published_messages: int | None
+    published_bytes: int | None
+    last_published_at: datetime | None
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    queue: str
+    shards: list[ShardStats]
+    sampled_at: datetime
+
+    @property
+    def published_messages(self) -> int | None:
+        counts = [s.published_messages for s in self.shards]
+        return None if any(c is None for c in counts) else sum(c for c in counts if c is not None)
+
+    @property
+    def published_bytes(self) -> int | None:
+        sizes = [s.published_bytes for s in self.shards]
+        return None if any(c is None for c in sizes) else sum(c for c in sizes if c is not None)
+
+    @property
+    def batches(self) -> int:
+        return sum(s.head for s in self.shards)
+
+    def rate_since(self, earlier: QueueStats) -> float | None:
+        """Messages per second published between two samples."""
+        now, then = self.published_messages, earlier.published_messages
+        seconds = (self.sampled_at - earlier.sampled_at).total_seconds()
+        if now is None or then is None or seconds <= 0:
+            return None
+        return (now - then) / seconds
+
+
+@dataclass(frozen=True)
+class SubscriberShardStats:
+    shard: int
+    offset: int
+    head: int
+    lag_batches: int
+    lag_messages: int | None
+    oldest_unacked_at: datetime | None
+    leased_by: str | None
+
+
+@dataclass(frozen=True)
+class SubscriberStats:
+    queue: str
+    subscriber: str
+    shards: list[SubscriberShardStats]
+    members: list[str]
+    in_flight: int
+    delivered: int
+    redelivered: int
+    sampled_at: datetime
+    member_reports: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def lag_batches(self) -> int:
+        return sum(s.lag_batches for s in self.shards)
+
+    @property
+    def lag_messages(self) -> int | None:
+        lags = [s.lag_messages for s in self.shards]
+        return None if any(x is None for x in lags) else sum(x for x in lags if x is not None)
+
+    @property
+    def oldest_unacked_age_seconds(self) -> float | None:
+        oldest = [s.oldest_unacked_at for s in self.shards if s.oldest_unacked_at is not None]
+        if not oldest:
+            return None
+        return max(0.0, (self.sampled_at - min(oldest)).total_seconds())
+
+
+async def _get_int(store: Store, path: str) -> int:
+    data, _ = await zk.call(store.zk.get_async, path)
+    return int(data or b"0")
+
+
+async def _header(log: Log, shard: int, batch: int) -> Header | None:
+    return None if batch <= 0 else await log.read_header(shard, batch)
+
+
+async def queue_stats(store: Store, queue: QueueRef) -> QueueStats:
+    state = await asyncio.to_thread(catalog.read_queue, store, queue)
+    log = Log(store, queue, state.spec.consistency)
+
+    async def one(shard: int) -> ShardStats:
+        head = await _get_int(store, store.paths(queue).head(shard))
+        if head == 0:
+            return ShardStats(shard, 0, 0, 0, None)
+        header = await log.read_header(shard, head)
+        if header is None:
+            return ShardStats(shard, head, None, None, None)
+        return ShardStats(shard, head, header.total_messages, header.total_bytes, header.published_at)
+
+    shards = await asyncio.gather(*(one(s) for s in range(state.spec.shards)))
+    return QueueStats(str(queue), list(shards), datetime.now(timezone.utc))
+
+
+async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> SubscriberStats:
+    state = await asyncio.to_thread(catalog.read_queue, store, queue)
+    await asyncio.to_thread(catalog.read_subscriber, store, queue, subscriber)
+    log = Log(store, queue, state.spec.consistency)
+    paths = store.paths(queue).subscriber(subscriber)
+
+    async def one(shard: int) -> SubscriberShardStats:
+        head = await _get_int(store, store.paths(queue).head(shard))
+        offset = await _get_int(store, paths.offset(shard))
+        try:
+            holder, _ = await zk.call(store.zk.get_async, paths.lease(shard))
+            leased_by: str | None = holder.decode()
+        except NoNodeError:
+            leased_by = None
+        lag_batches = max(0, head - offset + 1)
+        if lag_batches == 0:
+            return SubscriberShardStats(shard, offset, head, 0, 0, None, leased_by)
+        at_head, before_offset, at_offset = await asyncio.gather(
+            _header(log, shard, head), _header(log, shard, offset - 1), _header(log, shard, offset)
+        )
+        lag_messages = None
+        if at_head is not None and at_head.total_messages is not None:
+            if offset - 1 <= 0:
+                lag_messages = at_head.total_messages
+            elif before_offset is not None and before_offset.total_messages is not None:
+                lag_messages = at_head.total_messages - before_offset.total_messages
+        oldest = at_offset.published_at if at_offset is not None else None
+        return SubscriberShardStats(shard, offset, head, lag_batches, lag_messages, oldest, leased_by)
+
+    shards = await asyncio.gather(*(one(s) for s in range(state.spec.shards)))
+    members: list[str] = []
+    reports: dict[str, dict[str, int]] = {}
+    try:
+        members = sorted(await zk.call(store.zk.get_children_async, paths.members))
+    except NoNodeError:
+        pass
+    for member in members:
+        try:
+            data, _ = await zk.call(store.zk.get_async, paths.member(member))
+        except NoNodeError:
+            continue
+        if data:
+            reports[member] = {k: int(v) for k, v in json.loads(data).items()}
+    return SubscriberStats(
+        queue=str(queue),
+        subscriber=subscriber,
+        shards=list(shards),
+        members=members,
+        in_flight=sum(r.get("in_flight", 0) for r in reports.values()),
+        delivered=sum(r.get("delivered", 0) for r in reports.values()),
+        redelivered=sum(r.get("redelivered", 0) for r in reports.values()),
+        sampled_at=datetime.now(timezone.utc),
+        member_reports=reports,
+    )
