@@ -142,7 +142,8 @@ def messages_table_ddl(keyspace: str, queue: QueueRef, retention_seconds: int) -
     message_id text,
     published_at timestamp,
     key text,
-    attributes map<text, text>,
+    -- frozen: inserting a non-frozen collection writes a deletion marker first
+    attributes frozen<map<text, text>>,
     payload blob,
     content_type text,
     client_id text,

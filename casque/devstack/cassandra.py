@@ -192,24 +192,36 @@ materialized_views_enabled: false
         finally:
             cluster.shutdown()
 
-    def nodetool(self, *args: str, timeout: float = 120.0) -> str:
+    def run_tool(self, main_class: str, *args: str, timeout: float = 120.0) -> str:
+        """Run one of Cassandra's command line tools (nodetool, sstabledump, ...) against this node."""
+        tools_log = self.directory / "logback-tools.xml"
+        if not tools_log.exists():
+            tools_log.write_text("<configuration><root level=\"WARN\"/></configuration>\n")
         command = [
             "java", *JAVA17_MODULE_FLAGS,
             f"-Dcassandra.storagedir={self.directory.resolve()}",
-            f"-Dlogback.configurationFile={self.directory.resolve()}/logback-tools.xml",
+            f"-Dcassandra.config=file://{self.directory.resolve()}/cassandra.yaml",
+            f"-Dlogback.configurationFile={tools_log.resolve()}",
             "-cp", CASSANDRA.classpath(),
-            "org.apache.cassandra.tools.NodeTool", "-h", "127.0.0.1", "-p", str(self.jmx_port),
-            *args,
+            main_class, *args,
         ]
-        tools_log = self.directory / "logback-tools.xml"
-        if not tools_log.exists():
-            tools_log.write_text(
-                "<configuration><root level=\"WARN\"/></configuration>\n"
-            )
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
         if result.returncode != 0:
-            raise StackError(f"nodetool {' '.join(args)} failed: {result.stderr.strip() or result.stdout.strip()}")
+            name = main_class.rsplit(".", 1)[-1]
+            raise StackError(f"{name} {' '.join(args)} failed: {result.stderr.strip() or result.stdout.strip()}")
         return result.stdout
+
+    def nodetool(self, *args: str, timeout: float = 120.0) -> str:
+        return self.run_tool(
+            "org.apache.cassandra.tools.NodeTool", "-h", "127.0.0.1", "-p", str(self.jmx_port), *args, timeout=timeout
+        )
+
+    def sstables(self, keyspace: str, table: str) -> list[Path]:
+        """The data files of a table on this node (after `nodetool flush`)."""
+        return sorted((self.directory / "data" / keyspace).glob(f"{table}-*/*-Data.db"))
+
+    def sstabledump(self, data_file: Path) -> str:
+        return self.run_tool("org.apache.cassandra.tools.SSTableExport", str(data_file))
 
     def stop(self) -> bool:
         return processes.terminate(self.directory)

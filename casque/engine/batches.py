@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from cassandra.query import BatchStatement, BatchType, PreparedStatement
+from cassandra.query import UNSET_VALUE, BatchStatement, BatchType, PreparedStatement
 
 from casque.backends import cql
 from casque.engine.messages import OutgoingMessage, Position, StoredMessage
@@ -110,7 +110,7 @@ class Log:
         )
         statement.add(
             self._insert_header,
-            (shard, bucket, batch, published_at, writer, len(messages), total_messages, total_bytes),
+            _unset_nulls((shard, bucket, batch, published_at, writer, len(messages), total_messages, total_bytes)),
         )
         for seq, (message_id, message) in enumerate(messages):
             values: list[Any] = [
@@ -120,9 +120,9 @@ class Log:
             ]
             if message.ttl_seconds:
                 values[-1] = published_at + timedelta(seconds=message.ttl_seconds)
-                statement.add(self._insert_message_ttl, (*values, message.ttl_seconds))
+                statement.add(self._insert_message_ttl, _unset_nulls((*values, message.ttl_seconds)))
             else:
-                statement.add(self._insert_message, values)
+                statement.add(self._insert_message, _unset_nulls(values))
         result = await cql.execute(self.store.session, statement)
         if result.was_applied:
             return Claim(True, Header(batch, published_at, writer, len(messages), total_messages, total_bytes))
@@ -170,6 +170,11 @@ class Log:
             if complete or count < READ_ROWS:
                 batches.append(Batch(header, messages))
         return batches
+
+
+def _unset_nulls(values: Sequence[Any]) -> tuple[Any, ...]:
+    """Absent values are left unset: binding null would write a cell tombstone."""
+    return tuple(UNSET_VALUE if v is None else v for v in values)
 
 
 def new_writer_id(publisher_id: str) -> str:
