@@ -6,11 +6,15 @@ import sys
 
 import typer
 
-from casque.cli import dev
+from casque.cli import apply, dev
 from casque.errors import CasqueError
+from casque.operator import cli as operator_cli
 
 app = typer.Typer(help="casque: a replayable queue on Cassandra and ZooKeeper.", no_args_is_help=True)
 app.add_typer(dev.app, name="dev")
+app.add_typer(operator_cli.app, name="operator")
+app.command("apply")(apply.apply_file)
+app.command("delete")(apply.delete_file)
 
 # Exit codes: 1 for casque's own refusals (bad input, unreachable backend), 2 is typer's usage error.
 EXIT_CASQUE_ERROR = 1

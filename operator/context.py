@@ -1,0 +1,111 @@
+"""What the handlers share within one operator process: backends, per-object locks, watch health.
+
+kopf hands every handler a `memo`; the operator keeps one `OperatorContext` in it as
+`memo.casque`. Handler state stays in this process and in the objects' status: nothing
+large is kept in annotations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes import client
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from casque.config import Settings
+from casque.operator import kube, reconcile
+from casque.operator.health import DEFAULT_STALL_AFTER, WatchHealth
+from casque.store import Store
+
+
+class OperatorOptions(BaseSettings):
+    """Tuning of the operator itself, from CASQUE_OPERATOR_* environment variables."""
+
+    model_config = SettingsConfigDict(env_prefix="CASQUE_OPERATOR_")
+
+    # How often each Queue's and Subscriber's figures are re-read (and drift repaired).
+    refresh_interval: float = Field(default=30.0, gt=0)
+    # How long the watch may lag behind a LIST before the liveness probe fails.
+    watch_stall_seconds: float = Field(default=DEFAULT_STALL_AFTER, gt=0)
+
+
+class StoreHolder:
+    """Opens the Store on first use and keeps it; a failed open is retried on the next use.
+
+    The operator therefore starts, and reports BackendUnavailable in conditions, while
+    Cassandra or ZooKeeper is down. Called from worker threads, hence the lock.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._store: Store | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Store:
+        with self._lock:
+            if self._store is None:
+                self._store = reconcile.open_store(self._settings)
+            return self._store
+
+    def close(self) -> None:
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+
+@dataclass
+class OperatorContext:
+    stores: StoreHolder
+    options: OperatorOptions = field(default_factory=OperatorOptions)
+    health: WatchHealth = field(default_factory=WatchHealth)
+    # Namespaces the operator serves; empty means all of them.
+    namespaces: tuple[str, ...] = ()
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    _kube: client.ApiClient | None = None
+    _kube_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def from_environment(cls, namespaces: tuple[str, ...] = ()) -> OperatorContext:
+        options = OperatorOptions()
+        return cls(
+            stores=StoreHolder(Settings()),
+            options=options,
+            health=WatchHealth(stall_after=options.watch_stall_seconds),
+            namespaces=namespaces,
+        )
+
+    def lock(self, uid: str) -> asyncio.Lock:
+        """One object's change handlers and its status timer run one at a time.
+
+        kopf serialises an object's change handlers, but runs its timer as a separate task.
+        """
+        return self._locks.setdefault(uid, asyncio.Lock())
+
+    def forget(self, uid: str) -> None:
+        self._locks.pop(uid, None)
+
+    def kube_api(self) -> client.ApiClient:
+        """A client of the Kubernetes API for the probe's LISTs, made on first use."""
+        with self._kube_lock:
+            if self._kube is None:
+                self._kube = kube.api_client()
+            return self._kube
+
+    def close(self) -> None:
+        self.stores.close()
+        with self._kube_lock:
+            if self._kube is not None:
+                self._kube.close()  # type: ignore[no-untyped-call]
+                self._kube = None
+
+
+def context_of(memo: Any) -> OperatorContext:
+    context = getattr(memo, "casque", None)
+    if not isinstance(context, OperatorContext):
+        raise RuntimeError("the operator's context is missing from kopf's memo; start it with `casque operator run`")
+    return context

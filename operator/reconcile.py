@@ -1,0 +1,611 @@
+"""What the operator and `casque apply` do to a Queue or a Subscriber, as plain functions.
+
+Level-based, not diff-based: each flow takes the wanted spec (the `spec` mapping of a custom
+resource or of a YAML document) and the status written last time, acts on Cassandra and
+ZooKeeper only through `casque.engine.catalog` (the one home of DDL and znode writes), then
+observes the backends and derives the new status from what it saw. Applying the same spec
+again finds everything in place and changes nothing, status included.
+
+Nothing here knows kopf or the Kubernetes API. A failure is classified into a condition
+reason and a retry delay (`Failure`); the kopf handlers turn that into `PermanentError` or
+`TemporaryError`, the CLI into an exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from kazoo.exceptions import NoNodeError
+from pydantic import ValidationError
+
+from casque.backends import cql, zk
+from casque.config import Settings
+from casque.engine import catalog, positions
+from casque.engine.catalog import Changes
+from casque.errors import (
+    BackendUnavailable,
+    CasqueError,
+    InvalidChange,
+    InvalidSpec,
+    QueueNotFound,
+)
+from casque.operator import conditions
+from casque.schema import QueueRef, read_table_options, validate_name
+from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState, format_duration
+from casque.store import Store
+
+# Something that hands out the Store, opening it on first use. Flows that may not need the
+# backends at all (deleting a Queue whose policy is Retain) call it only when they must.
+StoreSource = Callable[[], Store]
+DeletionPolicy = Literal["Retain", "Delete"]
+
+# Reasons of the Ready condition.
+RECONCILED = "Reconciled"
+DRIFTED = "Drifted"
+INVALID_SPEC = "InvalidSpec"
+INVALID_CHANGE = "InvalidChange"
+BACKEND_UNAVAILABLE = "BackendUnavailable"
+QUEUE_NOT_FOUND = "QueueNotFound"
+DEAD_LETTER_QUEUE_NOT_FOUND = "DeadLetterQueueNotFound"
+INTERNAL_ERROR = "InternalError"
+# Retrying these cannot help until someone changes the spec.
+PERMANENT_REASONS = frozenset({INVALID_SPEC, INVALID_CHANGE})
+
+# Seconds before retrying: a backend outage is usually a restart or a failover; a missing
+# queue is usually a Subscriber applied in the same breath as its Queue.
+BACKEND_RETRY_SECONDS = 20.0
+QUEUE_RETRY_SECONDS = 5.0
+ERROR_RETRY_SECONDS = 60.0
+
+
+# --- Failures -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a flow did not reach the wanted state, as a condition reason and message."""
+
+    reason: str
+    message: str
+    # None: permanent, retrying cannot help until the spec changes.
+    retry_after: float | None
+    error: BaseException | None = field(default=None, compare=False)
+
+    @property
+    def permanent(self) -> bool:
+        return self.retry_after is None
+
+
+def classify(error: BaseException) -> Failure:
+    # InvalidChange is an InvalidSpec, so it is tested first.
+    if isinstance(error, InvalidChange):
+        return Failure(INVALID_CHANGE, str(error), None, error)
+    if isinstance(error, InvalidSpec):
+        return Failure(INVALID_SPEC, str(error), None, error)
+    if isinstance(error, BackendUnavailable):
+        return Failure(BACKEND_UNAVAILABLE, str(error), BACKEND_RETRY_SECONDS, error)
+    if isinstance(error, QueueNotFound):
+        return Failure(QUEUE_NOT_FOUND, str(error), QUEUE_RETRY_SECONDS, error)
+    if isinstance(error, CasqueError):
+        return Failure(type(error).__name__, str(error), ERROR_RETRY_SECONDS, error)
+    return Failure(INTERNAL_ERROR, f"{type(error).__name__}: {error}", ERROR_RETRY_SECONDS, error)
+
+
+@contextlib.contextmanager
+def backend_errors() -> Iterator[None]:
+    """Driver errors that mean "not now" become BackendUnavailable, which is retried.
+
+    The catalog calls the drivers directly; their timeouts and connection losses are mapped
+    here, once, for every flow.
+    """
+    try:
+        yield
+    except (*cql.RETRYABLE, *zk.RETRYABLE) as error:
+        raise BackendUnavailable(f"{type(error).__name__}: {error}") from error
+
+
+def open_store(settings: Settings) -> Store:
+    """Connect to the backends of `settings` and make sure the installation exists."""
+    with backend_errors():
+        store = Store.open(settings)
+        try:
+            catalog.ensure_installation(store)
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+# --- Specs --------------------------------------------------------------------------------
+
+
+def parse_queue_spec(raw: Mapping[str, Any] | None) -> QueueSpec:
+    try:
+        return QueueSpec.model_validate(dict(raw or {}))
+    except ValidationError as error:
+        raise InvalidSpec(describe(error)) from error
+
+
+def parse_subscriber_spec(raw: Mapping[str, Any] | None) -> SubscriberSpec:
+    try:
+        return SubscriberSpec.model_validate(dict(raw or {}))
+    except ValidationError as error:
+        raise InvalidSpec(describe(error)) from error
+
+
+def describe(error: ValidationError) -> str:
+    """One line per problem, named by its field path as in the resource: `spec.shards: ...`."""
+    problems = []
+    for item in error.errors(include_url=False):
+        where = ".".join(["spec", *(str(part) for part in item["loc"])])
+        message = str(item["msg"]).removeprefix("Value error, ")
+        problems.append(f"{where}: {message}")
+    return "; ".join(problems)
+
+
+def queue_ref(namespace: str | None, name: str) -> QueueRef:
+    return QueueRef(namespace or "default", name)  # raises InvalidSpec for a bad name
+
+
+def deletion_policy(raw: Mapping[str, Any] | None) -> DeletionPolicy:
+    """The policy alone, so that a Queue whose other fields are invalid can still be deleted."""
+    value = (raw or {}).get("deletionPolicy", "Retain")
+    return "Delete" if value == "Delete" else "Retain"
+
+
+# --- Reading state ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """Figures about the messages themselves, beyond what the znodes say.
+
+    `collect_queue_stats` fills what is cheap today; message counts (depth) come with the
+    engine's stats function.
+    """
+
+    depth: int | None = None  # messages the slowest subscriber has yet to consume
+    oldest_pending: datetime | None = None  # publish time of the oldest batch not consumed by all
+
+
+@dataclass(frozen=True)
+class QueueObservation:
+    stored: QueueSpec | None  # the spec in the queue's znode; None if the queue does not exist
+    table_ttl: int | None  # the messages table's default_time_to_live; None if it does not exist
+    heads: dict[int, int]  # shard -> head, for the shards whose head znode exists
+    offsets: dict[str, dict[int, int]]  # subscriber -> shard -> offset
+    stats: QueueStats = QueueStats()
+
+
+@dataclass(frozen=True)
+class SubscriberObservation:
+    queue_exists: bool
+    stored: SubscriberSpec | None
+    heads: dict[int, int]
+    offsets: dict[int, int]
+    consumers: int
+    dead_letter_queue_exists: bool | None  # None when no dead-letter queue is configured
+
+
+def observe_queue(store: Store, ref: QueueRef, *, stats: bool = True) -> QueueObservation:
+    with backend_errors():
+        stored = _stored_queue(store, ref)
+        table = read_table_options(store.session, store.keyspace, ref)
+        heads = _read_heads(store, ref)
+        offsets = {
+            name: _read_offsets(store, ref, name)
+            for name in catalog.list_subscribers(store, ref)
+            if _stored_subscriber(store, ref, name) is not None
+        }
+        figures = collect_queue_stats(store, ref, heads, offsets) if stats else QueueStats()
+    return QueueObservation(
+        stored=stored.spec if stored else None,
+        table_ttl=table.default_time_to_live if table.exists else None,
+        heads=heads,
+        offsets=offsets,
+        stats=figures,
+    )
+
+
+def observe_subscriber(store: Store, namespace: str, name: str, spec: SubscriberSpec) -> SubscriberObservation:
+    ref = queue_ref(namespace, spec.queue)
+    with backend_errors():
+        queue_exists = _stored_queue(store, ref) is not None
+        stored = _stored_subscriber(store, ref, name) if queue_exists else None
+        dlq: bool | None = None
+        if spec.dead_letter_queue is not None:
+            dlq = _stored_queue(store, queue_ref(namespace, spec.dead_letter_queue)) is not None
+        return SubscriberObservation(
+            queue_exists=queue_exists,
+            stored=stored.spec if stored else None,
+            heads=_read_heads(store, ref) if queue_exists else {},
+            offsets=_read_offsets(store, ref, name) if stored else {},
+            consumers=len(_children(store, store.paths(ref).subscriber(name).members)) if stored else 0,
+            dead_letter_queue_exists=dlq,
+        )
+
+
+def collect_queue_stats(
+    store: Store, ref: QueueRef, heads: Mapping[int, int], offsets: Mapping[str, Mapping[int, int]]
+) -> QueueStats:
+    """The queue's message figures: extend this with the engine's stats (message counts).
+
+    Today: the publish time of the oldest batch that some subscriber has not consumed, one
+    header read per shard (plus a binary search when that batch has already expired).
+    """
+    oldest: datetime | None = None
+    for shard, head in heads.items():
+        pending = [by_shard[shard] for by_shard in offsets.values() if shard in by_shard]
+        if not pending or min(pending) > head:
+            continue
+        batch = min(pending)
+        published = positions.read_header_time(store, ref, shard, batch)
+        if published is None:  # expired by TTL: the oldest pending one is the earliest live one
+            batch = positions.earliest_batch(store, ref, shard, head)
+            published = positions.read_header_time(store, ref, shard, batch) if batch <= head else None
+        if published is not None and (oldest is None or published < oldest):
+            oldest = published
+    return QueueStats(depth=None, oldest_pending=oldest)
+
+
+def _stored_queue(store: Store, ref: QueueRef) -> QueueState | None:
+    try:
+        return catalog.read_queue(store, ref)
+    except QueueNotFound:
+        return None
+
+
+def _stored_subscriber(store: Store, ref: QueueRef, name: str) -> SubscriberState | None:
+    # A subscriber's znode gets its data last, after its offsets: without data it is still
+    # being created (or was left half-way), and is not counted.
+    try:
+        data, _ = store.zk.get(store.paths(ref).subscriber(name).base)
+    except NoNodeError:
+        return None
+    return SubscriberState.model_validate_json(data) if data else None
+
+
+def _read_heads(store: Store, ref: QueueRef) -> dict[int, int]:
+    paths = store.paths(ref)
+    heads = {}
+    for child in _children(store, paths.shards):
+        if child.isdigit():
+            try:
+                heads[int(child)] = catalog.read_int(store, paths.head(int(child)))
+            except NoNodeError:
+                continue
+    return heads
+
+
+def _read_offsets(store: Store, ref: QueueRef, name: str) -> dict[int, int]:
+    paths = store.paths(ref).subscriber(name)
+    offsets = {}
+    for child in _children(store, paths.offsets):
+        if child.isdigit():
+            try:
+                offsets[int(child)] = catalog.read_int(store, paths.offset(int(child)))
+            except NoNodeError:
+                continue
+    return offsets
+
+
+def _children(store: Store, path: str) -> list[str]:
+    try:
+        return list(store.zk.get_children(path))
+    except NoNodeError:
+        return []
+
+
+# --- Deciding -----------------------------------------------------------------------------
+
+
+def lag_batches(heads: Mapping[int, int], offsets: Mapping[int, int]) -> int:
+    """Batches not yet done: every batch <= head exists and every batch < offset is done."""
+    return sum(max(0, head + 1 - offsets.get(shard, head + 1)) for shard, head in heads.items())
+
+
+def queue_drift(spec: QueueSpec, seen: QueueObservation) -> list[str]:
+    """How the backends differ from what applying `spec` leaves behind; empty when in place."""
+    problems = []
+    if seen.stored is None:
+        problems.append("the queue's znode is missing")
+    elif seen.stored != spec:
+        problems.append("the spec stored in ZooKeeper differs from the resource")
+    if seen.table_ttl is None:
+        problems.append("the messages table is missing")
+    elif seen.table_ttl != spec.retention_seconds:
+        problems.append(f"the table keeps messages {seen.table_ttl}s, not {spec.retention_seconds}s")
+    missing = [shard for shard in range(spec.shards) if shard not in seen.heads]
+    if missing:
+        problems.append(f"shards without a head znode: {_ranges(missing)}")
+    for name, offsets in sorted(seen.offsets.items()):
+        gaps = [shard for shard in range(spec.shards) if shard not in offsets]
+        if gaps:
+            problems.append(f"subscriber {name} has no offset for shards {_ranges(gaps)}")
+    return problems
+
+
+def subscriber_drift(spec: SubscriberSpec, seen: SubscriberObservation) -> list[str]:
+    if not seen.queue_exists:
+        return []  # not drift: nothing can be applied until the queue exists
+    if seen.stored is None:
+        return ["the subscriber's znode is missing"]
+    if seen.stored != spec:
+        return ["the spec stored in ZooKeeper differs from the resource"]
+    return []
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    reason: str
+    message: str
+
+
+def queue_readiness(spec: QueueSpec, seen: QueueObservation) -> Readiness:
+    drift = queue_drift(spec, seen)
+    if drift:
+        return Readiness(False, DRIFTED, "; ".join(drift))
+    return Readiness(
+        True,
+        RECONCILED,
+        f"{spec.shards} shards, retention {format_duration(spec.retention_seconds)}, "
+        f"deletion policy {spec.deletion_policy}",
+    )
+
+
+def subscriber_readiness(spec: SubscriberSpec, seen: SubscriberObservation) -> Readiness:
+    if not seen.queue_exists:
+        return Readiness(False, QUEUE_NOT_FOUND, f"queue {spec.queue} does not exist (yet)")
+    drift = subscriber_drift(spec, seen)
+    if drift:
+        return Readiness(False, DRIFTED, "; ".join(drift))
+    if seen.dead_letter_queue_exists is False:
+        return Readiness(
+            False, DEAD_LETTER_QUEUE_NOT_FOUND, f"dead-letter queue {spec.dead_letter_queue} does not exist (yet)"
+        )
+    return Readiness(True, RECONCILED, f"consuming queue {spec.queue}")
+
+
+def may_repair(status: Mapping[str, Any] | None, generation: int | None) -> bool:
+    """Whether a status refresh may judge readiness and re-apply the spec to repair drift.
+
+    Only once a reconcile has handled this generation and did not fail for good. Before, the
+    change handler owns the object (a refresh would report the new spec as drift while it is
+    being applied); after a permanent failure, re-applying would fail again, and post an
+    event, on every tick until the spec changes.
+    """
+    ready = conditions.find((status or {}).get("conditions"), conditions.READY)
+    return (
+        ready is not None
+        and ready.get("observedGeneration") == generation
+        and ready.get("reason") not in PERMANENT_REASONS
+    )
+
+
+def queue_figures(seen: QueueObservation) -> dict[str, Any]:
+    lags = [lag_batches(seen.heads, offsets) for offsets in seen.offsets.values()]
+    oldest = seen.stats.oldest_pending
+    return {
+        "shards": len(seen.heads),
+        "publishedBatches": sum(seen.heads.values()),
+        "lagBatches": max(lags, default=0),
+        "subscribers": len(seen.offsets),
+        "depth": seen.stats.depth,
+        "oldestPendingTime": conditions.timestamp(_utc(oldest)) if oldest is not None else None,
+    }
+
+
+def subscriber_figures(spec: SubscriberSpec, seen: SubscriberObservation) -> dict[str, Any]:
+    return {
+        "queue": spec.queue,
+        "lagBatches": lag_batches(seen.heads, seen.offsets) if seen.stored is not None else None,
+        "consumers": seen.consumers,
+    }
+
+
+def readiness_status(
+    status: Mapping[str, Any] | None,
+    readiness: Readiness,
+    generation: int | None,
+    now: datetime,
+) -> dict[str, Any]:
+    return {
+        "observedGeneration": generation,
+        "conditions": conditions.with_condition(
+            (status or {}).get("conditions"),
+            conditions.READY,
+            status=readiness.ready,
+            reason=readiness.reason,
+            message=readiness.message,
+            generation=generation,
+            now=now,
+        ),
+    }
+
+
+def failure_status(
+    status: Mapping[str, Any] | None, failure: Failure, generation: int | None, now: datetime
+) -> dict[str, Any]:
+    return readiness_status(status, Readiness(False, failure.reason, failure.message), generation, now)
+
+
+# --- Flows --------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What a flow did and the status it leads to (a merge patch of `.status`)."""
+
+    status: dict[str, Any] = field(default_factory=dict)
+    changes: Changes = field(default_factory=Changes)
+    failure: Failure | None = None
+    repaired: list[str] = field(default_factory=list)  # drift that a refresh put right
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A Queue or Subscriber as the flows see it: identity, wanted spec, last status."""
+
+    namespace: str
+    name: str
+    spec: Mapping[str, Any] | None
+    status: Mapping[str, Any] | None = None
+    generation: int | None = None
+
+
+def reconcile_queue(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
+    """Create or update the queue's table and znodes, then report what is there."""
+    try:
+        ref = queue_ref(resource.namespace, resource.name)
+        spec = parse_queue_spec(resource.spec)
+        store = stores()
+        with backend_errors():
+            changes = catalog.apply_queue(store, ref, spec)
+        seen = observe_queue(store, ref)
+    except Exception as error:  # noqa: BLE001 - every failure becomes a condition
+        return _failed(resource, classify(error), now)
+    wanted = {
+        **queue_figures(seen),
+        **readiness_status(resource.status, queue_readiness(spec, seen), resource.generation, now),
+        "warnings": changes.warnings or None,
+    }
+    return Outcome(status=conditions.merge_patch(resource.status, wanted), changes=changes)
+
+
+def refresh_queue(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
+    """Re-read the figures, and repair drift (a dropped table, lost znodes) once reconciled."""
+    try:
+        ref = queue_ref(resource.namespace, resource.name)
+        spec = parse_queue_spec(resource.spec)
+    except InvalidSpec:
+        return Outcome()  # the reconcile has reported it; nothing to measure against
+    judge = may_repair(resource.status, resource.generation)
+    outcome = Outcome()
+    try:
+        store = stores()
+        seen = observe_queue(store, ref)
+        drift = queue_drift(spec, seen)
+        if drift and judge:
+            with backend_errors():
+                outcome.changes = catalog.apply_queue(store, ref, spec)
+            outcome.repaired = drift
+            seen = observe_queue(store, ref)
+    except Exception as error:  # noqa: BLE001
+        return _failed(resource, classify(error), now) if judge else Outcome(failure=classify(error))
+    wanted = queue_figures(seen)
+    if judge:
+        wanted |= readiness_status(resource.status, queue_readiness(spec, seen), resource.generation, now)
+    outcome.status = conditions.merge_patch(resource.status, wanted)
+    return outcome
+
+
+def delete_queue(stores: StoreSource, resource: Resource) -> Outcome:
+    """Carry out the deletion policy. Retain touches no backend, so it works when they are down."""
+    try:
+        ref = queue_ref(resource.namespace, resource.name)
+        policy = deletion_policy(resource.spec)
+        if policy == "Retain":
+            return Outcome(changes=Changes(actions=["retained table and znodes"]))
+        store = stores()
+        with backend_errors():
+            return Outcome(changes=catalog.delete_queue(store, ref, policy))
+    except Exception as error:  # noqa: BLE001
+        return Outcome(failure=classify(error))
+
+
+def reconcile_subscriber(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
+    """Create the subscriber (offsets from its start position) or update its settings."""
+    try:
+        validate_name("subscriber", resource.name)
+        spec = parse_subscriber_spec(resource.spec)
+        ref = queue_ref(resource.namespace, spec.queue)
+        store = stores()
+        with backend_errors():
+            changes = catalog.apply_subscriber(store, ref, resource.name, spec)
+        seen = observe_subscriber(store, resource.namespace, resource.name, spec)
+    except Exception as error:  # noqa: BLE001
+        return _failed(resource, classify(error), now)
+    wanted = {
+        **subscriber_figures(spec, seen),
+        **readiness_status(resource.status, subscriber_readiness(spec, seen), resource.generation, now),
+    }
+    return Outcome(status=conditions.merge_patch(resource.status, wanted), changes=changes)
+
+
+def refresh_subscriber(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
+    """Re-read lag and consumers; recreate a lost subscriber znode once reconciled."""
+    try:
+        validate_name("subscriber", resource.name)
+        spec = parse_subscriber_spec(resource.spec)
+    except InvalidSpec:
+        return Outcome()
+    judge = may_repair(resource.status, resource.generation)
+    outcome = Outcome()
+    try:
+        store = stores()
+        seen = observe_subscriber(store, resource.namespace, resource.name, spec)
+        drift = subscriber_drift(spec, seen)
+        if drift and judge:
+            with backend_errors():
+                outcome.changes = catalog.apply_subscriber(
+                    store, queue_ref(resource.namespace, spec.queue), resource.name, spec
+                )
+            outcome.repaired = drift
+            seen = observe_subscriber(store, resource.namespace, resource.name, spec)
+    except Exception as error:  # noqa: BLE001
+        return _failed(resource, classify(error), now) if judge else Outcome(failure=classify(error))
+    wanted = subscriber_figures(spec, seen)
+    if judge:
+        wanted |= readiness_status(resource.status, subscriber_readiness(spec, seen), resource.generation, now)
+    outcome.status = conditions.merge_patch(resource.status, wanted)
+    return outcome
+
+
+def delete_subscriber(stores: StoreSource, resource: Resource) -> Outcome:
+    """A subscriber's state lives in ZooKeeper only (and TTL'd rows), so it always goes."""
+    queue = (resource.spec or {}).get("queue")
+    try:
+        if not isinstance(queue, str):
+            return Outcome()  # never applied: there is nothing to remove
+        ref = queue_ref(resource.namespace, queue)
+        validate_name("subscriber", resource.name)
+        store = stores()
+        with backend_errors():
+            return Outcome(changes=catalog.delete_subscriber(store, ref, resource.name))
+    except InvalidSpec:
+        return Outcome()  # a name that was never valid was never applied either
+    except Exception as error:  # noqa: BLE001
+        return Outcome(failure=classify(error))
+
+
+def _failed(resource: Resource, failure: Failure, now: datetime) -> Outcome:
+    return Outcome(
+        status=conditions.merge_patch(
+            resource.status, failure_status(resource.status, failure, resource.generation, now)
+        ),
+        failure=failure,
+    )
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'"""
+    parts: list[str] = []
+    start = previous = numbers[0]
+    for number in [*numbers[1:], None]:
+        if number is not None and number == previous + 1:
+            previous = number
+            continue
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+        if number is not None:
+            start = previous = number
+    return ", ".join(parts)
+
+
+def _utc(moment: datetime) -> datetime:
+    """The driver returns naive UTC datetimes."""
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment

@@ -1,0 +1,252 @@
+"""The operator's reconcile logic without any server: specs, drift, readiness, status, failures."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from casque.errors import BackendUnavailable, InvalidChange, InvalidSpec, QueueNotFound, StaleReceipt
+from casque.operator import conditions, reconcile
+from casque.operator.reconcile import QueueObservation, QueueStats, Resource, SubscriberObservation
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+
+NOW = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
+SPEC = QueueSpec(shards=2, retention_seconds=3600)
+
+
+def in_place(spec: QueueSpec = SPEC, **changes: Any) -> QueueObservation:
+    """What the backends hold right after applying `spec`, with `changes`."""
+    values: dict[str, Any] = {
+        "stored": spec,
+        "table_ttl": spec.retention_seconds,
+        "heads": {shard: 0 for shard in range(spec.shards)},
+        "offsets": {},
+    }
+    return QueueObservation(**(values | changes))
+
+
+def unreachable() -> Store:
+    raise BackendUnavailable("ZooKeeper at 127.0.0.1:2181 is unreachable")
+
+
+def untouchable() -> Store:
+    raise AssertionError("this flow must not need the backends")
+
+
+def ready(status: dict[str, Any]) -> dict[str, Any]:
+    condition = conditions.find(status.get("conditions"), conditions.READY)
+    assert condition is not None
+    return dict(condition)
+
+
+# --- specs and failures -------------------------------------------------------------------
+
+
+def test_specs_parse_with_durations_and_defaults() -> None:
+    spec = reconcile.parse_queue_spec({"shards": 8, "retention": "2d", "defaultDelay": "15m"})
+    assert (spec.shards, spec.retention_seconds, spec.default_delay_seconds) == (8, 2 * 86400, 900)
+    assert reconcile.parse_queue_spec(None) == QueueSpec()
+    subscriber = reconcile.parse_subscriber_spec({"queue": "orders", "visibilityTimeout": "2m"})
+    assert subscriber.visibility_timeout_seconds == 120
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"shards": 0}, "spec.shards: Input should be greater than or equal to 1"),
+        ({"retention": "7w"}, "spec.retention: invalid duration '7w'"),
+        ({"retention": "1h", "defaultDelay": "2h"}, "spec: defaultDelay must be shorter than retention"),
+        ({"replicas": 3}, "spec.replicas: Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_queue_specs_name_the_field(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidSpec) as refused:
+        reconcile.parse_queue_spec(raw)
+    assert message in str(refused.value)
+
+
+def test_invalid_subscriber_spec() -> None:
+    with pytest.raises(InvalidSpec, match="spec: deadLetterQueue must be another queue"):
+        reconcile.parse_subscriber_spec({"queue": "orders", "deadLetterQueue": "orders"})
+    with pytest.raises(InvalidSpec, match="spec.queue: Field required"):
+        reconcile.parse_subscriber_spec({})
+
+
+@pytest.mark.parametrize(
+    ("error", "reason", "retry"),
+    [
+        (InvalidChange("fewer shards"), "InvalidChange", None),
+        (InvalidSpec("bad"), "InvalidSpec", None),
+        (BackendUnavailable("down"), "BackendUnavailable", reconcile.BACKEND_RETRY_SECONDS),
+        (QueueNotFound("no queue"), "QueueNotFound", reconcile.QUEUE_RETRY_SECONDS),
+        (StaleReceipt("stale"), "StaleReceipt", reconcile.ERROR_RETRY_SECONDS),
+        (KeyError("bug"), "InternalError", reconcile.ERROR_RETRY_SECONDS),
+    ],
+)
+def test_failures_are_classified(error: Exception, reason: str, retry: float | None) -> None:
+    failure = reconcile.classify(error)
+    assert (failure.reason, failure.retry_after, failure.permanent) == (reason, retry, retry is None)
+    assert failure.error is error
+
+
+def test_driver_errors_become_backend_unavailable() -> None:
+    from cassandra.cluster import NoHostAvailable
+    from kazoo.exceptions import ConnectionLoss
+
+    for error in (NoHostAvailable("no host", {}), ConnectionLoss()):
+        with pytest.raises(BackendUnavailable):
+            with reconcile.backend_errors():
+                raise error
+
+
+def test_deletion_policy_survives_an_otherwise_invalid_spec() -> None:
+    assert reconcile.deletion_policy({"deletionPolicy": "Delete", "shards": 0}) == "Delete"
+    assert reconcile.deletion_policy({}) == "Retain"
+    assert reconcile.deletion_policy(None) == "Retain"
+    assert reconcile.deletion_policy({"deletionPolicy": "Shred"}) == "Retain"
+
+
+# --- drift, lag, readiness ----------------------------------------------------------------
+
+
+def test_lag_counts_batches_between_offset_and_head() -> None:
+    heads = {0: 10, 1: 4, 2: 0}
+    assert reconcile.lag_batches(heads, {0: 11, 1: 11, 2: 1}) == 0  # all done ("latest")
+    assert reconcile.lag_batches(heads, {0: 1, 1: 3, 2: 1}) == 10 + 2
+    assert reconcile.lag_batches(heads, {}) == 0  # an unknown offset is drift, not lag
+
+
+def test_no_drift_right_after_apply() -> None:
+    assert reconcile.queue_drift(SPEC, in_place()) == []
+    assert reconcile.queue_readiness(SPEC, in_place()) == reconcile.Readiness(
+        True, "Reconciled", "2 shards, retention 1h, deletion policy Retain"
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"stored": None}, "the queue's znode is missing"),
+        ({"stored": QueueSpec(shards=2, retention_seconds=7200)}, "differs from the resource"),
+        ({"table_ttl": None}, "the messages table is missing"),
+        ({"table_ttl": 60}, "keeps messages 60s, not 3600s"),
+        ({"heads": {0: 5}}, "shards without a head znode: 1"),
+        ({"offsets": {"billing": {0: 1}}}, "subscriber billing has no offset for shards 1"),
+    ],
+)
+def test_drift_is_named(changes: dict[str, Any], problem: str) -> None:
+    drift = reconcile.queue_drift(SPEC, in_place(**changes))
+    assert len(drift) == 1 and problem in drift[0]
+    readiness = reconcile.queue_readiness(SPEC, in_place(**changes))
+    assert (readiness.ready, readiness.reason) == (False, "Drifted")
+
+
+def test_missing_shards_are_listed_as_ranges() -> None:
+    spec = QueueSpec(shards=8)
+    drift = reconcile.queue_drift(spec, in_place(spec, heads={1: 0, 6: 0}))
+    assert drift == ["shards without a head znode: 0, 2-5, 7"]
+
+
+def test_queue_figures() -> None:
+    published = datetime(2026, 3, 1, 11, 0)  # naive UTC, as the driver returns it
+    seen = in_place(
+        heads={0: 10, 1: 3},
+        offsets={"fast": {0: 11, 1: 4}, "slow": {0: 6, 1: 1}},
+        stats=QueueStats(oldest_pending=published),
+    )
+    assert reconcile.queue_figures(seen) == {
+        "shards": 2,
+        "publishedBatches": 13,
+        "lagBatches": 5 + 3,
+        "subscribers": 2,
+        "depth": None,
+        "oldestPendingTime": "2026-03-01T11:00:00Z",
+    }
+
+
+def test_subscriber_readiness() -> None:
+    spec = SubscriberSpec(queue="orders", dead_letter_queue="orders-dlq")
+    seen = SubscriberObservation(
+        queue_exists=True, stored=spec, heads={0: 4}, offsets={0: 2}, consumers=1, dead_letter_queue_exists=True
+    )
+    assert reconcile.subscriber_readiness(spec, seen).ready
+    assert reconcile.subscriber_figures(spec, seen) == {"queue": "orders", "lagBatches": 3, "consumers": 1}
+
+    no_queue = SubscriberObservation(False, None, {}, {}, 0, None)
+    assert reconcile.subscriber_readiness(spec, no_queue).reason == "QueueNotFound"
+    assert reconcile.subscriber_drift(spec, no_queue) == []
+    no_dlq = SubscriberObservation(True, spec, {0: 4}, {0: 2}, 0, False)
+    assert reconcile.subscriber_readiness(spec, no_dlq).reason == "DeadLetterQueueNotFound"
+    lost = SubscriberObservation(True, None, {0: 4}, {}, 0, True)
+    assert reconcile.subscriber_readiness(spec, lost).reason == "Drifted"
+
+
+def test_a_refresh_judges_only_what_a_reconcile_has_handled() -> None:
+    def status(reason: str, generation: int) -> dict[str, Any]:
+        return {"conditions": [{"type": "Ready", "status": "False", "reason": reason, "observedGeneration": generation}]}
+
+    assert not reconcile.may_repair(None, 1)  # never reconciled
+    assert not reconcile.may_repair(status("Reconciled", 1), 2)  # a new spec is being applied
+    assert not reconcile.may_repair(status("InvalidChange", 2), 2)  # failed for good
+    assert reconcile.may_repair(status("Reconciled", 2), 2)
+    assert reconcile.may_repair(status("BackendUnavailable", 2), 2)
+
+
+# --- flows without backends ---------------------------------------------------------------
+
+
+def test_invalid_spec_fails_for_good_without_touching_the_backends() -> None:
+    resource = Resource("default", "orders", {"shards": 0}, status={}, generation=3)
+    outcome = reconcile.reconcile_queue(untouchable, resource, NOW)
+    assert outcome.failure is not None and outcome.failure.permanent
+    condition = ready(outcome.status)
+    assert condition["status"] == "False" and condition["reason"] == "InvalidSpec"
+    assert condition["observedGeneration"] == 3 and outcome.status["observedGeneration"] == 3
+    assert condition["lastTransitionTime"] == "2026-03-01T12:00:00Z"
+
+
+def test_a_bad_name_is_an_invalid_spec() -> None:
+    outcome = reconcile.reconcile_queue(untouchable, Resource("default", "Orders.v2", {}), NOW)
+    assert outcome.failure is not None and outcome.failure.reason == "InvalidSpec"
+
+
+def test_backend_outage_is_retried_and_reported() -> None:
+    outcome = reconcile.reconcile_queue(unreachable, Resource("default", "orders", {}, generation=1), NOW)
+    assert outcome.failure is not None and outcome.failure.retry_after == reconcile.BACKEND_RETRY_SECONDS
+    assert ready(outcome.status)["reason"] == "BackendUnavailable"
+
+    subscriber = Resource("default", "billing", {"queue": "orders"}, generation=1)
+    outcome = reconcile.reconcile_subscriber(unreachable, subscriber, NOW)
+    assert outcome.failure is not None and ready(outcome.status)["reason"] == "BackendUnavailable"
+
+
+def test_retain_needs_no_backend() -> None:
+    outcome = reconcile.delete_queue(untouchable, Resource("default", "orders", {"deletionPolicy": "Retain"}))
+    assert outcome.failure is None and outcome.changes.actions == ["retained table and znodes"]
+    outcome = reconcile.delete_queue(unreachable, Resource("default", "orders", {"deletionPolicy": "Delete"}))
+    assert outcome.failure is not None and outcome.failure.reason == "BackendUnavailable"
+
+
+def test_deleting_a_subscriber_that_never_was_valid_is_a_no_op() -> None:
+    assert reconcile.delete_subscriber(untouchable, Resource("default", "billing", {})).failure is None
+    assert reconcile.delete_subscriber(untouchable, Resource("default", "Bad_Name", {"queue": "q"})).failure is None
+
+
+def test_a_refresh_leaves_conditions_alone_until_reconciled() -> None:
+    fresh = Resource("default", "orders", {}, status={}, generation=1)
+    outcome = reconcile.refresh_queue(unreachable, fresh, NOW)
+    assert outcome.failure is not None and outcome.status == {}
+    # Once reconciled, an outage flips Ready; the next reconcile or refresh flips it back.
+    reconciled = {
+        "conditions": conditions.with_condition(
+            None, "Ready", status=True, reason="Reconciled", message="ok", generation=1, now=NOW - timedelta(hours=1)
+        )
+    }
+    outcome = reconcile.refresh_queue(unreachable, Resource("default", "orders", {}, reconciled, 1), NOW)
+    assert ready(outcome.status)["reason"] == "BackendUnavailable"
+    assert ready(outcome.status)["lastTransitionTime"] == "2026-03-01T12:00:00Z"
+    # An invalid spec is the reconcile's to report: the refresh stays silent.
+    assert reconcile.refresh_queue(untouchable, Resource("default", "orders", {"shards": 0}), NOW).status == {}
