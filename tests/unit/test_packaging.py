@@ -1,7 +1,12 @@
 """The package list in pyproject.toml is written by hand (folders map to casque.*); keep it whole."""
 
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +27,14 @@ def test_every_python_package_folder_is_declared() -> None:
     assert found == declared
 
 
-def test_no_package_shadows_the_standard_library() -> None:
-    import operator
-
-    assert not operator.__file__.startswith(str(ROOT))
+@pytest.mark.parametrize("flags", [[], ["-S"]])
+def test_the_operator_folder_never_shadows_the_standard_library(flags: list[str]) -> None:
+    """Even with the repository root on PYTHONPATH, `operator` is the standard library's."""
+    probe = "import operator, collections; print(operator.__file__); print(operator.eq(1, 1))"
+    result = subprocess.run(
+        [sys.executable, *flags, "-c", probe],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, cwd=ROOT, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    path, equal = result.stdout.split()
+    assert not path.startswith(str(ROOT)) and equal == "True"

@@ -1,0 +1,219 @@
+"""Faults the seed designs worry about, injected into the real servers.
+
+A history checker reads the whole log back and proves: nothing acknowledged is lost,
+nothing is stored twice, nothing is stored that was not published, and batches never merge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from cassandra.cluster import Cluster, ExecutionProfile, EXEC_PROFILE_DEFAULT
+
+from casque.devstack import processes
+from casque.engine import catalog
+from casque.engine.batches import Log
+from casque.engine.consumer import Consumer
+from casque.engine.messages import OutgoingMessage, Published
+from casque.engine.publisher import Publisher
+from casque.errors import BackendUnavailable
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+from tests.fixtures.stack import Backends
+
+QUEUE = QueueRef("default", "faults")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def needs_own_stack(backends: Backends) -> None:
+    if backends.stack is None:
+        pytest.skip("injects faults into the servers the test session started itself")
+
+
+async def read_log(store: Store, spec: QueueSpec) -> dict[tuple[int, int], list[tuple[str, bytes]]]:
+    """(shard, batch) -> [(message id, payload)] for every batch in the log, checking contiguity."""
+    log = Log(store, QUEUE, "ONE")
+    found: dict[tuple[int, int], list[tuple[str, bytes]]] = {}
+    for shard in range(spec.shards):
+        batch = 1
+        while True:
+            chunk = await log.read_from(shard, batch)
+            if not chunk:
+                break
+            for b in chunk:
+                assert b.header.batch == batch, f"gap before batch {shard}/{b.header.batch}"
+                assert len(b.messages) == b.header.message_count, "a batch is incomplete"
+                found[(shard, batch)] = [(m.message_id, m.payload) for m in b.messages]
+                batch += 1
+        head = catalog.read_int(store, store.paths(QUEUE).head(shard))
+        assert head <= batch - 1, "the head points past the log"
+    return found
+
+
+def check_history(
+    stored: dict[tuple[int, int], list[tuple[str, bytes]]],
+    acked: dict[str, tuple[int, int, int]],
+    writer_of: Callable[[bytes], str],
+    published_payloads: set[bytes],
+) -> None:
+    seen: dict[str, tuple[int, int, int]] = {}
+    for (shard, batch), messages in stored.items():
+        writers = {writer_of(payload) for _, payload in messages}
+        assert len(writers) <= 1, f"batch {shard}/{batch} merges writers {writers}"
+        for seq, (message_id, payload) in enumerate(messages):
+            assert payload in published_payloads, f"stored but never published: {payload!r}"
+            assert message_id not in seen, f"{message_id} stored twice"
+            seen[message_id] = (shard, batch, seq)
+    for message_id, position in acked.items():
+        assert seen.get(message_id) == position, f"acknowledged {message_id} lost or moved"
+
+
+async def test_paused_publisher_with_expired_session_cannot_corrupt_batches(
+    backends: Backends, store: Store, zk_hosts: str
+) -> None:
+    needs_own_stack(backends)
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    cassandra = f"{backends.contact_points[0]}:{backends.cql_port}"
+
+    def start(name: str, count: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.fault_publisher", name, str(count), store.keyspace,
+             cassandra, zk_hosts],
+            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        )
+
+    paused = start("paused", 200)
+    first_lines = [paused.stdout.readline() for _ in range(20)] if paused.stdout else []
+    assert all(first_lines), "the publisher to pause did not publish"
+    os.kill(paused.pid, signal.SIGSTOP)
+    try:
+        # Its ZooKeeper session expires while it is stopped.
+        deadline = time.monotonic() + 60
+        while store.zk.exists("/alive/paused"):
+            assert time.monotonic() < deadline, "session did not expire"
+            await asyncio.sleep(0.1)
+        rival = start("rival", 150)
+        rival_out, _ = await asyncio.to_thread(rival.communicate, timeout=300)
+        assert rival.returncode == 0
+    finally:
+        os.kill(paused.pid, signal.SIGCONT)
+    paused_rest, _ = await asyncio.to_thread(paused.communicate, timeout=300)
+    assert paused.returncode == 0
+
+    lines = [json.loads(line) for line in "".join(first_lines).splitlines() + paused_rest.splitlines()
+             + rival_out.splitlines() if line.strip()]
+    acked = {line["id"]: (line["shard"], line["batch"], line["seq"]) for line in lines}
+    assert sum(1 for line in lines if line["payload"].startswith("paused-")) > 20  # it went on after resuming
+    published = {f"paused-{i}".encode() for i in range(200)} | {f"rival-{i}".encode() for i in range(150)}
+    stored = await read_log(store, spec)
+    check_history(stored, acked, lambda payload: payload.split(b"-")[0].decode(), published)
+
+
+async def test_cassandra_timeout_is_retryable_and_loses_nothing_acknowledged(
+    backends: Backends, store: Store, cql: object
+) -> None:
+    needs_own_stack(backends)
+    assert backends.stack is not None
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    impatient = Cluster(
+        backends.contact_points, port=backends.cql_port,
+        execution_profiles={EXEC_PROFILE_DEFAULT: ExecutionProfile(request_timeout=1.0)},
+    )
+    session = impatient.connect()
+    fast_store = Store(session, store.zk, store.keyspace, store.zk_root, store.replication_cql)
+    publisher = Publisher(fast_store, QUEUE, spec)
+    node_dir = backends.stack.cassandra_nodes()[0].directory
+    acked: dict[str, tuple[int, int, int]] = {}
+    failures = 0
+    payloads: set[bytes] = set()
+
+    async def publish(i: int) -> None:
+        nonlocal failures
+        payload = f"w-{i}".encode()
+        payloads.add(payload)
+        try:
+            (result,) = await publisher.publish([OutgoingMessage(payload)])
+        except BackendUnavailable:
+            failures += 1
+            return
+        acked[result.message_id] = (result.shard, result.batch, result.seq)
+
+    try:
+        await asyncio.gather(*(publish(i) for i in range(100)))
+        processes.pause(node_dir)
+        try:
+            await asyncio.gather(*(publish(i) for i in range(100, 150)))
+        finally:
+            processes.resume(node_dir)
+        assert failures > 0, "the pause produced no timeout"
+        # Once Cassandra answers again, publishing works again.
+        deadline = time.monotonic() + 120
+        while True:
+            before = len(acked)
+            await publish(1000 + len(payloads))
+            if len(acked) > before:
+                break
+            assert time.monotonic() < deadline, "publishing did not recover"
+        await asyncio.gather(*(publish(i) for i in range(2000, 2100)))
+        stored = await read_log(fast_store, spec)
+        check_history(stored, acked, lambda payload: "one writer", payloads)
+        assert len(acked) >= 200
+    finally:
+        impatient.shutdown()
+
+
+async def test_zookeeper_restart_loses_no_acknowledged_message(
+    backends: Backends, store: Store, zk_hosts: str
+) -> None:
+    needs_own_stack(backends)
+    assert backends.stack is not None
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, "survivor", SubscriberSpec(queue=QUEUE.name, start_position="earliest"))
+    publisher = Publisher(store, QUEUE, spec)
+    consumer = Consumer(store, QUEUE, "survivor")
+    await consumer.start()
+    published: set[str] = set()
+
+    async def publish(n: int, prefix: str) -> None:
+        results = await asyncio.gather(*(publisher.publish([OutgoingMessage(f"{prefix}{i}".encode())]) for i in range(n)))
+        published.update(r[0].message_id for r in results)
+
+    received: set[str] = set()
+
+    async def consume_until(count: int) -> None:
+        deadline = time.monotonic() + 120
+        while len(received) < count:
+            assert time.monotonic() < deadline, f"only {len(received)} of {count} received"
+            try:
+                for d in await consumer.receive(max_messages=50, wait=1):
+                    await consumer.ack(d.receipt)
+                    received.add(d.message.message_id)
+            except BackendUnavailable:
+                await asyncio.sleep(0.2)
+
+    try:
+        await publish(100, "before-")
+        await consume_until(50)
+        zookeeper = backends.stack.zookeeper()
+        await asyncio.to_thread(zookeeper.stop)
+        await publish(50, "during-")  # publishing needs only Cassandra
+        await asyncio.to_thread(zookeeper.start)
+        await asyncio.to_thread(zookeeper.wait_ready)
+        await publish(50, "after-")
+        await consume_until(len(published))
+        assert received == published
+    finally:
+        await consumer.stop()
