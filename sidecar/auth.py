@@ -1,0 +1,35 @@
+"""Optional bearer token: when the sidecar has one, API calls must present it.
+
+The sidecar listens on localhost, so the token guards against other processes of the pod
+(or of the node, with host networking), not against the network. Probes, metrics and the
+OpenAPI document carry no message data and stay open, so kubelet and Prometheus need no
+secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from casque.sidecar.errors import Unauthorized
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
+
+
+def bearer_middleware(token: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            # Constant time, so the answer's timing does not reveal how much of a guess was right.
+            if not hmac.compare_digest(given, expected):
+                raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
+        return await handler(request)
+
+    return middleware

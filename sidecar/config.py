@@ -1,0 +1,104 @@
+"""What one sidecar serves and how: read from CASQUE_SIDECAR_* variables, overridden by flags.
+
+The backend connection (Cassandra, ZooKeeper, keyspace) is casque's shared `Settings`
+(CASQUE_* variables); these settings say where the sidecar listens, which subscribers it
+consumes for, and how it pushes and shuts down.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from casque.schema import NAME_PATTERN
+
+DEFAULT_PORT = 8717
+_STATUS_RANGE = re.compile(r"^(\d{3})(?:-(\d{3}))?$")
+
+
+def parse_statuses(text: str) -> frozenset[int]:
+    """HTTP statuses from a list such as '408,425,429,500-599'."""
+    statuses: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        match = _STATUS_RANGE.match(part)
+        if match is None:
+            raise ValueError(f"{part!r} is not an HTTP status or a range like 500-599")
+        low = int(match.group(1))
+        high = int(match.group(2) or low)
+        if not 100 <= low <= high <= 599:
+            raise ValueError(f"{part!r} is not a range of HTTP statuses")
+        statuses.update(range(low, high + 1))
+    return frozenset(statuses)
+
+
+class SidecarSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CASQUE_SIDECAR_", extra="forbid")
+
+    # Localhost only by default: the API has no transport security, and the app is in the same pod.
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = DEFAULT_PORT
+    namespace: Annotated[str, Field(pattern=NAME_PATTERN.pattern)] = "default"
+    # The queue whose subscribers this sidecar consumes for. Publishing works to any queue
+    # of the namespace, so a publish-only sidecar needs neither.
+    queue: Annotated[str | None, Field(pattern=NAME_PATTERN.pattern)] = None
+    # Comma-separated in the environment: CASQUE_SIDECAR_SUBSCRIBERS=billing,audit
+    subscribers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # When set, every call but /healthz, /readyz, /metrics and /openapi.json needs
+    # `Authorization: Bearer <token>`.
+    token: SecretStr | None = None
+    # On SIGTERM: how long to keep serving acks for messages already handed out, so the
+    # app can finish them, before the leases are released to other sidecars.
+    drain_seconds: Annotated[float, Field(ge=0, le=3600)] = 20.0
+    # Long polls longer than this are cut short: proxies and clients time out idle requests.
+    max_wait_seconds: Annotated[float, Field(ge=0, le=300)] = 20.0
+    max_request_bytes: Annotated[int, Field(ge=64 * 1024)] = 32 * 1024 * 1024
+    # Group commit linger: wait this long for more publishes before writing a batch.
+    publish_linger_seconds: Annotated[float, Field(ge=0, le=1)] = 0.0
+
+    # Push delivery: POST each message to this URL (overrides the Subscriber's pushUrl).
+    push_url: str | None = None
+    push_concurrency: Annotated[int, Field(ge=1, le=1000)] = 8
+    push_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    # A 2xx acks. A retry status nacks with exponential backoff (connection errors and
+    # timeouts too). A drop status dead-letters. Retry wins where the two overlap; a status
+    # in neither (1xx, 3xx) is retried.
+    push_retry_statuses: Annotated[frozenset[int], NoDecode] = parse_statuses("408,425,429,500-599")
+    push_drop_statuses: Annotated[frozenset[int], NoDecode] = parse_statuses("400-499")
+    push_backoff_seconds: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    push_max_backoff_seconds: Annotated[float, Field(gt=0, le=12 * 3600)] = 300.0
+
+    @field_validator("subscribers", mode="before")
+    @classmethod
+    def _split_names(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator("subscribers")
+    @classmethod
+    def _valid_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not NAME_PATTERN.match(name):
+                raise ValueError(f"subscriber name {name!r} must be a DNS label")
+        return list(dict.fromkeys(value))
+
+    @field_validator("push_retry_statuses", "push_drop_statuses", mode="before")
+    @classmethod
+    def _statuses(cls, value: object) -> object:
+        return parse_statuses(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _subscribers_need_a_queue(self) -> SidecarSettings:
+        if self.subscribers and self.queue is None:
+            raise ValueError("subscribers need the queue they belong to (CASQUE_SIDECAR_QUEUE or --queue)")
+        return self
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"

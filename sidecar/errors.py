@@ -1,0 +1,161 @@
+"""The one place where failures become HTTP answers.
+
+Every error leaves the sidecar as `{"error": {"code": ..., "message": ...}}` with a stable
+code. Bad input is a 4xx and names what was wrong; a 5xx means our fault, or a backend
+that did not answer (503 with Retry-After, safe to retry: publishes carry an id).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from casque.engine.consumer import ConsumerStopped
+from casque.engine.messages import InvalidReceipt
+from casque.errors import (
+    BackendUnavailable,
+    CasqueError,
+    InvalidChange,
+    InvalidSpec,
+    MessageTooLarge,
+    PositionOutOfRange,
+    QueueNotFound,
+    StaleReceipt,
+    SubscriberNotFound,
+)
+from casque.sidecar.models import ErrorBody, ErrorDetail, ErrorResponse
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class SidecarError(CasqueError):
+    """Refusals that only the HTTP layer knows about."""
+
+    status = 400
+
+    def __init__(self, message: str, code: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+
+class InvalidRequest(SidecarError):
+    code = "invalid_request"
+
+    def __init__(self, message: str, details: list[ErrorDetail] | None = None, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.details = details
+
+
+class Unauthorized(SidecarError):
+    code = "unauthorized"
+    status = 401
+
+
+class SubscriberNotServed(SidecarError):
+    """The subscriber exists, but this sidecar does not consume for it."""
+
+    code = "subscriber_not_served"
+    status = 404
+
+
+class NotReady(SidecarError):
+    """Starting, or shutting down: try again (on this sidecar, or on the next pod)."""
+
+    code = "not_ready"
+    status = 503
+
+
+# Most specific class first: the first match in an error's MRO wins.
+STATUS: Mapping[type[CasqueError], int] = {
+    InvalidReceipt: 400,
+    InvalidChange: 409,
+    InvalidSpec: 400,
+    PositionOutOfRange: 400,
+    QueueNotFound: 404,
+    SubscriberNotFound: 404,
+    StaleReceipt: 409,
+    MessageTooLarge: 413,
+    BackendUnavailable: 503,
+    ConsumerStopped: 503,
+}
+
+
+def status_of(error: CasqueError) -> int:
+    if isinstance(error, SidecarError):
+        return error.status
+    for cls in type(error).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def error_body(error: CasqueError) -> ErrorBody:
+    """How one error reads in a response (also inside per-receipt results)."""
+    details = getattr(error, "details", None)
+    if details:
+        return ErrorBody(code=error.code, message=str(error), details=details)
+    return ErrorBody(code=error.code, message=str(error))
+
+
+def respond(status: int, body: ErrorBody, headers: Mapping[str, str] | None = None) -> web.Response:
+    extra = dict(headers or {})
+    if status == 503:
+        extra.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
+    return web.json_response(ErrorResponse(error=body).wire(), status=status, headers=extra)
+
+
+def from_validation(error: ValidationError, what: str = "request body") -> InvalidRequest:
+    """A pydantic failure as one readable line plus a detail per field."""
+    details = []
+    for item in error.errors(include_url=False, include_input=False):
+        if item["type"] == "json_invalid":
+            return InvalidRequest(f"{what} is not valid JSON: {item['msg']}", code="invalid_json")
+        location = ".".join(str(part) for part in item["loc"]) or "(body)"
+        details.append(ErrorDetail(field=location, problem=item["msg"]))
+    summary = "; ".join(f"{d.field}: {d.problem}" for d in details[:5])
+    more = f" (and {len(details) - 5} more)" if len(details) > 5 else ""
+    return InvalidRequest(f"invalid {what}: {summary}{more}", details)
+
+
+# aiohttp's own refusals (no route, wrong method, body too large) in our format.
+_HTTP_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except CasqueError as error:
+        status = status_of(error)
+        headers = {"WWW-Authenticate": 'Bearer realm="casque"'} if isinstance(error, Unauthorized) else None
+        if status >= 500:
+            log.warning("%s %s: %s: %s", request.method, request.path, error.code, error)
+        return respond(status, error_body(error), headers)
+    except web.HTTPException as http:
+        if http.status < 400:
+            raise
+        code = _HTTP_CODES.get(http.status, "http_error")
+        message = http.text or http.reason
+        if http.status == 413:
+            message = f"request body too large: {http.text}"
+        headers = {k: v for k, v in http.headers.items() if k.lower() == "allow"}
+        return respond(http.status, ErrorBody(code=code, message=message.strip()), headers)
+    except Exception:
+        # Our fault. Nothing partial was acknowledged: an unfinished publish returns no success.
+        log.exception("%s %s failed", request.method, request.path)
+        return respond(500, ErrorBody(code="internal", message="internal error in the sidecar; see its log"))

@@ -1,0 +1,20 @@
+"""The typed keys under which the sidecar's app holds its parts (shared by the factory and the routes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from casque.config import Settings
+from casque.sidecar.config import SidecarSettings
+from casque.sidecar.metrics import SidecarMetrics
+from casque.sidecar.service import QueueService
+from casque.store import Store
+
+SETTINGS = web.AppKey("settings", SidecarSettings)
+BACKENDS = web.AppKey("backends", Settings)
+METRICS = web.AppKey("metrics", SidecarMetrics)
+STORE = web.AppKey("store", Store)
+SERVICE = web.AppKey("service", QueueService)
+OPENAPI = web.AppKey("openapi", dict[str, Any])

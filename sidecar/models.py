@@ -1,0 +1,470 @@
+"""The sidecar API's request and response bodies: validated here, described in the OpenAPI document.
+
+A published and a delivered message have the shape of a CloudEvent in structured JSON
+mode (`specversion`, `id`, `source`, `type`, `time`, `datacontenttype`, `data` or
+`data_base64`), so apps and tools that speak CloudEvents read them as they are. casque's
+own fields are CloudEvents extension attributes (lowercase, no separators): `partitionkey`
+(the CloudEvents partitioning extension), `deliverycount`, `receipt`, `shard`, `batch`,
+`seq`, `visibleuntil`, `expiresat`. Application attributes travel in `attributes`.
+
+The other bodies use camelCase. Every body refuses unknown fields: a misspelt `delay`
+must not publish a message that was meant to wait. Fields that the engine will gain
+(`delay`, `deliverAt`, `priority`) join `PublishMessage` when it can honour them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import time
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic.alias_generators import to_camel
+
+from casque.engine.messages import Delivery, OutgoingMessage, Published
+from casque.engine.stats import QueueStats, SubscriberStats
+from casque.schema import MAX_RETENTION_SECONDS, QueueRef
+
+MAX_BATCH_MESSAGES = 1000
+MAX_RECEIVE = 1000
+MAX_RECEIPTS = 1000
+MAX_VISIBILITY_SECONDS = 12 * 3600
+MAX_ATTRIBUTES = 64
+SPECVERSION: Literal["1.0"] = "1.0"
+DEFAULT_TYPE = "casque.message"
+# CloudEvents `type`, `source` and `subject` of a published event ride in these attributes.
+CE_ATTRIBUTES = {"type": "ce-type", "source": "ce-source", "subject": "ce-subject"}
+JSON_CONTENT_TYPE = "application/json"
+BINARY_CONTENT_TYPE = "application/octet-stream"
+
+
+def _encodable(value: str) -> str:
+    # A JSON string may carry an unpaired surrogate ("\ud800"); Cassandra's text columns
+    # and our size accounting need real UTF-8, so refuse it here as bad input.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError("text must be valid Unicode (no unpaired surrogates)") from error
+    return value
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+AttributeName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:/-]{1,128}$"), AfterValidator(_encodable)]
+Receipt = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_-]+$")]
+Seconds = Annotated[float, Field(ge=0, le=MAX_VISIBILITY_SECONDS)]
+Visibility = Annotated[float, Field(gt=0, le=MAX_VISIBILITY_SECONDS)]
+
+
+class Body(BaseModel):
+    """A request body: strict JSON types, no unknown fields, finite numbers."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
+class Reply(BaseModel):
+    """A response body: camelCase on the wire."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    def wire(self) -> dict[str, Any]:
+        # Fields left unset (optional ones such as `error`) are left out; a field set to
+        # None on purpose (an unknown count) is sent as null.
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+# --- errors -------------------------------------------------------------------------------
+class ErrorDetail(Reply):
+    field: str
+    problem: str
+
+
+class ErrorBody(Reply):
+    code: str = Field(description="Stable, machine-readable: queue_not_found, stale_receipt, ...")
+    message: str = Field(description="For people; wording may change.")
+    details: list[ErrorDetail] | None = None
+
+
+class ErrorResponse(Reply):
+    error: ErrorBody
+
+
+# --- publishing ---------------------------------------------------------------------------
+def _is_json(content_type: str | None) -> bool:
+    if content_type is None:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media in ("application/json", "text/json") or media.endswith("+json")
+
+
+def _json_bytes(value: JsonValue) -> bytes:
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        # An unpaired surrogate inside the JSON: escaped, it is still the same JSON value.
+        return json.dumps(value, separators=(",", ":")).encode("ascii")
+
+
+class PublishMessage(Body):
+    """One message, as a CloudEvent. Give `data` (JSON, or text for a text content type) or `data_base64`."""
+
+    specversion: Literal["1.0"] | None = None
+    id: Annotated[Text | None, Field(min_length=1, max_length=256)] = Field(
+        default=None,
+        description="Idempotency key: a publish with an id already published within 10 minutes "
+        "is not written again and returns the first result with duplicate=true.",
+    )
+    type: Annotated[Text | None, Field(min_length=1, max_length=256)] = None
+    source: Annotated[Text | None, Field(min_length=1, max_length=1024)] = None
+    subject: Annotated[Text | None, Field(min_length=1, max_length=1024)] = None
+    datacontenttype: Annotated[
+        Text | None, Field(max_length=256, pattern=r"^[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+(\s*;.*)?$")
+    ] = None
+    data: JsonValue = None
+    data_base64: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9+/]*={0,2}$")] = None
+    partitionkey: Annotated[Text | None, Field(min_length=1, max_length=1024)] = Field(
+        default=None, description="Messages with one key go to one shard, in publish order."
+    )
+    attributes: Annotated[dict[AttributeName, Text], Field(max_length=MAX_ATTRIBUTES)] = Field(default_factory=dict)
+    ttl: Annotated[int | None, Field(ge=1, le=MAX_RETENTION_SECONDS)] = Field(
+        default=None, description="Seconds after publish when the message is no longer delivered."
+    )
+
+    @model_validator(mode="after")
+    def _one_payload(self) -> PublishMessage:
+        if self.data_base64 is not None:
+            if "data" in self.model_fields_set:
+                raise ValueError("give either data or data_base64, not both")
+            try:
+                base64.b64decode(self.data_base64, validate=True)
+            except (binascii.Error, ValueError) as error:
+                raise ValueError(f"data_base64 is not valid base64: {error}") from error
+        elif not _is_json(self.datacontenttype) and self.data is not None:
+            if not isinstance(self.data, str):
+                raise ValueError(f"data for content type {self.datacontenttype} must be a string (or use data_base64)")
+            _encodable(self.data)
+        for name in self.attributes:
+            if name.startswith("ce-"):
+                raise ValueError(f"attribute {name!r}: names starting with 'ce-' are reserved")
+        return self
+
+    def outgoing(self) -> OutgoingMessage:
+        """The engine's message: payload bytes, content type and attributes."""
+        content_type = self.datacontenttype
+        if self.data_base64 is not None:
+            payload = base64.b64decode(self.data_base64)
+            content_type = content_type or BINARY_CONTENT_TYPE
+        elif "data" not in self.model_fields_set:
+            payload = b""
+        elif _is_json(content_type):
+            payload = _json_bytes(self.data)
+            content_type = content_type or JSON_CONTENT_TYPE
+        elif self.data is None:
+            payload = b""
+        else:
+            assert isinstance(self.data, str)
+            payload = self.data.encode("utf-8")
+        attributes = dict(self.attributes)
+        for field, attribute in CE_ATTRIBUTES.items():
+            value = getattr(self, field)
+            if value is not None:
+                attributes[attribute] = value
+        return OutgoingMessage(
+            payload=payload,
+            key=self.partitionkey,
+            attributes=attributes,
+            content_type=content_type,
+            client_id=self.id,
+            ttl_seconds=self.ttl,
+        )
+
+
+class PublishBatchRequest(Body):
+    messages: Annotated[list[PublishMessage], Field(min_length=1, max_length=MAX_BATCH_MESSAGES)] = Field(
+        description="Written all or none: one invalid message refuses the whole request."
+    )
+
+
+class PublishResult(Reply):
+    message_id: str
+    shard: int
+    batch: int
+    seq: int
+    duplicate: bool = Field(description="true when the id was published before; nothing new was written")
+
+    @classmethod
+    def of(cls, published: Published) -> PublishResult:
+        return cls(
+            message_id=published.message_id,
+            shard=published.shard,
+            batch=published.batch,
+            seq=published.seq,
+            duplicate=published.duplicate,
+        )
+
+
+class PublishBatchResult(Reply):
+    results: list[PublishResult] = Field(description="In the order of the request's messages.")
+
+
+# --- receiving ----------------------------------------------------------------------------
+class ReceiveRequest(Body):
+    max_messages: Annotated[int, Field(ge=1, le=MAX_RECEIVE, alias="max")] = 10
+    wait: Seconds = Field(default=0.0, description="Seconds to wait for a first message (long poll).")
+    visibility: Visibility | None = Field(
+        default=None, description="Seconds the messages stay invisible to others (default: the Subscriber's)."
+    )
+
+
+class Message(BaseModel):
+    """A delivered message: a CloudEvent with casque's extension attributes."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    specversion: Literal["1.0"] = SPECVERSION
+    id: str
+    source: str
+    type: str
+    subject: str | None = None
+    time: datetime
+    datacontenttype: str | None = None
+    data: JsonValue = None
+    data_base64: str | None = None
+    partitionkey: str | None = None
+    attributes: dict[str, str] = Field(default_factory=dict)
+    deliverycount: int = Field(description="1 on first delivery; counts redeliveries after nack or expiry.")
+    receipt: str = Field(description="Names this delivery; ack, nack and extend take it.")
+    shard: int
+    batch: int
+    seq: int
+    visibleuntil: datetime = Field(description="When the message is handed out again unless acked.")
+    expiresat: datetime | None = None
+
+    def wire(self) -> dict[str, Any]:
+        # `data` may be a JSON null on purpose; absent fields are left out.
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+def source_of(queue: QueueRef) -> str:
+    return f"/casque/{queue.namespace}/{queue.name}"
+
+
+def envelope(delivery: Delivery, queue: QueueRef) -> Message:
+    """The CloudEvent for one delivery."""
+    stored = delivery.message
+    attributes = dict(stored.attributes)
+    fields: dict[str, Any] = {
+        "specversion": SPECVERSION,
+        "id": stored.message_id,
+        "type": attributes.pop(CE_ATTRIBUTES["type"], DEFAULT_TYPE),
+        "source": attributes.pop(CE_ATTRIBUTES["source"], source_of(queue)),
+        "time": stored.published_at,
+        "attributes": attributes,
+        "deliverycount": delivery.delivery_count,
+        "receipt": delivery.receipt,
+        "shard": stored.position.shard,
+        "batch": stored.position.batch,
+        "seq": stored.position.seq,
+        # The engine keeps deadlines on the monotonic clock; apps need a wall-clock time.
+        "visibleuntil": wall_clock(delivery.visible_until),
+    }
+    subject = attributes.pop(CE_ATTRIBUTES["subject"], None)
+    if subject is not None:
+        fields["subject"] = subject
+    if stored.key is not None:
+        fields["partitionkey"] = stored.key
+    if stored.expires_at is not None:
+        fields["expiresat"] = stored.expires_at
+    if stored.content_type is not None:
+        fields["datacontenttype"] = stored.content_type
+    fields.update(_data_fields(stored.payload, stored.content_type))
+    return Message(**fields)
+
+
+def _data_fields(payload: bytes, content_type: str | None) -> dict[str, Any]:
+    """`data` when the payload reads as its content type says (JSON or text), else `data_base64`."""
+    if not payload and content_type is None:
+        return {}
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    try:
+        if content_type is not None and _is_json(content_type):
+            return {"data": json.loads(payload)}
+        if media.startswith("text/"):
+            return {"data": payload.decode("utf-8")}
+    except ValueError:  # not what the content type claims: hand the bytes over untouched
+        pass
+    return {"data_base64": base64.b64encode(payload).decode("ascii")}
+
+
+def wall_clock(monotonic_deadline: float) -> datetime:
+    return datetime.fromtimestamp(time.time() + (monotonic_deadline - time.monotonic()), timezone.utc)
+
+
+class ReceiveResult(Reply):
+    messages: list[Message]
+
+    def wire(self) -> dict[str, Any]:
+        return {"messages": [m.wire() for m in self.messages]}
+
+
+# --- ack, nack, extend --------------------------------------------------------------------
+class _Receipts(Body):
+    receipt: Receipt | None = Field(default=None, description="One delivery; errors are answered with a 4xx.")
+    receipts: Annotated[list[Receipt] | None, Field(min_length=1, max_length=MAX_RECEIPTS)] = Field(
+        default=None, description="Several deliveries; each gets its own result, errors included."
+    )
+
+    @model_validator(mode="after")
+    def _one_form(self) -> _Receipts:
+        if (self.receipt is None) == (self.receipts is None):
+            raise ValueError("give either receipt or receipts")
+        return self
+
+    @property
+    def single(self) -> bool:
+        return self.receipt is not None
+
+    @property
+    def all(self) -> list[str]:
+        return [self.receipt] if self.receipt is not None else list(self.receipts or [])
+
+
+class AckRequest(_Receipts):
+    pass
+
+
+class NackRequest(_Receipts):
+    delay: Seconds = Field(default=0.0, description="Seconds before the message is delivered again.")
+
+
+class ExtendRequest(_Receipts):
+    visibility: Visibility = Field(description="Seconds from now during which the message stays invisible.")
+
+
+class ReceiptResult(Reply):
+    receipt: str
+    status: Literal["acked", "already_acked", "nacked", "extended"] | None = None
+    visible_until: datetime | None = None
+    error: ErrorBody | None = None
+
+
+class ReceiptResults(Reply):
+    results: list[ReceiptResult] = Field(description="In the order of the request's receipts.")
+
+
+# --- seek ---------------------------------------------------------------------------------
+class SeekRequest(Body):
+    to: Literal["earliest", "latest"] | None = None
+    time: AwareDatetime | None = Field(default=None, description="The first batch published at or after this time.")
+    batches: Annotated[
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,3}$")], Annotated[int, Field(ge=1, le=2**62)]] | None,
+        Field(min_length=1),
+    ] = Field(default=None, description="Shard number -> the batch to read next; other shards stay.")
+
+    @model_validator(mode="after")
+    def _one_target(self) -> SeekRequest:
+        given = [name for name in ("to", "time", "batches") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of to, time or batches")
+        return self
+
+
+class SeekResult(Reply):
+    offsets: dict[str, int] = Field(description="Shard -> the batch each shard reads next.")
+
+
+# --- stats --------------------------------------------------------------------------------
+class ShardStatsBody(Reply):
+    shard: int
+    head: int
+    published_messages: int | None
+    published_bytes: int | None
+    last_published_at: datetime | None
+
+
+class QueueStatsResult(Reply):
+    queue: str
+    published_messages: int | None
+    published_bytes: int | None
+    batches: int
+    shards: list[ShardStatsBody]
+    sampled_at: datetime
+
+    @classmethod
+    def of(cls, stats: QueueStats) -> QueueStatsResult:
+        return cls(
+            queue=stats.queue,
+            published_messages=stats.published_messages,
+            published_bytes=stats.published_bytes,
+            batches=stats.batches,
+            shards=[
+                ShardStatsBody(
+                    shard=s.shard,
+                    head=s.head,
+                    published_messages=s.published_messages,
+                    published_bytes=s.published_bytes,
+                    last_published_at=s.last_published_at,
+                )
+                for s in stats.shards
+            ],
+            sampled_at=stats.sampled_at,
+        )
+
+
+class SubscriberShardStatsBody(Reply):
+    shard: int
+    offset: int
+    head: int
+    lag_batches: int
+    lag_messages: int | None
+    oldest_unacked_at: datetime | None
+    leased_by: str | None
+
+
+class SubscriberStatsResult(Reply):
+    queue: str
+    subscriber: str
+    lag_batches: int
+    lag_messages: int | None
+    oldest_unacked_age_seconds: float | None
+    in_flight: int
+    delivered: int
+    redelivered: int
+    members: list[str]
+    shards: list[SubscriberShardStatsBody]
+    sampled_at: datetime
+
+    @classmethod
+    def of(cls, stats: SubscriberStats) -> SubscriberStatsResult:
+        return cls(
+            queue=stats.queue,
+            subscriber=stats.subscriber,
+            lag_batches=stats.lag_batches,
+            lag_messages=stats.lag_messages,
+            oldest_unacked_age_seconds=stats.oldest_unacked_age_seconds,
+            in_flight=stats.in_flight,
+            delivered=stats.delivered,
+            redelivered=stats.redelivered,
+            members=stats.members,
+            shards=[
+                SubscriberShardStatsBody(
+                    shard=s.shard,
+                    offset=s.offset,
+                    head=s.head,
+                    lag_batches=s.lag_batches,
+                    lag_messages=s.lag_messages,
+                    oldest_unacked_at=s.oldest_unacked_at,
+                    leased_by=s.leased_by,
+                )
+                for s in stats.shards
+            ],
+            sampled_at=stats.sampled_at,
+        )
+
+
+class Health(Reply):
+    status: Literal["ok", "unready", "draining"]
+    checks: dict[str, str] = Field(default_factory=dict)

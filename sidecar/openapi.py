@@ -1,0 +1,102 @@
+"""The OpenAPI 3.1 document of the sidecar, generated from the operations table and the models.
+
+The schemas are the pydantic models' own JSON Schemas (OpenAPI 3.1 uses JSON Schema 2020-12
+as pydantic does), so what the document promises is what the sidecar validates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
+
+from casque.schema import NAME_PATTERN
+from casque.sidecar.models import ErrorResponse, Message
+from casque.sidecar.routes import Operation
+
+REF = "#/components/schemas/{model}"
+_REASONS = {
+    400: "Bad input: invalid JSON, a missing or unknown field, a malformed receipt, a position out of range",
+    401: "Missing or wrong bearer token",
+    404: "No such queue or subscriber, or a subscriber this sidecar does not consume for",
+    409: "Stale receipt: the delivery expired, was settled, or the message was handed out again",
+    413: "A message larger than the queue allows, or a request body over the sidecar's limit",
+    503: "A backend did not answer, or the sidecar is starting or shutting down: retry after Retry-After",
+}
+
+
+def _name_parameter(name: str, description: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "description": description,
+        "schema": {"type": "string", "pattern": NAME_PATTERN.pattern, "maxLength": 63},
+    }
+
+
+def build(operations: Iterable[Operation], version: str, bearer_token: bool) -> dict[str, Any]:
+    operations = list(operations)
+    models: list[tuple[type[BaseModel], JsonSchemaMode]] = [(ErrorResponse, "serialization"), (Message, "serialization")]
+    for operation in operations:
+        if operation.request is not None:
+            models.append((operation.request, "validation"))
+        models.append((operation.response, "serialization"))
+    refs, definitions = models_json_schema(models, ref_template=REF)
+    error_ref = {"$ref": REF.format(model="ErrorResponse")}
+
+    paths: dict[str, dict[str, Any]] = {}
+    for operation in operations:
+        parameters = [_name_parameter("queue", "The queue's name (in the sidecar's namespace).")]
+        if "{subscriber}" in operation.path:
+            parameters.append(_name_parameter("subscriber", "The subscriber's name."))
+        spec: dict[str, Any] = {
+            "operationId": operation.operation_id,
+            "summary": operation.summary,
+            "parameters": parameters,
+            "responses": {
+                "200": {
+                    "description": "Done",
+                    "content": {"application/json": {"schema": refs[(operation.response, "serialization")]}},
+                },
+                **{
+                    str(status): {
+                        "description": _REASONS[status],
+                        "content": {"application/json": {"schema": error_ref}},
+                    }
+                    for status in sorted({*operation.errors, *((401,) if bearer_token else ())})
+                },
+                "default": {
+                    "description": "The sidecar's own fault",
+                    "content": {"application/json": {"schema": error_ref}},
+                },
+            },
+        }
+        if operation.request is not None:
+            spec["requestBody"] = {
+                "required": not operation.body_optional,
+                "content": {"application/json": {"schema": refs[(operation.request, "validation")]}},
+            }
+        paths.setdefault(operation.path, {})[operation.method.lower()] = spec
+
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "casque sidecar",
+            "version": version,
+            "description": (
+                "The localhost queue API of casque. Messages are CloudEvents (structured JSON) with "
+                "casque's extension attributes. Errors are {\"error\": {\"code\", \"message\"}} with a "
+                "stable code. Probes and metrics: GET /healthz, GET /readyz, GET /metrics (Prometheus)."
+            ),
+        },
+        "servers": [{"url": "/"}],
+        "paths": paths,
+        "components": {"schemas": definitions.get("$defs", {})},
+    }
+    if bearer_token:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+    return document

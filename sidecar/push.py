@@ -1,0 +1,183 @@
+"""Push delivery: the sidecar POSTs each message to the app instead of the app polling.
+
+The body is the same CloudEvent a receive returns (`Content-Type:
+application/cloudevents+json`). The app's answer settles the message:
+- 2xx: acked.
+- a retry status (default 408, 425, 429, 5xx), a refused connection or a timeout: nacked
+  with exponential backoff and jitter on the delivery count, so a struggling app gets
+  fewer requests, spread out, instead of a burst of retries.
+- a drop status (default the other 4xx): the app says it will never take the message.
+  Dead letters belong to the engine's Subscriber settings; until the engine takes a
+  message out of the log for good, a dropped message is nacked with the longest backoff
+  and logged, so nothing is lost.
+
+At most `push_concurrency` pushes run at once; a slot frees when the app answers. The
+visibility timeout covers the push timeout, so a slow app is not raced by a redelivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+
+import aiohttp
+
+from casque.engine.consumer import Consumer
+from casque.engine.messages import Delivery
+from casque.errors import CasqueError, StaleReceipt
+from casque.schema import QueueRef
+from casque.sidecar.config import SidecarSettings
+from casque.sidecar.metrics import SidecarMetrics
+from casque.sidecar.models import envelope
+
+log = logging.getLogger(__name__)
+
+CLOUDEVENTS_JSON = "application/cloudevents+json"
+# Receives wait at most this long, so a stopping worker notices soon.
+RECEIVE_WAIT_SECONDS = 1.0
+# A push may take the whole push timeout; the message stays invisible a little longer.
+VISIBILITY_MARGIN_SECONDS = 5.0
+
+
+def backoff(delivery_count: int, base: float, ceiling: float) -> float:
+    """Seconds before the next try: doubling per delivery, capped, with jitter in its upper half.
+
+    The jitter spreads the retries of messages that failed together (an app restart) over
+    time instead of sending them back in one burst.
+    """
+    exponent = min(max(delivery_count - 1, 0), 32)
+    delay = min(ceiling, base * 2.0**exponent)
+    return delay / 2 + random.uniform(0, delay / 2)
+
+
+def classify(status: int | None, settings: SidecarSettings) -> str:
+    """ack, retry or drop for an HTTP status (None: no answer at all)."""
+    if status is not None and 200 <= status < 300:
+        return "ack"
+    if status is None or status in settings.push_retry_statuses:
+        return "retry"
+    if status in settings.push_drop_statuses:
+        return "drop"
+    return "retry"
+
+
+class PushWorker:
+    def __init__(
+        self,
+        consumer: Consumer,
+        queue: QueueRef,
+        subscriber: str,
+        url: str,
+        settings: SidecarSettings,
+        metrics: SidecarMetrics,
+    ) -> None:
+        self.consumer = consumer
+        self.queue = queue
+        self.subscriber = subscriber
+        self.url = url
+        self.settings = settings
+        self.metrics = metrics
+        self._active: set[asyncio.Task[None]] = set()
+        self._slot_free = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.push_timeout_seconds)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        log.info("pushing %s/%s to %s", self.queue, self.subscriber, self.url)
+
+    @property
+    def visibility(self) -> float:
+        subscriber_default: float = self.consumer.visibility_timeout
+        push_bound: float = self.settings.push_timeout_seconds + VISIBILITY_MARGIN_SECONDS
+        return max(subscriber_default, push_bound)
+
+    async def _run(self) -> None:
+        limit = self.settings.push_concurrency
+        while not self._stopping:
+            free = limit - len(self._active)
+            if free <= 0:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+                continue
+            try:
+                deliveries = await self.consumer.receive(free, RECEIVE_WAIT_SECONDS, self.visibility)
+            except CasqueError as error:  # the consumer stopped, or a backend hiccup
+                if self._stopping:
+                    return
+                log.warning("push receive failed: %s", error)
+                await asyncio.sleep(RECEIVE_WAIT_SECONDS)
+                continue
+            if deliveries:
+                self.metrics.received.labels(self.queue.name, self.subscriber).inc(len(deliveries))
+            for delivery in deliveries:
+                task = asyncio.get_running_loop().create_task(self._push(delivery))
+                self._active.add(task)
+                task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._active.discard(task)
+        self._slot_free.set()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("push task failed", exc_info=task.exception())
+
+    async def _push(self, delivery: Delivery) -> None:
+        assert self._session is not None
+        body = json.dumps(envelope(delivery, self.queue).wire()).encode()
+        started = time.perf_counter()
+        status: int | None = None
+        try:
+            async with self._session.post(self.url, data=body, headers={"Content-Type": CLOUDEVENTS_JSON}) as reply:
+                status = reply.status
+                await reply.read()
+        except (aiohttp.ClientError, TimeoutError) as error:
+            log.info("push of %s failed: %s", delivery.message.message_id, error or type(error).__name__)
+        finally:
+            self.metrics.push_latency.labels(self.subscriber).observe(time.perf_counter() - started)
+        outcome = classify(status, self.settings)
+        self.metrics.pushes.labels(self.subscriber, outcome).inc()
+        try:
+            await self._settle(delivery, outcome, status)
+        except StaleReceipt:
+            # The visibility ran out (or the shard moved) while the app was busy: the
+            # message is someone else's now, and will be pushed again from there.
+            log.warning("push of %s settled too late; it will be delivered again", delivery.message.message_id)
+
+    async def _settle(self, delivery: Delivery, outcome: str, status: int | None) -> None:
+        labels = (self.queue.name, self.subscriber)
+        if outcome == "ack":
+            await self.consumer.ack(delivery.receipt)
+            self.metrics.acked.labels(*labels).inc()
+            return
+        ceiling = self.settings.push_max_backoff_seconds
+        if outcome == "drop":
+            log.warning(
+                "app refused message %s with %s; no dead-letter queue in the engine yet: "
+                "it comes back in %ss", delivery.message.message_id, status, ceiling,
+            )
+            delay = ceiling
+        else:
+            delay = backoff(delivery.delivery_count, self.settings.push_backoff_seconds, ceiling)
+        await self.consumer.nack(delivery.receipt, delay)
+        self.metrics.nacked.labels(*labels).inc()
+
+    async def stop(self, timeout: float) -> None:
+        """Take no more messages; let pushes under way finish (up to `timeout`) and settle."""
+        self._stopping = True
+        self._slot_free.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._active:
+            _, late = await asyncio.wait(set(self._active), timeout=timeout)
+            for task in late:
+                # Unsettled: the message stays in flight and returns after its visibility.
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()

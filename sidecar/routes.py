@@ -1,0 +1,232 @@
+"""The HTTP operations: each handler parses its body, calls the service, and shapes the answer.
+
+`OPERATIONS` is the API's table of contents: the app registers its routes from it, under
+their operationIds (which the metrics use as labels), and the OpenAPI document is built
+from the same table, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from casque.errors import CasqueError
+from casque.sidecar.errors import InvalidRequest, error_body, from_validation
+from casque.sidecar.keys import METRICS, OPENAPI, SERVICE
+from casque.sidecar.models import (
+    AckRequest,
+    Body,
+    ExtendRequest,
+    Health,
+    NackRequest,
+    PublishBatchRequest,
+    PublishBatchResult,
+    PublishMessage,
+    PublishResult,
+    QueueStatsResult,
+    ReceiptResult,
+    ReceiptResults,
+    ReceiveRequest,
+    ReceiveResult,
+    Reply,
+    SeekRequest,
+    SeekResult,
+    SubscriberStatsResult,
+    envelope,
+    wall_clock,
+)
+from casque.sidecar.service import QueueService
+
+B = TypeVar("B", bound=Body)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+QUEUE_PATH = "/v1/queues/{queue}"
+SUBSCRIBER_PATH = "/v1/queues/{queue}/subscribers/{subscriber}"
+
+
+@dataclass(frozen=True)
+class Operation:
+    operation_id: str
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    request: type[Body] | None
+    response: type[Reply]
+    # HTTP statuses (besides 200) with an error body that this operation answers with.
+    errors: tuple[int, ...]
+    body_optional: bool = False
+
+
+def _service(request: web.Request) -> QueueService:
+    return request.app[SERVICE]
+
+
+async def parse(request: web.Request, model: type[B], optional: bool = False) -> B:
+    raw = await request.read()
+    if not raw.strip():
+        if not optional:
+            raise InvalidRequest("the request needs a JSON object body", code="invalid_json")
+        raw = b"{}"
+    try:
+        body: B = model.model_validate_json(raw, strict=True)
+    except ValidationError as error:
+        raise from_validation(error) from None
+    return body
+
+
+def reply(body: Reply) -> web.Response:
+    return web.json_response(body.wire())
+
+
+# --- publishing -----------------------------------------------------------------------------
+async def publish(request: web.Request) -> web.Response:
+    message = await parse(request, PublishMessage)
+    (result,) = await _service(request).publish(request.match_info["queue"], [message.outgoing()])
+    return reply(PublishResult.of(result))
+
+
+async def publish_batch(request: web.Request) -> web.Response:
+    batch = await parse(request, PublishBatchRequest)
+    results = await _service(request).publish(request.match_info["queue"], [m.outgoing() for m in batch.messages])
+    return reply(PublishBatchResult(results=[PublishResult.of(r) for r in results]))
+
+
+# --- consuming ------------------------------------------------------------------------------
+async def receive(request: web.Request) -> web.Response:
+    ask = await parse(request, ReceiveRequest, optional=True)
+    service = _service(request)
+    queue, subscriber = request.match_info["queue"], request.match_info["subscriber"]
+    deliveries = await service.receive(queue, subscriber, ask.max_messages, ask.wait, ask.visibility)
+    ref = service.queue_ref(queue)
+    return reply(ReceiveResult(messages=[envelope(d, ref) for d in deliveries]))
+
+
+def _results(
+    receipts: Sequence[str], outcomes: Sequence[object], single: bool, shape: Callable[[str, object], ReceiptResult]
+) -> web.Response:
+    """The batch form reports each receipt; the single form answers an error with its 4xx."""
+    if single and isinstance(outcomes[0], CasqueError):
+        raise outcomes[0]
+    results = [
+        ReceiptResult(receipt=r, error=error_body(o)) if isinstance(o, CasqueError) else shape(r, o)
+        for r, o in zip(receipts, outcomes)
+    ]
+    return reply(ReceiptResults(results=results))
+
+
+async def ack(request: web.Request) -> web.Response:
+    body = await parse(request, AckRequest)
+    outcomes = await _service(request).ack(request.match_info["queue"], request.match_info["subscriber"], body.all)
+    return _results(
+        body.all, outcomes, body.single,
+        lambda r, newly: ReceiptResult(receipt=r, status="acked" if newly else "already_acked"),
+    )
+
+
+async def nack(request: web.Request) -> web.Response:
+    body = await parse(request, NackRequest)
+    outcomes = await _service(request).nack(
+        request.match_info["queue"], request.match_info["subscriber"], body.all, body.delay
+    )
+    return _results(body.all, outcomes, body.single, lambda r, _: ReceiptResult(receipt=r, status="nacked"))
+
+
+async def extend_visibility(request: web.Request) -> web.Response:
+    body = await parse(request, ExtendRequest)
+    outcomes = await _service(request).extend(
+        request.match_info["queue"], request.match_info["subscriber"], body.all, body.visibility
+    )
+
+    def extended(receipt: str, until: object) -> ReceiptResult:
+        assert isinstance(until, float)
+        return ReceiptResult(receipt=receipt, status="extended", visible_until=wall_clock(until))
+
+    return _results(body.all, outcomes, body.single, extended)
+
+
+async def seek(request: web.Request) -> web.Response:
+    body = await parse(request, SeekRequest)
+    offsets = await _service(request).seek(request.match_info["queue"], request.match_info["subscriber"], body)
+    return reply(SeekResult(offsets={str(shard): batch for shard, batch in sorted(offsets.items())}))
+
+
+# --- stats ----------------------------------------------------------------------------------
+async def queue_stats(request: web.Request) -> web.Response:
+    stats = await _service(request).queue_stats(request.match_info["queue"])
+    return reply(QueueStatsResult.of(stats))
+
+
+async def subscriber_stats(request: web.Request) -> web.Response:
+    stats = await _service(request).subscriber_stats(request.match_info["queue"], request.match_info["subscriber"])
+    return reply(SubscriberStatsResult.of(stats))
+
+
+# --- operations outside the API: probes, metrics, the document itself -------------------------
+async def healthz(request: web.Request) -> web.Response:
+    """Alive: the process answers. Draining is still alive (it is finishing work)."""
+    status = "draining" if _service(request).draining else "ok"
+    return reply(Health(status=status))
+
+
+async def readyz(request: web.Request) -> web.Response:
+    ready, checks = await _service(request).readiness()
+    status = "ok" if ready else ("draining" if _service(request).draining else "unready")
+    return web.json_response(Health(status=status, checks=checks).wire(), status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    await _service(request).refresh_gauges()
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
+_CONSUMER_ERRORS = (400, 404, 409, 503)
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("publish", "POST", f"{QUEUE_PATH}/messages", publish,
+              "Publish one message (answered after it is written)", PublishMessage, PublishResult,
+              (400, 404, 413, 503)),
+    Operation("publishBatch", "POST", f"{QUEUE_PATH}/messages/batch", publish_batch,
+              "Publish several messages, all or none", PublishBatchRequest, PublishBatchResult,
+              (400, 404, 413, 503)),
+    Operation("receive", "POST", f"{SUBSCRIBER_PATH}/receive", receive,
+              "Receive up to `max` messages, waiting up to `wait` seconds for the first",
+              ReceiveRequest, ReceiveResult, (400, 404, 503), body_optional=True),
+    Operation("ack", "POST", f"{SUBSCRIBER_PATH}/ack", ack,
+              "Acknowledge deliveries: they are done and never delivered again", AckRequest, ReceiptResults,
+              _CONSUMER_ERRORS),
+    Operation("nack", "POST", f"{SUBSCRIBER_PATH}/nack", nack,
+              "Hand deliveries back, to be delivered again after `delay` seconds", NackRequest, ReceiptResults,
+              _CONSUMER_ERRORS),
+    Operation("extendVisibility", "POST", f"{SUBSCRIBER_PATH}/extend", extend_visibility,
+              "Keep deliveries invisible for `visibility` more seconds", ExtendRequest, ReceiptResults,
+              _CONSUMER_ERRORS),
+    Operation("seek", "POST", f"{SUBSCRIBER_PATH}/seek", seek,
+              "Move a subscriber to the earliest or latest message, a time, or given batches",
+              SeekRequest, SeekResult, (400, 404, 503)),
+    Operation("queueStats", "GET", f"{QUEUE_PATH}/stats", queue_stats,
+              "Messages and bytes published, per shard and in total", None, QueueStatsResult, (404, 503)),
+    Operation("subscriberStats", "GET", f"{SUBSCRIBER_PATH}/stats", subscriber_stats,
+              "Lag, oldest unacked message, in-flight and redelivered counts", None, SubscriberStatsResult,
+              (404, 503)),
+)
+
+
+def add_routes(app: web.Application) -> None:
+    for operation in OPERATIONS:
+        app.router.add_route(operation.method, operation.path, operation.handler, name=operation.operation_id)
+    app.router.add_get("/healthz", healthz, name="healthz")
+    app.router.add_get("/readyz", readyz, name="readyz")
+    app.router.add_get("/metrics", metrics, name="metrics")
+    app.router.add_get("/openapi.json", openapi, name="openapi")
+

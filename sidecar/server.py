@@ -1,0 +1,77 @@
+"""Running the sidecar as a process, with a shutdown that loses nothing.
+
+On SIGTERM (Kubernetes stopping the pod) or SIGINT the sidecar keeps listening while it
+drains: new publishes and receives get 503 (the app's client retries elsewhere), accepted
+publishes finish their writes, and acks for messages already handed out are still taken,
+because the app in the same pod is finishing those very messages. Only then are acks and
+offsets flushed, leases released, and the listener closed. A second signal ends the
+process at once; that too loses nothing confirmed, since a publish is answered only
+after it is written and an ack only after its record is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+from aiohttp import web
+
+from casque.config import Settings
+from casque.sidecar.app import SERVICE, create_app
+from casque.sidecar.config import SidecarSettings
+
+log = logging.getLogger(__name__)
+
+# After draining, requests still open (none should be: long polls end on drain) get this long.
+CLOSE_TIMEOUT_SECONDS = 5.0
+
+
+async def serve(
+    settings: SidecarSettings,
+    backends: Settings | None = None,
+    on_listening: Callable[[str], None] | None = None,
+) -> None:
+    app = create_app(settings, backends)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=CLOSE_TIMEOUT_SECONDS, access_log=None)
+    await runner.setup()  # opens the Store: an unreachable backend fails here, before listening
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+        await site.start()
+        address = settings.base_url
+        if settings.port == 0:  # an ephemeral port: report the real one
+            sockets = runner.addresses
+            if sockets:
+                address = f"http://{settings.host}:{sockets[0][1]}"
+        log.info("casque sidecar listening on %s", address)
+        if on_listening is not None:
+            on_listening(address)
+        await _until_signalled()
+        log.info("stopping: draining for up to %ss", settings.drain_seconds)
+        await app[SERVICE].drain()
+    finally:
+        await runner.cleanup()
+    log.info("stopped")
+
+
+async def _until_signalled() -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for number in signals:
+        loop.add_signal_handler(number, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        # From now on a second signal has its default effect: the process ends at once.
+        for number in signals:
+            loop.remove_signal_handler(number)
+
+
+def run(settings: SidecarSettings, backends: Settings | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The drivers log every reconnect attempt at INFO; the sidecar's own lines matter more here.
+    for noisy in ("cassandra", "kazoo"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    asyncio.run(serve(settings, backends))

@@ -1,0 +1,442 @@
+"""What the sidecar does, without HTTP: publish, receive, settle, seek, report, and shut down well.
+
+One `QueueService` per sidecar. It keeps a publisher per queue it has published to
+(reloaded when the queue's spec changes) and a consumer per subscriber it serves. Routes
+translate HTTP to these calls and back; push delivery uses them too.
+
+Shutdown order (see `drain`): refuse new publishes and receives, let the publishes that
+were accepted finish their writes, keep answering acks for the messages already handed out
+until they are settled or the drain time is over, then write acks and offsets and release
+the leases. A publish is answered only after its batch is written, and the sidecar acks
+only what the app acked, so a stop at any point loses nothing that was confirmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from cassandra import OperationTimedOut, ReadTimeout, Unavailable, WriteTimeout
+from cassandra.cluster import NoHostAvailable
+from kazoo.client import KazooState
+from kazoo.exceptions import NoNodeError
+from kazoo.recipe.watchers import DataWatch
+
+from casque.backends import zk
+from casque.engine import catalog
+from casque.engine.consumer import Consumer
+from casque.engine.leases import assign
+from casque.engine.messages import Delivery, OutgoingMessage, Published
+from casque.engine.offsets import SeekTarget, seek
+from casque.engine.publisher import Publisher
+from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
+from casque.errors import (
+    BackendUnavailable,
+    CasqueError,
+    InvalidSpec,
+    MessageTooLarge,
+    PositionOutOfRange,
+    QueueNotFound,
+    SubscriberNotFound,
+)
+from casque.schema import QueueRef, validate_name
+from casque.sidecar.config import SidecarSettings
+from casque.sidecar.errors import NotReady, SubscriberNotServed
+from casque.sidecar.metrics import SidecarMetrics
+from casque.sidecar.models import SeekRequest
+from casque.store import Store
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Blocking client calls (catalog, seek) fail with the drivers' own exceptions; these mean
+# "a backend did not answer" and become 503s like the engine's BackendUnavailable.
+_UNAVAILABLE = (*zk.RETRYABLE, WriteTimeout, ReadTimeout, Unavailable, OperationTimedOut, NoHostAvailable)
+# A long poll checks for shutdown this often, so a stopping sidecar answers its waiting
+# receives at once instead of after their full wait.
+POLL_SLICE_SECONDS = 1.0
+START_RETRY_MIN_SECONDS = 0.5
+START_RETRY_MAX_SECONDS = 5.0
+# Accepted publishes get this long to finish their writes during shutdown; the driver's
+# own request timeout (10 s) ends each write well before.
+WRITE_DRAIN_SECONDS = 30.0
+STATS_TIMEOUT_SECONDS = 5.0
+
+
+async def blocking(call: Callable[..., T], *args: Any) -> T:
+    """Run a blocking catalog call in a thread; an unreachable backend becomes BackendUnavailable."""
+    try:
+        return await asyncio.to_thread(call, *args)
+    except _UNAVAILABLE as error:
+        raise BackendUnavailable(f"{type(error).__name__}: {error}") from error
+
+
+@dataclass
+class Subscription:
+    """A subscriber this sidecar consumes for; `consumer` is None until it has started."""
+
+    name: str
+    consumer: Consumer | None = None
+    problem: str = "starting"
+
+
+class QueueService:
+    def __init__(self, store: Store, settings: SidecarSettings, metrics: SidecarMetrics) -> None:
+        self.store = store
+        self.settings = settings
+        self.metrics = metrics
+        self.queue = QueueRef(settings.namespace, settings.queue) if settings.queue else None
+        self.subscriptions = {name: Subscription(name) for name in settings.subscribers}
+        self.draining = False
+        self._publishers: dict[str, Publisher] = {}
+        self._loading: dict[str, asyncio.Task[Publisher]] = {}
+        self._writes = 0
+        self._writes_idle = asyncio.Event()
+        self._writes_idle.set()
+        self._starter: asyncio.Task[None] | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
+        # Push workers (casque.sidecar.push) register here; the service stops them first on drain.
+        self.on_consumer_started: list[Callable[[Subscription], None]] = []
+        self.stoppers: list[Callable[[float], Awaitable[None]]] = []
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start consuming in the background: the queue or subscriber may not exist yet."""
+        if self.subscriptions:
+            self._starter = asyncio.get_running_loop().create_task(self._start_consumers())
+
+    async def _start_consumers(self) -> None:
+        assert self.queue is not None
+        delay = START_RETRY_MIN_SECONDS
+        while not self.draining:
+            pending = [s for s in self.subscriptions.values() if s.consumer is None]
+            if not pending:
+                return
+            for subscription in pending:
+                consumer = Consumer(self.store, self.queue, subscription.name)
+                try:
+                    await consumer.start()
+                except (QueueNotFound, SubscriberNotFound, BackendUnavailable, *_UNAVAILABLE) as error:
+                    subscription.problem = f"{type(error).__name__}: {error}"
+                    log.warning("subscriber %s not started yet: %s", subscription.name, subscription.problem)
+                    with contextlib.suppress(Exception):
+                        await consumer.stop()
+                    continue
+                if self.draining:
+                    await consumer.stop()
+                    return
+                subscription.consumer = consumer
+                subscription.problem = ""
+                log.info("consuming %s for subscriber %s as member %s", self.queue, subscription.name,
+                         consumer.member_id)
+                for hook in self.on_consumer_started:
+                    hook(subscription)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, START_RETRY_MAX_SECONDS)
+
+    async def drain(self) -> None:
+        """Stop taking work and finish what was taken (safe to call more than once)."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        await asyncio.shield(self._drain_task)
+
+    async def _drain(self) -> None:
+        self.draining = True
+        deadline = time.monotonic() + self.settings.drain_seconds
+        if self._starter is not None:
+            self._starter.cancel()
+            await asyncio.gather(self._starter, return_exceptions=True)
+        # Push workers first: they stop receiving and settle what they are pushing.
+        await asyncio.gather(*(stop(max(0.0, deadline - time.monotonic())) for stop in self.stoppers),
+                             return_exceptions=True)
+        try:
+            await asyncio.wait_for(self._writes_idle.wait(), WRITE_DRAIN_SECONDS)
+        except TimeoutError:
+            log.error("%d publishes still writing after %ss; their callers get no answer", self._writes,
+                      WRITE_DRAIN_SECONDS)
+        consumers = [s.consumer for s in self.subscriptions.values() if s.consumer is not None]
+        results = await asyncio.gather(
+            *(c.stop(max(0.0, deadline - time.monotonic())) for c in consumers), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                log.error("stopping a consumer failed: %r", result)
+        for publisher in list(self._publishers.values()):
+            with contextlib.suppress(Exception):
+                await publisher.flush_heads()
+        log.info("drained: leases released, acks and offsets written")
+
+    def _admit(self) -> None:
+        if self.draining:
+            raise NotReady("the sidecar is shutting down; retry on another sidecar or after its restart")
+
+    @contextlib.asynccontextmanager
+    async def _writing(self) -> AsyncIterator[None]:
+        self._writes += 1
+        self._writes_idle.clear()
+        try:
+            yield
+        finally:
+            self._writes -= 1
+            if self._writes == 0:
+                self._writes_idle.set()
+
+    # --- publishing ----------------------------------------------------------------------
+    def queue_ref(self, name: str) -> QueueRef:
+        try:
+            return QueueRef(self.settings.namespace, name)
+        except InvalidSpec as error:
+            raise QueueNotFound(f"no queue {name!r}: {error}") from error
+
+    async def publisher(self, name: str) -> Publisher:
+        known = self._publishers.get(name)
+        if known is not None:
+            return known
+        loading = self._loading.get(name)
+        if loading is None:
+            loading = asyncio.get_running_loop().create_task(self._load_publisher(name))
+            self._loading[name] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(name, None))
+        return await asyncio.shield(loading)
+
+    async def _load_publisher(self, name: str) -> Publisher:
+        ref = self.queue_ref(name)
+        state = await blocking(catalog.read_queue, self.store, ref)
+        publisher = await blocking(
+            lambda: Publisher(self.store, ref, state.spec, linger=self.settings.publish_linger_seconds)
+        )
+        self._publishers[name] = publisher
+        self._watch_spec(name, publisher, self.store.paths(ref).base)
+        return publisher
+
+    def _watch_spec(self, name: str, publisher: Publisher, path: str) -> None:
+        """Forget the publisher when its queue's spec changes (shards, size limit) or the queue goes."""
+        loop = asyncio.get_running_loop()
+
+        def forget() -> None:
+            if self._publishers.get(name) is publisher:
+                del self._publishers[name]
+
+        def changed(data: bytes | None, stat: object, event: object = None) -> bool:
+            if self._publishers.get(name) is not publisher or loop.is_closed():
+                return False  # replaced already: drop this watch
+            if event is not None:
+                loop.call_soon_threadsafe(forget)
+                return False
+            return True
+
+        DataWatch(self.store.zk, path, changed)
+
+    async def publish(self, queue: str, messages: Sequence[OutgoingMessage]) -> list[Published]:
+        """All or none: every message is checked before any is written."""
+        self._admit()
+        publisher = await self.publisher(queue)
+        for index, message in enumerate(messages):
+            try:
+                publisher.validate(message)
+            except (MessageTooLarge, InvalidSpec) as error:
+                where = f"messages[{index}]: " if len(messages) > 1 else ""
+                raise type(error)(f"{where}{error}") from error
+        async with self._writing():
+            results = await publisher.publish(messages)
+        fresh = sum(1 for r in results if not r.duplicate)
+        self.metrics.published.labels(queue).inc(fresh)
+        if fresh != len(results):
+            self.metrics.duplicates.labels(queue).inc(len(results) - fresh)
+        return results
+
+    # --- consuming -----------------------------------------------------------------------
+    async def served(self, queue: str, subscriber: str) -> tuple[Subscription, Consumer]:
+        """The running consumer of a subscriber this sidecar serves, or the right refusal."""
+        subscription = self.subscriptions.get(subscriber) if self.queue and queue == self.queue.name else None
+        if subscription is None:
+            ref = self.queue_ref(queue)
+            await self._require_subscriber(ref, subscriber)
+            served = ", ".join(f"{self.queue.name}/{s}" for s in self.subscriptions) if self.queue else "none"
+            raise SubscriberNotServed(
+                f"this sidecar does not consume for {ref}/{subscriber} (it serves: {served or 'none'})"
+            )
+        if subscription.consumer is None:
+            raise NotReady(f"subscriber {subscriber} is not consuming yet: {subscription.problem}")
+        return subscription, subscription.consumer
+
+    async def _require_subscriber(self, ref: QueueRef, subscriber: str) -> None:
+        try:
+            validate_name("subscriber", subscriber)
+        except InvalidSpec as error:
+            raise SubscriberNotFound(f"no subscriber {subscriber!r}: {error}") from error
+        await blocking(catalog.read_queue, self.store, ref)
+        await blocking(catalog.read_subscriber, self.store, ref, subscriber)
+
+    async def receive(
+        self, queue: str, subscriber: str, max_messages: int, wait: float, visibility: float | None
+    ) -> list[Delivery]:
+        self._admit()
+        _, consumer = await self.served(queue, subscriber)
+        deadline = time.monotonic() + min(wait, self.settings.max_wait_seconds)
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            got = await consumer.receive(max_messages, min(remaining, POLL_SLICE_SECONDS), visibility)
+            if got or remaining <= POLL_SLICE_SECONDS or self.draining:
+                break
+        self.count_deliveries(queue, subscriber, got)
+        return got
+
+    def count_deliveries(self, queue: str, subscriber: str, deliveries: Sequence[Delivery]) -> None:
+        if deliveries:
+            self.metrics.received.labels(queue, subscriber).inc(len(deliveries))
+            again = sum(1 for d in deliveries if d.delivery_count > 1)
+            if again:
+                self.metrics.redelivered.labels(queue, subscriber).inc(again)
+
+    # --- settling deliveries ----------------------------------------------------------------
+    # Allowed while draining: finishing what was handed out is what the drain waits for.
+    # Each receipt succeeds or fails on its own; concurrent acks share ack-log writes.
+    async def ack(self, queue: str, subscriber: str, receipts: Sequence[str]) -> list[bool | CasqueError]:
+        _, consumer = await self.served(queue, subscriber)
+        outcomes = await _each(receipts, consumer.ack)
+        acked = sum(1 for o in outcomes if o is True)
+        if acked:
+            self.metrics.acked.labels(queue, subscriber).inc(acked)
+        return outcomes
+
+    async def nack(
+        self, queue: str, subscriber: str, receipts: Sequence[str], delay: float
+    ) -> list[None | CasqueError]:
+        _, consumer = await self.served(queue, subscriber)
+        outcomes = await _each(receipts, lambda receipt: consumer.nack(receipt, delay))
+        nacked = sum(1 for o in outcomes if o is None)
+        if nacked:
+            self.metrics.nacked.labels(queue, subscriber).inc(nacked)
+        return outcomes
+
+    async def extend(
+        self, queue: str, subscriber: str, receipts: Sequence[str], visibility: float
+    ) -> list[float | CasqueError]:
+        """Per receipt: the monotonic time until which it stays invisible, or why not."""
+        _, consumer = await self.served(queue, subscriber)
+
+        async def one(receipt: str) -> float:
+            return time.monotonic() + await consumer.extend(receipt, visibility)
+
+        return await _each(receipts, one)
+
+    # --- stats and seek --------------------------------------------------------------------
+    async def queue_stats(self, queue: str) -> QueueStats:
+        return await _guarded(queue_stats(self.store, self.queue_ref(queue)))
+
+    async def subscriber_stats(self, queue: str, subscriber: str) -> SubscriberStats:
+        ref = self.queue_ref(queue)
+        try:
+            validate_name("subscriber", subscriber)
+        except InvalidSpec as error:
+            raise SubscriberNotFound(f"no subscriber {subscriber!r}: {error}") from error
+        return await _guarded(subscriber_stats(self.store, ref, subscriber))
+
+    async def seek(self, queue: str, subscriber: str, request: SeekRequest) -> dict[int, int]:
+        ref = self.queue_ref(queue)
+        await self._require_subscriber(ref, subscriber)
+        if request.to is not None:
+            target = SeekTarget(kind=request.to)
+        elif request.time is not None:
+            target = SeekTarget(kind="time", time=request.time)
+        else:
+            batches = {int(shard): batch for shard, batch in (request.batches or {}).items()}
+            shards = (await blocking(catalog.read_queue, self.store, ref)).spec.shards
+            outside = sorted(s for s in batches if s >= shards)
+            if outside:
+                raise PositionOutOfRange(f"queue {ref} has shards 0..{shards - 1}; no shard {outside[0]}")
+            target = SeekTarget(kind="batch", batches=batches)
+        return await blocking(seek, self.store, ref, subscriber, target)
+
+    # --- health ----------------------------------------------------------------------------
+    async def readiness(self) -> tuple[bool, dict[str, str]]:
+        """Ready: both backends answer, and every served subscriber holds the shards it is due."""
+        checks: dict[str, str] = {}
+        ready = not self.draining
+        if self.draining:
+            checks["sidecar"] = "draining"
+        zk_ok = self.store.zk.state == KazooState.CONNECTED
+        checks["zookeeper"] = "connected" if zk_ok else f"not connected ({self.store.zk.state})"
+        cluster = self.store.session.cluster
+        cassandra_ok = any(host.is_up for host in cluster.metadata.all_hosts())
+        checks["cassandra"] = "up" if cassandra_ok else "no host up"
+        ready = ready and zk_ok and cassandra_ok
+        for name, subscription in self.subscriptions.items():
+            consumer = subscription.consumer
+            if consumer is None:
+                checks[f"subscriber/{name}"] = subscription.problem
+                ready = False
+                continue
+            try:
+                due = await self._due_shards(consumer)
+            except (BackendUnavailable, NoNodeError) as error:
+                checks[f"subscriber/{name}"] = f"cannot read members: {error}"
+                ready = False
+                continue
+            missing = due - consumer.held_shards
+            held = ",".join(map(str, sorted(consumer.held_shards))) or "none"
+            checks[f"subscriber/{name}"] = (
+                f"waiting for leases on shards {sorted(missing)}" if missing else f"holding shards {held}"
+            )
+            ready = ready and not missing
+        return ready, checks
+
+    async def _due_shards(self, consumer: Consumer) -> set[int]:
+        members = await zk.call(self.store.zk.get_children_async, consumer.paths.members)
+        return assign(list(members), consumer.queue_state.spec.shards).get(consumer.member_id, set())
+
+    async def refresh_gauges(self) -> None:
+        """The gauges that need the backends, read when /metrics is scraped."""
+        metrics = self.metrics
+        for name, subscription in self.subscriptions.items():
+            consumer = subscription.consumer
+            if consumer is None:
+                continue
+            metrics.in_flight.labels(name).set(consumer.in_flight())
+            metrics.leases.labels(name).set(len(consumer.held_shards))
+        if self.queue is None:
+            return
+        for name in self.subscriptions:
+            try:
+                stats = await asyncio.wait_for(
+                    subscriber_stats(self.store, self.queue, name), STATS_TIMEOUT_SECONDS
+                )
+            except (CasqueError, TimeoutError, *_UNAVAILABLE) as error:
+                log.info("lag of %s not refreshed: %s", name, error)
+                continue
+            if stats.lag_messages is not None:
+                metrics.lag_messages.labels(name).set(stats.lag_messages)
+            metrics.lag_batches.labels(name).set(stats.lag_batches)
+            metrics.oldest_unacked.labels(name).set(stats.oldest_unacked_age_seconds or 0.0)
+
+
+async def _each(receipts: Sequence[str], action: Callable[[str], Awaitable[T]]) -> list[T | CasqueError]:
+    """`action` on every receipt at once; casque's refusals are results, anything else is raised."""
+    results = await asyncio.gather(*(action(r) for r in receipts), return_exceptions=True)
+    outcomes: list[T | CasqueError] = []
+    for result in results:
+        if isinstance(result, CasqueError):
+            outcomes.append(result)
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            outcomes.append(result)
+    return outcomes
+
+
+async def _guarded(awaitable: Awaitable[T]) -> T:
+    try:
+        return await awaitable
+    except _UNAVAILABLE as error:
+        raise BackendUnavailable(f"{type(error).__name__}: {error}") from error
+    except NoNodeError as error:
+        # A znode that vanished under the read: the queue or subscriber was deleted meanwhile.
+        raise QueueNotFound(f"the queue or subscriber was removed while reading: {error}") from error
