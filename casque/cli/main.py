@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from casque.cli import apply, dev
+from casque.cli import apply, dev, queue_commands
 from casque.errors import CasqueError
 from casque.operator import cli as operator_cli
 
@@ -15,6 +15,7 @@ app.add_typer(dev.app, name="dev")
 app.add_typer(operator_cli.app, name="operator")
 app.command("apply")(apply.apply_file)
 app.command("delete")(apply.delete_file)
+queue_commands.register(app)
 
 # Exit codes: 1 for casque's own refusals (bad input, unreachable backend), 2 is typer's usage error.
 EXIT_CASQUE_ERROR = 1

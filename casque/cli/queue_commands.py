@@ -1,0 +1,576 @@
+"""`casque sidecar`, `publish`, `consume`, `tail`, `stats`, `seek`: the queue from a terminal.
+
+Apart from `sidecar`, which serves the HTTP API, these commands work on the backends
+directly (the CASQUE_* settings, the local stack by default), so an operator needs no
+sidecar to look at or move a queue. `consume` joins the subscriber's group like any
+sidecar, and leaves it cleanly on Ctrl-C; `tail` reads the log and joins nothing, so it
+takes no messages from anyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from kazoo.recipe.watchers import DataWatch
+from pydantic import ValidationError
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from casque.backends import zk
+from casque.config import Settings
+from casque.engine import catalog
+from casque.engine.batches import Log
+from casque.engine.consumer import Consumer
+from casque.engine.messages import Delivery, OutgoingMessage, StoredMessage
+from casque.engine.offsets import SeekTarget, seek as seek_offsets
+from casque.engine.publisher import Publisher
+from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
+from casque.errors import CasqueError, InvalidSpec
+from casque.schema import QueueRef
+from casque.sidecar.config import DEFAULT_PORT, SidecarSettings
+from casque.sidecar.models import PublishMessage
+from casque.store import Store
+
+out = Console()
+err = Console(stderr=True)
+
+# Publishes from files and counts go out in requests of this many messages.
+PUBLISH_CHUNK = 500
+# Show a progress bar for operations on at least this many messages.
+PROGRESS_FROM = 200
+
+
+class UsageError(CasqueError):
+    code = "invalid_argument"
+
+
+# --- shared options -----------------------------------------------------------------------------
+NamespaceOption = Annotated[str, typer.Option("--namespace", "-n", help="The queues' namespace.")]
+CassandraOption = Annotated[
+    str | None,
+    typer.Option("--cassandra", help="Cassandra contact points HOST[,HOST...][:PORT] (default: CASQUE_* settings)."),
+]
+ZookeeperOption = Annotated[
+    str | None, typer.Option("--zookeeper", help="ZooKeeper connect string (default: CASQUE_ZOOKEEPER_HOSTS).")
+]
+KeyspaceOption = Annotated[str | None, typer.Option("--keyspace", help="The installation's keyspace.")]
+
+
+def backend_settings(cassandra: str | None, zookeeper: str | None, keyspace: str | None) -> Settings:
+    overrides: dict[str, Any] = {}
+    if cassandra:
+        hosts, _, port = cassandra.rpartition(":") if cassandra.rsplit(":", 1)[-1].isdigit() else (cassandra, "", "")
+        overrides["cassandra_contact_points"] = hosts
+        if port:
+            overrides["cassandra_port"] = int(port)
+    if zookeeper:
+        overrides["zookeeper_hosts"] = zookeeper
+    if keyspace:
+        overrides["keyspace"] = keyspace
+    with _readable_errors():
+        return Settings(**overrides)
+
+
+@contextmanager
+def _readable_errors() -> Iterator[None]:
+    """Settings and message validation failures as one line, like every other refusal."""
+    try:
+        yield
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in error.errors(include_url=False)
+        )
+        raise UsageError(problems) from None
+
+
+@asynccontextmanager
+async def opened(settings: Settings) -> AsyncIterator[Store]:
+    store = await asyncio.to_thread(Store.open, settings)
+    try:
+        yield store
+    finally:
+        await asyncio.to_thread(store.close)
+
+
+def _queue(namespace: str, name: str) -> QueueRef:
+    return QueueRef.parse(name) if "/" in name else QueueRef(namespace, name)
+
+
+@asynccontextmanager
+async def _interruptible() -> AsyncIterator[asyncio.Event]:
+    """An event set by Ctrl-C or SIGTERM, so long commands stop cleanly (leases released)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for number in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(number, stop.set)
+    try:
+        yield stop
+    finally:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(number)
+
+
+def _progress(total: int, what: str) -> Progress:
+    return Progress(
+        TextColumn(f"[bold]{what}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        console=err, transient=True, disable=total < PROGRESS_FROM,
+    )
+
+
+# --- sidecar ------------------------------------------------------------------------------------
+def sidecar(
+    queue: Annotated[str | None, typer.Option("--queue", "-q", help="The queue whose subscribers to serve.")] = None,
+    subscriber: Annotated[
+        list[str] | None, typer.Option("--subscriber", "-s", help="A subscriber to consume for (repeatable).")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Address to listen on (default 127.0.0.1: the pod only).")] = None,
+    port: Annotated[int | None, typer.Option(help=f"Port to listen on (default {DEFAULT_PORT}).")] = None,
+    namespace: Annotated[str | None, typer.Option("--namespace", "-n", help="The queues' namespace.")] = None,
+    token: Annotated[
+        str | None, typer.Option(help="Require this bearer token (better: CASQUE_SIDECAR_TOKEN).", show_default=False)
+    ] = None,
+    drain_seconds: Annotated[float | None, typer.Option(help="On SIGTERM, time to let the app settle what it holds.")] = None,
+    max_wait: Annotated[float | None, typer.Option(help="Longest long poll, in seconds.")] = None,
+    push_url: Annotated[str | None, typer.Option(help="POST messages to this URL instead of waiting for receives.")] = None,
+    push_concurrency: Annotated[int | None, typer.Option(help="Pushes under way at once.")] = None,
+    cassandra: CassandraOption = None,
+    zookeeper: ZookeeperOption = None,
+    keyspace: KeyspaceOption = None,
+) -> None:
+    """Serve the localhost HTTP API (CASQUE_SIDECAR_* settings, overridden by these flags)."""
+    from casque.sidecar.server import run
+
+    given: dict[str, Any] = {
+        "queue": queue, "subscribers": subscriber or None, "host": host, "port": port, "namespace": namespace,
+        "token": token, "drain_seconds": drain_seconds, "max_wait_seconds": max_wait, "push_url": push_url,
+        "push_concurrency": push_concurrency,
+    }
+    with _readable_errors():
+        settings = SidecarSettings(**{k: v for k, v in given.items() if v is not None})
+    run(settings, backend_settings(cassandra, zookeeper, keyspace))
+
+
+# --- publish ------------------------------------------------------------------------------------
+def _message_from_text(
+    data: str, key: str | None, attributes: list[str], content_type: str | None, message_id: str | None,
+    ttl: int | None,
+) -> PublishMessage:
+    """DATA is JSON if it reads as JSON, else text."""
+    body: dict[str, Any] = {}
+    try:
+        body["data"] = json.loads(data)
+        if content_type is not None and not content_type.endswith("json"):
+            body["data"] = data
+    except ValueError:
+        body["data"] = data
+        content_type = content_type or "text/plain; charset=utf-8"
+    pairs = {}
+    for item in attributes:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--attr {item!r}: expected NAME=VALUE")
+        pairs[name] = value
+    optional = {"datacontenttype": content_type, "partitionkey": key, "id": message_id, "ttl": ttl}
+    body.update({k: v for k, v in optional.items() if v is not None})
+    if pairs:
+        body["attributes"] = pairs
+    with _readable_errors():
+        return PublishMessage.model_validate(body)
+
+
+def _messages_from_file(path: str) -> list[PublishMessage]:
+    """JSON lines, each a message as the API takes it ({"data": ..., "partitionkey": ...})."""
+    source = sys.stdin if path == "-" else Path(path).open(encoding="utf-8")
+    messages = []
+    with source:
+        for number, line in enumerate(source, 1):
+            if not line.strip():
+                continue
+            try:
+                messages.append(PublishMessage.model_validate_json(line, strict=True))
+            except ValidationError as error:
+                first = error.errors(include_url=False)[0]
+                where = ".".join(map(str, first["loc"])) or "line"
+                raise UsageError(f"{path}:{number}: {where}: {first['msg']}") from None
+    return messages
+
+
+def publish(
+    queue: Annotated[str, typer.Argument(help="Queue name (or namespace/name).")],
+    data: Annotated[str | None, typer.Argument(help="The message: JSON if it parses as JSON, else text.")] = None,
+    key: Annotated[str | None, typer.Option("--key", "-k", help="Partition key: one key, one shard, in order.")] = None,
+    attr: Annotated[list[str] | None, typer.Option("--attr", "-a", help="Attribute NAME=VALUE (repeatable).")] = None,
+    content_type: Annotated[str | None, typer.Option("--content-type", help="datacontenttype of the message.")] = None,
+    message_id: Annotated[str | None, typer.Option("--id", help="Idempotency id.")] = None,
+    ttl: Annotated[int | None, typer.Option(help="Seconds after which it is no longer delivered.")] = None,
+    file: Annotated[
+        str | None, typer.Option("--file", "-f", help="JSON lines of messages as the API takes them ('-': stdin).")
+    ] = None,
+    count: Annotated[int, typer.Option("--count", "-c", min=1, help="Publish DATA this many times.")] = 1,
+    namespace: NamespaceOption = "default",
+    cassandra: CassandraOption = None,
+    zookeeper: ZookeeperOption = None,
+    keyspace: KeyspaceOption = None,
+) -> None:
+    """Publish a message (or a file of them); prints where each landed."""
+    if (data is None) == (file is None):
+        raise UsageError("give DATA or --file")
+    if file is not None:
+        messages = _messages_from_file(file)
+    else:
+        assert data is not None
+        one = _message_from_text(data, key, attr or [], content_type, message_id, ttl)
+        messages = [one] * count
+    if count > 1 and message_id is not None:
+        raise UsageError("--id with --count would publish one message: drop one of them")
+    ref = _queue(namespace, queue)
+    settings = backend_settings(cassandra, zookeeper, keyspace)
+    asyncio.run(_publish(settings, ref, [m.outgoing() for m in messages]))
+
+
+async def _publish(settings: Settings, ref: QueueRef, messages: list[OutgoingMessage]) -> None:
+    async with opened(settings) as store:
+        state = await asyncio.to_thread(catalog.read_queue, store, ref)
+        publisher = Publisher(store, ref, state.spec)
+        for message in messages:
+            publisher.validate(message)  # all or nothing: refuse before writing any
+        quiet = len(messages) > 10
+        with _progress(len(messages), f"publishing to {ref}") as progress:
+            task = progress.add_task("publish", total=len(messages))
+            for start in range(0, len(messages), PUBLISH_CHUNK):
+                chunk = messages[start:start + PUBLISH_CHUNK]
+                results = await publisher.publish(chunk)
+                progress.advance(task, len(chunk))
+                if not quiet:
+                    for r in results:
+                        note = " (duplicate)" if r.duplicate else ""
+                        out.print(f"{r.message_id}  shard {r.shard} batch {r.batch} seq {r.seq}{note}")
+        await publisher.flush_heads()
+        if quiet:
+            out.print(f"published {len(messages)} messages to {ref}")
+
+
+# --- consume and tail ---------------------------------------------------------------------------
+def _describe(message: StoredMessage, deliveries: int | None, output: str, ref: QueueRef) -> str:
+    position = message.position
+    if output == "json":
+        from casque.sidecar.models import envelope
+
+        if deliveries is not None:
+            return json.dumps(envelope(_as_delivery(message, deliveries), ref).wire())
+        return json.dumps(_log_record(message))
+    body = _readable_payload(message)
+    key = f" key={message.key}" if message.key else ""
+    again = f" (delivery {deliveries})" if deliveries and deliveries > 1 else ""
+    when = message.published_at.astimezone(timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+    return f"{position.shard}/{position.batch}/{position.seq} {when}{key}{again} {body}"
+
+
+def _as_delivery(message: StoredMessage, deliveries: int) -> Delivery:
+    return Delivery(message=message, receipt="", delivery_count=deliveries, visible_until=0.0)
+
+
+def _log_record(message: StoredMessage) -> dict[str, Any]:
+    return {
+        "id": message.message_id,
+        "shard": message.position.shard,
+        "batch": message.position.batch,
+        "seq": message.position.seq,
+        "time": message.published_at.isoformat(),
+        "partitionkey": message.key,
+        "attributes": dict(message.attributes),
+        "datacontenttype": message.content_type,
+        "data": _readable_payload(message),
+    }
+
+
+def _readable_payload(message: StoredMessage) -> str:
+    try:
+        return message.payload.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"<{len(message.payload)} bytes>"
+
+
+def consume(
+    queue: Annotated[str, typer.Argument(help="Queue name (or namespace/name).")],
+    subscriber: Annotated[str, typer.Argument(help="The subscriber to consume as.")],
+    max_messages: Annotated[int | None, typer.Option("--max", "-m", min=1, help="Stop after this many.")] = None,
+    idle: Annotated[
+        float, typer.Option(help="Stop after this many seconds without a message (0: never, follow).")
+    ] = 5.0,
+    ack: Annotated[bool, typer.Option(help="Ack what was printed (--no-ack: hand it back at once).")] = True,
+    output: Annotated[str, typer.Option("--output", "-o", help="text or json (CloudEvents, one per line).")] = "text",
+    namespace: NamespaceOption = "default",
+    cassandra: CassandraOption = None,
+    zookeeper: ZookeeperOption = None,
+    keyspace: KeyspaceOption = None,
+) -> None:
+    """Receive messages as SUBSCRIBER, print them and ack them."""
+    if output not in ("text", "json"):
+        raise UsageError("--output is text or json")
+    settings = backend_settings(cassandra, zookeeper, keyspace)
+    asyncio.run(_consume(settings, _queue(namespace, queue), subscriber, max_messages, idle, ack, output))
+
+
+async def _consume(
+    settings: Settings, ref: QueueRef, subscriber: str, limit: int | None, idle: float, ack: bool, output: str
+) -> None:
+    async with opened(settings) as store, _interruptible() as stop:
+        consumer = Consumer(store, ref, subscriber)
+        await consumer.start()
+        done = 0
+        last_seen = asyncio.get_running_loop().time()
+        try:
+            with _progress(limit or 0, f"consuming {ref}/{subscriber}") as progress:
+                task = progress.add_task("consume", total=limit)
+                while not stop.is_set() and (limit is None or done < limit):
+                    want = min(100, limit - done) if limit is not None else 100
+                    # Short waits keep Ctrl-C prompt; the consumer itself wakes on head watches.
+                    deliveries = await consumer.receive(want, 0.5)
+                    now = asyncio.get_running_loop().time()
+                    if not deliveries:
+                        if idle > 0 and now - last_seen >= idle:
+                            break
+                        continue
+                    last_seen = now
+                    for delivery in deliveries:
+                        out.print(_describe(delivery.message, delivery.delivery_count, output, ref),
+                                  markup=False, highlight=False, soft_wrap=True)
+                    if ack:
+                        await asyncio.gather(*(consumer.ack(d.receipt) for d in deliveries))
+                    else:
+                        await asyncio.gather(*(consumer.nack(d.receipt) for d in deliveries))
+                    done += len(deliveries)
+                    progress.advance(task, len(deliveries))
+        finally:
+            await consumer.stop()
+        err.print(f"{done} messages {'acked' if ack else 'printed and handed back'}")
+
+
+def tail(
+    queue: Annotated[str, typer.Argument(help="Queue name (or namespace/name).")],
+    last: Annotated[int, typer.Option("--last", "-l", min=0, help="Start this many batches back in each shard.")] = 0,
+    max_messages: Annotated[int | None, typer.Option("--max", "-m", min=1, help="Stop after this many.")] = None,
+    follow: Annotated[bool, typer.Option(help="Keep printing new messages (--no-follow: print and stop).")] = True,
+    output: Annotated[str, typer.Option("--output", "-o", help="text or json (one per line).")] = "text",
+    namespace: NamespaceOption = "default",
+    cassandra: CassandraOption = None,
+    zookeeper: ZookeeperOption = None,
+    keyspace: KeyspaceOption = None,
+) -> None:
+    """Print new messages of a queue as they are published, without consuming them."""
+    if output not in ("text", "json"):
+        raise UsageError("--output is text or json")
+    settings = backend_settings(cassandra, zookeeper, keyspace)
+    asyncio.run(_tail(settings, _queue(namespace, queue), last, max_messages, follow, output))
+
+
+async def _tail(
+    settings: Settings, ref: QueueRef, last: int, limit: int | None, follow: bool, output: str
+) -> None:
+    async with opened(settings) as store, _interruptible() as stop:
+        state = await asyncio.to_thread(catalog.read_queue, store, ref)
+        log = Log(store, ref, state.spec.consistency)
+        paths = store.paths(ref)
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        heads: dict[int, int] = {}
+        # Head watches wake the tail when a shard's watermark moves: no polling of Cassandra.
+        for shard in range(state.spec.shards):
+            data, _ = await zk.call(store.zk.get_async, paths.head(shard))
+            heads[shard] = int(data or b"0")
+            DataWatch(store.zk, paths.head(shard), zk.watch_in_loop(
+                loop, lambda *_: changed.set(), lambda: not stop.is_set()))
+        next_batch = {shard: max(1, head - last + 1) for shard, head in heads.items()}
+        printed = 0
+        while not stop.is_set():
+            changed.clear()
+            for shard in sorted(next_batch):
+                data, _ = await zk.call(store.zk.get_async, paths.head(shard))
+                head = int(data or b"0")
+                while next_batch[shard] <= head:
+                    batches = await log.read_from(shard, next_batch[shard])
+                    if not batches:
+                        next_batch[shard] += 1  # expired, or beyond this bucket's rows: move on
+                        continue
+                    for batch in batches:
+                        for message in batch.messages:
+                            out.print(_describe(message, None, output, ref), markup=False, highlight=False,
+                                      soft_wrap=True)
+                            printed += 1
+                            if limit is not None and printed >= limit:
+                                return
+                    next_batch[shard] = batches[-1].header.batch + 1
+            if not follow:
+                return
+            waiter = asyncio.ensure_future(changed.wait())
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            stopper.cancel()
+
+
+# --- stats --------------------------------------------------------------------------------------
+def stats(
+    queue: Annotated[str, typer.Argument(help="Queue name (or namespace/name).")],
+    subscriber: Annotated[
+        list[str] | None, typer.Option("--subscriber", "-s", help="Subscribers to show (default: all).")
+    ] = None,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(min=0.2, help="Seconds between refreshes with --watch.")] = 2.0,
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
+    namespace: NamespaceOption = "default",
+    cassandra: CassandraOption = None,
+    zookeeper: ZookeeperOption = None,
+    keyspace: KeyspaceOption = None,
+) -> None:
+    """Published messages, and each subscriber's lag, oldest unacked age and in-flight count."""
+    if output not in ("table", "json"):
+        raise UsageError("--output is table or json")
+    settings = backend_settings(cassandra, zookeeper, keyspace)
+    asyncio.run(_stats(settings, _queue(namespace, queue), subscriber, watch, interval, output))
+
+
+async def _sample(store: Store, ref: QueueRef, names: list[str] | None) -> tuple[QueueStats, list[SubscriberStats]]:
+    if names is None:
+        names = await asyncio.to_thread(catalog.list_subscribers, store, ref)
+    queue = await queue_stats(store, ref)
+    subscribers = list(await asyncio.gather(*(subscriber_stats(store, ref, n) for n in names)))
+    return queue, subscribers
+
+
+async def _stats(
+    settings: Settings, ref: QueueRef, names: list[str] | None, watch: bool, interval: float, output: str
+) -> None:
+    async with opened(settings) as store:
+        sample = await _sample(store, ref, names)
+        if output == "json":
+            out.print_json(json.dumps(_stats_json(*sample)))
+            return
+        if not watch:
+            out.print(_stats_view(*sample, rate=None))
+            return
+        async with _interruptible() as stop:
+            with Live(_stats_view(*sample, rate=None), console=out, auto_refresh=False) as live:
+                while not stop.is_set():
+                    try:
+                        await asyncio.wait_for(stop.wait(), interval)
+                    except TimeoutError:
+                        pass
+                    earlier = sample[0]
+                    sample = await _sample(store, ref, names)
+                    live.update(_stats_view(*sample, rate=sample[0].rate_since(earlier)), refresh=True)
+
+
+def _stats_json(queue: QueueStats, subscribers: list[SubscriberStats]) -> dict[str, Any]:
+    from casque.sidecar.models import QueueStatsResult, SubscriberStatsResult
+
+    return {
+        "queue": QueueStatsResult.of(queue).wire(),
+        "subscribers": [SubscriberStatsResult.of(s).wire() for s in subscribers],
+    }
+
+
+def _number(value: float | int | None, digits: int = 0) -> str:
+    if value is None:
+        return "?"
+    return f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}"
+
+
+def _stats_view(queue: QueueStats, subscribers: list[SubscriberStats], rate: float | None) -> Group:
+    head = Table(title=f"queue {queue.queue}", title_justify="left")
+    for column in ("shards", "batches", "messages", "bytes", "msgs/s"):
+        head.add_column(column, justify="right")
+    head.add_row(
+        str(len(queue.shards)), _number(queue.batches), _number(queue.published_messages),
+        _number(queue.published_bytes), "-" if rate is None else _number(rate, 1),
+    )
+    table = Table(title="subscribers", title_justify="left")
+    for column in ("subscriber", "lag msgs", "lag batches", "oldest unacked", "in flight", "redelivered", "members"):
+        table.add_column(column, justify="left" if column == "subscriber" else "right")
+    for s in subscribers:
+        age = s.oldest_unacked_age_seconds
+        table.add_row(
+            s.subscriber, _number(s.lag_messages), _number(s.lag_batches),
+            "-" if age is None else f"{age:,.1f}s", _number(s.in_flight), _number(s.redelivered),
+            str(len(s.members)),
+        )
+    stamp = queue.sampled_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return Group(head, table if subscribers else "[dim]no subscribers[/dim]", f"[dim]{stamp}[/dim]")
+
+
+# --- seek ---------------------------------------------------------------------------------------
+def seek(
+    queue: Annotated[str, typer.Argument(help="Queue name (or namespace/name).")],
+    subscriber: Annotated[str, typer.Argument(help="The subscriber to move.")],
+    to: Annotated[str | None, typer.Option("--to", help="earliest or latest.")] = None,
+    time: Annotated[
+        datetime | None, typer.Option("--time", help="The first message published at or after (UTC if no zone).",
+                                      formats=["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"])
+    ] = None,
+    batch: Annotated[list[str] | None, typer.Option("--batch", help="SHARD=BATCH to read next (repeatable).")] = None,
+    namespace: NamespaceOption = "default",
+    cassandra: CassandraOption = None,
+    zookeeper: ZookeeperOption = None,
+    keyspace: KeyspaceOption = None,
+) -> None:
+    """Move a subscriber: replay from the start or a time, skip to the end, or go to given batches."""
+    given = [option for option, value in (("--to", to), ("--time", time), ("--batch", batch)) if value]
+    if len(given) != 1:
+        raise UsageError("give exactly one of --to, --time or --batch")
+    if to is not None:
+        if to not in ("earliest", "latest"):
+            raise UsageError("--to is earliest or latest")
+        target = SeekTarget(kind="earliest" if to == "earliest" else "latest")
+    elif time is not None:
+        target = SeekTarget(kind="time", time=time if time.tzinfo else time.replace(tzinfo=timezone.utc))
+    else:
+        target = SeekTarget(kind="batch", batches=_shard_batches(batch or []))
+    settings = backend_settings(cassandra, zookeeper, keyspace)
+    offsets = asyncio.run(_seek(settings, _queue(namespace, queue), subscriber, target))
+    table = Table("shard", "next batch")
+    for shard, offset in sorted(offsets.items()):
+        table.add_row(str(shard), f"{offset:,}")
+    out.print(f"subscriber {subscriber} of {queue} moved ({target.kind}); in-flight receipts are now stale")
+    out.print(table)
+
+
+def _shard_batches(items: list[str]) -> dict[int, int]:
+    batches = {}
+    for item in items:
+        shard, sep, number = item.partition("=")
+        if not (sep and shard.isdigit() and number.isdigit()):
+            raise UsageError(f"--batch {item!r}: expected SHARD=BATCH, e.g. 0=120")
+        batches[int(shard)] = int(number)
+    return batches
+
+
+async def _seek(settings: Settings, ref: QueueRef, subscriber: str, target: SeekTarget) -> dict[int, int]:
+    async with opened(settings) as store:
+        if target.batches:
+            shards = (await asyncio.to_thread(catalog.read_queue, store, ref)).spec.shards
+            outside = [s for s in target.batches if s >= shards]
+            if outside:
+                raise InvalidSpec(f"queue {ref} has shards 0..{shards - 1}; no shard {outside[0]}")
+        return await asyncio.to_thread(seek_offsets, store, ref, subscriber, target)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sidecar")(sidecar)
+    app.command("publish")(publish)
+    app.command("consume")(consume)
+    app.command("tail")(tail)
+    app.command("stats")(stats)
+    app.command("seek")(seek)
+
