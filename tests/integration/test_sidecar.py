@@ -1,0 +1,460 @@
+"""The sidecar's HTTP API on a real Cassandra and ZooKeeper: every operation and every error class."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+
+from casque.config import Settings
+from casque.engine import catalog
+from casque.schema import QueueRef
+from casque.sidecar.app import SERVICE, create_app
+from casque.sidecar.config import SidecarSettings
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+
+QUEUE = "orders"
+SUBSCRIBER = "billing"
+REF = QueueRef("default", QUEUE)
+BASE = f"/v1/queues/{QUEUE}"
+SUB = f"{BASE}/subscribers/{SUBSCRIBER}"
+
+Client = TestClient[web.Request, web.Application]
+MakeSidecar = Callable[..., Awaitable[Client]]
+
+
+async def until(condition: Callable[[], Awaitable[bool]], limit_s: float = 30.0) -> None:
+    """Wait for a condition, checking often; fail if it never holds."""
+    deadline = time.monotonic() + limit_s
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+def create_queue(store: Store, name: str = QUEUE, shards: int = 2, max_bytes: int = 4096,
+                 subscribers: tuple[str, ...] = (SUBSCRIBER,)) -> None:
+    ref = QueueRef("default", name)
+    catalog.apply_queue(store, ref, QueueSpec(shards=shards, retention_seconds=3600, consistency="ONE",
+                                              max_message_bytes=max_bytes))
+    for subscriber in subscribers:
+        catalog.apply_subscriber(store, ref, subscriber, SubscriberSpec(queue=name, start_position="earliest",
+                                                                        visibility_timeout_seconds=30))
+
+
+@pytest.fixture
+def make_sidecar(store: Store, aiohttp_client: Any) -> MakeSidecar:
+    async def make(subscribers: tuple[str, ...] = (SUBSCRIBER,), ready: bool = True, **options: Any) -> Client:
+        options.setdefault("drain_seconds", 0.5)
+        settings = SidecarSettings(queue=QUEUE, subscribers=list(subscribers), **options)
+        client: Client = await aiohttp_client(create_app(settings, Settings(), store))
+        if ready:
+            async def is_ready() -> bool:
+                return (await client.get("/readyz")).status == 200
+
+            await until(is_ready)
+        return client
+
+    return make
+
+
+async def call(client: Client, path: str, body: Any = None, status: int = 200, **kwargs: Any) -> Any:
+    response = await (client.post(path, json=body, **kwargs) if body is not None or "data" in kwargs
+                      else client.get(path, **kwargs))
+    payload = await response.json()
+    assert response.status == status, payload
+    return payload
+
+
+async def error_code(response: Any, status: int) -> str:
+    payload = await response.json()
+    assert response.status == status, payload
+    assert set(payload) == {"error"} and payload["error"]["message"]
+    return str(payload["error"]["code"])
+
+
+async def receive_all(client: Client, count: int, ack: bool = True, limit_s: float = 30.0) -> list[dict[str, Any]]:
+    got: list[dict[str, Any]] = []
+    deadline = time.monotonic() + limit_s
+    while len(got) < count and time.monotonic() < deadline:
+        messages = (await call(client, f"{SUB}/receive", {"max": 100, "wait": 1}))["messages"]
+        if ack and messages:
+            results = await call(client, f"{SUB}/ack", {"receipts": [m["receipt"] for m in messages]})
+            assert all(r["status"] == "acked" for r in results["results"]), results
+        got.extend(messages)
+    return got
+
+
+# --- operations ------------------------------------------------------------------------------------
+async def test_publish_receive_ack_roundtrip_with_cloudevents_envelope(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store)
+    client = await make_sidecar()
+    published = await call(client, f"{BASE}/messages", {
+        "data": {"order": 42}, "partitionkey": "customer-7", "attributes": {"region": "eu"},
+        "type": "com.example.order.created", "source": "/shop", "subject": "order-42", "specversion": "1.0",
+    })
+    assert set(published) == {"messageId", "shard", "batch", "seq", "duplicate"} and not published["duplicate"]
+
+    (message,) = await receive_all(client, 1, ack=False)
+    assert message["specversion"] == "1.0"
+    assert message["id"] == published["messageId"]
+    assert (message["type"], message["source"], message["subject"]) == ("com.example.order.created", "/shop", "order-42")
+    assert message["datacontenttype"] == "application/json" and message["data"] == {"order": 42}
+    assert message["partitionkey"] == "customer-7" and message["attributes"] == {"region": "eu"}
+    assert message["deliverycount"] == 1
+    assert (message["shard"], message["batch"], message["seq"]) == (published["shard"], published["batch"], published["seq"])
+    assert message["time"] and message["visibleuntil"] and message["receipt"]
+
+    acked = await call(client, f"{SUB}/ack", {"receipt": message["receipt"]})
+    assert acked == {"results": [{"receipt": message["receipt"], "status": "acked"}]}
+    again = await call(client, f"{SUB}/ack", {"receipt": message["receipt"]})
+    assert again["results"][0]["status"] == "already_acked"
+
+
+async def test_text_binary_and_empty_payloads_come_back_as_sent(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, shards=1)
+    client = await make_sidecar()
+    raw = bytes(range(256))
+    bodies = [
+        {"data": "plain words", "datacontenttype": "text/plain; charset=utf-8"},
+        {"data_base64": base64.b64encode(raw).decode()},
+        {"data_base64": base64.b64encode(b"\xff\xfe").decode(), "datacontenttype": "text/plain"},
+        {"data": None},
+        {},
+    ]
+    results = (await call(client, f"{BASE}/messages/batch", {"messages": bodies}))["results"]
+    assert [r["seq"] for r in results] == [0, 1, 2, 3, 4]  # one batch, request order
+    got = sorted(await receive_all(client, 5), key=lambda m: m["seq"])
+    assert got[0]["data"] == "plain words"
+    assert got[1]["datacontenttype"] == "application/octet-stream" and base64.b64decode(got[1]["data_base64"]) == raw
+    assert "data" not in got[2] and base64.b64decode(got[2]["data_base64"]) == b"\xff\xfe"  # not the UTF-8 it claims
+    assert "data" in got[3] and got[3]["data"] is None
+    assert "data" not in got[4] and "data_base64" not in got[4]
+
+
+async def test_publish_batch_is_all_or_nothing(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, max_bytes=1024)
+    client = await make_sidecar()
+    messages = [{"data": "small"}, {"data": "x" * 5000}, {"data": "small"}]
+    response = await client.post(f"{BASE}/messages/batch", json={"messages": messages})
+    assert await error_code(response, 413) == "message_too_large"
+    assert "messages[1]" in (await response.json())["error"]["message"]
+    stats = await call(client, f"{BASE}/stats")
+    assert stats["publishedMessages"] == 0  # nothing of the refused batch was written
+    ok = await call(client, f"{BASE}/messages/batch", {"messages": [{"data": i} for i in range(10)]})
+    assert len(ok["results"]) == 10
+
+
+async def test_a_publish_with_a_known_id_is_written_once(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store)
+    client = await make_sidecar()
+    first = await call(client, f"{BASE}/messages", {"id": "order-42-created", "data": 1})
+    second = await call(client, f"{BASE}/messages", {"id": "order-42-created", "data": 1})
+    assert second["duplicate"] and second["messageId"] == first["messageId"]
+    assert (await call(client, f"{BASE}/stats"))["publishedMessages"] == 1
+
+
+async def test_long_poll_wakes_when_a_message_is_published(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store)
+    client = await make_sidecar()
+    waiting = asyncio.create_task(call(client, f"{SUB}/receive", {"max": 5, "wait": 15}))
+    published = await call(client, f"{BASE}/messages", {"data": "wake up"})
+    messages = (await waiting)["messages"]
+    assert [m["id"] for m in messages] == [published["messageId"]]
+
+
+async def test_receive_respects_max_and_takes_an_empty_body(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, shards=1)
+    client = await make_sidecar()
+    await call(client, f"{BASE}/messages/batch", {"messages": [{"data": i} for i in range(7)]})
+    await until(lambda: _ready_count(client, 7))
+    first = (await call(client, f"{SUB}/receive", {"max": 3}))["messages"]
+    assert len(first) == 3
+    response = await client.post(f"{SUB}/receive")  # no body: defaults (max 10, no wait)
+    assert response.status == 200
+    assert len((await response.json())["messages"]) == 4
+
+
+async def _ready_count(client: Client, expected: int) -> bool:
+    stats = await call(client, f"{SUB}/stats")
+    return bool(stats["lagMessages"] == expected)
+
+
+async def test_nack_redelivers_now_or_after_its_delay(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, shards=1)
+    client = await make_sidecar()
+    await call(client, f"{BASE}/messages", {"data": "retry me"})
+    (first,) = await receive_all(client, 1, ack=False)
+    assert (await call(client, f"{SUB}/nack", {"receipt": first["receipt"]}))["results"][0]["status"] == "nacked"
+    (second,) = await receive_all(client, 1, ack=False)
+    assert second["id"] == first["id"] and second["deliverycount"] == 2
+
+    await call(client, f"{SUB}/nack", {"receipt": second["receipt"], "delay": 3600})
+    assert (await call(client, f"{SUB}/receive", {"max": 10}))["messages"] == []  # an hour away
+
+    # A short delay: the long poll wakes when it is due.
+    publish = await call(client, f"{BASE}/messages", {"data": "later"})
+    (third,) = [m for m in await receive_all(client, 1, ack=False) if m["id"] == publish["messageId"]]
+    await call(client, f"{SUB}/nack", {"receipt": third["receipt"], "delay": 0.2})
+    again = (await call(client, f"{SUB}/receive", {"max": 1, "wait": 10}))["messages"]
+    assert [m["id"] for m in again] == [publish["messageId"]] and again[0]["deliverycount"] == 2
+
+
+async def test_extend_keeps_a_message_and_expiry_makes_the_old_receipt_stale(
+    store: Store, make_sidecar: MakeSidecar
+) -> None:
+    create_queue(store, shards=1)
+    client = await make_sidecar()
+    await call(client, f"{BASE}/messages", {"data": "slow work"})
+    (held,) = (await call(client, f"{SUB}/receive", {"max": 1, "wait": 10, "visibility": 30}))["messages"]
+    extended = await call(client, f"{SUB}/extend", {"receipt": held["receipt"], "visibility": 3600})
+    assert extended["results"][0]["status"] == "extended"
+    assert extended["results"][0]["visibleUntil"] > held["visibleuntil"]
+    assert (await call(client, f"{SUB}/ack", {"receipt": held["receipt"]}))["results"][0]["status"] == "acked"
+
+    await call(client, f"{BASE}/messages", {"data": "too slow"})
+    (lapsed,) = (await call(client, f"{SUB}/receive", {"max": 1, "wait": 10, "visibility": 0.2}))["messages"]
+    (redelivered,) = (await call(client, f"{SUB}/receive", {"max": 1, "wait": 10}))["messages"]
+    assert redelivered["id"] == lapsed["id"] and redelivered["deliverycount"] == 2
+    for action, extra in (("ack", {}), ("nack", {}), ("extend", {"visibility": 10})):
+        response = await client.post(f"{SUB}/{action}", json={"receipt": lapsed["receipt"], **extra})
+        assert await error_code(response, 409) == "stale_receipt"
+    assert (await call(client, f"{SUB}/ack", {"receipt": redelivered["receipt"]}))["results"][0]["status"] == "acked"
+
+
+async def test_batch_settles_report_each_receipt(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, shards=1)
+    client = await make_sidecar()
+    await call(client, f"{BASE}/messages/batch", {"messages": [{"data": i} for i in range(3)]})
+    messages = await receive_all(client, 3, ack=False)
+    receipts = [m["receipt"] for m in messages]
+    answer = await call(client, f"{SUB}/ack", {"receipts": [receipts[0], receipts[0], "bm90LWEtcmVjZWlwdA"]})
+    statuses = [(r.get("status"), (r.get("error") or {}).get("code")) for r in answer["results"]]
+    assert sorted(statuses[:2], key=str) == [("acked", None), ("already_acked", None)]
+    assert statuses[2] == (None, "invalid_receipt")
+    nacked = await call(client, f"{SUB}/nack", {"receipts": receipts[1:], "delay": 0})
+    assert [r["status"] for r in nacked["results"]] == ["nacked", "nacked"]
+    extended = await call(client, f"{SUB}/extend", {"receipts": receipts[1:], "visibility": 5})
+    assert [r["error"]["code"] for r in extended["results"]] == ["stale_receipt", "stale_receipt"]
+
+
+async def test_seek_replays_and_skips(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, shards=2)
+    client = await make_sidecar()
+    await call(client, f"{BASE}/messages/batch", {"messages": [{"data": i, "partitionkey": str(i)} for i in range(20)]})
+    first = await receive_all(client, 20)
+    assert len(first) == 20
+
+    moved = await call(client, f"{SUB}/seek", {"to": "earliest"})
+    assert moved == {"offsets": {"0": 1, "1": 1}}
+    replayed = await receive_all(client, 20)
+    assert sorted(m["id"] for m in replayed) == sorted(m["id"] for m in first)
+    assert all(m["deliverycount"] == 1 for m in replayed)  # a replay is a new pass, not a redelivery
+
+    latest = await call(client, f"{SUB}/seek", {"to": "latest"})
+    heads = {s["shard"]: s["head"] for s in (await call(client, f"{BASE}/stats"))["shards"]}
+    assert latest["offsets"] == {str(shard): head + 1 for shard, head in heads.items()}
+    await call(client, f"{SUB}/seek", {"time": "2000-01-01T00:00:00Z"}, status=400)  # before retention
+    await call(client, f"{SUB}/seek", {"batches": {"0": 1}})
+    shard_zero = sorted(m["id"] for m in first if m["shard"] == 0)
+    assert sorted(m["id"] for m in await receive_all(client, len(shard_zero))) == shard_zero  # shard 0 again
+    for bad in ({"batches": {"0": 999}}, {"batches": {"7": 1}}):
+        response = await client.post(f"{SUB}/seek", json=bad)
+        assert await error_code(response, 400) == "position_out_of_range"
+    now = await call(client, f"{SUB}/seek", {"time": "2999-01-01T00:00:00+00:00"})
+    assert now["offsets"] == latest["offsets"]
+
+
+async def test_queue_and_subscriber_stats(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, shards=2)
+    client = await make_sidecar()
+    await call(client, f"{BASE}/messages/batch", {"messages": [{"data": "abcd"} for _ in range(6)]})
+    queue = await call(client, f"{BASE}/stats")
+    assert queue["queue"] == "default/orders" and queue["publishedMessages"] == 6
+    assert len(queue["shards"]) == 2 and queue["publishedBytes"] == 6 * len('"abcd"')
+    lagging = await call(client, f"{SUB}/stats")
+    assert lagging["lagMessages"] == 6 and lagging["subscriber"] == SUBSCRIBER
+    held = await receive_all(client, 2, ack=False)
+
+    async def reported() -> bool:
+        await client.app[SERVICE].subscriptions[SUBSCRIBER].consumer.publish_report()  # type: ignore[union-attr]
+        return bool((await call(client, f"{SUB}/stats"))["inFlight"] == len(held))
+
+    await until(reported)
+    await call(client, f"{SUB}/ack", {"receipts": [m["receipt"] for m in held]})
+    await receive_all(client, 6 - len(held))
+
+    async def caught_up() -> bool:
+        return bool((await call(client, f"{SUB}/stats"))["lagMessages"] == 0)
+
+    await until(caught_up)
+
+
+async def test_health_readiness_metrics_and_openapi(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store)
+    client = await make_sidecar()
+    assert (await call(client, "/healthz"))["status"] == "ok"
+    ready = await call(client, "/readyz")
+    assert ready["checks"]["subscriber/billing"] == "holding shards 0,1"
+    await call(client, f"{BASE}/messages", {"data": 1})
+    await receive_all(client, 1)
+    metrics = await (await client.get("/metrics")).text()
+    for line in ('casque_sidecar_published_messages_total{queue="orders"} 1.0',
+                 'casque_sidecar_received_messages_total{queue="orders",subscriber="billing"} 1.0',
+                 'casque_sidecar_acked_messages_total{queue="orders",subscriber="billing"} 1.0',
+                 'casque_sidecar_leased_shards{subscriber="billing"} 2.0',
+                 'casque_sidecar_in_flight_messages{subscriber="billing"} 0.0',
+                 'casque_subscriber_lag_messages{subscriber="billing"}',
+                 'casque_sidecar_requests_total{operation="publish",status="200"} 1.0',
+                 'casque_sidecar_request_seconds_bucket{le="0.5",operation="receive"}'):
+        assert line in metrics, line
+    document = await call(client, "/openapi.json")
+    operations = {op["operationId"] for path in document["paths"].values() for op in path.values()}
+    assert operations == {"publish", "publishBatch", "receive", "ack", "nack", "extendVisibility", "seek",
+                          "queueStats", "subscriberStats"}
+
+
+# --- errors ----------------------------------------------------------------------------------------
+async def test_bad_input_gets_a_4xx_with_a_code(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, max_bytes=1024)
+    client = await make_sidecar(max_request_bytes=64 * 1024)
+    post = client.post
+    cases: list[tuple[Awaitable[Any], int, str]] = [
+        (post(f"{BASE}/messages", data=b'{"data": '), 400, "invalid_json"),
+        (post(f"{BASE}/messages", data=b"\xff\xfe"), 400, "invalid_json"),
+        (post(f"{BASE}/messages", data=b""), 400, "invalid_json"),
+        (post(f"{BASE}/messages", json=[1, 2]), 400, "invalid_request"),
+        (post(f"{BASE}/messages/batch", json={}), 400, "invalid_request"),  # messages missing
+        (post(f"{BASE}/messages/batch", json={"messages": []}), 400, "invalid_request"),
+        (post(f"{BASE}/messages", json={"data": 1, "delay": 30}), 400, "invalid_request"),  # not yet supported
+        (post(f"{BASE}/messages", json={"data": 1, "data_base64": "AA=="}), 400, "invalid_request"),
+        (post(f"{BASE}/messages", json={"data_base64": "not base64!"}), 400, "invalid_request"),
+        (post(f"{BASE}/messages", json={"data": 1, "ttl": "60"}), 400, "invalid_request"),
+        (post(f"{BASE}/messages", json={"data": 1, "attributes": {"ce-type": "x"}}), 400, "invalid_request"),
+        (post(f"{BASE}/messages", json={"partitionkey": "\ud800"}), 400, "invalid_json"),  # lone surrogate
+        (post(f"{BASE}/messages", json={"data": "x" * 2000}), 413, "message_too_large"),
+        (post(f"{BASE}/messages", json={"data": "x" * 100_000}), 413, "request_too_large"),
+        (post(f"{SUB}/receive", json={"max": 0}), 400, "invalid_request"),
+        (post(f"{SUB}/receive", json={"wait": float("nan")}), 400, "invalid_request"),
+        (post(f"{SUB}/receive", json={"max": 10, "wait": -1}), 400, "invalid_request"),
+        (post(f"{SUB}/ack", json={}), 400, "invalid_request"),
+        (post(f"{SUB}/ack", json={"receipt": "a", "receipts": ["b"]}), 400, "invalid_request"),
+        (post(f"{SUB}/ack", json={"receipt": "AAAA"}), 400, "invalid_receipt"),
+        (post(f"{SUB}/ack", json={"receipt": "not a receipt!"}), 400, "invalid_request"),
+        (post(f"{SUB}/extend", json={"receipt": "AAAA"}), 400, "invalid_request"),  # visibility missing
+        (post(f"{SUB}/seek", json={"to": "earliest", "batches": {"0": 1}}), 400, "invalid_request"),
+        (post(f"{SUB}/seek", json={"time": "2024-01-01T00:00:00"}), 400, "invalid_request"),  # no zone
+        (post(f"{SUB}/seek", json={"to": "middle"}), 400, "invalid_request"),
+        (client.get("/v1/nothing/here"), 404, "not_found"),
+        (client.get(f"{BASE}/messages"), 405, "method_not_allowed"),
+    ]
+    for request, status, code in cases:
+        assert await error_code(await request, status) == code, (status, code)
+    detail = await (await post(f"{BASE}/messages/batch", json={"messages": [{"data": 1, "ttl": 0}]})).json()
+    assert detail["error"]["details"][0]["field"] == "messages.0.ttl"
+    # None of it was written.
+    assert (await call(client, f"{BASE}/stats"))["publishedMessages"] == 0
+
+
+async def test_unknown_queues_and_subscribers_are_404(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, subscribers=(SUBSCRIBER, "audit"))
+    client = await make_sidecar()
+    cases = [
+        (client.post("/v1/queues/nope/messages", json={"data": 1}), "queue_not_found"),
+        (client.post("/v1/queues/Not_A_Name/messages", json={"data": 1}), "queue_not_found"),
+        (client.post("/v1/queues/nope/messages/batch", json={"messages": [{"data": 1}]}), "queue_not_found"),
+        (client.get("/v1/queues/nope/stats"), "queue_not_found"),
+        (client.get(f"{BASE}/subscribers/nobody/stats"), "subscriber_not_found"),
+        (client.post(f"{BASE}/subscribers/nobody/receive", json={}), "subscriber_not_found"),
+        (client.post("/v1/queues/nope/subscribers/billing/receive", json={}), "queue_not_found"),
+        (client.post(f"{BASE}/subscribers/nobody/ack", json={"receipt": "AAAA"}), "subscriber_not_found"),
+        (client.post(f"{BASE}/subscribers/nobody/seek", json={"to": "latest"}), "subscriber_not_found"),
+        (client.post(f"{BASE}/subscribers/audit/receive", json={}), "subscriber_not_served"),
+    ]
+    for request, code in cases:
+        assert await error_code(await request, 404) == code
+    # The subscriber this sidecar does not consume for can still be sought and measured.
+    await call(client, f"{BASE}/subscribers/audit/seek", {"to": "latest"})
+    await call(client, f"{BASE}/subscribers/audit/stats")
+
+
+async def test_bearer_token(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store)
+    client = await make_sidecar(token="s3cret", ready=False)
+    for path in ("/healthz", "/metrics", "/openapi.json"):
+        assert (await client.get(path)).status == 200
+    assert (await client.get("/readyz")).status in (200, 503)  # open, whatever it says
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        response = await client.post(f"{BASE}/messages", json={"data": 1}, headers=headers)
+        assert await error_code(response, 401) == "unauthorized"
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    ok = await client.post(f"{BASE}/messages", json={"data": 1}, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status == 200
+    document = await (await client.get("/openapi.json")).json()
+    assert document["security"] == [{"bearer": []}]
+
+
+async def test_not_ready_until_the_subscriber_exists(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, subscribers=())
+    client = await make_sidecar(ready=False)
+
+    async def says_why() -> bool:
+        readiness = await client.get("/readyz")
+        assert readiness.status == 503
+        return "SubscriberNotFound" in (await readiness.json())["checks"]["subscriber/billing"]
+
+    await until(says_why)
+    response = await client.post(f"{SUB}/receive", json={})
+    assert await error_code(response, 503) == "not_ready" and response.headers["Retry-After"]
+    await call(client, f"{BASE}/messages", {"data": "early"})  # publishing needs no subscriber
+
+    create_queue(store)  # now the subscriber exists: the sidecar starts consuming by itself
+
+    async def is_ready() -> bool:
+        return (await client.get("/readyz")).status == 200
+
+    await until(is_ready)
+    assert [m["data"] for m in await receive_all(client, 1)] == ["early"]
+
+
+async def test_unreachable_backend_is_503_with_retry_after(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store)
+    client = await make_sidecar(subscribers=())
+    store.zk.stop()  # ZooKeeper gone: the queue's spec cannot be read
+    response = await client.post(f"{BASE}/messages", json={"data": 1})
+    assert await error_code(response, 503) == "backend_unavailable"
+    assert response.headers["Retry-After"] == "1"
+    assert (await client.get("/readyz")).status == 503
+
+
+async def test_draining_refuses_new_work_but_takes_acks_of_what_it_handed_out(
+    store: Store, make_sidecar: MakeSidecar
+) -> None:
+    create_queue(store, shards=1)
+    client = await make_sidecar(drain_seconds=60)
+    await call(client, f"{BASE}/messages/batch", {"messages": [{"data": i} for i in range(2)]})
+    held = await receive_all(client, 2, ack=False)
+    service = client.app[SERVICE]
+    draining = asyncio.create_task(service.drain())
+    await until(lambda: _draining(service))
+    for request in (client.post(f"{BASE}/messages", json={"data": "late"}), client.post(f"{SUB}/receive", json={})):
+        response = await request
+        assert await error_code(response, 503) == "not_ready"
+    assert (await client.get("/readyz")).status == 503 and (await client.get("/healthz")).status == 200
+    assert not draining.done()  # still waiting for the app to finish what it holds
+    acks = await call(client, f"{SUB}/ack", {"receipts": [m["receipt"] for m in held]})
+    assert [r["status"] for r in acks["results"]] == ["acked", "acked"]
+    await asyncio.wait_for(draining, 30)  # everything settled: the drain ends well before 60 s
+    offset = catalog.read_int(store, store.paths(REF).subscriber(SUBSCRIBER).offset(0))
+    head = catalog.read_int(store, store.paths(REF).head(0))
+    assert offset == head + 1  # acks and offsets written before the leases went
+
+
+async def _draining(service: Any) -> bool:
+    return bool(service.draining)
