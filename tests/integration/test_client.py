@@ -1,0 +1,150 @@
+"""The Python client (sync and async) against a sidecar on the real stack, retries included."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from datetime import datetime, timezone
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from casque.client import ApiError, AsyncClient, Client, RetryPolicy, SidecarUnreachable, message
+from casque.config import Settings
+from casque.engine import catalog
+from casque.schema import QueueRef
+from casque.sidecar.app import create_app
+from casque.sidecar.config import SidecarSettings
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+
+QUEUE = "mail"
+SUBSCRIBER = "sender"
+REF = QueueRef("default", QUEUE)
+FAST = RetryPolicy(attempts=4, backoff=0.01, max_backoff=0.05)
+
+
+@pytest.fixture
+async def sidecar_url(store: Store, aiohttp_server: Any) -> str:
+    catalog.apply_queue(store, REF, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE",
+                                              max_message_bytes=2048))
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, SubscriberSpec(queue=QUEUE, start_position="earliest"))
+    settings = SidecarSettings(queue=QUEUE, subscribers=[SUBSCRIBER], drain_seconds=0.5)
+    server = await aiohttp_server(create_app(settings, Settings(), store))
+    url = str(server.make_url("")).rstrip("/")
+    async with aiohttp.ClientSession() as http:
+        for _ in range(600):
+            async with http.get(f"{url}/readyz") as answer:
+                if answer.status == 200:
+                    return url
+            await asyncio.sleep(0.05)
+    raise AssertionError("sidecar not ready")
+
+
+async def test_async_client_covers_the_api(sidecar_url: str) -> None:
+    async with AsyncClient(sidecar_url, queue=QUEUE, subscriber=SUBSCRIBER, retry=FAST) as client:
+        one = await client.publish({"to": "ada@example.org"}, key="ada", attributes={"kind": "welcome"},
+                                   type="com.example.mail")
+        raw = await client.publish(payload=b"\x00\x01binary")
+        text = await client.publish("hello", content_type="text/plain")
+        batch = await client.publish_batch([message(i) for i in range(5)])
+        assert len(batch) == 5 and not any(r.duplicate for r in [one, raw, text, *batch])
+
+        got = []
+        while len(got) < 8:
+            got.extend(await client.receive(max=10, wait=5))
+        by_id = {m.id: m for m in got}
+        assert by_id[one.message_id].data == {"to": "ada@example.org"}
+        assert by_id[one.message_id].key == "ada" and by_id[one.message_id].type == "com.example.mail"
+        assert by_id[one.message_id].attributes == {"kind": "welcome"}
+        assert by_id[raw.message_id].payload == b"\x00\x01binary"
+        assert by_id[text.message_id].data == "hello" and by_id[text.message_id].payload == b"hello"
+        assert all(m.delivery_count == 1 for m in got)
+
+        first, second, *rest = got
+        assert await client.ack(first.receipt) == "acked"
+        assert await client.ack(first.receipt) == "already_acked"
+        later = await client.extend(second.receipt, 600)
+        assert later > second.visible_until
+        await client.nack(second.receipt)
+        outcomes = await client.ack_batch([m.receipt for m in rest] + [second.receipt])
+        assert [o.ok for o in outcomes] == [True] * len(rest) + [False]
+        assert outcomes[-1].error_code == "stale_receipt"
+        (again,) = await client.receive(max=1, wait=5)
+        assert again.id == second.id and again.delivery_count == 2
+        assert [o.status for o in await client.nack_batch([again.receipt], delay=3600)] == ["nacked"]
+
+        stats = await client.subscriber_stats()
+        assert stats["subscriber"] == SUBSCRIBER and stats["lagBatches"] >= 1
+        assert (await client.queue_stats())["publishedMessages"] == 8
+        offsets = await client.seek(time=datetime.now(timezone.utc))
+        assert set(offsets) == {0, 1}
+        assert set(await client.seek("earliest")) == {0, 1}
+        assert set(await client.seek(batches={0: 1})) == {0}
+
+        with pytest.raises(ApiError) as refused:
+            await client.publish("x" * 5000)
+        assert refused.value.code == "message_too_large" and refused.value.status == 413
+        with pytest.raises(ApiError) as missing:
+            await client.queue_stats(queue="nope")
+        assert missing.value.code == "queue_not_found"
+
+
+async def test_sync_client_covers_the_api(sidecar_url: str) -> None:
+    def session() -> tuple[list[str], dict[str, Any]]:
+        with Client(sidecar_url, queue=QUEUE, subscriber=SUBSCRIBER, retry=FAST) as client:
+            published = [client.publish({"n": i}).message_id for i in range(3)]
+            published += [r.message_id for r in client.publish_batch([message("a"), message("b")])]
+            received: list[str] = []
+            while len(received) < 5:
+                messages = client.receive(max=10, wait=5)
+                for m in messages:
+                    client.ack(m.receipt)
+                received.extend(m.id for m in messages)
+            assert sorted(received) == sorted(published)
+            with pytest.raises(ApiError) as stale:
+                client.nack("AAAAAQAAAAAAAAABAAAAACnit9BDrPMR")
+            assert stale.value.code == "stale_receipt"
+            return published, client.queue_stats()
+
+    published, stats = await asyncio.to_thread(session)
+    assert stats["publishedMessages"] == len(published) == 5
+
+
+async def test_a_retried_publish_after_a_lost_answer_is_written_once(sidecar_url: str, aiohttp_server: Any) -> None:
+    """A proxy forwards the first publish but answers 503, as if the reply had been lost."""
+    forwarded: list[dict[str, Any]] = []
+
+    async def lossy(request: web.Request) -> web.Response:
+        body = await request.json()
+        async with aiohttp.ClientSession() as http:
+            async with http.post(sidecar_url + request.path, json=body) as answer:
+                result = await answer.json()
+        forwarded.append(body)
+        if len(forwarded) == 1:
+            return web.json_response({"error": {"code": "backend_unavailable", "message": "lost"}}, status=503,
+                                     headers={"Retry-After": "0"})
+        return web.json_response(result, status=answer.status)
+
+    proxy = web.Application()
+    proxy.router.add_post("/v1/queues/{queue}/messages", lossy)
+    server = await aiohttp_server(proxy)
+    async with AsyncClient(str(server.make_url("")), queue=QUEUE, retry=FAST) as client:
+        result = await client.publish({"send": "once"})
+    assert len(forwarded) == 2 and forwarded[0]["id"] == forwarded[1]["id"]  # the same id both times
+    assert result.duplicate  # the sidecar recognised the retry
+    async with AsyncClient(sidecar_url, queue=QUEUE, retry=FAST) as client:
+        assert (await client.queue_stats())["publishedMessages"] == 1
+
+
+async def test_no_sidecar_means_retries_then_one_clear_error() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    async with AsyncClient(f"http://127.0.0.1:{port}", queue=QUEUE, retry=FAST) as client:
+        with pytest.raises(SidecarUnreachable):
+            await client.publish(1)
+    with pytest.raises(SidecarUnreachable):
+        await asyncio.to_thread(Client(f"http://127.0.0.1:{port}", queue=QUEUE, retry=FAST).publish, 1)
