@@ -178,10 +178,11 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     return [
         # What a subscriber has done with messages of batches that are not complete yet,
         # so that a new lease holder skips acked messages and keeps delivery counts.
-        # Written once per event, never deleted; the row's TTL is the queue's retention.
+        # Each write adds one row per batch (a fresh `entry` id) holding the seqs it
+        # covers; rows are never updated or deleted and expire with the queue's retention.
         # `epoch` changes with every seek, so a replay does not see the acks of the
-        # previous pass. `outcome` is 'ack' or 'dead' (dead-lettered); `deliveries` is
-        # the count at the last redelivery.
+        # previous pass. `outcome` is 'ack' or 'dead' (dead-lettered); `deliveries` maps
+        # seq to its delivery count at a redelivery.
         f"""CREATE TABLE IF NOT EXISTS {keyspace}.{ACKS_TABLE} (
     queue text,
     subscriber text,
@@ -189,11 +190,12 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     shard int,
     bucket bigint,
     batch_no bigint,
-    seq int,
+    entry timeuuid,
     outcome text,
-    deliveries int,
-    PRIMARY KEY ((queue, subscriber, epoch, shard, bucket), batch_no, seq)
-) WITH CLUSTERING ORDER BY (batch_no ASC, seq ASC)
+    seqs frozen<set<int>>,
+    deliveries frozen<map<int, int>>,
+    PRIMARY KEY ((queue, subscriber, epoch, shard, bucket), batch_no, entry)
+) WITH CLUSTERING ORDER BY (batch_no ASC, entry ASC)
   AND gc_grace_seconds = {GC_GRACE_SECONDS}
   AND compaction = {_compaction(7 * 86400)}""",
         # Client message ids of recent publishes, for idempotent publish; rows expire

@@ -1,9 +1,9 @@
 """Insert-only records of what a subscriber did with messages of incomplete batches.
 
-Rows are written once per event and expire with the queue's retention; nothing is ever
-deleted or updated in place. Writes are group-committed: acks that arrive while a write is
-in flight go out together, one unlogged batch per partition, and each ack is confirmed to
-its caller only after its row is written.
+Writes are group-committed: events that arrive while a write is in flight go out together,
+as one row per batch and kind (the set of acked seqs, or the delivery counts), in one
+unlogged batch per partition; each event is confirmed to its caller only after its row is
+written. Rows are never updated or deleted, and expire with the queue's retention.
 """
 
 from __future__ import annotations
@@ -47,20 +47,21 @@ class AckLog:
         self._subscriber = subscriber
         table = f"{store.keyspace}.{ACKS_TABLE}"
         self._insert_outcome = store.session.prepare(
-            f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, seq, outcome) "
-            f"VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TTL {int(retention_seconds)}"
+            f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, entry, outcome, seqs) "
+            f"VALUES (?, ?, ?, ?, ?, ?, now(), ?, ?) USING TTL {int(retention_seconds)}"
         )
         self._insert_deliveries = store.session.prepare(
-            f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, seq, deliveries) "
-            f"VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TTL {int(retention_seconds)}"
+            f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, entry, deliveries) "
+            f"VALUES (?, ?, ?, ?, ?, ?, now(), ?) USING TTL {int(retention_seconds)}"
         )
         self._select = store.session.prepare(
-            f"SELECT batch_no, seq, outcome, deliveries FROM {table} WHERE queue = ? AND subscriber = ? "
+            f"SELECT batch_no, outcome, seqs, deliveries FROM {table} WHERE queue = ? AND subscriber = ? "
             "AND epoch = ? AND shard = ? AND bucket = ? AND batch_no >= ?"
         )
         self._pending: list[tuple[AckEvent, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
         self.rows_written = 0
+        self.statements = 0
 
     async def load_bucket(self, epoch: int, shard: int, bucket: int, from_batch: int) -> dict[int, BatchMarks]:
         rows = await cql.execute(
@@ -69,10 +70,10 @@ class AckLog:
         marks: dict[int, BatchMarks] = defaultdict(BatchMarks)
         for row in rows:
             mark = marks[row.batch_no]
-            if row.outcome is not None:
-                mark.done.add(row.seq)
-            if row.deliveries is not None:
-                mark.deliveries[row.seq] = row.deliveries
+            if row.seqs:
+                mark.done.update(row.seqs)
+            for seq, count in (row.deliveries or {}).items():
+                mark.deliveries[seq] = max(count, mark.deliveries.get(seq, 0))
         return dict(marks)
 
     def record(self, event: AckEvent) -> asyncio.Future[None]:
@@ -105,12 +106,20 @@ class AckLog:
                     future.set_exception(error)
 
     async def _write(self, events: list[AckEvent]) -> None:
-        statement = BatchStatement(batch_type=BatchType.UNLOGGED)
+        outcomes: dict[tuple[int, str], set[int]] = defaultdict(set)
+        deliveries: dict[int, dict[int, int]] = defaultdict(dict)
         for e in events:
-            key = (self._queue, self._subscriber, e.epoch, e.shard, bucket_of(e.batch), e.batch, e.seq)
             if e.outcome is not None:
-                statement.add(self._insert_outcome, (*key, e.outcome))
+                outcomes[(e.batch, e.outcome)].add(e.seq)
             if e.deliveries is not None:
-                statement.add(self._insert_deliveries, (*key, e.deliveries))
+                deliveries[e.batch][e.seq] = e.deliveries
+        first = events[0]
+        partition = (self._queue, self._subscriber, first.epoch, first.shard, bucket_of(first.batch))
+        statement = BatchStatement(batch_type=BatchType.UNLOGGED)
+        for (batch, outcome), seqs in outcomes.items():
+            statement.add(self._insert_outcome, (*partition, batch, outcome, seqs))
+        for batch, counts in deliveries.items():
+            statement.add(self._insert_deliveries, (*partition, batch, counts))
         await cql.execute(self._store.session, statement)
+        self.statements += 1
         self.rows_written += len(events)

@@ -76,6 +76,9 @@ class ShardReader:
         self._fetch_task: asyncio.Task[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None
         self._commit_wanted = asyncio.Event()
+        # Acks waiting for an offset write that covers their batch: (batch, future).
+        self._waiting_for_offset: list[tuple[int, asyncio.Future[None]]] = []
+        self._waiter_added = asyncio.Event()
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -150,35 +153,73 @@ class ShardReader:
         if self.state.offset != self._committed:
             self._commit_wanted.set()
 
+    def offset_covering(self, batch: int) -> asyncio.Future[None]:
+        """A future done once a written offset is past `batch` (the batch is durably complete)."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if batch < self._committed:
+            future.set_result(None)
+        else:
+            self._waiting_for_offset.append((batch, future))
+            self._commit_wanted.set()
+            self._waiter_added.set()
+        return future
+
+    def _settle_waiters(self, error: BaseException | None = None) -> None:
+        still: list[tuple[int, asyncio.Future[None]]] = []
+        for batch, future in self._waiting_for_offset:
+            if future.done():
+                continue
+            if error is not None:
+                future.set_exception(error)
+            elif batch < self._committed:
+                future.set_result(None)
+            else:
+                still.append((batch, future))
+        self._waiting_for_offset = still
+
     async def _commit_loop(self) -> None:
         while not self._stopped:
             await self._commit_wanted.wait()
             self._commit_wanted.clear()
             await self.commit()
-            await asyncio.sleep(OFFSET_COMMIT_INTERVAL)  # coalesce: at most one offset write per interval
+            if not self._waiting_for_offset:
+                # Nobody waits for an offset write: coalesce, at most one per interval, unless
+                # an ack starts waiting for one.
+                self._waiter_added.clear()
+                try:
+                    await asyncio.wait_for(self._waiter_added.wait(), OFFSET_COMMIT_INTERVAL)
+                except TimeoutError:
+                    pass
 
     async def commit(self) -> None:
         """Write the offset if it moved. A version conflict means a seek: the consumer reloads."""
         offset = self.state.offset
         if offset == self._committed:
+            self._settle_waiters()
             return
         path = self.consumer.store.paths(self.consumer.queue).subscriber(self.consumer.subscriber).offset(self.shard)
         try:
             stat = await zk.call(self.consumer.store.zk.set_async, path, str(offset).encode(), self._version)
         except BadVersionError:
+            # A seek moved the offset: the acks waiting here are moot, the range will be replayed.
+            self._committed = offset
+            self._settle_waiters()
             self.consumer.seek_detected()
             return
-        except BackendUnavailable:
+        except BackendUnavailable as error:
+            self._settle_waiters(error)
             self._commit_wanted.set()
             return
         self._version = stat.version
         self._committed = offset
         self.consumer.counters.offset_commits += 1
+        self._settle_waiters()
 
     async def stop(self, flush: bool) -> None:
         self._stopped = True
         self._wake.set()
         self._commit_wanted.set()
+        self._waiter_added.set()
         for task in (self._fetch_task, self._commit_task):
             if task is not None:
                 task.cancel()
@@ -187,6 +228,8 @@ class ShardReader:
             await self.consumer.acks.flush()
             self.state.advance_offset()
             await self.commit()
+        # Acks still waiting for an offset write fall back to ack rows.
+        self._settle_waiters(ConsumerStopped(f"shard {self.shard} released"))
 
 
 @dataclass
@@ -380,16 +423,52 @@ class Consumer:
 
     async def ack(self, receipt: str) -> bool:
         """Acknowledge a delivery. True if this ack completed it, False if it was done already."""
-        reader, position, nonce = self._reader_for(receipt)
-        newly = reader.state.ack(position, nonce)
-        if newly:
-            self.counters.acks += 1
-            await self.acks.record(
-                AckEvent(reader.epoch, reader.shard, position.batch, position.seq, outcome=ACK)
-            )
+        (result,) = await self.ack_many([receipt])
+        if isinstance(result, CasqueError):
+            raise result
+        return result
+
+    async def ack_many(self, receipts: list[str]) -> list[bool | CasqueError]:
+        """Acknowledge several deliveries at once; one result (or error) per receipt, in order.
+
+        Returns once every newly done message is durable: either a written offset is past
+        its batch (the batch is complete: one ZooKeeper write covers all of its acks) or its
+        ack row is written.
+        """
+        results: list[bool | CasqueError] = []
+        covering: dict[ShardReader, int] = {}
+        newly: list[tuple[ShardReader, AckEvent]] = []
+        for receipt in receipts:
+            try:
+                reader, position, nonce = self._reader_for(receipt)
+                done = reader.state.ack(position, nonce)
+            except CasqueError as error:
+                results.append(error)
+                continue
+            results.append(done)
+            if done:
+                self.counters.acks += 1
+                newly.append((reader, AckEvent(reader.epoch, reader.shard, position.batch, position.seq, outcome=ACK)))
+        # Yield once, so that acks sent concurrently by other requests land before deciding
+        # how to make these durable.
+        await asyncio.sleep(0)
+        rows: list[asyncio.Future[None]] = []
+        for reader in {r for r, _ in newly}:
             reader._schedule_commit()
             reader.space_freed()
-        return newly
+        for reader, event in newly:
+            if event.batch < reader.state.offset:
+                covering[reader] = max(covering.get(reader, 0), event.batch)
+            else:
+                rows.append(self.acks.record(event))
+        offset_writes = {reader: reader.offset_covering(batch) for reader, batch in covering.items()}
+        for reader, outcome in zip(offset_writes, await asyncio.gather(*offset_writes.values(), return_exceptions=True)):
+            if isinstance(outcome, BaseException):
+                # ZooKeeper is away: make those acks durable as rows instead.
+                rows.extend(self.acks.record(e) for r, e in newly if r is reader and e.batch <= covering[reader])
+        if rows:
+            await asyncio.gather(*rows)
+        return results
 
     async def nack(self, receipt: str, delay: float = 0.0) -> None:
         reader, position, nonce = self._reader_for(receipt)

@@ -32,6 +32,8 @@ class HeadAdvancer:
         self._known = 0
         self._version: int | None = None
         self._task: asyncio.Task[None] | None = None
+        self.writes = 0
+        self.reads = 0
 
     def advance(self, batch: int) -> None:
         """Ask for head >= batch; returns at once, the write happens in the background."""
@@ -52,9 +54,11 @@ class HeadAdvancer:
             try:
                 if self._version is None:
                     data, stat = await zk.call(self._client.get_async, self._path)
+                    self.reads += 1
                     self._known, self._version = int(data or b"0"), stat.version
                     continue
                 stat = await zk.call(self._client.set_async, self._path, str(target).encode(), self._version)
+                self.writes += 1
                 self._known, self._version = target, stat.version
             except BadVersionError:
                 self._version = None  # someone else moved it: read and compare again

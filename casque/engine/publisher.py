@@ -71,10 +71,12 @@ class ShardWriter:
     def submit(self, item: _Pending) -> None:
         self.pending.append(item)
         if self._task is None or self._task.done():
+            # Busy from now on, not from when the task first runs: the shard choice of the
+            # publishes arriving meanwhile depends on it.
+            self.busy = True
             self._task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
-        self.busy = True
         try:
             if self._publisher.linger > 0:
                 await asyncio.sleep(self._publisher.linger)
@@ -221,6 +223,10 @@ class Publisher:
         if not preferred.busy or len(preferred.pending) < SPILL_BACKLOG:
             return self._preferred
         return min(self._writers, key=lambda w: (w.busy, len(w.pending))).shard
+
+    def zookeeper_operations(self) -> int:
+        """ZooKeeper requests made so far (head syncs, head reads and writes)."""
+        return self.counters.zookeeper_reads + sum(w.heads.reads + w.heads.writes for w in self._writers)
 
     async def flush_heads(self) -> None:
         """Wait until head watermarks reflect every batch written (shutdown and tests)."""
