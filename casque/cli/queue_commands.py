@@ -112,12 +112,17 @@ async def _interruptible() -> AsyncIterator[asyncio.Event]:
     """An event set by Ctrl-C or SIGTERM, so long commands stop cleanly (leases released)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    handled = []
     for number in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(number, stop.set)
+        try:
+            loop.add_signal_handler(number, stop.set)
+            handled.append(number)
+        except (ValueError, RuntimeError):  # not the main thread (embedded use): no handlers
+            pass
     try:
         yield stop
     finally:
-        for number in (signal.SIGINT, signal.SIGTERM):
+        for number in handled:
             loop.remove_signal_handler(number)
 
 

@@ -1,0 +1,166 @@
+"""`casque publish`, `consume`, `tail`, `stats`, `seek` on the real stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import Result
+from typer.testing import CliRunner
+
+from casque.cli.main import app
+from casque.engine import catalog
+from casque.engine.messages import OutgoingMessage
+from casque.engine.publisher import Publisher
+from casque.engine.stats import subscriber_stats
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+from tests.fixtures.stack import Backends
+
+QUEUE = "cli"
+REF = QueueRef("default", QUEUE)
+
+Run = Callable[..., Result]
+
+
+@pytest.fixture
+def env(store: Store, backends: Backends, keyspace: str, zk_hosts: str) -> dict[str, str]:
+    catalog.apply_queue(store, REF, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE"))
+    for name in ("reader", "other"):
+        catalog.apply_subscriber(store, REF, name, SubscriberSpec(queue=QUEUE, start_position="earliest"))
+    return {
+        "CASQUE_CASSANDRA_CONTACT_POINTS": ",".join(backends.contact_points),
+        "CASQUE_CASSANDRA_PORT": str(backends.cql_port),
+        "CASQUE_KEYSPACE": keyspace,
+        "CASQUE_ZOOKEEPER_HOSTS": zk_hosts,
+        "CASQUE_ZOOKEEPER_ROOT": store.zk_root,
+        "CASQUE_CONSISTENCY": "ONE",
+    }
+
+
+@pytest.fixture
+def run(env: dict[str, str]) -> Run:
+    def invoke(*args: str, code: int = 0) -> Result:
+        result = CliRunner().invoke(app, list(args), env=env)
+        assert result.exit_code == code, (result.output, result.stderr, result.exception)
+        return result
+
+    return invoke
+
+
+async def publish_text(store: Store, text: str) -> None:
+    state = catalog.read_queue(store, REF)
+    publisher = Publisher(store, REF, state.spec)
+    await publisher.publish([OutgoingMessage(text.encode(), content_type="text/plain")])
+    await publisher.flush_heads()
+
+
+def lag(store: Store, subscriber: str) -> int | None:
+    return asyncio.run(subscriber_stats(store, REF, subscriber)).lag_messages
+
+
+def test_publish_then_consume_prints_and_acks(run: Run, store: Store) -> None:
+    first = run("publish", QUEUE, '{"order": 1}', "--key", "k1", "--attr", "src=cli")
+    assert "shard" in first.stdout and "batch" in first.stdout
+    run("publish", QUEUE, "plain words")
+    run("publish", QUEUE, "again", "--id", "once")
+    assert "(duplicate)" in run("publish", QUEUE, "again", "--id", "once").stdout
+    consumed = run("consume", QUEUE, "reader", "--max", "3")
+    lines = consumed.stdout.splitlines()
+    assert len(lines) == 3 and any('{"order":1}' in line and "key=k1" in line for line in lines)
+    assert any(line.endswith("plain words") for line in lines)
+    assert "3 messages acked" in consumed.stderr
+    assert lag(store, "reader") == 0
+    assert lag(store, "other") == 3  # another subscriber still has them all
+
+
+def test_publish_many_from_a_file_and_consume_as_json(run: Run, store: Store, tmp_path: Path) -> None:
+    lines = [json.dumps({"data": {"n": i}, "partitionkey": f"k{i % 7}"}) for i in range(250)]
+    source = tmp_path / "messages.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    assert "published 250 messages" in run("publish", QUEUE, "--file", str(source)).stdout
+    run("publish", QUEUE, "tick", "--count", "250")
+    consumed = run("consume", QUEUE, "reader", "--max", "500", "--output", "json")
+    events = [json.loads(line) for line in consumed.stdout.splitlines()]
+    assert len(events) == 500 and all(e["specversion"] == "1.0" for e in events)
+    assert sorted(e["data"]["n"] for e in events if isinstance(e.get("data"), dict)) == list(range(250))
+    assert lag(store, "reader") == 0
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"data": 1}\n{"data": 1, "delay": 5}\n')
+    refused = run("publish", QUEUE, "--file", str(bad), code=1)
+    assert isinstance(refused.exception, Exception) and "bad.jsonl:2" in str(refused.exception)
+
+
+def test_tail_reads_without_consuming(run: Run, store: Store, env: dict[str, str]) -> None:
+    run("publish", QUEUE, "--count", "3", "old")
+    back = run("tail", QUEUE, "--last", "5", "--no-follow")
+    assert [line.rsplit(" ", 1)[-1] for line in back.stdout.splitlines()] == ["old"] * 3
+    assert lag(store, "reader") == 3  # nobody consumed anything
+
+    # Following: the tail wakes on the head watch when new batches land.
+    results: list[Result] = []
+    follower = threading.Thread(
+        target=lambda: results.append(CliRunner().invoke(app, ["tail", QUEUE, "--max", "3", "-o", "json"], env=env))
+    )
+    follower.start()
+    deadline = time.monotonic() + 60
+    while follower.is_alive():
+        assert time.monotonic() < deadline, "tail never printed three new messages"
+        # Not through the CLI: a second CliRunner would swap the stdout the tail prints to.
+        asyncio.run(publish_text(store, "new"))
+        follower.join(0.2)
+    (result,) = results
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["data"] for line in result.stdout.splitlines()] == ["new"] * 3
+
+
+def test_stats_as_a_table_and_as_json(run: Run) -> None:
+    run("publish", QUEUE, "--count", "5", "x")
+    table = run("stats", QUEUE).stdout
+    assert "queue default/cli" in table and "reader" in table and "other" in table
+    document = json.loads(run("stats", QUEUE, "--output", "json", "--subscriber", "reader").stdout)
+    assert document["queue"]["publishedMessages"] == 5
+    assert [s["subscriber"] for s in document["subscribers"]] == ["reader"]
+    assert document["subscribers"][0]["lagMessages"] == 5
+
+
+def test_seek_moves_a_subscriber(run: Run, store: Store) -> None:
+    run("publish", QUEUE, "--count", "4", "replay me")
+    run("consume", QUEUE, "reader", "--max", "4")
+    assert lag(store, "reader") == 0
+    moved = run("seek", QUEUE, "reader", "--to", "earliest")
+    assert "moved (earliest)" in moved.stdout
+    assert lag(store, "reader") == 4
+    run("seek", QUEUE, "reader", "--to", "latest")
+    assert lag(store, "reader") == 0
+    run("seek", QUEUE, "reader", "--batch", "0=1", "--batch", "1=1")
+    assert lag(store, "reader") == 4
+    run("seek", QUEUE, "reader", "--time", "2999-01-01T00:00:00")
+    assert lag(store, "reader") == 0
+    for args in (["--to", "middle"], [], ["--to", "latest", "--batch", "0=1"], ["--batch", "zero=1"],
+                 ["--batch", "9=1"]):
+        run("seek", QUEUE, "reader", *args, code=1)
+
+
+def test_errors_are_one_readable_line_and_a_nonzero_exit(env: dict[str, str]) -> None:
+    cases = [
+        (["publish", "nope", "x"], "casque: queue default/nope does not exist"),
+        (["consume", QUEUE, "nobody", "--max", "1"], "casque: subscriber nobody of queue default/cli does not exist"),
+        (["seek", QUEUE, "reader"], "casque: give exactly one of --to, --time or --batch"),
+        (["publish", QUEUE, "x", "--attr", "novalue"], "casque: --attr 'novalue': expected NAME=VALUE"),
+    ]
+    for args, line in cases:
+        done = subprocess.run([sys.executable, "-m", "casque.cli", *args], env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.strip() == line
