@@ -60,5 +60,5 @@ def run(
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
-    kopf.configure(verbose=verbose, log_format=kopf.LogFormat.PLAIN)
+    kopf.configure(verbose=verbose)
     raise typer.Exit(runtime.main(runtime.RunOptions(namespaces=namespaces, liveness=liveness, lease=lease)))

@@ -1,10 +1,11 @@
-"""What the operator and `casque apply` do to a Queue or a Subscriber, as plain functions.
+"""What the operator and `casque apply` do to a Queue or a Subscriber, as plain async functions.
 
 Level-based, not diff-based: each flow takes the wanted spec (the `spec` mapping of a custom
 resource or of a YAML document) and the status written last time, acts on Cassandra and
 ZooKeeper only through `casque.engine.catalog` (the one home of DDL and znode writes), then
 observes the backends and derives the new status from what it saw. Applying the same spec
-again finds everything in place and changes nothing, status included.
+again finds everything in place and changes nothing, status included. The catalog and the
+drivers block, so they run in worker threads; the event loop stays free for kopf.
 
 Nothing here knows kopf or the Kubernetes API. A failure is classified into a condition
 reason and a retry delay (`Failure`); the kopf handlers turn that into `PermanentError` or
@@ -13,25 +14,29 @@ reason and a retry delay (`Failure`); the kopf handlers turn that into `Permanen
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from kazoo.exceptions import NoNodeError
 from pydantic import ValidationError
 
 from casque.backends import cql, zk
 from casque.config import Settings
-from casque.engine import catalog, positions
+from casque.engine import catalog
+from casque.engine import stats as engine_stats
 from casque.engine.catalog import Changes
+from casque.engine.stats import SubscriberStats
 from casque.errors import (
     BackendUnavailable,
     CasqueError,
     InvalidChange,
     InvalidSpec,
     QueueNotFound,
+    SubscriberNotFound,
 )
 from casque.operator import conditions
 from casque.schema import QueueRef, read_table_options, validate_name
@@ -42,6 +47,8 @@ from casque.store import Store
 # backends at all (deleting a Queue whose policy is Retain) call it only when they must.
 StoreSource = Callable[[], Store]
 DeletionPolicy = Literal["Retain", "Delete"]
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # Reasons of the Ready condition.
 RECONCILED = "Reconciled"
@@ -52,8 +59,6 @@ BACKEND_UNAVAILABLE = "BackendUnavailable"
 QUEUE_NOT_FOUND = "QueueNotFound"
 DEAD_LETTER_QUEUE_NOT_FOUND = "DeadLetterQueueNotFound"
 INTERNAL_ERROR = "InternalError"
-# Retrying these cannot help until someone changes the spec.
-PERMANENT_REASONS = frozenset({INVALID_SPEC, INVALID_CHANGE})
 
 # Seconds before retrying: a backend outage is usually a restart or a failover; a missing
 # queue is usually a Subscriber applied in the same breath as its Queue.
@@ -162,14 +167,11 @@ def deletion_policy(raw: Mapping[str, Any] | None) -> DeletionPolicy:
 
 @dataclass(frozen=True)
 class QueueStats:
-    """Figures about the messages themselves, beyond what the znodes say.
+    """Figures about the queue's messages, from the engine's stats (see `collect_queue_stats`)."""
 
-    `collect_queue_stats` fills what is cheap today; message counts (depth) come with the
-    engine's stats function.
-    """
-
+    published_messages: int | None = None  # over the queue's life, from the batch headers' running totals
     depth: int | None = None  # messages the slowest subscriber has yet to consume
-    oldest_pending: datetime | None = None  # publish time of the oldest batch not consumed by all
+    oldest_pending: datetime | None = None  # publish time of the oldest message some subscriber has not consumed
 
 
 @dataclass(frozen=True)
@@ -189,9 +191,60 @@ class SubscriberObservation:
     offsets: dict[int, int]
     consumers: int
     dead_letter_queue_exists: bool | None  # None when no dead-letter queue is configured
+    stats: SubscriberStats | None = None
 
 
-def observe_queue(store: Store, ref: QueueRef, *, stats: bool = True) -> QueueObservation:
+async def observe_queue(store: Store, ref: QueueRef, *, figures: bool = True) -> QueueObservation:
+    seen = await _in_thread(_observe_queue, store, ref)
+    if figures and seen.stored is not None and not queue_drift(seen.stored, seen):
+        seen = replace(seen, stats=await collect_queue_stats(store, ref, sorted(seen.offsets)))
+    return seen
+
+
+async def observe_subscriber(
+    store: Store, namespace: str, name: str, spec: SubscriberSpec, *, figures: bool = True
+) -> SubscriberObservation:
+    seen = await _in_thread(_observe_subscriber, store, namespace, name, spec)
+    if figures and seen.stored is not None and not _missing_offsets(seen.heads, seen.offsets):
+        seen = replace(seen, stats=await _subscriber_stats(store, queue_ref(namespace, spec.queue), name))
+    return seen
+
+
+async def collect_queue_stats(store: Store, ref: QueueRef, subscribers: list[str]) -> QueueStats:
+    """The queue's message figures from the engine's stats: extend here as the engine reports more.
+
+    One header read per shard for the queue, and up to three per shard and subscriber
+    (`casque.engine.stats`); the znodes are known to be in place when this runs.
+    """
+    with backend_errors():
+        try:
+            queue = await engine_stats.queue_stats(store, ref)
+        except (NoNodeError, QueueNotFound):  # deleted meanwhile
+            return QueueStats()
+    per_subscriber = [s for s in [await _subscriber_stats(store, ref, name) for name in subscribers] if s]
+    lags = [s.lag_messages for s in per_subscriber]
+    oldest = [
+        _utc(shard.oldest_unacked_at)
+        for s in per_subscriber
+        for shard in s.shards
+        if shard.oldest_unacked_at is not None
+    ]
+    return QueueStats(
+        published_messages=queue.published_messages,
+        depth=None if any(lag is None for lag in lags) else max((lag or 0 for lag in lags), default=0),
+        oldest_pending=min(oldest, default=None),
+    )
+
+
+async def _subscriber_stats(store: Store, ref: QueueRef, name: str) -> SubscriberStats | None:
+    with backend_errors():
+        try:
+            return await engine_stats.subscriber_stats(store, ref, name)
+        except (NoNodeError, QueueNotFound, SubscriberNotFound):  # deleted meanwhile
+            return None
+
+
+def _observe_queue(store: Store, ref: QueueRef) -> QueueObservation:
     with backend_errors():
         stored = _stored_queue(store, ref)
         table = read_table_options(store.session, store.keyspace, ref)
@@ -201,17 +254,15 @@ def observe_queue(store: Store, ref: QueueRef, *, stats: bool = True) -> QueueOb
             for name in catalog.list_subscribers(store, ref)
             if _stored_subscriber(store, ref, name) is not None
         }
-        figures = collect_queue_stats(store, ref, heads, offsets) if stats else QueueStats()
     return QueueObservation(
         stored=stored.spec if stored else None,
         table_ttl=table.default_time_to_live if table.exists else None,
         heads=heads,
         offsets=offsets,
-        stats=figures,
     )
 
 
-def observe_subscriber(store: Store, namespace: str, name: str, spec: SubscriberSpec) -> SubscriberObservation:
+def _observe_subscriber(store: Store, namespace: str, name: str, spec: SubscriberSpec) -> SubscriberObservation:
     ref = queue_ref(namespace, spec.queue)
     with backend_errors():
         queue_exists = _stored_queue(store, ref) is not None
@@ -227,29 +278,6 @@ def observe_subscriber(store: Store, namespace: str, name: str, spec: Subscriber
             consumers=len(_children(store, store.paths(ref).subscriber(name).members)) if stored else 0,
             dead_letter_queue_exists=dlq,
         )
-
-
-def collect_queue_stats(
-    store: Store, ref: QueueRef, heads: Mapping[int, int], offsets: Mapping[str, Mapping[int, int]]
-) -> QueueStats:
-    """The queue's message figures: extend this with the engine's stats (message counts).
-
-    Today: the publish time of the oldest batch that some subscriber has not consumed, one
-    header read per shard (plus a binary search when that batch has already expired).
-    """
-    oldest: datetime | None = None
-    for shard, head in heads.items():
-        pending = [by_shard[shard] for by_shard in offsets.values() if shard in by_shard]
-        if not pending or min(pending) > head:
-            continue
-        batch = min(pending)
-        published = positions.read_header_time(store, ref, shard, batch)
-        if published is None:  # expired by TTL: the oldest pending one is the earliest live one
-            batch = positions.earliest_batch(store, ref, shard, head)
-            published = positions.read_header_time(store, ref, shard, batch) if batch <= head else None
-        if published is not None and (oldest is None or published < oldest):
-            oldest = published
-    return QueueStats(depth=None, oldest_pending=oldest)
 
 
 def _stored_queue(store: Store, ref: QueueRef) -> QueueState | None:
@@ -298,6 +326,10 @@ def _children(store: Store, path: str) -> list[str]:
         return list(store.zk.get_children(path))
     except NoNodeError:
         return []
+
+
+def _missing_offsets(heads: Mapping[int, int], offsets: Mapping[int, int]) -> list[int]:
+    return [shard for shard in sorted(heads) if shard not in offsets]
 
 
 # --- Deciding -----------------------------------------------------------------------------
@@ -374,17 +406,12 @@ def subscriber_readiness(spec: SubscriberSpec, seen: SubscriberObservation) -> R
 def may_repair(status: Mapping[str, Any] | None, generation: int | None) -> bool:
     """Whether a status refresh may judge readiness and re-apply the spec to repair drift.
 
-    Only once a reconcile has handled this generation and did not fail for good. Before, the
-    change handler owns the object (a refresh would report the new spec as drift while it is
-    being applied); after a permanent failure, re-applying would fail again, and post an
-    event, on every tick until the spec changes.
+    Only once this generation's spec has been applied, which `status.observedGeneration`
+    records. Before that the change handler owns the object: a refresh would call a spec
+    still being applied "drift", or re-apply, and post an event for, a spec that fails
+    for good on every tick until someone changes it.
     """
-    ready = conditions.find((status or {}).get("conditions"), conditions.READY)
-    return (
-        ready is not None
-        and ready.get("observedGeneration") == generation
-        and ready.get("reason") not in PERMANENT_REASONS
-    )
+    return generation is not None and (status or {}).get("observedGeneration") == generation
 
 
 def queue_figures(seen: QueueObservation) -> dict[str, Any]:
@@ -393,6 +420,7 @@ def queue_figures(seen: QueueObservation) -> dict[str, Any]:
     return {
         "shards": len(seen.heads),
         "publishedBatches": sum(seen.heads.values()),
+        "publishedMessages": seen.stats.published_messages,
         "lagBatches": max(lags, default=0),
         "subscribers": len(seen.offsets),
         "depth": seen.stats.depth,
@@ -401,10 +429,15 @@ def queue_figures(seen: QueueObservation) -> dict[str, Any]:
 
 
 def subscriber_figures(spec: SubscriberSpec, seen: SubscriberObservation) -> dict[str, Any]:
+    figures = seen.stats
+    oldest = [_utc(s.oldest_unacked_at) for s in figures.shards if s.oldest_unacked_at] if figures else []
     return {
         "queue": spec.queue,
         "lagBatches": lag_batches(seen.heads, seen.offsets) if seen.stored is not None else None,
+        "lagMessages": figures.lag_messages if figures else None,
+        "oldestPendingTime": conditions.timestamp(min(oldest)) if oldest else None,
         "consumers": seen.consumers,
+        "inFlight": figures.in_flight if figures else None,
     }
 
 
@@ -413,9 +446,17 @@ def readiness_status(
     readiness: Readiness,
     generation: int | None,
     now: datetime,
+    *,
+    applied: bool = True,
 ) -> dict[str, Any]:
-    return {
-        "observedGeneration": generation,
+    """The Ready condition (with the generation it judged) and, if `applied`, observedGeneration.
+
+    `status.observedGeneration` is the generation whose spec the backends hold: a failure
+    to apply leaves it behind, while the condition's own observedGeneration says which
+    spec the failure is about.
+    """
+    wanted: dict[str, Any] = {"observedGeneration": generation} if applied else {}
+    return wanted | {
         "conditions": conditions.with_condition(
             (status or {}).get("conditions"),
             conditions.READY,
@@ -431,7 +472,8 @@ def readiness_status(
 def failure_status(
     status: Mapping[str, Any] | None, failure: Failure, generation: int | None, now: datetime
 ) -> dict[str, Any]:
-    return readiness_status(status, Readiness(False, failure.reason, failure.message), generation, now)
+    readiness = Readiness(False, failure.reason, failure.message)
+    return readiness_status(status, readiness, generation, now, applied=False)
 
 
 # --- Flows --------------------------------------------------------------------------------
@@ -458,15 +500,14 @@ class Resource:
     generation: int | None = None
 
 
-def reconcile_queue(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
+async def reconcile_queue(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
     """Create or update the queue's table and znodes, then report what is there."""
     try:
         ref = queue_ref(resource.namespace, resource.name)
         spec = parse_queue_spec(resource.spec)
-        store = stores()
-        with backend_errors():
-            changes = catalog.apply_queue(store, ref, spec)
-        seen = observe_queue(store, ref)
+        store = await asyncio.to_thread(stores)
+        changes = await _in_thread(catalog.apply_queue, store, ref, spec)
+        seen = await observe_queue(store, ref)
     except Exception as error:  # noqa: BLE001 - every failure becomes a condition
         return _failed(resource, classify(error), now)
     wanted = {
@@ -477,7 +518,7 @@ def reconcile_queue(stores: StoreSource, resource: Resource, now: datetime) -> O
     return Outcome(status=conditions.merge_patch(resource.status, wanted), changes=changes)
 
 
-def refresh_queue(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
+async def refresh_queue(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
     """Re-read the figures, and repair drift (a dropped table, lost znodes) once reconciled."""
     try:
         ref = queue_ref(resource.namespace, resource.name)
@@ -487,14 +528,13 @@ def refresh_queue(stores: StoreSource, resource: Resource, now: datetime) -> Out
     judge = may_repair(resource.status, resource.generation)
     outcome = Outcome()
     try:
-        store = stores()
-        seen = observe_queue(store, ref)
+        store = await asyncio.to_thread(stores)
+        seen = await observe_queue(store, ref)
         drift = queue_drift(spec, seen)
         if drift and judge:
-            with backend_errors():
-                outcome.changes = catalog.apply_queue(store, ref, spec)
+            outcome.changes = await _in_thread(catalog.apply_queue, store, ref, spec)
             outcome.repaired = drift
-            seen = observe_queue(store, ref)
+            seen = await observe_queue(store, ref)
     except Exception as error:  # noqa: BLE001
         return _failed(resource, classify(error), now) if judge else Outcome(failure=classify(error))
     wanted = queue_figures(seen)
@@ -504,30 +544,28 @@ def refresh_queue(stores: StoreSource, resource: Resource, now: datetime) -> Out
     return outcome
 
 
-def delete_queue(stores: StoreSource, resource: Resource) -> Outcome:
+async def delete_queue(stores: StoreSource, resource: Resource) -> Outcome:
     """Carry out the deletion policy. Retain touches no backend, so it works when they are down."""
     try:
         ref = queue_ref(resource.namespace, resource.name)
         policy = deletion_policy(resource.spec)
         if policy == "Retain":
             return Outcome(changes=Changes(actions=["retained table and znodes"]))
-        store = stores()
-        with backend_errors():
-            return Outcome(changes=catalog.delete_queue(store, ref, policy))
+        store = await asyncio.to_thread(stores)
+        return Outcome(changes=await _in_thread(catalog.delete_queue, store, ref, policy))
     except Exception as error:  # noqa: BLE001
         return Outcome(failure=classify(error))
 
 
-def reconcile_subscriber(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
+async def reconcile_subscriber(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
     """Create the subscriber (offsets from its start position) or update its settings."""
     try:
         validate_name("subscriber", resource.name)
         spec = parse_subscriber_spec(resource.spec)
         ref = queue_ref(resource.namespace, spec.queue)
-        store = stores()
-        with backend_errors():
-            changes = catalog.apply_subscriber(store, ref, resource.name, spec)
-        seen = observe_subscriber(store, resource.namespace, resource.name, spec)
+        store = await asyncio.to_thread(stores)
+        changes = await _in_thread(catalog.apply_subscriber, store, ref, resource.name, spec)
+        seen = await observe_subscriber(store, resource.namespace, resource.name, spec)
     except Exception as error:  # noqa: BLE001
         return _failed(resource, classify(error), now)
     wanted = {
@@ -537,7 +575,7 @@ def reconcile_subscriber(stores: StoreSource, resource: Resource, now: datetime)
     return Outcome(status=conditions.merge_patch(resource.status, wanted), changes=changes)
 
 
-def refresh_subscriber(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
+async def refresh_subscriber(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
     """Re-read lag and consumers; recreate a lost subscriber znode once reconciled."""
     try:
         validate_name("subscriber", resource.name)
@@ -547,16 +585,14 @@ def refresh_subscriber(stores: StoreSource, resource: Resource, now: datetime) -
     judge = may_repair(resource.status, resource.generation)
     outcome = Outcome()
     try:
-        store = stores()
-        seen = observe_subscriber(store, resource.namespace, resource.name, spec)
+        store = await asyncio.to_thread(stores)
+        seen = await observe_subscriber(store, resource.namespace, resource.name, spec)
         drift = subscriber_drift(spec, seen)
         if drift and judge:
-            with backend_errors():
-                outcome.changes = catalog.apply_subscriber(
-                    store, queue_ref(resource.namespace, spec.queue), resource.name, spec
-                )
+            ref = queue_ref(resource.namespace, spec.queue)
+            outcome.changes = await _in_thread(catalog.apply_subscriber, store, ref, resource.name, spec)
             outcome.repaired = drift
-            seen = observe_subscriber(store, resource.namespace, resource.name, spec)
+            seen = await observe_subscriber(store, resource.namespace, resource.name, spec)
     except Exception as error:  # noqa: BLE001
         return _failed(resource, classify(error), now) if judge else Outcome(failure=classify(error))
     wanted = subscriber_figures(spec, seen)
@@ -566,7 +602,7 @@ def refresh_subscriber(stores: StoreSource, resource: Resource, now: datetime) -
     return outcome
 
 
-def delete_subscriber(stores: StoreSource, resource: Resource) -> Outcome:
+async def delete_subscriber(stores: StoreSource, resource: Resource) -> Outcome:
     """A subscriber's state lives in ZooKeeper only (and TTL'd rows), so it always goes."""
     queue = (resource.spec or {}).get("queue")
     try:
@@ -574,13 +610,22 @@ def delete_subscriber(stores: StoreSource, resource: Resource) -> Outcome:
             return Outcome()  # never applied: there is nothing to remove
         ref = queue_ref(resource.namespace, queue)
         validate_name("subscriber", resource.name)
-        store = stores()
-        with backend_errors():
-            return Outcome(changes=catalog.delete_subscriber(store, ref, resource.name))
+        store = await asyncio.to_thread(stores)
+        return Outcome(changes=await _in_thread(catalog.delete_subscriber, store, ref, resource.name))
     except InvalidSpec:
         return Outcome()  # a name that was never valid was never applied either
     except Exception as error:  # noqa: BLE001
         return Outcome(failure=classify(error))
+
+
+async def _in_thread(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run a blocking catalog or driver call in a worker thread, its driver errors mapped."""
+
+    def call() -> T:
+        with backend_errors():
+            return function(*args, **kwargs)
+
+    return await asyncio.to_thread(call)
 
 
 def _failed(resource: Resource, failure: Failure, now: datetime) -> Outcome:

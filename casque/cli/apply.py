@@ -9,8 +9,9 @@ one does not leave the first ones half-applied.
 
 from __future__ import annotations
 
+import asyncio
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,6 +25,8 @@ from casque.schema import validate_name
 
 if TYPE_CHECKING:
     from casque.operator.reconcile import Outcome, Resource, StoreSource
+
+    Flow = Callable[[StoreSource, Resource], Awaitable[Outcome]]
 
 FileOption = Annotated[
     str, typer.Option("--filename", "-f", help="YAML file of Queue and Subscriber documents ('-' for stdin).")
@@ -54,11 +57,12 @@ def apply_file(filename: FileOption, namespace: NamespaceOption = None) -> None:
     from casque.operator import reconcile
 
     documents = read_documents(_read(filename), filename, namespace)
-    queues = [d for d in documents if d.kind == "Queue"]
-    subscribers = [d for d in documents if d.kind == "Subscriber"]
     now = datetime.now(timezone.utc)
-    _run(queues, lambda stores, resource: reconcile.reconcile_queue(stores, resource, now))
-    _run(subscribers, lambda stores, resource: reconcile.reconcile_subscriber(stores, resource, now))
+    steps: list[tuple[Document, Flow]] = [
+        *((d, lambda stores, r: reconcile.reconcile_queue(stores, r, now)) for d in documents if d.kind == "Queue"),
+        *((d, lambda stores, r: reconcile.reconcile_subscriber(stores, r, now)) for d in documents if d.kind != "Queue"),
+    ]
+    asyncio.run(_run(steps))
 
 
 def delete_file(filename: FileOption, namespace: NamespaceOption = None) -> None:
@@ -66,8 +70,11 @@ def delete_file(filename: FileOption, namespace: NamespaceOption = None) -> None
     from casque.operator import reconcile
 
     documents = read_documents(_read(filename), filename, namespace)
-    _run([d for d in documents if d.kind == "Subscriber"], reconcile.delete_subscriber)
-    _run([d for d in documents if d.kind == "Queue"], reconcile.delete_queue)
+    steps: list[tuple[Document, Flow]] = [
+        *((d, reconcile.delete_subscriber) for d in documents if d.kind == "Subscriber"),
+        *((d, reconcile.delete_queue) for d in documents if d.kind == "Queue"),
+    ]
+    asyncio.run(_run(steps))
 
 
 def read_documents(text: str, source: str, namespace: str | None = None) -> list[Document]:
@@ -126,18 +133,16 @@ def read_documents(text: str, source: str, namespace: str | None = None) -> list
     return documents
 
 
-def _run(documents: Iterable[Document], flow: Callable[[StoreSource, Resource], Outcome]) -> None:
+async def _run(steps: list[tuple[Document, Flow]]) -> None:
+    """Carry out each document's flow in order, one line per action; stop at the first failure."""
     from casque.config import Settings
     from casque.operator import conditions, reconcile
 
-    documents = list(documents)
-    if not documents:
-        return
-    store = reconcile.open_store(Settings())
+    store = await asyncio.to_thread(reconcile.open_store, Settings())
     try:
-        for document in documents:
+        for document, flow in steps:
             resource = reconcile.Resource(namespace=document.namespace, name=document.name, spec=document.spec)
-            outcome = flow(lambda: store, resource)
+            outcome = await flow(lambda: store, resource)
             for action in outcome.changes.actions:
                 typer.echo(f"{document.label}: {action}")
             if not outcome.changes.actions and outcome.failure is None:
@@ -152,7 +157,7 @@ def _run(documents: Iterable[Document], flow: Callable[[StoreSource, Resource], 
             if ready is not None and ready.get("status") != "True":
                 typer.echo(f"{document.label}: not ready: {ready.get('reason')}: {ready.get('message')}")
     finally:
-        store.close()
+        await asyncio.to_thread(store.close)
 
 
 def _read(filename: str) -> str:

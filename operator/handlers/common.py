@@ -1,15 +1,13 @@
 """What every handler does around a reconcile flow, in one place.
 
-Run the flow in a worker thread (the drivers block) under the object's lock, write its
-status patch, post Kubernetes Events, and map a failure to kopf: `PermanentError` when only
+Run the flow under the object's lock, write its status patch, post Kubernetes Events, and map a failure to kopf: `PermanentError` when only
 a new spec can help, `TemporaryError(delay=...)` otherwise. This is the operator's one place
 that translates casque's failures to the outside.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import kopf
@@ -29,9 +27,9 @@ def resource_of(body: kopf.Body) -> Resource:
     )
 
 
-async def run_locked(context: OperatorContext, body: kopf.Body, flow: Callable[[], Outcome]) -> Outcome:
+async def run_locked(context: OperatorContext, body: kopf.Body, flow: Callable[[], Awaitable[Outcome]]) -> Outcome:
     async with context.lock(body.metadata.uid):
-        return await asyncio.to_thread(flow)
+        return await flow()
 
 
 def report(body: kopf.Body, patch: kopf.Patch, outcome: Outcome, logger: kopf.Logger, *, timer: bool = False) -> None:

@@ -155,14 +155,15 @@ def test_queue_figures() -> None:
     seen = in_place(
         heads={0: 10, 1: 3},
         offsets={"fast": {0: 11, 1: 4}, "slow": {0: 6, 1: 1}},
-        stats=QueueStats(oldest_pending=published),
+        stats=QueueStats(published_messages=130, depth=42, oldest_pending=published),
     )
     assert reconcile.queue_figures(seen) == {
         "shards": 2,
         "publishedBatches": 13,
+        "publishedMessages": 130,
         "lagBatches": 5 + 3,
         "subscribers": 2,
-        "depth": None,
+        "depth": 42,
         "oldestPendingTime": "2026-03-01T11:00:00Z",
     }
 
@@ -173,7 +174,14 @@ def test_subscriber_readiness() -> None:
         queue_exists=True, stored=spec, heads={0: 4}, offsets={0: 2}, consumers=1, dead_letter_queue_exists=True
     )
     assert reconcile.subscriber_readiness(spec, seen).ready
-    assert reconcile.subscriber_figures(spec, seen) == {"queue": "orders", "lagBatches": 3, "consumers": 1}
+    assert reconcile.subscriber_figures(spec, seen) == {
+        "queue": "orders",
+        "lagBatches": 3,
+        "lagMessages": None,  # until the engine's stats are read
+        "oldestPendingTime": None,
+        "consumers": 1,
+        "inFlight": None,
+    }
 
     no_queue = SubscriberObservation(False, None, {}, {}, 0, None)
     assert reconcile.subscriber_readiness(spec, no_queue).reason == "QueueNotFound"
@@ -184,69 +192,67 @@ def test_subscriber_readiness() -> None:
     assert reconcile.subscriber_readiness(spec, lost).reason == "Drifted"
 
 
-def test_a_refresh_judges_only_what_a_reconcile_has_handled() -> None:
-    def status(reason: str, generation: int) -> dict[str, Any]:
-        return {"conditions": [{"type": "Ready", "status": "False", "reason": reason, "observedGeneration": generation}]}
-
-    assert not reconcile.may_repair(None, 1)  # never reconciled
-    assert not reconcile.may_repair(status("Reconciled", 1), 2)  # a new spec is being applied
-    assert not reconcile.may_repair(status("InvalidChange", 2), 2)  # failed for good
-    assert reconcile.may_repair(status("Reconciled", 2), 2)
-    assert reconcile.may_repair(status("BackendUnavailable", 2), 2)
+def test_a_refresh_judges_only_a_generation_that_was_applied() -> None:
+    assert not reconcile.may_repair(None, 1)  # never applied
+    assert not reconcile.may_repair({"observedGeneration": 1}, 2)  # a new spec is being applied, or failed
+    assert reconcile.may_repair({"observedGeneration": 2}, 2)
+    assert not reconcile.may_repair({"observedGeneration": 2}, None)
 
 
 # --- flows without backends ---------------------------------------------------------------
 
 
-def test_invalid_spec_fails_for_good_without_touching_the_backends() -> None:
+async def test_invalid_spec_fails_for_good_without_touching_the_backends() -> None:
     resource = Resource("default", "orders", {"shards": 0}, status={}, generation=3)
-    outcome = reconcile.reconcile_queue(untouchable, resource, NOW)
+    outcome = await reconcile.reconcile_queue(untouchable, resource, NOW)
     assert outcome.failure is not None and outcome.failure.permanent
     condition = ready(outcome.status)
     assert condition["status"] == "False" and condition["reason"] == "InvalidSpec"
-    assert condition["observedGeneration"] == 3 and outcome.status["observedGeneration"] == 3
+    # The condition judged generation 3; the backends hold no generation yet.
+    assert condition["observedGeneration"] == 3 and "observedGeneration" not in outcome.status
     assert condition["lastTransitionTime"] == "2026-03-01T12:00:00Z"
 
 
-def test_a_bad_name_is_an_invalid_spec() -> None:
-    outcome = reconcile.reconcile_queue(untouchable, Resource("default", "Orders.v2", {}), NOW)
+async def test_a_bad_name_is_an_invalid_spec() -> None:
+    outcome = await reconcile.reconcile_queue(untouchable, Resource("default", "Orders.v2", {}), NOW)
     assert outcome.failure is not None and outcome.failure.reason == "InvalidSpec"
 
 
-def test_backend_outage_is_retried_and_reported() -> None:
-    outcome = reconcile.reconcile_queue(unreachable, Resource("default", "orders", {}, generation=1), NOW)
+async def test_backend_outage_is_retried_and_reported() -> None:
+    outcome = await reconcile.reconcile_queue(unreachable, Resource("default", "orders", {}, generation=1), NOW)
     assert outcome.failure is not None and outcome.failure.retry_after == reconcile.BACKEND_RETRY_SECONDS
     assert ready(outcome.status)["reason"] == "BackendUnavailable"
 
     subscriber = Resource("default", "billing", {"queue": "orders"}, generation=1)
-    outcome = reconcile.reconcile_subscriber(unreachable, subscriber, NOW)
+    outcome = await reconcile.reconcile_subscriber(unreachable, subscriber, NOW)
     assert outcome.failure is not None and ready(outcome.status)["reason"] == "BackendUnavailable"
 
 
-def test_retain_needs_no_backend() -> None:
-    outcome = reconcile.delete_queue(untouchable, Resource("default", "orders", {"deletionPolicy": "Retain"}))
+async def test_retain_needs_no_backend() -> None:
+    outcome = await reconcile.delete_queue(untouchable, Resource("default", "orders", {"deletionPolicy": "Retain"}))
     assert outcome.failure is None and outcome.changes.actions == ["retained table and znodes"]
-    outcome = reconcile.delete_queue(unreachable, Resource("default", "orders", {"deletionPolicy": "Delete"}))
+    outcome = await reconcile.delete_queue(unreachable, Resource("default", "orders", {"deletionPolicy": "Delete"}))
     assert outcome.failure is not None and outcome.failure.reason == "BackendUnavailable"
 
 
-def test_deleting_a_subscriber_that_never_was_valid_is_a_no_op() -> None:
-    assert reconcile.delete_subscriber(untouchable, Resource("default", "billing", {})).failure is None
-    assert reconcile.delete_subscriber(untouchable, Resource("default", "Bad_Name", {"queue": "q"})).failure is None
+async def test_deleting_a_subscriber_that_never_was_valid_is_a_no_op() -> None:
+    assert (await reconcile.delete_subscriber(untouchable, Resource("default", "billing", {}))).failure is None
+    assert (await reconcile.delete_subscriber(untouchable, Resource("default", "Bad_Name", {"queue": "q"}))).failure is None
 
 
-def test_a_refresh_leaves_conditions_alone_until_reconciled() -> None:
+async def test_a_refresh_leaves_conditions_alone_until_reconciled() -> None:
     fresh = Resource("default", "orders", {}, status={}, generation=1)
-    outcome = reconcile.refresh_queue(unreachable, fresh, NOW)
+    outcome = await reconcile.refresh_queue(unreachable, fresh, NOW)
     assert outcome.failure is not None and outcome.status == {}
     # Once reconciled, an outage flips Ready; the next reconcile or refresh flips it back.
     reconciled = {
+        "observedGeneration": 1,
         "conditions": conditions.with_condition(
             None, "Ready", status=True, reason="Reconciled", message="ok", generation=1, now=NOW - timedelta(hours=1)
-        )
+        ),
     }
-    outcome = reconcile.refresh_queue(unreachable, Resource("default", "orders", {}, reconciled, 1), NOW)
+    outcome = await reconcile.refresh_queue(unreachable, Resource("default", "orders", {}, reconciled, 1), NOW)
     assert ready(outcome.status)["reason"] == "BackendUnavailable"
     assert ready(outcome.status)["lastTransitionTime"] == "2026-03-01T12:00:00Z"
     # An invalid spec is the reconcile's to report: the refresh stays silent.
-    assert reconcile.refresh_queue(untouchable, Resource("default", "orders", {"shards": 0}), NOW).status == {}
+    assert (await reconcile.refresh_queue(untouchable, Resource("default", "orders", {"shards": 0}), NOW)).status == {}

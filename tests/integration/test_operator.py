@@ -1,0 +1,649 @@
+"""The operator against a real kube-apiserver, Cassandra and ZooKeeper.
+
+Each test runs `casque operator run` as a subprocess in a namespace of its own, with a
+keyspace and a ZooKeeper root of its own, and watches what it does to the backends and to
+the resources' status. Waits poll with a bounded timeout; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from cassandra.cluster import Session
+from kazoo.client import KazooClient
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from casque.devstack.kube import KubeCluster
+from casque.engine import catalog
+from casque.engine.messages import OutgoingMessage
+from casque.engine.publisher import Publisher
+from casque.operator.resources import FINALIZER, GROUP, QUEUES, SUBSCRIBERS, VERSION
+from casque.schema import QueueRef, drop_messages_table_ddl, read_table_options
+from casque.specs import QueueSpec
+from casque.store import Store
+from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
+from tests.fixtures.stack import Backends
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILES = [ROOT / "crds" / "queue.yaml", ROOT / "crds" / "subscriber.yaml"]
+T = TypeVar("T")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0) -> T:
+    """Poll `probe` until it returns something truthy, and return that; fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- fixtures -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def casque_crds(kube_client: client.ApiClient) -> None:  # noqa: F811
+    """The CRDs from crds/, created (or replaced) and Established."""
+    import yaml
+
+    api = client.ApiextensionsV1Api(kube_client)
+    for path in CRD_FILES:
+        crd = yaml.safe_load(path.read_text())
+        name = crd["metadata"]["name"]
+        try:
+            current = api.read_custom_resource_definition(name)
+            crd["metadata"]["resourceVersion"] = current.metadata.resource_version
+            api.replace_custom_resource_definition(name, crd)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            api.create_custom_resource_definition(crd)
+
+        def established(name: str = name) -> bool:
+            conditions = api.read_custom_resource_definition(name).status.conditions or []
+            return any(c.type == "Established" and c.status == "True" for c in conditions)
+
+        wait_for(f"CRD {name} to be Established", established)
+
+
+@dataclass
+class Backend:
+    """Where one test's operator keeps its data, and a Store to look at it."""
+
+    keyspace: str
+    zk_root: str
+    env: dict[str, str]
+    store: Store
+
+
+@pytest.fixture
+def backend(backends: Backends, cql: Session, kube_cluster: KubeCluster) -> Iterator[Backend]:  # noqa: F811
+    suffix = uuid.uuid4().hex[:12]
+    keyspace, top = f"op_{suffix}", f"/op-{suffix}"
+    zk = KazooClient(hosts=backends.zookeeper_hosts)
+    zk.start(timeout=15)
+    store = Store(
+        session=cql,
+        zk=zk,
+        keyspace=keyspace,
+        zk_root=f"{top}/casque",
+        replication_cql="{'class': 'SimpleStrategy', 'replication_factor': 1}",
+    )
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kube_cluster.kubeconfig_path),
+        "CASQUE_CASSANDRA_CONTACT_POINTS": ",".join(backends.contact_points),
+        "CASQUE_CASSANDRA_PORT": str(backends.cql_port),
+        "CASQUE_ZOOKEEPER_HOSTS": backends.zookeeper_hosts,
+        "CASQUE_KEYSPACE": keyspace,
+        "CASQUE_ZOOKEEPER_ROOT": store.zk_root,
+        "CASQUE_CONSISTENCY": "ONE",
+        # Refresh status every second, so that tests see the timer's work quickly.
+        "CASQUE_OPERATOR_REFRESH_INTERVAL": "1",
+    }
+    try:
+        yield Backend(keyspace, store.zk_root, env, store)
+    finally:
+        cql.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+        zk.delete(top, recursive=True)
+        zk.stop()
+        zk.close()
+
+
+class Operator:
+    """One `casque operator run` subprocess serving one namespace."""
+
+    def __init__(self, env: dict[str, str], namespace: str, log: Path, *args: str) -> None:
+        self.port = free_port()
+        self.log_path = log
+        command = [
+            sys.executable, "-m", "casque.cli", "operator", "run",
+            "--namespace", namespace,
+            "--liveness", f"http://127.0.0.1:{self.port}/healthz",
+            "--lease-namespace", namespace,
+            # Short Lease timings so that a takeover happens within seconds.
+            "--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5",
+            *args,
+        ]  # fmt: skip
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def liveness(self) -> tuple[int, Any] | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=5) as response:
+                return int(response.status), json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return int(error.code), None
+        except OSError:
+            return None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.alive():
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+@pytest.fixture
+def operators(
+    backend: Backend,
+    kube_namespace: str,  # noqa: F811
+    kube_client: client.ApiClient,  # noqa: F811
+    casque_crds: None,
+    tmp_path: Path,
+) -> Iterator[Callable[..., Operator]]:
+    """Start operators for this test's namespace; at the end, delete its resources first."""
+    started: list[Operator] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Operator:
+        operator = Operator(env or backend.env, kube_namespace, tmp_path / f"operator-{len(started)}.log", *args)
+        started.append(operator)
+        return operator
+
+    try:
+        yield start
+    finally:
+        # Custom resources go before the namespace, while an operator can still release
+        # their finalizers.
+        if not any(o.alive() for o in started):
+            start()
+        api = client.CustomObjectsApi(kube_client)
+        for plural in (SUBSCRIBERS, QUEUES):
+            for item in api.list_namespaced_custom_object(GROUP, VERSION, kube_namespace, plural)["items"]:
+                delete(api, kube_namespace, plural, item["metadata"]["name"])
+        try:
+            wait_for("the test's resources to be deleted", lambda: not _remaining(api, kube_namespace), timeout=60)
+        finally:
+            _strip_finalizers(api, kube_namespace)
+            for operator in started:
+                operator.stop()
+                print(f"--- {operator.log_path.name}\n{operator.log()[-6000:]}")
+
+
+def _remaining(api: client.CustomObjectsApi, namespace: str) -> list[str]:
+    return [
+        item["metadata"]["name"]
+        for plural in (SUBSCRIBERS, QUEUES)
+        for item in api.list_namespaced_custom_object(GROUP, VERSION, namespace, plural)["items"]
+    ]
+
+
+def _strip_finalizers(api: client.CustomObjectsApi, namespace: str) -> None:
+    for plural in (SUBSCRIBERS, QUEUES):
+        for item in api.list_namespaced_custom_object(GROUP, VERSION, namespace, plural)["items"]:
+            api.patch_namespaced_custom_object(
+                GROUP, VERSION, namespace, plural, item["metadata"]["name"], {"metadata": {"finalizers": None}}
+            )
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def queue(name: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Queue", "metadata": {"name": name}, "spec": spec}
+
+
+def subscriber(name: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Subscriber", "metadata": {"name": name}, "spec": spec}
+
+
+def create(api: client.CustomObjectsApi, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+    plural = QUEUES if body["kind"] == "Queue" else SUBSCRIBERS
+    created: dict[str, Any] = api.create_namespaced_custom_object(GROUP, VERSION, namespace, plural, body)
+    return created
+
+
+def get(api: client.CustomObjectsApi, namespace: str, plural: str, name: str) -> dict[str, Any] | None:
+    try:
+        found: dict[str, Any] = api.get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
+        return found
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+
+
+def patch_spec(api: client.CustomObjectsApi, namespace: str, plural: str, name: str, **spec: Any) -> dict[str, Any]:
+    patched: dict[str, Any] = api.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, plural, name, {"spec": spec}
+    )
+    return patched
+
+
+def delete(api: client.CustomObjectsApi, namespace: str, plural: str, name: str) -> None:
+    try:
+        api.delete_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
+    except ApiException as error:
+        if error.status != 404:
+            raise
+
+
+def ready_of(obj: dict[str, Any] | None) -> dict[str, Any]:
+    for condition in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if condition["type"] == "Ready":
+            return dict(condition)
+    return {}
+
+
+def wait_ready(
+    api: client.CustomObjectsApi,
+    namespace: str,
+    plural: str,
+    name: str,
+    *,
+    status: str = "True",
+    reason: str | None = None,
+    timeout: float = 60.0,
+) -> dict[str, Any]:
+    """The object once its Ready condition judges its current generation as `status` (and `reason`)."""
+
+    def probe() -> dict[str, Any] | None:
+        obj = get(api, namespace, plural, name)
+        condition = ready_of(obj)
+        if (
+            obj is not None
+            and condition.get("observedGeneration") == obj["metadata"]["generation"]
+            and condition.get("status") == status
+            and (reason is None or condition.get("reason") == reason)
+        ):
+            return obj
+        return None
+
+    return wait_for(f"{plural}/{name} Ready={status} {reason or ''}", probe, timeout)
+
+
+def refused(call: Callable[[], object]) -> str:
+    """The message of the 422 the API server answers `call` with."""
+    with pytest.raises(ApiException) as error:
+        call()
+    assert error.value.status == 422, error.value.body
+    return str(json.loads(error.value.body)["message"])
+
+
+def events(kube_client: client.ApiClient, namespace: str, name: str) -> list[tuple[str, str, str]]:  # noqa: F811
+    listed = client.CoreV1Api(kube_client).list_namespaced_event(namespace)
+    return [(e.type, e.reason, e.message) for e in listed.items if e.involved_object.name == name]
+
+
+def table_ttl(backend: Backend, name: str, namespace: str) -> int | None:
+    options = read_table_options(backend.store.session, backend.keyspace, QueueRef(namespace, name))
+    return options.default_time_to_live if options.exists else None
+
+
+def heads(backend: Backend, ref: QueueRef) -> list[str]:
+    path = backend.store.paths(ref).shards
+    return sorted(backend.store.zk.get_children(path)) if backend.store.zk.exists(path) else []
+
+
+# --- the API server refuses bad specs -----------------------------------------------------
+
+
+def test_the_api_server_refuses_invalid_specs(
+    kube_client: client.ApiClient, kube_namespace: str, casque_crds: None  # noqa: F811
+) -> None:
+    """The CEL rules at work; no operator is needed for the API server to refuse these."""
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+
+    assert "shards must be at least 1" in refused(lambda: create(api, ns, queue("zero", shards=0)))
+    assert "retention must be at least 60s" in refused(lambda: create(api, ns, queue("brief", retention="30s")))
+    assert "retention must be at least 60s" in refused(lambda: create(api, ns, queue("brief", retention=59)))
+    assert "retention must be seconds or a number" in refused(lambda: create(api, ns, queue("odd", retention="7w")))
+    assert "defaultDelay must be shorter than retention" in refused(
+        lambda: create(api, ns, queue("late", retention="1h", defaultDelay="2h"))
+    )
+    assert "must be a DNS label" in refused(lambda: create(api, ns, queue("orders.v2")))
+
+    created = create(api, ns, queue("orders", shards=4))
+    assert created["spec"] == {
+        "shards": 4,
+        "retention": "7d",
+        "maxMessageBytes": 262144,
+        "priorities": 1,
+        "defaultDelay": 0,
+        "consistency": "LOCAL_QUORUM",
+        "deletionPolicy": "Retain",
+    }
+    assert "shards cannot be lowered" in refused(lambda: patch_spec(api, ns, QUEUES, "orders", shards=2))
+    patch_spec(api, ns, QUEUES, "orders", shards=6)  # growing is fine
+
+    assert "deadLetterQueue must be another queue" in refused(
+        lambda: create(api, ns, subscriber("loop", queue="orders", deadLetterQueue="orders"))
+    )
+    assert "startPosition must be earliest, latest or an RFC 3339 time" in refused(
+        lambda: create(api, ns, subscriber("when", queue="orders", startPosition="yesterday"))
+    )
+    assert "visibilityTimeout must be between 1s and 12h" in refused(
+        lambda: create(api, ns, subscriber("slow", queue="orders", visibilityTimeout="13h"))
+    )
+    create(api, ns, subscriber("billing", queue="orders", startPosition="2026-01-02T15:04:05Z"))
+    assert "queue is immutable" in refused(lambda: patch_spec(api, ns, SUBSCRIBERS, "billing", queue="payments"))
+    for plural, name in ((SUBSCRIBERS, "billing"), (QUEUES, "orders")):
+        delete(api, ns, plural, name)  # no operator ran, so there are no finalizers
+
+
+# --- the operator at work -----------------------------------------------------------------
+
+
+def test_queue_is_created_changed_and_deleted(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    ref = QueueRef(ns, "orders")
+    operators()
+    create(api, ns, queue("orders", shards=2, retention="1h", deletionPolicy="Delete"))
+
+    ready = wait_ready(api, ns, QUEUES, "orders")
+    assert ready["status"]["observedGeneration"] == ready["metadata"]["generation"] == 1
+    assert ready_of(ready)["reason"] == "Reconciled"
+    assert ready["status"]["shards"] == 2 and ready["status"]["lagBatches"] == 0
+    assert FINALIZER in ready["metadata"]["finalizers"]
+    assert table_ttl(backend, "orders", ns) == 3600
+    assert heads(backend, ref) == ["0", "1"]
+    assert catalog.read_queue(backend.store, ref).spec.retention_seconds == 3600
+    assert ("Normal", "Applied") in [(t, r) for t, r, _ in events(kube_client, ns, "orders")]
+
+    # A new retention changes the table's TTL; a new shard gets its head.
+    patch_spec(api, ns, QUEUES, "orders", retention="2h", shards=3)
+    changed = wait_ready(api, ns, QUEUES, "orders")
+    assert changed["metadata"]["generation"] == changed["status"]["observedGeneration"] == 2
+    assert table_ttl(backend, "orders", ns) == 7200
+    assert heads(backend, ref) == ["0", "1", "2"]
+    wait_for("the new shard in status", lambda: (get(api, ns, QUEUES, "orders") or {})["status"]["shards"] == 3)
+
+    # Deletion with policy Delete drops the table and the znodes, then releases the finalizer.
+    delete(api, ns, QUEUES, "orders")
+    wait_for("the Queue to be gone", lambda: get(api, ns, QUEUES, "orders") is None)
+    assert table_ttl(backend, "orders", ns) is None
+    assert not backend.store.zk.exists(backend.store.paths(ref).base)
+
+
+def test_retain_keeps_the_data_and_releases_the_finalizer(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    ref = QueueRef(ns, "audit")
+    operators()
+    create(api, ns, queue("audit", shards=3, retention="1d"))  # deletionPolicy defaults to Retain
+    create(api, ns, subscriber("archiver", queue="audit", startPosition="earliest"))
+    wait_ready(api, ns, QUEUES, "audit")
+    wait_ready(api, ns, SUBSCRIBERS, "archiver")
+    assert catalog.list_subscribers(backend.store, ref) == ["archiver"]
+
+    delete(api, ns, QUEUES, "audit")
+    wait_for("the Queue to be gone", lambda: get(api, ns, QUEUES, "audit") is None)
+    assert table_ttl(backend, "audit", ns) == 86400
+    assert catalog.read_queue(backend.store, ref).spec.shards == 3
+
+    # A subscriber's state always goes with it.
+    delete(api, ns, SUBSCRIBERS, "archiver")
+    wait_for("the Subscriber to be gone", lambda: get(api, ns, SUBSCRIBERS, "archiver") is None)
+    assert catalog.list_subscribers(backend.store, ref) == []
+
+    # A Queue of the same name finds the retained data; fewer shards than it has is refused for good.
+    create(api, ns, queue("audit", shards=2, retention="1d"))
+    failed = wait_ready(api, ns, QUEUES, "audit", status="False", reason="InvalidChange")
+    assert "shards can be added, never removed" in ready_of(failed)["message"]
+    assert "observedGeneration" not in failed["status"]  # nothing of this spec was applied
+    wait_for(
+        "a Warning event for the refused change",
+        lambda: ("Warning", "InvalidChange") in [(t, r) for t, r, _ in events(kube_client, ns, "audit")],
+    )
+    patch_spec(api, ns, QUEUES, "audit", shards=3)
+    wait_ready(api, ns, QUEUES, "audit")
+
+
+async def test_subscriber_status_follows_the_log(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    ref = QueueRef(ns, "orders")
+    operators()
+
+    # A Subscriber applied before its Queue waits for it, and says so.
+    create(api, ns, subscriber("billing", queue="orders", startPosition="earliest", deadLetterQueue="orders-dlq"))
+    wait_ready(api, ns, SUBSCRIBERS, "billing", status="False", reason="QueueNotFound")
+    wait_for(
+        "a Warning event for the missing queue",
+        lambda: ("Warning", "QueueNotFound") in [(t, r) for t, r, _ in events(kube_client, ns, "billing")],
+    )
+    create(api, ns, queue("orders", shards=2, retention="1h", consistency="ONE"))
+    wait_ready(api, ns, SUBSCRIBERS, "billing", status="False", reason="DeadLetterQueueNotFound")
+    create(api, ns, queue("orders-dlq", shards=1, retention="1h"))
+    billing = wait_ready(api, ns, SUBSCRIBERS, "billing")
+    assert billing["status"]["queue"] == "orders" and billing["status"]["lagBatches"] == 0
+
+    # Messages published now show up as lag and depth at the next refresh.
+    publisher = Publisher(backend.store, ref, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE"))
+    await publisher.publish([OutgoingMessage(f"m{i}".encode(), key=f"k{i}") for i in range(7)])
+    await publisher.flush_heads()
+
+    def lagging() -> dict[str, Any] | None:
+        status = (get(api, ns, SUBSCRIBERS, "billing") or {}).get("status", {})
+        return status if status.get("lagMessages") == 7 else None
+
+    status = wait_for("the subscriber's lag", lagging)
+    assert status["lagBatches"] >= 1 and status["oldestPendingTime"]
+    orders = wait_for("the queue's depth", lambda: (get(api, ns, QUEUES, "orders") or {})["status"].get("depth") == 7)
+    assert orders
+    queue_status = (get(api, ns, QUEUES, "orders") or {})["status"]
+    assert queue_status["publishedMessages"] == 7 and queue_status["subscribers"] == 1
+    assert queue_status["oldestPendingTime"] == status["oldestPendingTime"]
+
+
+def test_kubectl_get_shows_the_printer_columns(
+    operators: Callable[..., Operator],
+    kube_cluster: KubeCluster,  # noqa: F811
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    kubectl = kube_tool("kubectl")
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    operators()
+    create(api, ns, queue("orders", shards=3, retention="1h"))
+    create(api, ns, subscriber("billing", queue="orders"))
+    wait_ready(api, ns, QUEUES, "orders")
+    wait_ready(api, ns, SUBSCRIBERS, "billing")
+
+    def table(*args: str) -> list[dict[str, str]]:
+        """kubectl's table as one mapping per row, split at the header's column starts (cells may be empty)."""
+        out = subprocess.run(
+            [str(kubectl), "--kubeconfig", str(kube_cluster.kubeconfig_path), "get", *args, "-n", ns],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        header, *rows = out.splitlines()
+        names = header.split()
+        starts = [header.index(f"{name}") if i == 0 else header.index(f"  {name}") + 2 for i, name in enumerate(names)]
+        bounds = list(zip(starts, [*starts[1:], None], strict=True))
+        return [{name: row[a:b].strip() for name, (a, b) in zip(names, bounds, strict=True)} for row in rows]
+
+    (orders,) = wait_for("kubectl to show the figures", lambda: (t := table("queues")) and t[0]["DEPTH"] and t)
+    assert list(orders) == ["NAME", "SHARDS", "DEPTH", "LAG", "OLDEST", "READY", "AGE"]
+    assert orders | {"AGE": ""} == {
+        "NAME": "orders", "SHARDS": "3", "DEPTH": "0", "LAG": "0", "OLDEST": "", "READY": "True", "AGE": "",
+    }  # fmt: skip
+    (billing,) = wait_for("kubectl to show the subscriber", lambda: (t := table("csub")) and t[0]["BACKLOG"] and t)
+    assert list(billing) == ["NAME", "QUEUE", "BACKLOG", "LAG", "OLDEST", "CONSUMERS", "READY", "AGE"]
+    assert (billing["QUEUE"], billing["BACKLOG"], billing["LAG"], billing["READY"]) == ("orders", "0", "0", "True")
+    (wide,) = table("cq", "-o", "wide")
+    assert wide["REASON"] == "Reconciled"
+
+
+def test_a_restart_changes_nothing_that_is_right(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    ref = QueueRef(ns, "orders")
+    first = operators()
+    create(api, ns, queue("orders", shards=2, retention="1h"))
+    create(api, ns, subscriber("billing", queue="orders"))
+    wait_ready(api, ns, QUEUES, "orders")
+    wait_ready(api, ns, SUBSCRIBERS, "billing")
+
+    def settled() -> bool:
+        orders, billing = get(api, ns, QUEUES, "orders") or {}, get(api, ns, SUBSCRIBERS, "billing") or {}
+        return orders["status"].get("subscribers") == 1 and billing["status"].get("lagMessages") == 0
+
+    wait_for("the status to settle", settled)
+    before = {plural: get(api, ns, plural, name) for plural, name in ((QUEUES, "orders"), (SUBSCRIBERS, "billing"))}
+    _, znode = backend.store.zk.get(backend.store.paths(ref).base)
+    assert first.stop() == 0
+
+    second = operators()
+    wait_for("the restarted operator to resume both objects", lambda: second.log().count("Resuming is processed") >= 2)
+    wait_for("a status refresh", lambda: second.log().count("Timer 'refresh_queue' succeeded") >= 2)
+    for (plural, name), obj in zip(((QUEUES, "orders"), (SUBSCRIBERS, "billing")), before.values(), strict=True):
+        now = get(api, ns, plural, name)
+        assert now is not None and obj is not None
+        assert (now["metadata"], now["status"]) == (obj["metadata"], obj["status"]), plural
+    assert backend.store.zk.get(backend.store.paths(ref).base)[1].mzxid == znode.mzxid
+
+
+def test_drift_is_repaired_by_the_status_refresh(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    ref = QueueRef(ns, "orders")
+    operators()
+    create(api, ns, queue("orders", shards=2, retention="1h"))
+    wait_ready(api, ns, QUEUES, "orders")
+
+    backend.store.session.execute(drop_messages_table_ddl(backend.keyspace, ref))
+    backend.store.zk.delete(backend.store.paths(ref).head(1))
+    wait_for("the table to be re-created", lambda: table_ttl(backend, "orders", ns) == 3600)
+    wait_for("the head to be re-created", lambda: heads(backend, ref) == ["0", "1"])
+    repaired = wait_for(
+        "a Repaired event",
+        lambda: [m for t, r, m in events(kube_client, ns, "orders") if r == "Repaired"],
+    )
+    assert "the messages table is missing" in repaired[0]
+    wait_ready(api, ns, QUEUES, "orders")
+
+
+def test_backend_outage_is_reported_and_retried(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    nowhere = {**backend.env, "CASQUE_CASSANDRA_PORT": str(free_port())}
+    broken = operators(env=nowhere)
+    create(api, ns, queue("orders", shards=1, retention="1h"))
+    failed = wait_ready(api, ns, QUEUES, "orders", status="False", reason="BackendUnavailable")
+    assert "Cassandra" in ready_of(failed)["message"]
+    assert broken.stop() == 0
+
+    operators()  # with the backends back, the resume applies the spec
+    wait_ready(api, ns, QUEUES, "orders")
+    assert table_ttl(backend, "orders", ns) == 3600
+
+
+def test_one_leader_at_a_time_and_a_takeover(
+    operators: Callable[..., Operator],
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    api = client.CustomObjectsApi(kube_client)
+    leases = client.CoordinationV1Api(kube_client)
+    ns = kube_namespace
+    first = operators("--identity", "first")
+    wait_for("first to lead", lambda: "leading" in first.log())
+    second = operators("--identity", "second")
+    wait_for("second to campaign", lambda: "campaigning" in second.log())
+    # The follower answers its liveness probe as a standby; the leader with the watch probe.
+    standby = wait_for("the follower's liveness", second.liveness)
+    assert standby == (200, {"role": "standby"})
+    status, report = wait_for("the leader's liveness", first.liveness)
+    assert status == 200 and set(report["watch"]) == {QUEUES, SUBSCRIBERS}
+
+    create(api, ns, queue("orders", shards=1, retention="1h"))
+    wait_ready(api, ns, QUEUES, "orders")
+    assert "Handler 'apply_queue'" not in second.log()
+    assert leases.read_namespaced_lease("casque-operator", ns).spec.holder_identity == "first"
+
+    # The leader dies without releasing the Lease; the follower takes over once it expires.
+    first.stop(signal.SIGKILL)
+    wait_for("second to lead", lambda: "leading" in second.log(), timeout=30)
+    assert leases.read_namespaced_lease("casque-operator", ns).spec.holder_identity == "second"
+    create(api, ns, queue("payments", shards=1, retention="1h"))
+    wait_ready(api, ns, QUEUES, "payments")
+    assert second.alive()
