@@ -1,0 +1,189 @@
+"""Pure logic of the sidecar: settings, message shapes, the error mapping, the OpenAPI document, push rules."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from casque.client import Message, RetryPolicy, message
+from casque.engine.consumer import ConsumerStopped
+from casque.engine.messages import Delivery, InvalidReceipt, Position, StoredMessage
+from casque.errors import (
+    BackendUnavailable,
+    CasqueError,
+    InvalidChange,
+    InvalidSpec,
+    MessageTooLarge,
+    PositionOutOfRange,
+    QueueNotFound,
+    StaleReceipt,
+    SubscriberNotFound,
+)
+from casque.schema import QueueRef
+from casque.sidecar.config import SidecarSettings, parse_statuses
+from casque.sidecar.errors import NotReady, SubscriberNotServed, Unauthorized, status_of
+from casque.sidecar.models import PublishMessage, SeekRequest, envelope
+from casque.sidecar.openapi import build
+from casque.sidecar.push import backoff, classify
+from casque.sidecar.routes import OPERATIONS
+
+OPERATION_IDS = {"publish", "publishBatch", "receive", "ack", "nack", "extendVisibility", "seek", "queueStats",
+                 "subscriberStats"}
+
+
+def test_status_lists() -> None:
+    assert parse_statuses("408, 429,500-502") == {408, 429, 500, 501, 502}
+    assert parse_statuses("") == frozenset()
+    for bad in ("abc", "99", "500-400", "600"):
+        with pytest.raises(ValueError):
+            parse_statuses(bad)
+
+
+def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CASQUE_SIDECAR_QUEUE", "orders")
+    monkeypatch.setenv("CASQUE_SIDECAR_SUBSCRIBERS", "billing, audit,billing")
+    monkeypatch.setenv("CASQUE_SIDECAR_PUSH_RETRY_STATUSES", "503")
+    settings = SidecarSettings()
+    assert (settings.host, settings.port) == ("127.0.0.1", 8717)  # localhost by default
+    assert settings.subscribers == ["billing", "audit"]
+    assert settings.push_retry_statuses == {503}
+    assert SidecarSettings(port=9000).base_url == "http://127.0.0.1:9000"
+    monkeypatch.delenv("CASQUE_SIDECAR_QUEUE")
+    with pytest.raises(ValidationError, match="subscribers need the queue"):
+        SidecarSettings()
+    with pytest.raises(ValidationError):
+        SidecarSettings(queue="orders", subscribers=["Not_A_Name"])
+
+
+def parse(body: dict[str, Any]) -> PublishMessage:
+    return PublishMessage.model_validate_json(json.dumps(body), strict=True)
+
+
+def test_publish_bodies_become_engine_messages() -> None:
+    structured = parse({"data": {"a": [1, "é"]}, "partitionkey": "k", "attributes": {"x": "y"}, "id": "c1",
+                        "ttl": 60, "type": "t", "source": "/s", "subject": "sub", "specversion": "1.0"})
+    out = structured.outgoing()
+    assert out.payload == '{"a":[1,"é"]}'.encode() and out.content_type == "application/json"
+    assert out.key == "k" and out.client_id == "c1" and out.ttl_seconds == 60
+    assert out.attributes == {"x": "y", "ce-type": "t", "ce-source": "/s", "ce-subject": "sub"}
+    text = parse({"data": "hi", "datacontenttype": "text/plain"}).outgoing()
+    assert (text.payload, text.content_type) == (b"hi", "text/plain")
+    json_string = parse({"data": "hi"}).outgoing()
+    assert (json_string.payload, json_string.content_type) == (b'"hi"', "application/json")
+    binary = parse({"data_base64": base64.b64encode(b"\x00\xff").decode()}).outgoing()
+    assert (binary.payload, binary.content_type) == (b"\x00\xff", "application/octet-stream")
+    empty = parse({}).outgoing()
+    assert (empty.payload, empty.content_type) == (b"", None)
+
+
+@pytest.mark.parametrize("body", [
+    {"data": 1, "data_base64": "AA=="},
+    {"data_base64": "***"},
+    {"data": {"a": 1}, "datacontenttype": "text/plain"},
+    {"attributes": {"ce-type": "x"}},
+    {"attributes": {"bad name": "x"}},
+    {"ttl": 0},
+    {"specversion": "0.3"},
+    {"deliverAt": "2030-01-01T00:00:00Z"},  # not until the engine can honour it
+    {"priority": 1},
+    {"datacontenttype": "not a media type"},
+])
+def test_publish_bodies_that_are_refused(body: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        parse(body)
+
+
+def test_seek_takes_exactly_one_target() -> None:
+    assert SeekRequest.model_validate_json('{"to": "earliest"}', strict=True).to == "earliest"
+    assert SeekRequest.model_validate_json('{"batches": {"0": 5}}', strict=True).batches == {"0": 5}
+    for raw in ('{}', '{"to": "latest", "time": "2024-01-01T00:00:00Z"}', '{"time": "2024-01-01T00:00:00"}',
+                '{"batches": {}}', '{"batches": {"x": 1}}'):
+        with pytest.raises(ValidationError):
+            SeekRequest.model_validate_json(raw, strict=True)
+
+
+def delivery(payload: bytes, content_type: str | None, **attributes: str) -> Delivery:
+    stored = StoredMessage(Position(1, 7, 3), "m-1", datetime(2030, 1, 1, tzinfo=timezone.utc), payload,
+                           key="k", attributes=attributes, content_type=content_type)
+    return Delivery(stored, "receipt", 2, 0.0)
+
+
+def test_envelope_is_a_cloudevent_with_casque_extensions() -> None:
+    event = envelope(delivery(b'{"a":1}', "application/json", **{"ce-type": "t", "x": "y"}), QueueRef("ns", "q")).wire()
+    assert event["specversion"] == "1.0" and event["id"] == "m-1" and event["type"] == "t"
+    assert event["source"] == "/casque/ns/q" and event["data"] == {"a": 1} and event["attributes"] == {"x": "y"}
+    assert (event["shard"], event["batch"], event["seq"], event["deliverycount"]) == (1, 7, 3, 2)
+    assert event["partitionkey"] == "k" and event["receipt"] == "receipt" and "visibleuntil" in event
+    text = envelope(delivery(b"caf\xc3\xa9", "text/plain; charset=utf-8"), QueueRef("ns", "q")).wire()
+    assert text["data"] == "café"
+    broken = envelope(delivery(b"{nope", "application/json"), QueueRef("ns", "q")).wire()
+    assert "data" not in broken and base64.b64decode(broken["data_base64"]) == b"{nope"
+    # The client reads the same event back.
+    read = Message.of(envelope(delivery(b'{"a":1}', None), QueueRef("ns", "q")).wire())
+    assert read.type == "casque.message" and read.payload == b'{"a":1}' and read.delivery_count == 2
+
+
+@pytest.mark.parametrize(("error", "status"), [
+    (InvalidReceipt("x"), 400), (InvalidSpec("x"), 400), (PositionOutOfRange("x"), 400), (InvalidChange("x"), 409),
+    (QueueNotFound("x"), 404), (SubscriberNotFound("x"), 404), (SubscriberNotServed("x"), 404),
+    (StaleReceipt("x"), 409), (MessageTooLarge("x"), 413), (Unauthorized("x"), 401),
+    (BackendUnavailable("x"), 503), (ConsumerStopped("x"), 503), (NotReady("x"), 503), (CasqueError("x"), 500),
+])
+def test_each_error_has_one_status(error: CasqueError, status: int) -> None:
+    assert status_of(error) == status
+
+
+def _refs(node: Any) -> set[str]:
+    if isinstance(node, dict):
+        found = {node["$ref"]} if isinstance(node.get("$ref"), str) else set()
+        return found.union(*(_refs(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_refs(v) for v in node))
+    return set()
+
+
+def test_openapi_document_names_exactly_the_api_operations() -> None:
+    import schemathesis
+
+    document = build(OPERATIONS, "1.0", bearer_token=False)
+    assert document["openapi"].startswith("3.1")
+    ids = [op["operationId"] for path in document["paths"].values() for op in path.values()]
+    assert sorted(ids) == sorted(OPERATION_IDS)
+    schemas = document["components"]["schemas"]
+    for ref in _refs(document):
+        assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in schemas, ref
+    assert "security" not in document
+    schemathesis.openapi.from_dict(document).validate()
+    secured = build(OPERATIONS, "1.0", bearer_token=True)
+    assert secured["security"] == [{"bearer": []}]
+    assert "401" in secured["paths"]["/v1/queues/{queue}/messages"]["post"]["responses"]
+
+
+def test_push_outcomes_and_backoff() -> None:
+    settings = SidecarSettings()
+    assert [classify(s, settings) for s in (200, 204, 299)] == ["ack"] * 3
+    assert [classify(s, settings) for s in (None, 408, 429, 500, 503)] == ["retry"] * 5
+    assert [classify(s, settings) for s in (400, 404, 410, 422)] == ["drop"] * 4
+    assert classify(302, settings) == "retry"  # unexpected: keep the message
+    for count in range(1, 12):
+        delay = backoff(count, 1.0, 300.0)
+        assert min(300.0, 2.0 ** (count - 1)) / 2 <= delay <= min(300.0, 2.0 ** (count - 1))
+    assert backoff(1000, 1.0, 300.0) <= 300.0
+
+
+def test_client_always_sends_an_id_and_honours_retry_after() -> None:
+    first, second = message({"a": 1}), message({"a": 1})
+    assert first["id"] and first["id"] != second["id"]
+    assert message(1, id="mine")["id"] == "mine"
+    assert message(payload=b"\x00")["data_base64"] == "AA=="
+    assert "data" not in message()
+    with pytest.raises(ValueError):
+        message(1, payload=b"x")
+    policy = RetryPolicy(backoff=0.1, max_backoff=1.0)
+    assert policy.delay(0, 3.0) == 3.0
+    assert all(0.5 <= policy.delay(10, None) <= 1.0 for _ in range(20))
