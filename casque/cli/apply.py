@@ -85,7 +85,7 @@ def read_documents(text: str, source: str, namespace: str | None = None) -> list
     try:
         raw_documents = list(yaml.safe_load_all(text))
     except yaml.YAMLError as error:
-        raise InvalidSpec(f"{source}: not valid YAML: {_one_line(error)}") from error
+        raise InvalidSpec(f"{source}: not valid YAML{_where(error)}") from error
     documents: list[Document] = []
     seen: set[tuple[str, str, str]] = set()
     for number, raw in enumerate(raw_documents, start=1):
@@ -169,5 +169,8 @@ def _read(filename: str) -> str:
         raise InvalidSpec(f"{filename}: {error.strerror}") from error
 
 
-def _one_line(error: Exception) -> str:
-    return " ".join(str(error).split())
+def _where(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{at}: {problem}" if problem else at

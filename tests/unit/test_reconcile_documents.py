@@ -40,7 +40,7 @@ def test_documents_are_read_in_order_with_namespaces() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("a: [", "q.yaml: not valid YAML"),
+        ("a: [", "q.yaml: not valid YAML at line 1, column 5: expected the node content, but found '<stream end>'"),
         ("", "q.yaml: no Queue or Subscriber documents"),
         ("- 1\n", "q.yaml: a document must be a mapping"),
         ("apiVersion: v1\nkind: Queue\nmetadata: {name: q}\n", "apiVersion must be casque.io/v1alpha1, not 'v1'"),
