@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from importlib import metadata
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from casque.config import Settings
 from casque.sidecar.auth import bearer_middleware
@@ -43,7 +44,7 @@ def _version() -> str:
 def create_app(settings: SidecarSettings, backends: Settings | None = None, store: Store | None = None) -> web.Application:
     """A sidecar app. `store`, when given, is used as it is and left open at the end."""
     metrics = SidecarMetrics()
-    middlewares = [metrics_middleware(metrics), error_middleware]
+    middlewares: list[Middleware] = [metrics_middleware(metrics), error_middleware]
     if settings.token is not None:
         middlewares.append(bearer_middleware(settings.token.get_secret_value()))
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_request_bytes)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class SidecarMetrics:
         )
 
 
-def metrics_middleware(metrics: SidecarMetrics) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def metrics_middleware(metrics: SidecarMetrics) -> Middleware:
     """Counts and times every request under its operation (the route name, i.e. the operationId)."""
 
     @web.middleware

@@ -465,6 +465,9 @@ class SubscriberStatsResult(Reply):
         )
 
 
+HealthStatus = Literal["ok", "unready", "draining"]
+
+
 class Health(Reply):
-    status: Literal["ok", "unready", "draining"]
+    status: HealthStatus
     checks: dict[str, str] = Field(default_factory=dict)

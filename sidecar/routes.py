@@ -23,6 +23,7 @@ from casque.sidecar.models import (
     Body,
     ExtendRequest,
     Health,
+    HealthStatus,
     NackRequest,
     PublishBatchRequest,
     PublishBatchResult,
@@ -170,13 +171,13 @@ async def subscriber_stats(request: web.Request) -> web.Response:
 # --- operations outside the API: probes, metrics, the document itself -------------------------
 async def healthz(request: web.Request) -> web.Response:
     """Alive: the process answers. Draining is still alive (it is finishing work)."""
-    status = "draining" if _service(request).draining else "ok"
+    status: HealthStatus = "draining" if _service(request).draining else "ok"
     return reply(Health(status=status))
 
 
 async def readyz(request: web.Request) -> web.Response:
     ready, checks = await _service(request).readiness()
-    status = "ok" if ready else ("draining" if _service(request).draining else "unready")
+    status: HealthStatus = "ok" if ready else ("draining" if _service(request).draining else "unready")
     return web.json_response(Health(status=status, checks=checks).wire(), status=200 if ready else 503)
 
 
