@@ -15,6 +15,7 @@ if __name__ == "operator":
 
     _loader = _Loader("operator", _os.path.join(_os.path.dirname(_os.__file__), "operator.py"))
     _spec = _bootstrap.spec_from_loader("operator", _loader)
+    assert _spec is not None
     _module = _bootstrap.module_from_spec(_spec)
     _sys.modules["operator"] = _module
     _loader.exec_module(_module)

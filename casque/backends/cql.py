@@ -24,7 +24,7 @@ RETRYABLE = (WriteTimeout, ReadTimeout, Unavailable, OperationTimedOut, NoHostAv
 
 
 def consistency(name: str) -> int:
-    return int(getattr(ConsistencyLevel, name))
+    return int(ConsistencyLevel.name_to_value[name])
 
 
 def serial_consistency(name: str) -> int:
