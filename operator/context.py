@@ -65,6 +65,9 @@ class OperatorContext:
     health: WatchHealth = field(default_factory=WatchHealth)
     # Namespaces the operator serves; empty means all of them.
     namespaces: tuple[str, ...] = ()
+    # Set to stop kopf (leadership lost), and by the cleanup activity however kopf stops: kopf
+    # waits for a task watching its stop flag, so a flag left unset would hold up its exit.
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _kube: client.ApiClient | None = None
     _kube_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -97,6 +100,7 @@ class OperatorContext:
             return self._kube
 
     def close(self) -> None:
+        self.stopped.set()
         self.stores.close()
         with self._kube_lock:
             if self._kube is not None:

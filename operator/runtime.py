@@ -50,7 +50,7 @@ async def run(options: RunOptions) -> int:
     from casque.operator import main as registrations  # noqa: F401
 
     context = OperatorContext.from_environment(options.namespaces)
-    stop = asyncio.Event()
+    stop = context.stopped
     elector = None
     if options.lease is not None:
         elector = LeaderElector(client.CoordinationV1Api(context.kube_api()), options.lease)

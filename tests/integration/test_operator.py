@@ -646,4 +646,10 @@ def test_one_leader_at_a_time_and_a_takeover(
     assert leases.read_namespaced_lease("casque-operator", ns).spec.holder_identity == "second"
     create(api, ns, queue("payments", shards=1, retention="1h"))
     wait_ready(api, ns, QUEUES, "payments")
-    assert second.alive()
+
+    # A leader that finds the Lease taken stops acting and exits, for its pod to restart.
+    lease = leases.read_namespaced_lease("casque-operator", ns)
+    lease.spec.holder_identity = "intruder"
+    leases.replace_namespaced_lease("casque-operator", ns, lease)
+    assert second.process.wait(timeout=30) == 3
+    assert "leadership lost" in second.log()
