@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import kopf
+import pytest
+
+from casque.config import Settings
+from casque.operator.context import OperatorContext, StoreHolder
 from casque.operator.health import WatchHealth
 
 
@@ -39,3 +46,25 @@ def test_kinds_are_separate() -> None:
     health.check("queues", {}, {"x": "1"}, now=0)
     assert health.check("subscribers", {}, {}, now=100) == []
     assert health.check("queues", {}, {"x": "1"}, now=100) == ["x"]
+
+
+async def test_the_probe_fails_on_a_stall_and_not_on_an_api_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+    from casque.operator.handlers import probes
+
+    context = OperatorContext(stores=StoreHolder(Settings()), health=WatchHealth(stall_after=0.0))
+    listed: dict[str, dict[str, str]] = {"queues": {"a": "11"}, "subscribers": {}}
+
+    def list_versions(_: OperatorContext, plural: str) -> dict[str, str]:
+        if plural not in listed:
+            raise ConnectionError("API server down")
+        return listed[plural]
+
+    monkeypatch.setattr(probes, "list_versions", list_versions)
+    seen: dict[str, Any] = {"queues": {"a": ["10"]}, "subscribers": {}}
+    report = await probes.watch_health(context, seen)  # first noticed: not yet a stall
+    assert report["queues"] == {"listed": 1, "watched": 1, "stalled": 0}
+    with pytest.raises(kopf.PermanentError, match="watch stream stalled: .*queues/a"):
+        await probes.watch_health(context, seen)
+
+    del listed["queues"]  # an API outage says nothing about the watch
+    assert (await probes.watch_health(context, seen))["queues"] == {"listed": None}
