@@ -391,8 +391,14 @@ class QueueService:
         return ready, checks
 
     async def _due_shards(self, consumer: Consumer) -> set[int]:
+        """The shards the lease recipe gives this member among the live ones."""
+        # The consumer's lease manager knows which shards it shares out (log shards and, with
+        # priorities, their levels); the engine has no public accessor for it yet.
+        leases = consumer._leases
+        if leases is None:
+            return set()
         members = await zk.call(self.store.zk.get_children_async, consumer.paths.members)
-        return assign(list(members), consumer.queue_state.spec.shards).get(consumer.member_id, set())
+        return assign(list(members), leases.shards).get(consumer.member_id, set())
 
     async def refresh_gauges(self) -> None:
         """The gauges that need the backends, read when /metrics is scraped."""

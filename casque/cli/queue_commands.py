@@ -502,8 +502,9 @@ def _stats_view(queue: QueueStats, subscribers: list[SubscriberStats], rate: flo
         _number(queue.published_bytes), "-" if rate is None else _number(rate, 1),
     )
     table = Table(title="subscribers", title_justify="left")
-    for column in ("subscriber", "lag msgs", "lag batches", "oldest unacked", "in flight", "redelivered", "members"):
-        table.add_column(column, justify="left" if column == "subscriber" else "right")
+    table.add_column("subscriber", no_wrap=True)
+    for column in ("lag msgs", "lag batches", "oldest unacked", "in flight", "redelivered", "members"):
+        table.add_column(column, justify="right")
     for s in subscribers:
         age = s.oldest_unacked_age_seconds
         table.add_row(
