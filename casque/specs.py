@@ -21,6 +21,9 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 MAX_SHARDS = 256
 MAX_PRIORITIES = 10
+# Each priority level of a queue is a log of its own, with its own shards. The log's number
+# (the `shard` column and the shard znodes) is priority * PRIORITY_STRIDE + shard.
+PRIORITY_STRIDE = 1000
 # A message is at most this many bytes (payload + key + attributes); a batch always holds at
 # least one message, so this also bounds a single-message batch.
 MAX_MESSAGE_BYTES_LIMIT = 1024 * 1024
@@ -40,6 +43,14 @@ def parse_duration(value: object) -> int:
         if match:
             return int(match.group(1)) * _UNIT_SECONDS[match.group(2) or "s"]
     raise ValueError(f"invalid duration {value!r}: use seconds or a number with s, m, h or d")
+
+
+def log_shard(priority: int, shard: int) -> int:
+    return priority * PRIORITY_STRIDE + shard
+
+
+def priority_of(log: int) -> int:
+    return log // PRIORITY_STRIDE
 
 
 def format_duration(seconds: int) -> str:
@@ -75,6 +86,10 @@ class QueueSpec(_Spec):
         if self.default_delay_seconds >= self.retention_seconds:
             raise ValueError("defaultDelay must be shorter than retention")
         return self
+
+    def log_shards(self) -> list[int]:
+        """Every log of the queue: its shards at every priority level."""
+        return [log_shard(p, s) for p in range(self.priorities) for s in range(self.shards)]
 
 
 class SubscriberSpec(_Spec):

@@ -72,6 +72,10 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
         raise InvalidChange(
             f"queue {queue} has {current.spec.shards} shards; shards can be added, never removed"
         )
+    if current is not None and spec.priorities < current.spec.priorities:
+        raise InvalidChange(
+            f"queue {queue} has {current.spec.priorities} priority levels; levels can be added, never removed"
+        )
     if ensure_queue_table(store.session, store.keyspace, queue, spec.retention_seconds):
         changes.actions.append(
             f"table {queue.messages_table} {'created' if current is None else 'retention set'}"
@@ -89,13 +93,12 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     elif current != state:
         store.zk.set(paths.base, payload)
         changes.actions.append("queue spec updated")
-    old_shards = current.spec.shards if current else 0
-    for shard in range(spec.shards):
-        if _create_if_absent(store, paths.head(shard), b"0") and shard >= old_shards and current is not None:
+    for shard in spec.log_shards():
+        if _create_if_absent(store, paths.head(shard), b"0") and current is not None:
             changes.actions.append(f"shard {shard} added")
     # Subscribers read new shards from their first batch.
     for name in list_subscribers(store, queue):
-        for shard in range(spec.shards):
+        for shard in spec.log_shards():
             _create_if_absent(store, paths.subscriber(name).offset(shard), b"1")
     tables = count_queue_tables(store.session, store.keyspace)
     if tables >= TABLE_COUNT_WARNING:
@@ -151,7 +154,7 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
     except SubscriberNotFound:
         current = None
     if current is None:
-        for shard in range(queue_state.spec.shards):
+        for shard in queue_state.spec.log_shards():
             head = read_int(store, store.paths(queue).head(shard))
             offset = start_offset(store, queue, shard, head, spec)
             _create_if_absent(store, paths.offset(shard), str(offset).encode())

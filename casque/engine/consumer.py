@@ -22,15 +22,17 @@ from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
 from casque.engine import catalog, positions
-from casque.engine.acks import ACK, AckEvent, AckLog, BatchMarks
+from casque.engine.acks import ACK, DEAD, AckEvent, AckLog, BatchMarks
 from casque.engine.batches import Log
 from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
 from casque.engine.offsets import read_epoch
 from casque.engine.leases import ShardLeases
-from casque.engine.shard_state import ShardState
+from casque.engine.deadletters import addressed_elsewhere, dead_letter_copy
+from casque.engine.publisher import Publisher
+from casque.engine.shard_state import Handout, ShardState
 from casque.errors import BackendUnavailable, CasqueError, StaleReceipt
 from casque.schema import QueueRef, bucket_of
-from casque.specs import QueueState, SubscriberState
+from casque.specs import QueueState, SubscriberState, priority_of
 from casque.store import Store
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ PREFETCH_MESSAGES = 2000
 # that died between writing a batch and advancing the head.
 CAUGHT_UP_RECHECK_SECONDS = 5.0
 OFFSET_COMMIT_INTERVAL = 0.05
+# With several priority levels ready, at least one delivery in this many comes from a lower level.
+PRIORITY_FAIRNESS = 10
 # Each consumer reports its in-flight and delivery counts in its member znode this often.
 REPORT_INTERVAL_SECONDS = 5.0
 
@@ -55,6 +59,7 @@ class ConsumerCounters:
     redeliveries: int = 0
     acks: int = 0
     nacks: int = 0
+    dead_lettered: int = 0
     offset_commits: int = 0
     batch_reads: int = 0
     ack_bucket_reads: int = 0
@@ -113,9 +118,12 @@ class ShardReader:
                 self.consumer.counters.batch_reads += 1
                 if batches:
                     marks = await self._marks_for(first)
+                    subscriber = self.consumer.subscriber
                     for batch in batches:
                         mark = marks.get(batch.header.batch, BatchMarks())
-                        self.state.add_batch(batch.header.batch, batch.messages, mark.done, mark.deliveries)
+                        # Redriven messages addressed to another subscriber are done for this one.
+                        skipped = {m.position.seq for m in batch.messages if addressed_elsewhere(m, subscriber)}
+                        self.state.add_batch(batch.header.batch, batch.messages, mark.done | skipped, mark.deliveries)
                     self.consumer.notify()
                     self._schedule_commit()
                     continue
@@ -246,10 +254,15 @@ class Consumer:
         self.readers: dict[int, ShardReader] = {}
         self._available = asyncio.Event()
         self._rotation = 0
+        # Deliveries served by each priority level while lower levels had messages ready.
+        self._served: dict[int, int] = {}
         self._leases: ShardLeases | None = None
         self._stopped = False
         self._reset_pending = False
         self._report_task: asyncio.Task[None] | None = None
+        self._dead_letters: Publisher | None = None
+        self._max_deliveries = 0
+        self._moving: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self.queue_state: QueueState = await asyncio.to_thread(catalog.read_queue, self.store, self.queue)
@@ -260,8 +273,15 @@ class Consumer:
         self.log = Log(self.store, self.queue, spec.consistency)
         self.acks = AckLog(self.store, self.queue, self.subscriber, spec.retention_seconds)
         self.paths = self.store.paths(self.queue).subscriber(self.subscriber)
+        subscriber_spec = self.subscriber_state.spec
+        if subscriber_spec.dead_letter_queue and subscriber_spec.max_deliveries:
+            # Without a dead-letter queue, redelivery is unlimited: nothing is ever dropped.
+            dead_letter_queue = QueueRef(self.queue.namespace, subscriber_spec.dead_letter_queue)
+            dlq_state = await asyncio.to_thread(catalog.read_queue, self.store, dead_letter_queue)
+            self._dead_letters = Publisher(self.store, dead_letter_queue, dlq_state.spec)
+            self._max_deliveries = subscriber_spec.max_deliveries
         self._leases = ShardLeases(
-            self.store.zk, self.paths, self.member_id, spec.shards,
+            self.store.zk, self.paths, self.member_id, spec.log_shards(),
             on_acquired=self._acquired, on_released=self._released, on_lost=self._lost,
         )
         loop = asyncio.get_running_loop()
@@ -274,6 +294,7 @@ class Consumer:
             "in_flight": self.in_flight(),
             "delivered": self.counters.deliveries,
             "redelivered": self.counters.redeliveries,
+            "dead_lettered": self.counters.dead_lettered,
             "acked": self.counters.acks,
             "shards": len(self.readers),
         }
@@ -365,25 +386,63 @@ class Consumer:
                 pass
 
     def _take(self, max_messages: int, visibility: float) -> list[Delivery]:
+        """Deliveries from the leased shards: higher priority levels first, with every
+        PRIORITY_FAIRNESS-th delivery reserved for lower levels that have messages ready,
+        so a busy high level cannot starve them; round-robin over the shards of a level."""
         if self._leases is not None and not self._leases.connected:
             return []  # SUSPENDED: our leases may be gone; hand out nothing until we know
-        readers = [self.readers[s] for s in sorted(self.readers)]
-        if not readers:
-            return []
         now, wall = time.monotonic(), time.time()
+        levels: dict[int, list[ShardReader]] = {}
+        for shard in sorted(self.readers):
+            reader = self.readers[shard]
+            if reader.state.has_ready(now):
+                levels.setdefault(priority_of(shard), []).append(reader)
+        if not levels:
+            return []
+        order = sorted(levels, reverse=True)
+        plan = self._plan(order, max_messages)
+        deliveries: list[Delivery] = []
+        for level, want in plan:
+            deliveries.extend(self._take_level(levels[level], min(want, max_messages - len(deliveries)), now, wall, visibility))
+        for level in order:  # whatever a level could not fill goes to the others, highest first
+            deliveries.extend(self._take_level(levels[level], max_messages - len(deliveries), now, wall, visibility))
+        for level in order[:-1]:  # levels that had lower ones waiting count what they served
+            self._served[level] = self._served.get(level, 0) + sum(
+                1 for d in deliveries if priority_of(d.message.position.shard) == level
+            )
+        return deliveries
+
+    def _plan(self, order: list[int], count: int) -> list[tuple[int, int]]:
+        """How many deliveries each ready level gets: the highest all but every
+        PRIORITY_FAIRNESS-th, which go to the levels below it (planned the same way)."""
+        if len(order) == 1:
+            return [(order[0], count)]
+        served = self._served.get(order[0], 0)
+        lower = (served + count) // PRIORITY_FAIRNESS - served // PRIORITY_FAIRNESS
+        return self._plan(order[1:], lower) + [(order[0], count - lower)]
+
+    def _take_level(
+        self, readers: list[ShardReader], want: int, now: float, wall: float, visibility: float
+    ) -> list[Delivery]:
+        deliveries: list[Delivery] = []
+        if want <= 0:
+            return deliveries
+        dead: list[tuple[ShardReader, Handout]] = []
         self._rotation = (self._rotation + 1) % len(readers)
         order = readers[self._rotation:] + readers[: self._rotation]
-        deliveries: list[Delivery] = []
         # Several passes with small shares each, so every shard with messages gets a turn.
-        while len(deliveries) < max_messages:
+        while len(deliveries) < want:
             progressed = False
-            share = max(1, (max_messages - len(deliveries)) // len(order))
+            share = max(1, (want - len(deliveries)) // len(order))
             for reader in order:
-                want = min(share, max_messages - len(deliveries))
-                if want <= 0:
+                take = min(share, want - len(deliveries))
+                if take <= 0:
                     break
-                for handout in reader.state.take(want, now, visibility, wall):
+                for handout in reader.state.take(take, now, visibility, wall, self._max_deliveries):
                     progressed = True
+                    if handout.dead:
+                        dead.append((reader, handout))
+                        continue
                     position = handout.entry.message.position
                     deliveries.append(
                         Delivery(
@@ -399,7 +458,38 @@ class Consumer:
                 reader.space_freed()
             if not progressed:
                 break
+        if dead:
+            task = asyncio.get_running_loop().create_task(self._dead_letter(dead))
+            self._moving.add(task)
+            task.add_done_callback(self._moving.discard)
         return deliveries
+
+    async def _dead_letter(self, handouts: list[tuple[ShardReader, Handout]]) -> None:
+        """Publish messages over max deliveries to the dead-letter queue, then mark them done.
+
+        If publishing fails they stay invisible for a while and then are tried again.
+        """
+        assert self._dead_letters is not None
+        publisher = self._dead_letters
+
+        async def move(reader: ShardReader, handout: Handout) -> None:
+            entry = handout.entry
+            message = entry.message
+            copy = dead_letter_copy(message, self.queue, self.subscriber, reader.epoch, entry.deliveries, entry.last_error)
+            try:
+                await publisher.publish([copy])
+            except CasqueError as error:
+                log.warning("dead-lettering %s failed (%s); it will be tried again", message.message_id, error)
+                return
+            if self.readers.get(reader.shard) is not reader or reader.state.dead_letter(message.position) is None:
+                return  # the shard moved or was reset meanwhile; the copy's client id prevents a double
+            self.counters.dead_lettered += 1
+            p = message.position
+            await self.acks.record(AckEvent(reader.epoch, p.shard, p.batch, p.seq, outcome=DEAD))
+            reader._schedule_commit()
+            reader.space_freed()
+
+        await asyncio.gather(*(move(r, h) for r, h in handouts))
 
     async def _record_redeliveries(self, deliveries: list[Delivery]) -> None:
         """Persist delivery counts above one, so a new lease holder keeps counting."""
@@ -470,9 +560,10 @@ class Consumer:
             await asyncio.gather(*rows)
         return results
 
-    async def nack(self, receipt: str, delay: float = 0.0) -> None:
+    async def nack(self, receipt: str, delay: float = 0.0, error: str | None = None) -> None:
+        """Make a delivery visible again after `delay` seconds; `error` is kept for its history."""
         reader, position, nonce = self._reader_for(receipt)
-        reader.state.nack(position, nonce, delay, time.monotonic())
+        reader.state.nack(position, nonce, delay, time.monotonic(), error)
         self.counters.nacks += 1
         self.notify()
 
@@ -493,6 +584,8 @@ class Consumer:
             await asyncio.sleep(0.05)
         self._stopped = True
         self.notify()
+        if self._moving:
+            await asyncio.gather(*self._moving, return_exceptions=True)
         if self._report_task is not None:
             self._report_task.cancel()
         if self._leases is not None:

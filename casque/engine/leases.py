@@ -2,7 +2,7 @@
 
 Recipe:
 - Each consumer registers an ephemeral member znode. Members sorted by id take shards
-  round-robin: shard s belongs to member s mod n. Every member computes the same
+  round-robin: the i-th shard in order belongs to member i mod n. Every member computes the same
   assignment from the same member list, so no coordinator is needed.
 - A member consumes a shard only while it holds the shard's ephemeral lease znode (data:
   its member id). On a membership change it first releases the shards it no longer owns
@@ -35,13 +35,13 @@ log = logging.getLogger(__name__)
 ShardCallback = Callable[[int], Awaitable[None]]
 
 
-def assign(members: list[str], shards: int) -> dict[str, set[int]]:
+def assign(members: list[str], shards: list[int]) -> dict[str, set[int]]:
     """Which shards each member owns: round-robin over the sorted member ids."""
     ordered = sorted(members)
     owned: dict[str, set[int]] = {m: set() for m in ordered}
     if ordered:
-        for shard in range(shards):
-            owned[ordered[shard % len(ordered)]].add(shard)
+        for index, shard in enumerate(sorted(shards)):
+            owned[ordered[index % len(ordered)]].add(shard)
     return owned
 
 
@@ -51,7 +51,7 @@ class ShardLeases:
         client: KazooClient,
         paths: SubscriberPaths,
         member_id: str,
-        shards: int,
+        shards: list[int],
         on_acquired: ShardCallback,
         on_released: ShardCallback,
         on_lost: Callable[[], Awaitable[None]],

@@ -26,6 +26,10 @@ class OutgoingMessage:
     client_id: str | None = None
     # Ephemeral messages: never delivered after this many seconds from publish.
     ttl_seconds: int | None = None
+    # 0 is the lowest level; a queue with N levels accepts 0..N-1.
+    priority: int = 0
+    # Delayed delivery: not delivered before this time (UTC). None: the queue's default delay.
+    deliver_at: datetime | None = None
 
     @property
     def size(self) -> int:

@@ -59,7 +59,7 @@ def seek(store: Store, queue: QueueRef, subscriber: str, target: SeekTarget) -> 
                 f"{moment.isoformat()} is older than the queue's retention ({queue_state.spec.retention_seconds}s)"
             )
     offsets: dict[int, int] = {}
-    for shard in range(queue_state.spec.shards):
+    for shard in queue_state.spec.log_shards():
         head = catalog.read_int(store, store.paths(queue).head(shard))
         if target.kind == "latest":
             offsets[shard] = head + 1

@@ -28,7 +28,7 @@ from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.messages import OutgoingMessage, Published
 from casque.errors import BackendUnavailable, InvalidSpec, MessageTooLarge
 from casque.schema import MAX_BATCH_BYTES, QueueRef
-from casque.specs import QueueSpec
+from casque.specs import QueueSpec, log_shard
 from casque.store import Store
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class Publisher:
     def __post_init__(self) -> None:
         self.log = Log(self.store, self.queue, self.spec.consistency)
         self.counters = PublisherCounters()
-        self._writers = [ShardWriter(self, shard) for shard in range(self.spec.shards)]
+        self._writers = {shard: ShardWriter(self, shard) for shard in self.spec.log_shards()}
         self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
         self._idempotency = IdempotencyGuard(self.store, self.queue)
 
@@ -199,6 +199,10 @@ class Publisher:
             )
         if message.ttl_seconds is not None and message.ttl_seconds <= 0:
             raise InvalidSpec("ttl must be a positive number of seconds")
+        if not 0 <= message.priority < self.spec.priorities:
+            raise InvalidSpec(
+                f"priority {message.priority} is out of range: the queue has levels 0..{self.spec.priorities - 1}"
+            )
 
     async def publish(self, messages: Sequence[OutgoingMessage]) -> list[Published]:
         """Publish all or, on a validation error, none; results in input order."""
@@ -217,18 +221,21 @@ class Publisher:
         return future
 
     def _choose_shard(self, message: OutgoingMessage) -> int:
+        """The log shard for a message: within its priority level, by key or by load."""
+        level = message.priority
         if message.key is not None:
-            return zlib.crc32(message.key.encode()) % len(self._writers)
-        preferred = self._writers[self._preferred]
+            return log_shard(level, zlib.crc32(message.key.encode()) % self.spec.shards)
+        preferred = self._writers[log_shard(level, self._preferred)]
         if not preferred.busy or len(preferred.pending) < SPILL_BACKLOG:
-            return self._preferred
-        return min(self._writers, key=lambda w: (w.busy, len(w.pending))).shard
+            return preferred.shard
+        lane = [self._writers[log_shard(level, s)] for s in range(self.spec.shards)]
+        return min(lane, key=lambda w: (w.busy, len(w.pending))).shard
 
     def zookeeper_operations(self) -> int:
         """ZooKeeper requests made so far (head syncs, head reads and writes)."""
-        return self.counters.zookeeper_reads + sum(w.heads.reads + w.heads.writes for w in self._writers)
+        return self.counters.zookeeper_reads + sum(w.heads.reads + w.heads.writes for w in self._writers.values())
 
     async def flush_heads(self) -> None:
         """Wait until head watermarks reflect every batch written (shutdown and tests)."""
-        for writer in self._writers:
+        for writer in self._writers.values():
             await writer.heads.wait()

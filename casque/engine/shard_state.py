@@ -36,6 +36,7 @@ class Entry:
     nonce: int = 0
     deadline: float = 0.0  # in flight: visible again at this time; delayed: due at this time
     first_delivered_at: float | None = None
+    last_error: str | None = None
 
 
 @dataclass
@@ -49,6 +50,13 @@ class Handout:
     entry: Entry
     nonce: int
     redelivery: bool
+    # Over the subscriber's max deliveries: to be dead-lettered, not delivered.
+    dead: bool = False
+
+
+# A message being dead-lettered stays invisible this long; if moving it fails, it comes
+# back and the move is tried again.
+DEAD_LETTER_RETRY_SECONDS = 30.0
 
 
 @dataclass
@@ -111,10 +119,13 @@ class ShardState:
         self.next_batch = max(self.next_batch, batch)
 
     # --- delivering ----------------------------------------------------------------------
-    def take(self, limit: int, now: float, visibility: float, expired_ttl: float) -> list[Handout]:
+    def take(
+        self, limit: int, now: float, visibility: float, expired_ttl: float, max_deliveries: int = 0
+    ) -> list[Handout]:
         """Hand out up to `limit` messages, lowest position first, each with a new nonce.
 
-        `expired_ttl` is the wall-clock now, to drop ephemeral messages past their TTL.
+        `expired_ttl` is the wall-clock now, to drop ephemeral messages past their TTL. A
+        message already delivered `max_deliveries` times (if > 0) comes out as `dead`.
         """
         self._release_due(now)
         handed: list[Handout] = []
@@ -130,8 +141,14 @@ class ShardState:
                 self._finish(batch, entry)
                 continue
             entry.state = State.IN_FLIGHT
-            entry.deliveries += 1
             entry.nonce = random.getrandbits(63) | 1
+            if max_deliveries and entry.deliveries >= max_deliveries:
+                entry.deadline = now + DEAD_LETTER_RETRY_SECONDS
+                heapq.heappush(self._deadlines, (entry.deadline, batch, seq, entry.nonce))
+                self._in_flight += 1
+                handed.append(Handout(entry, entry.nonce, redelivery=False, dead=True))
+                continue
+            entry.deliveries += 1
             entry.deadline = now + visibility
             if entry.first_delivered_at is None:
                 entry.first_delivered_at = now
@@ -162,9 +179,10 @@ class ShardState:
         self._finish(position.batch, entry)
         return True
 
-    def nack(self, position: Position, nonce: int, delay: float, now: float) -> Entry:
+    def nack(self, position: Position, nonce: int, delay: float, now: float, error: str | None = None) -> Entry:
         """Make an in-flight message visible again, now or after `delay` seconds."""
         entry = self._in_flight_entry(position, nonce)
+        entry.last_error = error or entry.last_error
         self._in_flight -= 1
         if delay > 0:
             entry.state = State.DELAYED

@@ -123,7 +123,7 @@ async def queue_stats(store: Store, queue: QueueRef) -> QueueStats:
             return ShardStats(shard, head, None, None, None)
         return ShardStats(shard, head, header.total_messages, header.total_bytes, header.published_at)
 
-    shards = await asyncio.gather(*(one(s) for s in range(state.spec.shards)))
+    shards = await asyncio.gather(*(one(s) for s in state.spec.log_shards()))
     return QueueStats(str(queue), list(shards), datetime.now(timezone.utc))
 
 
@@ -156,7 +156,7 @@ async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> Su
         oldest = at_offset.published_at if at_offset is not None else None
         return SubscriberShardStats(shard, offset, head, lag_batches, lag_messages, oldest, leased_by)
 
-    shards = await asyncio.gather(*(one(s) for s in range(state.spec.shards)))
+    shards = await asyncio.gather(*(one(s) for s in state.spec.log_shards()))
     members: list[str] = []
     reports: dict[str, dict[str, int]] = {}
     try:

@@ -1,0 +1,138 @@
+"""Dead letters: messages over a subscriber's max deliveries go to its dead-letter queue.
+
+The dead-letter queue is an ordinary queue. A dead-lettered message keeps its payload, key,
+content type and attributes, and gains attributes with its history (where it came from,
+how often it was delivered, its last error). The copy is published with a client id made
+from its position, so a retried move (or a new lease holder repeating it) never doubles it.
+
+Redrive publishes dead letters back to their source queue, addressed to the subscriber that
+gave up on them (`casque-for-subscriber`): the other subscribers of the source queue, which
+had processed the message already, skip it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from casque.engine import catalog
+from casque.engine.batches import Log
+from casque.engine.messages import OutgoingMessage, StoredMessage
+from casque.engine.publisher import Publisher
+from casque.errors import InvalidSpec
+from casque.schema import QueueRef
+from casque.store import Store
+
+SOURCE = "casque-dlq-source"
+SUBSCRIBER = "casque-dlq-subscriber"
+MESSAGE_ID = "casque-dlq-message-id"
+POSITION = "casque-dlq-position"
+DELIVERIES = "casque-dlq-deliveries"
+PUBLISHED_AT = "casque-dlq-published-at"
+DEAD_AT = "casque-dlq-dead-at"
+LAST_ERROR = "casque-dlq-last-error"
+HISTORY = (SOURCE, SUBSCRIBER, MESSAGE_ID, POSITION, DELIVERIES, PUBLISHED_AT, DEAD_AT, LAST_ERROR)
+# On a redriven message: only this subscriber of the source queue receives it.
+FOR_SUBSCRIBER = "casque-for-subscriber"
+REDRIVEN_FROM = "casque-redriven-from"
+
+
+def dead_letter_copy(
+    message: StoredMessage, queue: QueueRef, subscriber: str, epoch: int, deliveries: int, last_error: str | None
+) -> OutgoingMessage:
+    p = message.position
+    history = {
+        SOURCE: queue.key,
+        SUBSCRIBER: subscriber,
+        MESSAGE_ID: message.message_id,
+        POSITION: f"{p.shard}/{p.batch}/{p.seq}",
+        DELIVERIES: str(deliveries),
+        PUBLISHED_AT: message.published_at.isoformat(),
+        DEAD_AT: datetime.now(timezone.utc).isoformat(),
+    }
+    if last_error:
+        history[LAST_ERROR] = last_error[:1024]
+    attributes = {k: v for k, v in message.attributes.items() if k != FOR_SUBSCRIBER}
+    return OutgoingMessage(
+        payload=message.payload,
+        key=message.key,
+        attributes={**attributes, **history},
+        content_type=message.content_type,
+        client_id=f"dlq/{queue.key}/{subscriber}/{epoch}/{p.shard}/{p.batch}/{p.seq}",
+    )
+
+
+def addressed_elsewhere(message: StoredMessage, subscriber: str) -> bool:
+    """A redriven message meant for another subscriber: this one skips it."""
+    target = message.attributes.get(FOR_SUBSCRIBER)
+    return target is not None and target != subscriber
+
+
+@dataclass(frozen=True)
+class RedriveResult:
+    redriven: int
+    duplicates: int
+    by_source: dict[str, int]
+
+
+async def redrive(
+    store: Store,
+    dead_letter_queue: QueueRef,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int | None = None,
+) -> RedriveResult:
+    """Publish the dead letters of `dead_letter_queue` (dead between `since` and `until`, all
+    by default) back to their source queues. Running it again redrives nothing twice."""
+    state = await asyncio.to_thread(catalog.read_queue, store, dead_letter_queue)
+    log = Log(store, dead_letter_queue, state.spec.consistency)
+    publishers: dict[str, Publisher] = {}
+    redriven = duplicates = 0
+    by_source: dict[str, int] = {}
+    for shard in state.spec.log_shards():
+        head = await asyncio.to_thread(catalog.read_int, store, store.paths(dead_letter_queue).head(shard))
+        batch = 1
+        while batch <= head:
+            chunk = await log.read_from(shard, batch)
+            if not chunk:
+                batch += 1  # expired: move on
+                continue
+            for entry in chunk:
+                for message in entry.messages:
+                    if limit is not None and redriven + duplicates >= limit:
+                        return RedriveResult(redriven, duplicates, by_source)
+                    source = message.attributes.get(SOURCE)
+                    if source is None or not _dead_within(message, since, until):
+                        continue
+                    publisher = publishers.get(source)
+                    if publisher is None:
+                        ref = QueueRef.parse(source)
+                        if ref == dead_letter_queue:
+                            raise InvalidSpec("a dead letter names its own queue as its source")
+                        source_state = await asyncio.to_thread(catalog.read_queue, store, ref)
+                        publisher = publishers[source] = Publisher(store, ref, source_state.spec)
+                    attributes = {k: v for k, v in message.attributes.items() if k not in HISTORY}
+                    attributes[FOR_SUBSCRIBER] = message.attributes.get(SUBSCRIBER, "")
+                    attributes[REDRIVEN_FROM] = f"{dead_letter_queue.key}/{message.message_id}"
+                    (result,) = await publisher.publish([OutgoingMessage(
+                        payload=message.payload, key=message.key, attributes=attributes,
+                        content_type=message.content_type, client_id=f"redrive/{message.message_id}",
+                    )])
+                    if result.duplicate:
+                        duplicates += 1
+                    else:
+                        redriven += 1
+                        by_source[source] = by_source.get(source, 0) + 1
+            batch = chunk[-1].header.batch + 1
+    for publisher in publishers.values():
+        await publisher.flush_heads()
+    return RedriveResult(redriven, duplicates, by_source)
+
+
+def _dead_within(message: StoredMessage, since: datetime | None, until: datetime | None) -> bool:
+    dead_at = message.attributes.get(DEAD_AT)
+    if dead_at is None:
+        return since is None and until is None
+    moment = datetime.fromisoformat(dead_at)
+    return (since is None or moment >= since) and (until is None or moment < until)

@@ -1,0 +1,126 @@
+"""Priorities, dead letters and redrive on the real servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from casque.engine import catalog
+from casque.engine.consumer import Consumer
+from casque.engine.deadletters import DELIVERIES, LAST_ERROR, MESSAGE_ID, SOURCE, redrive
+from casque.engine.messages import OutgoingMessage
+from casque.engine.publisher import Publisher
+from casque.engine.stats import queue_stats
+from casque.errors import InvalidSpec
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+
+ORDERS = QueueRef("default", "orders")
+DEAD = QueueRef("default", "orders-dead")
+
+
+@pytest.fixture
+async def consumers() -> AsyncIterator[list[Consumer]]:
+    started: list[Consumer] = []
+    yield started
+    for consumer in started:
+        await consumer.stop()
+
+
+async def start(store: Store, queue: QueueRef, name: str, consumers: list[Consumer]) -> Consumer:
+    consumer = Consumer(store, queue, name)
+    consumers.append(consumer)
+    await consumer.start()
+    return consumer
+
+
+async def test_higher_priorities_first_without_starving_lower(store: Store, consumers: list[Consumer]) -> None:
+    spec = QueueSpec(shards=1, priorities=3, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, ORDERS, spec)
+    catalog.apply_subscriber(store, ORDERS, "picker", SubscriberSpec(queue="orders", start_position="earliest"))
+    publisher = Publisher(store, ORDERS, spec)
+    for level in (0, 1, 2):
+        await publisher.publish([OutgoingMessage(f"p{level}-{i}".encode(), priority=level) for i in range(100)])
+    with pytest.raises(InvalidSpec, match="priority 3"):
+        await publisher.publish([OutgoingMessage(b"x", priority=3)])
+    await publisher.flush_heads()
+    consumer = await start(store, ORDERS, "picker", consumers)
+    # Let every level's reader load its messages, so the order below is the policy's alone.
+    for _ in range(600):
+        if len(consumer.readers) == 3 and all(r.state.loaded_messages == 100 for r in consumer.readers.values()):
+            break
+        await asyncio.sleep(0.05)
+    order: list[int] = []
+    while len(order) < 300:
+        deliveries = await consumer.receive(max_messages=10, wait=10)
+        assert deliveries
+        order.extend(int(d.message.payload[1:2]) for d in deliveries)
+        await consumer.ack_many([d.receipt for d in deliveries])
+    first_hundred = order[:100]
+    # The highest level first, but every tenth delivery serves the lower levels (and every
+    # tenth of those the lowest).
+    assert (first_hundred.count(2), first_hundred.count(1), first_hundred.count(0)) == (90, 9, 1)
+    assert sorted(order) == [0] * 100 + [1] * 100 + [2] * 100
+    last_high = max(i for i, level in enumerate(order) if level == 2)
+    first_low = min(i for i, level in enumerate(order) if level == 0)
+    assert first_low < last_high  # level 0 was not starved until level 2 ran dry
+
+
+async def test_poison_message_is_dead_lettered_after_max_deliveries_and_redriven(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    for queue in (ORDERS, DEAD):
+        catalog.apply_queue(store, queue, spec)
+    catalog.apply_subscriber(store, ORDERS, "billing", SubscriberSpec(
+        queue="orders", start_position="earliest", max_deliveries=3, dead_letter_queue="orders-dead"))
+    catalog.apply_subscriber(store, ORDERS, "audit", SubscriberSpec(queue="orders", start_position="earliest"))
+    catalog.apply_subscriber(store, DEAD, "inspector", SubscriberSpec(queue="orders-dead", start_position="earliest"))
+    publisher = Publisher(store, ORDERS, spec)
+    (poison,) = await publisher.publish([OutgoingMessage(b"poison", key="p", attributes={"kind": "bad"})])
+    await publisher.publish([OutgoingMessage(f"fine-{i}".encode(), key=str(i)) for i in range(20)])
+    await publisher.flush_heads()
+
+    billing = await start(store, ORDERS, "billing", consumers)
+    poison_deliveries = 0
+    fine = 0
+    while poison_deliveries < 3 or fine < 20:
+        for d in await billing.receive(max_messages=10, wait=10):
+            if d.message.payload == b"poison":
+                poison_deliveries += 1
+                assert d.delivery_count == poison_deliveries
+                await billing.nack(d.receipt, error=f"cannot parse (attempt {d.delivery_count})")
+            else:
+                fine += 1
+                await billing.ack(d.receipt)
+    # The fourth delivery does not happen: the message goes to the dead-letter queue instead.
+    assert await billing.receive(max_messages=10, wait=1) == []
+    inspector = await start(store, DEAD, "inspector", consumers)
+    (dead,) = await inspector.receive(max_messages=10, wait=15)
+    assert dead.message.payload == b"poison" and dead.message.attributes["kind"] == "bad"
+    assert dead.message.attributes[SOURCE] == ORDERS.key
+    assert dead.message.attributes[MESSAGE_ID] == poison.message_id
+    assert dead.message.attributes[DELIVERIES] == "3"
+    assert dead.message.attributes[LAST_ERROR] == "cannot parse (attempt 3)"
+    assert billing.counters.dead_lettered == 1
+
+    # Redrive brings it back to billing only; audit, which never failed it, does not see it twice.
+    result = await redrive(store, DEAD)
+    assert result.redriven == 1
+    assert (await redrive(store, DEAD)).redriven == 0  # a rerun doubles nothing
+    (again,) = await billing.receive(max_messages=10, wait=15)
+    assert again.message.payload == b"poison" and again.delivery_count == 1
+    await billing.ack(again.receipt)
+    audit = await start(store, ORDERS, "audit", consumers)
+    seen = []
+    while len(seen) < 21:
+        batch = await audit.receive(max_messages=50, wait=5)
+        assert batch, f"audit saw only {len(seen)}"
+        seen.extend(d.message.payload for d in batch)
+        await audit.ack_many([d.receipt for d in batch])
+    assert seen.count(b"poison") == 1
+    assert await audit.receive(max_messages=10, wait=1) == []
+    assert (await queue_stats(store, DEAD)).published_messages == 1
