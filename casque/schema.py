@@ -44,6 +44,10 @@ TWCS_TARGET_WINDOWS = 24
 
 ACKS_TABLE = "acks"
 PUBLISH_IDS_TABLE = "publish_ids"
+DELAYED_TABLE = "delayed"
+COUNTERS_TABLE = "counters"
+# Delayed messages are grouped in partitions of this many seconds of due time.
+DELAY_BUCKET_SECONDS = 60
 
 
 def validate_name(kind: str, name: str) -> str:
@@ -198,6 +202,32 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
 ) WITH CLUSTERING ORDER BY (batch_no ASC, entry ASC)
   AND gc_grace_seconds = {GC_GRACE_SECONDS}
   AND compaction = {_compaction(7 * 86400)}""",
+        # Delayed messages wait here, by due time (seed 003's time shards), until the queue's
+        # elected mover publishes them into the log. Rows expire after due time + retention.
+        f"""CREATE TABLE IF NOT EXISTS {keyspace}.{DELAYED_TABLE} (
+    queue text,
+    due_bucket bigint,
+    due_at timestamp,
+    message_id text,
+    published_at timestamp,
+    key text,
+    attributes frozen<map<text, text>>,
+    payload blob,
+    content_type text,
+    priority int,
+    ttl_seconds int,
+    PRIMARY KEY ((queue, due_bucket), due_at, message_id)
+) WITH CLUSTERING ORDER BY (due_at ASC, message_id ASC)
+  AND gc_grace_seconds = {GC_GRACE_SECONDS}
+  AND compaction = {_compaction(7 * 86400)}""",
+        # Running counts for statistics (delayed in and out, dead-lettered). Counter updates
+        # are increments, not deletes.
+        f"""CREATE TABLE IF NOT EXISTS {keyspace}.{COUNTERS_TABLE} (
+    queue text,
+    name text,
+    value counter,
+    PRIMARY KEY ((queue), name)
+)""",
         # Client message ids of recent publishes, for idempotent publish; rows expire
         # after the deduplication window.
         f"""CREATE TABLE IF NOT EXISTS {keyspace}.{PUBLISH_IDS_TABLE} (

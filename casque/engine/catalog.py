@@ -6,6 +6,7 @@ functions of (wanted spec, current state). Applying the same spec twice changes 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -93,6 +94,8 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     elif current != state:
         store.zk.set(paths.base, payload)
         changes.actions.append("queue spec updated")
+    # The delayed-message mover starts from the queue's creation (see casque.engine.delayed).
+    _create_if_absent(store, paths.mover, json.dumps({"until": state.created_at.isoformat()}).encode())
     for shard in spec.log_shards():
         if _create_if_absent(store, paths.head(shard), b"0") and current is not None:
             changes.actions.append(f"shard {shard} added")

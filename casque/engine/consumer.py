@@ -27,6 +27,7 @@ from casque.engine.batches import Log
 from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
 from casque.engine.offsets import read_epoch
 from casque.engine.leases import ShardLeases
+from casque.engine.counters import QueueCounters, dead_lettered
 from casque.engine.deadletters import addressed_elsewhere, dead_letter_copy
 from casque.engine.publisher import Publisher
 from casque.engine.shard_state import Handout, ShardState
@@ -272,6 +273,7 @@ class Consumer:
         spec = self.queue_state.spec
         self.log = Log(self.store, self.queue, spec.consistency)
         self.acks = AckLog(self.store, self.queue, self.subscriber, spec.retention_seconds)
+        self._queue_counters = QueueCounters(self.store, self.queue)
         self.paths = self.store.paths(self.queue).subscriber(self.subscriber)
         subscriber_spec = self.subscriber_state.spec
         if subscriber_spec.dead_letter_queue and subscriber_spec.max_deliveries:
@@ -484,6 +486,7 @@ class Consumer:
             if self.readers.get(reader.shard) is not reader or reader.state.dead_letter(message.position) is None:
                 return  # the shard moved or was reset meanwhile; the copy's client id prevents a double
             self.counters.dead_lettered += 1
+            await self._queue_counters.add(dead_lettered(self.subscriber), 1)
             p = message.position
             await self.acks.record(AckEvent(reader.epoch, p.shard, p.batch, p.seq, outcome=DEAD))
             reader._schedule_commit()

@@ -74,4 +74,5 @@ class IdempotencyGuard:
 
 
 def _as_duplicate(result: Published) -> Published:
-    return Published(result.message_id, result.shard, result.batch, result.seq, duplicate=True)
+    return Published(result.message_id, result.shard, result.batch, result.seq, duplicate=True,
+                     deliver_at=result.deliver_at)

@@ -43,11 +43,15 @@ class OutgoingMessage:
 
 @dataclass(frozen=True)
 class Published:
+    """Where a published message was stored. A delayed message is not in the log yet: its
+    shard, batch and seq are -1 and `deliver_at` says when it will be."""
+
     message_id: str
     shard: int
     batch: int
     seq: int
     duplicate: bool = False
+    deliver_at: datetime | None = None
 
 
 @dataclass(frozen=True)

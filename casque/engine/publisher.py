@@ -20,9 +20,13 @@ import zlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
 from casque.engine.batches import Claim, Log, new_writer_id
+from casque.engine.delayed import CURSOR_MARGIN, IMMEDIATE_SECONDS, DelayedStore, read_cursor
 from casque.engine.heads import HeadAdvancer
 from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.messages import OutgoingMessage, Published
@@ -187,6 +191,8 @@ class Publisher:
 
     def __post_init__(self) -> None:
         self.log = Log(self.store, self.queue, self.spec.consistency)
+        self._delayed: DelayedStore | None = None
+        self._mover_cursor: datetime | None = None
         self.counters = PublisherCounters()
         self._writers = {shard: ShardWriter(self, shard) for shard in self.spec.log_shards()}
         self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
@@ -203,22 +209,66 @@ class Publisher:
             raise InvalidSpec(
                 f"priority {message.priority} is out of range: the queue has levels 0..{self.spec.priorities - 1}"
             )
+        if message.deliver_at is not None:
+            if message.deliver_at.tzinfo is None:
+                raise InvalidSpec("deliverAt needs a timezone (e.g. 2026-01-01T12:00:00Z)")
+            horizon = datetime.now(timezone.utc) + timedelta(seconds=self.spec.retention_seconds)
+            if message.deliver_at > horizon:
+                raise InvalidSpec(
+                    f"deliverAt is beyond the queue's retention ({self.spec.retention_seconds}s from now)"
+                )
 
-    async def publish(self, messages: Sequence[OutgoingMessage]) -> list[Published]:
-        """Publish all or, on a validation error, none; results in input order."""
+    async def publish(
+        self, messages: Sequence[OutgoingMessage], message_ids: Sequence[str] | None = None
+    ) -> list[Published]:
+        """Publish all or, on a validation error, none; results in input order.
+
+        `message_ids` keeps ids given earlier (the delayed-message mover); new ones otherwise.
+        """
         for message in messages:
             self.validate(message)
-        return list(await asyncio.gather(*(self._publish_one(m) for m in messages)))
+        ids = list(message_ids) if message_ids is not None else [str(uuid.uuid4()) for _ in messages]
+        return list(await asyncio.gather(*(self._publish_one(m, i) for m, i in zip(messages, ids))))
 
-    async def _publish_one(self, message: OutgoingMessage) -> Published:
+    async def _publish_one(self, message: OutgoingMessage, message_id: str) -> Published:
         if message.client_id is None:
-            return await self._submit(message)
-        return await self._idempotency.publish_once(message.client_id, lambda: self._submit(message))
+            return await self._route(message, message_id)
+        return await self._idempotency.publish_once(message.client_id, lambda: self._route(message, message_id))
 
-    def _submit(self, message: OutgoingMessage) -> asyncio.Future[Published]:
+    async def _route(self, message: OutgoingMessage, message_id: str) -> Published:
+        due = message.deliver_at
+        if due is None and self.spec.default_delay_seconds and not (message.client_id or "").startswith("delayed/"):
+            due = datetime.now(timezone.utc) + timedelta(seconds=self.spec.default_delay_seconds)
+        if due is not None and self._is_later(due):
+            await self._delayed_store().insert(message_id, due, message)
+            return Published(message_id, -1, -1, -1, deliver_at=due)
         future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
-        self._writers[self._choose_shard(message)].submit(_Pending(str(uuid.uuid4()), message, future))
-        return future
+        self._writers[self._choose_shard(message)].submit(_Pending(message_id, message, future))
+        return await future
+
+    def _is_later(self, due: datetime) -> bool:
+        """Whether a message due at `due` waits in the delayed table (else: straight into the log)."""
+        now = datetime.now(timezone.utc)
+        if (due - now).total_seconds() <= IMMEDIATE_SECONDS:
+            return False
+        # A due time the mover's cursor has (nearly) passed would never be moved: our clock
+        # lags the mover's. Such a message is due now.
+        cursor = self._mover_cursor
+        return cursor is None or due > cursor + CURSOR_MARGIN
+
+    def _delayed_store(self) -> DelayedStore:
+        if self._delayed is None:
+            self._delayed = DelayedStore(self.store, self.queue, self.spec.retention_seconds)
+            loop = asyncio.get_running_loop()
+            DataWatch(self.store.zk, self.store.paths(self.queue).mover,
+                      zk.watch_in_loop(loop, self._cursor_changed, lambda: True))
+        return self._delayed
+
+    def _cursor_changed(self, data: bytes | None, *_: object) -> None:
+        try:
+            self._mover_cursor = read_cursor(data)
+        except (ValueError, KeyError):
+            self._mover_cursor = None
 
     def _choose_shard(self, message: OutgoingMessage) -> int:
         """The log shard for a message: within its priority level, by key or by load."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -19,7 +20,9 @@ from kazoo.exceptions import NoNodeError
 from casque.backends import zk
 from casque.engine import catalog
 from casque.engine.batches import Header, Log
+from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters, dead_lettered
 from casque.schema import QueueRef
+from casque.specs import priority_of
 from casque.store import Store
 
 
@@ -37,6 +40,11 @@ class QueueStats:
     queue: str
     shards: list[ShardStats]
     sampled_at: datetime
+    # Messages waiting in the delayed table (published with a delay, not moved yet).
+    delayed: int = 0
+
+    def published_by_priority(self) -> dict[int, int | None]:
+        return _sum_by_level((s.shard, s.published_messages) for s in self.shards)
 
     @property
     def published_messages(self) -> int | None:
@@ -83,6 +91,10 @@ class SubscriberStats:
     redelivered: int
     sampled_at: datetime
     member_reports: dict[str, dict[str, int]] = field(default_factory=dict)
+    dead_lettered: int = 0
+
+    def lag_by_priority(self) -> dict[int, int | None]:
+        return _sum_by_level((s.shard, s.lag_messages) for s in self.shards)
 
     @property
     def lag_batches(self) -> int:
@@ -99,6 +111,17 @@ class SubscriberStats:
         if not oldest:
             return None
         return max(0.0, (self.sampled_at - min(oldest)).total_seconds())
+
+
+def _sum_by_level(values: Iterable[tuple[int, int | None]]) -> dict[int, int | None]:
+    """Per priority level, the sum over its shards; None where any shard's figure is unknown."""
+    grouped: dict[int, list[int | None]] = {}
+    for shard, value in values:
+        grouped.setdefault(priority_of(shard), []).append(value)
+    return {
+        level: None if any(v is None for v in vs) else sum(v for v in vs if v is not None)
+        for level, vs in grouped.items()
+    }
 
 
 async def _get_int(store: Store, path: str) -> int:
@@ -124,7 +147,9 @@ async def queue_stats(store: Store, queue: QueueRef) -> QueueStats:
         return ShardStats(shard, head, header.total_messages, header.total_bytes, header.published_at)
 
     shards = await asyncio.gather(*(one(s) for s in state.spec.log_shards()))
-    return QueueStats(str(queue), list(shards), datetime.now(timezone.utc))
+    counts = await QueueCounters(store, queue).read()
+    delayed = counts.get(DELAYED_IN, 0) - counts.get(DELAYED_OUT, 0)
+    return QueueStats(str(queue), list(shards), datetime.now(timezone.utc), delayed=max(0, delayed))
 
 
 async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> SubscriberStats:
@@ -180,4 +205,5 @@ async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> Su
         redelivered=sum(r.get("redelivered", 0) for r in reports.values()),
         sampled_at=datetime.now(timezone.utc),
         member_reports=reports,
+        dead_lettered=(await QueueCounters(store, queue).read()).get(dead_lettered(subscriber), 0),
     )

@@ -64,6 +64,7 @@ async def test_higher_priorities_first_without_starving_lower(store: Store, cons
     # tenth of those the lowest).
     assert (first_hundred.count(2), first_hundred.count(1), first_hundred.count(0)) == (90, 9, 1)
     assert sorted(order) == [0] * 100 + [1] * 100 + [2] * 100
+    assert (await queue_stats(store, ORDERS)).published_by_priority() == {0: 100, 1: 100, 2: 100}
     last_high = max(i for i, level in enumerate(order) if level == 2)
     first_low = min(i for i, level in enumerate(order) if level == 0)
     assert first_low < last_high  # level 0 was not starved until level 2 ran dry
@@ -124,3 +125,6 @@ async def test_poison_message_is_dead_lettered_after_max_deliveries_and_redriven
     assert seen.count(b"poison") == 1
     assert await audit.receive(max_messages=10, wait=1) == []
     assert (await queue_stats(store, DEAD)).published_messages == 1
+    from casque.engine.stats import subscriber_stats
+
+    assert (await subscriber_stats(store, ORDERS, "billing")).dead_lettered == 1

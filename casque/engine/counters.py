@@ -1,0 +1,30 @@
+"""Durable running counts per queue, for statistics: delayed in and out, dead-lettered."""
+
+from __future__ import annotations
+
+from casque.backends import cql
+from casque.schema import COUNTERS_TABLE, QueueRef
+from casque.store import Store
+
+DELAYED_IN = "delayed_in"
+DELAYED_OUT = "delayed_out"
+
+
+def dead_lettered(subscriber: str) -> str:
+    return f"dead_lettered:{subscriber}"
+
+
+class QueueCounters:
+    def __init__(self, store: Store, queue: QueueRef) -> None:
+        self._store = store
+        self._queue = queue.key
+        table = f"{store.keyspace}.{COUNTERS_TABLE}"
+        self._add = store.session.prepare(f"UPDATE {table} SET value = value + ? WHERE queue = ? AND name = ?")
+        self._read = store.session.prepare(f"SELECT name, value FROM {table} WHERE queue = ?")
+
+    async def add(self, name: str, amount: int) -> None:
+        await cql.execute(self._store.session, self._add, (amount, self._queue, name))
+
+    async def read(self) -> dict[str, int]:
+        rows = await cql.execute(self._store.session, self._read, (self._queue,))
+        return {row.name: int(row.value) for row in rows}

@@ -1,0 +1,1 @@
+"""Spark jobs over a queue's stored history."""

@@ -1,0 +1,129 @@
+"""Building the SparkSession the jobs run in: master, connector jars, Cassandra connection.
+
+`local[*]` is the default; the same job runs on a standalone cluster (`spark://host:7077`)
+or on Kubernetes (`k8s://https://apiserver:6443`) by changing the master. The Cassandra
+connection comes from the same CASQUE_* settings every casque process uses, so executors
+reach the cluster the driver's settings name.
+
+One JVM serves one Python process: `getOrCreate` returns the running session if there is
+one, and the options below take effect only when the first session starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from casque.config import Settings
+from casque.spark import jars
+from casque.spark.errors import SparkUnavailable
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+DEFAULT_MASTER = "local[*]"
+
+# Java 17 closes the JDK internals Spark's memory management and serializers use. Spark's
+# launcher adds these for the driver it starts itself, but not for executors launched by a
+# cluster manager with an older default, so they are set explicitly for both.
+JAVA17_OPTIONS = " ".join(
+    f"--add-opens=java.base/{package}=ALL-UNNAMED"
+    for package in (
+        "java.lang", "java.lang.invoke", "java.lang.reflect", "java.io", "java.net", "java.nio",
+        "java.util", "java.util.concurrent", "java.util.concurrent.atomic", "sun.nio.ch",
+        "sun.nio.cs", "sun.security.action", "sun.util.calendar",
+    )
+) + " -Djdk.reflect.useDirectMethodHandle=false -Dio.netty.tryReflectionSetAccessible=true"
+
+
+@dataclass(frozen=True)
+class SparkOptions:
+    master: str = DEFAULT_MASTER
+    app_name: str = "casque"
+    # Small by default: the jobs aggregate a queue's history into small tables, and a
+    # 2-core machine pays for every idle shuffle partition.
+    shuffle_partitions: int = 4
+    driver_memory: str = "1g"
+    # "auto": the cached local jars when the install step made them, else packages.
+    connector: str = "auto"
+    conf: Mapping[str, str] = field(default_factory=dict)
+
+
+def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
+    """Every Spark setting of a casque job, as plain strings (testable without a JVM)."""
+    conf: dict[str, str] = {
+        "spark.master": options.master,
+        "spark.app.name": options.app_name,
+        "spark.sql.shuffle.partitions": str(options.shuffle_partitions),
+        "spark.sql.session.timeZone": "UTC",
+        "spark.driver.memory": options.driver_memory,
+        "spark.driver.extraJavaOptions": f"{JAVA17_OPTIONS} -Duser.timezone=UTC",
+        "spark.executor.extraJavaOptions": f"{JAVA17_OPTIONS} -Duser.timezone=UTC",
+        # Lets Spark SQL plan direct joins against Cassandra partitions and read write times.
+        "spark.sql.extensions": "com.datastax.spark.connector.CassandraSparkExtensions",
+        "spark.cassandra.connection.host": ",".join(settings.cassandra_contact_points),
+        "spark.cassandra.connection.port": str(settings.cassandra_port),
+        "spark.cassandra.input.consistency.level": settings.consistency,
+        "spark.cassandra.output.consistency.level": settings.consistency,
+        # Python workers must be the driver's interpreter (same packages, same version).
+        "spark.pyspark.python": sys.executable,
+        "spark.pyspark.driver.python": sys.executable,
+    }
+    if settings.cassandra_local_dc:
+        conf["spark.cassandra.connection.localDC"] = settings.cassandra_local_dc
+    if settings.cassandra_username:
+        conf["spark.cassandra.auth.username"] = settings.cassandra_username
+        conf["spark.cassandra.auth.password"] = settings.cassandra_password or ""
+    if options.master.startswith("local"):
+        # A local job talks to nobody but itself: no UI port to collide with other
+        # processes on the machine, and the driver bound to loopback.
+        conf["spark.ui.enabled"] = "false"
+        conf["spark.driver.host"] = "127.0.0.1"
+        conf["spark.driver.bindAddress"] = "127.0.0.1"
+    conf.update(_connector_conf(options.connector))
+    conf.update(options.conf)
+    return conf
+
+
+def _connector_conf(mode: str) -> dict[str, str]:
+    if mode not in ("auto", "local", "packages"):
+        raise SparkUnavailable(f"connector mode must be auto, local or packages, not {mode!r}")
+    local = jars.local_jars() if mode in ("auto", "local") else None
+    if local is not None:
+        return {"spark.jars": ",".join(str(p) for p in local)}
+    if mode == "local":
+        raise SparkUnavailable(
+            f"the Cassandra connector jars are not in {jars.jars_dir()}; run scripts/install-spark.sh"
+        )
+    return {
+        "spark.jars.packages": jars.CONNECTOR,
+        "spark.jars.repositories": jars.MAVEN_CENTRAL,
+        "spark.jars.ivySettings": str(jars.ivy_settings()),
+        "spark.jars.ivy": str(jars.ivy_dir()),
+    }
+
+
+def build_session(settings: Settings, options: SparkOptions | None = None) -> SparkSession:
+    """Start (or join) the process's SparkSession with casque's settings."""
+    options = options or SparkOptions()
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as missing:
+        raise SparkUnavailable("PySpark is not installed: pip install 'casque[spark]'") from missing
+    conf = spark_conf(settings, options)
+    # PySpark launches the JVM itself; it must not pick up a submit configuration meant for
+    # another program.
+    os.environ.pop("PYSPARK_SUBMIT_ARGS", None)
+    builder = SparkSession.builder
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    try:
+        session = builder.getOrCreate()
+    except Exception as error:  # py4j and the launcher raise plain exceptions
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SparkUnavailable(f"the Spark session did not start ({options.master}): {first}") from error
+    session.sparkContext.setLogLevel("WARN")
+    return session

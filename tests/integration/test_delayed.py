@@ -1,0 +1,141 @@
+"""Delayed delivery on the real servers: not before its time, and a mover failover that
+loses and doubles nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from kazoo.client import KazooClient
+
+from casque.engine import catalog
+from casque.engine.consumer import Consumer
+from casque.engine.delayed import PASS_SECONDS, DelayMover
+from casque.engine.messages import OutgoingMessage
+from casque.engine.publisher import Publisher
+from casque.errors import InvalidSpec
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+
+QUEUE = QueueRef("default", "later")
+# Lateness allowed here: the mover's pass interval plus scheduling slack on a loaded machine.
+LATENESS_BOUND = PASS_SECONDS + 4.0
+
+
+@pytest.fixture
+def sessions(store: Store, zk_hosts: str) -> Iterator[Callable[[], Store]]:
+    clients: list[KazooClient] = []
+
+    def make() -> Store:
+        client = KazooClient(hosts=zk_hosts, timeout=4.0)
+        client.start(timeout=15)
+        clients.append(client)
+        return Store(store.session, client, store.keyspace, store.zk_root, store.replication_cql)
+
+    yield make
+    for client in clients:
+        client.stop()
+        client.close()
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[list[object]]:
+    things: list[object] = []
+    yield things
+    for thing in things:
+        await thing.stop()  # type: ignore[attr-defined]
+
+
+def mover_for(store: Store, spec: QueueSpec, name: str) -> DelayMover:
+    publisher = Publisher(store, QUEUE, spec)
+
+    async def publish(items: list[tuple[str, OutgoingMessage]]) -> list[object]:
+        return await publisher.publish([m for _, m in items], [i for i, _ in items])
+
+    return DelayMover(store, QUEUE, publish, spec.retention_seconds, name)
+
+
+async def test_delayed_messages_arrive_not_before_their_time(store: Store, running: list[object]) -> None:
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, "waiter", SubscriberSpec(queue="later", start_position="earliest"))
+    publisher = Publisher(store, QUEUE, spec)
+    with pytest.raises(InvalidSpec, match="retention"):
+        await publisher.publish([OutgoingMessage(b"x", deliver_at=datetime.now(timezone.utc) + timedelta(days=2))])
+    mover = mover_for(store, spec, "m1")
+    mover.start()
+    running.append(mover)
+    consumer = Consumer(store, QUEUE, "waiter")
+    await consumer.start()
+    running.append(consumer)
+
+    due = {f"d{i}": datetime.now(timezone.utc) + timedelta(seconds=3 + i) for i in range(3)}
+    results = await publisher.publish([OutgoingMessage(name.encode(), deliver_at=at) for name, at in due.items()])
+    assert all(r.deliver_at is not None and r.batch == -1 for r in results)
+    (now_result,) = await publisher.publish([OutgoingMessage(b"now")])
+    assert now_result.batch > 0
+
+    from casque.engine.stats import queue_stats
+
+    assert (await queue_stats(store, QUEUE)).delayed == 3
+    arrived: dict[str, datetime] = {}
+    deadline = time.monotonic() + 60
+    while len(arrived) < 4:
+        assert time.monotonic() < deadline
+        for d in await consumer.receive(max_messages=10, wait=2):
+            arrived[d.message.payload.decode()] = datetime.now(timezone.utc)
+            await consumer.ack(d.receipt)
+    for name, at in due.items():
+        assert arrived[name] >= at, f"{name} arrived early"
+        assert (arrived[name] - at).total_seconds() < LATENESS_BOUND
+    counts = await mover.delayed.counters.read()
+    assert counts == {"delayed_in": 3, "delayed_out": 3}
+
+
+async def test_mover_failover_loses_and_doubles_nothing(
+    store: Store, sessions: Callable[[], Store], running: list[object]
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, "all", SubscriberSpec(queue="later", start_position="earliest"))
+    first_store, second_store = sessions(), sessions()
+    first, second = mover_for(first_store, spec, "first"), mover_for(second_store, spec, "second")
+    first.start()
+    deadline = time.monotonic() + 30
+    while not first.leading:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    second.start()
+    running.extend([first, second])
+
+    publisher = Publisher(store, QUEUE, spec)
+    start = datetime.now(timezone.utc)
+    results = await publisher.publish(
+        [OutgoingMessage(f"m{i}".encode(), deliver_at=start + timedelta(seconds=1.5 + i * 0.05)) for i in range(120)]
+    )
+    # Once the first mover has moved some, its session dies; the second takes over.
+    while first.moved == 0:
+        assert time.monotonic() < deadline + 30
+        await asyncio.sleep(0.02)
+    first_store.zk.stop()
+    while not second.leading:
+        assert time.monotonic() < deadline + 60
+        await asyncio.sleep(0.05)
+
+    consumer = Consumer(store, QUEUE, "all")
+    await consumer.start()
+    running.append(consumer)
+    seen: Counter[str] = Counter()
+    while sum(seen.values()) < 120:
+        assert time.monotonic() < deadline + 120, f"only {sum(seen.values())} of 120 delivered"
+        deliveries = await consumer.receive(max_messages=50, wait=2)
+        seen.update(d.message.message_id for d in deliveries)
+        await consumer.ack_many([d.receipt for d in deliveries])
+    assert seen == Counter(r.message_id for r in results)  # the ids given at publish, each once
+    assert await consumer.receive(max_messages=10, wait=PASS_SECONDS * 2) == []
+    assert second.moved > 0
