@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -13,7 +14,8 @@ from casque.engine.deadletters import DELIVERIES, LAST_ERROR, MESSAGE_ID, SOURCE
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
 from casque.engine.stats import queue_stats
-from casque.errors import InvalidSpec
+from casque.engine.offsets import SeekTarget, seek
+from casque.errors import InvalidSpec, PositionOutOfRange
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
@@ -128,3 +130,33 @@ async def test_poison_message_is_dead_lettered_after_max_deliveries_and_redriven
     from casque.engine.stats import subscriber_stats
 
     assert (await subscriber_stats(store, ORDERS, "billing")).dead_lettered == 1
+
+
+async def test_an_expired_message_is_never_delivered(store: Store, consumers: list[Consumer]) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, ORDERS, spec)
+    catalog.apply_subscriber(store, ORDERS, "late", SubscriberSpec(queue="orders", start_position="earliest"))
+    publisher = Publisher(store, ORDERS, spec)
+    await publisher.publish([OutgoingMessage(b"flash", ttl_seconds=1)])
+    expired_by = datetime.now(timezone.utc) + timedelta(seconds=1)  # its expiry is before this
+    (lasting,) = await publisher.publish([OutgoingMessage(b"lasting")])
+    await publisher.flush_heads()
+    while datetime.now(timezone.utc) <= expired_by:  # wall clock: the one expiry is defined in
+        await asyncio.sleep(0.05)
+    consumer = await start(store, ORDERS, "late", consumers)
+    (only,) = await consumer.receive(max_messages=10, wait=10)
+    assert only.message.message_id == lasting.message_id
+    await consumer.ack(only.receipt)
+    assert await consumer.receive(max_messages=10, wait=0.5) == []
+
+
+async def test_seek_older_than_retention_is_refused(store: Store) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, ORDERS, spec)
+    catalog.apply_subscriber(store, ORDERS, "seeker", SubscriberSpec(queue="orders"))
+    with pytest.raises(PositionOutOfRange, match="older than the queue's retention"):
+        await asyncio.to_thread(
+            seek, store, ORDERS, "seeker", SeekTarget("time", time=datetime.now(timezone.utc) - timedelta(hours=2))
+        )
+    with pytest.raises(PositionOutOfRange, match="cannot seek to batch 50"):
+        await asyncio.to_thread(seek, store, ORDERS, "seeker", SeekTarget("batch", batches={0: 50}))
