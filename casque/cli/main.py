@@ -6,13 +6,14 @@ import sys
 
 import typer
 
-from casque.cli import apply, dev, queue_commands
+from casque.cli import apply, dev, queue_commands, spark_commands
 from casque.errors import CasqueError
 from casque.operator import cli as operator_cli
 
 app = typer.Typer(help="casque: a replayable queue on Cassandra and ZooKeeper.", no_args_is_help=True)
 app.add_typer(dev.app, name="dev")
 app.add_typer(operator_cli.app, name="operator")
+app.add_typer(spark_commands.app, name="spark")
 app.command("apply")(apply.apply_file)
 app.command("delete")(apply.delete_file)
 queue_commands.register(app)

@@ -83,15 +83,20 @@ def _conf(items: list[str] | None) -> dict[str, str]:
 
 @contextmanager
 def _session(settings: Settings, master: str, conf: list[str] | None, connector: str) -> Iterator[SparkSession]:
+    from pyspark.sql import SparkSession
+
     from casque.spark.session import SparkOptions, build_session
 
+    # Embedded (a notebook, the tests): join the process's running session and leave it running.
+    running = SparkSession.getActiveSession() is not None
     session = build_session(settings, SparkOptions(master=master, conf=_conf(conf), connector=connector,
                                                    app_name="casque-spark"))
     try:
         with _spark_errors():
             yield session
     finally:
-        session.stop()
+        if not running:
+            session.stop()
 
 
 @contextmanager
@@ -102,13 +107,13 @@ def _spark_errors() -> Iterator[None]:
     except CasqueError:
         raise
     except Exception as error:
-        name = type(error).__name__
-        if not (name.startswith("Py4J") or name.endswith("Exception") and "pyspark" in type(error).__module__):
+        module = type(error).__module__
+        if not module.startswith(("py4j", "pyspark")):
             raise
         text = str(error).strip()
         # Java stack traces follow the first line; the cause is usually the last "Caused by".
         causes = [line.strip() for line in text.splitlines() if line.strip().startswith("Caused by:")]
-        first = causes[-1] if causes else (text.splitlines()[0] if text else name)
+        first = causes[-1] if causes else (text.splitlines()[0] if text else type(error).__name__)
         raise SparkJobError(f"the Spark job failed: {first[:300]}") from error
 
 

@@ -52,7 +52,8 @@ def export_frame(spark: SparkSession, keyspace: str, resolved: ResolvedRange, fm
             "shard", "batch", "seq", "message_id",
             F.date_format("published_at", TIME_FORMAT).alias("published_at"),
             "key", "attributes",
-            F.base64("payload").alias("payload_base64"),
+            # Spark's base64 breaks lines every 76 characters (MIME); one line of standard base64.
+            F.regexp_replace(F.base64("payload"), "[\\r\\n]", "").alias("payload_base64"),
             "content_type", "client_id",
             F.date_format("expires_at", TIME_FORMAT).alias("expires_at"),
         )
@@ -86,13 +87,14 @@ def export(spark: SparkSession, keyspace: str, resolved: ResolvedRange, fmt: str
     per_shard = {int(r["shard"]): int(r["messages"]) for r in counts}
     payload_bytes = sum(int(r["bytes"]) for r in counts)
     files = sorted(p.name for p in (out / "messages").iterdir() if p.name.startswith("part-"))
+    messages = sum(per_shard.values())
     manifest = {
         **resolved.describe(),
         "format": chosen,
-        "messages": sum(per_shard.values()),
+        "messages": messages,
         "payload_bytes": payload_bytes,
         "per_shard": {str(k): v for k, v in sorted(per_shard.items())},
         "files": [f"messages/{name}" for name in files],
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    return ExportResult(out, manifest["messages"], payload_bytes, per_shard, files)  # type: ignore[arg-type]
+    return ExportResult(out, messages, payload_bytes, per_shard, files)

@@ -42,6 +42,10 @@ PROVIDED_BY_SPARK = (
 _STAMP = "complete"
 
 
+def cache_root() -> Path:
+    return cache_dir()
+
+
 def jars_dir() -> Path:
     return cache_dir() / "spark-jars" / CONNECTOR_VERSION
 

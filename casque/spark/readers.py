@@ -48,6 +48,8 @@ def range_rows(spark: SparkSession, keyspace: str, resolved: ResolvedRange, colu
 
     base = table(spark, keyspace, resolved.queue.messages_table)
     wanted = list(dict.fromkeys(["shard", "batch_no", "seq", *columns]))
+    timed = resolved.spec.since is not None or resolved.spec.until is not None
+    read = list(dict.fromkeys([*wanted, "published_at"])) if timed else wanted
     readable = resolved.readable
     if not readable:
         # An always-false filter: Spark plans an empty relation and reads nothing.
@@ -56,7 +58,7 @@ def range_rows(spark: SparkSession, keyspace: str, resolved: ResolvedRange, colu
     for shard in readable:
         groups[shard.buckets].append(shard.shard)
     frames = [
-        base.where(F.col("shard").isin(shards) & F.col("bucket").isin(list(buckets))).select(*wanted)
+        base.where(F.col("shard").isin(shards) & F.col("bucket").isin(list(buckets))).select(*read)
         for buckets, shards in sorted(groups.items())
     ]
     rows = reduce(lambda a, b: a.unionByName(b), frames)
@@ -69,7 +71,7 @@ def range_rows(spark: SparkSession, keyspace: str, resolved: ResolvedRange, colu
         rows = rows.where(F.col("published_at") >= F.lit(resolved.spec.since))
     if resolved.spec.until is not None:
         rows = rows.where(F.col("published_at") < F.lit(resolved.spec.until))
-    return rows
+    return rows.select(*wanted)
 
 
 def messages(spark: SparkSession, keyspace: str, resolved: ResolvedRange,

@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from casque.config import Settings
@@ -59,6 +60,8 @@ def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
         "spark.app.name": options.app_name,
         "spark.sql.shuffle.partitions": str(options.shuffle_partitions),
         "spark.sql.session.timeZone": "UTC",
+        # Progress bars on the console would mix with the CLI's own output.
+        "spark.ui.showConsoleProgress": "false",
         "spark.driver.memory": options.driver_memory,
         "spark.driver.extraJavaOptions": f"{JAVA17_OPTIONS} -Duser.timezone=UTC",
         "spark.executor.extraJavaOptions": f"{JAVA17_OPTIONS} -Duser.timezone=UTC",
@@ -83,9 +86,37 @@ def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
         conf["spark.ui.enabled"] = "false"
         conf["spark.driver.host"] = "127.0.0.1"
         conf["spark.driver.bindAddress"] = "127.0.0.1"
+        conf["spark.driver.extraJavaOptions"] += f" -Dlog4j2.configurationFile={_quiet_logging()}"
     conf.update(_connector_conf(options.connector))
     conf.update(options.conf)
     return conf
+
+
+# Spark's own console logging at WARN, the connector's and Hadoop's start-up notices at ERROR:
+# a CLI command prints its result, not the JVM's chatter.
+_LOG4J2 = """\
+rootLogger.level = warn
+rootLogger.appenderRef.stderr.ref = stderr
+appender.console.type = Console
+appender.console.name = stderr
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n%ex
+logger.hadoop.name = org.apache.hadoop
+logger.hadoop.level = error
+logger.connector.name = com.datastax
+logger.connector.level = error
+logger.spark_util.name = org.apache.spark.util.Utils
+logger.spark_util.level = error
+"""
+
+
+def _quiet_logging() -> Path:
+    path = jars.cache_root() / "spark-log4j2.properties"
+    if not path.exists() or path.read_text() != _LOG4J2:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(_LOG4J2)
+    return path
 
 
 def _connector_conf(mode: str) -> dict[str, str]:
@@ -117,6 +148,9 @@ def build_session(settings: Settings, options: SparkOptions | None = None) -> Sp
     # PySpark launches the JVM itself; it must not pick up a submit configuration meant for
     # another program.
     os.environ.pop("PYSPARK_SUBMIT_ARGS", None)
+    if options.master.startswith("local"):
+        # Otherwise Spark binds its block manager to the first non-loopback interface it finds.
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = SparkSession.builder
     for key, value in conf.items():
         builder = builder.config(key, value)
