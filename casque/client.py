@@ -76,10 +76,12 @@ class RetryPolicy:
 @dataclass(frozen=True)
 class PublishResult:
     message_id: str
-    shard: int
-    batch: int
-    seq: int
+    # None for a delayed message until it is due; `deliver_at` says when.
+    shard: int | None
+    batch: int | None
+    seq: int | None
     duplicate: bool
+    deliver_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Message:
     content_type: str | None
     key: str | None
     attributes: Mapping[str, str]
+    priority: int
     type: str
     source: str
     subject: str | None
@@ -124,6 +127,7 @@ class Message:
             content_type=event.get("datacontenttype"),
             key=event.get("partitionkey"),
             attributes=dict(event.get("attributes", {})),
+            priority=int(event.get("priority", 0)),
             type=event["type"],
             source=event["source"],
             subject=event.get("subject"),
@@ -171,8 +175,15 @@ def message(
     type: str | None = None,
     source: str | None = None,
     subject: str | None = None,
+    priority: int | None = None,
+    delay: float | None = None,
+    deliver_at: datetime | None = None,
 ) -> dict[str, Any]:
-    """The publish body of one message. `data` is JSON (or text with a text content type); `payload` is raw bytes."""
+    """The publish body of one message. `data` is JSON (or text with a text content type); `payload` is raw bytes.
+
+    `delay` (seconds) or `deliver_at` (an aware datetime) hold the message back; `priority`
+    picks the queue's level (higher is delivered first).
+    """
     body: dict[str, Any] = {"id": id or uuid.uuid4().hex}
     if payload is not None:
         if data is not _MISSING:
@@ -182,7 +193,8 @@ def message(
         body["data"] = data
     optional = {
         "datacontenttype": content_type, "partitionkey": key, "ttl": ttl, "type": type, "source": source,
-        "subject": subject,
+        "subject": subject, "priority": priority, "delay": delay,
+        "deliverAt": deliver_at.isoformat() if deliver_at is not None else None,
     }
     body.update({name: value for name, value in optional.items() if value is not None})
     if attributes:
@@ -295,7 +307,13 @@ class _Requests:
 
 
 def _published(answer: Mapping[str, Any]) -> PublishResult:
-    return PublishResult(answer["messageId"], answer["shard"], answer["batch"], answer["seq"], answer["duplicate"])
+    due = answer.get("deliverAt")
+    return PublishResult(answer["messageId"], answer["shard"], answer["batch"], answer["seq"], answer["duplicate"],
+                         _parse_time(due) if due else None)
+
+
+def _nack_fields(delay: float, error: str | None) -> dict[str, Any]:
+    return {"delay": delay} if error is None else {"delay": delay, "error": error}
 
 
 def _outcomes(answer: Mapping[str, Any]) -> list[ReceiptOutcome]:
@@ -381,9 +399,11 @@ class Client:
         return _outcomes(self._send(self._calls.settle("ack", receipts, False, {}, queue, subscriber)))
 
     def nack(
-        self, receipt: str, delay: float = 0.0, *, queue: str | None = None, subscriber: str | None = None
+        self, receipt: str, delay: float = 0.0, *, error: str | None = None, queue: str | None = None,
+        subscriber: str | None = None,
     ) -> None:
-        self._send(self._calls.settle("nack", [receipt], True, {"delay": delay}, queue, subscriber))
+        """Deliver again after `delay` seconds; `error` is kept in the message's history."""
+        self._send(self._calls.settle("nack", [receipt], True, _nack_fields(delay, error), queue, subscriber))
 
     def nack_batch(
         self, receipts: Sequence[str], delay: float = 0.0, *, queue: str | None = None,
@@ -493,9 +513,10 @@ class AsyncClient:
         return _outcomes(await self._send(self._calls.settle("ack", receipts, False, {}, queue, subscriber)))
 
     async def nack(
-        self, receipt: str, delay: float = 0.0, *, queue: str | None = None, subscriber: str | None = None
+        self, receipt: str, delay: float = 0.0, *, error: str | None = None, queue: str | None = None,
+        subscriber: str | None = None,
     ) -> None:
-        await self._send(self._calls.settle("nack", [receipt], True, {"delay": delay}, queue, subscriber))
+        await self._send(self._calls.settle("nack", [receipt], True, _nack_fields(delay, error), queue, subscriber))
 
     async def nack_batch(
         self, receipts: Sequence[str], delay: float = 0.0, *, queue: str | None = None,

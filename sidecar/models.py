@@ -4,12 +4,12 @@ A published and a delivered message have the shape of a CloudEvent in structured
 mode (`specversion`, `id`, `source`, `type`, `time`, `datacontenttype`, `data` or
 `data_base64`), so apps and tools that speak CloudEvents read them as they are. casque's
 own fields are CloudEvents extension attributes (lowercase, no separators): `partitionkey`
-(the CloudEvents partitioning extension), `deliverycount`, `receipt`, `shard`, `batch`,
-`seq`, `visibleuntil`, `expiresat`. Application attributes travel in `attributes`.
+(the CloudEvents partitioning extension), `priority`, `deliverycount`, `receipt`, `shard`,
+`batch`, `seq`, `visibleuntil`, `expiresat`. Application attributes travel in `attributes`.
+Publishing also takes casque's scheduling fields `delay`, `deliverAt` and `priority`.
 
 The other bodies use camelCase. Every body refuses unknown fields: a misspelt `delay`
-must not publish a message that was meant to wait. Fields that the engine will gain
-(`delay`, `deliverAt`, `priority`) join `PublishMessage` when it can honour them.
+must not publish at once a message that was meant to wait.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import base64
 import binascii
 import json
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, model_validator
@@ -27,6 +27,7 @@ from pydantic.alias_generators import to_camel
 from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.engine.stats import QueueStats, SubscriberStats
 from casque.schema import MAX_RETENTION_SECONDS, QueueRef
+from casque.specs import MAX_PRIORITIES, priority_of
 
 MAX_BATCH_MESSAGES = 1000
 MAX_RECEIVE = 1000
@@ -132,6 +133,15 @@ class PublishMessage(Body):
     ttl: Annotated[int | None, Field(ge=1, le=MAX_RETENTION_SECONDS)] = Field(
         default=None, description="Seconds after publish when the message is no longer delivered."
     )
+    priority: Annotated[int, Field(ge=0, lt=MAX_PRIORITIES)] = Field(
+        default=0, description="0 is the lowest level; a queue with N priorities takes 0..N-1."
+    )
+    delay: Annotated[float | None, Field(ge=0, le=MAX_RETENTION_SECONDS)] = Field(
+        default=None, description="Seconds from now before the message is delivered (default: the queue's)."
+    )
+    deliver_at: AwareDatetime | None = Field(
+        default=None, alias="deliverAt", description="Not delivered before this time (with a zone)."
+    )
 
     @model_validator(mode="after")
     def _one_payload(self) -> PublishMessage:
@@ -149,10 +159,12 @@ class PublishMessage(Body):
         for name in self.attributes:
             if name.startswith("ce-"):
                 raise ValueError(f"attribute {name!r}: names starting with 'ce-' are reserved")
+        if self.delay is not None and self.deliver_at is not None:
+            raise ValueError("give either delay or deliverAt, not both")
         return self
 
-    def outgoing(self) -> OutgoingMessage:
-        """The engine's message: payload bytes, content type and attributes."""
+    def outgoing(self, now: datetime | None = None) -> OutgoingMessage:
+        """The engine's message: payload bytes, content type, attributes, schedule."""
         content_type = self.datacontenttype
         if self.data_base64 is not None:
             payload = base64.b64decode(self.data_base64)
@@ -172,6 +184,9 @@ class PublishMessage(Body):
             value = getattr(self, field)
             if value is not None:
                 attributes[attribute] = value
+        deliver_at = self.deliver_at
+        if self.delay is not None:
+            deliver_at = (now or datetime.now(timezone.utc)) + timedelta(seconds=self.delay)
         return OutgoingMessage(
             payload=payload,
             key=self.partitionkey,
@@ -179,6 +194,8 @@ class PublishMessage(Body):
             content_type=content_type,
             client_id=self.id,
             ttl_seconds=self.ttl,
+            priority=self.priority,
+            deliver_at=deliver_at,
         )
 
 
@@ -190,20 +207,20 @@ class PublishBatchRequest(Body):
 
 class PublishResult(Reply):
     message_id: str
-    shard: int
-    batch: int
-    seq: int
+    # null for a delayed message: it enters the log (and gets its place) when due.
+    shard: int | None
+    batch: int | None
+    seq: int | None
     duplicate: bool = Field(description="true when the id was published before; nothing new was written")
+    deliver_at: datetime | None = Field(default=None, description="Set for a delayed message: when it is due.")
 
     @classmethod
     def of(cls, published: Published) -> PublishResult:
-        return cls(
-            message_id=published.message_id,
-            shard=published.shard,
-            batch=published.batch,
-            seq=published.seq,
-            duplicate=published.duplicate,
-        )
+        if published.deliver_at is not None:
+            return cls(message_id=published.message_id, shard=None, batch=None, seq=None,
+                       duplicate=published.duplicate, deliver_at=published.deliver_at)
+        return cls(message_id=published.message_id, shard=published.shard, batch=published.batch,
+                   seq=published.seq, duplicate=published.duplicate)
 
 
 class PublishBatchResult(Reply):
@@ -235,6 +252,7 @@ class Message(BaseModel):
     data_base64: str | None = None
     partitionkey: str | None = None
     attributes: dict[str, str] = Field(default_factory=dict)
+    priority: int = 0
     deliverycount: int = Field(description="1 on first delivery; counts redeliveries after nack or expiry.")
     receipt: str = Field(description="Names this delivery; ack, nack and extend take it.")
     shard: int
@@ -263,6 +281,7 @@ def envelope(delivery: Delivery, queue: QueueRef) -> Message:
         "source": attributes.pop(CE_ATTRIBUTES["source"], source_of(queue)),
         "time": stored.published_at,
         "attributes": attributes,
+        "priority": priority_of(stored.position.shard),
         "deliverycount": delivery.delivery_count,
         "receipt": delivery.receipt,
         "shard": stored.position.shard,
@@ -338,6 +357,9 @@ class AckRequest(_Receipts):
 
 class NackRequest(_Receipts):
     delay: Seconds = Field(default=0.0, description="Seconds before the message is delivered again.")
+    error: Annotated[Text | None, Field(max_length=1024)] = Field(
+        default=None, description="Why it failed: kept in the message's history if it is dead-lettered."
+    )
 
 
 class ExtendRequest(_Receipts):
@@ -360,7 +382,7 @@ class SeekRequest(Body):
     to: Literal["earliest", "latest"] | None = None
     time: AwareDatetime | None = Field(default=None, description="The first batch published at or after this time.")
     batches: Annotated[
-        dict[Annotated[str, Field(pattern=r"^[0-9]{1,3}$")], Annotated[int, Field(ge=1, le=2**62)]] | None,
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,5}$")], Annotated[int, Field(ge=1, le=2**62)]] | None,
         Field(min_length=1),
     ] = Field(default=None, description="Shard number -> the batch to read next; other shards stay.")
 
@@ -379,6 +401,7 @@ class SeekResult(Reply):
 # --- stats --------------------------------------------------------------------------------
 class ShardStatsBody(Reply):
     shard: int
+    priority: int
     head: int
     published_messages: int | None
     published_bytes: int | None
@@ -389,6 +412,8 @@ class QueueStatsResult(Reply):
     queue: str
     published_messages: int | None
     published_bytes: int | None
+    published_by_priority: dict[str, int | None]
+    delayed: int = Field(description="Published with a delay and not yet due.")
     batches: int
     shards: list[ShardStatsBody]
     sampled_at: datetime
@@ -399,10 +424,13 @@ class QueueStatsResult(Reply):
             queue=stats.queue,
             published_messages=stats.published_messages,
             published_bytes=stats.published_bytes,
+            published_by_priority={str(p): n for p, n in sorted(stats.published_by_priority().items())},
+            delayed=stats.delayed,
             batches=stats.batches,
             shards=[
                 ShardStatsBody(
                     shard=s.shard,
+                    priority=priority_of(s.shard),
                     head=s.head,
                     published_messages=s.published_messages,
                     published_bytes=s.published_bytes,
@@ -416,6 +444,7 @@ class QueueStatsResult(Reply):
 
 class SubscriberShardStatsBody(Reply):
     shard: int
+    priority: int
     offset: int
     head: int
     lag_batches: int
@@ -429,10 +458,12 @@ class SubscriberStatsResult(Reply):
     subscriber: str
     lag_batches: int
     lag_messages: int | None
+    lag_by_priority: dict[str, int | None]
     oldest_unacked_age_seconds: float | None
     in_flight: int
     delivered: int
     redelivered: int
+    dead_lettered: int
     members: list[str]
     shards: list[SubscriberShardStatsBody]
     sampled_at: datetime
@@ -444,14 +475,17 @@ class SubscriberStatsResult(Reply):
             subscriber=stats.subscriber,
             lag_batches=stats.lag_batches,
             lag_messages=stats.lag_messages,
+            lag_by_priority={str(p): n for p, n in sorted(stats.lag_by_priority().items())},
             oldest_unacked_age_seconds=stats.oldest_unacked_age_seconds,
             in_flight=stats.in_flight,
             delivered=stats.delivered,
             redelivered=stats.redelivered,
+            dead_lettered=stats.dead_lettered,
             members=stats.members,
             shards=[
                 SubscriberShardStatsBody(
                     shard=s.shard,
+                    priority=priority_of(s.shard),
                     offset=s.offset,
                     head=s.head,
                     lag_batches=s.lag_batches,

@@ -7,9 +7,13 @@ application/cloudevents+json`). The app's answer settles the message:
   with exponential backoff and jitter on the delivery count, so a struggling app gets
   fewer requests, spread out, instead of a burst of retries.
 - a drop status (default the other 4xx): the app says it will never take the message.
-  Dead letters belong to the engine's Subscriber settings; until the engine takes a
-  message out of the log for good, a dropped message is nacked with the longest backoff
-  and logged, so nothing is lost.
+  The engine dead-letters a message after the Subscriber's maxDeliveries (when it names a
+  dead-letter queue) but offers no way yet to dead-letter one at once; so a dropped
+  message is nacked with the longest backoff and logged, and reaches the dead-letter
+  queue after its remaining deliveries. Without a dead-letter queue it is never dropped.
+
+Every nack carries the reason (the status, or the connection error), which the engine
+keeps in the message's history for the dead-letter queue.
 
 At most `push_concurrency` pushes run at once; a slot frees when the app answers. The
 visibility timeout covers the push timeout, so a slow app is not raced by a redelivery.
@@ -132,24 +136,26 @@ class PushWorker:
         body = json.dumps(envelope(delivery, self.queue).wire()).encode()
         started = time.perf_counter()
         status: int | None = None
+        failure = ""
         try:
             async with self._session.post(self.url, data=body, headers={"Content-Type": CLOUDEVENTS_JSON}) as reply:
                 status = reply.status
                 await reply.read()
         except (aiohttp.ClientError, TimeoutError) as error:
-            log.info("push of %s failed: %s", delivery.message.message_id, error or type(error).__name__)
+            failure = f"push to {self.url} failed: {error or type(error).__name__}"
+            log.info("push of %s failed: %s", delivery.message.message_id, failure)
         finally:
             self.metrics.push_latency.labels(self.subscriber).observe(time.perf_counter() - started)
         outcome = classify(status, self.settings)
         self.metrics.pushes.labels(self.subscriber, outcome).inc()
         try:
-            await self._settle(delivery, outcome, status)
+            await self._settle(delivery, outcome, failure or f"push to {self.url}: HTTP {status}")
         except StaleReceipt:
             # The visibility ran out (or the shard moved) while the app was busy: the
             # message is someone else's now, and will be pushed again from there.
             log.warning("push of %s settled too late; it will be delivered again", delivery.message.message_id)
 
-    async def _settle(self, delivery: Delivery, outcome: str, status: int | None) -> None:
+    async def _settle(self, delivery: Delivery, outcome: str, reason: str) -> None:
         labels = (self.queue.name, self.subscriber)
         if outcome == "ack":
             await self.consumer.ack(delivery.receipt)
@@ -158,13 +164,14 @@ class PushWorker:
         ceiling = self.settings.push_max_backoff_seconds
         if outcome == "drop":
             log.warning(
-                "app refused message %s with %s; no dead-letter queue in the engine yet: "
-                "it comes back in %ss", delivery.message.message_id, status, ceiling,
+                "app refused message %s (%s); it is tried again in %ss, and dead-lettered after the "
+                "subscriber's maxDeliveries if it has a dead-letter queue", delivery.message.message_id, reason,
+                ceiling,
             )
             delay = ceiling
         else:
             delay = backoff(delivery.delivery_count, self.settings.push_backoff_seconds, ceiling)
-        await self.consumer.nack(delivery.receipt, delay)
+        await self.consumer.nack(delivery.receipt, delay, reason)
         self.metrics.nacked.labels(*labels).inc()
 
     async def stop(self, timeout: float) -> None:

@@ -133,7 +133,7 @@ async def ack(request: web.Request) -> web.Response:
 async def nack(request: web.Request) -> web.Response:
     body = await parse(request, NackRequest)
     outcomes = await _service(request).nack(
-        request.match_info["queue"], request.match_info["subscriber"], body.all, body.delay
+        request.match_info["queue"], request.match_info["subscriber"], body.all, body.delay, body.error
     )
     return _results(body.all, outcomes, body.single, lambda r, _: ReceiptResult(receipt=r, status="nacked"))
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from kazoo.recipe.watchers import DataWatch
 from casque.backends import zk
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
+from casque.engine.delayed import DelayMover
 from casque.engine.leases import assign
 from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.engine.offsets import SeekTarget, seek
@@ -101,7 +104,7 @@ class QueueService:
         self._writes_idle.set()
         self._starter: asyncio.Task[None] | None = None
         self._drain_task: asyncio.Task[None] | None = None
-        self._started = asyncio.Event()
+        self._mover: DelayMover | None = None
         # Push workers (casque.sidecar.push) register here; the service stops them first on drain.
         self.on_consumer_started: list[Callable[[Subscription], None]] = []
         self.stoppers: list[Callable[[float], Awaitable[None]]] = []
@@ -116,8 +119,10 @@ class QueueService:
         assert self.queue is not None
         delay = START_RETRY_MIN_SECONDS
         while not self.draining:
+            if self._mover is None:
+                await self._start_mover()
             pending = [s for s in self.subscriptions.values() if s.consumer is None]
-            if not pending:
+            if not pending and self._mover is not None:
                 return
             for subscription in pending:
                 consumer = Consumer(self.store, self.queue, subscription.name)
@@ -138,8 +143,33 @@ class QueueService:
                          consumer.member_id)
                 for hook in self.on_consumer_started:
                     hook(subscription)
+            if self._mover is not None and all(s.consumer for s in self.subscriptions.values()):
+                return
             await asyncio.sleep(delay)
             delay = min(delay * 2, START_RETRY_MAX_SECONDS)
+
+    async def _start_mover(self) -> None:
+        """Contend for moving the served queue's delayed messages into its log when due.
+
+        Every sidecar of the queue contends and one is elected, so delayed messages keep
+        moving while any of them runs.
+        """
+        queue = self.queue
+        assert queue is not None
+        try:
+            publisher = await self.publisher(queue.name)
+        except (QueueNotFound, BackendUnavailable) as error:
+            log.info("delayed-message mover of %s not started yet: %s", queue, error)
+            return
+
+        async def move(items: list[tuple[str, OutgoingMessage]]) -> list[Published]:
+            # The current publisher: a spec change (more shards) replaces it.
+            current = await self.publisher(queue.name)
+            return await current.publish([m for _, m in items], [i for i, _ in items])
+
+        self._mover = DelayMover(self.store, queue, move, publisher.spec.retention_seconds,
+                                 f"sidecar-{socket.gethostname()}-{os.getpid()}")
+        self._mover.start()
 
     async def drain(self) -> None:
         """Stop taking work and finish what was taken (safe to call more than once)."""
@@ -161,6 +191,8 @@ class QueueService:
         except TimeoutError:
             log.error("%d publishes still writing after %ss; their callers get no answer", self._writes,
                       WRITE_DRAIN_SECONDS)
+        if self._mover is not None:
+            await self._mover.stop()
         consumers = [s.consumer for s in self.subscriptions.values() if s.consumer is not None]
         results = await asyncio.gather(
             *(c.stop(max(0.0, deadline - time.monotonic())) for c in consumers), return_exceptions=True
@@ -309,10 +341,10 @@ class QueueService:
         return outcomes
 
     async def nack(
-        self, queue: str, subscriber: str, receipts: Sequence[str], delay: float
+        self, queue: str, subscriber: str, receipts: Sequence[str], delay: float, error: str | None = None
     ) -> list[None | CasqueError]:
         _, consumer = await self.served(queue, subscriber)
-        outcomes = await _each(receipts, lambda receipt: consumer.nack(receipt, delay))
+        outcomes = await _each(receipts, lambda receipt: consumer.nack(receipt, delay, error))
         nacked = sum(1 for o in outcomes if o is None)
         if nacked:
             self.metrics.nacked.labels(queue, subscriber).inc(nacked)
@@ -350,10 +382,12 @@ class QueueService:
             target = SeekTarget(kind="time", time=request.time)
         else:
             batches = {int(shard): batch for shard, batch in (request.batches or {}).items()}
-            shards = (await blocking(catalog.read_queue, self.store, ref)).spec.shards
-            outside = sorted(s for s in batches if s >= shards)
+            logs = set((await blocking(catalog.read_queue, self.store, ref)).spec.log_shards())
+            outside = sorted(set(batches) - logs)
             if outside:
-                raise PositionOutOfRange(f"queue {ref} has shards 0..{shards - 1}; no shard {outside[0]}")
+                raise PositionOutOfRange(
+                    f"queue {ref} has no shard {outside[0]} (its shards: {', '.join(map(str, sorted(logs)))})"
+                )
             target = SeekTarget(kind="batch", batches=batches)
         return await blocking(seek, self.store, ref, subscriber, target)
 

@@ -169,7 +169,7 @@ def sidecar(
 # --- publish ------------------------------------------------------------------------------------
 def _message_from_text(
     data: str, key: str | None, attributes: list[str], content_type: str | None, message_id: str | None,
-    ttl: int | None,
+    ttl: int | None, schedule: dict[str, Any] | None = None,
 ) -> PublishMessage:
     """DATA is JSON if it reads as JSON, else text."""
     body: dict[str, Any] = {}
@@ -186,7 +186,8 @@ def _message_from_text(
         if not sep:
             raise UsageError(f"--attr {item!r}: expected NAME=VALUE")
         pairs[name] = value
-    optional = {"datacontenttype": content_type, "partitionkey": key, "id": message_id, "ttl": ttl}
+    optional = {"datacontenttype": content_type, "partitionkey": key, "id": message_id, "ttl": ttl,
+                **(schedule or {})}
     body.update({k: v for k, v in optional.items() if v is not None})
     if pairs:
         body["attributes"] = pairs
@@ -219,6 +220,12 @@ def publish(
     content_type: Annotated[str | None, typer.Option("--content-type", help="datacontenttype of the message.")] = None,
     message_id: Annotated[str | None, typer.Option("--id", help="Idempotency id.")] = None,
     ttl: Annotated[int | None, typer.Option(help="Seconds after which it is no longer delivered.")] = None,
+    priority: Annotated[int | None, typer.Option("--priority", "-p", min=0, help="Priority level (0 lowest).")] = None,
+    delay: Annotated[float | None, typer.Option(min=0, help="Seconds before it is delivered.")] = None,
+    deliver_at: Annotated[
+        datetime | None, typer.Option("--deliver-at", help="Not delivered before (UTC if no zone).",
+                                      formats=["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S"])
+    ] = None,
     file: Annotated[
         str | None, typer.Option("--file", "-f", help="JSON lines of messages as the API takes them ('-': stdin).")
     ] = None,
@@ -235,7 +242,9 @@ def publish(
         messages = _messages_from_file(file)
     else:
         assert data is not None
-        one = _message_from_text(data, key, attr or [], content_type, message_id, ttl)
+        due = deliver_at if deliver_at is None or deliver_at.tzinfo else deliver_at.replace(tzinfo=timezone.utc)
+        schedule = {"priority": priority, "delay": delay, "deliverAt": due}
+        one = _message_from_text(data, key, attr or [], content_type, message_id, ttl, schedule)
         messages = [one] * count
     if count > 1 and message_id is not None:
         raise UsageError("--id with --count would publish one message: drop one of them")
@@ -260,7 +269,9 @@ async def _publish(settings: Settings, ref: QueueRef, messages: list[OutgoingMes
                 if not quiet:
                     for r in results:
                         note = " (duplicate)" if r.duplicate else ""
-                        out.print(f"{r.message_id}  shard {r.shard} batch {r.batch} seq {r.seq}{note}")
+                        where = (f"shard {r.shard} batch {r.batch} seq {r.seq}" if r.deliver_at is None
+                                 else f"delayed until {r.deliver_at.isoformat()}")
+                        out.print(f"{r.message_id}  {where}{note}")
         await publisher.flush_heads()
         if quiet:
             out.print(f"published {len(messages)} messages to {ref}")
@@ -495,22 +506,22 @@ def _number(value: float | int | None, digits: int = 0) -> str:
 
 def _stats_view(queue: QueueStats, subscribers: list[SubscriberStats], rate: float | None) -> Group:
     head = Table(title=f"queue {queue.queue}", title_justify="left")
-    for column in ("shards", "batches", "messages", "bytes", "msgs/s"):
+    for column in ("shards", "batches", "messages", "bytes", "delayed", "msgs/s"):
         head.add_column(column, justify="right")
     head.add_row(
         str(len(queue.shards)), _number(queue.batches), _number(queue.published_messages),
-        _number(queue.published_bytes), "-" if rate is None else _number(rate, 1),
+        _number(queue.published_bytes), _number(queue.delayed), "-" if rate is None else _number(rate, 1),
     )
     table = Table(title="subscribers", title_justify="left")
     table.add_column("subscriber", no_wrap=True)
-    for column in ("lag msgs", "lag batches", "oldest unacked", "in flight", "redelivered", "members"):
+    for column in ("lag msgs", "lag batches", "oldest unacked", "in flight", "redelivered", "dead", "members"):
         table.add_column(column, justify="right")
     for s in subscribers:
         age = s.oldest_unacked_age_seconds
         table.add_row(
             s.subscriber, _number(s.lag_messages), _number(s.lag_batches),
             "-" if age is None else f"{age:,.1f}s", _number(s.in_flight), _number(s.redelivered),
-            str(len(s.members)),
+            _number(s.dead_lettered), str(len(s.members)),
         )
     stamp = queue.sampled_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     return Group(head, table if subscribers else "[dim]no subscribers[/dim]", f"[dim]{stamp}[/dim]")

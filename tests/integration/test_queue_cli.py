@@ -96,7 +96,7 @@ def test_publish_many_from_a_file_and_consume_as_json(run: Run, store: Store, tm
     assert lag(store, "reader") == 0
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"data": 1}\n{"data": 1, "delay": 5}\n')
+    bad.write_text('{"data": 1}\n{"data": 1, "dealy": 5}\n')
     refused = run("publish", QUEUE, "--file", str(bad), code=1)
     assert isinstance(refused.exception, Exception) and "bad.jsonl:2" in str(refused.exception)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -78,7 +78,11 @@ def test_publish_bodies_become_engine_messages() -> None:
     binary = parse({"data_base64": base64.b64encode(b"\x00\xff").decode()}).outgoing()
     assert (binary.payload, binary.content_type) == (b"\x00\xff", "application/octet-stream")
     empty = parse({}).outgoing()
-    assert (empty.payload, empty.content_type) == (b"", None)
+    assert (empty.payload, empty.content_type, empty.priority, empty.deliver_at) == (b"", None, 0, None)
+    now = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    assert parse({"delay": 90, "priority": 2}).outgoing(now).deliver_at == now + timedelta(seconds=90)
+    assert parse({"deliverAt": "2030-01-02T00:00:00+01:00"}).outgoing(now).deliver_at == datetime(
+        2030, 1, 1, 23, tzinfo=timezone.utc)
 
 
 @pytest.mark.parametrize("body", [
@@ -89,8 +93,11 @@ def test_publish_bodies_become_engine_messages() -> None:
     {"attributes": {"bad name": "x"}},
     {"ttl": 0},
     {"specversion": "0.3"},
-    {"deliverAt": "2030-01-01T00:00:00Z"},  # not until the engine can honour it
-    {"priority": 1},
+    {"delay": 5, "deliverAt": "2030-01-01T00:00:00Z"},
+    {"deliverAt": "2030-01-01T00:00:00"},  # no zone
+    {"delay": -1},
+    {"priority": -1},
+    {"dealy": 5},  # misspelt: refused, never published at once
     {"datacontenttype": "not a media type"},
 ])
 def test_publish_bodies_that_are_refused(body: dict[str, Any]) -> None:
