@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -32,16 +33,34 @@ def run(
     renew_deadline: Annotated[float, typer.Option(help="Seconds without renewal after which a leader stops.")] = 10.0,
     retry_period: Annotated[float, typer.Option(help="Seconds between attempts to acquire or renew.")] = 2.0,
     identity: Annotated[str | None, typer.Option(help="This replica's name in the Lease (default: host name + random).")] = None,
+    webhook_port: Annotated[
+        int | None,
+        typer.Option(envvar="CASQUE_OPERATOR_WEBHOOK_PORT", help="Serve the sidecar-injection webhook (HTTPS) on this port."),
+    ] = None,
+    webhook_address: Annotated[
+        str, typer.Option(envvar="CASQUE_OPERATOR_WEBHOOK_ADDRESS", help="Address the webhook listens on.")
+    ] = "0.0.0.0",
+    webhook_cert: Annotated[
+        Path | None, typer.Option(envvar="CASQUE_OPERATOR_WEBHOOK_CERT", help="The webhook's TLS certificate (PEM).")
+    ] = None,
+    webhook_key: Annotated[
+        Path | None, typer.Option(envvar="CASQUE_OPERATOR_WEBHOOK_KEY", help="The webhook's TLS private key (PEM).")
+    ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(envvar="CASQUE_OPERATOR_METRICS_PORT", help="Serve Prometheus metrics on this port (all addresses)."),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log more.")] = False,
 ) -> None:
     """Run the operator: reconcile Queues and Subscribers into Cassandra and ZooKeeper.
 
-    Backend connection settings come from CASQUE_* environment variables (see casque.config).
+    Backend connection settings come from CASQUE_* environment variables (see casque.config);
+    the injected sidecar's from CASQUE_INJECTION_* (see casque.operator.injection).
     """
     # Imported here so that other `casque` commands do not pay for loading kopf.
     import kopf
 
-    from casque.operator import runtime
+    from casque.operator import injection, runtime
     from casque.operator.leadership import LeaseConfig
 
     namespaces = tuple(namespace or ())
@@ -60,5 +79,21 @@ def run(
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
+    webhook = None
+    if webhook_port is not None:
+        if webhook_cert is None or webhook_key is None:
+            raise typer.BadParameter("--webhook-port needs --webhook-cert and --webhook-key")
+        webhook = injection.WebhookOptions(webhook_port, webhook_cert, webhook_key, webhook_address)
+        try:
+            sidecar = injection.InjectionSettings()
+        except ValueError as error:
+            raise typer.BadParameter(f"CASQUE_INJECTION_* settings: {error}") from error
     kopf.configure(verbose=verbose)
-    raise typer.Exit(runtime.main(runtime.RunOptions(namespaces=namespaces, liveness=liveness, lease=lease)))
+    if metrics_port is not None:
+        import prometheus_client
+
+        prometheus_client.start_http_server(metrics_port)
+    options = runtime.RunOptions(namespaces=namespaces, liveness=liveness, lease=lease)
+    if webhook is None:
+        raise typer.Exit(runtime.main(options))
+    raise typer.Exit(injection.run_with_webhook(runtime.run(options), webhook, sidecar))

@@ -1,0 +1,377 @@
+"""Sidecar injection: what a Pod that asks for casque's sidecar gets, as a JSON Patch.
+
+A Pod opts in with annotations (on the Deployment's pod template, usually):
+
+    casque.io/inject: "true"
+    casque.io/queue: orders            # the queue whose subscribers the sidecar consumes for
+    casque.io/subscriber: billing      # optional; several, comma-separated
+    casque.io/port: "8717"             # optional; the sidecar's port on localhost
+    casque.io/token-secret: orders-api # optional; a Secret of the namespace with a `token` key
+
+`plan` turns such a Pod into the patch that adds the sidecar; `review` answers a whole
+AdmissionReview with it. Both are pure: a Pod in, a patch out, so the rules are tested
+without kopf or an API server. `serve` runs them behind kopf's HTTPS webhook server.
+
+Why the webhook is not a kopf admission handler: kopf runs only on the replica holding the
+Lease (see runtime.py), but the webhook Service sends each admission request to any ready
+replica, so every replica must answer, leader or not. The patch needs nothing the leader
+knows, so each replica serves it from its own settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import re
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Literal
+
+from prometheus_client import Counter
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from casque.config import Settings
+from casque.errors import InvalidSpec
+from casque.schema import NAME_PATTERN
+
+log = logging.getLogger(__name__)
+
+ANNOTATION_PREFIX = "casque.io/"
+INJECT = f"{ANNOTATION_PREFIX}inject"
+QUEUE = f"{ANNOTATION_PREFIX}queue"
+SUBSCRIBER = f"{ANNOTATION_PREFIX}subscriber"
+PORT = f"{ANNOTATION_PREFIX}port"
+TOKEN_SECRET = f"{ANNOTATION_PREFIX}token-secret"
+
+SIDECAR_NAME = "casque-sidecar"
+TMP_VOLUME = "casque-sidecar-tmp"
+DEFAULT_PORT = 8717  # the sidecar's own default (casque.sidecar.config); the operator may not import it
+LOCALHOST = "127.0.0.1"
+# The image's non-root user (Dockerfile.sidecar); Kubernetes needs the number to check runAsNonRoot.
+SIDECAR_UID = 10001
+
+# Served with prometheus_client's default registry by `casque operator run --metrics-port`.
+ADMISSION_REVIEWS = Counter(
+    "casque_operator_admission_reviews_total", "Pods the injection webhook answered, by outcome", ["outcome"]
+)
+
+_QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+
+
+class InvalidInjection(InvalidSpec):
+    """A Pod's casque annotations ask for something impossible; the Pod is refused, with this message."""
+
+    code = "invalid_injection"
+
+
+class InjectionSettings(BaseSettings):
+    """The sidecar the webhook adds, from CASQUE_INJECTION_* variables (the chart sets them)."""
+
+    model_config = SettingsConfigDict(env_prefix="CASQUE_INJECTION_")
+
+    image: str = Field(default_factory=lambda: f"casque/sidecar:{version('casque')}", min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    # Kubernetes 1.29+: an init container with restartPolicy Always starts before the app
+    # and stops after it, so the app never sees the sidecar missing and can settle its
+    # messages while the sidecar drains. False: an ordinary container beside the app.
+    native_sidecar: bool = True
+    # A Secret that every app namespace holds, with the Cassandra username and password.
+    credentials_secret: str | None = Field(default=None, pattern=r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
+    username_key: str = "username"
+    password_key: str = "password"
+    cpu_request: str = Field(default="50m", pattern=_QUANTITY)
+    memory_request: str = Field(default="128Mi", pattern=_QUANTITY)
+    # No CPU limit by default: throttling a sidecar delays every publish and ack of its app.
+    cpu_limit: str | None = Field(default=None, pattern=_QUANTITY)
+    memory_limit: str | None = Field(default="256Mi", pattern=_QUANTITY)
+
+    @field_validator("credentials_secret", "cpu_limit", "memory_limit", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        # The chart sets every variable; an empty one means "none" (no Secret, no limit).
+        return None if value == "" else value
+
+
+@dataclass(frozen=True)
+class SidecarRequest:
+    """What one Pod's annotations ask for."""
+
+    queue: str | None
+    subscribers: tuple[str, ...]
+    port: int
+    token_secret: str | None
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOCALHOST}:{self.port}"
+
+
+def wants_sidecar(pod: Mapping[str, Any]) -> bool:
+    return str(_annotations(pod).get(INJECT, "")).strip().lower() == "true"
+
+
+def has_sidecar(pod: Mapping[str, Any]) -> bool:
+    spec = pod.get("spec") or {}
+    containers = [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
+    return any(container.get("name") == SIDECAR_NAME for container in containers)
+
+
+def parse_request(annotations: Mapping[str, str]) -> SidecarRequest:
+    queue = (annotations.get(QUEUE) or "").strip() or None
+    subscribers = tuple(dict.fromkeys(s.strip() for s in (annotations.get(SUBSCRIBER) or "").split(",") if s.strip()))
+    token_secret = (annotations.get(TOKEN_SECRET) or "").strip() or None
+    for what, name in [(QUEUE, queue), *((SUBSCRIBER, s) for s in subscribers)]:
+        if name is not None and not NAME_PATTERN.match(name):
+            raise InvalidInjection(f"annotation {what}: {name!r} is not a queue or subscriber name (a DNS label)")
+    if subscribers and queue is None:
+        raise InvalidInjection(f"annotation {SUBSCRIBER} needs {QUEUE}, the queue the subscribers belong to")
+    if token_secret is not None and not re.match(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$", token_secret):
+        raise InvalidInjection(f"annotation {TOKEN_SECRET}: {token_secret!r} is not a Secret name")
+    text = (annotations.get(PORT) or str(DEFAULT_PORT)).strip()
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise InvalidInjection(f"annotation {PORT}: {text!r} is not a port number (1-65535)")
+    return SidecarRequest(queue=queue, subscribers=subscribers, port=int(text), token_secret=token_secret)
+
+
+def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings) -> list[dict[str, Any]]:
+    """The JSON Patch that adds the sidecar to `pod`; empty if it did not ask or already has one.
+
+    Raises InvalidInjection when the annotations cannot be honoured.
+    """
+    if not wants_sidecar(pod) or has_sidecar(pod):
+        return []
+    request = parse_request(_annotations(pod))
+    spec = pod.get("spec") or {}
+    containers: list[Mapping[str, Any]] = list(spec.get("containers") or [])
+    for container in [*containers, *(spec.get("initContainers") or [])]:
+        for port in container.get("ports") or []:
+            if port.get("containerPort") == request.port:
+                raise InvalidInjection(
+                    f"container {container.get('name')!r} uses port {request.port}, the sidecar's; "
+                    f"choose another with the annotation {PORT}"
+                )
+    if any(volume.get("name") == TMP_VOLUME for volume in spec.get("volumes") or []):
+        raise InvalidInjection(f"the volume name {TMP_VOLUME!r} is the sidecar's; rename the Pod's volume")
+
+    patch: list[dict[str, Any]] = []
+    # The app's containers learn where the sidecar is; casque's clients read these variables.
+    for index, container in enumerate(containers):
+        defined = {env.get("name") for env in container.get("env") or []}
+        missing = [env for env in app_env(request) if env["name"] not in defined]
+        if not missing:
+            continue
+        if container.get("env"):
+            patch += [_add(f"/spec/containers/{index}/env/-", env) for env in missing]
+        else:
+            patch.append(_add(f"/spec/containers/{index}/env", missing))
+    volume = {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}}
+    patch.append(_add("/spec/volumes/-", volume) if spec.get("volumes") else _add("/spec/volumes", [volume]))
+    sidecar = sidecar_container(request, settings, backends)
+    if settings.native_sidecar:
+        # First among the init containers, so that later ones may use the queue too.
+        if spec.get("initContainers"):
+            patch.append(_add("/spec/initContainers/0", sidecar))
+        else:
+            patch.append(_add("/spec/initContainers", [sidecar]))
+    else:
+        patch.append(_add("/spec/containers/-", sidecar))
+    return patch
+
+
+def app_env(request: SidecarRequest) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "CASQUE_SIDECAR_URL", "value": request.url}]
+    if request.queue is not None:
+        env.append({"name": "CASQUE_SIDECAR_QUEUE", "value": request.queue})
+    if request.subscribers:
+        env.append({"name": "CASQUE_SIDECAR_SUBSCRIBERS", "value": ",".join(request.subscribers)})
+    if request.token_secret is not None:
+        env.append(_secret_env("CASQUE_SIDECAR_TOKEN", request.token_secret, "token"))
+    return env
+
+
+def sidecar_container(request: SidecarRequest, settings: InjectionSettings, backends: Settings) -> dict[str, Any]:
+    """The sidecar's container spec; docs/deploy.md shows it written out by hand."""
+    env: list[dict[str, Any]] = [
+        {"name": "CASQUE_SIDECAR_HOST", "value": LOCALHOST},
+        {"name": "CASQUE_SIDECAR_PORT", "value": str(request.port)},
+        {"name": "CASQUE_SIDECAR_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    if request.queue is not None:
+        env.append({"name": "CASQUE_SIDECAR_QUEUE", "value": request.queue})
+    if request.subscribers:
+        env.append({"name": "CASQUE_SIDECAR_SUBSCRIBERS", "value": ",".join(request.subscribers)})
+    if request.token_secret is not None:
+        env.append(_secret_env("CASQUE_SIDECAR_TOKEN", request.token_secret, "token"))
+    # The backends the operator itself uses, so that sidecars and operator agree on them.
+    env += [
+        {"name": "CASQUE_CASSANDRA_CONTACT_POINTS", "value": ",".join(backends.cassandra_contact_points)},
+        {"name": "CASQUE_CASSANDRA_PORT", "value": str(backends.cassandra_port)},
+    ]
+    if backends.cassandra_local_dc:
+        env.append({"name": "CASQUE_CASSANDRA_LOCAL_DC", "value": backends.cassandra_local_dc})
+    env += [
+        {"name": "CASQUE_KEYSPACE", "value": backends.keyspace},
+        {"name": "CASQUE_CONSISTENCY", "value": backends.consistency},
+        {"name": "CASQUE_ZOOKEEPER_HOSTS", "value": backends.zookeeper_hosts},
+        {"name": "CASQUE_ZOOKEEPER_ROOT", "value": backends.zookeeper_root},
+    ]
+    if settings.credentials_secret is not None:
+        # A Pod can only refer to Secrets of its own namespace: each app namespace holds a copy.
+        env += [
+            _secret_env("CASQUE_CASSANDRA_USERNAME", settings.credentials_secret, settings.username_key),
+            _secret_env("CASQUE_CASSANDRA_PASSWORD", settings.credentials_secret, settings.password_key),
+        ]
+    requests = {"cpu": settings.cpu_request, "memory": settings.memory_request}
+    limits = {k: v for k, v in (("cpu", settings.cpu_limit), ("memory", settings.memory_limit)) if v is not None}
+    container: dict[str, Any] = {
+        "name": SIDECAR_NAME,
+        "image": settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "args": ["sidecar"],
+        "env": env,
+        "resources": {"requests": requests, **({"limits": limits} if limits else {})},
+        # The sidecar listens on 127.0.0.1 only, which the kubelet's HTTP probes cannot reach
+        # (they dial the Pod's IP), so the probes run inside the container.
+        "startupProbe": _probe(request.port, "/healthz", period=1, failures=120),
+        "livenessProbe": _probe(request.port, "/healthz", period=10, failures=3),
+        "readinessProbe": _probe(request.port, "/readyz", period=5, failures=2),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": SIDECAR_UID,
+            "runAsGroup": SIDECAR_UID,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [{"name": TMP_VOLUME, "mountPath": "/tmp"}],
+    }
+    if settings.native_sidecar:
+        container["restartPolicy"] = "Always"
+    return container
+
+
+def probe_command(port: int, path: str) -> list[str]:
+    """A check of the sidecar's endpoint from inside its container (also the image's HEALTHCHECK)."""
+    return [
+        "python",
+        "-c",
+        f"import urllib.request; urllib.request.urlopen('http://{LOCALHOST}:{port}{path}', timeout=3)",
+    ]
+
+
+def review(admission: Mapping[str, Any], settings: InjectionSettings, backends: Settings) -> dict[str, Any]:
+    """The answer to one AdmissionReview: allowed, with the patch if the Pod gets a sidecar."""
+    request = admission.get("request") or {}
+    response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": True}
+    pod = request.get("object") or {}
+    if request.get("operation") == "CREATE" and pod.get("kind", "Pod") == "Pod":
+        try:
+            patch = plan(pod, settings, backends)
+        except InvalidInjection as error:
+            response.update(allowed=False, status={"code": 422, "reason": "Invalid", "message": str(error)})
+        else:
+            if patch:
+                response["patchType"] = "JSONPatch"
+                response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode("ascii")
+    return {
+        "apiVersion": admission.get("apiVersion") or "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "response": response,
+    }
+
+
+def outcome(answer: Mapping[str, Any]) -> str:
+    response = answer.get("response") or {}
+    if not response.get("allowed", False):
+        return "refused"
+    return "injected" if response.get("patch") else "skipped"
+
+
+def _annotations(pod: Mapping[str, Any]) -> Mapping[str, str]:
+    return (pod.get("metadata") or {}).get("annotations") or {}
+
+
+def _add(path: str, value: Any) -> dict[str, Any]:
+    return {"op": "add", "path": path, "value": value}
+
+
+def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _probe(port: int, path: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "exec": {"command": probe_command(port, path)},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+# --- serving ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WebhookOptions:
+    """Where the webhook listens. The API server only calls webhooks over HTTPS."""
+
+    port: int
+    certfile: Path
+    keyfile: Path
+    address: str = "0.0.0.0"
+
+
+async def serve(options: WebhookOptions, settings: InjectionSettings, backends: Settings) -> None:
+    """Answer admission requests until cancelled, on any path (the chart uses /inject).
+
+    kopf's server re-reads the certificate files when they change (a renewed Secret) and
+    restarts its listener with them.
+    """
+    import kopf
+
+    async def respond(
+        request: Any,
+        *,
+        webhook: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        sslpeer: Mapping[str, Any] | None = None,
+    ) -> Any:
+        answer = review(request, settings, backends)
+        result = outcome(answer)
+        ADMISSION_REVIEWS.labels(result).inc()
+        if result == "refused":
+            log.info("refused a pod: %s", answer["response"]["status"]["message"])
+        return answer
+
+    server = kopf.WebhookServer(
+        addr=options.address, port=options.port, certfile=options.certfile, pkeyfile=options.keyfile
+    )
+    async for client_config in server(respond):
+        log.info("sidecar-injection webhook listening at %s", client_config.get("url"))
+
+
+def run_with_webhook(operator: Awaitable[int], options: WebhookOptions, settings: InjectionSettings) -> int:
+    """Run the operator (leader or standby) and, beside it, the webhook; the first to end ends both."""
+    return asyncio.run(_run_with_webhook(operator, options, settings))
+
+
+async def _run_with_webhook(operator: Awaitable[int], options: WebhookOptions, settings: InjectionSettings) -> int:
+    running = asyncio.ensure_future(operator)
+    webhook = asyncio.create_task(serve(options, settings, Settings()), name="webhook")
+    try:
+        await asyncio.wait({running, webhook}, return_when=asyncio.FIRST_COMPLETED)
+        if running.done():
+            return running.result()
+        webhook.result()  # the server failed (a bad certificate, the port taken): say why
+        raise RuntimeError("the webhook server stopped")
+    finally:
+        for task in (webhook, running):
+            task.cancel()
+        await asyncio.gather(webhook, running, return_exceptions=True)
+

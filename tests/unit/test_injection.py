@@ -1,0 +1,311 @@
+"""Sidecar injection as pure functions: a Pod in, a JSON Patch out (no kopf, no API server)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from casque.config import Settings
+from casque.operator import injection
+from casque.operator.injection import InjectionSettings, InvalidInjection, plan, review
+from casque.sidecar.config import DEFAULT_PORT, SidecarSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+
+def apply_patch(document: dict[str, Any], patch: list[dict[str, Any]]) -> dict[str, Any]:
+    """RFC 6902 `add`, the only operation the injector emits."""
+    result = copy.deepcopy(document)
+    for operation in patch:
+        assert operation["op"] == "add", operation
+        *parents, last = [part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]]
+        target: Any = result
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        value = copy.deepcopy(operation["value"])
+        if isinstance(target, list):
+            target.insert(len(target) if last == "-" else int(last), value)
+        else:
+            assert last not in target, f"add would replace {operation['path']}"
+            target[last] = value
+    return result
+
+
+def pod(annotations: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "app", "annotations": annotations or {}},
+        "spec": {"containers": [{"name": "app", "image": "example/app:1"}], **spec},
+    }
+
+
+def injected(document: dict[str, Any], settings: InjectionSettings | None = None) -> dict[str, Any]:
+    return apply_patch(document, plan(document, settings or InjectionSettings(), Settings()))
+
+
+def container(document: dict[str, Any], name: str) -> dict[str, Any]:
+    spec = document["spec"]
+    found = [c for c in [*spec.get("initContainers", []), *spec["containers"]] if c["name"] == name]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def env_of(spec: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in spec.get("env", [])}
+
+
+ORDERS = {"casque.io/inject": "true", "casque.io/queue": "orders", "casque.io/subscriber": "billing"}
+
+
+# --- who gets a sidecar ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("annotations", [None, {}, {"casque.io/inject": "false"}, {"casque.io/queue": "orders"}])
+def test_pods_that_do_not_ask_are_untouched(annotations: dict[str, str] | None) -> None:
+    document = pod(annotations)
+    assert plan(document, InjectionSettings(), Settings()) == []
+    answer = review(admission(document), InjectionSettings(), Settings())
+    assert answer["response"] == {"uid": "42", "allowed": True}
+
+
+def test_a_pod_without_metadata_or_spec_fields_is_untouched() -> None:
+    assert plan({"spec": {"containers": []}}, InjectionSettings(), Settings()) == []
+
+
+def test_an_annotated_pod_gets_a_native_sidecar_first_among_init_containers() -> None:
+    init = {"name": "migrate", "image": "example/migrate:1"}
+    result = injected(pod(ORDERS, initContainers=[init]))
+    names = [c["name"] for c in result["spec"]["initContainers"]]
+    assert names == [injection.SIDECAR_NAME, "migrate"]
+    sidecar = container(result, injection.SIDECAR_NAME)
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["args"] == ["sidecar"]
+    assert [c["name"] for c in result["spec"]["containers"]] == ["app"]
+
+
+def test_the_sidecar_serves_the_annotated_queue_and_subscribers_on_localhost() -> None:
+    annotations = {**ORDERS, "casque.io/subscriber": "billing, audit,billing", "casque.io/port": "9000"}
+    result = injected(pod(annotations))
+    env = env_of(container(result, injection.SIDECAR_NAME))
+    assert env["CASQUE_SIDECAR_HOST"] == "127.0.0.1"
+    assert env["CASQUE_SIDECAR_PORT"] == "9000"
+    assert env["CASQUE_SIDECAR_QUEUE"] == "orders"
+    assert env["CASQUE_SIDECAR_SUBSCRIBERS"] == "billing,audit"
+    assert env["CASQUE_SIDECAR_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    app = env_of(container(result, "app"))
+    assert app == {
+        "CASQUE_SIDECAR_URL": "http://127.0.0.1:9000",
+        "CASQUE_SIDECAR_QUEUE": "orders",
+        "CASQUE_SIDECAR_SUBSCRIBERS": "billing,audit",
+    }
+    probes = [container(result, injection.SIDECAR_NAME)[p]["exec"]["command"] for p in ("startupProbe", "readinessProbe")]
+    assert "http://127.0.0.1:9000/healthz" in probes[0][-1] and "http://127.0.0.1:9000/readyz" in probes[1][-1]
+
+
+def test_a_publish_only_sidecar_needs_no_queue() -> None:
+    result = injected(pod({"casque.io/inject": "True"}))
+    sidecar_env = env_of(container(result, injection.SIDECAR_NAME))
+    assert "CASQUE_SIDECAR_QUEUE" not in sidecar_env and "CASQUE_SIDECAR_SUBSCRIBERS" not in sidecar_env
+    assert env_of(container(result, "app")) == {"CASQUE_SIDECAR_URL": f"http://127.0.0.1:{DEFAULT_PORT}"}
+
+
+def test_the_sidecar_uses_the_operators_backends_and_the_credentials_secret() -> None:
+    backends = Settings(
+        cassandra_contact_points=["c1", "c2"], cassandra_port=9142, cassandra_local_dc="dc2",
+        keyspace="prod", consistency="QUORUM", zookeeper_hosts="zk1:2181,zk2:2181/x", zookeeper_root="/q",
+    )
+    settings = InjectionSettings(credentials_secret="cassandra-creds", username_key="user", password_key="pass")
+    document = pod(ORDERS)
+    env = env_of(container(apply_patch(document, plan(document, settings, backends)), injection.SIDECAR_NAME))
+    assert env["CASQUE_CASSANDRA_CONTACT_POINTS"] == "c1,c2"
+    assert env["CASQUE_CASSANDRA_PORT"] == "9142"
+    assert env["CASQUE_CASSANDRA_LOCAL_DC"] == "dc2"
+    assert env["CASQUE_KEYSPACE"] == "prod"
+    assert env["CASQUE_CONSISTENCY"] == "QUORUM"
+    assert env["CASQUE_ZOOKEEPER_HOSTS"] == "zk1:2181,zk2:2181/x"
+    assert env["CASQUE_ZOOKEEPER_ROOT"] == "/q"
+    assert env["CASQUE_CASSANDRA_USERNAME"] == {"secretKeyRef": {"name": "cassandra-creds", "key": "user"}}
+    assert env["CASQUE_CASSANDRA_PASSWORD"] == {"secretKeyRef": {"name": "cassandra-creds", "key": "pass"}}
+
+
+def test_a_token_secret_reaches_the_sidecar_and_the_app() -> None:
+    result = injected(pod({**ORDERS, "casque.io/token-secret": "orders-api"}))
+    expected = {"secretKeyRef": {"name": "orders-api", "key": "token"}}
+    assert env_of(container(result, injection.SIDECAR_NAME))["CASQUE_SIDECAR_TOKEN"] == expected
+    assert env_of(container(result, "app"))["CASQUE_SIDECAR_TOKEN"] == expected
+
+
+def test_the_sidecar_is_locked_down_and_writes_only_to_its_tmp_volume() -> None:
+    result = injected(pod(ORDERS))
+    sidecar = container(result, injection.SIDECAR_NAME)
+    assert sidecar["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": injection.SIDECAR_UID,
+        "runAsGroup": injection.SIDECAR_UID,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert sidecar["volumeMounts"] == [{"name": injection.TMP_VOLUME, "mountPath": "/tmp"}]
+    assert {"name": injection.TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}} in result["spec"]["volumes"]
+    assert sidecar["resources"] == {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
+
+
+def test_an_ordinary_container_when_native_sidecars_are_off() -> None:
+    result = injected(pod(ORDERS, volumes=[{"name": "data", "emptyDir": {}}]), InjectionSettings(native_sidecar=False))
+    assert "initContainers" not in result["spec"]
+    assert [c["name"] for c in result["spec"]["containers"]] == ["app", injection.SIDECAR_NAME]
+    assert "restartPolicy" not in container(result, injection.SIDECAR_NAME)
+    assert [v["name"] for v in result["spec"]["volumes"]] == ["data", injection.TMP_VOLUME]
+
+
+def test_app_settings_already_present_are_kept() -> None:
+    app = {"name": "app", "image": "a", "env": [{"name": "CASQUE_SIDECAR_QUEUE", "value": "mine"}, {"name": "X", "value": "1"}]}
+    other = {"name": "helper", "image": "b", "env": [{"name": "CASQUE_SIDECAR_URL", "value": "http://elsewhere"}]}
+    result = injected(pod(ORDERS, containers=[app, other]))
+    assert env_of(container(result, "app")) == {
+        "CASQUE_SIDECAR_QUEUE": "mine", "X": "1",
+        "CASQUE_SIDECAR_URL": "http://127.0.0.1:8717", "CASQUE_SIDECAR_SUBSCRIBERS": "billing",
+    }
+    assert env_of(container(result, "helper"))["CASQUE_SIDECAR_URL"] == "http://elsewhere"
+
+
+def test_a_pod_is_never_injected_twice() -> None:
+    once = injected(pod(ORDERS))
+    assert plan(once, InjectionSettings(), Settings()) == []
+    ordinary = injected(pod(ORDERS), InjectionSettings(native_sidecar=False))
+    assert plan(ordinary, InjectionSettings(), Settings()) == []
+
+
+@pytest.mark.parametrize(
+    ("annotations", "message"),
+    [
+        ({"casque.io/queue": "Orders"}, "casque.io/queue: 'Orders' is not a queue or subscriber name"),
+        ({"casque.io/queue": "orders", "casque.io/subscriber": "a,b_c"}, "'b_c' is not a queue or subscriber name"),
+        ({"casque.io/subscriber": "billing"}, "casque.io/subscriber needs casque.io/queue"),
+        ({"casque.io/port": "0"}, "casque.io/port: '0' is not a port number"),
+        ({"casque.io/port": "http"}, "casque.io/port: 'http' is not a port number"),
+        ({"casque.io/port": "70000"}, "casque.io/port: '70000' is not a port number"),
+        ({"casque.io/token-secret": "Bad Name"}, "casque.io/token-secret: 'Bad Name' is not a Secret name"),
+    ],
+)
+def test_impossible_annotations_refuse_the_pod_with_a_reason(annotations: dict[str, str], message: str) -> None:
+    document = pod({"casque.io/inject": "true", **annotations})
+    with pytest.raises(InvalidInjection, match=re.escape(message)):
+        plan(document, InjectionSettings(), Settings())
+    answer = review(admission(document), InjectionSettings(), Settings())["response"]
+    assert answer["allowed"] is False
+    assert answer["status"]["code"] == 422 and message in answer["status"]["message"]
+    assert "patch" not in answer
+    assert injection.outcome({"response": answer}) == "refused"
+
+
+def test_a_port_taken_by_the_app_is_refused() -> None:
+    app = {"name": "web", "image": "a", "ports": [{"containerPort": 8717}]}
+    with pytest.raises(InvalidInjection, match="container 'web' uses port 8717"):
+        plan(pod(ORDERS, containers=[app]), InjectionSettings(), Settings())
+    assert plan(pod({**ORDERS, "casque.io/port": "8718"}, containers=[app]), InjectionSettings(), Settings())
+
+
+def test_a_volume_named_like_the_sidecars_is_refused() -> None:
+    with pytest.raises(InvalidInjection, match="casque-sidecar-tmp"):
+        plan(pod(ORDERS, volumes=[{"name": injection.TMP_VOLUME, "emptyDir": {}}]), InjectionSettings(), Settings())
+
+
+# --- the AdmissionReview --------------------------------------------------------------------
+
+
+def admission(document: dict[str, Any], operation: str = "CREATE") -> dict[str, Any]:
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {"uid": "42", "operation": operation, "namespace": "shop", "object": document},
+    }
+
+
+def test_the_review_carries_the_patch_as_base64_json_patch() -> None:
+    document = pod(ORDERS)
+    answer = review(admission(document), InjectionSettings(), Settings())
+    assert answer["apiVersion"] == "admission.k8s.io/v1" and answer["kind"] == "AdmissionReview"
+    response = answer["response"]
+    assert response["uid"] == "42" and response["allowed"] is True and response["patchType"] == "JSONPatch"
+    patch = json.loads(base64.b64decode(response["patch"]))
+    assert patch == plan(document, InjectionSettings(), Settings())
+    assert injection.outcome(answer) == "injected"
+
+
+def test_only_creations_are_patched() -> None:
+    answer = review(admission(pod(ORDERS), operation="UPDATE"), InjectionSettings(), Settings())
+    assert answer["response"] == {"uid": "42", "allowed": True}
+    assert injection.outcome(answer) == "skipped"
+
+
+# --- settings and names stay in step with the sidecar and the client ------------------------
+
+
+def test_every_variable_given_to_the_sidecar_is_one_it_reads() -> None:
+    settings = InjectionSettings(credentials_secret="creds")
+    backends = Settings(cassandra_local_dc="dc1")
+    request = injection.parse_request({**ORDERS, "casque.io/token-secret": "t"})
+    names = {env["name"] for env in injection.sidecar_container(request, settings, backends)["env"]}
+    known = {f"CASQUE_SIDECAR_{field.upper()}" for field in SidecarSettings.model_fields}
+    known |= {f"CASQUE_{field.upper()}" for field in Settings.model_fields}
+    assert names <= known, names - known
+
+
+def test_every_variable_given_to_the_app_is_one_the_client_reads() -> None:
+    client_source = (ROOT / "casque" / "client.py").read_text()
+    request = injection.parse_request({**ORDERS, "casque.io/token-secret": "t"})
+    for env in injection.app_env(request):
+        assert f'"{env["name"]}"' in client_source, env["name"]
+
+
+def test_injection_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CASQUE_INJECTION_IMAGE", "registry.example/casque/sidecar@sha256:" + "a" * 64)
+    monkeypatch.setenv("CASQUE_INJECTION_NATIVE_SIDECAR", "false")
+    monkeypatch.setenv("CASQUE_INJECTION_CPU_LIMIT", "")
+    monkeypatch.setenv("CASQUE_INJECTION_MEMORY_LIMIT", "")
+    monkeypatch.setenv("CASQUE_INJECTION_CREDENTIALS_SECRET", "")
+    settings = InjectionSettings()
+    assert settings.image.endswith("a" * 64) and settings.native_sidecar is False
+    assert settings.cpu_limit is None and settings.memory_limit is None and settings.credentials_secret is None
+    sidecar = injection.sidecar_container(injection.parse_request({}), settings, Settings())
+    assert "limits" not in sidecar["resources"]
+    monkeypatch.setenv("CASQUE_INJECTION_MEMORY_REQUEST", "lots")
+    with pytest.raises(ValueError, match="memory_request"):
+        InjectionSettings()
+
+
+def test_the_default_image_is_this_version() -> None:
+    from importlib.metadata import version
+
+    assert InjectionSettings().image == f"casque/sidecar:{version('casque')}"
+
+
+# --- the examples ---------------------------------------------------------------------------
+
+
+def test_the_manual_example_is_what_the_webhook_injects() -> None:
+    """examples/app-manual-sidecar.yaml is app-deployment.yaml after injection, written by hand."""
+    automatic = yaml.safe_load((EXAMPLES / "app-deployment.yaml").read_text())
+    manual = yaml.safe_load((EXAMPLES / "app-manual-sidecar.yaml").read_text())
+    template = automatic["spec"]["template"]
+    document = {"apiVersion": "v1", "kind": "Pod", "metadata": template["metadata"], "spec": template["spec"]}
+    settings = InjectionSettings(image="casque/sidecar:0.1.0", credentials_secret="casque-cassandra")
+    backends = Settings(
+        cassandra_contact_points=["cassandra.cassandra.svc"], zookeeper_hosts="zookeeper.zookeeper.svc:2181"
+    )
+    result = apply_patch(document, plan(document, settings, backends))
+    assert result["spec"] == manual["spec"]["template"]["spec"]
+    assert "annotations" not in manual["spec"]["template"]["metadata"]
+    assert {k: v for k, v in automatic.items() if k != "spec"} == {k: v for k, v in manual.items() if k != "spec"}
