@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from casque.devstack.paths import cache_dir
 from casque.spark.errors import SparkUnavailable
@@ -127,14 +128,43 @@ def ivy_settings() -> Path:
     return path
 
 
-def main() -> None:
-    """`python -m casque.spark.jars`: the install step; prints the jars' directory."""
+# A class of the connector that its DataFrame source needs: loading it proves the classpath.
+PROBE_CLASS = "com.datastax.spark.connector.datasource.CassandraCatalog"
+
+
+def check() -> str:
+    """Start a local Spark session on the cached jars and load the connector (once per jar set)."""
+    jars = local_jars()
+    if jars is None:
+        raise SparkUnavailable(f"the connector jars are not in {jars_dir()}")
+    stamp = jars_dir() / "checked"
+    if stamp.exists() and stamp.read_text() == _pom():
+        return "checked earlier"
+    from casque.config import Settings
+    from casque.spark.session import SparkOptions, build_session
+
+    session = build_session(Settings(), SparkOptions(master="local[1]", connector="local", app_name="casque-check"))
+    try:
+        jvm: Any = session.sparkContext._jvm
+        # Through Spark's class loader: spark.jars are not on the JVM's own class path.
+        loaded = str(jvm.org.apache.spark.util.Utils.classForName(PROBE_CLASS, True, False).getName())
+    finally:
+        session.stop()
+    stamp.write_text(_pom())
+    return f"loaded {loaded}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m casque.spark.jars [--check]`: the install step; prints what it did."""
+    args = sys.argv[1:] if argv is None else argv
     try:
         jars = install()
+        print(f"{len(jars)} connector jars in {jars[0].parent}")
+        if "--check" in args:
+            print(f"Spark local session with the connector: {check()}")
     except SparkUnavailable as error:
         print(f"casque: {error}", file=sys.stderr)
         sys.exit(1)
-    print(f"{len(jars)} connector jars in {jars[0].parent}")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 The connector pushes a predicate down to Cassandra when it restricts every partition key
 column with = or IN: `shard IN (...) AND bucket IN (...)` becomes a read of exactly those
 partitions (`Cassandra Filters` in `explain()`), where anything less (a filter on batch_no
-alone, say) would scan the whole table by token ranges. Shards of a range usually span the
-same buckets; shards are grouped by their bucket list, one pushed-down read per group, so
-no partition outside the range is read.
+alone, say) would scan the whole table by token ranges.
+
+One such read is one Spark task, so a range is cut into several reads (`plan_reads`): each
+covers a few shards times a few buckets, exactly partitions of the range, and there are
+about MAX_READS of them at most, enough tasks to keep a cluster's cores busy without a
+query plan of thousands of unions.
 
 Rows are then filtered to the exact batch intervals (a bucket holds 64 batches) and, for a
 time window, to the publish times: what a job sees is exactly the range.
@@ -13,6 +16,7 @@ time window, to the publish times: what a job sees is exactly the range.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import reduce
@@ -32,6 +36,32 @@ MESSAGE_COLUMNS = (
 )
 HEADER_COLUMNS = ("shard", "batch_no", "seq", "published_at", "writer", "message_count", "total_messages",
                   "total_bytes")
+
+
+# Reads (Spark tasks) a range is cut into, at most about this many.
+MAX_READS = 64
+
+Read = tuple[tuple[int, ...], tuple[int, ...]]  # (shards, buckets): their product is read
+
+
+def plan_reads(resolved: ResolvedRange, max_reads: int = MAX_READS) -> list[Read]:
+    """Cut the range's (shard, bucket) partitions into at most about `max_reads` exact reads."""
+    readable = resolved.readable
+    total = sum(len(s.buckets) for s in readable)
+    if total == 0:
+        return []
+    per_read = math.ceil(total / max(1, min(total, max_reads)))
+    chunks: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for shard in readable:
+        buckets = shard.buckets
+        for start in range(0, len(buckets), per_read):
+            chunks[buckets[start:start + per_read]].append(shard.shard)
+    reads: list[Read] = []
+    for buckets, shards in sorted(chunks.items()):
+        step = max(1, per_read // len(buckets))
+        for start in range(0, len(shards), step):
+            reads.append((tuple(shards[start:start + step]), buckets))
+    return reads
 
 
 def table(spark: SparkSession, keyspace: str, name: str) -> DataFrame:
@@ -54,12 +84,9 @@ def range_rows(spark: SparkSession, keyspace: str, resolved: ResolvedRange, colu
     if not readable:
         # An always-false filter: Spark plans an empty relation and reads nothing.
         return base.select(*wanted).where(F.lit(False))
-    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-    for shard in readable:
-        groups[shard.buckets].append(shard.shard)
     frames = [
-        base.where(F.col("shard").isin(shards) & F.col("bucket").isin(list(buckets))).select(*read)
-        for buckets, shards in sorted(groups.items())
+        base.where(F.col("shard").isin(list(shards)) & F.col("bucket").isin(list(buckets))).select(*read)
+        for shards, buckets in plan_reads(resolved)
     ]
     rows = reduce(lambda a, b: a.unionByName(b), frames)
     within = _or([
@@ -135,18 +162,16 @@ def acks(spark: SparkSession, keyspace: str, resolved: ResolvedRange,
     readable = resolved.readable
     if not readable or not epochs:
         return base.select(*columns).where(F.lit(False))
-    by_buckets: dict[tuple[int, ...], list[int]] = defaultdict(list)
-    for shard in readable:
-        by_buckets[shard.buckets].append(shard.shard)
+    reads = plan_reads(resolved, max(1, MAX_READS // len(epochs)))
     frames = []
     for subscriber, subscriber_epochs in sorted(epochs.items()):
-        for buckets, shards in sorted(by_buckets.items()):
+        for shards, buckets in reads:
             frames.append(
                 base.where(
                     (F.col("queue") == resolved.queue.key)
                     & (F.col("subscriber") == subscriber)
                     & F.col("epoch").isin(subscriber_epochs)
-                    & F.col("shard").isin(shards)
+                    & F.col("shard").isin(list(shards))
                     & F.col("bucket").isin(list(buckets))
                 ).select(*columns)
             )

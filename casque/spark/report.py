@@ -25,11 +25,19 @@ def _human_bytes(value: float | None) -> str:
     return str(value)
 
 
-def _number(value: Any, digits: int = 1) -> str:
+# Identifiers and positions: printed as they are, without thousands separators.
+_PLAIN = frozenset({"shard", "head", "offset", "first_batch", "last_batch", "bin"})
+
+
+def _number(value: Any, key: str = "") -> str:
     if value is None:
         return "-"
+    if key == "share" and isinstance(value, float):
+        return f"{value * 100:.1f} %"
+    if isinstance(value, bool) or key in _PLAIN:
+        return str(value)
     if isinstance(value, float):
-        return f"{value:,.{digits}f}"
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.2f}"
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
@@ -107,6 +115,7 @@ def charts(result: StatsResult) -> list[tuple[str, Path]]:
     if lag:
         per_subscriber: dict[str, dict[int, int]] = defaultdict(dict)
         for r in lag:
+            # Unknown (None) when the header before the offset expired: drawn as 0, listed in the table.
             per_subscriber[r["subscriber"]][r["shard"]] = r["lag_messages"] or 0
         names = sorted(per_subscriber)
         all_shards = sorted({s for values in per_subscriber.values() for s in values})
@@ -118,8 +127,8 @@ def charts(result: StatsResult) -> list[tuple[str, Path]]:
             bottoms = [b + h for b, h in zip(bottoms, heights)]
         axes.set_ylabel("messages behind")
         axes.set_title("Subscriber lag now, by shard")
-        if len(all_shards) <= 12:
-            axes.legend(fontsize="small")
+        if len(all_shards) <= 16:
+            axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
         save(figure, "lag", "Subscriber lag")
     return drawn
 
@@ -128,12 +137,12 @@ def _table(columns: Sequence[tuple[str, str]], rows: Sequence[Record]) -> tuple[
     """(HTML, markdown) of rows, with (key, heading) columns."""
     head = "".join(f"<th>{html.escape(title)}</th>" for _, title in columns)
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_number(r.get(key)))}</td>" for key, _ in columns) + "</tr>"
+        "<tr>" + "".join(f"<td>{html.escape(_number(r.get(key), key))}</td>" for key, _ in columns) + "</tr>"
         for r in rows
     )
     markdown = ["| " + " | ".join(title for _, title in columns) + " |",
                 "|" + "---|" * len(columns)]
-    markdown += ["| " + " | ".join(_number(r.get(key)) for key, _ in columns) + " |" for r in rows]
+    markdown += ["| " + " | ".join(_number(r.get(key), key) for key, _ in columns) + " |" for r in rows]
     return f"<table><tr>{head}</tr>{body}</table>", "\n".join(markdown)
 
 
