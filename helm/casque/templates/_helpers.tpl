@@ -1,0 +1,95 @@
+{{/* Names, labels and images shared by the templates. */}}
+
+{{- define "casque.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "casque.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "casque.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "casque.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "casque.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "casque.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "casque.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "casque.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* An image reference from {repository, tag, digest}: registry/repository@digest or :tag. */}}
+{{- define "casque.image" -}}
+{{- $root := index . 0 -}}
+{{- $image := index . 1 -}}
+{{- $repository := $image.repository -}}
+{{- if $root.Values.image.registry -}}
+{{- $repository = printf "%s/%s" (trimSuffix "/" $root.Values.image.registry) $image.repository -}}
+{{- end -}}
+{{- if $image.digest -}}
+{{- printf "%s@%s" $repository $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repository (default $root.Chart.AppVersion $image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "casque.leaseName" -}}
+{{- default (include "casque.fullname" .) .Values.operator.leaderElection.leaseName -}}
+{{- end -}}
+
+{{/* The Secret holding the Cassandra username and password, if any. */}}
+{{- define "casque.cassandraSecret" -}}
+{{- if .Values.cassandra.auth.existingSecret -}}
+{{- .Values.cassandra.auth.existingSecret -}}
+{{- else if .Values.cassandra.auth.username -}}
+{{- printf "%s-cassandra" (include "casque.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "casque.webhookService" -}}
+{{- printf "%s-webhook" (include "casque.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "casque.webhookSecret" -}}
+{{- if eq .Values.injection.tls.mode "secret" -}}
+{{- .Values.injection.tls.existingSecret -}}
+{{- else -}}
+{{- printf "%s-webhook-tls" (include "casque.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The rights on casque's resources, cluster-wide or in each watched namespace. */}}
+{{- define "casque.resourceRules" -}}
+- apiGroups: [casque.io]
+  resources: [queues, subscribers]
+  verbs: [get, list, watch, patch, update]
+- apiGroups: [casque.io]
+  resources: [queues/status, subscribers/status]
+  verbs: [get, patch, update]
+- apiGroups: [casque.io]
+  resources: [queues/finalizers, subscribers/finalizers]
+  verbs: [update]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}

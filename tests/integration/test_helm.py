@@ -1,0 +1,733 @@
+"""The Helm chart, the examples and the injection webhook against the test kube-apiserver.
+
+The chart is linted, rendered with default and non-default values and applied with
+`kubectl apply --dry-run=server`, so the API server validates every object (the CRDs are
+installed for real first, so that the examples' Queues and Subscribers are checked against
+them). Values that break values.schema.json must fail. The RBAC is applied for real and
+asked what it allows. The injection webhook runs as `casque operator run` does it, on
+127.0.0.1, and the API server calls it when Pods are created. No kubelet runs, so Pods are
+only stored. Waits poll a condition with a bounded timeout; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from casque.config import ReplicationSettings, Settings
+from casque.devstack.kube import KubeCluster
+from casque.operator import injection
+from casque.operator.context import OperatorOptions
+from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
+from tests.unit.test_dockerfiles import cli_call
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "casque"
+EXAMPLES = ROOT / "examples"
+CRD_FILES = sorted((ROOT / "crds").glob("*.yaml"))
+SCHEMA_ERROR = "values don't meet the specifications of the schema"
+T = TypeVar("T")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0) -> T:
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- tools ------------------------------------------------------------------------------------
+
+
+class Tools:
+    """helm and kubectl pointed at the session's API server."""
+
+    def __init__(self, cluster: KubeCluster, home: Path) -> None:
+        self.helm = str(kube_tool("helm"))
+        self.kubectl = cluster.kubectl_args()
+        self.env = {
+            **os.environ,
+            "KUBECONFIG": str(cluster.kubeconfig_path),
+            "HELM_CACHE_HOME": str(home / "cache"),
+            "HELM_CONFIG_HOME": str(home / "config"),
+            "HELM_DATA_HOME": str(home / "data"),
+        }
+        version = json.loads(self.run(*self.kubectl, "version", "-o", "json").stdout)
+        self.kube_version = version["serverVersion"]["gitVersion"]
+        self.values_dir = home / "values"
+        self.values_dir.mkdir()
+
+    def run(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            list(args), input=input, capture_output=True, text=True, env=self.env, timeout=120, check=False
+        )
+        if check and result.returncode != 0:
+            pytest.fail(f"{' '.join(args[:4])} ... exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def values_file(self, values: dict[str, Any]) -> str:
+        path = self.values_dir / f"{uuid.uuid4().hex}.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return str(path)
+
+    def template(
+        self, namespace: str, values: dict[str, Any] | None = None, *extra: str, release: str | None = None,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess[str]:
+        args = [self.helm, "template", release or f"r{uuid.uuid4().hex[:6]}", str(CHART), "--namespace", namespace,
+                "--kube-version", self.kube_version, *extra]  # fmt: skip
+        if values:
+            args += ["--values", self.values_file(values)]
+        return self.run(*args, check=check)
+
+    def render(self, namespace: str, values: dict[str, Any] | None = None, *extra: str, release: str | None = None) -> list[dict[str, Any]]:
+        text = self.template(namespace, values, *extra, release=release).stdout
+        return [doc for doc in yaml.safe_load_all(text) if doc]
+
+    def dry_run(self, manifest: str) -> str:
+        # Without -n: every namespaced object of the chart names its namespace.
+        return self.run(*self.kubectl, "apply", "--dry-run=server", "-f", "-", input=manifest).stdout
+
+    def can_i(self, namespace: str, service_account: str, verb: str, resource: str, on: str | None = None) -> bool:
+        result = self.run(
+            *self.kubectl, "auth", "can-i", verb, resource, "-n", on or namespace,
+            f"--as=system:serviceaccount:{namespace}:{service_account}", check=False,
+        )  # fmt: skip
+        assert result.stdout.strip() in ("yes", "no"), result.stdout + result.stderr
+        return result.stdout.strip() == "yes"
+
+
+@pytest.fixture(scope="module")
+def tools(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Tools:  # noqa: F811
+    return Tools(kube_cluster, tmp_path_factory.mktemp("helm"))
+
+
+def established(api: client.ApiextensionsV1Api, name: str) -> bool:
+    conditions = api.read_custom_resource_definition(name).status.conditions or []
+    return any(c.type == "Established" and c.status == "True" for c in conditions)
+
+
+@pytest.fixture(scope="module")
+def casque_crds(tools: Tools, kube_client: client.ApiClient) -> None:  # noqa: F811
+    """crds/ applied for real (other modules may have created them already)."""
+    tools.run(*tools.kubectl, "apply", *(a for path in CRD_FILES for a in ("-f", str(path))))
+    api = client.ApiextensionsV1Api(kube_client)
+    for name in ("queues.casque.io", "subscribers.casque.io"):
+        wait_for(f"CRD {name} to be Established", lambda name=name: established(api, name))
+
+
+@pytest.fixture(scope="module")
+def service_monitor_crd(kube_client: client.ApiClient) -> Iterator[None]:  # noqa: F811
+    """A stand-in for the Prometheus Operator's CRD (the kind only), for the ServiceMonitor toggle."""
+    api = client.ApiextensionsV1Api(kube_client)
+    name = "servicemonitors.monitoring.coreos.com"
+    body = {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": name},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"plural": "servicemonitors", "singular": "servicemonitor", "kind": "ServiceMonitor"},
+            "versions": [{
+                "name": "v1", "served": True, "storage": True,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+            }],
+        },
+    }  # fmt: skip
+    created = False
+    try:
+        api.create_custom_resource_definition(body)
+        created = True
+    except ApiException as error:
+        if error.status != 409:
+            raise
+    wait_for(f"CRD {name} to be Established", lambda: established(api, name))
+    yield
+    if created:
+        api.delete_custom_resource_definition(name)
+
+
+@pytest.fixture
+def other_namespace(kube_client: client.ApiClient) -> Iterator[str]:  # noqa: F811
+    core = client.CoreV1Api(kube_client)
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    core.create_namespace({"metadata": {"name": name}})
+    yield name
+    core.delete_namespace(name)
+
+
+def of_kind(documents: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in documents if d["kind"] == kind]
+
+
+def one(documents: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = of_kind(documents, kind)
+    return found
+
+
+def operator_container(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = one(documents, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+# --- lint and schema --------------------------------------------------------------------------
+
+
+NON_DEFAULT: dict[str, Any] = {
+    "image": {"registry": "registry.example.com/platform", "pullPolicy": "Always", "pullSecrets": [{"name": "regcred"}]},
+    "cassandra": {
+        "contactPoints": ["cassandra-0.cassandra", "cassandra-1.cassandra"],
+        "port": 9142,
+        "localDatacenter": "dc1",
+        "keyspace": "shop_queues",
+        "consistency": "QUORUM",
+        "replication": {"strategy": "SimpleStrategy", "factor": 1},
+        "auth": {"username": "casque", "password": "s3cret"},
+    },
+    "zookeeper": {"connect": "zk-0.zk:2181,zk-1.zk:2181", "root": "/shop/casque"},
+    "operator": {
+        "image": {"digest": "sha256:" + "ab" * 32},
+        "replicas": 3,
+        "leaderElection": {"leaseName": "shop-operator", "leaseDurationSeconds": 20},
+        "refreshIntervalSeconds": 10,
+        "verbose": True,
+        "resources": {"requests": {"cpu": "200m", "memory": "256Mi"}},
+        "podDisruptionBudget": {"maxUnavailable": "50%"},
+        "podAnnotations": {"example.com/team": "platform"},
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "priorityClassName": "system-cluster-critical",
+    },
+    "sidecar": {
+        "image": {"tag": "0.1.0-rc1"},
+        "nativeSidecar": False,
+        "credentialsSecret": "casque-cassandra",
+        "resources": {"requests": {"cpu": "100m", "memory": "96Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}},
+    },
+    "injection": {
+        "failurePolicy": "Fail",
+        "timeoutSeconds": 3,
+        "namespaceSelector": {"matchLabels": {"casque.io/injection": "enabled"}},
+        "objectSelector": {"matchExpressions": [{"key": "casque.io/skip", "operator": "DoesNotExist"}]},
+    },
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+}
+
+MINIMAL: dict[str, Any] = {
+    "operator": {"replicas": 1, "leaderElection": {"enabled": False}, "podDisruptionBudget": {"enabled": False}},
+    "cassandra": {"auth": {"existingSecret": "cassandra-credentials", "usernameKey": "user", "passwordKey": "pass"}},
+    "serviceAccount": {"create": False, "name": "casque-operator"},
+    "rbac": {"create": False},
+    "injection": {"enabled": False},
+    "metrics": {"enabled": False},
+}
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT, MINIMAL], ids=["default", "non-default", "minimal"])
+def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
+    extra = ["--values", tools.values_file(values)] if values else []
+    result = tools.run(tools.helm, "lint", "--strict", str(CHART), "--kube-version", tools.kube_version, *extra)
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"operator": {"replicas": 0}}, "replicas"),
+        ({"operator": {"leaderElection": {"enabled": False}}}, "replicas"),  # 2 replicas would both act
+        ({"operator": {"replica": 2}}, "replica"),  # a misspelt key
+        ({"operator": {"watchNamespaces": ["Shop"]}}, "watchNamespaces"),
+        ({"cassandra": {"consistency": "TWO"}}, "consistency"),
+        ({"cassandra": {"contactPoints": []}}, "contactPoints"),
+        ({"cassandra": {"keyspace": "Shop-Queues"}}, "keyspace"),
+        ({"cassandra": {"replication": {"datacenters": None}}}, "datacenters"),
+        ({"cassandra": {"auth": {"username": "casque"}}}, "password"),
+        ({"zookeeper": {"connect": "zookeeper"}}, "connect"),
+        ({"zookeeper": {"root": "casque"}}, "root"),
+        ({"injection": {"failurePolicy": "Maybe"}}, "failurePolicy"),
+        ({"injection": {"tls": {"mode": "secret"}}}, "existingSecret"),
+        ({"sidecar": {"resources": {"requests": {"memory": "lots"}}}}, "memory"),
+        ({"operator": {"ports": {"webhook": 70000}}}, "webhook"),
+        ({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}, "enabled"),
+    ],
+)
+def test_values_that_break_the_schema_fail_before_anything_is_made(
+    tools: Tools, values: dict[str, Any], field: str
+) -> None:
+    result = tools.template("casque", values, check=False)
+    assert result.returncode != 0, result.stdout
+    assert SCHEMA_ERROR in result.stderr and field in result.stderr, result.stderr
+    lint = tools.run(tools.helm, "lint", str(CHART), "--values", tools.values_file(values), check=False)
+    assert lint.returncode != 0
+
+
+def test_the_charts_crds_are_the_crds_directory(tools: Tools, tmp_path: Path) -> None:
+    """One source of truth: the chart links crds/*.yaml, and its package carries their bytes."""
+    linked = sorted((CHART / "crds").iterdir())
+    assert [p.name for p in linked] == [p.name for p in CRD_FILES]
+    for link, crd in zip(linked, CRD_FILES, strict=True):
+        assert link.is_symlink() and link.resolve() == crd.resolve()
+    tools.run(tools.helm, "package", str(CHART), "--destination", str(tmp_path))
+    (package,) = tmp_path.glob("casque-*.tgz")
+    tools.run("tar", "-xzf", str(package), "-C", str(tmp_path))
+    for crd in CRD_FILES:
+        assert (tmp_path / "casque" / "crds" / crd.name).read_bytes() == crd.read_bytes()
+
+
+# --- rendering and the API server -------------------------------------------------------------
+
+
+def test_default_values_are_accepted_by_the_api_server(
+    tools: Tools, kube_namespace: str, casque_crds: None  # noqa: F811
+) -> None:
+    manifest = tools.template(kube_namespace).stdout
+    out = tools.dry_run(manifest)
+    documents = [d for d in yaml.safe_load_all(manifest) if d]
+    kinds = sorted(d["kind"] for d in documents)
+    assert kinds == sorted([
+        "ServiceAccount", "Secret", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service",
+        "Service", "Deployment", "PodDisruptionBudget", "MutatingWebhookConfiguration",
+    ])  # fmt: skip
+    assert out.count("(server dry run)") == len(documents), out
+    # The CRDs come with the chart (Helm installs crds/ before the templates).
+    with_crds = tools.render(kube_namespace, None, "--include-crds")
+    assert {d["metadata"]["name"] for d in of_kind(with_crds, "CustomResourceDefinition")} == {
+        "queues.casque.io", "subscribers.casque.io"
+    }
+
+
+def test_the_default_operator_leads_serves_the_webhook_and_is_locked_down(tools: Tools, kube_namespace: str) -> None:  # noqa: F811
+    documents = tools.render(kube_namespace, release="shop")
+    deployment = one(documents, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    container = operator_container(documents)
+    path, params = cli_call(container["args"])
+    assert path == ("operator", "run")
+    assert params["all_namespaces"] and params["leader_election"] and params["lease_name"] == "shop-casque"
+    assert params["lease_namespace"] == kube_namespace and params["webhook_port"] == 9443
+    assert str(params["webhook_cert"]).startswith("/etc/casque/webhook/")
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "webhook"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == injection.SIDECAR_UID
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    # The webhook's certificate and its CA, and the Service that reaches every replica.
+    secret = one(documents, "Secret")
+    webhook = one(documents, "MutatingWebhookConfiguration")["webhooks"][0]
+    assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    assert webhook["clientConfig"]["service"]["path"] == "/inject"
+    assert webhook["failurePolicy"] == "Ignore" and webhook["sideEffects"] == "None"
+    assert kube_namespace in webhook["namespaceSelector"]["matchExpressions"][0]["values"]
+    (service,) = [s for s in of_kind(documents, "Service") if s["metadata"]["name"] == "shop-casque-webhook"]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert not of_kind(documents, "ServiceMonitor")
+
+
+def test_non_default_values_are_accepted_by_the_api_server(
+    tools: Tools,
+    kube_namespace: str,  # noqa: F811
+    other_namespace: str,
+    casque_crds: None,
+    service_monitor_crd: None,
+    kube_cluster: KubeCluster,  # noqa: F811
+) -> None:
+    values = {
+        **NON_DEFAULT,
+        "operator": {**NON_DEFAULT["operator"], "watchNamespaces": [kube_namespace, other_namespace]},
+        "injection": {
+            **NON_DEFAULT["injection"],
+            "tls": {"mode": "secret", "existingSecret": "casque-webhook-tls", "caBundle": kube_cluster.ca_bundle},
+        },
+    }
+    manifest = tools.template(kube_namespace, values).stdout
+    out = tools.dry_run(manifest)
+    documents = [d for d in yaml.safe_load_all(manifest) if d]
+    assert out.count("(server dry run)") == len(documents), out
+
+    # Roles in the watched namespaces; cluster-wide only what kopf's discovery needs.
+    roles = [r for r in of_kind(documents, "Role") if not r["metadata"]["name"].endswith("leader-election")]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == sorted([kube_namespace, other_namespace])
+    cluster_rules = one(documents, "ClusterRole")["rules"]
+    assert {g for rule in cluster_rules for g in rule["apiGroups"]} == {"apiextensions.k8s.io", ""}
+    assert not any("events" in rule["resources"] for rule in cluster_rules)
+    # A certificate of the user's: no Secret made for it, its CA in the configuration.
+    assert {s["metadata"]["name"] for s in of_kind(documents, "Secret")} == {next(
+        d["metadata"]["name"] for d in of_kind(documents, "Secret"))}  # only the Cassandra credentials
+    webhook = one(documents, "MutatingWebhookConfiguration")["webhooks"][0]
+    assert webhook["clientConfig"]["caBundle"] == kube_cluster.ca_bundle
+    assert webhook["failurePolicy"] == "Fail"
+    assert webhook["namespaceSelector"]["matchLabels"] == {"casque.io/injection": "enabled"}
+    assert webhook["objectSelector"] == NON_DEFAULT["injection"]["objectSelector"]
+    monitor = one(documents, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert one(documents, "PodDisruptionBudget")["spec"]["maxUnavailable"] == "50%"
+
+    container = operator_container(documents)
+    assert container["image"] == f"registry.example.com/platform/casque/operator@sha256:{'ab' * 32}"
+    path, params = cli_call(container["args"])
+    assert params["namespace"] == [kube_namespace, other_namespace] and not params["all_namespaces"]
+    assert params["lease_name"] == "shop-operator" and params["lease_duration"] == 20 and params["verbose"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["CASQUE_CASSANDRA_USERNAME"]["secretKeyRef"]["key"] == "username"
+    assert env["CASQUE_INJECTION_IMAGE"] == "registry.example.com/platform/casque/sidecar:0.1.0-rc1"
+    pod = one(documents, "Deployment")["spec"]["template"]
+    assert pod["metadata"]["annotations"]["example.com/team"] == "platform"
+    assert "checksum/cassandra-credentials" in pod["metadata"]["annotations"]
+
+
+def test_minimal_values_are_accepted_by_the_api_server(
+    tools: Tools, kube_namespace: str, casque_crds: None  # noqa: F811
+) -> None:
+    manifest = tools.template(kube_namespace, MINIMAL).stdout
+    out = tools.dry_run(manifest)
+    documents = [d for d in yaml.safe_load_all(manifest) if d]
+    assert out.count("(server dry run)") == len(documents), out
+    assert sorted(d["kind"] for d in documents) == ["Deployment"]
+    container = operator_container(documents)
+    _, params = cli_call(container["args"])
+    assert params["leader_election"] is False and params["webhook_port"] is None and params["metrics_port"] is None
+    assert container["readinessProbe"]["httpGet"]["port"] == "liveness"
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["CASQUE_CASSANDRA_PASSWORD"] == {"secretKeyRef": {"name": "cassandra-credentials", "key": "pass"}}
+    assert one(documents, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "casque-operator"
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["default", "non-default"])
+def test_the_operator_reads_every_setting_the_chart_gives_it(
+    tools: Tools, values: dict[str, Any] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    container = operator_container(tools.render("casque", values))
+    literal = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    names = {e["name"] for e in container["env"]}
+    known = {"POD_NAMESPACE"}
+    for prefix, settings in (
+        ("CASQUE_", Settings), ("CASQUE_REPLICATION_", ReplicationSettings),
+        ("CASQUE_OPERATOR_", OperatorOptions), ("CASQUE_INJECTION_", injection.InjectionSettings),
+    ):  # fmt: skip
+        known |= {f"{prefix}{field.upper()}" for field in settings.model_fields}
+    assert names <= known, names - known
+    for name in [n for n in os.environ if n.startswith("CASQUE_")]:
+        monkeypatch.delenv(name)
+    for name, value in literal.items():
+        monkeypatch.setenv(name, value)
+    backends = Settings()
+    backends.replication.cql_map()  # valid replication for the keyspace the operator creates
+    sidecar = injection.InjectionSettings()
+    OperatorOptions()
+    if values:
+        assert backends.cassandra_contact_points == ["cassandra-0.cassandra", "cassandra-1.cassandra"]
+        assert backends.replication.strategy == "SimpleStrategy" and backends.zookeeper_root == "/shop/casque"
+        assert sidecar.native_sidecar is False and sidecar.cpu_limit == "1" and sidecar.credentials_secret
+    else:
+        assert backends.replication.datacenters == {"datacenter1": 3}
+        assert sidecar.native_sidecar and sidecar.cpu_limit is None and sidecar.memory_limit == "256Mi"
+        assert sidecar.image == "casque/sidecar:0.1.0"
+
+
+def test_the_examples_are_accepted_by_the_api_server(
+    tools: Tools, kube_namespace: str, casque_crds: None  # noqa: F811
+) -> None:
+    names = ["queue.yaml", "subscriber.yaml", "app-deployment.yaml", "app-manual-sidecar.yaml"]
+    args = [a for name in names for a in ("-f", str(EXAMPLES / name))]
+    out = tools.run(*tools.kubectl, "apply", "--dry-run=server", "-n", kube_namespace, *args).stdout
+    for expected in ("queue.casque.io/orders", "queue.casque.io/orders-dlq", "subscriber.casque.io/billing",
+                     "deployment.apps/billing-worker"):  # fmt: skip
+        assert expected in out, out
+    refused = tools.run(
+        *tools.kubectl, "apply", "--dry-run=server", "-n", kube_namespace, "-f", "-", check=False,
+        input=(EXAMPLES / "subscriber.yaml").read_text().replace("deadLetterQueue: orders-dlq", "deadLetterQueue: orders"),
+    )  # fmt: skip
+    assert refused.returncode != 0  # the CRD's rules are in force: a dead-letter queue is never its own queue
+
+
+def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
+    tools: Tools, kube_namespace: str, other_namespace: str, casque_crds: None  # noqa: F811
+) -> None:
+    release = f"r{uuid.uuid4().hex[:6]}"
+    show = ["--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml"]
+    for values in (None, {"operator": {"watchNamespaces": [other_namespace]}}):
+        manifest = tools.template(kube_namespace, values, *show, release=release).stdout
+        tools.run(*tools.kubectl, "apply", "-f", "-", input=manifest)
+        try:
+            account = f"{release}-casque"
+            can = lambda verb, resource, on=None: tools.can_i(kube_namespace, account, verb, resource, on)  # noqa: E731
+            served = other_namespace if values else kube_namespace
+            for verb in ("get", "list", "watch", "patch", "update"):
+                assert can(verb, "queues.casque.io", served) and can(verb, "subscribers.casque.io", served)
+            assert can("patch", "queues.casque.io/status", served) and can("update", "subscribers.casque.io/status", served)
+            assert can("update", "queues.casque.io/finalizers", served)
+            assert can("create", "events", served)
+            assert can("list", "customresourcedefinitions.apiextensions.k8s.io") and can("watch", "namespaces")
+            assert can("create", "leases.coordination.k8s.io")
+            assert can("update", f"leases.coordination.k8s.io/{account}")
+            # ... and no more.
+            assert not can("update", "leases.coordination.k8s.io/someone-elses")
+            assert not can("delete", "queues.casque.io", served) and not can("create", "subscribers.casque.io", served)
+            assert not can("get", "secrets") and not can("create", "pods") and not can("list", "pods")
+            assert not can("update", "customresourcedefinitions.apiextensions.k8s.io")
+            assert not can("create", "mutatingwebhookconfigurations.admissionregistration.k8s.io")
+            if values:  # with watchNamespaces, nothing on casque's resources elsewhere
+                assert not can("list", "queues.casque.io", kube_namespace)
+        finally:
+            tools.run(*tools.kubectl, "delete", "--wait=false", "-f", "-", input=manifest)
+
+
+# --- the injection webhook, called by the API server -------------------------------------------
+
+
+class WebhookOperator:
+    """`casque operator run` with the webhook on 127.0.0.1, serving one namespace."""
+
+    def __init__(self, cluster: KubeCluster, namespace: str, log: Path, *election: str) -> None:
+        self.port, self.metrics_port = free_port(), free_port()
+        cert, key = cluster.issue_serving_cert(f"webhook-{uuid.uuid4().hex[:6]}", ["127.0.0.1"])
+        self.ca = str(cluster.ca_cert_path)
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("CASQUE_")},
+            "KUBECONFIG": str(cluster.kubeconfig_path),
+            # Never contacted in these tests (no Queue is created): they only reach the sidecars.
+            "CASQUE_CASSANDRA_CONTACT_POINTS": "cassandra-0.cassandra.example,cassandra-1.cassandra.example",
+            "CASQUE_ZOOKEEPER_HOSTS": "zookeeper.example:2181",
+            "CASQUE_KEYSPACE": "shop",
+            "CASQUE_INJECTION_IMAGE": "registry.example.com/casque/sidecar:test",
+            "CASQUE_INJECTION_CREDENTIALS_SECRET": "casque-cassandra",
+        }
+        command = [
+            sys.executable, "-m", "casque.cli", "operator", "run", "--namespace", namespace,
+            *(election or ["--no-leader-election"]),
+            "--webhook-address", "127.0.0.1", "--webhook-port", str(self.port),
+            "--webhook-cert", str(cert), "--webhook-key", str(key), "--metrics-port", str(self.metrics_port),
+        ]  # fmt: skip
+        self.log_path = log
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def serving(self) -> bool:
+        assert self.process.poll() is None, f"the operator exited:\n{self.log_path.read_text()}"
+        context = ssl.create_default_context(cafile=self.ca)
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2) as raw:
+                with context.wrap_socket(raw, server_hostname="127.0.0.1"):
+                    return True
+        except OSError:
+            return False
+
+    def review(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """An AdmissionReview sent straight to this replica, as the API server would."""
+        body = {
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": uuid.uuid4().hex, "operation": "CREATE", "object": pod},
+        }  # fmt: skip
+        request = urllib.request.Request(
+            f"https://127.0.0.1:{self.port}/inject", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        context = ssl.create_default_context(cafile=self.ca)
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            answer: dict[str, Any] = json.loads(response.read())
+        return answer
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def app_pod(name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": annotations or {}},
+        "spec": {"containers": [{"name": "app", "image": "example.com/app:1", "ports": [{"containerPort": 8080}]}]},
+    }
+
+
+ANNOTATED = {"casque.io/inject": "true", "casque.io/queue": "orders", "casque.io/subscriber": "billing"}
+
+
+@pytest.fixture
+def webhook(
+    kube_cluster: KubeCluster,  # noqa: F811
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+    casque_crds: None,
+    tmp_path: Path,
+) -> Iterator[WebhookOperator]:
+    """The operator's webhook registered with the API server, for this test's namespace only."""
+    operator = WebhookOperator(kube_cluster, kube_namespace, tmp_path / "operator.log")
+    admission = client.AdmissionregistrationV1Api(kube_client)
+    name = f"casque-test-{kube_namespace}"
+    try:
+        wait_for("the webhook server to accept TLS connections", operator.serving)
+        admission.create_mutating_webhook_configuration({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": name},
+            "webhooks": [{
+                "name": "sidecar-injector.casque.io",
+                "admissionReviewVersions": ["v1"],
+                "sideEffects": "None",
+                # Fail, not Ignore: a webhook that does not answer must fail the test.
+                "failurePolicy": "Fail",
+                "timeoutSeconds": 10,
+                "clientConfig": {"url": f"https://127.0.0.1:{operator.port}/inject", "caBundle": kube_cluster.ca_bundle},
+                "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}],
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": kube_namespace}},
+            }],
+        })  # fmt: skip
+        core = client.CoreV1Api(kube_client)
+
+        # The API server picks up a new webhook configuration asynchronously: create
+        # throwaway annotated pods until one comes back with the sidecar.
+        def active() -> bool:
+            probe = core.create_namespaced_pod(kube_namespace, app_pod(f"probe-{uuid.uuid4().hex[:6]}", ANNOTATED))
+            core.delete_namespaced_pod(probe.metadata.name, kube_namespace, grace_period_seconds=0)
+            return bool(probe.spec.init_containers)
+
+        wait_for("the API server to call the webhook", active)
+        yield operator
+    finally:
+        try:
+            admission.delete_mutating_webhook_configuration(name)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+        operator.stop()
+        print(f"--- operator log\n{operator.log_path.read_text(errors='replace')[-4000:]}")
+
+
+def stored_pod(kube_client: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:  # noqa: F811
+    response = client.CoreV1Api(kube_client).read_namespaced_pod(name, namespace, _preload_content=False)
+    pod: dict[str, Any] = json.loads(response.data)
+    return pod
+
+
+def test_the_api_server_has_the_webhook_add_the_sidecar_to_annotated_pods(
+    webhook: WebhookOperator, kube_client: client.ApiClient, kube_namespace: str  # noqa: F811
+) -> None:
+    core = client.CoreV1Api(kube_client)
+    core.create_namespaced_pod(kube_namespace, app_pod("billing", ANNOTATED))
+    pod = stored_pod(kube_client, kube_namespace, "billing")
+    (sidecar,) = pod["spec"]["initContainers"]
+    assert sidecar["name"] == injection.SIDECAR_NAME and sidecar["restartPolicy"] == "Always"
+    assert sidecar["image"] == "registry.example.com/casque/sidecar:test" and sidecar["args"] == ["sidecar"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in sidecar["env"]}
+    assert env["CASQUE_SIDECAR_QUEUE"] == "orders" and env["CASQUE_SIDECAR_SUBSCRIBERS"] == "billing"
+    assert env["CASQUE_CASSANDRA_CONTACT_POINTS"] == "cassandra-0.cassandra.example,cassandra-1.cassandra.example"
+    assert env["CASQUE_ZOOKEEPER_HOSTS"] == "zookeeper.example:2181" and env["CASQUE_KEYSPACE"] == "shop"
+    assert env["CASQUE_CASSANDRA_PASSWORD"]["secretKeyRef"]["name"] == "casque-cassandra"
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+    (app,) = pod["spec"]["containers"]
+    assert {e["name"]: e["value"] for e in app["env"]} == {
+        "CASQUE_SIDECAR_URL": "http://127.0.0.1:8717", "CASQUE_SIDECAR_QUEUE": "orders",
+        "CASQUE_SIDECAR_SUBSCRIBERS": "billing",
+    }  # fmt: skip
+    assert {"name": injection.TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}} in pod["spec"]["volumes"]
+    assert 'casque_operator_admission_reviews_total{outcome="injected"}' in webhook.metrics()
+
+
+def test_the_api_server_stores_other_pods_as_they_were(
+    webhook: WebhookOperator, kube_client: client.ApiClient, kube_namespace: str  # noqa: F811
+) -> None:
+    core = client.CoreV1Api(kube_client)
+    for name, annotations in [("plain", None), ("opted-out", {"casque.io/inject": "false", "casque.io/queue": "orders"})]:
+        sent = app_pod(name, annotations)
+        core.create_namespaced_pod(kube_namespace, sent)
+        pod = stored_pod(kube_client, kube_namespace, name)
+        assert "initContainers" not in pod["spec"]
+        assert [c["name"] for c in pod["spec"]["containers"]] == ["app"]
+        assert "env" not in pod["spec"]["containers"][0]
+        assert not any(v["name"] == injection.TMP_VOLUME for v in pod["spec"].get("volumes", []))
+    # A pod that has the sidecar already (written by hand) is not given a second one.
+    manual = yaml.safe_load((EXAMPLES / "app-manual-sidecar.yaml").read_text())["spec"]["template"]
+    manual["metadata"].update(name="manual", annotations=ANNOTATED)
+    core.create_namespaced_pod(kube_namespace, {"apiVersion": "v1", "kind": "Pod", **manual})
+    pod = stored_pod(kube_client, kube_namespace, "manual")
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == [injection.SIDECAR_NAME]
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["worker"]
+    assert [v["name"] for v in pod["spec"]["volumes"]] == [injection.TMP_VOLUME]
+
+
+def test_the_api_server_refuses_a_pod_whose_annotations_cannot_be_honoured(
+    webhook: WebhookOperator, kube_client: client.ApiClient, kube_namespace: str  # noqa: F811
+) -> None:
+    core = client.CoreV1Api(kube_client)
+    with pytest.raises(ApiException) as refused:
+        core.create_namespaced_pod(kube_namespace, app_pod("clash", {**ANNOTATED, "casque.io/port": "8080"}))
+    assert refused.value.status == 422
+    message = json.loads(refused.value.body)["message"]
+    assert "sidecar-injector.casque.io" in message and "container 'app' uses port 8080" in message
+    with pytest.raises(ApiException) as missing:
+        core.read_namespaced_pod("clash", kube_namespace)
+    assert missing.value.status == 404
+
+
+def test_every_replica_answers_the_webhook_leader_or_standby(
+    kube_cluster: KubeCluster,  # noqa: F811
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+    casque_crds: None,
+    tmp_path: Path,
+) -> None:
+    """The webhook Service spreads requests over all replicas, so a standby must answer too."""
+    election = ["--lease-namespace", kube_namespace, "--lease-name", "casque-test"]
+    replicas = [WebhookOperator(kube_cluster, kube_namespace, tmp_path / f"operator-{i}.log", *election) for i in range(2)]
+    try:
+        for replica in replicas:
+            wait_for("a replica's webhook to accept TLS connections", replica.serving)
+        coordination = client.CoordinationV1Api(kube_client)
+
+        def holder() -> str | None:
+            try:
+                return str(coordination.read_namespaced_lease("casque-test", kube_namespace).spec.holder_identity or "")
+            except ApiException as error:
+                if error.status == 404:
+                    return None
+                raise
+
+        wait_for("one replica to hold the Lease", holder)  # the other stands by
+        for replica in replicas:
+            answer = replica.review(app_pod("billing", ANNOTATED))["response"]
+            assert answer["allowed"] is True and answer["patchType"] == "JSONPatch"
+            plain = replica.review(app_pod("plain"))["response"]
+            assert plain["allowed"] is True and "patch" not in plain
+    finally:
+        for replica in replicas:
+            replica.stop()
