@@ -31,7 +31,7 @@ import aiohttp
 
 from casque.engine.consumer import Consumer
 from casque.engine.messages import Delivery
-from casque.errors import CasqueError, StaleReceipt
+from casque.errors import CasqueError, InvalidSpec, StaleReceipt
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.metrics import SidecarMetrics
@@ -163,12 +163,18 @@ class PushWorker:
             return
         ceiling = self.settings.push_max_backoff_seconds
         if outcome == "drop":
-            log.warning(
-                "app refused message %s (%s); it is tried again in %ss, and dead-lettered after the "
-                "subscriber's maxDeliveries if it has a dead-letter queue", delivery.message.message_id, reason,
-                ceiling,
-            )
-            delay = ceiling
+            try:
+                await self.consumer.dead_letter(delivery.receipt, reason)
+                self.metrics.acked.labels(*labels).inc()
+                return
+            except InvalidSpec:
+                # No dead-letter queue: never drop a message; try it again after the longest backoff.
+                log.warning("app refused message %s (%s) and the subscriber has no dead-letter queue; "
+                            "it is tried again in %ss", delivery.message.message_id, reason, ceiling)
+                delay = ceiling
+            except CasqueError as error:
+                log.warning("dead-lettering %s failed (%s); it is tried again", delivery.message.message_id, error)
+                delay = ceiling
         else:
             delay = backoff(delivery.delivery_count, self.settings.push_backoff_seconds, ceiling)
         await self.consumer.nack(delivery.receipt, delay, reason)

@@ -33,7 +33,6 @@ from casque.backends import zk
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.delayed import DelayMover
-from casque.engine.leases import assign
 from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.engine.offsets import SeekTarget, seek
 from casque.engine.publisher import Publisher
@@ -426,13 +425,7 @@ class QueueService:
 
     async def _due_shards(self, consumer: Consumer) -> set[int]:
         """The shards the lease recipe gives this member among the live ones."""
-        # The consumer's lease manager knows which shards it shares out (log shards and, with
-        # priorities, their levels); the engine has no public accessor for it yet.
-        leases = consumer._leases
-        if leases is None:
-            return set()
-        members = await zk.call(self.store.zk.get_children_async, consumer.paths.members)
-        return assign(list(members), leases.shards).get(consumer.member_id, set())
+        return await consumer.due_shards()
 
     async def refresh_gauges(self) -> None:
         """The gauges that need the backends, read when /metrics is scraped."""

@@ -29,7 +29,7 @@ def consistency(name: str) -> int:
 
 def serial_consistency(name: str) -> int:
     """The Paxos consistency that matches a write consistency (local for LOCAL_*)."""
-    return ConsistencyLevel.LOCAL_SERIAL if name.startswith("LOCAL_") else ConsistencyLevel.SERIAL
+    return consistency("LOCAL_SERIAL" if name.startswith("LOCAL_") else "SERIAL")
 
 
 def connect(settings: Settings) -> tuple[Cluster, Session]:

@@ -63,6 +63,9 @@ def read_queue(store: Store, queue: QueueRef) -> QueueState:
 
 
 def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
+    # Shared tables first: an installation upgraded to a version with new shared tables
+    # gets them with the first apply (every statement is IF NOT EXISTS).
+    ensure_installation(store)
     changes = Changes()
     paths = store.paths(queue)
     try:

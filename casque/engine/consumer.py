@@ -31,7 +31,7 @@ from casque.engine.counters import QueueCounters, dead_lettered
 from casque.engine.deadletters import addressed_elsewhere, dead_letter_copy
 from casque.engine.publisher import Publisher
 from casque.engine.shard_state import Handout, ShardState
-from casque.errors import BackendUnavailable, CasqueError, StaleReceipt
+from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, StaleReceipt
 from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueState, SubscriberState, priority_of
 from casque.store import Store
@@ -575,6 +575,25 @@ class Consumer:
         reader, position, nonce = self._reader_for(receipt)
         now = time.monotonic()
         return reader.state.extend(position, nonce, visibility, now) - now
+
+    async def dead_letter(self, receipt: str, error: str | None = None) -> None:
+        """Send a delivery to the dead-letter queue now: the app says it can never be processed.
+
+        Returns once the copy is published and the message is done; raises InvalidSpec if the
+        subscriber has no dead-letter queue, StaleReceipt if the receipt is not current.
+        """
+        if self._dead_letters is None:
+            raise InvalidSpec(f"subscriber {self.subscriber} has no dead-letter queue")
+        reader, position, nonce = self._reader_for(receipt)
+        entry = reader.state.in_flight_entry(position, nonce)
+        entry.last_error = error or entry.last_error
+        await self._dead_letter([(reader, Handout(entry, nonce, redelivery=False, dead=True))])
+        if reader.state.in_flight_entry_or_none(position) is not None:
+            raise BackendUnavailable("the dead-letter queue did not take the message; try again")
+
+    async def due_shards(self) -> set[int]:
+        """The shards the lease recipe gives this member now (it may not hold them all yet)."""
+        return set() if self._leases is None else await self._leases.assigned()
 
     def in_flight(self) -> int:
         return sum(r.state.in_flight for r in self.readers.values())

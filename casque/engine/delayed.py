@@ -8,8 +8,8 @@ twice (a mover that died between publishing and recording its progress) is store
 
 The mover records in its znode the time up to which everything due has been moved (the
 cursor), and rescans a lookback window behind it on every pass. A publisher whose clock is
-behind the mover's would write rows the cursor has passed; publishers therefore publish a
-message directly into the log when its due time is not after the cursor plus a margin.
+far behind the mover's could write a row older than that window; publishers therefore
+publish a message directly into the log when its due time is not well inside the window.
 Lateness is bounded by the mover's pass interval plus the clock skew between the
 publisher and the mover; nothing due is lost while the skew stays below the lookback.
 """
@@ -43,7 +43,8 @@ IMMEDIATE_SECONDS = 1.0
 PASS_SECONDS = 1.0
 # Every pass re-reads this far behind its cursor, for rows written by lagging clocks.
 LOOKBACK = timedelta(minutes=2)
-# Publishers treat a due time this close to the cursor as due now.
+# Publishers treat a due time less than this after the start of the mover's rescan window
+# (cursor - LOOKBACK) as due now.
 CURSOR_MARGIN = timedelta(seconds=30)
 
 

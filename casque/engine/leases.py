@@ -167,6 +167,11 @@ class ShardLeases:
         except NoNodeError:
             pass
 
+    async def assigned(self) -> set[int]:
+        """The shards this member should hold among the live members (held or not yet)."""
+        members = await zk.call(self._client.get_children_async, self._paths.members)
+        return assign(list(members), self.shards).get(self.member_id, set())
+
     async def stop(self) -> None:
         """Release every lease (after flushing each shard) and leave the group."""
         self._stopping = True

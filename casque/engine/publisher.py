@@ -26,7 +26,7 @@ from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
 from casque.engine.batches import Claim, Log, new_writer_id
-from casque.engine.delayed import CURSOR_MARGIN, IMMEDIATE_SECONDS, DelayedStore, read_cursor
+from casque.engine.delayed import CURSOR_MARGIN, IMMEDIATE_SECONDS, LOOKBACK, DelayedStore, read_cursor
 from casque.engine.heads import HeadAdvancer
 from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.messages import OutgoingMessage, Published
@@ -251,10 +251,11 @@ class Publisher:
         now = datetime.now(timezone.utc)
         if (due - now).total_seconds() <= IMMEDIATE_SECONDS:
             return False
-        # A due time the mover's cursor has (nearly) passed would never be moved: our clock
-        # lags the mover's. Such a message is due now.
+        # The mover rescans LOOKBACK behind its cursor, so a row due before that would never
+        # be moved (our clock lags the mover's): such a message is due now. CURSOR_MARGIN
+        # covers the cursor moving on while this row is being written.
         cursor = self._mover_cursor
-        return cursor is None or due > cursor + CURSOR_MARGIN
+        return cursor is None or due > cursor - LOOKBACK + CURSOR_MARGIN
 
     def _delayed_store(self) -> DelayedStore:
         if self._delayed is None:

@@ -181,7 +181,7 @@ class ShardState:
 
     def nack(self, position: Position, nonce: int, delay: float, now: float, error: str | None = None) -> Entry:
         """Make an in-flight message visible again, now or after `delay` seconds."""
-        entry = self._in_flight_entry(position, nonce)
+        entry = self.in_flight_entry(position, nonce)
         entry.last_error = error or entry.last_error
         self._in_flight -= 1
         if delay > 0:
@@ -194,10 +194,14 @@ class ShardState:
         return entry
 
     def extend(self, position: Position, nonce: int, visibility: float, now: float) -> float:
-        entry = self._in_flight_entry(position, nonce)
+        entry = self.in_flight_entry(position, nonce)
         entry.deadline = now + visibility
         heapq.heappush(self._deadlines, (entry.deadline, position.batch, position.seq, nonce))
         return entry.deadline
+
+    def in_flight_entry_or_none(self, position: Position) -> Entry | None:
+        entry = self._entry(position.batch, position.seq)
+        return entry if entry is not None and entry.state is State.IN_FLIGHT else None
 
     def dead_letter(self, position: Position) -> Entry | None:
         """Mark a message done because it went to the dead-letter queue."""
@@ -284,7 +288,8 @@ class ShardState:
                 "receipt is stale: the message's visibility expired or it was delivered again"
             )
 
-    def _in_flight_entry(self, position: Position, nonce: int) -> Entry:
+    def in_flight_entry(self, position: Position, nonce: int) -> Entry:
+        """The entry of a message in flight under this nonce; StaleReceipt otherwise."""
         entry = self._entry(position.batch, position.seq)
         if entry is None:
             raise StaleReceipt(f"message {position.batch}/{position.seq} is not held by this consumer")
