@@ -1,4 +1,4 @@
-"""`casque sidecar`, `publish`, `consume`, `tail`, `stats`, `seek`: the queue from a terminal.
+"""`casque sidecar`, `publish`, `consume`, `tail`, `stats`, `seek`, `redrive`: the queue from a terminal.
 
 Apart from `sidecar`, which serves the HTTP API, these commands work on the backends
 directly (the CASQUE_* settings, the local stack by default), so an operator needs no
@@ -32,6 +32,8 @@ from casque.config import Settings
 from casque.engine import catalog
 from casque.engine.batches import Log
 from casque.engine.consumer import Consumer
+from casque.engine.deadletters import RedriveResult
+from casque.engine.deadletters import redrive as redrive_dead_letters
 from casque.engine.messages import Delivery, OutgoingMessage, StoredMessage
 from casque.engine.offsets import SeekTarget, seek as seek_offsets
 from casque.engine.publisher import Publisher
@@ -576,14 +578,50 @@ def _shard_batches(items: list[str]) -> dict[int, int]:
 async def _seek(settings: Settings, ref: QueueRef, subscriber: str, target: SeekTarget) -> dict[int, int]:
     async with opened(settings) as store:
         if target.batches:
-            shards = (await asyncio.to_thread(catalog.read_queue, store, ref)).spec.shards
-            outside = [s for s in target.batches if s >= shards]
+            shards = (await asyncio.to_thread(catalog.read_queue, store, ref)).spec.log_shards()
+            outside = [s for s in target.batches if s not in shards]
             if outside:
-                raise InvalidSpec(f"queue {ref} has shards 0..{shards - 1}; no shard {outside[0]}")
+                raise InvalidSpec(f"queue {ref} has shards {', '.join(map(str, shards))}; no shard {outside[0]}")
         return await asyncio.to_thread(seek_offsets, store, ref, subscriber, target)
 
 
+# --- redrive ------------------------------------------------------------------------------------
+def redrive(
+    dead_letter_queue: Annotated[str, typer.Argument(help="The dead-letter queue (or namespace/name).")],
+    since: Annotated[
+        datetime | None, typer.Option("--since", help="Only messages dead-lettered at or after (UTC if no zone).",
+                                      formats=["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"])
+    ] = None,
+    until: Annotated[
+        datetime | None, typer.Option("--until", help="Only messages dead-lettered before (UTC if no zone).",
+                                      formats=["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"])
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many messages.")] = None,
+    namespace: NamespaceOption = "default",
+    cassandra: CassandraOption = None,
+    zookeeper: ZookeeperOption = None,
+    keyspace: KeyspaceOption = None,
+) -> None:
+    """Send dead letters back to the subscriber that gave up on them (a rerun sends nothing twice)."""
+    settings = backend_settings(cassandra, zookeeper, keyspace)
+
+    def utc(moment: datetime | None) -> datetime | None:
+        if moment is None or moment.tzinfo is not None:
+            return moment
+        return moment.replace(tzinfo=timezone.utc)
+
+    async def run() -> RedriveResult:
+        async with opened(settings) as store:
+            return await redrive_dead_letters(store, _queue(namespace, dead_letter_queue), utc(since), utc(until), limit)
+
+    result = asyncio.run(run())
+    for source, count in sorted(result.by_source.items()):
+        out.print(f"redrove {count} message(s) to {source}")
+    out.print(f"{result.redriven} redriven, {result.duplicates} already redriven before")
+
+
 def register(app: typer.Typer) -> None:
+    app.command("redrive")(redrive)
     app.command("sidecar")(sidecar)
     app.command("publish")(publish)
     app.command("consume")(consume)
