@@ -113,3 +113,9 @@ async def watch_probe(memo: kopf.Memo, **kwargs: Any) -> dict[str, Any]:
         SUBSCRIBERS: kwargs["subscriber_versions"],
     }
     return await probes.watch_health(context_of(memo), indices)
+
+
+# --- Sidecar injection --------------------------------------------------------------------
+# Deliberately not a kopf admission handler: kopf runs only on the replica holding the Lease,
+# but the webhook Service sends requests to every replica. `casque operator run --webhook-port`
+# serves it beside kopf, on leader and standby alike (see casque.operator.injection).

@@ -324,6 +324,22 @@ def test_default_values_are_accepted_by_the_api_server(
     }
 
 
+def test_an_install_tells_the_user_what_to_do_next(
+    tools: Tools, kube_namespace: str, casque_crds: None  # noqa: F811
+) -> None:
+    """`helm install --dry-run=server`: the API server checks the release, Helm prints NOTES.txt."""
+    values = tools.values_file({"cassandra": {"auth": {"username": "casque", "password": "s3cret"}}})
+    out = tools.run(
+        tools.helm, "install", "shop", str(CHART), "--namespace", kube_namespace, "--dry-run=server",
+        "--values", values,
+    ).stdout  # fmt: skip
+    notes = out[out.index("NOTES:") :]
+    assert f"kubectl -n {kube_namespace} rollout status deployment/shop-casque" in notes
+    assert "casque.io/inject: \"true\"" in notes and "examples/app-deployment.yaml" in notes
+    assert "WARNING: Cassandra needs credentials, but sidecar.credentialsSecret is empty" in notes
+    assert "kubectl apply -f crds/" in notes
+
+
 def test_the_default_operator_leads_serves_the_webhook_and_is_locked_down(tools: Tools, kube_namespace: str) -> None:  # noqa: F811
     documents = tools.render(kube_namespace, release="shop")
     deployment = one(documents, "Deployment")

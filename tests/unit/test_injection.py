@@ -309,3 +309,17 @@ def test_the_manual_example_is_what_the_webhook_injects() -> None:
     assert result["spec"] == manual["spec"]["template"]["spec"]
     assert "annotations" not in manual["spec"]["template"]["metadata"]
     assert {k: v for k, v in automatic.items() if k != "spec"} == {k: v for k, v in manual.items() if k != "spec"}
+
+
+def test_the_manual_form_in_the_deploy_guide_is_what_the_webhook_injects() -> None:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    section = text[text.index("## The sidecar by hand") :]
+    block = section[section.index("```yaml\n") + len("```yaml\n") : section.index("```\n", section.index("```yaml"))]
+    documented = yaml.safe_load(block)
+    settings = InjectionSettings(image="registry.example.com/casque/sidecar:0.1.0", credentials_secret="casque-cassandra")
+    backends = Settings(
+        cassandra_contact_points=["cassandra.cassandra.svc"], zookeeper_hosts="zookeeper.zookeeper.svc:2181"
+    )
+    request = injection.parse_request({"casque.io/queue": "orders", "casque.io/subscriber": "billing"})
+    assert documented["initContainers"] == [injection.sidecar_container(request, settings, backends)]
+    assert documented["volumes"] == [{"name": injection.TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}}]
