@@ -36,23 +36,9 @@ from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
+from benchlib import percentiles, pipeline, raw_insert_rate
+
 WINDOW = 256  # requests in flight, for the raw driver pipelines and the engine alike
-
-
-async def pipeline(count: int, submit: "Callable[[int], Awaitable[object]]") -> float:
-    """Run `submit(i)` for i in range(count) with WINDOW in flight; returns seconds."""
-    next_index = 0
-    started = time.perf_counter()
-
-    async def worker() -> None:
-        nonlocal next_index
-        while next_index < count:
-            i = next_index
-            next_index += 1
-            await submit(i)
-
-    await asyncio.gather(*(worker() for _ in range(WINDOW)))
-    return time.perf_counter() - started
 
 
 async def raw_limits(store: Store, table: str, count: int, payload: bytes, batch_size: int) -> dict[str, float]:
@@ -63,32 +49,7 @@ async def raw_limits(store: Store, table: str, count: int, payload: bytes, batch
     )
     now = datetime.now(timezone.utc)
 
-    def rows_with_callbacks() -> float:
-        """The driver's own fastest form: execute_async with callbacks, WINDOW in flight."""
-        import threading
-
-        window = threading.Semaphore(WINDOW)
-        finished = threading.Event()
-        remaining = [count]
-        lock = threading.Lock()
-
-        def done(_: object = None) -> None:
-            window.release()
-            with lock:
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    finished.set()
-
-        started = time.perf_counter()
-        for i in range(count):
-            window.acquire()
-            batch = 1 + i // 100
-            future = session.execute_async(insert, (900 + i % 4, bucket_of(batch), batch, i % 100, str(i), now, payload))
-            future.add_callbacks(done, done)
-        finished.wait()
-        return time.perf_counter() - started
-
-    rows_seconds = await asyncio.to_thread(rows_with_callbacks)
+    rows_per_second = await asyncio.to_thread(raw_insert_rate, store, table, count, payload, WINDOW)
 
     batches = max(1, count // batch_size)
 
@@ -98,7 +59,7 @@ async def raw_limits(store: Store, table: str, count: int, payload: bytes, batch
             statement.add(insert, (800 + i % 4, bucket_of(i), i, seq, f"{i}-{seq}", now, payload))
         await cql.execute(session, statement)
 
-    batch_seconds = await pipeline(batches, plain_batch)
+    batch_seconds = await pipeline(batches, WINDOW, plain_batch)
 
     # The cost of the claim itself: the same batches, conditional or plain, one stream per
     # shard as the engine writes them.
@@ -139,7 +100,7 @@ async def raw_limits(store: Store, table: str, count: int, payload: bytes, batch
                 result = await asyncio.to_thread(lambda r=result: (r.fetch_next_page(), r)[1])
     read_seconds = time.perf_counter() - started
     return {
-        "raw_insert_rows_per_s": count / rows_seconds,
+        "raw_insert_rows_per_s": rows_per_second,
         "raw_batch_rows_per_s": batches * batch_size / batch_seconds,
         "raw_read_rows_per_s": read / read_seconds,
         "conditional_batch_ms": statistics.median(conditional) * 1000,
@@ -173,17 +134,14 @@ async def main() -> None:
         publisher = Publisher(store, queue, spec)
         message = OutgoingMessage(payload)
         half = args.messages // 2
-        publish_seconds = await pipeline(half, lambda i: publisher.publish([message]))
+        publish_seconds = await pipeline(half, WINDOW, lambda i: publisher.publish([message]))
         single_rate = half / publish_seconds
         single_batch = publisher.counters.messages / max(1, publisher.counters.batches)
         # ...and batch calls of 100 messages (what clients should use), 32 calls in flight.
         batch_call = [message] * 100
         calls = (args.messages - half) // 100
         before = publisher.counters.messages, publisher.counters.batches
-        global WINDOW
-        WINDOW, saved = 32, WINDOW
-        batched_seconds = await pipeline(calls, lambda i: publisher.publish(batch_call))
-        WINDOW = saved
+        batched_seconds = await pipeline(calls, 32, lambda i: publisher.publish(batch_call))
         await publisher.flush_heads()
         counters = publisher.counters
         batched_rate = calls * 100 / batched_seconds
@@ -246,8 +204,8 @@ async def main() -> None:
         print(f"lost claims {counters.conflicts}, unknown outcomes {counters.unknown_outcomes}")
         print(f"engine receive+ack              {consume_rate:10.0f} msgs/s  "
               f"ratio {consume_rate / limits['raw_read_rows_per_s']:.2f} of the paged read")
-        print(f"publish-to-receive latency      p50 {statistics.median(latencies) * 1000:.1f} ms  "
-              f"p99 {latencies[int(len(latencies) * 0.99) - 1] * 1000:.1f} ms  ({len(latencies)} samples)")
+        p50, p99 = percentiles(latencies)
+        print(f"publish-to-receive latency      p50 {p50:.1f} ms  p99 {p99:.1f} ms  ({len(latencies)} samples)")
         print(f"round trips per 1,000 messages  ZooKeeper {zk_ops * 1000 / messages_total:.1f}  "
               f"Cassandra {cassandra_ops * 1000 / messages_total:.1f}")
     finally:
@@ -257,6 +215,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    from collections.abc import Awaitable, Callable  # noqa: F401  (used in annotations above)
-
     asyncio.run(main())

@@ -42,63 +42,13 @@ from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
+from benchlib import percentiles, pipeline, raw_insert_rate
+
 SINGLE_WINDOW = 64  # single-message publishes in flight (many app threads or tasks)
 BATCH_WINDOW = 16  # 100-message publishes in flight
 BATCH = 100
 RECEIVERS = 4  # concurrent receive+ack loops
 PROBES = 300
-
-
-async def pipeline(count: int, window: int, submit: Callable[[int], Awaitable[Any]]) -> float:
-    """Run submit(i) for i < count with `window` calls in flight; returns seconds."""
-    next_index = 0
-    started = time.perf_counter()
-
-    async def worker() -> None:
-        nonlocal next_index
-        while next_index < count:
-            i = next_index
-            next_index += 1
-            await submit(i)
-
-    await asyncio.gather(*(worker() for _ in range(window)))
-    return time.perf_counter() - started
-
-
-def raw_insert_rate(store: Store, table: str, count: int, payload: bytes) -> float:
-    """Single-row inserts through the driver's callback pipeline: the node's write limit here."""
-    insert = store.session.prepare(
-        f"INSERT INTO {table} (shard, bucket, batch_no, seq, message_id, published_at, payload) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?)"
-    )
-    now = datetime.now(timezone.utc)
-    window = threading.Semaphore(256)
-    finished = threading.Event()
-    remaining = [count]
-    lock = threading.Lock()
-
-    def done(_: object = None) -> None:
-        window.release()
-        with lock:
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                finished.set()
-
-    started = time.perf_counter()
-    for i in range(count):
-        window.acquire()
-        batch = 1 + i // 100
-        future = store.session.execute_async(
-            insert, (900 + i % 4, bucket_of(batch), batch, i % 100, str(i), now, payload)
-        )
-        future.add_callbacks(done, done)
-    finished.wait()
-    return count / (time.perf_counter() - started)
-
-
-def percentiles(samples: list[float]) -> tuple[float, float]:
-    ordered = sorted(samples)
-    return statistics.median(ordered) * 1000, ordered[max(0, int(len(ordered) * 0.99) - 1)] * 1000
 
 
 # --- the engine in-process --------------------------------------------------------------------------
