@@ -340,6 +340,35 @@ def test_an_install_tells_the_user_what_to_do_next(
     assert "kubectl apply -f crds/" in notes
 
 
+def test_an_upgrade_keeps_the_webhook_certificate(
+    tools: Tools, kube_namespace: str, kube_client: client.ApiClient, casque_crds: None  # noqa: F811
+) -> None:
+    """A real install and upgrade: the generated CA and certificate survive the upgrade."""
+    release = f"r{uuid.uuid4().hex[:6]}"
+    # No namespace carries this label, so the (unanswered) webhook never sees a pod.
+    values = tools.values_file({"injection": {"namespaceSelector": {"matchLabels": {"casque.io/test": release}}}})
+    base = [str(CHART), "--namespace", kube_namespace, "--values", values]
+    core = client.CoreV1Api(kube_client)
+    admission = client.AdmissionregistrationV1Api(kube_client)
+    secret_name, webhook_name = f"{release}-casque-webhook-tls", f"{release}-casque-{kube_namespace}"
+
+    def installed() -> tuple[dict[str, str], str]:
+        secret = core.read_namespaced_secret(secret_name, kube_namespace).data
+        ca_bundle = admission.read_mutating_webhook_configuration(webhook_name).webhooks[0].client_config.ca_bundle
+        return dict(secret), str(ca_bundle)
+
+    tools.run(tools.helm, "install", release, *base)
+    try:
+        first, ca_bundle = installed()
+        assert ca_bundle == first["ca.crt"]
+        tools.run(tools.helm, "upgrade", release, *base, "--set", "operator.replicas=3")
+        assert installed() == (first, ca_bundle)
+        deployment = client.AppsV1Api(kube_client).read_namespaced_deployment(f"{release}-casque", kube_namespace)
+        assert deployment.spec.replicas == 3
+    finally:
+        tools.run(tools.helm, "uninstall", release, "--namespace", kube_namespace, "--wait=false")
+
+
 def test_the_default_operator_leads_serves_the_webhook_and_is_locked_down(tools: Tools, kube_namespace: str) -> None:  # noqa: F811
     documents = tools.render(kube_namespace, release="shop")
     deployment = one(documents, "Deployment")
