@@ -83,6 +83,9 @@ def run(
     if webhook_port is not None:
         if webhook_cert is None or webhook_key is None:
             raise typer.BadParameter("--webhook-port needs --webhook-cert and --webhook-key")
+        for path in (webhook_cert, webhook_key):
+            if not path.is_file():
+                raise typer.BadParameter(f"{path} is not a file (--webhook-cert, --webhook-key)")
         webhook = injection.WebhookOptions(webhook_port, webhook_cert, webhook_key, webhook_address)
         try:
             sidecar = injection.InjectionSettings()
