@@ -70,6 +70,8 @@ def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
         "spark.cassandra.connection.host": ",".join(settings.cassandra_contact_points),
         "spark.cassandra.connection.port": str(settings.cassandra_port),
         "spark.cassandra.input.consistency.level": settings.consistency,
+        # Pages of 5,000 rows instead of 1,000: a quarter of the round trips for small messages.
+        "spark.cassandra.input.fetch.sizeInRows": "5000",
         "spark.cassandra.output.consistency.level": settings.consistency,
         # Python workers must be the driver's interpreter (same packages, same version).
         "spark.pyspark.python": sys.executable,
