@@ -123,7 +123,9 @@ def message_size(payload: str = "payload", key: str = "key", attributes: str = "
     attribute_bytes = F.aggregate(
         F.map_entries(F.coalesce(F.col(attributes), F.create_map().cast("map<string,string>"))),
         F.lit(0).cast("long"),
-        lambda total, entry: total + F.octet_length(entry["key"]) + F.coalesce(F.octet_length(entry["value"]), F.lit(0)),
+        lambda total, entry: (
+            total + F.octet_length(entry["key"]) + F.coalesce(F.octet_length(entry["value"]), F.lit(0))
+        ),
     )
     return (
         F.coalesce(F.length(F.col(payload)), F.lit(0)).cast("long")
