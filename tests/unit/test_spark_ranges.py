@@ -1,7 +1,7 @@
 """The Spark jobs' pure parts: range syntax, read planning, the timeuuid clock, replay waves.
 
-No backends and no Spark session: these run in milliseconds (they live beside the Spark
-tests so that `-m spark` selects everything about the jobs).
+No backends and no Spark session: these run in milliseconds (marked `spark`, so that
+`-m spark` selects everything about the jobs).
 """
 
 from __future__ import annotations
