@@ -178,12 +178,14 @@ paxos_variant: v2
                 pass
         except OSError:
             return False
-        from cassandra.cluster import Cluster
+        from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
         from cassandra.policies import WhiteListRoundRobinPolicy
 
+        # Only this node: in a ring, "ready" is per node.
+        only_this = ExecutionProfile(load_balancing_policy=WhiteListRoundRobinPolicy([self.address]))
         cluster = Cluster(
             [self.address], port=self.native_port, connect_timeout=5,
-            load_balancing_policy=WhiteListRoundRobinPolicy([self.address]),
+            execution_profiles={EXEC_PROFILE_DEFAULT: only_this},
         )
         try:
             session = cluster.connect()
