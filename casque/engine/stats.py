@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from cassandra import InvalidRequest
 from kazoo.exceptions import NoNodeError
 
 from casque.backends import zk
@@ -124,6 +125,15 @@ def _sum_by_level(values: Iterable[tuple[int, int | None]]) -> dict[int, int | N
     }
 
 
+async def _counts(store: Store, queue: QueueRef) -> dict[str, int]:
+    """The queue's durable counters; none in an installation set up before they existed
+    (the next apply of any queue creates the table)."""
+    try:
+        return await QueueCounters(store, queue).read()
+    except InvalidRequest:
+        return {}
+
+
 async def _get_int(store: Store, path: str) -> int:
     data, _ = await zk.call(store.zk.get_async, path)
     return int(data or b"0")
@@ -147,7 +157,7 @@ async def queue_stats(store: Store, queue: QueueRef) -> QueueStats:
         return ShardStats(shard, head, header.total_messages, header.total_bytes, header.published_at)
 
     shards = await asyncio.gather(*(one(s) for s in state.spec.log_shards()))
-    counts = await QueueCounters(store, queue).read()
+    counts = await _counts(store, queue)
     delayed = counts.get(DELAYED_IN, 0) - counts.get(DELAYED_OUT, 0)
     return QueueStats(str(queue), list(shards), datetime.now(timezone.utc), delayed=max(0, delayed))
 
@@ -205,5 +215,5 @@ async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> Su
         redelivered=sum(r.get("redelivered", 0) for r in reports.values()),
         sampled_at=datetime.now(timezone.utc),
         member_reports=reports,
-        dead_lettered=(await QueueCounters(store, queue).read()).get(dead_lettered(subscriber), 0),
+        dead_lettered=(await _counts(store, queue)).get(dead_lettered(subscriber), 0),
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from cassandra.cluster import Cluster, ExecutionProfile, EXEC_PROFILE_DEFAULT
 
+from casque.backends import cql as cql_backend
 from casque.devstack import processes
 from casque.engine import catalog
 from casque.engine.batches import Log
@@ -128,7 +129,7 @@ async def test_cassandra_timeout_is_retryable_and_loses_nothing_acknowledged(
     spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
     impatient = Cluster(
-        backends.contact_points, port=backends.cql_port,
+        backends.contact_points, port=backends.cql_port, sockopts=cql_backend.SOCKET_OPTIONS,
         execution_profiles={EXEC_PROFILE_DEFAULT: ExecutionProfile(request_timeout=1.0)},
     )
     session = impatient.connect()
