@@ -14,20 +14,16 @@ Prints, for the same rows on the same node:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
 import time
-import uuid
 from datetime import datetime, timezone
 
 from cassandra.cluster import Session
 from cassandra.query import BatchStatement, BatchType
-from kazoo.client import KazooClient
 
 from casque.backends import cql
-from casque.config import Settings
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
@@ -36,7 +32,7 @@ from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
-from benchlib import percentiles, pipeline, raw_insert_rate
+from benchlib import arguments, drop_scratch, percentiles, pipeline, raw_insert_rate, scratch_settings
 
 WINDOW = 256  # requests in flight, for the raw driver pipelines and the engine alike
 
@@ -109,18 +105,11 @@ async def raw_limits(store: Store, table: str, count: int, payload: bytes, batch
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--messages", type=int, default=20000)
-    parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--cassandra", default="127.0.0.1:9042")
-    parser.add_argument("--zookeeper", default="127.0.0.1:2181")
+    parser = arguments(__doc__.splitlines()[0], 20000, 1024)
     args = parser.parse_args()
 
-    host, _, port = args.cassandra.rpartition(":")
-    keyspace = f"bench_{uuid.uuid4().hex[:8]}"
-    settings = Settings(cassandra_contact_points=[host], cassandra_port=int(port), consistency="ONE",
-                        keyspace=keyspace, zookeeper_hosts=args.zookeeper, zookeeper_root=f"/bench-{keyspace}")
+    settings = scratch_settings(args.cassandra, args.zookeeper)
+    keyspace = settings.keyspace
     store = Store.open(settings)
     queue = QueueRef("default", "bench")
     spec = QueueSpec(shards=args.shards, retention_seconds=3600, consistency="ONE")
@@ -209,8 +198,7 @@ async def main() -> None:
         print(f"round trips per 1,000 messages  ZooKeeper {zk_ops * 1000 / messages_total:.1f}  "
               f"Cassandra {cassandra_ops * 1000 / messages_total:.1f}")
     finally:
-        store.session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
-        store.zk.delete(settings.zookeeper_root, recursive=True)
+        drop_scratch(store, settings)
         store.close()
 
 

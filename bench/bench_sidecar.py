@@ -16,18 +16,12 @@ app. Prints:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import socket
-import statistics
 import subprocess
 import sys
-import threading
 import time
-import uuid
-from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +32,11 @@ from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
-from casque.schema import QueueRef, bucket_of
+from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
-from benchlib import percentiles, pipeline, raw_insert_rate
+from benchlib import arguments, drop_scratch, percentiles, pipeline, raw_insert_rate, scratch_settings
 
 SINGLE_WINDOW = 64  # single-message publishes in flight (many app threads or tasks)
 BATCH_WINDOW = 16  # 100-message publishes in flight
@@ -196,18 +190,11 @@ async def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> N
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--messages", type=int, default=10000, help="per publish form")
-    parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--cassandra", default="127.0.0.1:9042")
-    parser.add_argument("--zookeeper", default="127.0.0.1:2181")
+    parser = arguments((__doc__ or "").splitlines()[0], 10000, 1024)
     args = parser.parse_args()
 
-    host, _, port = args.cassandra.rpartition(":")
-    keyspace = f"bench_{uuid.uuid4().hex[:8]}"
-    settings = Settings(cassandra_contact_points=[host], cassandra_port=int(port), consistency="ONE",
-                        keyspace=keyspace, zookeeper_hosts=args.zookeeper, zookeeper_root=f"/bench-{keyspace}")
+    settings = scratch_settings(args.cassandra, args.zookeeper)
+    keyspace = settings.keyspace
     store = Store.open(settings)
     spec = QueueSpec(shards=args.shards, retention_seconds=3600, consistency="ONE", max_message_bytes=64 * 1024)
     engine_queue, http_queue = QueueRef("default", "engine"), QueueRef("default", "http")
@@ -257,8 +244,7 @@ async def main() -> None:
         if process is not None and process.poll() is None:
             process.terminate()
             process.wait(30)
-        store.session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
-        store.zk.delete(settings.zookeeper_root, recursive=True)
+        drop_scratch(store, settings)
         store.close()
 
 

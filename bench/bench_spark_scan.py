@@ -21,7 +21,6 @@ reading partitions in parallel and from decoding rows in the JVM instead of in P
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
@@ -35,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cassandra.query import BatchStatement, BatchType  # noqa: E402
 
-from casque.config import Settings  # noqa: E402
 from casque.engine import catalog  # noqa: E402
 from casque.schema import HEADER_SEQ, QueueRef, bucket_of  # noqa: E402
 from casque.spark import readers  # noqa: E402
@@ -43,6 +41,8 @@ from casque.spark.ranges import parse_range, resolve  # noqa: E402
 from casque.spark.session import SparkOptions, build_session  # noqa: E402
 from casque.specs import QueueSpec  # noqa: E402
 from casque.store import Store  # noqa: E402
+
+from benchlib import arguments, drop_scratch, scratch_settings  # noqa: E402
 
 BATCH = 1000
 WINDOW = 4
@@ -146,19 +146,12 @@ def twice(run: Any) -> tuple[int, int, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--messages", type=int, default=200_000)
-    parser.add_argument("--size", type=int, default=200)
-    parser.add_argument("--shards", type=int, default=4)
+    parser = arguments(__doc__.splitlines()[0], 200_000, 200)
     parser.add_argument("--master", default="local[*]")
-    parser.add_argument("--cassandra", default="127.0.0.1:9042")
-    parser.add_argument("--zookeeper", default="127.0.0.1:2181")
     args = parser.parse_args()
 
-    host, _, port = args.cassandra.rpartition(":")
-    keyspace = f"bench_{uuid.uuid4().hex[:8]}"
-    settings = Settings(cassandra_contact_points=[host], cassandra_port=int(port), consistency="ONE",
-                        keyspace=keyspace, zookeeper_hosts=args.zookeeper, zookeeper_root=f"/bench-{keyspace}")
+    settings = scratch_settings(args.cassandra, args.zookeeper)
+    keyspace = settings.keyspace
     store = Store.open(settings)
     queue = QueueRef("default", "scan")
     spark = None
@@ -209,8 +202,7 @@ def main() -> None:
     finally:
         if spark is not None:
             spark.stop()
-        store.session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
-        store.zk.delete(settings.zookeeper_root, recursive=True)
+        drop_scratch(store, settings)
         store.close()
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
 
+from casque.config import Settings
 from casque.schema import bucket_of
 from casque.store import Store
 
@@ -64,3 +67,27 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     """p50 and p99 of `samples` (seconds), in milliseconds."""
     ordered = sorted(samples)
     return statistics.median(ordered) * 1000, ordered[max(0, int(len(ordered) * 0.99) - 1)] * 1000
+
+
+def arguments(description: str, messages: int, size: int) -> argparse.ArgumentParser:
+    """The options every benchmark takes: load size and where the local stack listens."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--messages", type=int, default=messages)
+    parser.add_argument("--size", type=int, default=size)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--cassandra", default="127.0.0.1:9042")
+    parser.add_argument("--zookeeper", default="127.0.0.1:2181")
+    return parser
+
+
+def scratch_settings(cassandra: str, zookeeper: str) -> Settings:
+    """Settings for a keyspace and znode root of the benchmark's own (see `drop_scratch`)."""
+    host, _, port = cassandra.rpartition(":")
+    keyspace = f"bench_{uuid.uuid4().hex[:8]}"
+    return Settings(cassandra_contact_points=[host], cassandra_port=int(port), consistency="ONE",
+                    keyspace=keyspace, zookeeper_hosts=zookeeper, zookeeper_root=f"/bench-{keyspace}")
+
+
+def drop_scratch(store: Store, settings: Settings) -> None:
+    store.session.execute(f"DROP KEYSPACE IF EXISTS {settings.keyspace}")
+    store.zk.delete(settings.zookeeper_root, recursive=True)
