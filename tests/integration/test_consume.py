@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
-from kazoo.client import KazooClient
 
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
@@ -21,23 +20,6 @@ from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
 QUEUE = QueueRef("default", "work")
-
-
-@pytest.fixture
-def new_store(store: Store, zk_hosts: str) -> Iterator[Callable[[], Store]]:
-    """Stores with ZooKeeper sessions of their own, like separate sidecar processes."""
-    clients: list[KazooClient] = []
-
-    def make() -> Store:
-        client = KazooClient(hosts=zk_hosts, timeout=4.0)
-        client.start(timeout=15)
-        clients.append(client)
-        return Store(store.session, client, store.keyspace, store.zk_root, store.replication_cql)
-
-    yield make
-    for client in clients:
-        client.stop()
-        client.close()
 
 
 async def setup_queue(store: Store, shards: int, subscribers: list[str], start: str = "earliest") -> QueueSpec:

@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from kazoo.client import KazooClient
 
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
@@ -25,22 +24,6 @@ from casque.store import Store
 QUEUE = QueueRef("default", "later")
 # Lateness allowed here: the mover's pass interval plus scheduling slack on a loaded machine.
 LATENESS_BOUND = PASS_SECONDS + 4.0
-
-
-@pytest.fixture
-def sessions(store: Store, zk_hosts: str) -> Iterator[Callable[[], Store]]:
-    clients: list[KazooClient] = []
-
-    def make() -> Store:
-        client = KazooClient(hosts=zk_hosts, timeout=4.0)
-        client.start(timeout=15)
-        clients.append(client)
-        return Store(store.session, client, store.keyspace, store.zk_root, store.replication_cql)
-
-    yield make
-    for client in clients:
-        client.stop()
-        client.close()
 
 
 @pytest.fixture
@@ -98,12 +81,12 @@ async def test_delayed_messages_arrive_not_before_their_time(store: Store, runni
 
 
 async def test_mover_failover_loses_and_doubles_nothing(
-    store: Store, sessions: Callable[[], Store], running: list[object]
+    store: Store, new_store: Callable[[], Store], running: list[object]
 ) -> None:
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
     catalog.apply_subscriber(store, QUEUE, "all", SubscriberSpec(queue="later", start_position="earliest"))
-    first_store, second_store = sessions(), sessions()
+    first_store, second_store = new_store(), new_store()
     first, second = mover_for(first_store, spec, "first"), mover_for(second_store, spec, "second")
     first.start()
     deadline = time.monotonic() + 30
