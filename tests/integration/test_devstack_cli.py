@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,19 @@ from pathlib import Path
 import pytest
 
 CLI = [sys.executable, "-m", "casque.cli"]
-PORTS = ["--cql-port", "39042", "--storage-port", "37000", "--jmx-port", "37199", "--zookeeper-port", "32181"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+# Ports of their own, so that a stack left behind by an interrupted run cannot get in the way.
+CQL, STORAGE, JMX, ZOOKEEPER = (free_port() for _ in range(4))
+PORTS = ["--cql-port", str(CQL), "--storage-port", str(STORAGE), "--jmx-port", str(JMX),
+         "--zookeeper-port", str(ZOOKEEPER)]
 
 
 def casque(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
@@ -40,7 +53,7 @@ def test_up_twice_status_logs_and_down_leaves_nothing(tmp_path: Path) -> None:
     try:
         first = casque("up", *PORTS, state=state)
         assert first.returncode == 0, first.stderr
-        assert "127.0.0.1:39042" in first.stdout and "127.0.0.1:32181" in first.stdout
+        assert f"127.0.0.1:{CQL}" in first.stdout and f"127.0.0.1:{ZOOKEEPER}" in first.stdout
         assert len(owned_processes(state)) == 2
 
         again = casque("up", state=state)  # settings come from the recorded stack

@@ -54,7 +54,11 @@ MINUTES = 5
 def spark(backends: Backends) -> Iterator[Any]:
     settings = Settings(cassandra_contact_points=backends.contact_points, cassandra_port=backends.cql_port,
                         consistency="ONE")
-    session = build_session(settings, SparkOptions(connector="local", app_name="casque-tests"))
+    # Every test makes a keyspace of its own, after the session started. The connector keeps
+    # its Cassandra session (and that session's schema metadata) open between jobs; a short
+    # keep-alive makes each test's jobs open a fresh one that knows the new keyspace.
+    session = build_session(settings, SparkOptions(
+        connector="local", app_name="casque-tests", conf={"spark.cassandra.connection.keepAliveMS": "100"}))
     try:
         yield session
     finally:
