@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.fixtures.waiting import free_port
 
 CLI = [sys.executable, "-m", "casque.cli"]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 # Ports of their own, so that a stack left behind by an interrupted run cannot get in the way.

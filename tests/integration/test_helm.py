@@ -18,12 +18,11 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
@@ -36,32 +35,17 @@ from casque.operator import injection
 from casque.operator.context import OperatorOptions
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
 from tests.unit.test_dockerfiles import cli_call
+from tests.fixtures.waiting import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "casque"
 EXAMPLES = ROOT / "examples"
 CRD_FILES = sorted((ROOT / "crds").glob("*.yaml"))
 SCHEMA_ERROR = "values don't meet the specifications of the schema"
-T = TypeVar("T")
 
 
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0) -> T:
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.5)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --- tools ------------------------------------------------------------------------------------

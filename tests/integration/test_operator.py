@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from cassandra.cluster import Session
@@ -37,32 +35,16 @@ from casque.specs import QueueSpec
 from casque.store import Store
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
 from tests.fixtures.stack import Backends
+from tests.fixtures.waiting import free_port, wait_for
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILES = [ROOT / "crds" / "queue.yaml", ROOT / "crds" / "subscriber.yaml"]
-T = TypeVar("T")
 
 
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0) -> T:
-    """Poll `probe` until it returns something truthy, and return that; fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.5)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --- fixtures -----------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,13 +29,14 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from casque.client import AsyncClient, RetryPolicy
+from casque.client import AsyncClient
 from casque.engine import catalog
 from casque.engine.stats import queue_stats
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from tests.fixtures.stack import Backends
+from tests.fixtures.waiting import free_port
 
 QUEUE = "jobs"
 SUBSCRIBER = "workers"
@@ -44,10 +44,6 @@ REF = QueueRef("default", QUEUE)
 SUB = f"/v1/queues/{QUEUE}/subscribers/{SUBSCRIBER}"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass
