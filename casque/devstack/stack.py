@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -149,6 +150,20 @@ class Stack:
             self._start_node(node, report)
         for node in others:
             node.wait_ready()
+        if others:
+            self._wait_ring_normal(seed)
+
+    def _wait_ring_normal(self, seed: CassandraNode, timeout: float = 180.0) -> None:
+        """A node answers CQL before the others see it as Up/Normal; wait until all do."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = seed.nodetool("status")
+            normal = sum(1 for line in status.splitlines() if line.startswith("UN "))
+            if normal == self.nodes:
+                return
+            if time.monotonic() > deadline:
+                raise StackError(f"only {normal} of {self.nodes} Cassandra nodes are Up/Normal after {timeout:.0f}s")
+            time.sleep(1.0)
 
     def _start_node(self, node: CassandraNode, report: Report) -> None:
         if node.pid() is not None:
