@@ -55,3 +55,9 @@ class PositionOutOfRange(CasqueError):
     """A seek target older than retention or beyond the head."""
 
     code = "position_out_of_range"
+
+
+class LeaseLost(StaleReceipt):
+    """The consumer lost its lease on the message's shard: another member may deliver it."""
+
+    code = "lease_lost"

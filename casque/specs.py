@@ -128,3 +128,11 @@ class SubscriberState(BaseModel):
 
     spec: SubscriberSpec
     created_at: datetime
+    # Set once at creation: a subscriber deleted and created again under the same name is a
+    # new incarnation and inherits nothing (ack rows are keyed by it). Empty for subscribers
+    # created before incarnations existed.
+    incarnation: str = ""
+
+    def ack_key(self, name: str) -> str:
+        """The `subscriber` key of this incarnation's ack rows."""
+        return f"{name}#{self.incarnation}" if self.incarnation else name

@@ -3,14 +3,17 @@
     {root}/queues/{namespace}/{queue}                         queue config (JSON)
     {root}/queues/{namespace}/{queue}/shards/{shard}/head     published watermark: every batch <= head exists
     {root}/queues/{namespace}/{queue}/subscribers/{sub}       subscriber config (JSON)
-        .../subscribers/{sub}/offsets/{shard}                 every message in batches < offset is done
+        .../subscribers/{sub}/offsets/{shard}                 every message in batches < offset is done ("offset@epoch")
+        .../subscribers/{sub}/fences/{shard}                  bumped by every lease acquisition of the shard
         .../subscribers/{sub}/members/{member}                ephemeral: a live consumer (sidecar)
         .../subscribers/{sub}/leases/{shard}                  ephemeral: the member consuming the shard
         .../subscribers/{sub}/seek                            the latest seek request (JSON)
     {root}/queues/{namespace}/{queue}/mover                   election of the delayed-message mover
 
-Offsets and heads are decimal integers in the znode data, written with the znode version
-as compare-and-set, so that they only move forward unless a seek says otherwise.
+Heads are decimal integers in the znode data. An offset is "N@E": the batch N and the seek
+epoch E of the shard that keys its ack records ("N" alone is epoch 0), so a reader gets both
+in one read. Both are written with the znode version as compare-and-set, so that they only
+move forward unless a seek says otherwise.
 """
 
 from __future__ import annotations
@@ -65,6 +68,13 @@ class SubscriberPaths:
         return f"{self.offsets}/{shard}"
 
     @property
+    def fences(self) -> str:
+        return f"{self.base}/fences"
+
+    def fence(self, shard: int) -> str:
+        return f"{self.fences}/{shard}"
+
+    @property
     def members(self) -> str:
         return f"{self.base}/members"
 
@@ -89,3 +99,13 @@ def queue_paths(root: str, queue: QueueRef) -> QueuePaths:
 
 def queues_root(root: str) -> str:
     return f"{root.rstrip('/')}/queues"
+
+
+def encode_offset(offset: int, epoch: int = 0) -> bytes:
+    return (str(offset) if epoch == 0 else f"{offset}@{epoch}").encode()
+
+
+def decode_offset(data: bytes | None) -> tuple[int, int]:
+    """(offset, epoch) of an offset znode's data."""
+    offset, _, epoch = (data or b"1").decode().partition("@")
+    return int(offset or 1), int(epoch or 0)

@@ -315,7 +315,7 @@ def _read_offsets(store: Store, ref: QueueRef, name: str) -> dict[int, int]:
     for child in _children(store, paths.offsets):
         if child.isdigit():
             try:
-                offsets[int(child)] = catalog.read_int(store, paths.offset(int(child)))
+                offsets[int(child)] = catalog.read_offset(store, paths, int(child))
             except NoNodeError:
                 continue
     return offsets

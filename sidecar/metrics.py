@@ -69,6 +69,11 @@ class SidecarMetrics:
         )
         self.leases = Gauge("casque_sidecar_leased_shards", "Shards this sidecar holds a lease on.", ["subscriber"],
                             registry=r)
+        self.unread_shards = Gauge(
+            "casque_sidecar_unread_shards",
+            "Shards due to this sidecar that it does not read now (lease not held, or reading or committing fails).",
+            ["subscriber"], registry=r,
+        )
         self.lag_messages = Gauge(
             "casque_subscriber_lag_messages", "Messages published after the subscriber's offset.", ["subscriber"],
             registry=r,

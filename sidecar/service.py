@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -138,6 +139,7 @@ class QueueService:
                     return
                 subscription.consumer = consumer
                 subscription.problem = ""
+                consumer.on_gone.append(functools.partial(self._consumer_ended, subscription))
                 log.info("consuming %s for subscriber %s as member %s", self.queue, subscription.name,
                          consumer.member_id)
                 for hook in self.on_consumer_started:
@@ -146,6 +148,15 @@ class QueueService:
                 return
             await asyncio.sleep(delay)
             delay = min(delay * 2, START_RETRY_MAX_SECONDS)
+
+    def _consumer_ended(self, subscription: Subscription, consumer: Consumer) -> None:
+        """The subscriber was deleted (or re-created): serve its next incarnation when there is one."""
+        if subscription.consumer is not consumer:
+            return
+        subscription.consumer = None
+        subscription.problem = consumer.gone_reason
+        if not self.draining and (self._starter is None or self._starter.done()):
+            self._starter = asyncio.get_running_loop().create_task(self._start_consumers())
 
     async def _start_mover(self) -> None:
         """Contend for moving the served queue's delayed messages into its log when due.
@@ -410,22 +421,12 @@ class QueueService:
                 ready = False
                 continue
             try:
-                due = await self._due_shards(consumer)
+                healthy, detail = await consumer.health()
             except (BackendUnavailable, NoNodeError) as error:
-                checks[f"subscriber/{name}"] = f"cannot read members: {error}"
-                ready = False
-                continue
-            missing = due - consumer.held_shards
-            held = ",".join(map(str, sorted(consumer.held_shards))) or "none"
-            checks[f"subscriber/{name}"] = (
-                f"waiting for leases on shards {sorted(missing)}" if missing else f"holding shards {held}"
-            )
-            ready = ready and not missing
+                healthy, detail = False, f"cannot read members: {error}"
+            checks[f"subscriber/{name}"] = detail
+            ready = ready and healthy
         return ready, checks
-
-    async def _due_shards(self, consumer: Consumer) -> set[int]:
-        """The shards the lease recipe gives this member among the live ones."""
-        return await consumer.due_shards()
 
     async def refresh_gauges(self) -> None:
         """The gauges that need the backends, read when /metrics is scraped."""
@@ -436,6 +437,10 @@ class QueueService:
                 continue
             metrics.in_flight.labels(name).set(consumer.in_flight())
             metrics.leases.labels(name).set(len(consumer.held_shards))
+            try:
+                metrics.unread_shards.labels(name).set((await consumer.shard_status()).unread)
+            except (BackendUnavailable, NoNodeError):
+                pass
         if self.queue is None:
             return
         for name in self.subscriptions:

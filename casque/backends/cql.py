@@ -12,16 +12,43 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from cassandra import ConsistencyLevel, OperationTimedOut, ReadTimeout, Unavailable, WriteTimeout
+from cassandra import (
+    ConsistencyLevel,
+    CoordinationFailure,
+    OperationTimedOut,
+    ReadTimeout,
+    Unavailable,
+    WriteTimeout,
+)
 from cassandra.auth import PlainTextAuthProvider
-from cassandra.cluster import Cluster, ExecutionProfile, EXEC_PROFILE_DEFAULT, NoHostAvailable, Session
+from cassandra.cluster import (
+    EXEC_PROFILE_DEFAULT,
+    Cluster,
+    ExecutionProfile,
+    NoHostAvailable,
+    ResponseFuture,
+    Session,
+)
 from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
+from cassandra.protocol import IsBootstrappingErrorMessage, OverloadedErrorMessage
 from cassandra.query import Statement
 
 from casque.config import Settings
 from casque.errors import BackendUnavailable
 
-RETRYABLE = (WriteTimeout, ReadTimeout, Unavailable, OperationTimedOut, NoHostAvailable)
+# Everything that means "the cluster did not do it now, it may later": timeouts, too few
+# replicas, replica failures (ReadFailure, WriteFailure), an overloaded or bootstrapping
+# coordinator. Each becomes `BackendUnavailable`, which callers retry with backoff.
+RETRYABLE = (
+    WriteTimeout,
+    ReadTimeout,
+    Unavailable,
+    OperationTimedOut,
+    NoHostAvailable,
+    CoordinationFailure,
+    OverloadedErrorMessage,
+    IsBootstrappingErrorMessage,
+)
 
 # The driver leaves Nagle's algorithm on. A request of a few kilobytes (a batch of a dozen
 # messages) then waits for the server's delayed ACK, about 40 ms: ten times the write itself.
@@ -64,9 +91,31 @@ def connect(settings: Settings) -> tuple[Cluster, Session]:
 
 async def execute(session: Session, statement: str | Statement, params: Sequence[Any] | None = None) -> Any:
     """Run a statement without blocking the loop; returns the driver's ResultSet."""
+    return await _result(session.execute_async(statement, params))
+
+
+async def fetch_all(session: Session, statement: str | Statement, params: Sequence[Any] | None = None) -> list[Any]:
+    """Every row of a paged query, each page fetched without blocking the loop.
+
+    Iterating a ResultSet past its first page makes the driver fetch the next page
+    synchronously, which would stall the event loop for a round trip per page.
+    """
+    result = await execute(session, statement, params)
+    rows = list(result.current_rows)
+    while result.has_more_pages:
+        response = result.response_future
+        # The driver calls a future's callbacks again for every page: drop the last page's
+        # before asking for the next one.
+        response.clear_callbacks()
+        response.start_fetching_next_page()
+        result = await _result(response)
+        rows.extend(result.current_rows)
+    return rows
+
+
+async def _result(response: ResponseFuture) -> Any:
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Any] = loop.create_future()
-    response = session.execute_async(statement, params)
 
     def on_result(_: Any) -> None:
         loop.call_soon_threadsafe(_settle, done, response, None)
@@ -82,7 +131,7 @@ async def execute(session: Session, statement: str | Statement, params: Sequence
 
 
 def _settle(done: asyncio.Future[Any], response: Any, error: BaseException | None) -> None:
-    if done.cancelled():
+    if done.done():
         return
     if error is not None:
         done.set_exception(error)

@@ -41,10 +41,11 @@ class BatchMarks:
 
 
 class AckLog:
-    def __init__(self, store: Store, queue: QueueRef, subscriber: str, retention_seconds: int) -> None:
+    def __init__(self, store: Store, queue: QueueRef, subscriber_key: str, retention_seconds: int) -> None:
+        """`subscriber_key`: the subscriber's name and incarnation (`SubscriberState.ack_key`)."""
         self._store = store
         self._queue = queue.key
-        self._subscriber = subscriber
+        self._subscriber = subscriber_key
         table = f"{store.keyspace}.{ACKS_TABLE}"
         self._insert_outcome = store.session.prepare(
             f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, entry, outcome, seqs) "
@@ -64,7 +65,7 @@ class AckLog:
         self.statements = 0
 
     async def load_bucket(self, epoch: int, shard: int, bucket: int, from_batch: int) -> dict[int, BatchMarks]:
-        rows = await cql.execute(
+        rows = await cql.fetch_all(
             self._store.session, self._select, (self._queue, self._subscriber, epoch, shard, bucket, from_batch)
         )
         marks: dict[int, BatchMarks] = defaultdict(BatchMarks)

@@ -7,6 +7,7 @@ functions of (wanted spec, current state). Applying the same spec twice changes 
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -24,6 +25,7 @@ from casque.schema import (
 )
 from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState
 from casque.store import Store
+from casque.znodes import SubscriberPaths, decode_offset
 
 # Cassandra's memory use grows with the number of tables; warn well before it hurts.
 TABLE_COUNT_WARNING = 200
@@ -50,6 +52,12 @@ def ensure_installation(store: Store) -> None:
 def read_int(store: Store, path: str) -> int:
     data, _ = store.zk.get(path)
     return int(data.decode() or 0)
+
+
+def read_offset(store: Store, paths: SubscriberPaths, shard: int) -> int:
+    """The batch a subscriber reads next in `shard` (its epoch aside)."""
+    data, _ = store.zk.get(paths.offset(shard))
+    return decode_offset(data)[0]
 
 
 def read_queue(store: Store, queue: QueueRef) -> QueueState:
@@ -164,13 +172,14 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
             head = read_int(store, store.paths(queue).head(shard))
             offset = start_offset(store, queue, shard, head, spec)
             _create_if_absent(store, paths.offset(shard), str(offset).encode())
-        state = SubscriberState(spec=spec, created_at=datetime.now(timezone.utc))
+        state = SubscriberState(spec=spec, created_at=datetime.now(timezone.utc), incarnation=uuid.uuid4().hex[:12])
         store.zk.ensure_path(paths.members)
         store.zk.ensure_path(paths.leases)
+        store.zk.ensure_path(paths.fences)
         store.zk.set(paths.base, state.model_dump_json().encode())
         changes.actions.append(f"subscriber created at {_describe(spec.start_position)}")
     elif current.spec != spec:
-        store.zk.set(paths.base, SubscriberState(spec=spec, created_at=current.created_at).model_dump_json().encode())
+        store.zk.set(paths.base, current.model_copy(update={"spec": spec}).model_dump_json().encode())
         changes.actions.append("subscriber spec updated")
     return changes
 

@@ -6,6 +6,15 @@ and commits the offset when batches complete. `receive` takes ready messages rou
 over all leased shards, so no shard is stranded, and long-polls on an event instead of a
 timer. Each delivery gets a receipt naming its nonce; ack, nack and extend must present
 the current one.
+
+Faults: every per-shard task (fetch, commit) retries any error with backoff and reports it
+as the shard's `problem` (readiness says so); offset commits are fenced by the lease
+acquisition (casque.engine.offsets), so a member that lost a shard without noticing cannot
+move its offset, and acks written as rows are answered only after the fence is checked
+again; seeks are recognised by the epoch in the offset znode and handled shard by shard;
+a session loss drops every shard, and the member rejoins (casque.engine.leases). A
+subscriber deleted (or deleted and created again) ends this consumer: its waiting calls get
+SubscriberNotFound, and the owner starts a new consumer for the new incarnation.
 """
 
 from __future__ import annotations
@@ -15,35 +24,50 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
-from kazoo.exceptions import BadVersionError, NoNodeError
+from kazoo.exceptions import NoNodeError
 from kazoo.recipe.watchers import DataWatch
+from pydantic import ValidationError
 
 from casque.backends import zk
-from casque.engine import catalog, positions
+from casque.engine import catalog, offsets, positions
 from casque.engine.acks import ACK, DEAD, AckEvent, AckLog, BatchMarks
 from casque.engine.batches import Log
-from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
-from casque.engine.offsets import read_epoch
-from casque.engine.leases import ShardLeases
 from casque.engine.counters import QueueCounters, dead_lettered
 from casque.engine.deadletters import addressed_elsewhere, dead_letter_copy
+from casque.engine.leases import ShardLeases
+from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
+from casque.engine.offsets import CommitOutcome, OffsetRecord
 from casque.engine.publisher import Publisher
 from casque.engine.shard_state import Handout, ShardState
-from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, StaleReceipt
+from casque.errors import (
+    BackendUnavailable,
+    CasqueError,
+    InvalidSpec,
+    LeaseLost,
+    StaleReceipt,
+    SubscriberNotFound,
+)
 from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueState, SubscriberState, priority_of
 from casque.store import Store
 
 log = logging.getLogger(__name__)
 
-# Load more batches while fewer than this many messages of the shard are undone in memory.
+# Load more batches while fewer than this many messages, and fewer than this many payload
+# bytes, of the shard are held in memory (loaded and not done).
 PREFETCH_MESSAGES = 2000
+PREFETCH_BYTES = 8 * 1024 * 1024
 # When caught up, the head watch wakes the reader; this slow check only covers a publisher
 # that died between writing a batch and advancing the head.
 CAUGHT_UP_RECHECK_SECONDS = 5.0
 OFFSET_COMMIT_INTERVAL = 0.05
+# A failing read, commit or resync is tried again after a backoff between these bounds.
+RETRY_MIN_SECONDS = 0.1
+RETRY_MAX_SECONDS = 5.0
 # With several priority levels ready, at least one delivery in this many comes from a lower level.
 PRIORITY_FAIRNESS = 10
 # Each consumer reports its in-flight and delivery counts in its member znode this often.
@@ -65,26 +89,69 @@ class ConsumerCounters:
     batch_reads: int = 0
     ack_bucket_reads: int = 0
     expired_skipped: int = 0
+    retries: int = 0
+    leases_lost: int = 0
+    seeks_applied: int = 0
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    held: list[int]
+    # Due to this member but not held, and held but failing to read or commit.
+    missing: list[int] = field(default_factory=list)
+    failing: dict[int, str] = field(default_factory=dict)
+    problem: str = ""
+
+    @property
+    def unread(self) -> int:
+        """Shards due to this member that nobody reads now (all of them, as far as it knows, when
+        it is not in the group: then the count is what it holds, at least one)."""
+        if self.problem and not self.missing and not self.failing:
+            return max(1, len(self.held))
+        return len(self.missing) + len(self.failing)
+
+
+class Backoff:
+    """Exponential backoff for a retried step; `reset` after a success."""
+
+    def __init__(self) -> None:
+        self.delay = RETRY_MIN_SECONDS
+
+    def next(self) -> float:
+        delay, self.delay = self.delay, min(self.delay * 2, RETRY_MAX_SECONDS)
+        return delay
+
+    def reset(self) -> None:
+        self.delay = RETRY_MIN_SECONDS
 
 
 class ShardReader:
-    def __init__(self, consumer: Consumer, shard: int, offset: int, version: int, epoch: int) -> None:
+    def __init__(self, consumer: Consumer, shard: int, record: OffsetRecord, fence: int) -> None:
         self.consumer = consumer
         self.shard = shard
-        self.epoch = epoch
-        self.state = ShardState(shard=shard, offset=offset)
-        self._committed = offset
-        self._version = version
+        self.epoch = record.epoch
+        self.fence = fence
+        self.state = ShardState(shard=shard, offset=record.offset)
+        # What went wrong last in this shard's reading or committing; empty while all is well.
+        self.problem = ""
+        self._committed = record.offset
+        self._version = record.version
         self._head = 0
         self._wake = asyncio.Event()
         self._marks: dict[int, dict[int, BatchMarks]] = {}
         self._stopped = False
+        # No offset writes any more: the lease is gone, or a seek owns the offset now.
+        self._fenced = False
+        self._stopping: asyncio.Task[None] | None = None
         self._fetch_task: asyncio.Task[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None
         self._commit_wanted = asyncio.Event()
+        self._stop_event = asyncio.Event()
         # Acks waiting for an offset write that covers their batch: (batch, future).
         self._waiting_for_offset: list[tuple[int, asyncio.Future[None]]] = []
         self._waiter_added = asyncio.Event()
+        # Batch ranges [start, end) confirmed expired: the offset jumps over them.
+        self._gaps: dict[int, int] = {}
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -94,8 +161,13 @@ class ShardReader:
             paths.head(self.shard),
             zk.watch_in_loop(loop, self._head_changed, lambda: not self._stopped),
         )
-        self._fetch_task = loop.create_task(self._fetch_loop())
-        self._commit_task = loop.create_task(self._commit_loop())
+        self._fetch_task = loop.create_task(self._supervised("read", self._fetch_loop))
+        self._commit_task = loop.create_task(self._supervised("commit", self._commit_loop))
+
+    @property
+    def current(self) -> bool:
+        """Whether this reader still is the consumer's reader of its shard."""
+        return self.consumer.readers.get(self.shard) is self and not self._stopped
 
     def _head_changed(self, data: bytes | None, *_: object) -> None:
         if data:
@@ -105,47 +177,97 @@ class ShardReader:
     def space_freed(self) -> None:
         self._wake.set()
 
-    async def _fetch_loop(self) -> None:
-        log_ = self.consumer.log
+    async def _supervised(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
+        """Run a loop until the reader stops; whatever escapes it is logged and the loop restarted."""
+        backoff = Backoff()
         while not self._stopped:
-            if self.state.loaded_messages >= PREFETCH_MESSAGES:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            self._wake.clear()
-            first = self.state.next_batch
             try:
-                batches = await log_.read_from(self.shard, first)
-                self.consumer.counters.batch_reads += 1
-                if batches:
-                    marks = await self._marks_for(first)
-                    subscriber = self.consumer.subscriber
-                    for batch in batches:
-                        mark = marks.get(batch.header.batch, BatchMarks())
-                        # Redriven messages addressed to another subscriber are done for this one.
-                        skipped = {m.position.seq for m in batch.messages if addressed_elsewhere(m, subscriber)}
-                        self.state.add_batch(batch.header.batch, batch.messages, mark.done | skipped, mark.deliveries)
-                    self.consumer.notify()
-                    self._schedule_commit()
-                    continue
-                if first <= self._head:
-                    # Batches up to the head exist unless retention expired them: move on.
-                    earliest = await asyncio.to_thread(
-                        positions.earliest_batch, self.consumer.store, self.consumer.queue, self.shard, self._head
-                    )
-                    if earliest > first:
-                        self.consumer.counters.expired_skipped += earliest - first
-                        self.state.skip_to(earliest)
-                        self._schedule_commit()
-                        continue
-            except BackendUnavailable:
-                log.warning("shard %s: backend unavailable while reading; retrying", self.shard)
-                await asyncio.sleep(1.0)
+                await body()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                self.problem = f"{name}: {type(error).__name__}: {error}"
+                self.consumer.counters.retries += 1
+                log.exception("shard %s: %s loop failed; restarting it", self.shard, name)
+                await self._pause(backoff.next())
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake up at once when the reader stops."""
+        try:
+            await asyncio.wait_for(self._stop_event.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    # --- reading -------------------------------------------------------------------------
+    async def _fetch_loop(self) -> None:
+        backoff = Backoff()
+        while not self._stopped:
+            self._wake.clear()
+            try:
+                progressed = await self._fetch_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # every driver error: retry with backoff, say so meanwhile
+                self.problem = f"read: {type(error).__name__}: {error}"
+                self.consumer.counters.retries += 1
+                log.warning("shard %s: reading failed (%s); retrying", self.shard, self.problem)
+                await self._pause(backoff.next())
+                continue
+            self.problem = ""
+            backoff.reset()
+            if progressed:
                 continue
             try:
                 await asyncio.wait_for(self._wake.wait(), CAUGHT_UP_RECHECK_SECONDS)
             except TimeoutError:
                 pass
+
+    async def _fetch_once(self) -> bool:
+        """Load the next batches if there is room; True if something changed."""
+        state = self.state
+        if state.loaded_messages >= PREFETCH_MESSAGES or state.loaded_bytes >= PREFETCH_BYTES:
+            return False
+        consumer = self.consumer
+        first = state.next_batch
+        batches = await consumer.log.read_from(self.shard, first)
+        consumer.counters.batch_reads += 1
+        if batches:
+            found = batches[0].header.batch
+            if found > first:
+                await self._skip_missing(first, found)
+            marks = await self._marks_for(found)
+            for batch in batches:
+                mark = marks.get(batch.header.batch, BatchMarks())
+                # Redriven messages addressed to another subscriber are done for this one.
+                skipped = {m.position.seq for m in batch.messages if addressed_elsewhere(m, consumer.subscriber)}
+                state.add_batch(batch.header.batch, batch.messages, mark.done | skipped, mark.deliveries)
+            consumer.notify()
+            self._schedule_commit()
+            return True
+        if first <= self._head:
+            # Batches up to the head exist unless retention expired them.
+            earliest = await asyncio.to_thread(
+                positions.earliest_batch, consumer.store, consumer.queue, self.shard, self._head
+            )
+            if earliest > first:
+                await self._skip_missing(first, earliest)
+                self._schedule_commit()
+                return True
+        return False
+
+    async def _skip_missing(self, first: int, found: int) -> None:
+        """Batches first..found-1 were not read: move past them once they are known to be gone.
+
+        Batches are contiguous and expire oldest first, so a missing batch below a live one
+        has expired (TTL, a lowered retention), unless the read at a weak consistency missed
+        it. A serial read of `first` settles that; if it exists after all, read again.
+        """
+        if await self.consumer.log.read_header(self.shard, first, serial=True) is not None:
+            raise BackendUnavailable(f"batch {first} exists but the read did not return it")
+        self.consumer.counters.expired_skipped += found - first
+        self._gaps[first] = found
+        self.state.next_batch = max(self.state.next_batch, found)
 
     async def _marks_for(self, first_batch: int) -> dict[int, BatchMarks]:
         bucket = bucket_of(first_batch)
@@ -157,8 +279,17 @@ class ShardReader:
             self.consumer.counters.ack_bucket_reads += 1
         return self._marks[bucket]
 
+    # --- committing ----------------------------------------------------------------------
+    def _advance(self) -> None:
+        while True:
+            self.state.advance_offset()
+            end = self._gaps.pop(self.state.offset, None)
+            if end is None:
+                return
+            self.state.skip_to(end)
+
     def _schedule_commit(self) -> None:
-        self.state.advance_offset()
+        self._advance()
         if self.state.offset != self._committed:
             self._commit_wanted.set()
 
@@ -167,30 +298,39 @@ class ShardReader:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if batch < self._committed:
             future.set_result(None)
+        elif self._stopped:
+            future.set_exception(ConsumerStopped(f"shard {self.shard} released"))
         else:
             self._waiting_for_offset.append((batch, future))
             self._commit_wanted.set()
             self._waiter_added.set()
         return future
 
-    def _settle_waiters(self, error: BaseException | None = None) -> None:
+    def _settle_waiters(self, error: BaseException | None = None, everyone: bool = False) -> None:
         still: list[tuple[int, asyncio.Future[None]]] = []
         for batch, future in self._waiting_for_offset:
             if future.done():
                 continue
-            if error is not None:
-                future.set_exception(error)
-            elif batch < self._committed:
+            if batch < self._committed or (everyone and error is None):
                 future.set_result(None)
+            elif error is not None:
+                future.set_exception(error)
             else:
                 still.append((batch, future))
         self._waiting_for_offset = still
 
     async def _commit_loop(self) -> None:
-        while not self._stopped:
+        backoff = Backoff()
+        while True:
             await self._commit_wanted.wait()
             self._commit_wanted.clear()
-            await self.commit()
+            written = await self.commit()
+            if self._stopped:
+                return
+            if not written:
+                await self._pause(backoff.next())
+                continue
+            backoff.reset()
             if not self._waiting_for_offset:
                 # Nobody waits for an offset write: coalesce, at most one per interval, unless
                 # an ack starts waiting for one.
@@ -200,44 +340,90 @@ class ShardReader:
                 except TimeoutError:
                     pass
 
-    async def commit(self) -> None:
-        """Write the offset if it moved. A version conflict means a seek: the consumer reloads."""
+    async def commit(self) -> bool:
+        """Write the offset if it moved; False if it could not be written (and will be retried)."""
+        if self._fenced:
+            self._settle_waiters(LeaseLost(f"shard {self.shard} is no longer leased by this consumer"))
+            return True
         offset = self.state.offset
         if offset == self._committed:
             self._settle_waiters()
-            return
-        path = self.consumer.store.paths(self.consumer.queue).subscriber(self.consumer.subscriber).offset(self.shard)
+            return True
+        consumer = self.consumer
         try:
-            stat = await zk.call(self.consumer.store.zk.set_async, path, str(offset).encode(), self._version)
-        except BadVersionError:
-            # A seek moved the offset: the acks waiting here are moot, the range will be replayed.
-            self._committed = offset
-            self._settle_waiters()
-            self.consumer.seek_detected()
-            return
+            outcome, version = await offsets.commit_offset(
+                consumer.store.zk, consumer.paths, self.shard, offset, self.epoch, self._version, self.fence
+            )
         except BackendUnavailable as error:
+            self.problem = f"commit: {error}"
             self._settle_waiters(error)
             self._commit_wanted.set()
-            return
-        self._version = stat.version
-        self._committed = offset
-        self.consumer.counters.offset_commits += 1
-        self._settle_waiters()
+            return False
+        if outcome is CommitOutcome.WRITTEN:
+            self._version = version
+            self._committed = offset
+            self.problem = ""
+            consumer.counters.offset_commits += 1
+            self._settle_waiters()
+            return True
+        if outcome is CommitOutcome.LEASE_LOST:
+            self._fenced = True
+            self._settle_waiters(LeaseLost(f"shard {self.shard} moved to another member"))
+            consumer.lease_lost(self)
+            return True
+        if outcome is CommitOutcome.GONE:
+            self._fenced = True
+            self._settle_waiters(SubscriberNotFound(f"subscriber {consumer.subscriber} was deleted"))
+            consumer.subscriber_gone(f"subscriber {consumer.subscriber} was deleted")
+            return True
+        # MOVED: a seek (the epoch changed), or our own earlier write whose reply was lost.
+        record = await offsets.read_offset(consumer.store.zk, consumer.paths, self.shard)
+        if record.epoch != self.epoch:
+            self._fenced = True
+            # The acks waiting here are moot: the seek replays or skips their range.
+            self._settle_waiters(everyone=True)
+            consumer.resync()
+            return True
+        self._version = record.version
+        self._committed = record.offset
+        self._commit_wanted.set()
+        return True
+
+    async def still_leased(self) -> bool:
+        """Whether our acquisition is still the shard's latest (read after a write it must cover)."""
+        if self._fenced:
+            return False
+        stat = await zk.call(self.consumer.store.zk.exists_async, self.consumer.paths.fence(self.shard))
+        return stat is not None and stat.version == self.fence
 
     async def stop(self, flush: bool) -> None:
+        """Stop reading. With `flush`, write pending acks and the offset first (a clean release);
+        an offset write already under way is always awaited, never cancelled."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self._stop(flush))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, flush: bool) -> None:
         self._stopped = True
+        self._stop_event.set()
         self._wake.set()
+        if self._fetch_task is not None:
+            self._fetch_task.cancel()
+            await asyncio.gather(self._fetch_task, return_exceptions=True)
+        if flush and not self._fenced:
+            try:
+                await self.consumer.acks.flush()
+            except CasqueError as error:
+                log.warning("shard %s: acks not flushed on release: %s", self.shard, error)
+            self._advance()
+        else:
+            self._fenced = True
+        # The commit loop makes one last pass (a final write when flushing) and ends.
         self._commit_wanted.set()
         self._waiter_added.set()
-        for task in (self._fetch_task, self._commit_task):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in (self._fetch_task, self._commit_task) if t), return_exceptions=True)
-        if flush:
-            await self.consumer.acks.flush()
-            self.state.advance_offset()
-            await self.commit()
-        # Acks still waiting for an offset write fall back to ack rows.
+        if self._commit_task is not None:
+            await asyncio.gather(self._commit_task, return_exceptions=True)
+        # Acks still waiting for an offset write fall back to ack rows or fail.
         self._settle_waiters(ConsumerStopped(f"shard {self.shard} released"))
 
 
@@ -259,11 +445,14 @@ class Consumer:
         self._served: dict[int, int] = {}
         self._leases: ShardLeases | None = None
         self._stopped = False
-        self._reset_pending = False
-        self._report_task: asyncio.Task[None] | None = None
+        self._resync_wanted = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
         self._dead_letters: Publisher | None = None
         self._max_deliveries = 0
-        self._moving: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        # Why this consumer ended by itself (its subscriber was deleted); empty while it serves.
+        self.gone_reason = ""
+        self.on_gone: list[Callable[[Consumer], None]] = []
 
     async def start(self) -> None:
         self.queue_state: QueueState = await asyncio.to_thread(catalog.read_queue, self.store, self.queue)
@@ -272,7 +461,8 @@ class Consumer:
         )
         spec = self.queue_state.spec
         self.log = Log(self.store, self.queue, spec.consistency)
-        self.acks = AckLog(self.store, self.queue, self.subscriber, spec.retention_seconds)
+        self.acks = AckLog(self.store, self.queue, self.subscriber_state.ack_key(self.subscriber),
+                           spec.retention_seconds)
         self._queue_counters = QueueCounters(self.store, self.queue)
         self.paths = self.store.paths(self.queue).subscriber(self.subscriber)
         subscriber_spec = self.subscriber_state.spec
@@ -287,9 +477,12 @@ class Consumer:
             on_acquired=self._acquired, on_released=self._released, on_lost=self._lost,
         )
         loop = asyncio.get_running_loop()
-        DataWatch(self.store.zk, self.paths.seek, zk.watch_in_loop(loop, self._seek_changed, lambda: not self._stopped))
+        active = lambda: not self._stopped  # noqa: E731
+        DataWatch(self.store.zk, self.paths.seek, zk.watch_in_loop(loop, self._seek_changed, active))
+        DataWatch(self.store.zk, self.store.paths(self.queue).base, zk.watch_in_loop(loop, self._queue_changed, active))
+        DataWatch(self.store.zk, self.paths.base, zk.watch_in_loop(loop, self._subscriber_changed, active))
         await self._leases.start()
-        self._report_task = loop.create_task(self._report_loop())
+        self._tasks = [loop.create_task(self._report_loop()), loop.create_task(self._resync_loop())]
 
     def report(self) -> dict[str, int]:
         return {
@@ -324,11 +517,15 @@ class Consumer:
     def notify(self) -> None:
         self._available.set()
 
-    # --- lease callbacks -------------------------------------------------------------
-    async def _acquired(self, shard: int) -> None:
-        epoch, _ = await asyncio.to_thread(read_epoch, self.store.zk, self.paths)
-        data, stat = await zk.call(self.store.zk.get_async, self.paths.offset(shard))
-        reader = ShardReader(self, shard, int(data or b"1"), stat.version, epoch)
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- lease callbacks -------------------------------------------------------------------
+    async def _acquired(self, shard: int, fence: int) -> None:
+        record = await offsets.read_offset(self.store.zk, self.paths, shard)
+        reader = ShardReader(self, shard, record, fence)
         self.readers[shard] = reader
         reader.start()
 
@@ -339,41 +536,112 @@ class Consumer:
 
     async def _lost(self) -> None:
         readers, self.readers = self.readers, {}
-        for reader in readers.values():
-            await reader.stop(flush=False)
+        await asyncio.gather(*(reader.stop(flush=False) for reader in readers.values()))
 
-    # --- seeks -------------------------------------------------------------------------
+    def lease_lost(self, reader: ShardReader) -> None:
+        """A commit found the shard's fence moved: drop the shard; the leases rebalance."""
+        self.counters.leases_lost += 1
+        log.warning("shard %s: another member acquired it; dropping it", reader.shard)
+        if self.readers.get(reader.shard) is reader:
+            del self.readers[reader.shard]
+        if self._leases is not None and self._leases.held.get(reader.shard) == reader.fence:
+            self._leases.forget(reader.shard)
+        self._in_background(reader.stop(flush=False))
+
+    # --- seeks and spec changes ------------------------------------------------------------
     def _seek_changed(self, *_: object) -> None:
-        self.seek_detected()
+        self.resync()
 
-    def seek_detected(self) -> None:
-        """Restart every held shard from the offsets in ZooKeeper (a seek moved them)."""
-        if self._reset_pending or not self.readers:
-            return
-        self._reset_pending = True
-        asyncio.get_running_loop().create_task(self._reset_all())
+    def resync(self) -> None:
+        """Compare every held shard's epoch with its offset znode and restart the ones a seek moved.
 
-    async def _reset_all(self) -> None:
-        try:
-            for shard in sorted(self.readers):
-                old = self.readers.pop(shard)
-                await old.stop(flush=False)
-                await self._acquired(shard)
-        finally:
-            self._reset_pending = False
+        An event, not a flag: a seek noticed while a resync runs causes one more pass."""
+        self._resync_wanted.set()
+
+    async def _resync_loop(self) -> None:
+        backoff = Backoff()
+        while not self._stopped:
+            await self._resync_wanted.wait()
+            self._resync_wanted.clear()
+            try:
+                await self._resync()
+                backoff.reset()
+            except Exception as error:
+                log.warning("applying a seek failed (%s); retrying", error)
+                self.counters.retries += 1
+                await asyncio.sleep(backoff.next())
+                self._resync_wanted.set()
+
+    async def _resync(self) -> None:
+        for shard, reader in sorted(self.readers.items()):
+            record = await offsets.read_offset(self.store.zk, self.paths, shard)
+            if record.epoch == reader.epoch or not reader.current:
+                continue
+            await reader.stop(flush=False)
+            fence = self._leases.held.get(shard) if self._leases is not None else None
+            if self.readers.get(shard) is not reader or fence != reader.fence:
+                continue  # released or lost meanwhile: the lease callbacks own the shard now
+            fresh = ShardReader(self, shard, record, reader.fence)
+            self.readers[shard] = fresh
+            fresh.start()
+            self.counters.seeks_applied += 1
         self.notify()
+
+    def _queue_changed(self, data: bytes | None, *_: object) -> None:
+        if not data:
+            return  # the queue's deletion removes the subscriber too, which ends this consumer
+        try:
+            state = QueueState.model_validate_json(data)
+        except ValidationError:
+            return
+        self.queue_state = state
+        if self._leases is not None:
+            # Shards or priority levels added: take part in consuming them at once.
+            self._leases.set_shards(state.spec.log_shards())
+
+    def _subscriber_changed(self, data: bytes | None, *_: object) -> None:
+        if not data:
+            self.subscriber_gone(f"subscriber {self.subscriber} was deleted")
+            return
+        try:
+            state = SubscriberState.model_validate_json(data)
+        except ValidationError:
+            return
+        if state.incarnation != self.subscriber_state.incarnation:
+            self.subscriber_gone(f"subscriber {self.subscriber} was deleted and created again")
+            return
+        self.subscriber_state = state
+
+    def subscriber_gone(self, reason: str) -> None:
+        """The subscriber this consumer serves no longer exists: end, and tell the owner."""
+        if self.gone_reason or self._stopped:
+            return
+        self.gone_reason = reason
+        log.warning("%s: this consumer stops", reason)
+        self._in_background(self._end())
+
+    async def _end(self) -> None:
+        await self.stop()
+        for callback in self.on_gone:
+            callback(self)
 
     # --- the queue API -----------------------------------------------------------------
     async def receive(self, max_messages: int = 10, wait: float = 0.0, visibility: float | None = None) -> list[Delivery]:
-        """Up to `max_messages` deliveries; waits up to `wait` seconds for the first one."""
+        """Up to `max_messages` deliveries; waits up to `wait` seconds for the first one.
+
+        Each delivery's count is durable before it is returned, so a message that crashes
+        every consumer it reaches still reaches the subscriber's max deliveries.
+        """
         deadline = time.monotonic() + wait
         while True:
+            if self.gone_reason:
+                raise SubscriberNotFound(self.gone_reason)
             if self._stopped:
                 raise ConsumerStopped("the consumer is shutting down")
             self._available.clear()
             got = self._take(max_messages, visibility or self.visibility_timeout)
             if got:
-                await self._record_redeliveries(got)
+                await self._record_deliveries(got)
                 return got
             now = time.monotonic()
             remaining = deadline - now
@@ -461,9 +729,7 @@ class Consumer:
             if not progressed:
                 break
         if dead:
-            task = asyncio.get_running_loop().create_task(self._dead_letter(dead))
-            self._moving.add(task)
-            task.add_done_callback(self._moving.discard)
+            self._in_background(self._dead_letter(dead))
         return deliveries
 
     async def _dead_letter(self, handouts: list[tuple[ShardReader, Handout]]) -> None:
@@ -483,7 +749,7 @@ class Consumer:
             except CasqueError as error:
                 log.warning("dead-lettering %s failed (%s); it will be tried again", message.message_id, error)
                 return
-            if self.readers.get(reader.shard) is not reader or reader.state.dead_letter(message.position) is None:
+            if not reader.current or reader.state.dead_letter(message.position) is None:
                 return  # the shard moved or was reset meanwhile; the copy's client id prevents a double
             self.counters.dead_lettered += 1
             await self._queue_counters.add(dead_lettered(self.subscriber), 1)
@@ -494,18 +760,29 @@ class Consumer:
 
         await asyncio.gather(*(move(r, h) for r, h in handouts))
 
-    async def _record_redeliveries(self, deliveries: list[Delivery]) -> None:
-        """Persist delivery counts above one, so a new lease holder keeps counting."""
-        futures = []
+    async def _record_deliveries(self, deliveries: list[Delivery]) -> None:
+        """Write every delivery's count; if that fails, put the messages back and raise."""
+        writes: list[asyncio.Future[None]] = []
         for d in deliveries:
-            if d.delivery_count > 1:
-                reader = self.readers.get(d.message.position.shard)
-                if reader is not None:
-                    p = d.message.position
-                    futures.append(self.acks.record(AckEvent(reader.epoch, p.shard, p.batch, p.seq,
-                                                             deliveries=d.delivery_count)))
-        if futures:
-            await asyncio.gather(*futures, return_exceptions=True)
+            reader = self.readers.get(d.message.position.shard)
+            if reader is not None:
+                p = d.message.position
+                writes.append(self.acks.record(AckEvent(reader.epoch, p.shard, p.batch, p.seq,
+                                                        deliveries=d.delivery_count)))
+        outcomes = await asyncio.gather(*writes, return_exceptions=True)
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failure is None:
+            return
+        for d in deliveries:
+            position, nonce = decode_receipt(d.receipt)
+            reader = self.readers.get(position.shard)
+            if reader is not None:
+                reader.state.undo_take(position, nonce)
+        self.counters.deliveries -= len(deliveries)
+        self.notify()
+        if isinstance(failure, CasqueError):
+            raise failure
+        raise BackendUnavailable(f"delivery counts not recorded: {failure!r}") from failure
 
     def _reader_for(self, receipt: str) -> tuple[ShardReader, Position, int]:
         position, nonce = decode_receipt(receipt)
@@ -525,12 +802,12 @@ class Consumer:
         """Acknowledge several deliveries at once; one result (or error) per receipt, in order.
 
         Returns once every newly done message is durable: either a written offset is past
-        its batch (the batch is complete: one ZooKeeper write covers all of its acks) or its
-        ack row is written.
+        its batch (the batch is complete: one fenced ZooKeeper write covers all of its acks)
+        or its ack row is written and the shard's lease is confirmed still ours afterwards
+        (a new holder reads the ack rows only after it takes the lease, so it sees the row).
         """
         results: list[bool | CasqueError] = []
-        covering: dict[ShardReader, int] = {}
-        newly: list[tuple[ShardReader, AckEvent]] = []
+        newly: list[tuple[int, ShardReader, AckEvent]] = []
         for receipt in receipts:
             try:
                 reader, position, nonce = self._reader_for(receipt)
@@ -541,26 +818,44 @@ class Consumer:
             results.append(done)
             if done:
                 self.counters.acks += 1
-                newly.append((reader, AckEvent(reader.epoch, reader.shard, position.batch, position.seq, outcome=ACK)))
+                event = AckEvent(reader.epoch, reader.shard, position.batch, position.seq, outcome=ACK)
+                newly.append((len(results) - 1, reader, event))
         # Yield once, so that acks sent concurrently by other requests land before deciding
         # how to make these durable.
         await asyncio.sleep(0)
-        rows: list[asyncio.Future[None]] = []
-        for reader in {r for r, _ in newly}:
+        for reader in {r for _, r, _ in newly}:
             reader._schedule_commit()
             reader.space_freed()
-        for reader, event in newly:
+        as_rows: list[tuple[int, ShardReader, AckEvent]] = []
+        covering: dict[ShardReader, list[tuple[int, ShardReader, AckEvent]]] = {}
+        for item in newly:
+            _, reader, event = item
             if event.batch < reader.state.offset:
-                covering[reader] = max(covering.get(reader, 0), event.batch)
+                covering.setdefault(reader, []).append(item)
             else:
-                rows.append(self.acks.record(event))
-        offset_writes = {reader: reader.offset_covering(batch) for reader, batch in covering.items()}
-        for reader, outcome in zip(offset_writes, await asyncio.gather(*offset_writes.values(), return_exceptions=True)):
-            if isinstance(outcome, BaseException):
-                # ZooKeeper is away: make those acks durable as rows instead.
-                rows.extend(self.acks.record(e) for r, e in newly if r is reader and e.batch <= covering[reader])
-        if rows:
-            await asyncio.gather(*rows)
+                as_rows.append(item)
+        waits = {reader: reader.offset_covering(max(e.batch for _, _, e in items)) for reader, items in covering.items()}
+        outcomes = await asyncio.gather(*waits.values(), return_exceptions=True)
+        for (reader, items), outcome in zip(covering.items(), outcomes):
+            if isinstance(outcome, BackendUnavailable):
+                as_rows.extend(items)  # ZooKeeper is away: make those acks durable as rows instead
+            elif isinstance(outcome, CasqueError):
+                for index, _, _ in items:
+                    results[index] = outcome
+            elif isinstance(outcome, BaseException):
+                raise outcome
+        if as_rows:
+            await asyncio.gather(*(self.acks.record(e) for _, _, e in as_rows))
+            readers = {r for _, r, _ in as_rows}
+            leased = await asyncio.gather(*(r.still_leased() for r in readers))
+            for reader, ok in zip(readers, leased):
+                if ok:
+                    continue
+                lost = LeaseLost(f"shard {reader.shard} moved to another member before the ack was recorded; "
+                                 "the message may be delivered again")
+                for index, r, _ in as_rows:
+                    if r is reader:
+                        results[index] = lost
         return results
 
     async def nack(self, receipt: str, delay: float = 0.0, error: str | None = None) -> None:
@@ -591,9 +886,32 @@ class Consumer:
         if reader.state.in_flight_entry_or_none(position) is not None:
             raise BackendUnavailable("the dead-letter queue did not take the message; try again")
 
-    async def due_shards(self) -> set[int]:
-        """The shards the lease recipe gives this member now (it may not hold them all yet)."""
-        return set() if self._leases is None else await self._leases.assigned()
+    async def health(self) -> tuple[bool, str]:
+        """Whether this member consumes everything due to it, and if not, why (for readiness)."""
+        status = await self.shard_status()
+        return status.problem == "", status.problem or f"holding shards {','.join(map(str, status.held)) or 'none'}"
+
+    async def shard_status(self) -> ShardStatus:
+        """Which shards are due to this member, held, and failing."""
+        held = sorted(self.readers)
+        if self.gone_reason:
+            return ShardStatus(held, problem=self.gone_reason)
+        leases = self._leases
+        if leases is None:
+            return ShardStatus(held, problem="starting")
+        if not leases.connected or not leases.registered:
+            return ShardStatus(held, problem="not in the group: rejoining after a ZooKeeper session loss")
+        due = await leases.assigned()
+        if due is None:
+            return ShardStatus(held, problem="not in the group: registering")
+        missing = sorted(due - set(self.readers))
+        failing = {s: r.problem for s, r in sorted(self.readers.items()) if r.problem}
+        problems = []
+        if missing:
+            why = f" ({leases.last_error})" if leases.last_error else ""
+            problems.append(f"waiting for leases on shards {missing}{why}")
+        problems.extend(f"shard {s}: {problem}" for s, problem in failing.items())
+        return ShardStatus(held, missing, failing, "; ".join(problems))
 
     def in_flight(self) -> int:
         return sum(r.state.in_flight for r in self.readers.values())
@@ -602,14 +920,19 @@ class Consumer:
         """Stop: wait up to `drain_seconds` for in-flight messages to be acked, write
         acks and offsets, release the leases. Unacked messages go to the next holder."""
         deadline = time.monotonic() + drain_seconds
-        while self.in_flight() and time.monotonic() < deadline:
+        while self.in_flight() and time.monotonic() < deadline and not self.gone_reason:
             await asyncio.sleep(0.05)
+        if self._stopped:
+            return
         self._stopped = True
         self.notify()
-        if self._moving:
-            await asyncio.gather(*self._moving, return_exceptions=True)
-        if self._report_task is not None:
-            self._report_task.cancel()
+        current = asyncio.current_task()
+        others = [t for t in self._background if t is not current]
+        if others:
+            await asyncio.gather(*others, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._leases is not None:
             await self._leases.stop()
         for shard in list(self.readers):

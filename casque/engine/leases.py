@@ -1,47 +1,81 @@
-"""Shard leases: the live consumers of a subscriber share its shards evenly.
+"""Shard leases: the live consumers of a subscriber share its shards evenly and stickily.
 
 Recipe:
-- Each consumer registers an ephemeral member znode. Members sorted by id take shards
-  round-robin: the i-th shard in order belongs to member i mod n. Every member computes the same
-  assignment from the same member list, so no coordinator is needed.
-- A member consumes a shard only while it holds the shard's ephemeral lease znode (data:
-  its member id). On a membership change it first releases the shards it no longer owns
-  (after its callback has flushed acks and offsets), then tries to create the leases of
-  its new shards; a lease still held by the previous owner is retried when the lease
-  children change. So a shard never has two holders, and moves within one watch round
-  trip of a change (a crashed member's leases go when its session expires).
+- Each consumer registers an ephemeral member znode. Every member computes the same
+  assignment from the same member list (`assign`: rendezvous hashing with a bound on each
+  member's load), so no coordinator is needed, the shares differ by at most one shard, and
+  a member joining or leaving moves about shards/members shards, not most of them.
+- A member consumes a shard only while it holds the shard's ephemeral lease znode (data: its
+  member id). It creates the lease and bumps the shard's fence znode in one multi, so the
+  fence version names the acquisition: offset commits and the lease's own release check it,
+  and a member that lost the lease without noticing (a pause past its session) can neither
+  move the offset nor delete the next holder's lease.
+- On a membership change a member first releases the shards it no longer owns (after its
+  callback has flushed acks and offsets), then tries to create the leases of its new
+  shards; a lease still held by the previous owner is retried when the lease children
+  change. A shard whose acquisition callback fails is released and retried with backoff.
 
 Connection states: SUSPENDED keeps the leases (the session may still be alive) but the
 consumer stops handing out messages until CONNECTED again. LOST means the session expired
 and ZooKeeper removed our ephemeral znodes, so another member may already hold our shards:
-every shard is dropped at once without writing its offset, then the member registers again.
+every shard is dropped at once without writing its offset; once connected again (a new
+session) the member registers again and takes its share back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 from kazoo.recipe.watchers import ChildrenWatch
 
 from casque.backends import zk
+from casque.errors import BackendUnavailable
 from casque.znodes import SubscriberPaths
 
 log = logging.getLogger(__name__)
 
+# An acquisition callback gets the shard and its fence version.
+AcquiredCallback = Callable[[int, int], Awaitable[None]]
 ShardCallback = Callable[[int], Awaitable[None]]
+RETRY_MIN_SECONDS = 0.2
+RETRY_MAX_SECONDS = 5.0
+
+
+def _score(member: str, shard: int) -> int:
+    digest = hashlib.blake2b(f"{member}/{shard}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 def assign(members: list[str], shards: list[int]) -> dict[str, set[int]]:
-    """Which shards each member owns: round-robin over the sorted member ids."""
-    ordered = sorted(members)
+    """Which shards each member owns.
+
+    Every (member, shard) pair gets a hash score; pairs are taken best score first, and a
+    shard goes to the first member of its pairs with room. Room: at most floor(S/N) shards
+    each, plus one for the first S mod N members to reach that. The loads come out even
+    (within one), and since a shard's preferences do not depend on other members, a member
+    joining takes shards from the others instead of reshuffling them.
+    """
+    ordered = sorted(set(members))
     owned: dict[str, set[int]] = {m: set() for m in ordered}
-    if ordered:
-        for index, shard in enumerate(sorted(shards)):
-            owned[ordered[index % len(ordered)]].add(shard)
+    if not ordered:
+        return owned
+    base, extra = divmod(len(shards), len(ordered))
+    pairs = sorted(((_score(m, s), m, s) for m in ordered for s in set(shards)), reverse=True)
+    owner: dict[int, str] = {}
+    for _, member, shard in pairs:
+        if shard in owner:
+            continue
+        load = len(owned[member])
+        if load < base or (load == base and extra > 0):
+            if load == base:
+                extra -= 1
+            owner[shard] = member
+            owned[member].add(shard)
     return owned
 
 
@@ -52,25 +86,30 @@ class ShardLeases:
         paths: SubscriberPaths,
         member_id: str,
         shards: list[int],
-        on_acquired: ShardCallback,
+        on_acquired: AcquiredCallback,
         on_released: ShardCallback,
         on_lost: Callable[[], Awaitable[None]],
     ) -> None:
         self._client = client
         self._paths = paths
         self.member_id = member_id
-        self.shards = shards
+        self.shards = list(shards)
         self._on_acquired = on_acquired
         self._on_released = on_released
         self._on_lost = on_lost
-        self.held: set[int] = set()
+        # Held shards and the fence version of our acquisition.
+        self.held: dict[int, int] = {}
         self.connected = True
+        self.registered = False
         self._members: list[str] = []
         self._wanted = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lost = False
+        self._retry_delay = RETRY_MIN_SECONDS
+        self._fences_known: set[int] = set()
+        self.last_error = ""
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -82,11 +121,28 @@ class ShardLeases:
         self._task = self._loop.create_task(self._rebalance_loop())
 
     async def _register(self) -> None:
+        path = self._paths.member(self.member_id)
         try:
-            await zk.call(self._client.create_async, self._paths.member(self.member_id), b"", ephemeral=True,
-                          makepath=True)
+            await zk.call(self._client.create_async, path, b"", ephemeral=True, makepath=True)
         except NodeExistsError:
-            pass
+            # Ours from this session (a create whose reply was lost), or a leftover of an
+            # expired session that the server has not removed yet: replace the latter.
+            _, stat = await zk.call(self._client.get_async, path)
+            if stat.ephemeralOwner != self._client.client_id[0]:
+                await zk.call(self._client.delete_async, path, stat.version)
+                await zk.call(self._client.create_async, path, b"", ephemeral=True, makepath=True)
+        self.registered = True
+
+    def set_shards(self, shards: list[int]) -> None:
+        """The queue's shards changed (shards or priority levels added): rebalance over the new set."""
+        if sorted(shards) != sorted(self.shards):
+            self.shards = list(shards)
+            self._wanted.set()
+
+    def forget(self, shard: int) -> None:
+        """The shard's fence moved under us: someone else holds it. Drop it without touching ZooKeeper."""
+        if self.held.pop(shard, None) is not None:
+            self._wanted.set()
 
     def _members_changed(self, members: list[str], *_: object) -> None:
         self._members = list(members)
@@ -104,6 +160,7 @@ class ShardLeases:
     def _state_changed(self, state: str) -> None:
         if state == KazooState.LOST:
             self.connected = False
+            self.registered = False
             self._lost = True
             self._wanted.set()
         elif state == KazooState.SUSPENDED:
@@ -119,57 +176,108 @@ class ShardLeases:
             if self._stopping:
                 return
             try:
-                await self._rebalance()
-            except Exception:
-                log.exception("lease rebalance failed; retrying")
-                await asyncio.sleep(0.5)
+                retry = await self._rebalance()
+                self.last_error = ""
+            except Exception as error:  # every failure is retried: a member must never stop rebalancing
+                self.last_error = f"{type(error).__name__}: {error}"
+                log.warning("lease rebalance failed (%s); retrying in %.1fs", self.last_error, self._retry_delay)
+                retry = True
+            if retry:
+                await asyncio.sleep(self._retry_delay)
+                self._retry_delay = min(self._retry_delay * 2, RETRY_MAX_SECONDS)
                 self._wanted.set()
+            else:
+                self._retry_delay = RETRY_MIN_SECONDS
 
-    async def _rebalance(self) -> None:
+    async def _rebalance(self) -> bool:
+        """One pass; True if something must be tried again later."""
         if self._lost:
             # Our ephemeral znodes are gone: forget every shard without touching ZooKeeper.
             self._lost = False
             self.held.clear()
             await self._on_lost()
-            if not self.connected and self._client.state != KazooState.CONNECTED:
-                return
+        if not self.connected or self._client.state != KazooState.CONNECTED:
+            return False  # the CONNECTED transition sets _wanted again
+        if not self.registered:
             await self._register()
             self._members = list(await zk.call(self._client.get_children_async, self._paths.members))
-        if not self.connected:
-            return
         mine = assign(self._members, self.shards).get(self.member_id, set())
-        for shard in sorted(self.held - mine):
+        for shard in sorted(set(self.held) - mine):
             await self._release(shard)
-        for shard in sorted(mine - self.held):
-            if await self._try_acquire(shard):
-                self.held.add(shard)
-                await self._on_acquired(shard)
-
-    async def _try_acquire(self, shard: int) -> bool:
-        path = self._paths.lease(shard)
-        try:
-            await zk.call(self._client.create_async, path, self.member_id.encode(), ephemeral=True)
-            return True
-        except NodeExistsError:
+        retry = False
+        for shard in sorted(mine - set(self.held)):
+            fence = await self._try_acquire(shard)
+            if fence is None:
+                continue
+            self.held[shard] = fence
             try:
-                data, stat = await zk.call(self._client.get_async, path)
-            except NoNodeError:
-                self._wanted.set()  # freed meanwhile: try again
-                return False
-            # A lease of ours from this very session (a create whose reply was lost).
-            return bool(data.decode() == self.member_id and stat.ephemeralOwner == self._client.client_id[0])
+                await self._on_acquired(shard, fence)
+            except Exception as error:
+                # Without a reader the lease would strand the shard: give it up and try again.
+                log.warning("shard %s: starting to consume failed (%s); releasing and retrying", shard, error)
+                self.held.pop(shard, None)
+                await self._delete_lease(shard, fence)
+                retry = True
+        return retry
+
+    async def _ensure_fence(self, shard: int) -> None:
+        if shard in self._fences_known:
+            return
+        try:
+            await zk.call(self._client.create_async, self._paths.fence(shard), b"", makepath=True)
+        except NodeExistsError:
+            pass
+        self._fences_known.add(shard)
+
+    async def _try_acquire(self, shard: int) -> int | None:
+        """Create the lease and bump the fence in one multi; the new fence version, or None if held."""
+        await self._ensure_fence(shard)
+        transaction = self._client.transaction()
+        transaction.create(self._paths.lease(shard), self.member_id.encode(), ephemeral=True)
+        transaction.set_data(self._paths.fence(shard), self.member_id.encode())
+        results = await zk.call(transaction.commit_async)
+        created, fence = results
+        if not isinstance(created, Exception) and not isinstance(fence, Exception):
+            return int(fence.version)
+        cause = next(r for r in results if isinstance(r, Exception) and not isinstance(r, RolledBackError))
+        if isinstance(cause, NoNodeError):
+            self._fences_known.discard(shard)
+            raise BackendUnavailable(f"shard {shard}: the fence or lease parent is missing")
+        if not isinstance(cause, NodeExistsError):
+            raise cause
+        try:
+            data, stat = await zk.call(self._client.get_async, self._paths.lease(shard))
+        except NoNodeError:
+            self._wanted.set()  # freed meanwhile: try again
+            return None
+        if data.decode() == self.member_id and stat.ephemeralOwner == self._client.client_id[0]:
+            # Our own multi whose reply was lost: nobody can have bumped the fence since.
+            _, fence_stat = await zk.call(self._client.get_async, self._paths.fence(shard))
+            return int(fence_stat.version)
+        return None
 
     async def _release(self, shard: int) -> None:
         await self._on_released(shard)
-        self.held.discard(shard)
-        try:
-            await zk.call(self._client.delete_async, self._paths.lease(shard))
-        except NoNodeError:
-            pass
+        fence = self.held.pop(shard, None)
+        if fence is not None:
+            await self._delete_lease(shard, fence)
 
-    async def assigned(self) -> set[int]:
-        """The shards this member should hold among the live members (held or not yet)."""
+    async def _delete_lease(self, shard: int, fence: int) -> None:
+        """Delete our lease, unless the fence moved: then the lease there is someone else's."""
+        transaction = self._client.transaction()
+        transaction.check(self._paths.fence(shard), fence)
+        transaction.delete(self._paths.lease(shard))
+        results = await zk.call(transaction.commit_async)
+        failures = [r for r in results if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
+        if failures and not isinstance(failures[0], (BadVersionError, NoNodeError)):
+            raise failures[0]
+
+    async def assigned(self) -> set[int] | None:
+        """The shards this member should hold among the live members (held or not yet);
+        None while this member is not in the group."""
         members = await zk.call(self._client.get_children_async, self._paths.members)
+        if self.member_id not in members:
+            return None
         return assign(list(members), self.shards).get(self.member_id, set())
 
     async def stop(self) -> None:
@@ -179,9 +287,12 @@ class ShardLeases:
         if self._task is not None:
             await self._task
         for shard in sorted(self.held):
-            await self._release(shard)
+            try:
+                await self._release(shard)
+            except BackendUnavailable as error:
+                log.warning("shard %s: lease not released (%s); it goes when the session ends", shard, error)
         self._client.remove_listener(self._on_state)
         try:
             await zk.call(self._client.delete_async, self._paths.member(self.member_id))
-        except NoNodeError:
+        except (NoNodeError, BackendUnavailable):
             pass

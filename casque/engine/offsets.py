@@ -1,13 +1,17 @@
-"""Subscriber offsets and seeks in ZooKeeper.
+"""Subscriber offsets, lease fences and seeks in ZooKeeper.
 
-An offset znode holds the first batch of its shard with a message not yet done. Only the
-lease holder writes it, with the znode version as compare-and-set: a write that fails means
-a seek moved the offset, and the holder must reload instead of overwriting it.
+An offset znode holds the first batch of its shard with a message not yet done, and the
+shard's seek epoch ("N@E", see casque.znodes), read together in one read. Only the lease
+holder writes it, in one ZooKeeper multi that checks the shard's fence znode: every lease
+acquisition bumps the fence's version, so a holder that lost its lease (a session expiry it
+has not noticed yet, a pause past it) can never write an offset once a new holder exists.
+The set also carries the offset znode's version: a seek in between makes it fail, and the
+holder learns it was a seek from the epoch it then reads, never from the failure alone.
 
-A seek writes the new offsets of every shard and bumps the subscriber's epoch in one
-ZooKeeper transaction. The epoch keys the ack records, so a replay of a range delivers its
-messages again instead of skipping those acked in the earlier pass. Lease holders watch the
-seek znode and restart their shards from the new offsets.
+A seek writes the new offsets of the shards it names with their epoch bumped, and a record
+of the seek, in one ZooKeeper transaction. The epoch keys the ack records, so a replay of a
+range delivers its messages again instead of skipping those acked in the earlier pass; a
+shard the seek does not name keeps its epoch, its offset and its reader.
 """
 
 from __future__ import annotations
@@ -15,16 +19,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from enum import Enum
 from typing import Literal
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 
+from casque.backends import zk
 from casque.engine import catalog, positions
-from casque.errors import PositionOutOfRange
+from casque.errors import BackendUnavailable, PositionOutOfRange, SubscriberNotFound
 from casque.schema import QueueRef
 from casque.store import Store
-from casque.znodes import SubscriberPaths
+from casque.znodes import SubscriberPaths, decode_offset, encode_offset
+
+# Seeks that lose a compare-and-set to a commit (or another seek) recompute and try again.
+SEEK_ATTEMPTS = 20
 
 
 @dataclass(frozen=True)
@@ -36,8 +45,24 @@ class SeekTarget:
     batches: dict[int, int] | None = None
 
 
+@dataclass(frozen=True)
+class OffsetRecord:
+    """An offset znode as read: where the shard resumes, in which epoch, at which znode version."""
+
+    offset: int
+    epoch: int
+    version: int
+
+
+class CommitOutcome(Enum):
+    WRITTEN = "written"
+    LEASE_LOST = "lease_lost"  # the fence moved: another member holds the shard now
+    MOVED = "moved"  # the offset znode changed under us: a seek, or our own write whose reply was lost
+    GONE = "gone"  # the subscriber was deleted
+
+
 def read_epoch(client: KazooClient, paths: SubscriberPaths) -> tuple[int, int]:
-    """(epoch, znode version) of the subscriber's seek znode; (0, -1) before any seek."""
+    """(latest epoch any shard was sought to, znode version) of the seek record; (0, -1) before any seek."""
     try:
         data, stat = client.get(paths.seek)
     except NoNodeError:
@@ -45,8 +70,37 @@ def read_epoch(client: KazooClient, paths: SubscriberPaths) -> tuple[int, int]:
     return int(json.loads(data or b"{}").get("epoch", 0)), stat.version
 
 
+async def read_offset(client: KazooClient, paths: SubscriberPaths, shard: int) -> OffsetRecord:
+    data, stat = await zk.call(client.get_async, paths.offset(shard))
+    offset, epoch = decode_offset(data)
+    return OffsetRecord(offset, epoch, stat.version)
+
+
+async def commit_offset(
+    client: KazooClient, paths: SubscriberPaths, shard: int, offset: int, epoch: int, version: int, fence: int
+) -> tuple[CommitOutcome, int]:
+    """Write `offset` if the fence and the offset znode are still at the versions we know.
+
+    Returns the outcome and, when written, the offset znode's new version.
+    """
+    transaction = client.transaction()
+    transaction.check(paths.fence(shard), fence)
+    transaction.set_data(paths.offset(shard), encode_offset(offset, epoch), version)
+    results = await zk.call(transaction.commit_async)
+    fence_result, offset_result = results
+    if isinstance(fence_result, NoNodeError) or isinstance(offset_result, NoNodeError):
+        return CommitOutcome.GONE, version
+    if isinstance(fence_result, BadVersionError):
+        return CommitOutcome.LEASE_LOST, version
+    if isinstance(offset_result, BadVersionError):
+        return CommitOutcome.MOVED, version
+    if isinstance(offset_result, Exception):
+        raise BackendUnavailable(f"ZooKeeper refused the offset write: {offset_result!r}")
+    return CommitOutcome.WRITTEN, int(offset_result.version)
+
+
 def seek(store: Store, queue: QueueRef, subscriber: str, target: SeekTarget) -> dict[int, int]:
-    """Move a subscriber; returns the new offset of each shard."""
+    """Move a subscriber; returns the new offset of each shard it moved."""
     queue_state = catalog.read_queue(store, queue)
     catalog.read_subscriber(store, queue, subscriber)  # raises SubscriberNotFound
     paths = store.paths(queue).subscriber(subscriber)
@@ -78,20 +132,35 @@ def seek(store: Store, queue: QueueRef, subscriber: str, target: SeekTarget) -> 
                     f"shard {shard} holds batches {earliest}..{head}; cannot seek to batch {wanted}"
                 )
             offsets[shard] = wanted
-    epoch, version = read_epoch(store.zk, paths)
-    seek_record = json.dumps(
-        {"epoch": epoch + 1, "target": target.kind, "offsets": offsets,
+    for _ in range(SEEK_ATTEMPTS):
+        if _try_seek(store.zk, paths, target, offsets):
+            return offsets
+    raise BackendUnavailable(f"subscriber {subscriber}: offsets kept changing during the seek; try again")
+
+
+def _try_seek(client: KazooClient, paths: SubscriberPaths, target: SeekTarget, offsets: dict[int, int]) -> bool:
+    """One compare-and-set of every moved offset and the seek record; False if something moved meanwhile."""
+    epoch, version = read_epoch(client, paths)
+    new_epoch = epoch + 1
+    transaction = client.transaction()
+    for shard, offset in offsets.items():
+        _, stat = client.get(paths.offset(shard))
+        transaction.set_data(paths.offset(shard), encode_offset(offset, new_epoch), stat.version)
+    record = json.dumps(
+        {"epoch": new_epoch, "target": target.kind, "offsets": {str(s): o for s, o in offsets.items()},
          "requested_at": datetime.now(timezone.utc).isoformat()}
     ).encode()
-    transaction = store.zk.transaction()
-    for shard, offset in offsets.items():
-        transaction.set_data(paths.offset(shard), str(offset).encode())
     if version < 0:
-        transaction.create(paths.seek, seek_record)
+        transaction.create(paths.seek, record)
     else:
-        transaction.set_data(paths.seek, seek_record, version=version)
+        transaction.set_data(paths.seek, record, version=version)
     results = transaction.commit()
     failures = [r for r in results if isinstance(r, Exception)]
-    if failures:
-        raise failures[0]
-    return offsets
+    if not failures:
+        return True
+    cause = next(f for f in failures if not isinstance(f, RolledBackError))
+    if isinstance(cause, (BadVersionError, NodeExistsError)):
+        return False
+    if isinstance(cause, NoNodeError):
+        raise SubscriberNotFound(f"subscriber {paths.name} was removed during the seek")
+    raise cause

@@ -8,6 +8,13 @@ receive scan the messages behind it.
 
 The offset is the first batch with a message not yet done (acked or dead-lettered); it
 moves forward only over complete batches.
+
+Memory: a done message's entry is dropped at once; its batch keeps only the set of done
+seqs until the batch completes, and a complete batch behind an unfinished one is an empty
+marker. So one message nacked for hours pins its batch's seq set, not the backlog behind it,
+and the prefetch budget (`loaded_messages`, `loaded_bytes`) counts exactly what is held.
+Stale heap entries (from extends, nacks and redeliveries) are compacted away once they
+outnumber the live ones, so no sequence of calls grows a heap without bound.
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ class Entry:
 
 @dataclass
 class LoadedBatch:
+    # Messages not done yet; done ones are only a seq in `done` (cleared once the batch completes).
     entries: dict[int, Entry]
     remaining: int
+    done: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,11 @@ class Handout:
     # Over the subscriber's max deliveries: to be dead-lettered, not delivered.
     dead: bool = False
 
+
+# A heap is rebuilt without its stale entries when it holds more than this many times
+# the live ones (plus a floor, so small heaps are left alone).
+HEAP_SLACK = 4
+HEAP_FLOOR = 1024
 
 # A message being dead-lettered stays invisible this long; if moving it fails, it comes
 # back and the move is tried again.
@@ -80,6 +94,8 @@ class ShardState:
     _delayed: list[tuple[float, int, int]] = field(default_factory=list)
     _deadlines: list[tuple[float, int, int, int]] = field(default_factory=list)
     _in_flight: int = 0
+    _loaded_messages: int = 0
+    _loaded_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.next_batch = max(self.next_batch, self.offset)
@@ -97,18 +113,20 @@ class ShardState:
             return
         done = done or set()
         deliveries = deliveries or {}
-        entries: dict[int, Entry] = {}
-        remaining = 0
+        loaded = LoadedBatch({}, 0)
         for message in messages:
             seq = message.position.seq
-            entry = Entry(message, deliveries=deliveries.get(seq, 0))
             if seq in done:
-                entry.state = State.DONE
-            else:
-                remaining += 1
-                heapq.heappush(self._ready, (batch, seq))
-            entries[seq] = entry
-        self.batches[batch] = LoadedBatch(entries, remaining)
+                loaded.done.add(seq)
+                continue
+            loaded.entries[seq] = Entry(message, deliveries=deliveries.get(seq, 0))
+            loaded.remaining += 1
+            self._loaded_bytes += message.size
+            heapq.heappush(self._ready, (batch, seq))
+        self._loaded_messages += loaded.remaining
+        if loaded.remaining == 0:
+            loaded.done.clear()
+        self.batches[batch] = loaded
         self.next_batch = batch + 1
 
     def skip_to(self, batch: int) -> None:
@@ -167,13 +185,14 @@ class ShardState:
         Raises StaleReceipt if the message is in flight under another delivery, or is
         waiting to be delivered again.
         """
-        entry = self._entry(position.batch, position.seq)
-        if entry is None:
+        loaded = self.batches.get(position.batch)
+        if loaded is None:
             if position.batch < self.offset:
                 return False  # done long ago: acks are idempotent
             raise StaleReceipt(f"message {position.batch}/{position.seq} is not held by this consumer")
-        if entry.state is State.DONE:
-            return False
+        entry = loaded.entries.get(position.seq)
+        if entry is None:
+            return False  # done already (its batch may be complete and waiting for the offset)
         self._require_current(entry, nonce)
         self.counters.acked += 1
         self._finish(position.batch, entry)
@@ -191,13 +210,26 @@ class ShardState:
         else:
             entry.state = State.READY
             heapq.heappush(self._ready, (position.batch, position.seq))
+        self._compact()
         return entry
 
     def extend(self, position: Position, nonce: int, visibility: float, now: float) -> float:
         entry = self.in_flight_entry(position, nonce)
         entry.deadline = now + visibility
         heapq.heappush(self._deadlines, (entry.deadline, position.batch, position.seq, nonce))
+        self._compact()
         return entry.deadline
+
+    def undo_take(self, position: Position, nonce: int) -> None:
+        """Put back a message handed out under `nonce` that never reached the app."""
+        entry = self._entry(position.batch, position.seq)
+        if entry is None or entry.state is not State.IN_FLIGHT or entry.nonce != nonce:
+            return
+        entry.state = State.READY
+        entry.deliveries = max(0, entry.deliveries - 1)
+        entry.nonce = 0
+        self._in_flight -= 1
+        heapq.heappush(self._ready, (position.batch, position.seq))
 
     def in_flight_entry_or_none(self, position: Position) -> Entry | None:
         entry = self._entry(position.batch, position.seq)
@@ -235,7 +267,17 @@ class ShardState:
 
     @property
     def loaded_messages(self) -> int:
-        return sum(loaded.remaining for loaded in self.batches.values())
+        """Messages held in memory: loaded and not done."""
+        return self._loaded_messages
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Payload bytes of the messages held in memory."""
+        return self._loaded_bytes
+
+    @property
+    def heap_entries(self) -> int:
+        return len(self._ready) + len(self._delayed) + len(self._deadlines)
 
     def has_ready(self, now: float) -> bool:
         self._release_due(now)
@@ -300,9 +342,44 @@ class ShardState:
         if entry.state is State.IN_FLIGHT and counted:
             self._in_flight -= 1
         entry.state = State.DONE
-        self.batches[batch].remaining -= 1
+        loaded = self.batches[batch]
+        seq = entry.message.position.seq
+        del loaded.entries[seq]
+        loaded.remaining -= 1
+        self._loaded_messages -= 1
+        self._loaded_bytes -= entry.message.size
+        if loaded.remaining:
+            loaded.done.add(seq)
+        else:
+            loaded.done.clear()  # complete: an empty marker until the offset passes it
 
     def _forget(self, batch: int) -> None:
         loaded = self.batches.pop(batch, None)
         if loaded is not None:
             self._in_flight -= sum(1 for e in loaded.entries.values() if e.state is State.IN_FLIGHT)
+            self._loaded_messages -= loaded.remaining
+            self._loaded_bytes -= sum(e.message.size for e in loaded.entries.values())
+
+    def _compact(self) -> None:
+        """Drop stale heap entries once they dominate (lazy deletion leaves them behind)."""
+        live = self._loaded_messages
+        if len(self._deadlines) > HEAP_FLOOR + HEAP_SLACK * self._in_flight:
+            self._deadlines = [
+                item for item in self._deadlines
+                if (e := self._entry(item[1], item[2])) is not None and e.state is State.IN_FLIGHT
+                and e.nonce == item[3] and e.deadline == item[0]
+            ]
+            heapq.heapify(self._deadlines)
+        if len(self._ready) > HEAP_FLOOR + HEAP_SLACK * live:
+            ready = {
+                (b, s) for b, s in self._ready if (e := self._entry(b, s)) is not None and e.state is State.READY
+            }
+            self._ready = list(ready)
+            heapq.heapify(self._ready)
+        if len(self._delayed) > HEAP_FLOOR + HEAP_SLACK * live:
+            self._delayed = [
+                item for item in self._delayed
+                if (e := self._entry(item[1], item[2])) is not None and e.state is State.DELAYED
+                and e.deadline == item[0]
+            ]
+            heapq.heapify(self._delayed)

@@ -25,6 +25,7 @@ from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters, dead_
 from casque.schema import QueueRef
 from casque.specs import priority_of
 from casque.store import Store
+from casque.znodes import decode_offset
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,8 @@ async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> Su
 
     async def one(shard: int) -> SubscriberShardStats:
         head = await _get_int(store, store.paths(queue).head(shard))
-        offset = await _get_int(store, paths.offset(shard))
+        data, _ = await zk.call(store.zk.get_async, paths.offset(shard))
+        offset, _epoch = decode_offset(data)
         try:
             holder, _ = await zk.call(store.zk.get_async, paths.lease(shard))
             leased_by: str | None = holder.decode()

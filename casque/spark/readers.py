@@ -151,8 +151,9 @@ def timeuuid_time(column: str) -> Column:
 
 
 def acks(spark: SparkSession, keyspace: str, resolved: ResolvedRange,
-         epochs: dict[str, list[int]]) -> DataFrame:
-    """Ack rows of `subscribers` (name -> epochs to read) for the range's partitions.
+         epochs: dict[str, tuple[str, list[int]]]) -> DataFrame:
+    """Ack rows of subscribers (name -> (ack key, epochs to read)) for the range's partitions,
+    with the subscriber's name in the `subscriber` column.
 
     The partition key (queue, subscriber, epoch, shard, bucket) is pushed down whole: the
     connector reads the product of the IN lists, or joins against it when it is large.
@@ -166,16 +167,16 @@ def acks(spark: SparkSession, keyspace: str, resolved: ResolvedRange,
         return base.select(*columns).where(F.lit(False))
     reads = plan_reads(resolved, max(1, MAX_READS // len(epochs)))
     frames = []
-    for subscriber, subscriber_epochs in sorted(epochs.items()):
+    for subscriber, (ack_key, subscriber_epochs) in sorted(epochs.items()):
         for shards, buckets in reads:
             frames.append(
                 base.where(
                     (F.col("queue") == resolved.queue.key)
-                    & (F.col("subscriber") == subscriber)
+                    & (F.col("subscriber") == ack_key)
                     & F.col("epoch").isin(subscriber_epochs)
                     & F.col("shard").isin(list(shards))
                     & F.col("bucket").isin(list(buckets))
-                ).select(*columns)
+                ).select(*columns).withColumn("subscriber", F.lit(subscriber))
             )
     rows = reduce(lambda a, b: a.unionByName(b), frames)
     within = _or([

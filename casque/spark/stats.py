@@ -262,8 +262,12 @@ def _latency(spark: SparkSession, store: Store, resolved: ResolvedRange, message
              subscribers: list[str]) -> tuple[list[Record], list[Record]]:
     from pyspark.sql import functions as F
 
+    # Every epoch up to the latest seek: a shard's epoch is the latest seek that named it.
     epochs = {
-        name: list(range(read_epoch(store.zk, store.paths(resolved.queue).subscriber(name))[0] + 1))
+        name: (
+            catalog.read_subscriber(store, resolved.queue, name).ack_key(name),
+            list(range(read_epoch(store.zk, store.paths(resolved.queue).subscriber(name))[0] + 1)),
+        )
         for name in subscribers
     }
     acked = (

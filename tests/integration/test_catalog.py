@@ -24,7 +24,7 @@ def test_apply_queue_is_idempotent_and_grows_shards(store: Store) -> None:
     assert "shard 2 added" in grown.actions
     assert read_table_options(store.session, store.keyspace, ORDERS).default_time_to_live == 7200
     # An existing subscriber reads the new shard from its start.
-    assert catalog.read_int(store, store.paths(ORDERS).subscriber("billing").offset(2)) == 1
+    assert catalog.read_offset(store, store.paths(ORDERS).subscriber("billing"), 2) == 1
 
     with pytest.raises(InvalidChange, match="never removed"):
         catalog.apply_queue(store, ORDERS, QueueSpec(shards=1))
@@ -44,7 +44,7 @@ def test_subscriber_start_positions(store: Store) -> None:
 
     def offset_of(name: str, position: object) -> int:
         catalog.apply_subscriber(store, ORDERS, name, SubscriberSpec(queue="orders", start_position=position))
-        return catalog.read_int(store, store.paths(ORDERS).subscriber(name).offset(0))
+        return catalog.read_offset(store, store.paths(ORDERS).subscriber(name), 0)
 
     assert offset_of("from-start", "earliest") == 1
     assert offset_of("from-now", "latest") == 11

@@ -496,7 +496,7 @@ async def test_draining_refuses_new_work_but_takes_acks_of_what_it_handed_out(
     acks = await call(client, f"{SUB}/ack", {"receipts": [m["receipt"] for m in held]})
     assert [r["status"] for r in acks["results"]] == ["acked", "acked"]
     await asyncio.wait_for(draining, 30)  # everything settled: the drain ends well before 60 s
-    offset = catalog.read_int(store, store.paths(REF).subscriber(SUBSCRIBER).offset(0))
+    offset = catalog.read_offset(store, store.paths(REF).subscriber(SUBSCRIBER), 0)
     head = catalog.read_int(store, store.paths(REF).head(0))
     assert offset == head + 1  # acks and offsets written before the leases went
 

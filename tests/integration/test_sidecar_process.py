@@ -173,7 +173,7 @@ async def test_sigterm_drains_takes_acks_for_held_messages_and_releases_leases(
     assert await asyncio.to_thread(sidecar.process.wait, 30) == 0  # drained long before 60 s
     paths = store.paths(REF)
     for shard in range(2):
-        offset = catalog.read_int(store, paths.subscriber(SUBSCRIBER).offset(shard))
+        offset = catalog.read_offset(store, paths.subscriber(SUBSCRIBER), shard)
         assert offset == catalog.read_int(store, paths.head(shard)) + 1
         assert store.zk.exists(paths.subscriber(SUBSCRIBER).lease(shard)) is None
     assert store.zk.get_children(paths.subscriber(SUBSCRIBER).members) == []

@@ -220,7 +220,8 @@ def _ack_some(store: Store, history: History) -> dict[str, int]:
     async def write() -> dict[str, int]:
         counts = {}
         for name, share in (("billing", 3), ("audit", 5)):
-            acks = AckLog(store, SOURCE, name, SPEC.retention_seconds)
+            key = catalog.read_subscriber(store, SOURCE, name).ack_key(name)
+            acks = AckLog(store, SOURCE, key, SPEC.retention_seconds)
             chosen = [m for i, m in enumerate(history.messages) if i % share == 0]
             await asyncio.gather(*(acks.record(AckEvent(0, m.shard, m.batch, m.seq, outcome=ACK)) for m in chosen))
             await acks.flush()
