@@ -26,7 +26,7 @@ from typing import Any
 
 from cassandra.query import UNSET_VALUE
 from kazoo.client import KazooState
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import LockTimeout, NoNodeError
 
 from casque.backends import cql, zk
 from casque.engine.messages import OutgoingMessage
@@ -37,6 +37,8 @@ from casque.store import Store
 
 log = logging.getLogger(__name__)
 
+# A follower waits this long for the election at a time, so that stop() is never stuck behind it.
+ELECTION_WAIT_SECONDS = 5.0
 # Messages due within this many seconds of now are published straight into the log.
 IMMEDIATE_SECONDS = 1.0
 # The mover wakes at least this often (sooner when a message is due sooner).
@@ -137,6 +139,8 @@ class DelayMover:
         self._leading: asyncio.Event = asyncio.Event()
         self.moved = 0
         self.passes = 0
+        # Elections this mover waited out without winning (another sidecar leads).
+        self.contentions = 0
 
     @property
     def leading(self) -> bool:
@@ -162,8 +166,8 @@ class DelayMover:
 
             self._store.zk.add_listener(on_state)
             try:
-                acquired = await asyncio.to_thread(lock.acquire, True, 5.0)
-                if not acquired:
+                if not await asyncio.to_thread(self._acquire, lock):
+                    self.contentions += 1
                     continue
                 self._leading.set()
                 lead = loop.create_task(self._lead())
@@ -189,6 +193,18 @@ class DelayMover:
                 except Exception:
                     pass  # the session is gone, and with it the lock
             await asyncio.sleep(0.5)
+
+    @staticmethod
+    def _acquire(lock: Any) -> bool:
+        """Wait a while for the election; False if another contender still leads.
+
+        kazoo 2.11 raises LockTimeout where older versions returned False: both mean "not
+        elected yet", the normal state of every follower, not a failure to log.
+        """
+        try:
+            return bool(lock.acquire(True, ELECTION_WAIT_SECONDS))
+        except LockTimeout:
+            return False
 
     async def _lead(self) -> None:
         cursor = await self._read_cursor()

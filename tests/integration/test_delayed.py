@@ -4,6 +4,7 @@ loses and doubles nothing."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -122,3 +123,27 @@ async def test_mover_failover_loses_and_doubles_nothing(
     assert seen == Counter(r.message_id for r in results)  # the ids given at publish, each once
     assert await consumer.receive(max_messages=10, wait=PASS_SECONDS * 2) == []
     assert second.moved > 0
+
+
+async def test_a_follower_waits_for_the_election_without_logging_errors(
+    store: Store, new_store: Callable[[], Store], running: list[object], caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    leader, follower = mover_for(new_store(), spec, "leader"), mover_for(new_store(), spec, "follower")
+    leader.start()
+    running.append(leader)
+    deadline = time.monotonic() + 30
+    while not leader.leading:
+        assert time.monotonic() < deadline, "the first mover was never elected"
+        await asyncio.sleep(0.05)
+    caplog.set_level(logging.INFO, logger="casque.engine.delayed")
+    follower.start()
+    running.append(follower)
+    # Two whole election waits lost to the leader: the follower keeps contending, quietly.
+    while follower.contentions < 2:
+        assert time.monotonic() < deadline + 60, "the follower stopped contending"
+        await asyncio.sleep(0.1)
+    assert not follower.leading
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert noisy == [], [r.getMessage() for r in noisy]

@@ -257,10 +257,11 @@ def test_stats_match_counts_computed_with_the_driver(
     assert {name: r["acked"] for name, r in latency.items()} == acked
     ack_rows = list(cql.execute(f"SELECT subscriber, batch_no, shard, entry, seqs FROM {store.keyspace}.acks"))
     published = {(m.shard, m.batch, m.seq): m.published_at for m in history.messages}
+    billing_key = catalog.read_subscriber(store, SOURCE, "billing").ack_key("billing")
     delays = [
         (datetime(1582, 10, 15, tzinfo=timezone.utc) + timedelta(microseconds=r.entry.time // 10)
          - published[(r.shard, r.batch_no, seq)]).total_seconds() * 1000
-        for r in ack_rows if r.subscriber == "billing" for seq in r.seqs
+        for r in ack_rows if r.subscriber == billing_key for seq in r.seqs
     ]
     assert latency["billing"]["min_ms"] == pytest.approx(min(delays), abs=1)
     assert latency["billing"]["max_ms"] == pytest.approx(max(delays), abs=1)

@@ -1,0 +1,344 @@
+"""The consumer group under faults, engine-level, on a real Cassandra and ZooKeeper.
+
+Each test names the guarantee it breaks on purpose: fencing of leases and offsets, rejoin
+after a session expiry, supervision of shard tasks, expired gaps, incarnations, live shard
+growth, per-shard seeks, and delivery counts that survive a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from kazoo.client import KazooClient, KazooState
+
+from casque.engine import catalog, offsets
+from casque.engine.batches import Log
+from casque.engine.consumer import Consumer
+from casque.engine.messages import Delivery, OutgoingMessage
+from casque.engine.offsets import SeekTarget, seek
+from casque.engine.publisher import Publisher
+from casque.errors import CasqueError, SubscriberNotFound
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+
+QUEUE = QueueRef("default", "group")
+
+
+async def until(what: str, condition: Callable[[], bool], limit_s: float = 60) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def setup(store: Store, shards: int, subscriber: str = "workers", visibility: int = 30) -> QueueSpec:
+    spec = QueueSpec(shards=shards, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, subscriber, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=visibility))
+    return spec
+
+
+async def publish(store: Store, spec: QueueSpec, payloads: list[str], together: bool = False) -> set[str]:
+    """Publish; `together` puts all messages in one call (one batch on a one-shard queue)."""
+    publisher = Publisher(store, QUEUE, spec)
+    if together:
+        results = await publisher.publish([OutgoingMessage(p.encode()) for p in payloads])
+    else:
+        results = [r for rs in await asyncio.gather(
+            *(publisher.publish([OutgoingMessage(p.encode(), key=p)]) for p in payloads)) for r in rs]
+    await publisher.flush_heads()
+    return {r.message_id for r in results}
+
+
+async def take(consumer: Consumer, count: int, limit_s: float = 60) -> list[Delivery]:
+    got: list[Delivery] = []
+    deadline = time.monotonic() + limit_s
+    while len(got) < count:
+        assert time.monotonic() < deadline, f"received {len(got)} of {count}"
+        got.extend(await consumer.receive(max_messages=count - len(got), wait=1.0))
+    return got
+
+
+async def drain_all(consumer: Consumer, expected: set[str], limit_s: float = 60) -> list[Delivery]:
+    """Receive and ack until every expected id was delivered."""
+    got: list[Delivery] = []
+    deadline = time.monotonic() + limit_s
+    while not expected <= {d.message.message_id for d in got}:
+        assert time.monotonic() < deadline, (
+            f"missing {len(expected - {d.message.message_id for d in got})} of {len(expected)}")
+        batch = await consumer.receive(max_messages=50, wait=1.0)
+        if batch:
+            await consumer.ack_many([d.receipt for d in batch])
+        got.extend(batch)
+    return got
+
+
+def expire_session(client: KazooClient, hosts: str) -> None:
+    """Make the server expire `client`'s session, as a pause past the session timeout does:
+    another client attaches to the same session and closes it."""
+    session_id, password = client.client_id
+    intruder = KazooClient(hosts=hosts, client_id=(session_id, password), timeout=4.0)
+    intruder.start(timeout=15)
+    intruder.stop()
+    intruder.close()
+
+
+@pytest.fixture
+async def consumers() -> AsyncIterator[list[Consumer]]:
+    started: list[Consumer] = []
+    yield started
+    for consumer in started:
+        await consumer.stop()
+
+
+async def start(consumers: list[Consumer], store: Store, member: str | None = None) -> Consumer:
+    consumer = Consumer(store, QUEUE, "workers", **({"member_id": member} if member else {}))
+    consumers.append(consumer)
+    await consumer.start()
+    return consumer
+
+
+# --- 1. fencing ---------------------------------------------------------------------------
+
+async def test_a_stale_holder_can_neither_commit_nor_delete_the_new_holders_lease(
+    store: Store, new_store: Callable[[], Store], consumers: list[Consumer]
+) -> None:
+    spec = setup(store, shards=1)
+    await publish(store, spec, ["a", "b"], together=True)
+    old = await start(consumers, new_store(), "old")
+    await until("old holds shard 0", lambda: old.held_shards == {0})
+    reader = old.readers[0]
+    assert old._leases is not None
+    old_fence = old._leases.held[0]
+    # A new holder takes the shard while the old one has not noticed (its session expired
+    # and the lease was given away): the acquisition bumps the fence.
+    paths = store.paths(QUEUE).subscriber("workers")
+    store.zk.delete(paths.lease(0))
+    transaction = store.zk.transaction()
+    transaction.create(paths.lease(0), b"new")
+    transaction.set_data(paths.fence(0), b"new")
+    assert all(not isinstance(r, Exception) for r in transaction.commit())
+
+    outcome, _ = await offsets.commit_offset(store.zk, paths, 0, 99, reader.epoch, reader._version, old_fence)
+    assert outcome is offsets.CommitOutcome.LEASE_LOST
+    assert catalog.read_offset(store, paths, 0) == 1  # the offset did not move
+
+    await old._leases._delete_lease(0, old_fence)  # a release that spans the expiry
+    assert store.zk.get(paths.lease(0))[0] == b"new"  # the new holder's lease is still there
+
+
+async def test_an_ack_after_the_lease_moved_is_refused_not_answered_acked(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    spec = setup(store, shards=1)
+    await publish(store, spec, ["first", "second"], together=True)
+    consumer = await start(consumers, store)
+    first, _second = await take(consumer, 2)
+    # Another member acquires the shard (the fence moves) before this ack is recorded.
+    store.zk.set(store.paths(QUEUE).subscriber("workers").fence(0), b"someone-else")
+    (result,) = await consumer.ack_many([first.receipt])
+    assert isinstance(result, CasqueError) and result.code == "lease_lost"
+
+
+async def test_a_seek_of_one_shard_leaves_the_others_deliveries_alone(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    spec = setup(store, shards=2)
+    await publish(store, spec, [f"m{i}" for i in range(20)])
+    consumer = await start(consumers, store)
+    await until("both shards held", lambda: consumer.held_shards == {0, 1})
+    held = await take(consumer, 20)
+    on_one = [d for d in held if d.message.position.shard == 1]
+    on_zero = [d for d in held if d.message.position.shard == 0]
+    assert on_one and on_zero
+    reader_one = consumer.readers[1]
+    await asyncio.to_thread(seek, store, QUEUE, "workers", SeekTarget("batch", batches={0: 1}))
+    await until("shard 0 restarted by the seek", lambda: consumer.counters.seeks_applied == 1)
+    assert consumer.readers[1] is reader_one  # untouched: its receipts still count
+    assert all(r is True for r in await consumer.ack_many([d.receipt for d in on_one]))
+    # Shard 0 replays from batch 1 in a new epoch: its messages come again.
+    replayed = await take(consumer, len(on_zero))
+    assert {d.message.message_id for d in replayed} == {d.message.message_id for d in on_zero}
+    record = await offsets.read_offset(store.zk, store.paths(QUEUE).subscriber("workers"), 0)
+    assert record.epoch == 1 and consumer.readers[0].epoch == 1 and consumer.readers[1].epoch == 0
+
+
+# --- 2. rejoin ----------------------------------------------------------------------------
+
+async def test_a_member_whose_session_expired_rejoins_and_takes_its_shards_back(
+    store: Store, new_store: Callable[[], Store], zk_hosts: str, consumers: list[Consumer]
+) -> None:
+    spec = setup(store, shards=2)
+    own = new_store()
+    consumer = await start(consumers, own)
+    await until("both shards held", lambda: consumer.held_shards == {0, 1})
+    lost = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    own.zk.add_listener(lambda state: loop.call_soon_threadsafe(lost.set) if state == KazooState.LOST else None)
+    await asyncio.to_thread(expire_session, own.zk, zk_hosts)
+    await asyncio.wait_for(lost.wait(), 60)
+    members = store.paths(QUEUE).subscriber("workers").members
+    await until("the member registered again", lambda: store.zk.get_children(members) == [consumer.member_id])
+    await until("its shards held again", lambda: consumer.held_shards == {0, 1})
+    assert (await consumer.health())[0]
+    published = await publish(store, spec, [f"after-{i}" for i in range(10)])
+    await drain_all(consumer, published)
+
+
+async def test_readiness_is_false_while_the_member_is_not_in_the_group(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    setup(store, shards=2)
+    consumer = await start(consumers, store)
+    await until("both shards held", lambda: consumer.held_shards == {0, 1})
+    assert await consumer.health() == (True, "holding shards 0,1")
+    # The member znode vanishes (as after a session loss the member has not processed yet).
+    store.zk.delete(store.paths(QUEUE).subscriber("workers").member(consumer.member_id))
+    healthy, why = await consumer.health()
+    assert not healthy and "not in the group" in why
+
+
+async def test_a_shard_whose_start_fails_is_retried_not_stranded(
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = setup(store, shards=1)
+    failures = iter([RuntimeError("offset read failed")])
+    original = offsets.read_offset
+
+    async def flaky(*args: object) -> offsets.OffsetRecord:
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return await original(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(offsets, "read_offset", flaky)
+    consumer = await start(consumers, store)
+    await until("the shard held after a retry", lambda: consumer.held_shards == {0})
+    published = await publish(store, spec, ["x"])
+    await drain_all(consumer, published)
+
+
+# --- 3. supervision -----------------------------------------------------------------------
+
+async def test_a_failing_read_is_retried_and_reported_until_it_works(
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = setup(store, shards=1)
+    published = await publish(store, spec, ["p1", "p2"])
+    failing = True
+    original = Log.read_from
+
+    async def broken(self: Log, shard: int, first: int) -> object:
+        if failing:
+            raise RuntimeError("driver exploded")
+        return await original(self, shard, first)
+
+    monkeypatch.setattr(Log, "read_from", broken)
+    consumer = await start(consumers, store)
+    await until("the failure reported", lambda: bool(consumer.readers.get(0) and consumer.readers[0].problem))
+    healthy, why = await consumer.health()
+    assert not healthy and "driver exploded" in why
+    failing = False
+    await drain_all(consumer, published)
+    assert (await consumer.health())[0]
+
+
+async def test_a_deleted_subscriber_ends_receives_and_acks_with_an_error(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    spec = setup(store, shards=1)
+    await publish(store, spec, ["a", "b"], together=True)
+    consumer = await start(consumers, store)
+    first, _ = await take(consumer, 2)
+    catalog.delete_subscriber(store, QUEUE, "workers")
+    await until("the consumer noticed", lambda: bool(consumer.gone_reason))
+    with pytest.raises(SubscriberNotFound):
+        await consumer.receive(max_messages=1, wait=5)
+    (result,) = await asyncio.wait_for(consumer.ack_many([first.receipt]), 30)
+    assert not isinstance(result, bool)
+
+
+# --- 4. gaps ------------------------------------------------------------------------------
+
+async def test_batches_expired_below_the_offset_are_skipped_and_the_offset_moves_on(
+    store: Store, cql: object, consumers: list[Consumer]
+) -> None:
+    spec = setup(store, shards=1)
+    table = store.table(QUEUE)
+    store.session.execute(f"ALTER TABLE {table} WITH default_time_to_live = 2")
+    await publish(store, spec, [f"old-{i}" for i in range(3)])
+    store.session.execute(f"ALTER TABLE {table} WITH default_time_to_live = 3600")
+    fresh = await publish(store, spec, [f"new-{i}" for i in range(3)])
+    log = Log(store, QUEUE, "ONE")
+    first_fresh = min(b.header.batch for b in await log.read_from(0, 1) if b.messages[0].payload.startswith(b"new"))
+    await until("the old batches expired", lambda: _expired(store, first_fresh - 1))
+    consumer = await start(consumers, store)
+    got = await drain_all(consumer, fresh)
+    assert {d.message.message_id for d in got} == fresh
+    head = catalog.read_int(store, store.paths(QUEUE).head(0))
+    await until("the offset passed the head", lambda: catalog.read_offset(
+        store, store.paths(QUEUE).subscriber("workers"), 0) == head + 1)
+    assert consumer.counters.expired_skipped == first_fresh - 1
+
+
+def _expired(store: Store, batch: int) -> bool:
+    row = store.session.execute(
+        f"SELECT batch_no FROM {store.table(QUEUE)} WHERE shard = 0 AND bucket = 0 AND batch_no = %s AND seq = -1",
+        (batch,),
+    ).one()
+    return row is None
+
+
+# --- 6. incarnations ----------------------------------------------------------------------
+
+async def test_a_recreated_subscriber_inherits_no_acks(store: Store, consumers: list[Consumer]) -> None:
+    spec = setup(store, shards=1)
+    published = await publish(store, spec, ["a", "b", "c"], together=True)
+    consumer = await start(consumers, store)
+    a, b, _c = await take(consumer, 3)
+    assert await consumer.ack_many([a.receipt, b.receipt]) == [True, True]  # ack rows: the batch is incomplete
+    await consumer.stop()
+    catalog.delete_subscriber(store, QUEUE, "workers")
+    setup(store, shards=1)
+    again = await start(consumers, store)
+    got = await drain_all(again, published)
+    assert {d.message.message_id for d in got} == published
+    assert all(d.delivery_count == 1 for d in got)
+
+
+# --- 7. live shape changes ----------------------------------------------------------------
+
+async def test_shards_added_to_a_live_queue_are_consumed(store: Store, consumers: list[Consumer]) -> None:
+    setup(store, shards=1)
+    consumer = await start(consumers, store)
+    await until("shard 0 held", lambda: consumer.held_shards == {0})
+    bigger = QueueSpec(shards=3, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, bigger)
+    await until("the new shards held", lambda: consumer.held_shards == {0, 1, 2})
+    published = await publish(store, bigger, [f"k{i}" for i in range(30)])
+    got = await drain_all(consumer, published)
+    assert {d.message.position.shard for d in got} == {0, 1, 2}
+
+
+# --- 10. delivery counts ------------------------------------------------------------------
+
+async def test_a_delivery_count_survives_the_consumer_that_crashed_on_it(
+    store: Store, new_store: Callable[[], Store], consumers: list[Consumer]
+) -> None:
+    spec = setup(store, shards=1)
+    await publish(store, spec, ["poison"])
+    crashing_store = new_store()
+    crashing = Consumer(crashing_store, QUEUE, "workers")
+    await crashing.start()
+    (first,) = await take(crashing, 1)
+    assert first.delivery_count == 1
+    crashing_store.zk.stop()  # the process dies: no release, no flush
+    survivor = await start(consumers, store)
+    (second,) = await take(survivor, 1)
+    assert second.message.message_id == first.message.message_id
+    assert second.delivery_count == 2
