@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     zookeeper_hosts: str = "127.0.0.1:2181"
     # Every znode of the installation lives under this path (see casque.znodes).
     zookeeper_root: str = Field(default="/casque", pattern=r"^(/[A-Za-z0-9_.-]+)+$")
+    # The ZooKeeper session timeout asked for (the server clamps it to 2..20 ticks). A member
+    # paused longer than this loses its leases to the others; shorter moves shards sooner
+    # after a crash, longer rides out longer GC pauses.
+    zookeeper_session_timeout_seconds: Annotated[float, Field(ge=1, le=120)] = 10.0
     replication: ReplicationSettings = Field(default_factory=ReplicationSettings)
 
     @field_validator("cassandra_contact_points", mode="before")

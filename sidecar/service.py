@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -70,6 +71,13 @@ START_RETRY_MAX_SECONDS = 5.0
 # own request timeout (10 s) ends each write well before.
 WRITE_DRAIN_SECONDS = 30.0
 STATS_TIMEOUT_SECONDS = 5.0
+
+
+def member_name() -> str:
+    """A group member's name: the pod's (host) name, so stats say which pods consume, and a
+    random suffix, since a restarted container must not pass for its predecessor."""
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "sidecar"
+    return f"{host}-{uuid.uuid4().hex[:6]}"
 
 
 async def blocking(call: Callable[..., T], *args: Any) -> T:
@@ -125,7 +133,7 @@ class QueueService:
             if not pending and self._mover is not None:
                 return
             for subscription in pending:
-                consumer = Consumer(self.store, self.queue, subscription.name)
+                consumer = Consumer(self.store, self.queue, subscription.name, member_id=member_name())
                 try:
                     await consumer.start()
                 except (QueueNotFound, SubscriberNotFound, BackendUnavailable, *_UNAVAILABLE) as error:
@@ -425,6 +433,7 @@ class QueueService:
             except (BackendUnavailable, NoNodeError) as error:
                 healthy, detail = False, f"cannot read members: {error}"
             checks[f"subscriber/{name}"] = detail
+            checks[f"member/{name}"] = consumer.member_id
             ready = ready and healthy
         return ready, checks
 

@@ -22,7 +22,8 @@ T = TypeVar("T")
 RETRYABLE = (ConnectionLoss, OperationTimeoutError, SessionExpiredError, KazooTimeoutError)
 
 
-def connect(settings: Settings, hosts: str | None = None, timeout: float = 10.0) -> KazooClient:
+def connect(settings: Settings, hosts: str | None = None, timeout: float | None = None) -> KazooClient:
+    timeout = timeout or settings.zookeeper_session_timeout_seconds
     client = KazooClient(hosts=hosts or settings.zookeeper_hosts, timeout=timeout)
     try:
         client.start(timeout=timeout)

@@ -11,10 +11,10 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError, RolledBackError
 
 from casque.engine import positions
-from casque.errors import InvalidChange, QueueNotFound, SubscriberNotFound
+from casque.errors import BackendUnavailable, InvalidChange, QueueNotFound, SubscriberNotFound
 from casque.schema import (
     QueueRef,
     count_queue_tables,
@@ -29,6 +29,8 @@ from casque.znodes import SubscriberPaths, decode_offset
 
 # Cassandra's memory use grows with the number of tables; warn well before it hurts.
 TABLE_COUNT_WARNING = 200
+# Deleting a subscriber races with its members joining; this many tries before giving up.
+DELETE_ATTEMPTS = 20
 
 
 @dataclass
@@ -149,6 +151,9 @@ def read_subscriber(store: Store, queue: QueueRef, name: str) -> SubscriberState
         data, _ = store.zk.get(store.paths(queue).subscriber(name).base)
     except NoNodeError as missing:
         raise SubscriberNotFound(f"subscriber {name} of queue {queue} does not exist") from missing
+    if not data:
+        # Only a subscriber half-deleted (a recursive delete removes children first) reads so.
+        raise SubscriberNotFound(f"subscriber {name} of queue {queue} is being deleted")
     return SubscriberState.model_validate_json(data)
 
 
@@ -168,15 +173,26 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
     except SubscriberNotFound:
         current = None
     if current is None:
-        for shard in queue_state.spec.log_shards():
-            head = read_int(store, store.paths(queue).head(shard))
-            offset = start_offset(store, queue, shard, head, spec)
-            _create_if_absent(store, paths.offset(shard), str(offset).encode())
+        offsets = {
+            shard: start_offset(store, queue, shard, read_int(store, store.paths(queue).head(shard)), spec)
+            for shard in queue_state.spec.log_shards()
+        }
         state = SubscriberState(spec=spec, created_at=datetime.now(timezone.utc), incarnation=uuid.uuid4().hex[:12])
-        store.zk.ensure_path(paths.members)
-        store.zk.ensure_path(paths.leases)
-        store.zk.ensure_path(paths.fences)
-        store.zk.set(paths.base, state.model_dump_json().encode())
+        # One transaction: nobody ever sees a subscriber znode without its settings or its
+        # offsets (a sidecar reading it midway would fail to parse it or find no offset).
+        store.zk.ensure_path(store.paths(queue).subscribers)
+        transaction = store.zk.transaction()
+        transaction.create(paths.base, state.model_dump_json().encode())
+        for directory in (paths.offsets, paths.members, paths.leases, paths.fences):
+            transaction.create(directory, b"")
+        for shard, offset in offsets.items():
+            transaction.create(paths.offset(shard), str(offset).encode())
+        failures = [r for r in transaction.commit() if isinstance(r, Exception)]
+        if failures:
+            cause = next(f for f in failures if not isinstance(f, RolledBackError))
+            if isinstance(cause, NodeExistsError):
+                return apply_subscriber(store, queue, name, spec)  # created meanwhile by someone else
+            raise cause
         changes.actions.append(f"subscriber created at {_describe(spec.start_position)}")
     elif current.spec != spec:
         store.zk.set(paths.base, current.model_copy(update={"spec": spec}).model_dump_json().encode())
@@ -185,13 +201,27 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
 
 
 def delete_subscriber(store: Store, queue: QueueRef, name: str) -> Changes:
-    """A subscriber's state lives only in ZooKeeper (and TTL'd ack rows), so deleting it is always safe."""
+    """A subscriber's state lives only in ZooKeeper (and TTL'd ack rows), so deleting it is always safe.
+
+    Live members keep creating ephemeral znodes under it (registrations, leases), so a
+    recursive delete, which is not atomic, can meet a child created after it listed them.
+    Emptying the subscriber's data first tells every member it is going (they stop), and the
+    delete is repeated until it finds no newcomer.
+    """
     path = store.paths(queue).subscriber(name).base
     try:
-        store.zk.delete(path, recursive=True)
+        store.zk.set(path, b"")
     except NoNodeError:
         return Changes()
-    return Changes(actions=[f"subscriber {name} removed"])
+    for _ in range(DELETE_ATTEMPTS):
+        try:
+            store.zk.delete(path, recursive=True)
+        except NotEmptyError:
+            continue
+        except NoNodeError:
+            pass
+        return Changes(actions=[f"subscriber {name} removed"])
+    raise BackendUnavailable(f"subscriber {name}: members kept joining while it was deleted; try again")
 
 
 def start_offset(store: Store, queue: QueueRef, shard: int, head: int, spec: SubscriberSpec) -> int:

@@ -475,6 +475,7 @@ class Consumer:
         self._leases = ShardLeases(
             self.store.zk, self.paths, self.member_id, spec.log_shards(),
             on_acquired=self._acquired, on_released=self._released, on_lost=self._lost,
+            on_trusted=self.notify,
         )
         loop = asyncio.get_running_loop()
         active = lambda: not self._stopped  # noqa: E731
@@ -659,8 +660,10 @@ class Consumer:
         """Deliveries from the leased shards: higher priority levels first, with every
         PRIORITY_FAIRNESS-th delivery reserved for lower levels that have messages ready,
         so a busy high level cannot starve them; round-robin over the shards of a level."""
-        if self._leases is not None and not self._leases.connected:
-            return []  # SUSPENDED: our leases may be gone; hand out nothing until we know
+        if self._leases is not None and not self._leases.trusted:
+            # SUSPENDED, or no word from ZooKeeper for a while (a pause): our leases may be
+            # gone to other members; hand out nothing until the session is confirmed alive.
+            return []
         now, wall = time.monotonic(), time.time()
         levels: dict[int, list[ShardReader]] = {}
         for shard in sorted(self.readers):

@@ -15,6 +15,15 @@ Recipe:
   shards; a lease still held by the previous owner is retried when the lease children
   change. A shard whose acquisition callback fails is released and retried with backoff.
 
+Trust: a lease is an ephemeral znode, so it lasts as long as the session, and a member
+paused past its session (GC, SIGSTOP) resumes believing it still holds shards the others
+took meanwhile. Until its client notices, it would hand out messages it no longer owns. So
+a member hands out messages only while its session is known to be alive: until half a
+session timeout after sending the last request ZooKeeper answered (a heartbeat every
+quarter timeout). The server cannot expire a session sooner than a full timeout after it
+heard from it, so the margin absorbs clock-rate differences and a server that negotiated
+the timeout down to half of what was asked.
+
 Connection states: SUSPENDED keeps the leases (the session may still be alive) but the
 consumer stops handing out messages until CONNECTED again. LOST means the session expired
 and ZooKeeper removed our ephemeral znodes, so another member may already hold our shards:
@@ -27,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from kazoo.client import KazooClient, KazooState
@@ -44,6 +54,9 @@ AcquiredCallback = Callable[[int, int], Awaitable[None]]
 ShardCallback = Callable[[int], Awaitable[None]]
 RETRY_MIN_SECONDS = 0.2
 RETRY_MAX_SECONDS = 5.0
+HEARTBEATS_PER_SESSION = 4
+# The session timeout a kazoo client asked for when none can be read from it.
+DEFAULT_SESSION_SECONDS = 10.0
 
 
 def _score(member: str, shard: int) -> int:
@@ -89,6 +102,7 @@ class ShardLeases:
         on_acquired: AcquiredCallback,
         on_released: ShardCallback,
         on_lost: Callable[[], Awaitable[None]],
+        on_trusted: Callable[[], None] = lambda: None,
     ) -> None:
         self._client = client
         self._paths = paths
@@ -110,6 +124,41 @@ class ShardLeases:
         self._retry_delay = RETRY_MIN_SECONDS
         self._fences_known: set[int] = set()
         self.last_error = ""
+        self._on_trusted = on_trusted
+        # Monotonic time at which the last request that ZooKeeper answered for our session was sent.
+        self._confirmed_at = float("-inf")
+        self._beat_now = asyncio.Event()
+        self._heartbeat: asyncio.Task[None] | None = None
+        # kazoo keeps the timeout it asked for in milliseconds; the server may lower it.
+        self.session_seconds = getattr(client, "_session_timeout", DEFAULT_SESSION_SECONDS * 1000) / 1000.0
+
+    @property
+    def trusted(self) -> bool:
+        """Whether our session, and with it every lease we hold, is known to be alive now."""
+        if not self.connected:
+            return False
+        if time.monotonic() < self._confirmed_at + self.session_seconds / 2:
+            return True
+        self._beat_now.set()  # find out at once rather than at the next heartbeat
+        return False
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._stopping:
+            sent = time.monotonic()
+            try:
+                stat = await zk.call(self._client.exists_async, self._paths.member(self.member_id))
+            except Exception:  # connection loss or expiry: trust lapses until an answer comes
+                stat = None
+            if stat is not None and stat.ephemeralOwner == self._client.client_id[0]:
+                was = self.trusted
+                self._confirmed_at = max(self._confirmed_at, sent)
+                if not was:
+                    self._on_trusted()
+            self._beat_now.clear()
+            try:
+                await asyncio.wait_for(self._beat_now.wait(), self.session_seconds / HEARTBEATS_PER_SESSION)
+            except TimeoutError:
+                pass
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -119,18 +168,20 @@ class ShardLeases:
         ChildrenWatch(self._client, self._paths.members, zk.watch_in_loop(self._loop, self._members_changed, active))
         ChildrenWatch(self._client, self._paths.leases, zk.watch_in_loop(self._loop, self._leases_changed, active))
         self._task = self._loop.create_task(self._rebalance_loop())
+        self._heartbeat = self._loop.create_task(self._heartbeat_loop())
 
     async def _register(self) -> None:
         path = self._paths.member(self.member_id)
         try:
-            await zk.call(self._client.create_async, path, b"", ephemeral=True, makepath=True)
+            # Never makepath: that would bring back a subscriber deleted meanwhile, empty.
+            await zk.call(self._client.create_async, path, b"", ephemeral=True)
         except NodeExistsError:
             # Ours from this session (a create whose reply was lost), or a leftover of an
             # expired session that the server has not removed yet: replace the latter.
             _, stat = await zk.call(self._client.get_async, path)
             if stat.ephemeralOwner != self._client.client_id[0]:
                 await zk.call(self._client.delete_async, path, stat.version)
-                await zk.call(self._client.create_async, path, b"", ephemeral=True, makepath=True)
+                await zk.call(self._client.create_async, path, b"", ephemeral=True)
         self.registered = True
 
     def set_shards(self, shards: list[int]) -> None:
@@ -223,10 +274,21 @@ class ShardLeases:
     async def _ensure_fence(self, shard: int) -> None:
         if shard in self._fences_known:
             return
-        try:
-            await zk.call(self._client.create_async, self._paths.fence(shard), b"", makepath=True)
-        except NodeExistsError:
-            pass
+        # Subscribers created before fences existed lack the fences znode: create it, but only
+        # while the subscriber exists (the check fails the whole multi otherwise).
+        transaction = self._client.transaction()
+        transaction.check(self._paths.base, -1)
+        transaction.create(self._paths.fence(shard), b"")
+        results = await zk.call(transaction.commit_async)
+        cause = next((r for r in results if isinstance(r, Exception) and not isinstance(r, RolledBackError)), None)
+        if isinstance(cause, NoNodeError):
+            try:
+                await zk.call(self._client.create_async, self._paths.fences, b"")
+            except (NodeExistsError, NoNodeError):
+                pass  # there already, or the subscriber is gone
+            raise BackendUnavailable(f"shard {shard}: no fence yet (the subscriber is being created or deleted)")
+        if cause is not None and not isinstance(cause, NodeExistsError):
+            raise cause
         self._fences_known.add(shard)
 
     async def _try_acquire(self, shard: int) -> int | None:
@@ -284,6 +346,9 @@ class ShardLeases:
         """Release every lease (after flushing each shard) and leave the group."""
         self._stopping = True
         self._wanted.set()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
         if self._task is not None:
             await self._task
         for shard in sorted(self.held):

@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -35,74 +30,12 @@ from casque.engine.stats import queue_stats
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from tests.fixtures.stack import Backends
-from tests.fixtures.waiting import free_port
+from tests.fixtures.sidecars import SidecarProcess
 
 QUEUE = "jobs"
 SUBSCRIBER = "workers"
 REF = QueueRef("default", QUEUE)
 SUB = f"/v1/queues/{QUEUE}/subscribers/{SUBSCRIBER}"
-
-
-
-
-@dataclass
-class SidecarProcess:
-    process: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/readyz", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-    def wait_ready(self, limit_s: float = 60.0) -> None:
-        deadline = time.monotonic() + limit_s
-        while not self.ready():
-            assert self.process.poll() is None, f"sidecar exited: {self.log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"sidecar not ready: {self.log.read_text()[-3000:]}"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(30)
-
-
-@pytest.fixture
-def start_sidecar(
-    store: Store, backends: Backends, keyspace: str, zk_hosts: str, tmp_path: Path
-) -> Iterator[Callable[..., SidecarProcess]]:
-    """Start `casque sidecar` processes on the test's keyspace and ZooKeeper chroot."""
-    started: list[SidecarProcess] = []
-
-    def start(*flags: str, wait: bool = True) -> SidecarProcess:
-        port = free_port()
-        env = dict(
-            os.environ,
-            CASQUE_CASSANDRA_CONTACT_POINTS=",".join(backends.contact_points),
-            CASQUE_CASSANDRA_PORT=str(backends.cql_port),
-            CASQUE_KEYSPACE=keyspace,
-            CASQUE_ZOOKEEPER_HOSTS=zk_hosts,
-            CASQUE_ZOOKEEPER_ROOT=store.zk_root,
-            CASQUE_CONSISTENCY="ONE",
-        )
-        log = tmp_path / f"sidecar-{len(started)}.log"
-        command = [sys.executable, "-m", "casque.cli", "sidecar", "--port", str(port), *flags]
-        with log.open("wb") as sink:
-            process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
-        sidecar = SidecarProcess(process, f"http://127.0.0.1:{port}", log)
-        started.append(sidecar)
-        if wait:
-            sidecar.wait_ready()
-        return sidecar
-
-    yield start
-    for sidecar in started:
-        sidecar.stop()
 
 
 def create_queue(store: Store, shards: int = 2, visibility: int = 30) -> None:

@@ -3,11 +3,14 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from casque.engine.messages import Position, StoredMessage
-from casque.engine.shard_state import ShardState
+from casque.engine.shard_state import HEAP_FLOOR, HEAP_SLACK, Handout, ShardState
 from casque.errors import StaleReceipt
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 WALL = T0.timestamp()
+# Long enough that no deadline comes due during a test: nothing pops a stale deadline entry
+# then, so only compaction can keep the heap small.
+LONG_VISIBILITY = 12 * 3600.0
 
 
 def msgs(batch: int, n: int, expires: datetime | None = None) -> list[StoredMessage]:
@@ -16,8 +19,19 @@ def msgs(batch: int, n: int, expires: datetime | None = None) -> list[StoredMess
     ]
 
 
-def ids(handouts: list) -> list[str]:
+def sized_msgs(batch: int, sizes: list[int]) -> list[StoredMessage]:
+    return [StoredMessage(Position(0, batch, s), f"{batch}-{s}", T0, b"x" * size) for s, size in enumerate(sizes)]
+
+
+def ids(handouts: list[Handout]) -> list[str]:
     return [h.entry.message.message_id for h in handouts]
+
+
+def heap_bound(state: ShardState) -> int:
+    # Compaction keeps the heap collecting stale entries (here the deadlines) within
+    # HEAP_FLOOR + HEAP_SLACK x its live entries; the other heaps hold about one entry per
+    # loaded message. The constant covers what a take pushes after the last compaction.
+    return HEAP_FLOOR + HEAP_SLACK * state.loaded_messages + 16
 
 
 def test_delivers_in_log_order_and_offset_moves_over_complete_batches() -> None:
@@ -88,3 +102,100 @@ def test_ack_below_offset_is_idempotent_and_unknown_is_stale() -> None:
     assert state.ack(Position(0, 3, 0), 123) is False
     with pytest.raises(StaleReceipt):
         state.ack(Position(0, 9, 0), 123)
+
+
+# --- memory: what a shard holds is bounded by what is live, not by its history -------------
+
+
+def test_acked_messages_behind_an_unfinished_one_are_freed() -> None:
+    state = ShardState(shard=0, offset=1)
+    for batch in (1, 2, 3):
+        state.add_batch(batch, sized_msgs(batch, [seq + 1 for seq in range(100)]))
+    handouts = state.take(300, now=0, visibility=30, expired_ttl=WALL)
+    unfinished = handouts[37]
+    for h in handouts:
+        if h is not unfinished:
+            state.ack(h.entry.message.position, h.nonce)
+    assert state.advance_offset() == 1  # the unfinished message holds the offset back
+    # Complete batches are empty markers; the incomplete one keeps its one live entry and a
+    # set of done seqs, not 99 dead entries.
+    assert state.batches[2].entries == {} and state.batches[2].done == set()
+    assert state.batches[3].entries == {} and state.batches[3].done == set()
+    assert list(state.batches[1].entries) == [37]
+    assert state.batches[1].done == set(range(100)) - {37}
+    assert state.loaded_messages == 1
+    assert state.loaded_bytes == unfinished.entry.message.size == 38
+    state.ack(unfinished.entry.message.position, unfinished.nonce)
+    assert state.advance_offset() == 4
+    assert state.batches == {}
+
+
+def test_a_poison_message_nacked_over_and_over_does_not_grow_the_heaps() -> None:
+    # A worker fails the first message at once, every time, while it acks the backlog behind it.
+    state = ShardState(shard=0, offset=1)
+    poison = Position(0, 1, 0)
+    next_batch = 1
+    for cycle in range(10_000):
+        now = float(cycle)
+        if state.loaded_messages < 50:
+            state.add_batch(next_batch, msgs(next_batch, 100))
+            next_batch += 1
+        poisoned, backlog = state.take(2, now=now, visibility=LONG_VISIBILITY, expired_ttl=WALL)
+        # Compaction must keep the live ready entry: the poison comes back first every time.
+        assert poisoned.entry.message.position == poison
+        state.nack(poison, poisoned.nonce, delay=0, now=now)
+        state.ack(backlog.entry.message.position, backlog.nonce)
+        state.advance_offset()
+        assert state.heap_entries <= heap_bound(state), cycle
+    assert state.batches[1].entries[0].deliveries == 10_000
+    assert state.loaded_messages < 150
+
+
+def test_extending_one_message_over_and_over_does_not_grow_the_heaps() -> None:
+    state = ShardState(shard=0, offset=1)
+    state.add_batch(1, msgs(1, 10))
+    (h,) = state.take(1, now=0, visibility=LONG_VISIBILITY, expired_ttl=WALL)
+    position = h.entry.message.position
+    deadline = 0.0
+    for second in range(1, 10_001):
+        deadline = state.extend(position, h.nonce, visibility=LONG_VISIBILITY, now=float(second))
+        assert state.heap_entries <= heap_bound(state), second
+    # Compaction kept the live deadline: the message stays invisible until the last extension ends.
+    assert "1-0" not in ids(state.take(10, now=deadline - 1, visibility=LONG_VISIBILITY, expired_ttl=WALL))
+    (again,) = state.take(10, now=deadline, visibility=LONG_VISIBILITY, expired_ttl=WALL)
+    assert ids([again]) == ["1-0"] and again.redelivery
+
+
+def test_loaded_bytes_counts_every_loaded_message_not_done() -> None:
+    state = ShardState(shard=0, offset=1)
+    state.add_batch(1, sized_msgs(1, [10, 20, 30]), done={1})  # 1-1 was acked by an earlier holder
+    state.add_batch(2, sized_msgs(2, [5, 7]))
+    assert state.loaded_bytes == 10 + 30 + 5 + 7
+    acked_early, nacked, acked_late = state.take(3, now=0, visibility=30, expired_ttl=WALL)
+    # In flight, delayed by a nack, or ready: all still held, all counted.
+    state.nack(nacked.entry.message.position, nacked.nonce, delay=60, now=0)
+    assert state.loaded_bytes == 10 + 30 + 5 + 7
+    state.ack(acked_early.entry.message.position, acked_early.nonce)
+    assert state.loaded_bytes == 30 + 5 + 7
+    state.ack(acked_late.entry.message.position, acked_late.nonce)
+    assert state.loaded_bytes == 30 + 7
+    rest = state.take(10, now=61, visibility=30, expired_ttl=WALL)
+    assert ids(rest) == ["1-2", "2-1"]
+    for h in rest:
+        state.ack(h.entry.message.position, h.nonce)
+    assert state.advance_offset() == 3
+    assert state.loaded_bytes == 0 and state.loaded_messages == 0
+
+
+def test_loaded_bytes_drops_messages_expired_dead_lettered_or_skipped() -> None:
+    state = ShardState(shard=0, offset=1)
+    expiring = StoredMessage(Position(0, 1, 0), "1-0", T0, b"x" * 3, expires_at=T0 + timedelta(seconds=5))
+    state.add_batch(1, [expiring, StoredMessage(Position(0, 1, 1), "1-1", T0, b"x" * 11)])
+    state.add_batch(2, sized_msgs(2, [13]))
+    assert state.loaded_bytes == 3 + 11 + 13
+    (undeliverable,) = state.take(1, now=0, visibility=30, expired_ttl=WALL + 10)  # 1-0 expires on the way
+    assert ids([undeliverable]) == ["1-1"] and state.loaded_bytes == 11 + 13
+    state.dead_letter(undeliverable.entry.message.position)
+    assert state.loaded_bytes == 13
+    state.skip_to(3)  # batch 2 expired from the log before it was consumed
+    assert state.loaded_bytes == 0 and state.loaded_messages == 0
