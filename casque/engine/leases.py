@@ -4,7 +4,8 @@ Recipe:
 - Each consumer registers an ephemeral member znode. Every member computes the same
   assignment from the same member list (`assign`: rendezvous hashing with a bound on each
   member's load), so no coordinator is needed, the shares differ by at most one shard, and
-  a member joining or leaving moves about shards/members shards, not most of them.
+  a member joining or leaving moves about shards/members shards on average (the load bound
+  can knock one move on to another: at most about twice that), not most of them.
 - A member consumes a shard only while it holds the shard's ephemeral lease znode (data: its
   member id). It creates the lease and bumps the shard's fence znode in one multi, so the
   fence version names the acquisition: offset commits and the lease's own release check it,
