@@ -70,6 +70,9 @@ RETRY_MIN_SECONDS = 0.1
 RETRY_MAX_SECONDS = 5.0
 # With several priority levels ready, at least one delivery in this many comes from a lower level.
 PRIORITY_FAIRNESS = 10
+# A shard moving to another member is first drained this long at most: no new deliveries
+# from it while acks of the messages in flight are still taken.
+HANDOFF_SECONDS = 5.0
 # Each consumer reports its in-flight and delivery counts in its member znode this often.
 REPORT_INTERVAL_SECONDS = 5.0
 
@@ -140,6 +143,9 @@ class ShardReader:
         self._wake = asyncio.Event()
         self._marks: dict[int, dict[int, BatchMarks]] = {}
         self._stopped = False
+        # Handing the shard over: no new deliveries from it; acks of those in flight still taken.
+        self.releasing = False
+        self._settled = asyncio.Event()
         # No offset writes any more: the lease is gone, or a seek owns the offset now.
         self._fenced = False
         self._stopping: asyncio.Task[None] | None = None
@@ -176,6 +182,24 @@ class ShardReader:
 
     def space_freed(self) -> None:
         self._wake.set()
+        if self.state.in_flight == 0:
+            self._settled.set()
+
+    async def hand_over(self, seconds: float) -> None:
+        """Stop delivering from this shard and wait up to `seconds` for what is in flight to
+        be settled, so that the next holder redelivers as little as possible."""
+        self.releasing = True
+        deadline = time.monotonic() + seconds
+        while self.current:
+            now = time.monotonic()
+            self.state.has_ready(now)  # counts expired visibility out of the in-flight total
+            if self.state.in_flight == 0 or now >= deadline:
+                return
+            self._settled.clear()
+            try:
+                await asyncio.wait_for(self._settled.wait(), min(deadline - now, 0.5))
+            except TimeoutError:
+                pass
 
     async def _supervised(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
         """Run a loop until the reader stops; whatever escapes it is logged and the loop restarted."""
@@ -531,9 +555,16 @@ class Consumer:
         reader.start()
 
     async def _released(self, shard: int) -> None:
-        reader = self.readers.pop(shard, None)
-        if reader is not None:
-            await reader.stop(flush=True)
+        reader = self.readers.get(shard)
+        if reader is None:
+            return
+        if not self._stopped:
+            # A rebalance moves the shard: let the app finish what it holds from it first
+            # (a stopping consumer has had its drain time already).
+            await reader.hand_over(min(HANDOFF_SECONDS, self.visibility_timeout))
+        if self.readers.get(shard) is reader:
+            del self.readers[shard]
+        await reader.stop(flush=True)
 
     async def _lost(self) -> None:
         readers, self.readers = self.readers, {}
@@ -668,7 +699,7 @@ class Consumer:
         levels: dict[int, list[ShardReader]] = {}
         for shard in sorted(self.readers):
             reader = self.readers[shard]
-            if reader.state.has_ready(now):
+            if not reader.releasing and reader.state.has_ready(now):
                 levels.setdefault(priority_of(shard), []).append(reader)
         if not levels:
             return []

@@ -254,8 +254,8 @@ class ShardLeases:
             await self._register()
             self._members = list(await zk.call(self._client.get_children_async, self._paths.members))
         mine = assign(self._members, self.shards).get(self.member_id, set())
-        for shard in sorted(set(self.held) - mine):
-            await self._release(shard)
+        # Shards moving away are handed over at once, each after its own drain.
+        await asyncio.gather(*(self._release(shard) for shard in sorted(set(self.held) - mine)))
         retry = False
         for shard in sorted(mine - set(self.held)):
             fence = await self._try_acquire(shard)

@@ -325,6 +325,26 @@ async def test_shards_added_to_a_live_queue_are_consumed(store: Store, consumers
     assert {d.message.position.shard for d in got} == {0, 1, 2}
 
 
+# --- 8. sticky, gentle rebalancing ------------------------------------------------------
+
+async def test_a_shard_moving_to_a_new_member_is_handed_over_after_its_messages_in_flight(
+    store: Store, new_store: Callable[[], Store], consumers: list[Consumer]
+) -> None:
+    spec = setup(store, shards=2)
+    await publish(store, spec, [f"m{i}" for i in range(20)])
+    first = await start(consumers, new_store(), "first")
+    await until("both shards held", lambda: first.held_shards == {0, 1})
+    held = await take(first, 20)
+    second = await start(consumers, new_store(), "second")
+    # The joiner is due one shard: the first member stops delivering from it, but still
+    # takes the acks of what it handed out, and lets go only when they are settled.
+    await until("a shard being handed over", lambda: any(r.releasing for r in first.readers.values()))
+    assert await first.ack_many([d.receipt for d in held]) == [True] * len(held)
+    await until("the joiner holding its shard", lambda: len(second.held_shards) == 1)
+    assert first.held_shards == {0, 1} - second.held_shards
+    assert await second.receive(max_messages=20, wait=1) == []  # nothing to redeliver
+
+
 # --- 10. delivery counts ------------------------------------------------------------------
 
 async def test_a_delivery_count_survives_the_consumer_that_crashed_on_it(
