@@ -2,9 +2,23 @@
 # Command 2 of the README: install everything, then run the whole test suite against real
 # servers that the tests start themselves (Cassandra, ZooKeeper, kube-apiserver with etcd,
 # Spark in local mode).
+#
+# CASQUE_TEST_STRESS=1 runs the suite with a CPU hog beside it (one busy process per core),
+# as on a machine shared with other work: a test that fails only then is still a bug.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 bash scripts/install-kube-tools.sh
 bash scripts/install-spark.sh
-exec .venv/bin/python -m pytest "$@"
+if [ "${CASQUE_TEST_STRESS:-0}" = "1" ]; then
+  hogs=()
+  for _ in $(seq "$(nproc)"); do
+    nice -n 0 sh -c 'while :; do :; done' &
+    hogs+=("$!")
+  done
+  trap 'kill "${hogs[@]}" 2>/dev/null || true' EXIT
+  echo "stress: ${#hogs[@]} CPU hog(s) beside the suite (pids ${hogs[*]})"
+  .venv/bin/python -m pytest "$@"
+else
+  exec .venv/bin/python -m pytest "$@"
+fi
