@@ -27,6 +27,19 @@ class BackendUnavailable(CasqueError):
     code = "backend_unavailable"
 
 
+class WriteOutcomeUnknown(BackendUnavailable):
+    """Cassandra could not say whether a write was applied (a timeout, CAS_WRITE_UNKNOWN)."""
+
+    code = "write_outcome_unknown"
+
+
+class PublishOutcomeUnknown(BackendUnavailable):
+    """A publish may or may not have been written and the backend could not settle which in
+    time: retry it with the same id, which finds it if it was."""
+
+    code = "publish_outcome_unknown"
+
+
 class QueueNotFound(CasqueError):
     code = "queue_not_found"
 

@@ -24,7 +24,14 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, model_validator
 from pydantic.alias_generators import to_camel
 
-from casque.engine.messages import Delivery, OutgoingMessage, Published
+from casque.engine.messages import (
+    ENGINE_ATTRIBUTE_PREFIX,
+    ENGINE_CLIENT_ID_PREFIXES,
+    Delivery,
+    OutgoingMessage,
+    Published,
+    reserved_client_id,
+)
 from casque.engine.stats import QueueStats, SubscriberStats
 from casque.schema import MAX_RETENTION_SECONDS, QueueRef
 from casque.specs import MAX_PRIORITIES, priority_of
@@ -159,6 +166,12 @@ class PublishMessage(Body):
         for name in self.attributes:
             if name.startswith("ce-"):
                 raise ValueError(f"attribute {name!r}: names starting with 'ce-' are reserved")
+            if name.lower().startswith(ENGINE_ATTRIBUTE_PREFIX):
+                raise ValueError(f"attribute {name!r}: names starting with {ENGINE_ATTRIBUTE_PREFIX!r} are "
+                                 "written by casque itself")
+        if self.id is not None and reserved_client_id(self.id):
+            raise ValueError(f"id {self.id!r}: ids starting with {', '.join(ENGINE_CLIENT_ID_PREFIXES)} are "
+                             "casque's own")
         if self.delay is not None and self.deliver_at is not None:
             raise ValueError("give either delay or deliverAt, not both")
         return self

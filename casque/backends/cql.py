@@ -30,11 +30,14 @@ from cassandra.cluster import (
     Session,
 )
 from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
-from cassandra.protocol import IsBootstrappingErrorMessage, OverloadedErrorMessage
+from cassandra.protocol import ErrorMessage, IsBootstrappingErrorMessage, OverloadedErrorMessage
 from cassandra.query import Statement
 
 from casque.config import Settings
-from casque.errors import BackendUnavailable
+from casque.errors import BackendUnavailable, WriteOutcomeUnknown
+
+# Protocol v5's CAS_WRITE_UNKNOWN error code (the driver has no class for it).
+CAS_WRITE_UNKNOWN = 0x1700
 
 # Everything that means "the cluster did not do it now, it may later": timeouts, too few
 # replicas, replica failures (ReadFailure, WriteFailure), an overloaded or bootstrapping
@@ -126,8 +129,16 @@ async def _result(response: ResponseFuture) -> Any:
     response.add_callbacks(on_result, on_error)
     try:
         return await done
+    except WriteTimeout as error:
+        raise WriteOutcomeUnknown(f"Cassandra: {type(error).__name__}: {error}") from error
     except RETRYABLE as error:
         raise BackendUnavailable(f"Cassandra: {type(error).__name__}: {error}") from error
+    except ErrorMessage as error:
+        if error.code == CAS_WRITE_UNKNOWN:
+            # Protocol v5: a contended conditional write whose proposal reached some replicas.
+            # The driver has no class for it; it may still complete.
+            raise WriteOutcomeUnknown(f"Cassandra: CAS write unknown: {error.message}") from error
+        raise
 
 
 def _settle(done: asyncio.Future[Any], response: Any, error: BaseException | None) -> None:

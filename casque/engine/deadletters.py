@@ -112,13 +112,7 @@ async def redrive(
                             raise InvalidSpec("a dead letter names its own queue as its source")
                         source_state = await asyncio.to_thread(catalog.read_queue, store, ref)
                         publisher = publishers[source] = Publisher(store, ref, source_state.spec)
-                    attributes = {k: v for k, v in message.attributes.items() if k not in HISTORY}
-                    attributes[FOR_SUBSCRIBER] = message.attributes.get(SUBSCRIBER, "")
-                    attributes[REDRIVEN_FROM] = f"{dead_letter_queue.key}/{message.message_id}"
-                    (result,) = await publisher.publish([OutgoingMessage(
-                        payload=message.payload, key=message.key, attributes=attributes,
-                        content_type=message.content_type, client_id=f"redrive/{message.message_id}",
-                    )])
+                    (result,) = await publisher.publish([redrive_copy(message, dead_letter_queue)])
                     if result.duplicate:
                         duplicates += 1
                     else:
@@ -128,6 +122,16 @@ async def redrive(
     for publisher in publishers.values():
         await publisher.flush_heads()
     return RedriveResult(redriven, duplicates, by_source)
+
+
+def redrive_copy(message: StoredMessage, dead_letter_queue: QueueRef) -> OutgoingMessage:
+    """A dead letter sent back to its source: addressed to the subscriber that failed it, its
+    history dropped, and a client id from its id, so a rerun sends nothing twice."""
+    attributes = {k: v for k, v in message.attributes.items() if k not in HISTORY}
+    attributes[FOR_SUBSCRIBER] = message.attributes.get(SUBSCRIBER, "")
+    attributes[REDRIVEN_FROM] = f"{dead_letter_queue.key}/{message.message_id}"
+    return OutgoingMessage(payload=message.payload, key=message.key, attributes=attributes,
+                           content_type=message.content_type, client_id=f"redrive/{message.message_id}")
 
 
 def _dead_within(message: StoredMessage, since: datetime | None, until: datetime | None) -> bool:

@@ -37,6 +37,8 @@ from casque.store import Store
 
 log = logging.getLogger(__name__)
 
+# Client ids of moves start so (one of the engine's reserved prefixes, casque.engine.messages).
+MOVED_PREFIX = "delayed/"
 # A follower waits this long for the election at a time, so that stop() is never stuck behind it.
 ELECTION_WAIT_SECONDS = 5.0
 # Messages due within this many seconds of now are published straight into the log.
@@ -102,7 +104,7 @@ class DelayedStore:
                         OutgoingMessage(
                             payload=row.payload or b"", key=row.key, attributes=dict(row.attributes or {}),
                             content_type=row.content_type, priority=row.priority or 0,
-                            ttl_seconds=row.ttl_seconds, client_id=f"delayed/{row.message_id}",
+                            ttl_seconds=row.ttl_seconds, client_id=moved_client_id(row.message_id),
                         ),
                     )
                 )
@@ -112,6 +114,11 @@ class DelayedStore:
         row = (await cql.execute(self._store.session, self._next, (self._queue, due_bucket(after), after))).one()
         return None if row is None else row.due_at.replace(tzinfo=timezone.utc)
 
+
+
+def moved_client_id(message_id: str) -> str:
+    """The client id of a delayed message's move into the log: a move done twice is stored once."""
+    return f"{MOVED_PREFIX}{message_id}"
 
 
 def read_cursor(data: bytes | None) -> datetime | None:

@@ -16,6 +16,18 @@ class InvalidReceipt(CasqueError):
     code = "invalid_receipt"
 
 
+# Client ids the engine gives its own publishes: delayed messages moved into the log, dead
+# letters, redrives, Spark replays. An app using one could make the engine's own publish
+# pass for a duplicate of it, and be dropped: the API refuses them.
+ENGINE_CLIENT_ID_PREFIXES = ("delayed/", "dlq/", "redrive/", "replay:")
+# Attributes the engine writes (dead-letter history, redrive addressing); the API refuses them.
+ENGINE_ATTRIBUTE_PREFIX = "casque-"
+
+
+def reserved_client_id(client_id: str) -> bool:
+    return client_id.startswith(ENGINE_CLIENT_ID_PREFIXES)
+
+
 @dataclass(frozen=True)
 class OutgoingMessage:
     payload: bytes

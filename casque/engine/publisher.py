@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 import zlib
 from collections import deque
@@ -25,12 +26,19 @@ from datetime import datetime, timedelta, timezone
 from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
-from casque.engine.batches import Claim, Log, new_writer_id
-from casque.engine.delayed import CURSOR_MARGIN, IMMEDIATE_SECONDS, LOOKBACK, DelayedStore, read_cursor
+from casque.engine.batches import Claim, Header, Log, new_writer_id
+from casque.engine.delayed import (
+    CURSOR_MARGIN,
+    IMMEDIATE_SECONDS,
+    LOOKBACK,
+    MOVED_PREFIX,
+    DelayedStore,
+    read_cursor,
+)
 from casque.engine.heads import HeadAdvancer
 from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.messages import OutgoingMessage, Published
-from casque.errors import BackendUnavailable, InvalidSpec, MessageTooLarge
+from casque.errors import BackendUnavailable, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
 from casque.specs import QueueSpec, log_shard
 from casque.store import Store
@@ -40,6 +48,11 @@ log = logging.getLogger(__name__)
 MAX_BATCH_MESSAGES = 1000
 # A preferred shard with this many messages waiting behind a write in flight spills over.
 SPILL_BACKLOG = 64
+# A claim whose outcome is unknown is settled by serial reads of its header, retried with
+# backoff for up to this long: the publish is answered only once it is known.
+SETTLE_SECONDS = 60.0
+SETTLE_RETRY_MIN_SECONDS = 0.1
+SETTLE_RETRY_MAX_SECONDS = 2.0
 # After this many lost claims in a row, re-read the head instead of walking one batch at a time.
 RESYNC_AFTER_CONFLICTS = 3
 
@@ -140,6 +153,8 @@ class ShardWriter:
                     self._last_batch = previous  # the head lags what we learned: keep the larger
                     self._totals = None
                 conflicts = 0
+            if self._totals is None:
+                await self._recover_totals(self._last_batch)
             batch = self._last_batch + 1
             writer = new_writer_id(publisher.publisher_id)
             claim = await self._claim(batch, items, writer)
@@ -159,19 +174,53 @@ class ShardWriter:
             counters.conflicts += 1
             conflicts += 1
 
+    async def _recover_totals(self, batch: int) -> None:
+        """The running totals as of `batch` (known to exist), from its header read at SERIAL.
+
+        A claim must never carry unknown totals: the next claims build on its header, so one
+        unknown total (a head that lagged, a header not yet visible at a weak consistency)
+        would leave every later batch of the shard without published counts, and stats
+        without lag in messages, for good.
+        """
+        if batch == 0:
+            self._totals = (0, 0)
+            return
+        header = await self._publisher.log.read_header(self.shard, batch, serial=True)
+        if header is not None and header.total_messages is not None and header.total_bytes is not None:
+            self._totals = (header.total_messages, header.total_bytes)
+
     async def _claim(self, batch: int, items: list[_Pending], writer: str) -> Claim:
         log_ = self._publisher.log
         payload = [(item.message_id, item.message) for item in items]
         try:
             return await log_.claim(self.shard, batch, payload, writer, self._totals)
-        except BackendUnavailable:
-            # A timed-out conditional write may still have been applied. A serial read
-            # settles the Paxos round, so afterwards the header tells whose batch it is.
+        except BackendUnavailable as error:
+            # A failed conditional write (a timeout, CAS_WRITE_UNKNOWN, a lost connection) may
+            # still have been applied. A serial read settles the Paxos round, so afterwards
+            # the header tells whose batch it is: ours, another writer's, or nobody's, and
+            # only "nobody's" may be answered as a failure the client can retry.
             self._publisher.counters.unknown_outcomes += 1
-            header = await log_.read_header(self.shard, batch, serial=True)
+            header = await self._settle(batch, error)
             if header is None:
-                raise
+                raise BackendUnavailable(f"batch {batch} of shard {self.shard} was not written: {error}") from error
             return Claim(applied=header.writer == writer, header=header)
+
+    async def _settle(self, batch: int, cause: BackendUnavailable) -> Header | None:
+        """The header of `batch` read at SERIAL, retried until the cluster answers (or give up
+        after SETTLE_SECONDS with PublishOutcomeUnknown: the publish may have happened)."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        delay = SETTLE_RETRY_MIN_SECONDS
+        while True:
+            try:
+                return await self._publisher.log.read_header(self.shard, batch, serial=True)
+            except BackendUnavailable as error:
+                if time.monotonic() + delay > deadline:
+                    raise PublishOutcomeUnknown(
+                        f"batch {batch} of shard {self.shard} may have been written ({cause}); Cassandra did not "
+                        f"answer which in {SETTLE_SECONDS:.0f}s: retry with the same id"
+                    ) from error
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, SETTLE_RETRY_MAX_SECONDS)
 
 
 async def _zk_get(store: Store, path: str) -> tuple[bytes, object]:
@@ -237,7 +286,7 @@ class Publisher:
 
     async def _route(self, message: OutgoingMessage, message_id: str) -> Published:
         due = message.deliver_at
-        if due is None and self.spec.default_delay_seconds and not (message.client_id or "").startswith("delayed/"):
+        if due is None and self.spec.default_delay_seconds and not (message.client_id or "").startswith(MOVED_PREFIX):
             due = datetime.now(timezone.utc) + timedelta(seconds=self.spec.default_delay_seconds)
         if due is not None and self._is_later(due):
             await self._delayed_store().insert(message_id, due, message)

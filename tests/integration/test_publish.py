@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from typing import Any
 
 import pytest
 
 from casque.engine import catalog
-from casque.engine.batches import Log
+from casque.engine.batches import Claim, Header, Log
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
-from casque.errors import MessageTooLarge
+from casque.errors import BackendUnavailable, MessageTooLarge, PublishOutcomeUnknown, WriteOutcomeUnknown
 from casque.schema import QueueRef
 from casque.specs import QueueSpec
 from casque.store import Store
@@ -105,8 +106,82 @@ async def test_idempotent_publish_returns_the_first_result(store: Store) -> None
     other = Publisher(store, QUEUE, spec)
     (third,) = await other.publish([OutgoingMessage(b"a", client_id="order-1")])
     assert third.duplicate and third.message_id == first[0].message_id
+    await publisher.flush_heads()  # publish does not wait for the head; reading up to it does
     stored = await read_all(store, spec)
     assert sum(len(ids) for batches in stored.values() for ids in batches.values()) == 1
+
+
+async def test_a_claim_of_unknown_outcome_is_settled_before_the_publish_is_answered(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write lands but its answer is lost (a timeout, CAS_WRITE_UNKNOWN), and the serial
+    reads that settle it fail a few times too: the publish still answers its real position."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    claim, read_header = Log.claim, Log.read_header
+    serial_failures = iter([WriteOutcomeUnknown("serial read timed out")] * 3)
+
+    async def applied_but_unanswered(self: Log, *args: Any, **kwargs: Any) -> Claim:
+        await claim(self, *args, **kwargs)
+        raise WriteOutcomeUnknown("CAS write unknown")
+
+    async def flaky_serial_read(self: Log, shard: int, batch: int, serial: bool = False) -> Header | None:
+        failure = next(serial_failures, None) if serial else None
+        if failure is not None:
+            raise failure
+        return await read_header(self, shard, batch, serial)
+
+    monkeypatch.setattr(Log, "claim", applied_but_unanswered)
+    monkeypatch.setattr(Log, "read_header", flaky_serial_read)
+    publisher = Publisher(store, QUEUE, spec)
+    (result,) = await publisher.publish([OutgoingMessage(b"once")])
+    assert (result.shard, result.batch, result.seq) == (0, 1, 0)
+    assert next(serial_failures, None) is None  # every failed read was retried
+    await publisher.flush_heads()
+    assert await read_all(store, spec) == {0: {1: [result.message_id]}}
+
+
+async def test_a_claim_certainly_not_written_is_a_retryable_failure(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+
+    async def lost_before_reaching_anyone(self: Log, *args: Any, **kwargs: Any) -> Claim:
+        raise WriteOutcomeUnknown("timed out")
+
+    monkeypatch.setattr(Log, "claim", lost_before_reaching_anyone)
+    with pytest.raises(BackendUnavailable) as raised:
+        await Publisher(store, QUEUE, spec).publish([OutgoingMessage(b"never")])
+    assert not isinstance(raised.value, PublishOutcomeUnknown)  # the serial read said: not written
+
+
+async def test_running_totals_survive_publishers_contending_for_one_shard(store: Store) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    # Enough contention that writers lose several claims in a row and resync from a head
+    # that lags what they know (where the totals used to be lost).
+    publishers = [Publisher(store, QUEUE, spec) for _ in range(6)]
+
+    async def publish_from(publisher: Publisher, name: str) -> None:
+        for i in range(20):
+            await publisher.publish([OutgoingMessage(f"{name}-{i}".encode())])
+
+    await asyncio.gather(*(publish_from(p, f"p{n}") for n, p in enumerate(publishers)))
+    assert sum(p.counters.conflicts for p in publishers) > 0, "the publishers never contended"
+    for publisher in publishers:
+        await publisher.flush_heads()
+    head = catalog.read_int(store, store.paths(QUEUE).head(0))
+    log = Log(store, QUEUE, "ONE")
+    running, size = 0, 0
+    for batch in range(1, head + 1):
+        header = await log.read_header(0, batch)
+        stored = (await log.read_from(0, batch))[0]
+        assert header is not None and stored.header.batch == batch
+        running += header.message_count
+        size += sum(m.size for m in stored.messages)
+        assert (header.total_messages, header.total_bytes) == (running, size), f"batch {batch}"
+    assert running == 120  # every message counted once
 
 
 async def test_oversize_message_rejects_the_whole_request(store: Store) -> None:

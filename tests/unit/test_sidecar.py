@@ -12,7 +12,18 @@ from pydantic import ValidationError
 
 from casque.client import Message, RetryPolicy, message
 from casque.engine.consumer import ConsumerStopped
-from casque.engine.messages import Delivery, InvalidReceipt, Position, StoredMessage
+from casque.engine.deadletters import dead_letter_copy, redrive_copy
+from casque.engine.delayed import moved_client_id
+from casque.engine.messages import (
+    ENGINE_ATTRIBUTE_PREFIX,
+    Delivery,
+    InvalidReceipt,
+    OutgoingMessage,
+    Position,
+    StoredMessage,
+    reserved_client_id,
+)
+from casque.spark import replay
 from casque.errors import (
     BackendUnavailable,
     CasqueError,
@@ -99,10 +110,29 @@ def test_publish_bodies_become_engine_messages() -> None:
     {"priority": -1},
     {"dealy": 5},  # misspelt: refused, never published at once
     {"datacontenttype": "not a media type"},
+    # casque's own: an app's publish must never pass for the engine's (or hide one).
+    {"id": "delayed/5f0c"}, {"id": "dlq/default/q/s/0/0/1/0"}, {"id": "redrive/abc"}, {"id": "replay:default/q:0:1:0"},
+    {"attributes": {"casque-for-subscriber": "billing"}}, {"attributes": {"Casque-dlq-source": "x"}},
 ])
 def test_publish_bodies_that_are_refused(body: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
         parse(body)
+
+
+def test_the_engines_own_client_ids_and_attributes_are_the_reserved_ones() -> None:
+    source = QueueRef("default", "orders")
+    stored = StoredMessage(Position(0, 3, 1), "m-1", datetime.now(timezone.utc), b"x")
+    copy = dead_letter_copy(stored, source, "billing", 0, 5, "boom")
+
+    def copy_as_stored(message: OutgoingMessage) -> StoredMessage:  # as the dead-letter queue holds it
+        return StoredMessage(Position(0, 1, 0), "m-2", datetime.now(timezone.utc), message.payload,
+                             attributes=message.attributes)
+
+    redriven = redrive_copy(copy_as_stored(copy), QueueRef("default", "orders-dlq"))
+    own_ids = [copy.client_id, redriven.client_id, moved_client_id(stored.message_id), replay.client_id(source, 0, 3, 1)]
+    assert all(i is not None and reserved_client_id(i) for i in own_ids), own_ids
+    own_attributes = set(copy.attributes) | set(redriven.attributes)
+    assert own_attributes and all(a.startswith(ENGINE_ATTRIBUTE_PREFIX) for a in own_attributes)
 
 
 def test_seek_takes_exactly_one_target() -> None:
