@@ -229,7 +229,9 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     PRIMARY KEY ((queue), name)
 )""",
         # Client message ids of recent publishes, for idempotent publish; rows expire
-        # after the deduplication window.
+        # after the deduplication window. Written first as an intent (writer, since_batch,
+        # claim_deadline: where and by whom the batch will be claimed, and until when), then
+        # completed with the position (batch_no, seq) once the batch is written.
         f"""CREATE TABLE IF NOT EXISTS {keyspace}.{PUBLISH_IDS_TABLE} (
     queue text,
     client_id text,
@@ -237,6 +239,9 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     shard int,
     batch_no bigint,
     seq int,
+    writer text,
+    since_batch bigint,
+    claim_deadline timestamp,
     PRIMARY KEY ((queue, client_id))
 ) WITH gc_grace_seconds = {GC_GRACE_SECONDS}
   AND compaction = {_compaction(86400)}""",
@@ -252,10 +257,28 @@ class TableOptions:
     compaction: dict[str, str] | None = None
 
 
+# Columns added to shared tables after their first release: (table, column, type).
+ADDED_COLUMNS = [
+    (PUBLISH_IDS_TABLE, "writer", "text"),
+    (PUBLISH_IDS_TABLE, "since_batch", "bigint"),
+    (PUBLISH_IDS_TABLE, "claim_deadline", "timestamp"),
+]
+
+
 def ensure_keyspace(session: Any, keyspace: str, replication_cql: str) -> None:
     session.execute(keyspace_ddl(keyspace, replication_cql))
     for ddl in shared_tables_ddl(keyspace):
         session.execute(ddl)
+    # An installation made by an earlier version gets the columns it lacks.
+    existing = {
+        (row.table_name, row.column_name)
+        for row in session.execute(
+            "SELECT table_name, column_name FROM system_schema.columns WHERE keyspace_name = %s", (keyspace,)
+        )
+    }
+    for table, column, kind in ADDED_COLUMNS:
+        if (table, column) not in existing:
+            session.execute(f"ALTER TABLE {keyspace}.{table} ADD {column} {kind}")
 
 
 def ensure_queue_table(session: Any, keyspace: str, queue: QueueRef, retention_seconds: int) -> bool:

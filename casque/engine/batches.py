@@ -178,7 +178,8 @@ def _unset_nulls(values: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def new_writer_id(publisher_id: str) -> str:
-    """A unique id for one claim attempt: after a timeout, the header tells whether it was ours."""
+    """A unique id for the claims of one batch of messages: after a timeout, the header tells
+    whether it was ours, and a retry of a publish finds its batch by it."""
     return f"{publisher_id}/{uuid.uuid4().hex[:12]}"
 
 

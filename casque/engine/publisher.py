@@ -36,7 +36,7 @@ from casque.engine.delayed import (
     read_cursor,
 )
 from casque.engine.heads import HeadAdvancer
-from casque.engine.idempotency import IdempotencyGuard
+from casque.engine.idempotency import IdempotencyGuard, claim_deadline
 from casque.engine.messages import OutgoingMessage, Published
 from casque.errors import BackendUnavailable, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
@@ -144,6 +144,11 @@ class ShardWriter:
         publisher = self._publisher
         counters = publisher.counters
         conflicts = 0
+        # One writer id for every claim attempt of these items: an intent names it, and a
+        # retry of one of their ids finds the batch by it.
+        writer = new_writer_id(publisher.publisher_id)
+        intents = [(item.message.client_id, item.message_id) for item in items if item.message.client_id]
+        claims_until: float | None = None
         while True:
             if self._last_batch is None or conflicts >= RESYNC_AFTER_CONFLICTS:
                 previous = self._last_batch
@@ -156,7 +161,14 @@ class ShardWriter:
             if self._totals is None:
                 await self._recover_totals(self._last_batch)
             batch = self._last_batch + 1
-            writer = new_writer_id(publisher.publisher_id)
+            if intents and claims_until is None:
+                deadline, claims_until = claim_deadline()
+                await publisher.idempotency.record_intents(intents, self.shard, writer, batch, deadline)
+                counters.cassandra_writes += 1
+            elif claims_until is not None and time.monotonic() > claims_until:
+                # Past this, a retry of these ids may decide they were never published: no
+                # claim may be sent any more.
+                raise BackendUnavailable(f"shard {self.shard}: no batch won within the claim window; retry")
             claim = await self._claim(batch, items, writer)
             counters.cassandra_writes += 1
             header = claim.header
@@ -245,7 +257,7 @@ class Publisher:
         self.counters = PublisherCounters()
         self._writers = {shard: ShardWriter(self, shard) for shard in self.spec.log_shards()}
         self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
-        self._idempotency = IdempotencyGuard(self.store, self.queue)
+        self.idempotency = IdempotencyGuard(self.store, self.queue, self.log)
 
     def validate(self, message: OutgoingMessage) -> None:
         if message.size > self.spec.max_message_bytes:
@@ -282,7 +294,7 @@ class Publisher:
     async def _publish_one(self, message: OutgoingMessage, message_id: str) -> Published:
         if message.client_id is None:
             return await self._route(message, message_id)
-        return await self._idempotency.publish_once(message.client_id, lambda: self._route(message, message_id))
+        return await self.idempotency.publish_once(message.client_id, lambda: self._route(message, message_id))
 
     async def _route(self, message: OutgoingMessage, message_id: str) -> Published:
         due = message.deliver_at

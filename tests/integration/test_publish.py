@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from casque.engine import catalog
+from casque.backends import cql
+from casque.engine import catalog, idempotency
 from casque.engine.batches import Claim, Header, Log
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
@@ -109,6 +112,106 @@ async def test_idempotent_publish_returns_the_first_result(store: Store) -> None
     await publisher.flush_heads()  # publish does not wait for the head; reading up to it does
     stored = await read_all(store, spec)
     assert sum(len(ids) for batches in stored.values() for ids in batches.values()) == 1
+
+
+async def until(what: str, condition: Callable[[], bool], limit_s: float = 30.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def intent_of(store: Store, client_id: str) -> str | None:
+    row = store.session.execute(
+        f"SELECT writer FROM {store.keyspace}.publish_ids WHERE queue = %s AND client_id = %s", (QUEUE.key, client_id)
+    ).one()
+    return None if row is None else row.writer
+
+
+class Crash(Exception):
+    """The publishing process dies here."""
+
+
+def copies_of(store: Store, client_id: str) -> list[tuple[int, int, int]]:
+    rows = store.session.execute(f"SELECT shard, batch_no, seq, client_id FROM {store.table(QUEUE)}")
+    return [(r.shard, r.batch_no, r.seq) for r in rows if r.client_id == client_id]
+
+
+async def test_a_retry_after_a_crash_between_the_batch_and_its_id_record_finds_the_batch(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    crashing = Publisher(store, QUEUE, spec)
+    execute = cql.execute
+
+    async def dies_before_recording(session: Any, statement: Any, params: Any = None) -> Any:
+        if statement is crashing.idempotency._insert:
+            raise Crash()
+        return await execute(session, statement, params)
+
+    monkeypatch.setattr(cql, "execute", dies_before_recording)
+    with pytest.raises(Crash):
+        await crashing.publish([OutgoingMessage(b"pay", client_id="order-9")])
+    monkeypatch.undo()
+    (written,) = copies_of(store, "order-9")  # the batch made it
+
+    retry = Publisher(store, QUEUE, spec)  # the client retries through another sidecar
+    (result,) = await retry.publish([OutgoingMessage(b"pay", client_id="order-9")])
+    assert result.duplicate and (result.shard, result.batch, result.seq) == written
+    assert copies_of(store, "order-9") == [written]
+    assert retry.idempotency.resolved_intents == 1
+
+
+async def test_a_retry_after_a_crash_before_the_claim_publishes_once_the_claim_window_closed(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    monkeypatch.setattr(idempotency, "DEADLINE_SECONDS", 1.0)
+    monkeypatch.setattr(idempotency, "CLAIM_SECONDS", 0.5)
+    monkeypatch.setattr(idempotency, "CLOCK_SKEW_SECONDS", 0.2)
+    claim = Log.claim
+
+    async def dies_before_claiming(self: Log, *args: Any, **kwargs: Any) -> Claim:
+        raise Crash()
+
+    monkeypatch.setattr(Log, "claim", dies_before_claiming)
+    with pytest.raises(Crash):
+        await Publisher(store, QUEUE, spec).publish([OutgoingMessage(b"pay", client_id="order-10")])
+    monkeypatch.setattr(Log, "claim", claim)
+    assert copies_of(store, "order-10") == []
+    retry = Publisher(store, QUEUE, spec)
+    (result,) = await retry.publish([OutgoingMessage(b"pay", client_id="order-10")])
+    assert not result.duplicate and retry.idempotency.resolved_intents == 1
+    assert copies_of(store, "order-10") == [(result.shard, result.batch, result.seq)]
+
+
+async def test_a_retry_while_the_first_attempt_still_claims_finds_its_batch(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    slow = Publisher(store, QUEUE, spec)
+    claim = Log.claim
+    go_on = asyncio.Event()
+
+    async def paused_before_claiming(self: Log, *args: Any, **kwargs: Any) -> Claim:
+        if self is slow.log:
+            await go_on.wait()  # a GC pause: the intent is recorded, the claim not sent yet
+        return await claim(self, *args, **kwargs)
+
+    monkeypatch.setattr(Log, "claim", paused_before_claiming)
+    first = asyncio.create_task(slow.publish([OutgoingMessage(b"pay", client_id="order-11")]))
+    await until("the first attempt's intent", lambda: intent_of(store, "order-11") is not None)
+    retry = Publisher(store, QUEUE, spec)
+    second = asyncio.create_task(retry.publish([OutgoingMessage(b"pay", client_id="order-11")]))
+    await until("the retry waiting on the intent", lambda: retry.idempotency.resolved_intents == 1)
+    go_on.set()
+    (one,), (two,) = await asyncio.gather(first, second)
+    assert not one.duplicate and two.duplicate
+    assert (two.shard, two.batch, two.seq) == (one.shard, one.batch, one.seq)
+    assert copies_of(store, "order-11") == [(one.shard, one.batch, one.seq)]
 
 
 async def test_a_claim_of_unknown_outcome_is_settled_before_the_publish_is_answered(
