@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from cassandra.query import BatchStatement, BatchType
+from cassandra.query import BatchStatement, BatchType, PreparedStatement
 
 from casque.backends import cql
 from casque.engine.batches import Log
@@ -46,19 +46,30 @@ DEADLINE_SECONDS = 30.0
 CLAIM_SECONDS = 15.0
 # How far apart two sidecars' clocks may be for a retry to trust an intent's deadline.
 CLOCK_SKEW_SECONDS = 5.0
+# Ids read per request, and rows written per unlogged batch (a row is ~100 bytes).
+LOOKUP_CHUNK = 100
+WRITE_CHUNK = 40
 # A retry looks for an intent's batch again this often while the deadline has not passed.
 RESOLVE_POLL_SECONDS = 0.25
 
 
 class IdempotencyGuard:
+    """Ids of one queue: exact within this process, and in `publish_ids` for everyone.
+
+    The shard writer checks the ids of a whole batch with one read per LOOKUP_CHUNK ids
+    (`lookup`), records their intents and later their positions with one unlogged batch per
+    WRITE_CHUNK (`record_intents`, `record_positions`): about 60 requests for 1,000 ids
+    instead of 2,000.
+    """
+
     def __init__(self, store: Store, queue: QueueRef, log: Log, window_seconds: int = DEFAULT_WINDOW_SECONDS) -> None:
         self._store = store
         self._queue = queue.key
         self._log = log
         table = f"{store.keyspace}.{PUBLISH_IDS_TABLE}"
         self._select = store.session.prepare(
-            f"SELECT message_id, shard, batch_no, seq, writer, since_batch, claim_deadline FROM {table} "
-            "WHERE queue = ? AND client_id = ?"
+            f"SELECT client_id, message_id, shard, batch_no, seq, writer, since_batch, claim_deadline FROM {table} "
+            "WHERE queue = ? AND client_id IN ?"
         )
         self._insert = store.session.prepare(
             f"INSERT INTO {table} (queue, client_id, message_id, shard, batch_no, seq) "
@@ -74,8 +85,11 @@ class IdempotencyGuard:
         self._recent: OrderedDict[str, Published] = OrderedDict()
         self._inflight: dict[str, asyncio.Future[Published]] = {}
         self.resolved_intents = 0
+        self.statements = 0
 
     async def publish_once(self, client_id: str, publish: Callable[[], Awaitable[Published]]) -> Published:
+        """Within this process: one publish per id at a time, and recent ids answered from memory.
+        `publish` does the durable check (the shard writer's `lookup`)."""
         known = self._recent.get(client_id)
         if known is not None:
             return _as_duplicate(known)
@@ -85,17 +99,7 @@ class IdempotencyGuard:
         future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
         self._inflight[client_id] = future
         try:
-            row = (await cql.execute(self._store.session, self._select, (self._queue, client_id))).one()
-            earlier = await self._earlier(row) if row is not None else None
-            if earlier is not None:
-                result = _as_duplicate(earlier)
-            else:
-                result = await publish()
-            await cql.execute(
-                self._store.session,
-                self._insert,
-                (self._queue, client_id, result.message_id, result.shard, result.batch, result.seq),
-            )
+            result = await publish()
             self._remember(client_id, result)
             future.set_result(result)
             return result
@@ -106,19 +110,52 @@ class IdempotencyGuard:
         finally:
             del self._inflight[client_id]
 
+    async def lookup(self, client_ids: Sequence[str]) -> dict[str, Any]:
+        """The `publish_ids` rows of these ids, by client id (a read per LOOKUP_CHUNK ids, at once)."""
+        chunks = [list(client_ids[i:i + LOOKUP_CHUNK]) for i in range(0, len(client_ids), LOOKUP_CHUNK)]
+        self.statements += len(chunks)
+        pages = await asyncio.gather(
+            *(cql.fetch_all(self._store.session, self._select, (self._queue, chunk)) for chunk in chunks))
+        return {row.client_id: row for rows in pages for row in rows}
+
+    async def earlier(self, client_id: str) -> Published | None:
+        """The publish of an id made before (settling an intent), or None."""
+        row = (await self.lookup([client_id])).get(client_id)
+        return None if row is None else await self.settle(row)
+
     async def record_intents(
         self, intents: Sequence[tuple[str, str]], shard: int, writer: str, since_batch: int, deadline: datetime
     ) -> None:
         """Before a claim: (client id, message id) of each message of the batch that has an id."""
-        statement = BatchStatement(batch_type=BatchType.UNLOGGED, consistency_level=self._consistency)
-        for client_id, message_id in intents:
-            statement.add(self._insert_intent, (self._queue, client_id, message_id, shard, writer, since_batch, deadline))
-        await cql.execute(self._store.session, statement)
+        await self._write_rows(self._insert_intent, [
+            (self._queue, client_id, message_id, shard, writer, since_batch, deadline)
+            for client_id, message_id in intents
+        ])
 
-    async def _earlier(self, row: Any) -> Published | None:
-        """The publish a row records: its position, or the intent's, settled."""
+    async def record_positions(self, published: Sequence[tuple[str, Published]]) -> None:
+        """After a write: where each id's message is (one write for the lot)."""
+        await self._write_rows(self._insert, [
+            (self._queue, client_id, result.message_id, result.shard, result.batch, result.seq)
+            for client_id, result in published
+        ])
+
+    async def _write_rows(self, statement: PreparedStatement, rows: Sequence[tuple[Any, ...]]) -> None:
+        """Rows of many partitions in unlogged batches of WRITE_CHUNK, sent at once: one
+        request per chunk instead of one per row, each small enough for Cassandra's batch
+        size warning (5 KiB by default)."""
+        batches = []
+        for start in range(0, len(rows), WRITE_CHUNK):
+            batch = BatchStatement(batch_type=BatchType.UNLOGGED, consistency_level=self._consistency)
+            for row in rows[start:start + WRITE_CHUNK]:
+                batch.add(statement, row)
+            batches.append(batch)
+        self.statements += len(batches)
+        await asyncio.gather(*(cql.execute(self._store.session, b) for b in batches))
+
+    async def settle(self, row: Any) -> Published | None:
+        """The publish a row records: its position, or its intent's, settled (see the module)."""
         if row.batch_no is not None:
-            return Published(row.message_id, row.shard, row.batch_no, row.seq)
+            return recorded(row)
         if row.writer is None or row.since_batch is None or row.claim_deadline is None:
             return None
         self.resolved_intents += 1
@@ -128,7 +165,10 @@ class IdempotencyGuard:
             header = await self._log.read_header(row.shard, batch, serial=True)
             if header is not None:
                 if header.writer == row.writer:
-                    return Published(row.message_id, row.shard, batch, await self._seq_of(row.shard, batch, row.message_id))
+                    seq = await self._seq_of(row.shard, batch, row.message_id)
+                    found = Published(row.message_id, row.shard, batch, seq)
+                    await self.record_positions([(row.client_id, found)])
+                    return _as_duplicate(found)
                 batch += 1
                 continue
             # Nobody holds `batch` yet: the intent's writer may still claim it, until its deadline.
@@ -144,6 +184,11 @@ class IdempotencyGuard:
         self._recent[client_id] = result
         while len(self._recent) > REMEMBERED_IDS:
             self._recent.popitem(last=False)
+
+
+def recorded(row: Any) -> Published:
+    """The first publish of an id, from its completed `publish_ids` row."""
+    return _as_duplicate(Published(row.message_id, row.shard, row.batch_no, row.seq))
 
 
 def claim_deadline() -> tuple[datetime, float]:

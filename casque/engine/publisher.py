@@ -19,9 +19,10 @@ import time
 import uuid
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 from kazoo.recipe.watchers import DataWatch
 
@@ -36,7 +37,7 @@ from casque.engine.delayed import (
     read_cursor,
 )
 from casque.engine.heads import HeadAdvancer
-from casque.engine.idempotency import IdempotencyGuard, claim_deadline
+from casque.engine.idempotency import IdempotencyGuard, claim_deadline, recorded
 from casque.engine.messages import OutgoingMessage, Published
 from casque.errors import BackendUnavailable, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
@@ -62,6 +63,8 @@ class _Pending:
     message_id: str
     message: OutgoingMessage
     future: asyncio.Future[Published]
+    # Its client id is known not to be published (checked, or an intent settled): no check again.
+    checked: bool = False
 
 
 @dataclass
@@ -100,7 +103,14 @@ class ShardWriter:
             while self.pending:
                 items = self._take()
                 try:
+                    items = await self._unpublished(items)
+                    if not items:
+                        continue
                     batch = await self._write(items)
+                    results = [Published(item.message_id, self.shard, batch, seq) for seq, item in enumerate(items)]
+                    # Positions recorded before the answer; if this fails, the intents lead a retry here.
+                    await self._publisher.idempotency.record_positions(
+                        [(i.message.client_id, r) for i, r in zip(items, results) if i.message.client_id])
                 except BaseException as error:
                     self._last_batch = None  # knowledge of the shard is unsure: resync before the next claim
                     for item in items:
@@ -109,11 +119,44 @@ class ShardWriter:
                     if isinstance(error, asyncio.CancelledError):
                         raise
                     continue
-                for seq, item in enumerate(items):
+                for item, result in zip(items, results):
                     if not item.future.done():
-                        item.future.set_result(Published(item.message_id, self.shard, batch, seq))
+                        item.future.set_result(result)
         finally:
             self.busy = False
+
+    async def _unpublished(self, items: list[_Pending]) -> list[_Pending]:
+        """The items to write: those whose client id was published before are answered with
+        the first publish (one read for the batch); one whose id has only an intent is settled
+        apart, so that a wait for its deadline holds up nothing else."""
+        ids = [item.message.client_id for item in items if item.message.client_id and not item.checked]
+        if not ids:
+            return items
+        guard = self._publisher.idempotency
+        rows = await guard.lookup(ids)
+        fresh: list[_Pending] = []
+        for item in items:
+            row = None if item.checked or not item.message.client_id else rows.get(item.message.client_id)
+            if row is None:
+                fresh.append(item)
+            elif row.batch_no is not None:
+                item.future.set_result(recorded(row))
+            else:
+                self._publisher.in_background(self._settle_apart(item, row))
+        return fresh
+
+    async def _settle_apart(self, item: _Pending, row: object) -> None:
+        try:
+            earlier = await self._publisher.idempotency.settle(row)
+        except BaseException as error:
+            if not item.future.done():
+                item.future.set_exception(error)
+            raise
+        if earlier is not None:
+            item.future.set_result(earlier)
+        else:
+            item.checked = True
+            self.submit(item)
 
     def _take(self) -> list[_Pending]:
         items = [self.pending.popleft()]
@@ -258,6 +301,7 @@ class Publisher:
         self._writers = {shard: ShardWriter(self, shard) for shard in self.spec.log_shards()}
         self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
         self.idempotency = IdempotencyGuard(self.store, self.queue, self.log)
+        self._background: set[asyncio.Task[None]] = set()
 
     def validate(self, message: OutgoingMessage) -> None:
         if message.size > self.spec.max_message_bytes:
@@ -301,8 +345,15 @@ class Publisher:
         if due is None and self.spec.default_delay_seconds and not (message.client_id or "").startswith(MOVED_PREFIX):
             due = datetime.now(timezone.utc) + timedelta(seconds=self.spec.default_delay_seconds)
         if due is not None and self._is_later(due):
+            if message.client_id:
+                earlier = await self.idempotency.earlier(message.client_id)
+                if earlier is not None:
+                    return earlier
             await self._delayed_store().insert(message_id, due, message)
-            return Published(message_id, -1, -1, -1, deliver_at=due)
+            result = Published(message_id, -1, -1, -1, deliver_at=due)
+            if message.client_id:
+                await self.idempotency.record_positions([(message.client_id, result)])
+            return result
         future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
         self._writers[self._choose_shard(message)].submit(_Pending(message_id, message, future))
         return await future
@@ -342,6 +393,13 @@ class Publisher:
             return preferred.shard
         lane = [self._writers[log_shard(level, s)] for s in range(self.spec.shards)]
         return min(lane, key=lambda w: (w.busy, len(w.pending))).shard
+
+    def in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        # A failure was handed to the waiting publish already; this only keeps it from being logged twice.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def zookeeper_operations(self) -> int:
         """ZooKeeper requests made so far (head syncs, head reads and writes)."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from math import ceil
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from casque.backends import cql
 from casque.engine import catalog, idempotency
 from casque.engine.batches import Claim, Header, Log
 from casque.engine.messages import OutgoingMessage, Published
@@ -143,14 +143,11 @@ async def test_a_retry_after_a_crash_between_the_batch_and_its_id_record_finds_t
     spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
     crashing = Publisher(store, QUEUE, spec)
-    execute = cql.execute
 
-    async def dies_before_recording(session: Any, statement: Any, params: Any = None) -> Any:
-        if statement is crashing.idempotency._insert:
-            raise Crash()
-        return await execute(session, statement, params)
+    async def dies_before_recording(published: object) -> None:
+        raise Crash()
 
-    monkeypatch.setattr(cql, "execute", dies_before_recording)
+    monkeypatch.setattr(crashing.idempotency, "record_positions", dies_before_recording)
     with pytest.raises(Crash):
         await crashing.publish([OutgoingMessage(b"pay", client_id="order-9")])
     monkeypatch.undo()
@@ -212,6 +209,21 @@ async def test_a_retry_while_the_first_attempt_still_claims_finds_its_batch(
     assert not one.duplicate and two.duplicate
     assert (two.shard, two.batch, two.seq) == (one.shard, one.batch, one.seq)
     assert copies_of(store, "order-11") == [(one.shard, one.batch, one.seq)]
+
+
+async def test_ids_cost_a_few_statements_per_batch_not_two_per_message(store: Store) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, spec)
+    messages = [OutgoingMessage(f"m{i}".encode(), client_id=f"id-{i}") for i in range(500)]
+    results = await publisher.publish(messages)
+    assert len({r.message_id for r in results}) == 500 and not any(r.duplicate for r in results)
+    # Per batch: a read per 100 ids, a write of intents and one of positions per 40 ids.
+    per_batch = ceil(500 / idempotency.LOOKUP_CHUNK) + 2 * ceil(500 / idempotency.WRITE_CHUNK)
+    assert publisher.counters.batches == 1
+    assert publisher.idempotency.statements == per_batch < 500 * 2 / 10
+    again = await Publisher(store, QUEUE, spec).publish(messages)
+    assert [r.message_id for r in again] == [r.message_id for r in results] and all(r.duplicate for r in again)
 
 
 async def test_a_claim_of_unknown_outcome_is_settled_before_the_publish_is_answered(
