@@ -7,7 +7,8 @@ Runs on the local stack (`casque dev up`) in a keyspace of its own, dropped at t
 Prints, for the same rows on the same node:
 - the raw driver limits: single-row inserts (async pipeline), plain single-partition
   batches of the engine's average batch size, and a paged read;
-- the engine's publish msgs/s and receive+ack msgs/s, each as a ratio of those limits;
+- the engine's publish msgs/s (also with a client id on every message) and receive+ack
+  msgs/s, each as a ratio of those limits, and Cassandra statements per 1,000 ids;
 - publish-to-receive latency p50/p99 at a moderate rate with a consumer waiting;
 - ZooKeeper and Cassandra round trips per 1,000 messages.
 """
@@ -137,6 +138,21 @@ async def main() -> None:
         avg_batch = (counters.messages - before[0]) / max(1, counters.batches - before[1])
         args.messages = half + calls * 100
 
+        # The same batch calls with a client id on every message (idempotent publish), on a
+        # queue of their own: the id checks, intents and positions are what they add.
+        with_ids = QueueRef("default", "bench-ids")
+        catalog.apply_queue(store, with_ids, spec)
+        id_publisher = Publisher(store, with_ids, spec)
+        id_calls = calls
+
+        async def publish_with_ids(i: int) -> None:
+            await id_publisher.publish([OutgoingMessage(payload, client_id=f"c{i}-{n}") for n in range(100)])
+
+        ids_seconds = await pipeline(id_calls, 32, publish_with_ids)
+        await id_publisher.flush_heads()
+        ids_rate = id_calls * 100 / ids_seconds
+        ids_statements = id_publisher.idempotency.statements + id_publisher.counters.cassandra_writes
+
         limits = await raw_limits(store, store.table(queue), args.messages, payload, max(1, round(avg_batch)))
 
         # Engine receive + ack of everything just published.
@@ -190,6 +206,10 @@ async def main() -> None:
             print(f"engine publish {label:24s} {rate:8.0f} msgs/s  "
                   f"ratio {rate / limits['raw_insert_rows_per_s']:.2f} of single-row inserts, "
                   f"{rate / limits['raw_batch_rows_per_s']:.2f} of plain batches (avg batch {size:.1f})")
+        print(f"engine publish {'100 msgs/call with ids':24s} {ids_rate:8.0f} msgs/s  "
+              f"ratio {ids_rate / limits['raw_batch_rows_per_s']:.2f} of plain batches; "
+              f"{ids_statements * 1000 / (id_calls * 100):.1f} Cassandra statements per 1,000 messages "
+              f"({id_publisher.idempotency.statements * 1000 / (id_calls * 100):.1f} of them for the ids)")
         print(f"lost claims {counters.conflicts}, unknown outcomes {counters.unknown_outcomes}")
         print(f"engine receive+ack              {consume_rate:10.0f} msgs/s  "
               f"ratio {consume_rate / limits['raw_read_rows_per_s']:.2f} of the paged read")
