@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
 import pytest
 from cassandra.cluster import Cluster, ExecutionProfile, EXEC_PROFILE_DEFAULT
 
@@ -30,6 +31,7 @@ from casque.errors import BackendUnavailable
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from tests.fixtures.sidecars import StartSidecar
 from tests.fixtures.stack import Backends
 
 QUEUE = QueueRef("default", "faults")
@@ -218,3 +220,57 @@ async def test_zookeeper_restart_loses_no_acknowledged_message(
         assert received == published
     finally:
         await consumer.stop()
+
+
+async def test_publishes_cut_by_a_sidecar_killed_mid_write_land_once(
+    backends: Backends, store: Store, start_sidecar: StartSidecar
+) -> None:
+    """The issue's repro: a sidecar killed with -9 while many of its batch writes are under
+    way (some written, not yet answered); the client retries every unanswered publish, same
+    ids, through another sidecar. Each id must be in the log exactly once, where its answer
+    says. Several rounds, each killing at whatever moment the first answer comes back."""
+    needs_own_stack(backends)
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    survivor = start_sidecar()
+    answered: dict[str, tuple[int, int, int]] = {}
+    every_id: set[str] = set()
+
+    async def publish(url: str, chunk: list[dict[str, object]]) -> bool:
+        try:
+            async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=90)) as http:
+                async with http.post(f"/v1/queues/{QUEUE.name}/messages/batch", json={"messages": chunk}) as answer:
+                    if answer.status != 200:
+                        return False
+                    results = (await answer.json())["results"]
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+        for sent, result in zip(chunk, results):
+            answered[str(sent["id"])] = (result["shard"], result["batch"], result["seq"])
+        return True
+
+    for round_ in range(4):
+        doomed = await asyncio.to_thread(start_sidecar)
+        chunks = [[{"id": f"r{round_}-{c}-{i}", "data": i, "partitionkey": f"k{c}"} for i in range(10)]
+                  for c in range(48)]
+        every_id |= {str(m["id"]) for chunk in chunks for m in chunk}
+        pending = [asyncio.create_task(publish(doomed.url, chunk)) for chunk in chunks]
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        doomed.kill()  # the others are somewhere between their id check and their answer
+        await asyncio.gather(*pending)
+        for chunk in chunks:
+            if all(str(m["id"]) in answered for m in chunk):
+                continue
+            deadline = time.monotonic() + 180
+            while not await publish(survivor.url, chunk):  # the client's retry, same ids
+                assert time.monotonic() < deadline, "the retry was never answered"
+
+    rows = store.session.execute(f"SELECT client_id, shard, batch_no, seq FROM {store.table(QUEUE)}")
+    stored: dict[str, list[tuple[int, int, int]]] = {}
+    for row in rows:
+        if row.client_id:
+            stored.setdefault(row.client_id, []).append((row.shard, row.batch_no, row.seq))
+    assert set(answered) == every_id
+    twice = {i: places for i, places in stored.items() if len(places) > 1}
+    assert not twice, f"{len(twice)} ids stored twice, e.g. {list(twice.items())[:2]}"
+    assert {i: places[0] for i, places in stored.items()} == answered
