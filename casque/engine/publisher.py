@@ -207,7 +207,6 @@ class ShardWriter:
             if intents and claims_until is None:
                 deadline, claims_until = claim_deadline()
                 await publisher.idempotency.record_intents(intents, self.shard, writer, batch, deadline)
-                counters.cassandra_writes += 1
             elif claims_until is not None and time.monotonic() > claims_until:
                 # Past this, a retry of these ids may decide they were never published: no
                 # claim may be sent any more.
