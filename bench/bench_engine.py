@@ -121,7 +121,7 @@ async def main() -> None:
         catalog.apply_subscriber(store, queue, "bench", SubscriberSpec(queue="bench", start_position="earliest"))
 
         # Engine publish: WINDOW concurrent single-message publishes, like many app requests...
-        publisher = Publisher(store, queue, spec)
+        publisher = Publisher(store, queue, catalog.read_queue(store, queue))
         message = OutgoingMessage(payload)
         half = args.messages // 2
         publish_seconds = await pipeline(half, WINDOW, lambda i: publisher.publish([message]))
@@ -142,7 +142,7 @@ async def main() -> None:
         # queue of their own: the id checks, intents and positions are what they add.
         with_ids = QueueRef("default", "bench-ids")
         catalog.apply_queue(store, with_ids, spec)
-        id_publisher = Publisher(store, with_ids, spec)
+        id_publisher = Publisher(store, with_ids, catalog.read_queue(store, with_ids))
         id_calls = calls
 
         async def publish_with_ids(i: int) -> None:

@@ -66,7 +66,7 @@ async def join(store: Store, shards: int, members: int, messages: int) -> dict[s
     catalog.apply_queue(store, QUEUE, spec)
     catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
         queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=300))
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     for start in range(0, messages, 500):
         await publisher.publish([OutgoingMessage(f"m{i}".encode(), key=f"k{i}")
                                  for i in range(start, min(messages, start + 500))])

@@ -47,7 +47,7 @@ PROBES = 300
 
 # --- the engine in-process --------------------------------------------------------------------------
 async def engine_rates(store: Store, queue: QueueRef, spec: QueueSpec, count: int, payload: bytes) -> dict[str, Any]:
-    publisher = Publisher(store, queue, spec)
+    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
     message = OutgoingMessage(payload)
     single = count / await pipeline(count, SINGLE_WINDOW, lambda i: publisher.publish([message]))
     calls = count // BATCH

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from casque.schema import MAX_RETENTION_SECONDS, MIN_RETENTION_SECONDS, NAME_PATTERN
+from casque.schema import MAX_RETENTION_SECONDS, MIN_RETENTION_SECONDS, NAME_PATTERN, QueueRef
 
 _DURATION = re.compile(r"^(\d+)(s|m|h|d)?$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -119,6 +119,15 @@ class QueueState(BaseModel):
 
     spec: QueueSpec
     created_at: datetime
+    # Set once at creation: a queue deleted (with its table) and created again under the same
+    # name is a new incarnation and inherits nothing kept in the shared tables (publish ids,
+    # delayed messages, counters are keyed by it). Empty for queues created before
+    # incarnations existed.
+    incarnation: str = ""
+
+    def shared_key(self, queue: QueueRef) -> str:
+        """The `queue` key of this incarnation's rows in the shared tables."""
+        return f"{queue.key}#{self.incarnation}" if self.incarnation else queue.key
 
 
 class SubscriberState(BaseModel):

@@ -49,6 +49,7 @@ from casque.errors import (
     SubscriberNotFound,
 )
 from casque.schema import QueueRef, validate_name
+from casque.specs import QueueState
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import NotReady, SubscriberNotServed
 from casque.sidecar.metrics import SidecarMetrics
@@ -175,17 +176,19 @@ class QueueService:
         queue = self.queue
         assert queue is not None
         try:
-            publisher = await self.publisher(queue.name)
+            await self.publisher(queue.name)  # the queue exists
         except (QueueNotFound, BackendUnavailable) as error:
             log.info("delayed-message mover of %s not started yet: %s", queue, error)
             return
 
-        async def move(items: list[tuple[str, OutgoingMessage]]) -> list[Published]:
+        async def move(state: QueueState, items: list[tuple[str, OutgoingMessage]]) -> list[Published]:
             # The current publisher: a spec change (more shards) replaces it.
             current = await self.publisher(queue.name)
+            if current.state.incarnation != state.incarnation:
+                raise QueueNotFound(f"queue {queue} was re-created while its delayed messages moved")
             return await current.publish([m for _, m in items], [i for i, _ in items])
 
-        self._mover = DelayMover(self.store, queue, move, publisher.spec.retention_seconds,
+        self._mover = DelayMover(self.store, queue, move,
                                  f"sidecar-{socket.gethostname()}-{os.getpid()}")
         self._mover.start()
 
@@ -260,7 +263,7 @@ class QueueService:
         ref = self.queue_ref(name)
         state = await blocking(catalog.read_queue, self.store, ref)
         publisher = await blocking(
-            lambda: Publisher(self.store, ref, state.spec, linger=self.settings.publish_linger_seconds)
+            lambda: Publisher(self.store, ref, state, linger=self.settings.publish_linger_seconds)
         )
         self._publishers[name] = publisher
         self._watch_spec(name, publisher, self.store.paths(ref).base)

@@ -258,7 +258,7 @@ def publish(
 async def _publish(settings: Settings, ref: QueueRef, messages: list[OutgoingMessage]) -> None:
     async with opened(settings) as store:
         state = await asyncio.to_thread(catalog.read_queue, store, ref)
-        publisher = Publisher(store, ref, state.spec)
+        publisher = Publisher(store, ref, state)
         for message in messages:
             publisher.validate(message)  # all or nothing: refuse before writing any
         quiet = len(messages) > 10

@@ -95,20 +95,12 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
             f"table {queue.messages_table} {'created' if current is None else 'retention set'}"
             f" ({spec.retention_seconds}s)"
         )
-    state = QueueState(spec=spec, created_at=current.created_at if current else datetime.now(timezone.utc))
-    payload = state.model_dump_json().encode()
     if current is None:
-        store.zk.ensure_path(paths.subscribers)
-        try:
-            store.zk.set(paths.base, payload)
-        except NoNodeError:
-            store.zk.create(paths.base, payload, makepath=True)
+        _create_queue_znodes(store, queue, spec)
         changes.actions.append("queue znode created")
-    elif current != state:
-        store.zk.set(paths.base, payload)
+    elif current.spec != spec:
+        store.zk.set(paths.base, current.model_copy(update={"spec": spec}).model_dump_json().encode())
         changes.actions.append("queue spec updated")
-    # The delayed-message mover starts from the queue's creation (see casque.engine.delayed).
-    _create_if_absent(store, paths.mover, json.dumps({"until": state.created_at.isoformat()}).encode())
     for shard in spec.log_shards():
         if _create_if_absent(store, paths.head(shard), b"0") and current is not None:
             changes.actions.append(f"shard {shard} added")
@@ -124,16 +116,63 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     return changes
 
 
+def _create_queue_znodes(store: Store, queue: QueueRef, spec: QueueSpec) -> None:
+    """A new incarnation of the queue: its znodes first, its data (what makes it exist) last.
+
+    Readers take a queue znode without data for no queue, so nobody sees a queue without
+    its heads. Such a znode found here is what a deletion left (or election znodes that a
+    mover of the deleted queue made): it is removed first, so that the new incarnation
+    inherits no heads, subscribers or cursor from the old one.
+    """
+    paths = store.paths(queue)
+    _delete_tree(store, paths.base, f"queue {queue}")
+    state = QueueState(spec=spec, created_at=datetime.now(timezone.utc), incarnation=uuid.uuid4().hex[:12])
+    store.zk.create(paths.base, b"", makepath=True)
+    store.zk.create(paths.subscribers, b"")
+    # The delayed-message mover starts from the queue's creation (see casque.engine.delayed).
+    store.zk.create(paths.mover, json.dumps({"until": state.created_at.isoformat()}).encode())
+    for shard in spec.log_shards():
+        store.zk.create(paths.head(shard), b"0", makepath=True)
+    store.zk.set(paths.base, state.model_dump_json().encode())
+
+
 def delete_queue(store: Store, queue: QueueRef, policy: str) -> Changes:
-    """Delete drops the table and the znodes; Retain keeps both, so re-creating the queue finds its data."""
+    """Delete drops the table and the znodes; Retain keeps both, so re-creating the queue finds its data.
+
+    The queue's data is emptied first: from then on the queue does not exist for anyone,
+    and an apply that comes before the rest is gone creates a new incarnation.
+    """
     changes = Changes()
     if policy != "Delete":
         changes.actions.append("retained table and znodes")
         return changes
+    base = store.paths(queue).base
+    try:
+        store.zk.set(base, b"")
+    except NoNodeError:
+        pass
     store.session.execute(drop_messages_table_ddl(store.keyspace, queue))
-    store.zk.delete(store.paths(queue).base, recursive=True)
+    _delete_tree(store, base, f"queue {queue}")
     changes.actions.append(f"dropped table {queue.messages_table} and removed znodes")
     return changes
+
+
+def _delete_tree(store: Store, path: str, what: str) -> None:
+    """Delete `path` and everything under it, whoever keeps adding children.
+
+    Live members keep creating ephemeral znodes (registrations, leases, elections), so a
+    recursive delete, which is not atomic, can meet a child created after it listed them:
+    it is repeated until it finds no newcomer.
+    """
+    for _ in range(DELETE_ATTEMPTS):
+        try:
+            store.zk.delete(path, recursive=True)
+        except NotEmptyError:
+            continue
+        except NoNodeError:
+            pass
+        return
+    raise BackendUnavailable(f"{what}: members kept adding znodes while it was deleted; try again")
 
 
 def list_queues(store: Store, namespace: str | None = None) -> list[QueueRef]:
@@ -203,25 +242,16 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
 def delete_subscriber(store: Store, queue: QueueRef, name: str) -> Changes:
     """A subscriber's state lives only in ZooKeeper (and TTL'd ack rows), so deleting it is always safe.
 
-    Live members keep creating ephemeral znodes under it (registrations, leases), so a
-    recursive delete, which is not atomic, can meet a child created after it listed them.
-    Emptying the subscriber's data first tells every member it is going (they stop), and the
-    delete is repeated until it finds no newcomer.
+    Emptying the subscriber's data first tells every member it is going (they stop) before
+    its znodes go.
     """
     path = store.paths(queue).subscriber(name).base
     try:
         store.zk.set(path, b"")
     except NoNodeError:
         return Changes()
-    for _ in range(DELETE_ATTEMPTS):
-        try:
-            store.zk.delete(path, recursive=True)
-        except NotEmptyError:
-            continue
-        except NoNodeError:
-            pass
-        return Changes(actions=[f"subscriber {name} removed"])
-    raise BackendUnavailable(f"subscriber {name}: members kept joining while it was deleted; try again")
+    _delete_tree(store, path, f"subscriber {name}")
+    return Changes(actions=[f"subscriber {name} removed"])
 
 
 def start_offset(store: Store, queue: QueueRef, shard: int, head: int, spec: SubscriberSpec) -> int:

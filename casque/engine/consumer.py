@@ -487,14 +487,14 @@ class Consumer:
         self.log = Log(self.store, self.queue, spec.consistency)
         self.acks = AckLog(self.store, self.queue, self.subscriber_state.ack_key(self.subscriber),
                            spec.retention_seconds)
-        self._queue_counters = QueueCounters(self.store, self.queue)
+        self._queue_counters = QueueCounters(self.store, self.queue_state.shared_key(self.queue))
         self.paths = self.store.paths(self.queue).subscriber(self.subscriber)
         subscriber_spec = self.subscriber_state.spec
         if subscriber_spec.dead_letter_queue and subscriber_spec.max_deliveries:
             # Without a dead-letter queue, redelivery is unlimited: nothing is ever dropped.
             dead_letter_queue = QueueRef(self.queue.namespace, subscriber_spec.dead_letter_queue)
             dlq_state = await asyncio.to_thread(catalog.read_queue, self.store, dead_letter_queue)
-            self._dead_letters = Publisher(self.store, dead_letter_queue, dlq_state.spec)
+            self._dead_letters = Publisher(self.store, dead_letter_queue, dlq_state)
             self._max_deliveries = subscriber_spec.max_deliveries
         self._leases = ShardLeases(
             self.store.zk, self.paths, self.member_id, spec.log_shards(),
@@ -786,7 +786,7 @@ class Consumer:
             if not reader.current or reader.state.dead_letter(message.position) is None:
                 return  # the shard moved or was reset meanwhile; the copy's client id prevents a double
             self.counters.dead_lettered += 1
-            await self._queue_counters.add(dead_lettered(self.subscriber), 1)
+            await self._queue_counters.add(dead_lettered(self.subscriber_state.ack_key(self.subscriber)), 1)
             p = message.position
             await self.acks.record(AckEvent(reader.epoch, p.shard, p.batch, p.seq, outcome=DEAD))
             reader._schedule_commit()

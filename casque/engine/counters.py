@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 from casque.backends import cql
-from casque.schema import COUNTERS_TABLE, QueueRef
+from casque.schema import COUNTERS_TABLE
 from casque.store import Store
 
 DELAYED_IN = "delayed_in"
 DELAYED_OUT = "delayed_out"
 
 
-def dead_lettered(subscriber: str) -> str:
-    return f"dead_lettered:{subscriber}"
+def dead_lettered(subscriber_key: str) -> str:
+    """`subscriber_key`: the subscriber's incarnation key (`SubscriberState.ack_key`)."""
+    return f"dead_lettered:{subscriber_key}"
 
 
 class QueueCounters:
-    def __init__(self, store: Store, queue: QueueRef) -> None:
+    def __init__(self, store: Store, queue_key: str) -> None:
+        """`queue_key`: the queue's incarnation key (`QueueState.shared_key`)."""
         self._store = store
-        self._queue = queue.key
+        self._queue = queue_key
         table = f"{store.keyspace}.{COUNTERS_TABLE}"
         self._add = store.session.prepare(f"UPDATE {table} SET value = value + ? WHERE queue = ? AND name = ?")
         self._read = store.session.prepare(f"SELECT name, value FROM {table} WHERE queue = ?")

@@ -111,7 +111,7 @@ async def redrive(
                         if ref == dead_letter_queue:
                             raise InvalidSpec("a dead letter names its own queue as its source")
                         source_state = await asyncio.to_thread(catalog.read_queue, store, ref)
-                        publisher = publishers[source] = Publisher(store, ref, source_state.spec)
+                        publisher = publishers[source] = Publisher(store, ref, source_state)
                     (result,) = await publisher.publish([redrive_copy(message, dead_letter_queue)])
                     if result.duplicate:
                         duplicates += 1

@@ -30,9 +30,10 @@ from kazoo.exceptions import LockTimeout, NoNodeError
 
 from casque.backends import cql, zk
 from casque.engine.messages import OutgoingMessage
-from casque.errors import CasqueError
+from casque.errors import CasqueError, QueueNotFound
 from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters
 from casque.schema import DELAY_BUCKET_SECONDS, DELAYED_TABLE, QueueRef
+from casque.specs import QueueState
 from casque.store import Store
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ LOOKBACK = timedelta(minutes=2)
 # Publishers treat a due time less than this after the start of the mover's rescan window
 # (cursor - LOOKBACK) as due now.
 CURSOR_MARGIN = timedelta(seconds=30)
+# A mover whose queue was deleted looks for it again this often.
+ABSENT_QUEUE_RECHECK_SECONDS = 5.0
 
 
 def due_bucket(moment: datetime) -> int:
@@ -64,9 +67,10 @@ class DueMessage:
 
 
 class DelayedStore:
-    def __init__(self, store: Store, queue: QueueRef, retention_seconds: int) -> None:
+    def __init__(self, store: Store, queue_key: str, retention_seconds: int) -> None:
+        """`queue_key`: the queue's incarnation key (`QueueState.shared_key`)."""
         self._store = store
-        self._queue = queue.key
+        self._queue = queue_key
         self._retention = retention_seconds
         table = f"{store.keyspace}.{DELAYED_TABLE}"
         self._insert = store.session.prepare(
@@ -79,7 +83,7 @@ class DelayedStore:
         self._next = store.session.prepare(
             f"SELECT due_at FROM {table} WHERE queue = ? AND due_bucket = ? AND due_at > ? LIMIT 1"
         )
-        self.counters = QueueCounters(store, queue)
+        self.counters = QueueCounters(store, queue_key)
 
     async def insert(self, message_id: str, due_at: datetime, message: OutgoingMessage) -> None:
         now = datetime.now(timezone.utc)
@@ -135,11 +139,14 @@ class DelayMover:
     are idempotent and the cursor only moves after a pass.
     """
 
-    def __init__(self, store: Store, queue: QueueRef, publish: Any, retention_seconds: int, identifier: str) -> None:
+    def __init__(self, store: Store, queue: QueueRef, publish: Any, identifier: str) -> None:
         self._store = store
         self._queue = queue
-        self._publish = publish  # async (list[(message_id, OutgoingMessage)]) -> list[Published]
-        self.delayed = DelayedStore(store, queue, retention_seconds)
+        # async (QueueState, list[(message_id, OutgoingMessage)]) -> list[Published]: publishes
+        # into the incarnation given, or raises QueueNotFound.
+        self._publish = publish
+        # The rows of the queue's incarnation seen when leading began (`_lead`).
+        self.delayed: DelayedStore | None = None
         self._path = store.paths(queue).mover
         self._identifier = identifier
         self._task: asyncio.Task[None] | None = None
@@ -164,6 +171,10 @@ class DelayMover:
     async def _contend(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if not await self._queue_exists():
+                # Contending would re-create the election's znodes under a deleted queue.
+                await asyncio.sleep(ABSENT_QUEUE_RECHECK_SECONDS)
+                continue
             lock = self._store.zk.Lock(f"{self._path}/election", self._identifier)
             lost = asyncio.Event()
 
@@ -214,24 +225,50 @@ class DelayMover:
             return False
 
     async def _lead(self) -> None:
+        state = await self._read_state()
+        self.delayed = delayed = DelayedStore(
+            self._store, state.shared_key(self._queue), state.spec.retention_seconds
+        )
         cursor = await self._read_cursor()
         while True:
+            # A queue deleted and created again took this election's znodes with it: the
+            # new incarnation elects its own mover, which starts from its creation.
+            if (await self._read_state()).incarnation != state.incarnation:
+                raise QueueNotFound(f"queue {self._queue} was re-created; contending for its new incarnation")
             now = datetime.now(timezone.utc)
-            due = await self.delayed.due_between(cursor - LOOKBACK, now)
+            due = await delayed.due_between(cursor - LOOKBACK, now)
             if due:
-                results = await self._publish([(d.message_id, d.message) for d in due])
+                results = await self._publish(state, [(d.message_id, d.message) for d in due])
                 fresh = sum(1 for r in results if not r.duplicate)
                 if fresh:
                     self.moved += fresh
-                    await self.delayed.counters.add(DELAYED_OUT, fresh)
+                    await delayed.counters.add(DELAYED_OUT, fresh)
             cursor = now
             await zk.call(self._store.zk.set_async, self._path, json.dumps({"until": now.isoformat()}).encode())
             self.passes += 1
-            upcoming = await self.delayed.next_due(now)
+            upcoming = await delayed.next_due(now)
             pause = PASS_SECONDS
             if upcoming is not None:
                 pause = min(pause, max(0.01, (upcoming - datetime.now(timezone.utc)).total_seconds()))
             await asyncio.sleep(pause)
+
+    async def _queue_exists(self) -> bool:
+        try:
+            await self._read_state()
+        except QueueNotFound:
+            return False
+        except Exception:
+            return True  # unknown: contending finds out, and reports it
+        return True
+
+    async def _read_state(self) -> QueueState:
+        try:
+            data, _ = await zk.call(self._store.zk.get_async, self._store.paths(self._queue).base)
+        except NoNodeError:
+            data = b""
+        if not data:
+            raise QueueNotFound(f"queue {self._queue} does not exist")
+        return QueueState.model_validate_json(data)
 
     async def _read_cursor(self) -> datetime:
         try:

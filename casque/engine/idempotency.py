@@ -35,7 +35,7 @@ from cassandra.query import BatchStatement, BatchType, PreparedStatement
 from casque.backends import cql
 from casque.engine.batches import Log
 from casque.engine.messages import Published
-from casque.schema import PUBLISH_IDS_TABLE, QueueRef
+from casque.schema import PUBLISH_IDS_TABLE
 from casque.store import Store
 
 DEFAULT_WINDOW_SECONDS = 600
@@ -62,9 +62,10 @@ class IdempotencyGuard:
     instead of 2,000.
     """
 
-    def __init__(self, store: Store, queue: QueueRef, log: Log, window_seconds: int = DEFAULT_WINDOW_SECONDS) -> None:
+    def __init__(self, store: Store, queue_key: str, log: Log, window_seconds: int = DEFAULT_WINDOW_SECONDS) -> None:
+        """`queue_key`: the queue's incarnation key (`QueueState.shared_key`)."""
         self._store = store
-        self._queue = queue.key
+        self._queue = queue_key
         self._log = log
         table = f"{store.keyspace}.{PUBLISH_IDS_TABLE}"
         self._select = store.session.prepare(

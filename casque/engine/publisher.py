@@ -41,7 +41,7 @@ from casque.engine.idempotency import IdempotencyGuard, claim_deadline, recorded
 from casque.engine.messages import OutgoingMessage, Published
 from casque.errors import BackendUnavailable, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
-from casque.specs import QueueSpec, log_shard
+from casque.specs import QueueSpec, QueueState, log_shard
 from casque.store import Store
 
 log = logging.getLogger(__name__)
@@ -288,9 +288,14 @@ class Publisher:
 
     store: Store
     queue: QueueRef
-    spec: QueueSpec
+    # Read from the queue's znode (`catalog.read_queue`): its spec and its incarnation.
+    state: QueueState
     publisher_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     linger: float = 0.0
+
+    @property
+    def spec(self) -> QueueSpec:
+        return self.state.spec
 
     def __post_init__(self) -> None:
         self.log = Log(self.store, self.queue, self.spec.consistency)
@@ -299,7 +304,7 @@ class Publisher:
         self.counters = PublisherCounters()
         self._writers = {shard: ShardWriter(self, shard) for shard in self.spec.log_shards()}
         self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
-        self.idempotency = IdempotencyGuard(self.store, self.queue, self.log)
+        self.idempotency = IdempotencyGuard(self.store, self.state.shared_key(self.queue), self.log)
         self._background: set[asyncio.Task[None]] = set()
 
     def validate(self, message: OutgoingMessage) -> None:
@@ -370,7 +375,7 @@ class Publisher:
 
     def _delayed_store(self) -> DelayedStore:
         if self._delayed is None:
-            self._delayed = DelayedStore(self.store, self.queue, self.spec.retention_seconds)
+            self._delayed = DelayedStore(self.store, self.state.shared_key(self.queue), self.spec.retention_seconds)
             loop = asyncio.get_running_loop()
             DataWatch(self.store.zk, self.store.paths(self.queue).mover,
                       zk.watch_in_loop(loop, self._cursor_changed, lambda: True))

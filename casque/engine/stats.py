@@ -23,7 +23,7 @@ from casque.engine import catalog
 from casque.engine.batches import Header, Log
 from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters, dead_lettered
 from casque.schema import QueueRef
-from casque.specs import priority_of
+from casque.specs import QueueState, priority_of
 from casque.store import Store
 from casque.znodes import decode_offset
 
@@ -126,11 +126,11 @@ def _sum_by_level(values: Iterable[tuple[int, int | None]]) -> dict[int, int | N
     }
 
 
-async def _counts(store: Store, queue: QueueRef) -> dict[str, int]:
+async def _counts(store: Store, queue: QueueRef, state: QueueState) -> dict[str, int]:
     """The queue's durable counters; none in an installation set up before they existed
     (the next apply of any queue creates the table)."""
     try:
-        return await QueueCounters(store, queue).read()
+        return await QueueCounters(store, state.shared_key(queue)).read()
     except InvalidRequest:
         return {}
 
@@ -158,14 +158,14 @@ async def queue_stats(store: Store, queue: QueueRef) -> QueueStats:
         return ShardStats(shard, head, header.total_messages, header.total_bytes, header.published_at)
 
     shards = await asyncio.gather(*(one(s) for s in state.spec.log_shards()))
-    counts = await _counts(store, queue)
+    counts = await _counts(store, queue, state)
     delayed = counts.get(DELAYED_IN, 0) - counts.get(DELAYED_OUT, 0)
     return QueueStats(str(queue), list(shards), datetime.now(timezone.utc), delayed=max(0, delayed))
 
 
 async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> SubscriberStats:
     state = await asyncio.to_thread(catalog.read_queue, store, queue)
-    await asyncio.to_thread(catalog.read_subscriber, store, queue, subscriber)
+    subscriber_state = await asyncio.to_thread(catalog.read_subscriber, store, queue, subscriber)
     log = Log(store, queue, state.spec.consistency)
     paths = store.paths(queue).subscriber(subscriber)
 
@@ -217,5 +217,5 @@ async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> Su
         redelivered=sum(r.get("redelivered", 0) for r in reports.values()),
         sampled_at=datetime.now(timezone.utc),
         member_reports=reports,
-        dead_lettered=(await _counts(store, queue)).get(dead_lettered(subscriber), 0),
+        dead_lettered=(await _counts(store, queue, state)).get(dead_lettered(subscriber_state.ack_key(subscriber)), 0),
     )

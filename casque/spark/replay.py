@@ -165,7 +165,7 @@ async def replay(spark: SparkSession, store: Store, resolved: ResolvedRange, tar
         result.already_there = result.selected - total
         if progress is not None:
             progress.start(total)
-        publisher = Publisher(store, target, target_state.spec)
+        publisher = Publisher(store, target, target_state)
         rows = pending.toLocalIterator(prefetchPartitions=True)
 
         def next_chunk() -> list[Any]:

@@ -32,8 +32,7 @@ async def main(name: str, count: int, keyspace: str, cassandra: str, zk_hosts: s
     client.start(timeout=15)
     client.create(f"/alive/{name}", b"", ephemeral=True, makepath=True)
     store = Store(session, client, keyspace, "/casque", "", cluster)
-    spec = catalog.read_queue(store, QUEUE).spec
-    publisher = Publisher(store, QUEUE, spec, publisher_id=name)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE), publisher_id=name)
     for i in range(count):
         # Like an app would: retry a failed publish for a while (a retried message may be
         # stored twice; only acknowledged ones are printed).

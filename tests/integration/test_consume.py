@@ -33,7 +33,7 @@ async def setup_queue(store: Store, shards: int, subscribers: list[str], start: 
 
 
 async def publish_many(store: Store, spec: QueueSpec, n: int, prefix: str = "m") -> set[str]:
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     results = await asyncio.gather(
         *(publisher.publish([OutgoingMessage(f"{prefix}{i}".encode(), key=f"k{i}")]) for i in range(n))
     )

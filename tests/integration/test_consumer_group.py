@@ -45,7 +45,7 @@ def setup(store: Store, shards: int, subscriber: str = "workers", visibility: in
 
 async def publish(store: Store, spec: QueueSpec, payloads: list[str], together: bool = False) -> set[str]:
     """Publish; `together` puts all messages in one call (one batch on a one-shard queue)."""
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     if together:
         results = await publisher.publish([OutgoingMessage(p.encode()) for p in payloads])
     else:

@@ -19,7 +19,7 @@ from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
 from casque.errors import InvalidSpec
 from casque.schema import QueueRef
-from casque.specs import QueueSpec, SubscriberSpec
+from casque.specs import QueueSpec, QueueState, SubscriberSpec
 from casque.store import Store
 
 QUEUE = QueueRef("default", "later")
@@ -36,19 +36,20 @@ async def running() -> AsyncIterator[list[object]]:
 
 
 def mover_for(store: Store, spec: QueueSpec, name: str) -> DelayMover:
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
 
-    async def publish(items: list[tuple[str, OutgoingMessage]]) -> list[object]:
+    async def publish(state: QueueState, items: list[tuple[str, OutgoingMessage]]) -> list[object]:
+        assert state.incarnation == publisher.state.incarnation
         return await publisher.publish([m for _, m in items], [i for i, _ in items])
 
-    return DelayMover(store, QUEUE, publish, spec.retention_seconds, name)
+    return DelayMover(store, QUEUE, publish, name)
 
 
 async def test_delayed_messages_arrive_not_before_their_time(store: Store, running: list[object]) -> None:
     spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
     catalog.apply_subscriber(store, QUEUE, "waiter", SubscriberSpec(queue="later", start_position="earliest"))
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     with pytest.raises(InvalidSpec, match="retention"):
         await publisher.publish([OutgoingMessage(b"x", deliver_at=datetime.now(timezone.utc) + timedelta(days=2))])
     mover = mover_for(store, spec, "m1")
@@ -97,7 +98,7 @@ async def test_mover_failover_loses_and_doubles_nothing(
     second.start()
     running.extend([first, second])
 
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     start = datetime.now(timezone.utc)
     results = await publisher.publish(
         [OutgoingMessage(f"m{i}".encode(), deliver_at=start + timedelta(seconds=1.5 + i * 0.05)) for i in range(120)]

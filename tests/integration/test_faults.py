@@ -25,7 +25,7 @@ from casque.devstack import processes
 from casque.engine import catalog
 from casque.engine.batches import Log
 from casque.engine.consumer import Consumer
-from casque.engine.messages import OutgoingMessage, Published
+from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
 from casque.errors import BackendUnavailable
 from casque.schema import QueueRef
@@ -136,7 +136,7 @@ async def test_cassandra_timeout_is_retryable_and_loses_nothing_acknowledged(
     )
     session = impatient.connect()
     fast_store = Store(session, store.zk, store.keyspace, store.zk_root, store.replication_cql)
-    publisher = Publisher(fast_store, QUEUE, spec)
+    publisher = Publisher(fast_store, QUEUE, catalog.read_queue(fast_store, QUEUE))
     node_dir = backends.stack.cassandra_nodes()[0].directory
     acked: dict[str, tuple[int, int, int]] = {}
     failures = 0
@@ -185,7 +185,7 @@ async def test_zookeeper_restart_loses_no_acknowledged_message(
     spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
     catalog.apply_subscriber(store, QUEUE, "survivor", SubscriberSpec(queue=QUEUE.name, start_position="earliest"))
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     consumer = Consumer(store, QUEUE, "survivor")
     await consumer.start()
     published: set[str] = set()

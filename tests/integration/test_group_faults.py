@@ -195,7 +195,7 @@ async def test_a_backlog_older_than_retention_is_skipped_and_the_group_stays_rea
     table = store.table(QUEUE)
     # Published while nobody consumes, then expired: a subscriber fallen behind retention.
     store.session.execute(f"ALTER TABLE {table} WITH default_time_to_live = 2")
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     expired = [await publisher.publish([OutgoingMessage(f"old-{i}".encode(), key=f"k{i}")]) for i in range(20)]
     await publisher.flush_heads()
     store.session.execute(f"ALTER TABLE {table} WITH default_time_to_live = 3600")

@@ -31,7 +31,6 @@ from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
 from casque.operator.resources import FINALIZER, GROUP, QUEUES, SUBSCRIBERS, VERSION
 from casque.schema import QueueRef, drop_messages_table_ddl, read_table_options
-from casque.specs import QueueSpec
 from casque.store import Store
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
 from tests.fixtures.stack import Backends
@@ -464,7 +463,7 @@ async def test_subscriber_status_follows_the_log(
     assert billing["status"]["queue"] == "orders" and billing["status"]["lagBatches"] == 0
 
     # Messages published now show up as lag and depth at the next refresh.
-    publisher = Publisher(backend.store, ref, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE"))
+    publisher = Publisher(backend.store, ref, catalog.read_queue(backend.store, ref))
     await publisher.publish([OutgoingMessage(f"m{i}".encode(), key=f"k{i}") for i in range(7)])
     await publisher.flush_heads()
 

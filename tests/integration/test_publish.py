@@ -49,7 +49,7 @@ async def read_all(store: Store, spec: QueueSpec) -> dict[int, dict[int, list[st
 async def test_concurrent_publishers_never_merge_or_lose_batches(store: Store) -> None:
     spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
-    publishers = [Publisher(store, QUEUE, spec, publisher_id=f"p{i}") for i in range(4)]
+    publishers = [Publisher(store, QUEUE, catalog.read_queue(store, QUEUE), publisher_id=f"p{i}") for i in range(4)]
 
     async def burst(publisher: Publisher, n: int) -> list[Published]:
         # Keys force every publisher onto the same two shards: maximum contention.
@@ -84,7 +84,7 @@ async def test_concurrent_publishers_never_merge_or_lose_batches(store: Store) -
 async def test_group_commit_puts_concurrent_publishes_in_few_batches(store: Store) -> None:
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     results = await asyncio.gather(*(publisher.publish([OutgoingMessage(b"x")]) for _ in range(500)))
     batches = {r.batch for rs in results for r in rs}
     assert len(batches) < 100
@@ -98,7 +98,7 @@ async def test_group_commit_puts_concurrent_publishes_in_few_batches(store: Stor
 async def test_idempotent_publish_returns_the_first_result(store: Store) -> None:
     spec = QueueSpec(shards=2, retention_seconds=3600)
     catalog.apply_queue(store, QUEUE, spec)
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     first, second = await asyncio.gather(
         publisher.publish([OutgoingMessage(b"a", client_id="order-1")]),
         publisher.publish([OutgoingMessage(b"a", client_id="order-1")]),
@@ -106,7 +106,7 @@ async def test_idempotent_publish_returns_the_first_result(store: Store) -> None
     assert first[0].message_id == second[0].message_id
     assert [first[0].duplicate, second[0].duplicate].count(True) == 1
     # Another publisher (another sidecar, or after a restart) finds it in Cassandra.
-    other = Publisher(store, QUEUE, spec)
+    other = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     (third,) = await other.publish([OutgoingMessage(b"a", client_id="order-1")])
     assert third.duplicate and third.message_id == first[0].message_id
     await publisher.flush_heads()  # publish does not wait for the head; reading up to it does
@@ -122,8 +122,9 @@ async def until(what: str, condition: Callable[[], bool], limit_s: float = 30.0)
 
 
 def intent_of(store: Store, client_id: str) -> str | None:
+    queue_key = catalog.read_queue(store, QUEUE).shared_key(QUEUE)
     row = store.session.execute(
-        f"SELECT writer FROM {store.keyspace}.publish_ids WHERE queue = %s AND client_id = %s", (QUEUE.key, client_id)
+        f"SELECT writer FROM {store.keyspace}.publish_ids WHERE queue = %s AND client_id = %s", (queue_key, client_id)
     ).one()
     return None if row is None else row.writer
 
@@ -142,7 +143,7 @@ async def test_a_retry_after_a_crash_between_the_batch_and_its_id_record_finds_t
 ) -> None:
     spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
-    crashing = Publisher(store, QUEUE, spec)
+    crashing = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
 
     async def dies_before_recording(published: object) -> None:
         raise Crash()
@@ -153,7 +154,7 @@ async def test_a_retry_after_a_crash_between_the_batch_and_its_id_record_finds_t
     monkeypatch.undo()
     (written,) = copies_of(store, "order-9")  # the batch made it
 
-    retry = Publisher(store, QUEUE, spec)  # the client retries through another sidecar
+    retry = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))  # the client retries through another sidecar
     (result,) = await retry.publish([OutgoingMessage(b"pay", client_id="order-9")])
     assert result.duplicate and (result.shard, result.batch, result.seq) == written
     assert copies_of(store, "order-9") == [written]
@@ -175,10 +176,10 @@ async def test_a_retry_after_a_crash_before_the_claim_publishes_once_the_claim_w
 
     monkeypatch.setattr(Log, "claim", dies_before_claiming)
     with pytest.raises(Crash):
-        await Publisher(store, QUEUE, spec).publish([OutgoingMessage(b"pay", client_id="order-10")])
+        await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([OutgoingMessage(b"pay", client_id="order-10")])
     monkeypatch.setattr(Log, "claim", claim)
     assert copies_of(store, "order-10") == []
-    retry = Publisher(store, QUEUE, spec)
+    retry = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     (result,) = await retry.publish([OutgoingMessage(b"pay", client_id="order-10")])
     assert not result.duplicate and retry.idempotency.resolved_intents == 1
     assert copies_of(store, "order-10") == [(result.shard, result.batch, result.seq)]
@@ -189,7 +190,7 @@ async def test_a_retry_while_the_first_attempt_still_claims_finds_its_batch(
 ) -> None:
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
-    slow = Publisher(store, QUEUE, spec)
+    slow = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     claim = Log.claim
     go_on = asyncio.Event()
 
@@ -201,7 +202,7 @@ async def test_a_retry_while_the_first_attempt_still_claims_finds_its_batch(
     monkeypatch.setattr(Log, "claim", paused_before_claiming)
     first = asyncio.create_task(slow.publish([OutgoingMessage(b"pay", client_id="order-11")]))
     await until("the first attempt's intent", lambda: intent_of(store, "order-11") is not None)
-    retry = Publisher(store, QUEUE, spec)
+    retry = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     second = asyncio.create_task(retry.publish([OutgoingMessage(b"pay", client_id="order-11")]))
     await until("the retry waiting on the intent", lambda: retry.idempotency.resolved_intents == 1)
     go_on.set()
@@ -214,7 +215,7 @@ async def test_a_retry_while_the_first_attempt_still_claims_finds_its_batch(
 async def test_ids_cost_a_few_statements_per_batch_not_two_per_message(store: Store) -> None:
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     messages = [OutgoingMessage(f"m{i}".encode(), client_id=f"id-{i}") for i in range(500)]
     results = await publisher.publish(messages)
     assert len({r.message_id for r in results}) == 500 and not any(r.duplicate for r in results)
@@ -222,7 +223,7 @@ async def test_ids_cost_a_few_statements_per_batch_not_two_per_message(store: St
     per_batch = ceil(500 / idempotency.LOOKUP_CHUNK) + 2 * ceil(500 / idempotency.WRITE_CHUNK)
     assert publisher.counters.batches == 1
     assert publisher.idempotency.statements == per_batch < 500 * 2 / 10
-    again = await Publisher(store, QUEUE, spec).publish(messages)
+    again = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish(messages)
     assert [r.message_id for r in again] == [r.message_id for r in results] and all(r.duplicate for r in again)
 
 
@@ -248,7 +249,7 @@ async def test_a_claim_of_unknown_outcome_is_settled_before_the_publish_is_answe
 
     monkeypatch.setattr(Log, "claim", applied_but_unanswered)
     monkeypatch.setattr(Log, "read_header", flaky_serial_read)
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     (result,) = await publisher.publish([OutgoingMessage(b"once")])
     assert (result.shard, result.batch, result.seq) == (0, 1, 0)
     assert next(serial_failures, None) is None  # every failed read was retried
@@ -267,7 +268,7 @@ async def test_a_claim_certainly_not_written_is_a_retryable_failure(
 
     monkeypatch.setattr(Log, "claim", lost_before_reaching_anyone)
     with pytest.raises(BackendUnavailable) as raised:
-        await Publisher(store, QUEUE, spec).publish([OutgoingMessage(b"never")])
+        await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([OutgoingMessage(b"never")])
     assert not isinstance(raised.value, PublishOutcomeUnknown)  # the serial read said: not written
 
 
@@ -276,7 +277,7 @@ async def test_running_totals_survive_publishers_contending_for_one_shard(store:
     catalog.apply_queue(store, QUEUE, spec)
     # Enough contention that writers lose several claims in a row and resync from a head
     # that lags what they know (where the totals used to be lost).
-    publishers = [Publisher(store, QUEUE, spec) for _ in range(6)]
+    publishers = [Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)) for _ in range(6)]
 
     async def publish_from(publisher: Publisher, name: str) -> None:
         for i in range(20):
@@ -302,7 +303,7 @@ async def test_running_totals_survive_publishers_contending_for_one_shard(store:
 async def test_oversize_message_rejects_the_whole_request(store: Store) -> None:
     spec = QueueSpec(shards=1, retention_seconds=3600, max_message_bytes=1024)
     catalog.apply_queue(store, QUEUE, spec)
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     with pytest.raises(MessageTooLarge):
         await publisher.publish([OutgoingMessage(b"ok"), OutgoingMessage(b"x" * 2000)])
     assert catalog.read_int(store, store.paths(QUEUE).head(0)) == 0

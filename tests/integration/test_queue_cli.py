@@ -59,7 +59,7 @@ def run(env: dict[str, str]) -> Run:
 
 async def publish_text(store: Store, text: str) -> None:
     state = catalog.read_queue(store, REF)
-    publisher = Publisher(store, REF, state.spec)
+    publisher = Publisher(store, REF, state)
     await publisher.publish([OutgoingMessage(text.encode(), content_type="text/plain")])
     await publisher.flush_heads()
 

@@ -43,7 +43,7 @@ async def test_higher_priorities_first_without_starving_lower(store: Store, cons
     spec = QueueSpec(shards=1, priorities=3, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, ORDERS, spec)
     catalog.apply_subscriber(store, ORDERS, "picker", SubscriberSpec(queue="orders", start_position="earliest"))
-    publisher = Publisher(store, ORDERS, spec)
+    publisher = Publisher(store, ORDERS, catalog.read_queue(store, ORDERS))
     for level in (0, 1, 2):
         await publisher.publish([OutgoingMessage(f"p{level}-{i}".encode(), priority=level) for i in range(100)])
     with pytest.raises(InvalidSpec, match="priority 3"):
@@ -82,7 +82,7 @@ async def test_poison_message_is_dead_lettered_after_max_deliveries_and_redriven
         queue="orders", start_position="earliest", max_deliveries=3, dead_letter_queue="orders-dead"))
     catalog.apply_subscriber(store, ORDERS, "audit", SubscriberSpec(queue="orders", start_position="earliest"))
     catalog.apply_subscriber(store, DEAD, "inspector", SubscriberSpec(queue="orders-dead", start_position="earliest"))
-    publisher = Publisher(store, ORDERS, spec)
+    publisher = Publisher(store, ORDERS, catalog.read_queue(store, ORDERS))
     (poison,) = await publisher.publish([OutgoingMessage(b"poison", key="p", attributes={"kind": "bad"})])
     await publisher.publish([OutgoingMessage(f"fine-{i}".encode(), key=str(i)) for i in range(20)])
     await publisher.flush_heads()
@@ -131,12 +131,18 @@ async def test_poison_message_is_dead_lettered_after_max_deliveries_and_redriven
 
     assert (await subscriber_stats(store, ORDERS, "billing")).dead_lettered == 1
 
+    # A subscriber deleted and created again under the same name counts afresh.
+    catalog.delete_subscriber(store, ORDERS, "billing")
+    catalog.apply_subscriber(store, ORDERS, "billing", SubscriberSpec(
+        queue="orders", max_deliveries=3, dead_letter_queue="orders-dead"))
+    assert (await subscriber_stats(store, ORDERS, "billing")).dead_lettered == 0
+
 
 async def test_an_expired_message_is_never_delivered(store: Store, consumers: list[Consumer]) -> None:
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, ORDERS, spec)
     catalog.apply_subscriber(store, ORDERS, "late", SubscriberSpec(queue="orders", start_position="earliest"))
-    publisher = Publisher(store, ORDERS, spec)
+    publisher = Publisher(store, ORDERS, catalog.read_queue(store, ORDERS))
     await publisher.publish([OutgoingMessage(b"flash", ttl_seconds=1)])
     expired_by = datetime.now(timezone.utc) + timedelta(seconds=1)  # its expiry is before this
     (lasting,) = await publisher.publish([OutgoingMessage(b"lasting")])

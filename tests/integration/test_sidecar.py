@@ -191,7 +191,7 @@ async def test_the_sidecar_moves_delayed_messages_into_the_log_when_due(
     create_queue(store, shards=1)
     # Published before any mover ran on this queue, so it waits in the delayed table.
     state = catalog.read_queue(store, REF)
-    publisher = Publisher(store, REF, state.spec)
+    publisher = Publisher(store, REF, state)
     due = datetime.now(timezone.utc) + timedelta(seconds=2)
     (waiting,) = await publisher.publish([OutgoingMessage(b'"later"', content_type="application/json",
                                                           deliver_at=due)])

@@ -27,7 +27,7 @@ async def test_publish_consume_nack_leaves_no_tombstones(backends: Backends, sto
     spec = QueueSpec(shards=2, retention_seconds=3600)
     catalog.apply_queue(store, QUEUE, spec)
     catalog.apply_subscriber(store, QUEUE, "reader", SubscriberSpec(queue=QUEUE.name, start_position="earliest"))
-    publisher = Publisher(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     # Keys, attributes, content types, client ids and TTLs, present and absent.
     messages = [
         OutgoingMessage(

@@ -1,0 +1,120 @@
+"""A queue deleted and created again under its name is a new queue: it inherits no publish
+ids, delayed messages or counts of the old one, and running sidecars follow it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from casque.engine import catalog
+from casque.engine.batches import Log
+from casque.engine.delayed import DelayMover
+from casque.engine.messages import OutgoingMessage, Published
+from casque.engine.publisher import Publisher
+from casque.engine.stats import queue_stats
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, QueueState
+from casque.store import Store
+from tests.fixtures.group import until
+
+QUEUE = QueueRef("default", "reborn")
+SPEC = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+
+
+def recreate(store: Store) -> QueueState:
+    catalog.delete_queue(store, QUEUE, "Delete")
+    catalog.apply_queue(store, QUEUE, SPEC)
+    return catalog.read_queue(store, QUEUE)
+
+
+async def payloads(store: Store) -> list[bytes]:
+    """Every message in the queue's log, shard by shard."""
+    log = Log(store, QUEUE, SPEC.consistency)
+    found: list[bytes] = []
+    for shard in SPEC.log_shards():
+        head = catalog.read_int(store, store.paths(QUEUE).head(shard))
+        batch = 1
+        while batch <= head:
+            chunk = await log.read_from(shard, batch)
+            if not chunk:
+                break
+            found.extend(m.payload for b in chunk for m in b.messages)
+            batch = chunk[-1].header.batch + 1
+    return found
+
+
+@pytest.fixture
+async def mover(store: Store) -> AsyncIterator[DelayMover]:
+    """A mover that, like a sidecar's, publishes through the current publisher of the queue."""
+    publishers: dict[str, Publisher] = {}
+
+    async def publish(state: QueueState, items: list[tuple[str, OutgoingMessage]]) -> list[Published]:
+        publisher = publishers.setdefault(state.incarnation, Publisher(store, QUEUE, state))
+        results = await publisher.publish([m for _, m in items], [i for i, _ in items])
+        await publisher.flush_heads()
+        return results
+
+    catalog.apply_queue(store, QUEUE, SPEC)
+    running = DelayMover(store, QUEUE, publish, "mover")
+    yield running
+    await running.stop()
+    catalog.delete_queue(store, QUEUE, "Delete")
+
+
+async def test_each_creation_is_a_new_incarnation_and_an_update_keeps_it(store: Store) -> None:
+    catalog.apply_queue(store, QUEUE, SPEC)
+    first = catalog.read_queue(store, QUEUE)
+    catalog.apply_queue(store, QUEUE, SPEC.model_copy(update={"shards": 3}))
+    updated = catalog.read_queue(store, QUEUE)
+    assert updated.incarnation == first.incarnation and updated.spec.shards == 3
+    catalog.delete_queue(store, QUEUE, "Retain")
+    assert catalog.read_queue(store, QUEUE).incarnation == first.incarnation
+    again = recreate(store)
+    assert again.incarnation and again.incarnation != first.incarnation
+    assert again.spec.shards == SPEC.shards
+    assert [catalog.read_int(store, store.paths(QUEUE).head(s)) for s in SPEC.log_shards()] == [0, 0]
+    catalog.delete_queue(store, QUEUE, "Delete")
+
+
+async def test_a_recreated_queue_stores_a_client_id_the_old_one_had_seen(store: Store) -> None:
+    catalog.apply_queue(store, QUEUE, SPEC)
+    old = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    (first,) = await old.publish([OutgoingMessage(b"old order", client_id="order-1")])
+    await old.flush_heads()
+    assert await payloads(store) == [b"old order"]
+
+    new = Publisher(store, QUEUE, recreate(store))
+    (second,) = await new.publish([OutgoingMessage(b"new order", client_id="order-1")])
+    await new.flush_heads()
+    assert not second.duplicate
+    assert await payloads(store) == [b"new order"]
+    catalog.delete_queue(store, QUEUE, "Delete")
+
+
+async def test_a_recreated_queue_moves_only_its_own_delayed_messages(store: Store, mover: DelayMover) -> None:
+    mover.start()
+    async def leading() -> bool:
+        return mover.leading
+
+    await until("the mover to lead", leading, 30)
+    old = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    soon = datetime.now(timezone.utc) + timedelta(seconds=3)
+    await old.publish([OutgoingMessage(b"old, delayed", deliver_at=soon)])
+    assert (await queue_stats(store, QUEUE)).delayed == 1
+
+    state = recreate(store)
+    assert (await queue_stats(store, QUEUE)).delayed == 0
+    new = Publisher(store, QUEUE, state)
+    # Due after the old message: the pass that moves it has looked past the old one's time.
+    await new.publish([OutgoingMessage(b"new, delayed", deliver_at=soon + timedelta(seconds=2))])
+
+    async def moved() -> bool:
+        return bool(await payloads(store))
+
+    await until("the new incarnation's delayed message to be moved", moved, 60)
+    assert await payloads(store) == [b"new, delayed"]
+    assert mover.delayed is not None and mover.moved == 1
+    assert (await queue_stats(store, QUEUE)).delayed == 0
