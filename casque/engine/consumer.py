@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.recipe.watchers import DataWatch
 from pydantic import ValidationError
 
@@ -771,8 +771,11 @@ class Consumer:
 
         If publishing fails they stay invisible for a while and then are tried again.
         """
-        assert self._dead_letters is not None
-        publisher = self._dead_letters
+        try:
+            publisher = await self._current_dead_letters()
+        except (CasqueError, KazooException) as error:
+            log.warning("dead-letter queue unavailable (%s); %d messages will be tried again", error, len(handouts))
+            return
 
         async def move(reader: ShardReader, handout: Handout) -> None:
             entry = handout.entry
@@ -793,6 +796,19 @@ class Consumer:
             reader.space_freed()
 
         await asyncio.gather(*(move(r, h) for r, h in handouts))
+
+    async def _current_dead_letters(self) -> Publisher:
+        """The dead-letter queue's publisher, renewed when that queue changed or was created again.
+
+        Dead-lettering is rare, so one read of the queue's znode each time costs nothing and
+        never leaves copies going to a deleted incarnation.
+        """
+        known = self._dead_letters
+        assert known is not None
+        state = await asyncio.to_thread(catalog.read_queue, self.store, known.queue)
+        if state != known.state:
+            known = self._dead_letters = await asyncio.to_thread(Publisher, self.store, known.queue, state)
+        return known
 
     async def _record_deliveries(self, deliveries: list[Delivery]) -> None:
         """Write every delivery's count; if that fails, put the messages back and raise."""

@@ -11,12 +11,13 @@ import pytest
 
 from casque.engine import catalog
 from casque.engine.batches import Log
+from casque.engine.consumer import Consumer
 from casque.engine.delayed import DelayMover
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
 from casque.engine.stats import queue_stats
 from casque.schema import QueueRef
-from casque.specs import QueueSpec, QueueState
+from casque.specs import QueueSpec, QueueState, SubscriberSpec
 from casque.store import Store
 from tests.fixtures.group import until
 
@@ -30,12 +31,12 @@ def recreate(store: Store) -> QueueState:
     return catalog.read_queue(store, QUEUE)
 
 
-async def payloads(store: Store) -> list[bytes]:
+async def payloads(store: Store, queue: QueueRef = QUEUE) -> list[bytes]:
     """Every message in the queue's log, shard by shard."""
-    log = Log(store, QUEUE, SPEC.consistency)
+    log = Log(store, queue, SPEC.consistency)
     found: list[bytes] = []
     for shard in SPEC.log_shards():
-        head = catalog.read_int(store, store.paths(QUEUE).head(shard))
+        head = catalog.read_int(store, store.paths(queue).head(shard))
         batch = 1
         while batch <= head:
             chunk = await log.read_from(shard, batch)
@@ -118,3 +119,38 @@ async def test_a_recreated_queue_moves_only_its_own_delayed_messages(store: Stor
     assert await payloads(store) == [b"new, delayed"]
     assert mover.delayed is not None and mover.moved == 1
     assert (await queue_stats(store, QUEUE)).delayed == 0
+
+
+async def test_dead_letters_go_to_the_dead_letter_queues_current_incarnation(store: Store) -> None:
+    dead = QueueRef("default", "reborn-dead")
+    catalog.apply_queue(store, QUEUE, SPEC)
+    catalog.apply_queue(store, dead, SPEC)
+    catalog.apply_subscriber(store, QUEUE, "picky", SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", max_deliveries=1, dead_letter_queue=dead.name))
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    consumer = Consumer(store, QUEUE, "picky")
+    await consumer.start()
+
+    async def dead_letter(payload: bytes) -> None:
+        await publisher.publish([OutgoingMessage(payload)])
+        await publisher.flush_heads()
+        (delivery,) = await consumer.receive(max_messages=1, wait=30)
+        assert delivery.message.payload == payload
+        await consumer.nack(delivery.receipt)
+
+        async def arrived() -> bool:
+            assert await consumer.receive(max_messages=1) == []  # over max deliveries: dead-lettered instead
+            return payload in await payloads(store, dead)
+
+        await until(f"{payload!r} in the dead-letter queue", arrived, 60)
+
+    try:
+        await dead_letter(b"first poison")
+        catalog.delete_queue(store, dead, "Delete")
+        catalog.apply_queue(store, dead, SPEC)
+        await dead_letter(b"second poison")
+        assert await payloads(store, dead) == [b"second poison"]
+    finally:
+        await consumer.stop()
+        for queue in (QUEUE, dead):
+            catalog.delete_queue(store, queue, "Delete")
