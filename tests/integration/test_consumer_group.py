@@ -223,6 +223,59 @@ async def test_a_shard_whose_start_fails_is_retried_not_stranded(
     await drain_all(consumer, published)
 
 
+class Unanswered:
+    """ZooKeeper stops answering one client's existence checks (the member's heartbeats)
+    while the client still reports CONNECTED: what a member resumed from a long pause sees
+    until its client learns that the session expired. `answer_again` delivers the held ones."""
+
+    def __init__(self, client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._client = client
+        self._real = client.exists_async
+        self._held: list[tuple[object, tuple[object, ...], dict[str, object]]] = []
+        self._monkeypatch = monkeypatch
+        monkeypatch.setattr(client, "exists_async", self._hold)
+
+    def _hold(self, *args: object, **kwargs: object) -> object:
+        result = self._client.handler.async_result()
+        self._held.append((result, args, kwargs))
+        return result
+
+    def answer_again(self) -> None:
+        self._monkeypatch.setattr(self._client, "exists_async", self._real)
+        for result, args, kwargs in self._held:
+            def forward(answer: object, result: object = result) -> None:
+                try:
+                    result.set(answer.get_nowait())  # type: ignore[attr-defined]
+                except Exception as error:
+                    result.set_exception(error)  # type: ignore[attr-defined]
+
+            self._real(*args, **kwargs).rawlink(forward)
+
+
+async def test_a_member_zookeeper_stopped_answering_hands_out_nothing_after_half_a_session(
+    store: Store, new_store: Callable[[], Store], consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = setup(store, shards=1)
+    await publish(store, spec, [f"m{i}" for i in range(20)], together=True)
+    member_store = new_store()
+    member = await start(consumers, member_store, "resumed")
+    await until("the member holds shard 0", lambda: member.held_shards == {0})
+    (first,) = await take(member, 1)
+    assert member._leases is not None
+    session = member._leases.session_seconds
+    cut_at = time.monotonic()
+    silence = Unanswered(member_store.zk, monkeypatch)
+    # Past half a session without an answer: the server may be about to expire the session
+    # and give the shard away, so nothing more is handed out, though the client still
+    # reports CONNECTED and the member still believes it holds the shard.
+    await until("half a session of silence", lambda: time.monotonic() > cut_at + session / 2)
+    assert await member.receive(max_messages=5) == []
+    assert member_store.zk.state == KazooState.CONNECTED and member.held_shards == {0}
+    silence.answer_again()
+    assert len(await take(member, 5)) == 5
+    await member.ack(first.receipt)
+
+
 # --- 3. supervision -----------------------------------------------------------------------
 
 async def test_a_failing_read_is_retried_and_reported_until_it_works(
