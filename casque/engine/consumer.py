@@ -780,7 +780,10 @@ class Consumer:
         async def move(reader: ShardReader, handout: Handout) -> None:
             entry = handout.entry
             message = entry.message
-            copy = dead_letter_copy(message, self.queue, self.subscriber, reader.epoch, entry.deliveries, entry.last_error)
+            copy = dead_letter_copy(
+                message, self.queue, self.subscriber, reader.epoch, entry.deliveries, entry.last_error,
+                subscriber_key=self.subscriber_state.ack_key(self.subscriber),
+                retention_seconds=self.queue_state.spec.retention_seconds)
             try:
                 await publisher.publish([copy])
             except CasqueError as error:

@@ -39,8 +39,15 @@ REDRIVEN_FROM = "casque-redriven-from"
 
 
 def dead_letter_copy(
-    message: StoredMessage, queue: QueueRef, subscriber: str, epoch: int, deliveries: int, last_error: str | None
+    message: StoredMessage, queue: QueueRef, subscriber: str, epoch: int, deliveries: int, last_error: str | None,
+    *, subscriber_key: str | None = None, retention_seconds: int | None = None,
 ) -> OutgoingMessage:
+    """The copy of a message `subscriber` failed too often, for its dead-letter queue.
+
+    Its client id names the delivery (subscriber incarnation, seek epoch, position) and is
+    remembered as long as the source keeps the message (`retention_seconds`), so the message
+    dead-lettered again after a crash, however much later, is stored once.
+    """
     p = message.position
     history = {
         SOURCE: queue.key,
@@ -59,7 +66,8 @@ def dead_letter_copy(
         key=message.key,
         attributes={**attributes, **history},
         content_type=message.content_type,
-        client_id=f"dlq/{queue.key}/{subscriber}/{epoch}/{p.shard}/{p.batch}/{p.seq}",
+        client_id=f"dlq/{queue.key}/{subscriber_key or subscriber}/{epoch}/{p.shard}/{p.batch}/{p.seq}",
+        client_id_window_seconds=retention_seconds,
     )
 
 
@@ -112,7 +120,8 @@ async def redrive(
                             raise InvalidSpec("a dead letter names its own queue as its source")
                         source_state = await asyncio.to_thread(catalog.read_queue, store, ref)
                         publisher = publishers[source] = Publisher(store, ref, source_state)
-                    (result,) = await publisher.publish([redrive_copy(message, dead_letter_queue)])
+                    (result,) = await publisher.publish(
+                        [redrive_copy(message, dead_letter_queue, state.spec.retention_seconds)])
                     if result.duplicate:
                         duplicates += 1
                     else:
@@ -124,14 +133,18 @@ async def redrive(
     return RedriveResult(redriven, duplicates, by_source)
 
 
-def redrive_copy(message: StoredMessage, dead_letter_queue: QueueRef) -> OutgoingMessage:
+def redrive_copy(
+    message: StoredMessage, dead_letter_queue: QueueRef, dead_letter_retention_seconds: int | None = None
+) -> OutgoingMessage:
     """A dead letter sent back to its source: addressed to the subscriber that failed it, its
-    history dropped, and a client id from its id, so a rerun sends nothing twice."""
+    history dropped, and a client id from its id, remembered as long as the dead letter
+    itself, so a rerun at any distance sends nothing twice."""
     attributes = {k: v for k, v in message.attributes.items() if k not in HISTORY}
     attributes[FOR_SUBSCRIBER] = message.attributes.get(SUBSCRIBER, "")
     attributes[REDRIVEN_FROM] = f"{dead_letter_queue.key}/{message.message_id}"
     return OutgoingMessage(payload=message.payload, key=message.key, attributes=attributes,
-                           content_type=message.content_type, client_id=f"redrive/{message.message_id}")
+                           content_type=message.content_type, client_id=f"redrive/{message.message_id}",
+                           client_id_window_seconds=dead_letter_retention_seconds)
 
 
 def _dead_within(message: StoredMessage, since: datetime | None, until: datetime | None) -> bool:

@@ -3,15 +3,19 @@
 A message published with a delay (or to a queue with a default delay) is written to the
 `delayed` table, partitioned by due minute, and its publish is acknowledged then. The
 queue's mover, elected in ZooKeeper, publishes due rows into the log with the message ids
-they were given at publish time, each with a client id derived from its id, so a row moved
-twice (a mover that died between publishing and recording its progress) is stored once.
+they were given at publish time, each with a client id derived from its id and remembered
+for the queue's retention (as long as the row can be read again), so a row moved twice (a
+mover that died between publishing and recording its progress, and a successor that rescans
+it however much later) is stored once.
 
 The mover records in its znode the time up to which everything due has been moved (the
-cursor), and rescans a lookback window behind it on every pass. A publisher whose clock is
-far behind the mover's could write a row older than that window; publishers therefore
-publish a message directly into the log when its due time is not well inside the window.
-Lateness is bounded by the mover's pass interval plus the clock skew between the
-publisher and the mover; nothing due is lost while the skew stays below the lookback.
+cursor), and rescans behind it for rows written late: the last RECENT_LOOKBACK on every
+pass, the whole LOOKBACK every FULL_RESCAN_SECONDS. It publishes each row once while it
+leads. A publisher whose clock is far behind the mover's could write a row older than the
+lookback; publishers therefore publish a message directly into the log when its due time is
+not well inside it. Lateness is bounded by the mover's pass interval plus the clock skew
+between the publisher and the mover (plus FULL_RESCAN_SECONDS for a row written more than
+RECENT_LOOKBACK late); nothing due is lost while the skew stays below the lookback.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -46,8 +51,11 @@ ELECTION_WAIT_SECONDS = 5.0
 IMMEDIATE_SECONDS = 1.0
 # The mover wakes at least this often (sooner when a message is due sooner).
 PASS_SECONDS = 1.0
-# Every pass re-reads this far behind its cursor, for rows written by lagging clocks.
+# A pass re-reads this far behind its cursor, for rows written late (lagging clocks, slow
+# writes): RECENT_LOOKBACK on every pass, LOOKBACK every FULL_RESCAN_SECONDS.
 LOOKBACK = timedelta(minutes=2)
+RECENT_LOOKBACK = timedelta(seconds=10)
+FULL_RESCAN_SECONDS = 15.0
 # Publishers treat a due time less than this after the start of the mover's rescan window
 # (cursor - LOOKBACK) as due now.
 CURSOR_MARGIN = timedelta(seconds=30)
@@ -109,6 +117,8 @@ class DelayedStore:
                             payload=row.payload or b"", key=row.key, attributes=dict(row.attributes or {}),
                             content_type=row.content_type, priority=row.priority or 0,
                             ttl_seconds=row.ttl_seconds, client_id=moved_client_id(row.message_id),
+                            # A due row can be read again until it expires, after its retention.
+                            client_id_window_seconds=self._retention,
                         ),
                     )
                 )
@@ -153,6 +163,8 @@ class DelayMover:
         self._leading: asyncio.Event = asyncio.Event()
         self.moved = 0
         self.passes = 0
+        # Rows handed to `publish` (a row is handed once while one mover leads).
+        self.offered = 0
         # Elections this mover waited out without winning (another sidecar leads).
         self.contentions = 0
 
@@ -230,19 +242,32 @@ class DelayMover:
             self._store, state.shared_key(self._queue), state.spec.retention_seconds
         )
         cursor = await self._read_cursor()
+        # Rows moved while this mover leads (message id -> due time), for as long as a
+        # rescan can read them again: each is published once, not on every pass.
+        moved: dict[str, datetime] = {}
+        full_rescan_at = float("-inf")
         while True:
             # A queue deleted and created again took this election's znodes with it: the
             # new incarnation elects its own mover, which starts from its creation.
             if (await self._read_state()).incarnation != state.incarnation:
                 raise QueueNotFound(f"queue {self._queue} was re-created; contending for its new incarnation")
             now = datetime.now(timezone.utc)
-            due = await delayed.due_between(cursor - LOOKBACK, now)
+            # Rows land behind the cursor only when written late (a lagging clock, a slow
+            # write): the recent past is read on every pass, the whole lookback now and then.
+            behind = RECENT_LOOKBACK
+            if time.monotonic() >= full_rescan_at:
+                behind, full_rescan_at = LOOKBACK, time.monotonic() + FULL_RESCAN_SECONDS
+            due = [d for d in await delayed.due_between(cursor - behind, now) if d.message_id not in moved]
             if due:
+                self.offered += len(due)
                 results = await self._publish(state, [(d.message_id, d.message) for d in due])
+                moved.update((d.message_id, d.due_at) for d in due)
                 fresh = sum(1 for r in results if not r.duplicate)
                 if fresh:
                     self.moved += fresh
                     await delayed.counters.add(DELAYED_OUT, fresh)
+            for message_id in [i for i, at in moved.items() if at <= now - LOOKBACK]:
+                del moved[message_id]
             cursor = now
             await zk.call(self._store.zk.set_async, self._path, json.dumps({"until": now.isoformat()}).encode())
             self.passes += 1

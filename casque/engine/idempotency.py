@@ -34,7 +34,7 @@ from cassandra.query import BatchStatement, BatchType, PreparedStatement
 
 from casque.backends import cql
 from casque.engine.batches import Log
-from casque.engine.messages import Published
+from casque.engine.messages import OutgoingMessage, Published
 from casque.schema import PUBLISH_IDS_TABLE
 from casque.store import Store
 
@@ -66,19 +66,21 @@ class IdempotencyGuard:
         """`queue_key`: the queue's incarnation key (`QueueState.shared_key`)."""
         self._store = store
         self._queue = queue_key
+        self._window = int(window_seconds)
         self._log = log
         table = f"{store.keyspace}.{PUBLISH_IDS_TABLE}"
         self._select = store.session.prepare(
-            f"SELECT client_id, message_id, shard, batch_no, seq, writer, since_batch, claim_deadline FROM {table} "
+            "SELECT client_id, message_id, shard, batch_no, seq, writer, since_batch, claim_deadline, "
+            f"TTL(writer) AS intent_ttl FROM {table} "
             "WHERE queue = ? AND client_id IN ?"
         )
         self._insert = store.session.prepare(
             f"INSERT INTO {table} (queue, client_id, message_id, shard, batch_no, seq) "
-            f"VALUES (?, ?, ?, ?, ?, ?) USING TTL {int(window_seconds)}"
+            "VALUES (?, ?, ?, ?, ?, ?) USING TTL ?"
         )
         self._insert_intent = store.session.prepare(
             f"INSERT INTO {table} (queue, client_id, message_id, shard, writer, since_batch, claim_deadline) "
-            f"VALUES (?, ?, ?, ?, ?, ?, ?) USING TTL {int(window_seconds)}"
+            "VALUES (?, ?, ?, ?, ?, ?, ?) USING TTL ?"
         )
         self._consistency = log.consistency
         for statement in (self._select, self._insert, self._insert_intent):
@@ -125,20 +127,25 @@ class IdempotencyGuard:
         return None if row is None else await self.settle(row)
 
     async def record_intents(
-        self, intents: Sequence[tuple[str, str]], shard: int, writer: str, since_batch: int, deadline: datetime
+        self, intents: Sequence[tuple[OutgoingMessage, str]], shard: int, writer: str, since_batch: int,
+        deadline: datetime,
     ) -> None:
-        """Before a claim: (client id, message id) of each message of the batch that has an id."""
+        """Before a claim: (message, message id) of each message of the batch that has a client id."""
         await self._write_rows(self._insert_intent, [
-            (self._queue, client_id, message_id, shard, writer, since_batch, deadline)
-            for client_id, message_id in intents
+            (self._queue, message.client_id, message_id, shard, writer, since_batch, deadline, self._ttl(message))
+            for message, message_id in intents
         ])
 
-    async def record_positions(self, published: Sequence[tuple[str, Published]]) -> None:
+    async def record_positions(self, published: Sequence[tuple[OutgoingMessage, Published]]) -> None:
         """After a write: where each id's message is (one write for the lot)."""
         await self._write_rows(self._insert, [
-            (self._queue, client_id, result.message_id, result.shard, result.batch, result.seq)
-            for client_id, result in published
+            (self._queue, message.client_id, result.message_id, result.shard, result.batch, result.seq,
+             self._ttl(message))
+            for message, result in published
         ])
+
+    def _ttl(self, message: OutgoingMessage) -> int:
+        return max(self._window, message.client_id_window_seconds or 0)
 
     async def _write_rows(self, statement: PreparedStatement, rows: Sequence[tuple[Any, ...]]) -> None:
         """Rows of many partitions in unlogged batches of WRITE_CHUNK, sent at once: one
@@ -168,7 +175,10 @@ class IdempotencyGuard:
                 if header.writer == row.writer:
                     seq = await self._seq_of(row.shard, batch, row.message_id)
                     found = Published(row.message_id, row.shard, batch, seq)
-                    await self.record_positions([(row.client_id, found)])
+                    # The completed row lives as long as the intent was to.
+                    ttl = max(1, int(row.intent_ttl or self._window))
+                    await self._write_rows(self._insert, [
+                        (self._queue, row.client_id, found.message_id, found.shard, found.batch, found.seq, ttl)])
                     return _as_duplicate(found)
                 batch += 1
                 continue

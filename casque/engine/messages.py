@@ -36,6 +36,10 @@ class OutgoingMessage:
     content_type: str | None = None
     # Idempotent publish: a second publish with the same id within the window returns the first result.
     client_id: str | None = None
+    # How long the id is remembered, if not for the idempotency window. The engine's own
+    # publishes (delayed moves, dead letters, redrives) remember theirs for as long as what
+    # they copy can be read again, so that a rerun at any distance sends nothing twice.
+    client_id_window_seconds: int | None = None
     # Ephemeral messages: never delivered after this many seconds from publish.
     ttl_seconds: int | None = None
     # 0 is the lowest level; a queue with N levels accepts 0..N-1.

@@ -110,7 +110,7 @@ class ShardWriter:
                     results = [Published(item.message_id, self.shard, batch, seq) for seq, item in enumerate(items)]
                     # Positions recorded before the answer; if this fails, the intents lead a retry here.
                     await self._publisher.idempotency.record_positions(
-                        [(i.message.client_id, r) for i, r in zip(items, results) if i.message.client_id])
+                        [(i.message, r) for i, r in zip(items, results) if i.message.client_id])
                 except BaseException as error:
                     self._last_batch = None  # knowledge of the shard is unsure: resync before the next claim
                     for item in items:
@@ -190,7 +190,7 @@ class ShardWriter:
         # One writer id for every claim attempt of these items: an intent names it, and a
         # retry of one of their ids finds the batch by it.
         writer = new_writer_id(publisher.publisher_id)
-        intents = [(item.message.client_id, item.message_id) for item in items if item.message.client_id]
+        intents = [(item.message, item.message_id) for item in items if item.message.client_id]
         claims_until: float | None = None
         while True:
             if self._last_batch is None or conflicts >= RESYNC_AFTER_CONFLICTS:
@@ -356,7 +356,7 @@ class Publisher:
             await self._delayed_store().insert(message_id, due, message)
             result = Published(message_id, -1, -1, -1, deliver_at=due)
             if message.client_id:
-                await self.idempotency.record_positions([(message.client_id, result)])
+                await self.idempotency.record_positions([(message, result)])
             return result
         future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
         self._writers[self._choose_shard(message)].submit(_Pending(message_id, message, future))

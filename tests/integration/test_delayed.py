@@ -14,6 +14,7 @@ import pytest
 
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
+from casque.engine import delayed
 from casque.engine.delayed import PASS_SECONDS, DelayMover
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
@@ -35,24 +36,30 @@ async def running() -> AsyncIterator[list[object]]:
         await thing.stop()  # type: ignore[attr-defined]
 
 
-def mover_for(store: Store, spec: QueueSpec, name: str) -> DelayMover:
+def mover_for(store: Store, spec: QueueSpec, name: str, offered: Counter[str] | None = None) -> DelayMover:
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
 
     async def publish(state: QueueState, items: list[tuple[str, OutgoingMessage]]) -> list[object]:
         assert state.incarnation == publisher.state.incarnation
+        if offered is not None:
+            offered.update(m.payload.decode() for _, m in items)
         return await publisher.publish([m for _, m in items], [i for i, _ in items])
 
     return DelayMover(store, QUEUE, publish, name)
 
 
-async def test_delayed_messages_arrive_not_before_their_time(store: Store, running: list[object]) -> None:
+async def test_delayed_messages_arrive_not_before_their_time(
+    store: Store, running: list[object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(delayed, "FULL_RESCAN_SECONDS", 3.0)  # the rescans below, sooner
     spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
     catalog.apply_subscriber(store, QUEUE, "waiter", SubscriberSpec(queue="later", start_position="earliest"))
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     with pytest.raises(InvalidSpec, match="retention"):
         await publisher.publish([OutgoingMessage(b"x", deliver_at=datetime.now(timezone.utc) + timedelta(days=2))])
-    mover = mover_for(store, spec, "m1")
+    offered: Counter[str] = Counter()
+    mover = mover_for(store, spec, "m1", offered)
     mover.start()
     running.append(mover)
     consumer = Consumer(store, QUEUE, "waiter")
@@ -80,6 +87,13 @@ async def test_delayed_messages_arrive_not_before_their_time(store: Store, runni
         assert (arrived[name] - at).total_seconds() < LATENESS_BOUND
     counts = await mover.delayed.counters.read()
     assert counts == {"delayed_in": 3, "delayed_out": 3}
+    # Later passes rescan the moved rows (full rescans included) but publish none again.
+    passes = mover.passes
+    deadline = time.monotonic() + 60
+    while mover.passes <= passes + 2 * delayed.FULL_RESCAN_SECONDS / PASS_SECONDS:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert offered == Counter({name: 1 for name in due})
 
 
 async def test_mover_failover_loses_and_doubles_nothing(

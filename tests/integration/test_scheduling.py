@@ -72,6 +72,15 @@ async def test_higher_priorities_first_without_starving_lower(store: Store, cons
     assert first_low < last_high  # level 0 was not starved until level 2 ran dry
 
 
+def id_lifetimes(store: Store, queue: QueueRef, prefix: str) -> list[int]:
+    """Seconds left to the `publish_ids` rows of `queue` whose client id starts with `prefix`."""
+    key = catalog.read_queue(store, queue).shared_key(queue)
+    rows = store.session.execute(
+        f"SELECT client_id, TTL(message_id) AS left FROM {store.keyspace}.publish_ids WHERE queue = %s ALLOW FILTERING",
+        (key,))
+    return [row.left for row in rows if row.client_id.startswith(prefix)]
+
+
 async def test_poison_message_is_dead_lettered_after_max_deliveries_and_redriven(
     store: Store, consumers: list[Consumer]
 ) -> None:
@@ -114,6 +123,10 @@ async def test_poison_message_is_dead_lettered_after_max_deliveries_and_redriven
     result = await redrive(store, DEAD)
     assert result.redriven == 1
     assert (await redrive(store, DEAD)).redriven == 0  # a rerun doubles nothing
+    # ... at any distance: the dead letter's and the redrive's ids are remembered as long as
+    # what they copy is kept (an hour here), not for the 10 minutes of an app's ids.
+    assert id_lifetimes(store, DEAD, "dlq/") == [pytest.approx(3600, abs=120)]
+    assert id_lifetimes(store, ORDERS, "redrive/") == [pytest.approx(3600, abs=120)]
     (again,) = await billing.receive(max_messages=10, wait=15)
     assert again.message.payload == b"poison" and again.delivery_count == 1
     await billing.ack(again.receipt)
