@@ -16,7 +16,7 @@ import asyncio
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from casque.engine import catalog
+from casque.engine import catalog, positions
 from casque.engine.batches import Log
 from casque.engine.messages import OutgoingMessage, StoredMessage
 from casque.engine.publisher import Publisher
@@ -92,42 +92,57 @@ async def redrive(
     limit: int | None = None,
 ) -> RedriveResult:
     """Publish the dead letters of `dead_letter_queue` (dead between `since` and `until`, all
-    by default) back to their source queues. Running it again redrives nothing twice."""
+    by default) back to their source queues. Running it again redrives nothing twice.
+
+    Each shard is read from its earliest retained batch; the dead letters of each chunk read
+    go back in one publish per source queue.
+    """
     state = await asyncio.to_thread(catalog.read_queue, store, dead_letter_queue)
     log = Log(store, dead_letter_queue, state.spec.consistency)
     publishers: dict[str, Publisher] = {}
     redriven = duplicates = 0
     by_source: dict[str, int] = {}
+
+    async def publisher_of(source: str) -> Publisher:
+        if source not in publishers:
+            ref = QueueRef.parse(source)
+            if ref == dead_letter_queue:
+                raise InvalidSpec("a dead letter names its own queue as its source")
+            source_state = await asyncio.to_thread(catalog.read_queue, store, ref)
+            publishers[source] = await asyncio.to_thread(Publisher, store, ref, source_state)
+        return publishers[source]
+
     for shard in state.spec.log_shards():
         head = await asyncio.to_thread(catalog.read_int, store, store.paths(dead_letter_queue).head(shard))
-        batch = 1
+        batch = await asyncio.to_thread(positions.earliest_batch, store, dead_letter_queue, shard, head)
         while batch <= head:
             chunk = await log.read_from(shard, batch)
             if not chunk:
-                batch += 1  # expired: move on
+                batch += 1  # expired since the search above: move on
                 continue
-            for entry in chunk:
-                for message in entry.messages:
-                    if limit is not None and redriven + duplicates >= limit:
-                        return RedriveResult(redriven, duplicates, by_source)
-                    source = message.attributes.get(SOURCE)
-                    if source is None or not _dead_within(message, since, until):
-                        continue
-                    publisher = publishers.get(source)
-                    if publisher is None:
-                        ref = QueueRef.parse(source)
-                        if ref == dead_letter_queue:
-                            raise InvalidSpec("a dead letter names its own queue as its source")
-                        source_state = await asyncio.to_thread(catalog.read_queue, store, ref)
-                        publisher = publishers[source] = Publisher(store, ref, source_state)
-                    (result,) = await publisher.publish(
-                        [redrive_copy(message, dead_letter_queue, state.spec.retention_seconds)])
-                    if result.duplicate:
-                        duplicates += 1
-                    else:
-                        redriven += 1
-                        by_source[source] = by_source.get(source, 0) + 1
+            copies: dict[str, list[OutgoingMessage]] = {}
+            taken = redriven + duplicates
+            for message in (m for entry in chunk for m in entry.messages):
+                source = message.attributes.get(SOURCE)
+                if source is None or not _dead_within(message, since, until):
+                    continue
+                if limit is not None and taken >= limit:
+                    break
+                copies.setdefault(source, []).append(
+                    redrive_copy(message, dead_letter_queue, state.spec.retention_seconds))
+                taken += 1
+            for source, messages in copies.items():
+                results = await (await publisher_of(source)).publish(messages)
+                fresh = sum(1 for r in results if not r.duplicate)
+                redriven += fresh
+                duplicates += len(results) - fresh
+                if fresh:
+                    by_source[source] = by_source.get(source, 0) + fresh
+            if limit is not None and taken >= limit:
+                break
             batch = chunk[-1].header.batch + 1
+        if limit is not None and redriven + duplicates >= limit:
+            break
     for publisher in publishers.values():
         await publisher.flush_heads()
     return RedriveResult(redriven, duplicates, by_source)

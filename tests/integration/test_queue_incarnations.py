@@ -3,7 +3,6 @@ ids, delayed messages or counts of the old one, and running sidecars follow it."
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 

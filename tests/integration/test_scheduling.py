@@ -179,3 +179,27 @@ async def test_seek_older_than_retention_is_refused(store: Store) -> None:
         )
     with pytest.raises(PositionOutOfRange, match="cannot seek to batch 50"):
         await asyncio.to_thread(seek, store, ORDERS, "seeker", SeekTarget("batch", batches={0: 50}))
+
+
+async def test_redrive_in_parts_sends_every_dead_letter_back_once(store: Store) -> None:
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    other = QueueRef("default", "returns")
+    for queue in (ORDERS, other, DEAD):
+        catalog.apply_queue(store, queue, spec)
+    # Dead letters of two source queues, as consumers write them, over both shards.
+    dead_letters = Publisher(store, DEAD, catalog.read_queue(store, DEAD))
+    for i in range(7):
+        source = ORDERS if i % 2 else other
+        await dead_letters.publish([OutgoingMessage(
+            f"dead-{i}".encode(), key=str(i), attributes={SOURCE: source.key, MESSAGE_ID: f"m-{i}"},
+            client_id=f"dlq/{source.key}/billing/0/0/1/{i}")])
+    await dead_letters.flush_heads()
+
+    first = await redrive(store, DEAD, limit=3)
+    assert (first.redriven, first.duplicates) == (3, 0)
+    rest = await redrive(store, DEAD)
+    assert (rest.redriven, rest.duplicates) == (4, 3)
+    assert rest.by_source == {k: v - first.by_source.get(k, 0) for k, v in {ORDERS.key: 3, other.key: 4}.items()}
+    again = await redrive(store, DEAD)
+    assert (again.redriven, again.duplicates) == (0, 7)
+    assert [(await queue_stats(store, q)).published_messages for q in (ORDERS, other)] == [3, 4]
