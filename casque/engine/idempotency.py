@@ -62,11 +62,11 @@ class IdempotencyGuard:
     instead of 2,000.
     """
 
-    def __init__(self, store: Store, queue_key: str, log: Log, window_seconds: int = DEFAULT_WINDOW_SECONDS) -> None:
+    def __init__(self, store: Store, queue_key: str, log: Log, window_seconds: int | None = None) -> None:
         """`queue_key`: the queue's incarnation key (`QueueState.shared_key`)."""
         self._store = store
         self._queue = queue_key
-        self._window = int(window_seconds)
+        self._window = int(window_seconds or DEFAULT_WINDOW_SECONDS)
         self._log = log
         table = f"{store.keyspace}.{PUBLISH_IDS_TABLE}"
         self._select = store.session.prepare(

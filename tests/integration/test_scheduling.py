@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from casque.engine import catalog
+from casque.engine import catalog, idempotency
 from casque.engine.consumer import Consumer
 from casque.engine.deadletters import DELIVERIES, LAST_ERROR, MESSAGE_ID, SOURCE, redrive
 from casque.engine.messages import OutgoingMessage
@@ -181,19 +182,41 @@ async def test_seek_older_than_retention_is_refused(store: Store) -> None:
         await asyncio.to_thread(seek, store, ORDERS, "seeker", SeekTarget("batch", batches={0: 50}))
 
 
+async def write_dead_letters(store: Store, sources: list[QueueRef]) -> None:
+    """Dead letters in DEAD, one from each source given, as consumers write them, over both shards."""
+    dead_letters = Publisher(store, DEAD, catalog.read_queue(store, DEAD))
+    for i, source in enumerate(sources):
+        await dead_letters.publish([OutgoingMessage(
+            f"dead-{i}".encode(), key=str(i), attributes={SOURCE: source.key, MESSAGE_ID: f"m-{i}"},
+            client_id=f"dlq/{source.key}/billing/0/0/1/{i}")])
+    await dead_letters.flush_heads()
+
+
+async def test_a_redrive_rerun_past_the_id_window_sends_nothing_twice(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(idempotency, "DEFAULT_WINDOW_SECONDS", 2)  # an app's ids are remembered 2 s
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    for queue in (ORDERS, DEAD):
+        catalog.apply_queue(store, queue, spec)
+    await write_dead_letters(store, [ORDERS] * 3)
+    assert (await redrive(store, DEAD)).redriven == 3
+    app = Publisher(store, ORDERS, catalog.read_queue(store, ORDERS))
+    await app.publish([OutgoingMessage(b"by the app", client_id="app-1")])
+    deadline = time.monotonic() + 60
+    while id_lifetimes(store, ORDERS, "app-1"):  # the window has passed
+        assert time.monotonic() < deadline, "the app's id outlived its window"
+        await asyncio.sleep(0.2)
+    again = await redrive(store, DEAD)
+    assert (again.redriven, again.duplicates) == (0, 3)
+
+
 async def test_redrive_in_parts_sends_every_dead_letter_back_once(store: Store) -> None:
     spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
     other = QueueRef("default", "returns")
     for queue in (ORDERS, other, DEAD):
         catalog.apply_queue(store, queue, spec)
-    # Dead letters of two source queues, as consumers write them, over both shards.
-    dead_letters = Publisher(store, DEAD, catalog.read_queue(store, DEAD))
-    for i in range(7):
-        source = ORDERS if i % 2 else other
-        await dead_letters.publish([OutgoingMessage(
-            f"dead-{i}".encode(), key=str(i), attributes={SOURCE: source.key, MESSAGE_ID: f"m-{i}"},
-            client_id=f"dlq/{source.key}/billing/0/0/1/{i}")])
-    await dead_letters.flush_heads()
+    await write_dead_letters(store, [ORDERS if i % 2 else other for i in range(7)])
 
     first = await redrive(store, DEAD, limit=3)
     assert (first.redriven, first.duplicates) == (3, 0)
