@@ -9,6 +9,7 @@
         .../subscribers/{sub}/leases/{shard}                  ephemeral: the member consuming the shard
         .../subscribers/{sub}/seek                            the latest seek request (JSON)
     {root}/queues/{namespace}/{queue}/mover                   election of the delayed-message mover
+    {root}/queues/{namespace}/{queue}/redrive                 redrive watermark of a dead-letter queue (JSON)
 
 Heads are decimal integers in the znode data. An offset is "N@E": the batch N and the seek
 epoch E of the shard that keys its ack records ("N" alone is epoch 0), so a reader gets both
@@ -49,6 +50,10 @@ class QueuePaths:
     @property
     def mover(self) -> str:
         return f"{self.base}/mover"
+
+    @property
+    def redrive(self) -> str:
+        return f"{self.base}/redrive"
 
 
 @dataclass(frozen=True)

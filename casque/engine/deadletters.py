@@ -7,15 +7,22 @@ from its position, so a retried move (or a new lease holder repeating it) never 
 
 Redrive publishes dead letters back to their source queue, addressed to the subscriber that
 gave up on them (`casque-for-subscriber`): the other subscribers of the source queue, which
-had processed the message already, skip it.
+had processed the message already, skip it. A run that takes every dead letter (no time
+filter) records per shard the batch it got to, and every run starts there (or at the
+earliest retained batch): a rerun reads only what was dead-lettered since. A run cut short
+between publishing and recording its mark is covered by the copies' client ids.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from kazoo.exceptions import NoNodeError
+
+from casque.backends import zk
 from casque.engine import catalog, positions
 from casque.engine.batches import Log
 from casque.engine.messages import OutgoingMessage, StoredMessage
@@ -112,9 +119,12 @@ async def redrive(
             publishers[source] = await asyncio.to_thread(Publisher, store, ref, source_state)
         return publishers[source]
 
+    marks = RedriveMarks(store, dead_letter_queue)
+    everything = since is None and until is None
     for shard in state.spec.log_shards():
         head = await asyncio.to_thread(catalog.read_int, store, store.paths(dead_letter_queue).head(shard))
-        batch = await asyncio.to_thread(positions.earliest_batch, store, dead_letter_queue, shard, head)
+        batch = max(await marks.start(shard),
+                    await asyncio.to_thread(positions.earliest_batch, store, dead_letter_queue, shard, head))
         while batch <= head:
             chunk = await log.read_from(shard, batch)
             if not chunk:
@@ -141,11 +151,41 @@ async def redrive(
             if limit is not None and taken >= limit:
                 break
             batch = chunk[-1].header.batch + 1
+            if everything:
+                await marks.advance(shard, batch)
         if limit is not None and redriven + duplicates >= limit:
             break
     for publisher in publishers.values():
         await publisher.flush_heads()
     return RedriveResult(redriven, duplicates, by_source)
+
+
+class RedriveMarks:
+    """Per shard of a dead-letter queue, the batch below which every dead letter was redriven."""
+
+    def __init__(self, store: Store, dead_letter_queue: QueueRef) -> None:
+        self._store = store
+        self._path = store.paths(dead_letter_queue).redrive
+        self._marks: dict[str, int] | None = None
+
+    async def start(self, shard: int) -> int:
+        if self._marks is None:
+            try:
+                data, _ = await zk.call(self._store.zk.get_async, self._path)
+                self._marks = {k: int(v) for k, v in json.loads(data or b"{}").items()}
+            except NoNodeError:
+                self._marks = {}
+        return self._marks.get(str(shard), 1)
+
+    async def advance(self, shard: int, batch: int) -> None:
+        assert self._marks is not None
+        self._marks[str(shard)] = batch
+        data = json.dumps(self._marks, sort_keys=True).encode()
+        try:
+            await zk.call(self._store.zk.set_async, self._path, data)
+        except NoNodeError:
+            # Never makepath: under a queue deleted meanwhile that would bring it back, empty.
+            await zk.call(self._store.zk.create_async, self._path, data)
 
 
 def redrive_copy(
