@@ -144,8 +144,10 @@ def sidecar(
     host: Annotated[str | None, typer.Option(help="Address to listen on (default 127.0.0.1: the pod only).")] = None,
     port: Annotated[int | None, typer.Option(help=f"Port to listen on (default {DEFAULT_PORT}).")] = None,
     namespace: Annotated[str | None, typer.Option("--namespace", "-n", help="The queues' namespace.")] = None,
-    token: Annotated[
-        str | None, typer.Option(help="Require this bearer token (better: CASQUE_SIDECAR_TOKEN).", show_default=False)
+    # No --token: a flag's value is visible to every user of the node in `ps`.
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="Require the bearer token in this file (or set CASQUE_SIDECAR_TOKEN).", show_default=False),
     ] = None,
     drain_seconds: Annotated[float | None, typer.Option(help="On SIGTERM, time to let the app settle what it holds.")] = None,
     max_wait: Annotated[float | None, typer.Option(help="Longest long poll, in seconds.")] = None,
@@ -160,7 +162,7 @@ def sidecar(
 
     given: dict[str, Any] = {
         "queue": queue, "subscribers": subscriber or None, "host": host, "port": port, "namespace": namespace,
-        "token": token, "drain_seconds": drain_seconds, "max_wait_seconds": max_wait, "push_url": push_url,
+        "token_file": token_file, "drain_seconds": drain_seconds, "max_wait_seconds": max_wait, "push_url": push_url,
         "push_concurrency": push_concurrency,
     }
     with _readable_errors():

@@ -42,7 +42,7 @@ from casque.engine.leases import ShardLeases
 from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
 from casque.engine.offsets import CommitOutcome, OffsetRecord
 from casque.engine.publisher import Publisher
-from casque.engine.shard_state import Handout, ShardState
+from casque.engine.shard_state import ByteBudget, Handout, ShardState
 from casque.errors import (
     BackendUnavailable,
     CasqueError,
@@ -658,8 +658,11 @@ class Consumer:
             callback(self)
 
     # --- the queue API -----------------------------------------------------------------
-    async def receive(self, max_messages: int = 10, wait: float = 0.0, visibility: float | None = None) -> list[Delivery]:
+    async def receive(
+        self, max_messages: int = 10, wait: float = 0.0, visibility: float | None = None, max_bytes: int | None = None
+    ) -> list[Delivery]:
         """Up to `max_messages` deliveries; waits up to `wait` seconds for the first one.
+        With `max_bytes`, the payloads handed out stop at that sum (one message at least).
 
         Each delivery's count is durable before it is returned, so a message that crashes
         every consumer it reaches still reaches the subscriber's max deliveries.
@@ -671,7 +674,8 @@ class Consumer:
             if self._stopped:
                 raise ConsumerStopped("the consumer is shutting down")
             self._available.clear()
-            got = self._take(max_messages, visibility or self.visibility_timeout)
+            budget = ByteBudget(max_bytes) if max_bytes is not None else None
+            got = self._take(max_messages, visibility or self.visibility_timeout, budget)
             if got:
                 await self._record_deliveries(got)
                 return got
@@ -687,7 +691,7 @@ class Consumer:
             except TimeoutError:
                 pass
 
-    def _take(self, max_messages: int, visibility: float) -> list[Delivery]:
+    def _take(self, max_messages: int, visibility: float, budget: ByteBudget | None = None) -> list[Delivery]:
         """Deliveries from the leased shards: higher priority levels first, with every
         PRIORITY_FAIRNESS-th delivery reserved for lower levels that have messages ready,
         so a busy high level cannot starve them; round-robin over the shards of a level."""
@@ -707,9 +711,11 @@ class Consumer:
         plan = self._plan(order, max_messages)
         deliveries: list[Delivery] = []
         for level, want in plan:
-            deliveries.extend(self._take_level(levels[level], min(want, max_messages - len(deliveries)), now, wall, visibility))
+            deliveries.extend(self._take_level(levels[level], min(want, max_messages - len(deliveries)), now, wall,
+                                               visibility, budget))
         for level in order:  # whatever a level could not fill goes to the others, highest first
-            deliveries.extend(self._take_level(levels[level], max_messages - len(deliveries), now, wall, visibility))
+            deliveries.extend(self._take_level(levels[level], max_messages - len(deliveries), now, wall, visibility,
+                                               budget))
         for level in order[:-1]:  # levels that had lower ones waiting count what they served
             self._served[level] = self._served.get(level, 0) + sum(
                 1 for d in deliveries if priority_of(d.message.position.shard) == level
@@ -726,7 +732,8 @@ class Consumer:
         return self._plan(order[1:], lower) + [(order[0], count - lower)]
 
     def _take_level(
-        self, readers: list[ShardReader], want: int, now: float, wall: float, visibility: float
+        self, readers: list[ShardReader], want: int, now: float, wall: float, visibility: float,
+        budget: ByteBudget | None = None,
     ) -> list[Delivery]:
         deliveries: list[Delivery] = []
         if want <= 0:
@@ -742,7 +749,7 @@ class Consumer:
                 take = min(share, want - len(deliveries))
                 if take <= 0:
                     break
-                for handout in reader.state.take(take, now, visibility, wall, self._max_deliveries):
+                for handout in reader.state.take(take, now, visibility, wall, self._max_deliveries, budget):
                     progressed = True
                     if handout.dead:
                         dead.append((reader, handout))
