@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 # bytes, of the shard are held in memory (loaded and not done).
 PREFETCH_MESSAGES = 2000
 PREFETCH_BYTES = 8 * 1024 * 1024
+# ... and fewer than this many payload bytes over all the consumer's shards: a sidecar may
+# hold dozens of shards (shards x priority levels), and its container has 256 MiB.
+CONSUMER_PREFETCH_BYTES = 32 * 1024 * 1024
 # When caught up, the head watch wakes the reader; this slow check only covers a publisher
 # that died between writing a batch and advancing the head.
 CAUGHT_UP_RECHECK_SECONDS = 5.0
@@ -182,6 +185,11 @@ class ShardReader:
 
     def space_freed(self) -> None:
         self._wake.set()
+        consumer = self.consumer
+        if consumer.prefetch_blocked and consumer.loaded_bytes() < CONSUMER_PREFETCH_BYTES:
+            consumer.prefetch_blocked = False
+            for reader in consumer.readers.values():
+                reader._wake.set()
         if self.state.in_flight == 0:
             self._settled.set()
 
@@ -253,6 +261,9 @@ class ShardReader:
         if state.loaded_messages >= PREFETCH_MESSAGES or state.loaded_bytes >= PREFETCH_BYTES:
             return False
         consumer = self.consumer
+        if consumer.loaded_bytes() >= CONSUMER_PREFETCH_BYTES:
+            consumer.prefetch_blocked = True  # space_freed anywhere wakes this reader again
+            return False
         first = state.next_batch
         batches = await consumer.log.read_from(self.shard, first)
         consumer.counters.batch_reads += 1
@@ -463,6 +474,7 @@ class Consumer:
     def __post_init__(self) -> None:
         self.counters = ConsumerCounters()
         self.readers: dict[int, ShardReader] = {}
+        self.prefetch_blocked = False
         self._available = asyncio.Event()
         self._rotation = 0
         # Deliveries served by each priority level while lower levels had messages ready.
@@ -956,6 +968,10 @@ class Consumer:
 
     def in_flight(self) -> int:
         return sum(r.state.in_flight for r in self.readers.values())
+
+    def loaded_bytes(self) -> int:
+        """Payload bytes held over all leased shards (the prefetch budget's measure)."""
+        return sum(r.state.loaded_bytes for r in self.readers.values())
 
     async def stop(self, drain_seconds: float = 0.0) -> None:
         """Stop: wait up to `drain_seconds` for in-flight messages to be acked, write
