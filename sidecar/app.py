@@ -2,7 +2,8 @@
 
 Middlewares, outermost first: metrics (sees every answer, errors included), errors (turns
 every failure into the JSON error shape), guards (Host, Origin, content type and declared
-length, before any body is read), then the bearer token check when configured.
+length, before any body is read), the bearer token check when configured, then the gate
+that handles few large requests at a time (bodies.py).
 
 Resources: the app listens at once and connects its backends in the background, retrying
 until they answer (see runtime.py); then it builds the QueueService with its publishers,
@@ -58,6 +59,7 @@ def create_app(settings: SidecarSettings, backends: Settings | None = None, stor
     middlewares: list[Middleware] = [metrics_middleware(metrics), error_middleware, guard_middleware(settings)]
     if settings.token is not None:
         middlewares.append(bearer_middleware(settings.token.get_secret_value()))
+    middlewares.append(bodies.large_requests)  # after auth: a stranger's uploads hold no slot
     # aiohttp's own limit stays as a backstop behind bodies.py's, which refuses earlier.
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_request_bytes)
     app[SETTINGS] = settings

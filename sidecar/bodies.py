@@ -6,14 +6,16 @@ passes the limit, so no request makes the sidecar hold more than the limit. A bo
 arrive within `body_timeout_seconds`, so a trickling client cannot keep its buffer forever.
 
 Parsing a large body takes tens of milliseconds of CPU and several times its size in
-memory: bodies over OFFLOAD_BYTES are parsed in a worker thread, so the event loop keeps
-answering, and at most PARSERS_AT_ONCE of them at a time, so concurrent large requests
-cannot multiply the peak.
+memory, and publishing it as much again: bodies over OFFLOAD_BYTES are parsed in a worker
+thread, so the event loop keeps answering, and `large_requests` lets at most
+LARGE_AT_ONCE such requests be handled at a time, read to answer, so concurrent large
+requests cannot multiply the peak. Small requests never wait for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from aiohttp import web
@@ -25,14 +27,31 @@ from casque.sidecar.errors import InvalidRequest, RequestTimeout, RequestTooLarg
 M = TypeVar("M", bound=BaseModel)
 
 OFFLOAD_BYTES = 256 * 1024
-PARSERS_AT_ONCE = 2
+LARGE_AT_ONCE = 2
 CHUNK_BYTES = 64 * 1024
 
-_PARSERS = web.AppKey("body_parsers", asyncio.Semaphore)
+_LARGE = web.AppKey("large_requests", asyncio.Semaphore)
 
 
 def install(app: web.Application) -> None:
-    app[_PARSERS] = asyncio.Semaphore(PARSERS_AT_ONCE)
+    app[_LARGE] = asyncio.Semaphore(LARGE_AT_ONCE)
+
+
+def is_large(request: web.Request) -> bool:
+    """A body over OFFLOAD_BYTES, or of a length not declared (chunked)."""
+    if not request.body_exists:
+        return False
+    length = request.content_length
+    return length is None or length > OFFLOAD_BYTES
+
+
+@web.middleware
+async def large_requests(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                         ) -> web.StreamResponse:
+    if not is_large(request):
+        return await handler(request)
+    async with request.app[_LARGE]:
+        return await handler(request)
 
 
 def too_large(request: web.Request, limit: int) -> RequestTooLarge | None:
@@ -72,8 +91,7 @@ async def parse_body(request: web.Request, settings: SidecarSettings, model: typ
         raw = b"{}"
     if len(raw) <= OFFLOAD_BYTES:
         return _validate(model, raw)
-    async with request.app[_PARSERS]:
-        return await asyncio.to_thread(_validate, model, raw)
+    return await asyncio.to_thread(_validate, model, raw)
 
 
 def _validate(model: type[M], raw: bytes) -> M:

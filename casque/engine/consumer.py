@@ -63,7 +63,7 @@ PREFETCH_MESSAGES = 2000
 PREFETCH_BYTES = 8 * 1024 * 1024
 # ... and fewer than this many payload bytes over all the consumer's shards: a sidecar may
 # hold dozens of shards (shards x priority levels), and its container has 256 MiB.
-CONSUMER_PREFETCH_BYTES = 32 * 1024 * 1024
+CONSUMER_PREFETCH_BYTES = 16 * 1024 * 1024
 # When caught up, the head watch wakes the reader; this slow check only covers a publisher
 # that died between writing a batch and advancing the head.
 CAUGHT_UP_RECHECK_SECONDS = 5.0
