@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from bench_sidecar import start_sidecar, wait_ready
-from benchlib import arguments, drop_scratch, scratch_settings
 
 from casque.engine import catalog
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+
+from bench_sidecar import start_sidecar, wait_ready
+from benchlib import arguments, drop_scratch, scratch_settings
 
 LIMIT_MIB = 200
 MiB = 1024 * 1024

@@ -35,7 +35,8 @@ from casque.engine.consumer import Consumer
 from casque.engine.deadletters import RedriveResult
 from casque.engine.deadletters import redrive as redrive_dead_letters
 from casque.engine.messages import Delivery, OutgoingMessage, StoredMessage
-from casque.engine.offsets import SeekTarget, seek as seek_offsets
+from casque.engine.offsets import SeekTarget
+from casque.engine.offsets import seek as seek_offsets
 from casque.engine.publisher import Publisher
 from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
 from casque.errors import CasqueError, InvalidSpec
