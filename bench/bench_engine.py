@@ -110,7 +110,6 @@ async def main() -> None:
     args = parser.parse_args()
 
     settings = scratch_settings(args.cassandra, args.zookeeper)
-    keyspace = settings.keyspace
     store = Store.open(settings)
     queue = QueueRef("default", "bench")
     spec = QueueSpec(shards=args.shards, retention_seconds=3600, consistency="ONE")

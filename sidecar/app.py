@@ -1,15 +1,21 @@
 """The sidecar's aiohttp application: one factory, typed keys, resources opened in cleanup_ctx.
 
 Middlewares, outermost first: metrics (sees every answer, errors included), errors (turns
-every failure into the JSON error shape), then the bearer token check when configured.
-Resources: the Store (unless the caller lends one, as tests do) and the QueueService with
-its publishers, consumers and push workers. Leaving the cleanup context drains the service
-first, so even an app stopped without server.py's signal handling releases its leases.
+every failure into the JSON error shape), guards (Host, Origin, content type and declared
+length, before any body is read), the bearer token check when configured, then the gate
+that handles few large requests at a time (bodies.py).
+
+Resources: the app listens at once and connects its backends in the background, retrying
+until they answer (see runtime.py); then it builds the QueueService with its publishers,
+consumers and push workers. A caller may lend a Store, as tests do. Leaving the cleanup
+context drains the service first, so even an app stopped without server.py's signal
+handling releases its leases.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from importlib import metadata
@@ -18,20 +24,26 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from casque.config import Settings
+from casque.sidecar import bodies
 from casque.sidecar.auth import bearer_middleware
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import error_middleware
-from casque.sidecar.keys import BACKENDS, METRICS, OPENAPI, SERVICE, SETTINGS, STORE
+from casque.sidecar.guards import guard_middleware
+from casque.sidecar.keys import BACKENDS, METRICS, OPENAPI, RUNTIME, SETTINGS
 from casque.sidecar.metrics import SidecarMetrics, metrics_middleware
 from casque.sidecar.openapi import build
 from casque.sidecar.push import PushWorker
 from casque.sidecar.routes import OPERATIONS, add_routes
+from casque.sidecar.runtime import Runtime
 from casque.sidecar.service import QueueService, Subscription
 from casque.store import Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "METRICS", "OPENAPI", "SERVICE", "SETTINGS", "STORE", "create_app"]
+__all__ = ["BACKENDS", "METRICS", "OPENAPI", "RUNTIME", "SETTINGS", "create_app", "service_of"]
+
+CONNECT_RETRY_MIN_SECONDS = 0.5
+CONNECT_RETRY_MAX_SECONDS = 10.0
 
 
 def _version() -> str:
@@ -44,46 +56,80 @@ def _version() -> str:
 def create_app(settings: SidecarSettings, backends: Settings | None = None, store: Store | None = None) -> web.Application:
     """A sidecar app. `store`, when given, is used as it is and left open at the end."""
     metrics = SidecarMetrics()
-    middlewares: list[Middleware] = [metrics_middleware(metrics), error_middleware]
+    middlewares: list[Middleware] = [metrics_middleware(metrics), error_middleware, guard_middleware(settings)]
     if settings.token is not None:
         middlewares.append(bearer_middleware(settings.token.get_secret_value()))
+    middlewares.append(bodies.large_requests)  # after auth: a stranger's uploads hold no slot
+    # aiohttp's own limit stays as a backstop behind bodies.py's, which refuses earlier.
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_request_bytes)
     app[SETTINGS] = settings
     app[BACKENDS] = backends or Settings()
     app[METRICS] = metrics
+    app[RUNTIME] = Runtime()
     app[OPENAPI] = build(OPERATIONS, _version(), bearer_token=settings.token is not None)
+    bodies.install(app)
     add_routes(app)
-    app.cleanup_ctx.append(_store_context(store))
-    app.cleanup_ctx.append(_service_context)
+    app.cleanup_ctx.append(_backends_context(store))
     return app
 
 
-def _store_context(lent: Store | None) -> Callable[[web.Application], AsyncIterator[None]]:
+def service_of(app: web.Application) -> QueueService:
+    """The app's service once its backends are connected (NotReady before)."""
+    return app[RUNTIME].require()
+
+
+def _backends_context(lent: Store | None) -> Callable[[web.Application], AsyncIterator[None]]:
     async def context(app: web.Application) -> AsyncIterator[None]:
-        if lent is not None:
-            app[STORE] = lent
-            yield
-            return
-        store = await asyncio.to_thread(Store.open, app[BACKENDS])
-        app[STORE] = store
+        runtime = app[RUNTIME]
+        connecting = asyncio.get_running_loop().create_task(_connect(app, lent))
         try:
             yield
         finally:
-            await asyncio.to_thread(store.close)
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            if runtime.service is not None:
+                await runtime.service.drain()
+            if runtime.store is not None and lent is None:
+                await asyncio.to_thread(runtime.store.close)
 
     return context
 
 
-async def _service_context(app: web.Application) -> AsyncIterator[None]:
-    settings = app[SETTINGS]
-    service = QueueService(app[STORE], settings, app[METRICS])
+async def _connect(app: web.Application, lent: Store | None) -> None:
+    """Open the backends, retrying with backoff until they answer, then start serving."""
+    runtime = app[RUNTIME]
+    delay = CONNECT_RETRY_MIN_SECONDS
+    store = lent
+    while store is None:
+        try:
+            store = await _open_store(app[BACKENDS])
+        except Exception as error:  # any failure to connect is worth another try; the log says which
+            runtime.problem = f"backends not reachable yet ({type(error).__name__}: {error}); retrying"
+            log.warning("%s in %.1fs", runtime.problem, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, CONNECT_RETRY_MAX_SECONDS)
+    runtime.store = store
+    service = QueueService(store, app[SETTINGS], app[METRICS])
     service.on_consumer_started.append(lambda subscription: _start_push(service, subscription))
-    app[SERVICE] = service
+    runtime.service = service
+    runtime.problem = ""
     service.start()
+    log.info("backends connected")
+
+
+async def _open_store(settings: Settings) -> Store:
+    opening = asyncio.get_running_loop().run_in_executor(None, Store.open, settings)
     try:
-        yield
-    finally:
-        await service.drain()
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        # Stopped while connecting: the thread goes on, so close what it opens.
+        def close(done: asyncio.Future[Store]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                with contextlib.suppress(Exception):
+                    done.result().close()
+
+        opening.add_done_callback(close)
+        raise
 
 
 def _start_push(service: QueueService, subscription: Subscription) -> None:

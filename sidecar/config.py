@@ -7,7 +7,9 @@ consumes for, and how it pushes and shuts down.
 
 from __future__ import annotations
 
+import ipaddress
 import re
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -16,6 +18,10 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from casque.schema import NAME_PATTERN
 
 DEFAULT_PORT = 8717
+MiB = 1024 * 1024
+# A token guards a sidecar others can reach; shorter than this it can be guessed.
+MIN_TOKEN_BYTES = 32
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
 _STATUS_RANGE = re.compile(r"^(\d{3})(?:-(\d{3}))?$")
 
 
@@ -49,14 +55,25 @@ class SidecarSettings(BaseSettings):
     # Comma-separated in the environment: CASQUE_SIDECAR_SUBSCRIBERS=billing,audit
     subscribers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # When set, every call but /healthz, /readyz, /metrics and /openapi.json needs
-    # `Authorization: Bearer <token>`.
+    # `Authorization: Bearer <token>`. From the environment or `token_file` only: a flag
+    # would show in `ps` to every user of the node.
     token: SecretStr | None = None
+    token_file: Path | None = None
     # On SIGTERM: how long to keep serving acks for messages already handed out, so the
     # app can finish them, before the leases are released to other sidecars.
     drain_seconds: Annotated[float, Field(ge=0, le=3600)] = 20.0
     # Long polls longer than this are cut short: proxies and clients time out idle requests.
     max_wait_seconds: Annotated[float, Field(ge=0, le=300)] = 20.0
-    max_request_bytes: Annotated[int, Field(ge=64 * 1024)] = 32 * 1024 * 1024
+    # Checked against Content-Length before a byte is read, and counted while reading a
+    # chunked body. A parsed body takes several times its size in memory, and the injected
+    # container has 256 MiB.
+    max_request_bytes: Annotated[int, Field(ge=64 * 1024, le=64 * MiB)] = 4 * MiB
+    # A receive stops adding messages once their payloads reach this (the first message
+    # always goes), so one answer cannot grow with `max` times the largest message.
+    max_receive_bytes: Annotated[int, Field(ge=64 * 1024, le=64 * MiB)] = 4 * MiB
+    # A client that has not sent its whole body by then gets 408: a trickling client must
+    # not hold a connection and its buffer forever.
+    body_timeout_seconds: Annotated[float, Field(gt=0, le=600)] = 30.0
     # Group commit linger: wait this long for more publishes before writing a batch.
     publish_linger_seconds: Annotated[float, Field(ge=0, le=1)] = 0.0
 
@@ -98,7 +115,39 @@ class SidecarSettings(BaseSettings):
             raise ValueError("subscribers need the queue they belong to (CASQUE_SIDECAR_QUEUE or --queue)")
         return self
 
+    @model_validator(mode="after")
+    def _token_rules(self) -> SidecarSettings:
+        if self.token_file is not None:
+            if self.token is not None:
+                raise ValueError("give the token either in CASQUE_SIDECAR_TOKEN or in a token file, not both")
+            try:
+                text = self.token_file.read_text(encoding="utf-8").strip()
+            except OSError as error:
+                raise ValueError(f"cannot read the token file {self.token_file}: {error.strerror}") from error
+            self.token = SecretStr(text)
+        if self.token is not None and not self.token.get_secret_value().strip():
+            # An empty token would make `Authorization: Bearer ` the password.
+            raise ValueError("the token is empty: set a real one, or none for a loopback-only sidecar")
+        if not is_loopback(self.host):
+            size = len(self.token.get_secret_value().encode()) if self.token is not None else 0
+            if size < MIN_TOKEN_BYTES:
+                raise ValueError(f"listening on {self.host}, beyond the pod's loopback, needs a token of at least "
+                                 f"{MIN_TOKEN_BYTES} bytes (CASQUE_SIDECAR_TOKEN or a token file); it has "
+                                 f"{'none' if self.token is None else f'{size}'}")
+        return self
+
     @property
     def base_url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+
+def is_loopback(host: str) -> bool:
+    """An address (or name) that only the pod itself can reach."""
+    name = host.strip("[]").lower()
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

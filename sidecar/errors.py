@@ -11,8 +11,14 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
+from cassandra import DriverException
+from cassandra.connection import ConnectionException
+from cassandra.protocol import ServerError
+from kazoo.exceptions import KazooException
+from kazoo.handlers.threading import KazooTimeoutError
 from pydantic import ValidationError
 
+from casque.backends import cql, zk
 from casque.engine.consumer import ConsumerStopped
 from casque.engine.messages import InvalidReceipt
 from casque.errors import (
@@ -68,6 +74,35 @@ class SubscriberNotServed(SidecarError):
     status = 404
 
 
+class RequestTooLarge(SidecarError):
+    code = "request_too_large"
+    status = 413
+
+
+class RequestTimeout(SidecarError):
+    code = "request_timeout"
+    status = 408
+
+
+class UnsupportedMediaType(SidecarError):
+    code = "unsupported_media_type"
+    status = 415
+
+
+class ForeignHost(SidecarError):
+    """A Host header naming another machine: a page that rebound its own name to 127.0.0.1."""
+
+    code = "foreign_host"
+    status = 421
+
+
+class CrossOrigin(SidecarError):
+    """A request a web page sent (it carries the page's Origin): apps in the pod send none."""
+
+    code = "cross_origin"
+    status = 403
+
+
 class NotReady(SidecarError):
     """Starting, or shutting down: try again (on this sidecar, or on the next pod)."""
 
@@ -88,6 +123,29 @@ STATUS: Mapping[type[CasqueError], int] = {
     BackendUnavailable: 503,
     ConsumerStopped: 503,
 }
+
+
+# Every way the drivers say "a backend did not do it now; it may later": the caller gets a
+# 503 with Retry-After. The driver's request-validation errors (bad CQL) are not here: those
+# are our faults and stay 500s.
+BACKEND_FAILURES: tuple[type[BaseException], ...] = (
+    *cql.RETRYABLE,
+    *zk.RETRYABLE,
+    DriverException,  # OperationTimedOut and the driver's other client-side failures
+    ConnectionException,
+    ServerError,
+    KazooException,  # ZooKeeper refused or lost the call (a znode deleted under it included)
+    KazooTimeoutError,
+)
+
+
+def as_casque_error(error: BaseException) -> CasqueError | None:
+    """A driver's failure as casque's error (None: not a backend failure, so our fault)."""
+    if isinstance(error, CasqueError):
+        return error
+    if isinstance(error, BACKEND_FAILURES):
+        return BackendUnavailable(f"{type(error).__name__}: {error}")
+    return None
 
 
 def status_of(error: CasqueError) -> int:
@@ -138,6 +196,15 @@ _HTTP_CODES = {
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    response = await _answer(request, handler)
+    if response.status >= 400 and request.can_read_body:
+        # Refused before its body was read (too large, too slow, foreign): close rather than
+        # read and discard the rest, which would let the client keep the connection busy.
+        response.force_close()
+    return response
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except CasqueError as error:
@@ -155,7 +222,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             message = f"request body too large: {http.text}"
         headers = {k: v for k, v in http.headers.items() if k.lower() == "allow"}
         return respond(http.status, ErrorBody(code=code, message=message.strip()), headers)
-    except Exception:
+    except Exception as failure:
+        mapped = as_casque_error(failure)
+        if mapped is not None:
+            log.warning("%s %s: backend failure: %r", request.method, request.path, failure)
+            return respond(status_of(mapped), error_body(mapped))
         # Our fault. Nothing partial was acknowledged: an unfinished publish returns no success.
         log.exception("%s %s failed", request.method, request.path)
         return respond(500, ErrorBody(code="internal", message="internal error in the sidecar; see its log"))

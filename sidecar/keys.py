@@ -9,12 +9,10 @@ from aiohttp import web
 from casque.config import Settings
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.metrics import SidecarMetrics
-from casque.sidecar.service import QueueService
-from casque.store import Store
+from casque.sidecar.runtime import Runtime
 
 SETTINGS = web.AppKey("settings", SidecarSettings)
 BACKENDS = web.AppKey("backends", Settings)
 METRICS = web.AppKey("metrics", SidecarMetrics)
-STORE = web.AppKey("store", Store)
-SERVICE = web.AppKey("service", QueueService)
+RUNTIME = web.AppKey("runtime", Runtime)
 OPENAPI = web.AppKey("openapi", dict[str, Any])

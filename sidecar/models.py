@@ -17,6 +17,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
+import math
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal
@@ -35,6 +37,8 @@ from casque.engine.messages import (
 from casque.engine.stats import QueueStats, SubscriberStats
 from casque.schema import MAX_RETENTION_SECONDS, QueueRef
 from casque.specs import MAX_PRIORITIES, priority_of
+
+log = logging.getLogger(__name__)
 
 MAX_BATCH_MESSAGES = 1000
 MAX_RECEIVE = 1000
@@ -60,6 +64,19 @@ def _encodable(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
+
+
+def _in_utc_range(value: datetime) -> datetime:
+    # 9999-12-31T23:59:59-23:59 is a valid timestamp whose UTC form lies past year 9999:
+    # Python cannot represent it, so it is refused here rather than failing later.
+    try:
+        value.astimezone(timezone.utc)
+    except OverflowError:
+        raise ValueError("the time is outside what can be expressed in UTC (years 1 to 9999)") from None
+    return value
+
+
+Instant = Annotated[AwareDatetime, AfterValidator(_in_utc_range)]
 AttributeName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:/-]{1,128}$"), AfterValidator(_encodable)]
 Receipt = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_-]+$")]
 Seconds = Annotated[float, Field(ge=0, le=MAX_VISIBILITY_SECONDS)]
@@ -116,6 +133,22 @@ def _json_bytes(value: JsonValue) -> bytes:
         return json.dumps(value, separators=(",", ":")).encode("ascii")
 
 
+def _non_finite(value: JsonValue) -> bool:
+    """Whether a NaN or an infinity hides in the value: JSON has no such numbers, so a
+    message holding one could not be delivered as JSON. Iterative: depth costs no stack."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 class PublishMessage(Body):
     """One message, as a CloudEvent. Give `data` (JSON, or text for a text content type) or `data_base64`."""
 
@@ -146,7 +179,7 @@ class PublishMessage(Body):
     delay: Annotated[float | None, Field(ge=0, le=MAX_RETENTION_SECONDS)] = Field(
         default=None, description="Seconds from now before the message is delivered (default: the queue's)."
     )
-    deliver_at: AwareDatetime | None = Field(
+    deliver_at: Instant | None = Field(
         default=None, alias="deliverAt", description="Not delivered before this time (with a zone)."
     )
 
@@ -159,7 +192,10 @@ class PublishMessage(Body):
                 base64.b64decode(self.data_base64, validate=True)
             except (binascii.Error, ValueError) as error:
                 raise ValueError(f"data_base64 is not valid base64: {error}") from error
-        elif not _is_json(self.datacontenttype) and self.data is not None:
+        elif _is_json(self.datacontenttype):
+            if _non_finite(self.data):
+                raise ValueError("data holds NaN or Infinity, which JSON has no numbers for")
+        elif self.data is not None:
             if not isinstance(self.data, str):
                 raise ValueError(f"data for content type {self.datacontenttype} must be a string (or use data_base64)")
             _encodable(self.data)
@@ -283,8 +319,8 @@ def source_of(queue: QueueRef) -> str:
     return f"/casque/{queue.namespace}/{queue.name}"
 
 
-def envelope(delivery: Delivery, queue: QueueRef) -> Message:
-    """The CloudEvent for one delivery."""
+def envelope(delivery: Delivery, queue: QueueRef, raw: bool = False) -> Message:
+    """The CloudEvent for one delivery; with `raw`, the payload as `data_base64` whatever its type."""
     stored = delivery.message
     attributes = dict(stored.attributes)
     fields: dict[str, Any] = {
@@ -312,8 +348,41 @@ def envelope(delivery: Delivery, queue: QueueRef) -> Message:
         fields["expiresat"] = stored.expires_at
     if stored.content_type is not None:
         fields["datacontenttype"] = stored.content_type
-    fields.update(_data_fields(stored.payload, stored.content_type))
+    if raw:
+        fields["data_base64"] = base64.b64encode(stored.payload).decode("ascii")
+    else:
+        fields.update(_data_fields(stored.payload, stored.content_type))
     return Message(**fields)
+
+
+def message_json(delivery: Delivery, queue: QueueRef) -> bytes:
+    """One delivered message as JSON, built on its own.
+
+    A payload that its content type calls JSON but that cannot be rendered as JSON (nested
+    deeper than the parsers go, non-finite numbers, stored before such checks existed) goes
+    as `data_base64` instead: the bytes reach the app untouched, and neither the receive that
+    carries it nor the other messages in it fail. Otherwise one such message would fail
+    every receive that includes it, and be dead-lettered with its neighbours.
+    """
+    try:
+        return _dumps(envelope(delivery, queue).wire())
+    except (ValueError, TypeError, RecursionError) as error:  # pydantic's ValidationError is a ValueError
+        log.warning("message %s at %s is not renderable as JSON (%s); delivered as data_base64",
+                    delivery.message.message_id, delivery.message.position, type(error).__name__)
+        return _dumps(envelope(delivery, queue, raw=True).wire())
+
+
+def receive_body(deliveries: list[Delivery], queue: QueueRef) -> bytes:
+    """A receive's answer (the shape of `ReceiveResult`), each message rendered on its own."""
+    return b'{"messages":[' + b",".join(message_json(d, queue) for d in deliveries) + b"]}"
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _data_fields(payload: bytes, content_type: str | None) -> dict[str, Any]:
@@ -323,7 +392,7 @@ def _data_fields(payload: bytes, content_type: str | None) -> dict[str, Any]:
     media = (content_type or "").split(";", 1)[0].strip().lower()
     try:
         if content_type is not None and _is_json(content_type):
-            return {"data": json.loads(payload)}
+            return {"data": json.loads(payload, parse_constant=_refuse_constant)}
         if media.startswith("text/"):
             return {"data": payload.decode("utf-8")}
     except ValueError:  # not what the content type claims: hand the bytes over untouched
@@ -393,7 +462,7 @@ class ReceiptResults(Reply):
 # --- seek ---------------------------------------------------------------------------------
 class SeekRequest(Body):
     to: Literal["earliest", "latest"] | None = None
-    time: AwareDatetime | None = Field(default=None, description="The first batch published at or after this time.")
+    time: Instant | None = Field(default=None, description="The first batch published at or after this time.")
     batches: Annotated[
         dict[Annotated[str, Field(pattern=r"^[0-9]{1,5}$")], Annotated[int, Field(ge=1, le=2**62)]] | None,
         Field(min_length=1),
@@ -512,7 +581,7 @@ class SubscriberStatsResult(Reply):
         )
 
 
-HealthStatus = Literal["ok", "unready", "draining"]
+HealthStatus = Literal["ok", "starting", "unready", "draining"]
 
 
 class Health(Reply):

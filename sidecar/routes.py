@@ -13,11 +13,11 @@ from typing import TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 from casque.errors import CasqueError
-from casque.sidecar.errors import InvalidRequest, error_body, from_validation
-from casque.sidecar.keys import METRICS, OPENAPI, SERVICE
+from casque.sidecar.bodies import parse_body
+from casque.sidecar.errors import RETRY_AFTER_SECONDS, error_body
+from casque.sidecar.keys import METRICS, OPENAPI, RUNTIME, SETTINGS
 from casque.sidecar.models import (
     AckRequest,
     Body,
@@ -38,7 +38,7 @@ from casque.sidecar.models import (
     SeekRequest,
     SeekResult,
     SubscriberStatsResult,
-    envelope,
+    receive_body,
     wall_clock,
 )
 from casque.sidecar.service import QueueService
@@ -65,20 +65,11 @@ class Operation:
 
 
 def _service(request: web.Request) -> QueueService:
-    return request.app[SERVICE]
+    return request.app[RUNTIME].require()
 
 
 async def parse(request: web.Request, model: type[B], optional: bool = False) -> B:
-    raw = await request.read()
-    if not raw.strip():
-        if not optional:
-            raise InvalidRequest("the request needs a JSON object body", code="invalid_json")
-        raw = b"{}"
-    try:
-        body: B = model.model_validate_json(raw, strict=True)
-    except ValidationError as error:
-        raise from_validation(error) from None
-    return body
+    return await parse_body(request, request.app[SETTINGS], model, optional)
 
 
 def reply(body: Reply) -> web.Response:
@@ -104,8 +95,7 @@ async def receive(request: web.Request) -> web.Response:
     service = _service(request)
     queue, subscriber = request.match_info["queue"], request.match_info["subscriber"]
     deliveries = await service.receive(queue, subscriber, ask.max_messages, ask.wait, ask.visibility)
-    ref = service.queue_ref(queue)
-    return reply(ReceiveResult(messages=[envelope(d, ref) for d in deliveries]))
+    return web.Response(body=receive_body(deliveries, service.queue_ref(queue)), content_type="application/json")
 
 
 def _results(
@@ -170,19 +160,27 @@ async def subscriber_stats(request: web.Request) -> web.Response:
 
 # --- operations outside the API: probes, metrics, the document itself -------------------------
 async def healthz(request: web.Request) -> web.Response:
-    """Alive: the process answers. Draining is still alive (it is finishing work)."""
-    status: HealthStatus = "draining" if _service(request).draining else "ok"
+    """Alive: the process answers. Starting (backends not connected yet) and draining are
+    alive too: restarting would not bring a backend back, nor finish the work faster."""
+    service = request.app[RUNTIME].service
+    status: HealthStatus = "starting" if service is None else ("draining" if service.draining else "ok")
     return reply(Health(status=status))
 
 
 async def readyz(request: web.Request) -> web.Response:
-    ready, checks = await _service(request).readiness()
-    status: HealthStatus = "ok" if ready else ("draining" if _service(request).draining else "unready")
+    runtime = request.app[RUNTIME]
+    if runtime.service is None:
+        body = Health(status="starting", checks={"backends": runtime.problem})
+        return web.json_response(body.wire(), status=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    ready, checks = await runtime.service.readiness()
+    status: HealthStatus = "ok" if ready else ("draining" if runtime.service.draining else "unready")
     return web.json_response(Health(status=status, checks=checks).wire(), status=200 if ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    await _service(request).refresh_gauges()
+    service = request.app[RUNTIME].service
+    if service is not None:
+        await service.refresh_gauges()
     body = generate_latest(request.app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from casque.config import Settings
-from casque.sidecar.app import SERVICE, create_app
+from casque.sidecar.app import RUNTIME, create_app
 from casque.sidecar.config import SidecarSettings
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ async def serve(
 ) -> None:
     app = create_app(settings, backends)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=CLOSE_TIMEOUT_SECONDS, access_log=None)
-    await runner.setup()  # opens the Store: an unreachable backend fails here, before listening
+    await runner.setup()  # quick: the backends are connected in the background (runtime.py)
     try:
         site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
         await site.start()
@@ -49,7 +49,9 @@ async def serve(
             on_listening(address)
         await _until_signalled()
         log.info("stopping: draining for up to %ss", settings.drain_seconds)
-        await app[SERVICE].drain()
+        service = app[RUNTIME].service
+        if service is not None:
+            await service.drain()
     finally:
         await runner.cleanup()
     log.info("stopped")

@@ -25,13 +25,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from cassandra import OperationTimedOut, ReadTimeout, Unavailable, WriteTimeout
-from cassandra.cluster import NoHostAvailable
 from kazoo.client import KazooState
 from kazoo.exceptions import NoNodeError
 from kazoo.recipe.watchers import DataWatch
 
-from casque.backends import zk
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.delayed import DelayMover
@@ -49,11 +46,11 @@ from casque.errors import (
     SubscriberNotFound,
 )
 from casque.schema import QueueRef, validate_name
-from casque.specs import QueueState
 from casque.sidecar.config import SidecarSettings
-from casque.sidecar.errors import NotReady, SubscriberNotServed
+from casque.sidecar.errors import BACKEND_FAILURES, NotReady, SubscriberNotServed
 from casque.sidecar.metrics import SidecarMetrics
 from casque.sidecar.models import SeekRequest
+from casque.specs import QueueState
 from casque.store import Store
 
 log = logging.getLogger(__name__)
@@ -62,7 +59,10 @@ T = TypeVar("T")
 
 # Blocking client calls (catalog, seek) fail with the drivers' own exceptions; these mean
 # "a backend did not answer" and become 503s like the engine's BackendUnavailable.
-_UNAVAILABLE = (*zk.RETRYABLE, WriteTimeout, ReadTimeout, Unavailable, OperationTimedOut, NoHostAvailable)
+_UNAVAILABLE = BACKEND_FAILURES
+# A consumer that cannot start yet (its queue or subscriber not created, a backend down) is retried.
+_NOT_STARTED: tuple[type[BaseException], ...] = (QueueNotFound, SubscriberNotFound, BackendUnavailable, *_UNAVAILABLE)
+_LAG_UNKNOWN: tuple[type[BaseException], ...] = (CasqueError, TimeoutError, *_UNAVAILABLE)
 # A long poll checks for shutdown this often, so a stopping sidecar answers its waiting
 # receives at once instead of after their full wait.
 POLL_SLICE_SECONDS = 1.0
@@ -137,7 +137,7 @@ class QueueService:
                 consumer = Consumer(self.store, self.queue, subscription.name, member_id=member_name())
                 try:
                     await consumer.start()
-                except (QueueNotFound, SubscriberNotFound, BackendUnavailable, *_UNAVAILABLE) as error:
+                except _NOT_STARTED as error:
                     subscription.problem = f"{type(error).__name__}: {error}"
                     log.warning("subscriber %s not started yet: %s", subscription.name, subscription.problem)
                     with contextlib.suppress(Exception):
@@ -336,7 +336,8 @@ class QueueService:
         deadline = time.monotonic() + min(wait, self.settings.max_wait_seconds)
         while True:
             remaining = max(0.0, deadline - time.monotonic())
-            got = await consumer.receive(max_messages, min(remaining, POLL_SLICE_SECONDS), visibility)
+            got = await consumer.receive(max_messages, min(remaining, POLL_SLICE_SECONDS), visibility,
+                                         self.settings.max_receive_bytes)
             if got or remaining <= POLL_SLICE_SECONDS or self.draining:
                 break
         self.count_deliveries(queue, subscriber, got)
@@ -460,7 +461,7 @@ class QueueService:
                 stats = await asyncio.wait_for(
                     subscriber_stats(self.store, self.queue, name), STATS_TIMEOUT_SECONDS
                 )
-            except (CasqueError, TimeoutError, *_UNAVAILABLE) as error:
+            except _LAG_UNKNOWN as error:
                 log.info("lag of %s not refreshed: %s", name, error)
                 continue
             if stats.lag_messages is not None:
@@ -486,8 +487,8 @@ async def _each(receipts: Sequence[str], action: Callable[[str], Awaitable[T]]) 
 async def _guarded(awaitable: Awaitable[T]) -> T:
     try:
         return await awaitable
-    except _UNAVAILABLE as error:
-        raise BackendUnavailable(f"{type(error).__name__}: {error}") from error
-    except NoNodeError as error:
+    except NoNodeError as error:  # before the other ZooKeeper errors, which are retryable
         # A znode that vanished under the read: the queue or subscriber was deleted meanwhile.
         raise QueueNotFound(f"the queue or subscriber was removed while reading: {error}") from error
+    except _UNAVAILABLE as error:
+        raise BackendUnavailable(f"{type(error).__name__}: {error}") from error

@@ -35,7 +35,8 @@ from casque.engine.consumer import Consumer
 from casque.engine.deadletters import RedriveResult
 from casque.engine.deadletters import redrive as redrive_dead_letters
 from casque.engine.messages import Delivery, OutgoingMessage, StoredMessage
-from casque.engine.offsets import SeekTarget, seek as seek_offsets
+from casque.engine.offsets import SeekTarget
+from casque.engine.offsets import seek as seek_offsets
 from casque.engine.publisher import Publisher
 from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
 from casque.errors import CasqueError, InvalidSpec
@@ -144,8 +145,10 @@ def sidecar(
     host: Annotated[str | None, typer.Option(help="Address to listen on (default 127.0.0.1: the pod only).")] = None,
     port: Annotated[int | None, typer.Option(help=f"Port to listen on (default {DEFAULT_PORT}).")] = None,
     namespace: Annotated[str | None, typer.Option("--namespace", "-n", help="The queues' namespace.")] = None,
-    token: Annotated[
-        str | None, typer.Option(help="Require this bearer token (better: CASQUE_SIDECAR_TOKEN).", show_default=False)
+    # No --token: a flag's value is visible to every user of the node in `ps`.
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="Require the bearer token in this file (or set CASQUE_SIDECAR_TOKEN).", show_default=False),
     ] = None,
     drain_seconds: Annotated[float | None, typer.Option(help="On SIGTERM, time to let the app settle what it holds.")] = None,
     max_wait: Annotated[float | None, typer.Option(help="Longest long poll, in seconds.")] = None,
@@ -160,7 +163,7 @@ def sidecar(
 
     given: dict[str, Any] = {
         "queue": queue, "subscribers": subscriber or None, "host": host, "port": port, "namespace": namespace,
-        "token": token, "drain_seconds": drain_seconds, "max_wait_seconds": max_wait, "push_url": push_url,
+        "token_file": token_file, "drain_seconds": drain_seconds, "max_wait_seconds": max_wait, "push_url": push_url,
         "push_concurrency": push_concurrency,
     }
     with _readable_errors():

@@ -42,7 +42,7 @@ from casque.engine.leases import ShardLeases
 from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
 from casque.engine.offsets import CommitOutcome, OffsetRecord
 from casque.engine.publisher import Publisher
-from casque.engine.shard_state import Handout, ShardState
+from casque.engine.shard_state import ByteBudget, Handout, ShardState
 from casque.errors import (
     BackendUnavailable,
     CasqueError,
@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 # bytes, of the shard are held in memory (loaded and not done).
 PREFETCH_MESSAGES = 2000
 PREFETCH_BYTES = 8 * 1024 * 1024
+# ... and fewer than this many payload bytes over all the consumer's shards: a sidecar may
+# hold dozens of shards (shards x priority levels), and its container has 256 MiB.
+CONSUMER_PREFETCH_BYTES = 16 * 1024 * 1024
 # When caught up, the head watch wakes the reader; this slow check only covers a publisher
 # that died between writing a batch and advancing the head.
 CAUGHT_UP_RECHECK_SECONDS = 5.0
@@ -182,6 +185,11 @@ class ShardReader:
 
     def space_freed(self) -> None:
         self._wake.set()
+        consumer = self.consumer
+        if consumer.prefetch_blocked and consumer.loaded_bytes() < CONSUMER_PREFETCH_BYTES:
+            consumer.prefetch_blocked = False
+            for reader in consumer.readers.values():
+                reader._wake.set()
         if self.state.in_flight == 0:
             self._settled.set()
 
@@ -253,6 +261,9 @@ class ShardReader:
         if state.loaded_messages >= PREFETCH_MESSAGES or state.loaded_bytes >= PREFETCH_BYTES:
             return False
         consumer = self.consumer
+        if consumer.loaded_bytes() >= CONSUMER_PREFETCH_BYTES:
+            consumer.prefetch_blocked = True  # space_freed anywhere wakes this reader again
+            return False
         first = state.next_batch
         batches = await consumer.log.read_from(self.shard, first)
         consumer.counters.batch_reads += 1
@@ -463,6 +474,7 @@ class Consumer:
     def __post_init__(self) -> None:
         self.counters = ConsumerCounters()
         self.readers: dict[int, ShardReader] = {}
+        self.prefetch_blocked = False
         self._available = asyncio.Event()
         self._rotation = 0
         # Deliveries served by each priority level while lower levels had messages ready.
@@ -658,8 +670,11 @@ class Consumer:
             callback(self)
 
     # --- the queue API -----------------------------------------------------------------
-    async def receive(self, max_messages: int = 10, wait: float = 0.0, visibility: float | None = None) -> list[Delivery]:
+    async def receive(
+        self, max_messages: int = 10, wait: float = 0.0, visibility: float | None = None, max_bytes: int | None = None
+    ) -> list[Delivery]:
         """Up to `max_messages` deliveries; waits up to `wait` seconds for the first one.
+        With `max_bytes`, the payloads handed out stop at that sum (one message at least).
 
         Each delivery's count is durable before it is returned, so a message that crashes
         every consumer it reaches still reaches the subscriber's max deliveries.
@@ -671,7 +686,8 @@ class Consumer:
             if self._stopped:
                 raise ConsumerStopped("the consumer is shutting down")
             self._available.clear()
-            got = self._take(max_messages, visibility or self.visibility_timeout)
+            budget = ByteBudget(max_bytes) if max_bytes is not None else None
+            got = self._take(max_messages, visibility or self.visibility_timeout, budget)
             if got:
                 await self._record_deliveries(got)
                 return got
@@ -687,7 +703,7 @@ class Consumer:
             except TimeoutError:
                 pass
 
-    def _take(self, max_messages: int, visibility: float) -> list[Delivery]:
+    def _take(self, max_messages: int, visibility: float, budget: ByteBudget | None = None) -> list[Delivery]:
         """Deliveries from the leased shards: higher priority levels first, with every
         PRIORITY_FAIRNESS-th delivery reserved for lower levels that have messages ready,
         so a busy high level cannot starve them; round-robin over the shards of a level."""
@@ -707,9 +723,11 @@ class Consumer:
         plan = self._plan(order, max_messages)
         deliveries: list[Delivery] = []
         for level, want in plan:
-            deliveries.extend(self._take_level(levels[level], min(want, max_messages - len(deliveries)), now, wall, visibility))
+            deliveries.extend(self._take_level(levels[level], min(want, max_messages - len(deliveries)), now, wall,
+                                               visibility, budget))
         for level in order:  # whatever a level could not fill goes to the others, highest first
-            deliveries.extend(self._take_level(levels[level], max_messages - len(deliveries), now, wall, visibility))
+            deliveries.extend(self._take_level(levels[level], max_messages - len(deliveries), now, wall, visibility,
+                                               budget))
         for level in order[:-1]:  # levels that had lower ones waiting count what they served
             self._served[level] = self._served.get(level, 0) + sum(
                 1 for d in deliveries if priority_of(d.message.position.shard) == level
@@ -726,7 +744,8 @@ class Consumer:
         return self._plan(order[1:], lower) + [(order[0], count - lower)]
 
     def _take_level(
-        self, readers: list[ShardReader], want: int, now: float, wall: float, visibility: float
+        self, readers: list[ShardReader], want: int, now: float, wall: float, visibility: float,
+        budget: ByteBudget | None = None,
     ) -> list[Delivery]:
         deliveries: list[Delivery] = []
         if want <= 0:
@@ -742,7 +761,7 @@ class Consumer:
                 take = min(share, want - len(deliveries))
                 if take <= 0:
                     break
-                for handout in reader.state.take(take, now, visibility, wall, self._max_deliveries):
+                for handout in reader.state.take(take, now, visibility, wall, self._max_deliveries, budget):
                     progressed = True
                     if handout.dead:
                         dead.append((reader, handout))
@@ -968,6 +987,10 @@ class Consumer:
 
     def in_flight(self) -> int:
         return sum(r.state.in_flight for r in self.readers.values())
+
+    def loaded_bytes(self) -> int:
+        """Payload bytes held over all leased shards (the prefetch budget's measure)."""
+        return sum(r.state.loaded_bytes for r in self.readers.values())
 
     async def stop(self, drain_seconds: float = 0.0) -> None:
         """Stop: wait up to `drain_seconds` for in-flight messages to be acked, write

@@ -39,7 +39,13 @@ from casque.schema import PUBLISH_IDS_TABLE
 from casque.store import Store
 
 DEFAULT_WINDOW_SECONDS = 600
-REMEMBERED_IDS = 100_000
+# Recent ids kept in memory per queue, bounded by count and by an estimate of their bytes:
+# ids may be 256 characters, and the sidecar's container has 256 MiB. A forgotten id is
+# still found in `publish_ids`, at the cost of a read.
+REMEMBERED_IDS = 50_000
+REMEMBERED_BYTES = 8 * 1024 * 1024
+# What one remembered id costs beyond its strings: the dict slot, the Published, the ints.
+REMEMBERED_OVERHEAD_BYTES = 240
 # An intent's claim deadline lies this far ahead; its writer sends claims only during the
 # first CLAIM_SECONDS of it, so a claim in flight lands well before the deadline.
 DEADLINE_SECONDS = 30.0
@@ -85,7 +91,7 @@ class IdempotencyGuard:
         self._consistency = log.consistency
         for statement in (self._select, self._insert, self._insert_intent):
             statement.consistency_level = self._consistency
-        self._recent: OrderedDict[str, Published] = OrderedDict()
+        self._recent = RecentIds()
         self._inflight: dict[str, asyncio.Future[Published]] = {}
         self.resolved_intents = 0
         self.statements = 0
@@ -192,9 +198,37 @@ class IdempotencyGuard:
         return next(m.position.seq for m in found.messages if m.message_id == message_id)
 
     def _remember(self, client_id: str, result: Published) -> None:
-        self._recent[client_id] = result
-        while len(self._recent) > REMEMBERED_IDS:
-            self._recent.popitem(last=False)
+        self._recent.remember(client_id, result)
+
+
+class RecentIds:
+    """The first results of recent ids, oldest forgotten first once over `ids` or `max_bytes`."""
+
+    def __init__(self, ids: int = REMEMBERED_IDS, max_bytes: int = REMEMBERED_BYTES) -> None:
+        self._results: OrderedDict[str, Published] = OrderedDict()
+        self._ids = ids
+        self._max_bytes = max_bytes
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+    def get(self, client_id: str) -> Published | None:
+        return self._results.get(client_id)
+
+    def remember(self, client_id: str, result: Published) -> None:
+        previous = self._results.pop(client_id, None)
+        if previous is not None:
+            self.bytes -= _cost(client_id, previous)
+        self._results[client_id] = result
+        self.bytes += _cost(client_id, result)
+        while len(self._results) > self._ids or self.bytes > self._max_bytes:
+            oldest, forgotten = self._results.popitem(last=False)
+            self.bytes -= _cost(oldest, forgotten)
+
+
+def _cost(client_id: str, result: Published) -> int:
+    return len(client_id) + len(result.message_id) + REMEMBERED_OVERHEAD_BYTES
 
 
 def recorded(row: Any) -> Published:

@@ -54,6 +54,22 @@ class LoadedBatch:
     done: set[int] = field(default_factory=set)
 
 
+@dataclass
+class ByteBudget:
+    """Payload bytes one receive may still hand out, over all its shards. The first message
+    always fits, so a message larger than the whole budget is still delivered, alone."""
+
+    remaining: int
+    spent: bool = False
+
+    def fits(self, size: int) -> bool:
+        return not self.spent or size <= self.remaining
+
+    def spend(self, size: int) -> None:
+        self.remaining -= size
+        self.spent = True
+
+
 @dataclass(frozen=True)
 class Handout:
     entry: Entry
@@ -138,12 +154,14 @@ class ShardState:
 
     # --- delivering ----------------------------------------------------------------------
     def take(
-        self, limit: int, now: float, visibility: float, expired_ttl: float, max_deliveries: int = 0
+        self, limit: int, now: float, visibility: float, expired_ttl: float, max_deliveries: int = 0,
+        budget: ByteBudget | None = None,
     ) -> list[Handout]:
         """Hand out up to `limit` messages, lowest position first, each with a new nonce.
 
         `expired_ttl` is the wall-clock now, to drop ephemeral messages past their TTL. A
-        message already delivered `max_deliveries` times (if > 0) comes out as `dead`.
+        message already delivered `max_deliveries` times (if > 0) comes out as `dead`. With a
+        `budget`, taking stops at the first message whose payload no longer fits in it.
         """
         self._release_due(now)
         handed: list[Handout] = []
@@ -158,9 +176,15 @@ class ShardState:
                 self.counters.expired_ttl += 1
                 self._finish(batch, entry)
                 continue
+            dead = bool(max_deliveries and entry.deliveries >= max_deliveries)
+            if budget is not None and not dead:
+                if not budget.fits(entry.message.size):
+                    heapq.heappush(self._ready, (batch, seq))  # stays first in line for the next receive
+                    break
+                budget.spend(entry.message.size)
             entry.state = State.IN_FLIGHT
             entry.nonce = random.getrandbits(63) | 1
-            if max_deliveries and entry.deliveries >= max_deliveries:
+            if dead:
                 entry.deadline = now + DEAD_LETTER_RETRY_SECONDS
                 heapq.heappush(self._deadlines, (entry.deadline, batch, seq, entry.nonce))
                 self._in_flight += 1

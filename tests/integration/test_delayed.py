@@ -12,9 +12,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from casque.engine import catalog
+from casque.engine import catalog, delayed
 from casque.engine.consumer import Consumer
-from casque.engine import delayed
 from casque.engine.delayed import PASS_SECONDS, DelayMover
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from cassandra.cluster import Cluster, ExecutionProfile, EXEC_PROFILE_DEFAULT
+from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
 
 from casque.backends import cql as cql_backend
 from casque.devstack import processes

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from datetime import datetime, timedelta, timezone
 from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -18,7 +18,7 @@ from casque.engine import catalog
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
 from casque.schema import QueueRef
-from casque.sidecar.app import SERVICE, create_app
+from casque.sidecar.app import create_app, service_of
 from casque.sidecar.config import SidecarSettings
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
@@ -30,6 +30,7 @@ BASE = f"/v1/queues/{QUEUE}"
 SUB = f"{BASE}/subscribers/{SUBSCRIBER}"
 
 Client = TestClient[web.Request, web.Application]
+JSON = {"Content-Type": "application/json"}
 MakeSidecar = Callable[..., Awaitable[Client]]
 
 
@@ -325,7 +326,7 @@ async def test_queue_and_subscriber_stats(store: Store, make_sidecar: MakeSideca
     held = await receive_all(client, 2, ack=False)
 
     async def reported() -> bool:
-        await client.app[SERVICE].subscriptions[SUBSCRIBER].consumer.publish_report()  # type: ignore[union-attr]
+        await service_of(client.app).subscriptions[SUBSCRIBER].consumer.publish_report()  # type: ignore[union-attr]
         return bool((await call(client, f"{SUB}/stats"))["inFlight"] == len(held))
 
     await until(reported)
@@ -368,9 +369,9 @@ async def test_bad_input_gets_a_4xx_with_a_code(store: Store, make_sidecar: Make
     client = await make_sidecar(max_request_bytes=64 * 1024)
     post = client.post
     cases: list[tuple[Awaitable[Any], int, str]] = [
-        (post(f"{BASE}/messages", data=b'{"data": '), 400, "invalid_json"),
-        (post(f"{BASE}/messages", data=b"\xff\xfe"), 400, "invalid_json"),
-        (post(f"{BASE}/messages", data=b""), 400, "invalid_json"),
+        (post(f"{BASE}/messages", data=b'{"data": ', headers=JSON), 400, "invalid_json"),
+        (post(f"{BASE}/messages", data=b"\xff\xfe", headers=JSON), 400, "invalid_json"),
+        (post(f"{BASE}/messages", data=b"", headers=JSON), 400, "invalid_json"),
         (post(f"{BASE}/messages", json=[1, 2]), 400, "invalid_request"),
         (post(f"{BASE}/messages/batch", json={}), 400, "invalid_request"),  # messages missing
         (post(f"{BASE}/messages/batch", json={"messages": []}), 400, "invalid_request"),
@@ -485,7 +486,7 @@ async def test_draining_refuses_new_work_but_takes_acks_of_what_it_handed_out(
     client = await make_sidecar(drain_seconds=60)
     await call(client, f"{BASE}/messages/batch", {"messages": [{"data": i} for i in range(2)]})
     held = await receive_all(client, 2, ack=False)
-    service = client.app[SERVICE]
+    service = service_of(client.app)
     draining = asyncio.create_task(service.drain())
     await until(lambda: _draining(service))
     for request in (client.post(f"{BASE}/messages", json={"data": "late"}), client.post(f"{SUB}/receive", json={})):

@@ -1,0 +1,73 @@
+"""What every request must satisfy before its handler runs, checked in this order.
+
+- Host names the loopback (when the sidecar listens only there). A web page can rebind its
+  own domain name to 127.0.0.1 and then talk to a developer's local sidecar as a
+  same-origin page; its requests still carry that domain in Host, so they are refused (421).
+- No Origin other than the loopback's. Browsers put the page's Origin on every POST they
+  send, cross-site "simple" requests (text/plain, no preflight) included; apps in the pod
+  send none (403).
+- A body comes as `Content-Type: application/json`. A page cannot send that cross-site
+  without a CORS preflight, which the sidecar never grants (415). A POST without a body
+  (a receive with the defaults) needs none; from a page it carries an Origin.
+- A declared Content-Length within the limit, refused before a byte of the body is read (413).
+
+Probes, metrics and the OpenAPI document carry no message data and only answer GETs, so
+they skip the Host check: kubelet and Prometheus may name the pod's IP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from casque.sidecar.bodies import too_large
+from casque.sidecar.config import SidecarSettings, is_loopback
+from casque.sidecar.errors import CrossOrigin, ForeignHost, UnsupportedMediaType
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
+JSON_MEDIA_TYPES = frozenset({"application/json"})
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8717" -> "::1")."""
+    host = host_header.strip()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def check(request: web.Request, settings: SidecarSettings, loopback_only: bool) -> None:
+    """Raise the refusal for a request that must not reach its handler."""
+    if loopback_only and request.path not in OPEN_PATHS:
+        host = request.headers.get("Host", "")
+        if not is_loopback(host_name(host)):
+            raise ForeignHost(f"Host {host[:100]!r} is not this sidecar: call it as 127.0.0.1 or localhost")
+    origin = request.headers.get("Origin")
+    if origin is not None and not is_loopback(urlsplit(origin).hostname or ""):
+        raise CrossOrigin(f"requests from web pages ({origin[:100]}) are refused; the API is for the pod's app")
+    if request.body_exists:
+        media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+        if media not in JSON_MEDIA_TYPES:
+            raise UnsupportedMediaType(
+                f"the body must be sent as Content-Type: application/json (got {media[:100] or 'none'})"
+            )
+    refusal = too_large(request, settings.max_request_bytes)
+    if refusal is not None:
+        raise refusal
+
+
+def guard_middleware(settings: SidecarSettings) -> Middleware:
+    # A sidecar bound beyond the loopback has a long token (config.py), which a page cannot know.
+    loopback_only = is_loopback(settings.host)
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        check(request, settings, loopback_only)
+        return await handler(request)
+
+    return middleware

@@ -1,0 +1,169 @@
+"""The sidecar's limits, refusals and error mapping as pure functions: no server, no backends."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from cassandra import OperationTimedOut, ReadTimeout
+from cassandra.cluster import NoHostAvailable
+from cassandra.protocol import ServerError
+from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, SessionExpiredError
+from pydantic import ValidationError
+
+from casque.engine.idempotency import RecentIds
+from casque.engine.messages import Delivery, Position, Published, StoredMessage
+from casque.engine.shard_state import ByteBudget, ShardState
+from casque.errors import BackendUnavailable, QueueNotFound
+from casque.schema import QueueRef
+from casque.sidecar.config import SidecarSettings, is_loopback
+from casque.sidecar.errors import as_casque_error, status_of
+from casque.sidecar.guards import host_name
+from casque.sidecar.models import PublishMessage, SeekRequest, message_json, receive_body
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+QUEUE = QueueRef("default", "orders")
+
+
+def stored(seq: int, payload: bytes, content_type: str | None = "application/json") -> StoredMessage:
+    return StoredMessage(Position(0, 1, seq), f"m{seq}", T0, payload, content_type=content_type)
+
+
+# --- receive byte budget ---------------------------------------------------------------------------
+def test_a_byte_budget_stops_a_take_at_the_first_message_that_does_not_fit() -> None:
+    state = ShardState(shard=0, offset=1)
+    state.add_batch(1, [stored(s, b"x" * size) for s, size in enumerate([400, 400, 400, 10])])
+    budget = ByteBudget(1000)
+    first = state.take(10, 0.0, 30.0, T0.timestamp(), budget=budget)
+    assert [h.entry.message.message_id for h in first] == ["m0", "m1"]  # order kept: m3 would fit, m2 first
+    assert state.ready_count == 2
+    later = state.take(10, 0.0, 30.0, T0.timestamp(), budget=ByteBudget(1000))
+    assert [h.entry.message.message_id for h in later] == ["m2", "m3"]
+
+
+def test_a_message_larger_than_the_budget_still_goes_alone() -> None:
+    state = ShardState(shard=0, offset=1)
+    state.add_batch(1, [stored(0, b"x" * 5000), stored(1, b"y")])
+    taken = state.take(10, 0.0, 30.0, T0.timestamp(), budget=ByteBudget(1000))
+    assert [h.entry.message.message_id for h in taken] == ["m0"]
+
+
+# --- poison isolation ------------------------------------------------------------------------------
+@pytest.mark.parametrize("payload", [b"[" * 50_000 + b"]" * 50_000, b'{"a": ', b"[NaN]", b"Infinity", b"\xff"])
+def test_a_payload_not_renderable_as_json_is_delivered_as_base64(payload: bytes) -> None:
+    good = Delivery(stored(0, b'{"ok": 1}'), "r0", 1, 0.0)
+    bad = Delivery(stored(1, payload), "r1", 1, 0.0)
+    body = json.loads(receive_body([good, bad], QUEUE))  # the whole answer is strict JSON
+    first, second = body["messages"]
+    assert first["data"] == {"ok": 1}
+    assert "data" not in second and base64.b64decode(second["data_base64"]) == payload
+    assert second["datacontenttype"] == "application/json"
+
+
+def test_each_message_renders_as_strict_json() -> None:
+    rendered = message_json(Delivery(stored(0, b'{"n": 1.5}'), "r0", 2, 0.0), QUEUE)
+    assert json.loads(rendered, parse_constant=lambda name: pytest.fail(name))["deliverycount"] == 2
+
+
+@pytest.mark.parametrize("body", [b'{"data": NaN}', b'{"data": {"x": [Infinity]}}', b'{"data": -Infinity}',
+                                  b'{"data": 1e999}'])
+def test_non_finite_numbers_are_refused_at_publish(body: bytes) -> None:
+    with pytest.raises(ValidationError, match="NaN or Infinity"):
+        PublishMessage.model_validate_json(body, strict=True)
+
+
+def test_text_data_with_a_text_content_type_is_still_taken() -> None:
+    message = PublishMessage.model_validate_json(b'{"data": "NaN", "datacontenttype": "text/plain"}', strict=True)
+    assert message.outgoing().payload == b"NaN"
+
+
+@pytest.mark.parametrize("moment", ["9999-12-31T23:59:59-23:59", "0001-01-01T00:00:00+23:59"])
+def test_times_outside_what_utc_can_express_are_bad_input(moment: str) -> None:
+    with pytest.raises(ValidationError, match="outside what can be expressed in UTC"):
+        SeekRequest.model_validate_json(json.dumps({"time": moment}), strict=True)
+    with pytest.raises(ValidationError, match="outside what can be expressed in UTC"):
+        PublishMessage.model_validate_json(json.dumps({"deliverAt": moment}), strict=True)
+
+
+# --- error mapping ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("error", [
+    OperationTimedOut("no answer"),
+    NoHostAvailable("none", {}),
+    ReadTimeout("slow", consistency=1, required_responses=1, received_responses=0, data_retrieved=False),
+    ServerError(code=0, message="boom", info=None),
+    ConnectionLoss(),
+    SessionExpiredError(),
+    NoAuthError(),
+    NoNodeError(),
+])
+def test_every_backend_failure_is_a_retryable_503(error: BaseException) -> None:
+    mapped = as_casque_error(error)
+    assert isinstance(mapped, BackendUnavailable)
+    assert status_of(mapped) == 503
+
+
+def test_casque_errors_keep_their_status_and_our_own_faults_stay_unmapped() -> None:
+    assert status_of(as_casque_error(QueueNotFound("x"))) == 404  # type: ignore[arg-type]
+    assert as_casque_error(ValueError("a bug")) is None
+
+
+# --- tokens and hosts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("token", ["", "   "])
+def test_an_empty_token_is_refused(token: str) -> None:
+    with pytest.raises(ValidationError, match="token is empty"):
+        SidecarSettings(token=token)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.7", "::", "pod.example"])
+def test_a_bind_beyond_the_loopback_needs_a_long_token(host: str) -> None:
+    with pytest.raises(ValidationError, match="at least 32 bytes"):
+        SidecarSettings(host=host)
+    with pytest.raises(ValidationError, match="at least 32 bytes"):
+        SidecarSettings(host=host, token="x" * 31)
+    assert SidecarSettings(host=host, token="x" * 32).token is not None
+
+
+def test_a_loopback_bind_may_go_without_a_token() -> None:
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert SidecarSettings(host=host).token is None
+
+
+def test_a_token_file_is_read_without_its_newline(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("s" * 40 + "\n")
+    settings = SidecarSettings(token_file=path, host="0.0.0.0")
+    assert settings.token is not None and settings.token.get_secret_value() == "s" * 40
+    with pytest.raises(ValidationError, match="not both"):
+        SidecarSettings(token_file=path, token="t" * 40)
+    with pytest.raises(ValidationError, match="cannot read the token file"):
+        SidecarSettings(token_file=tmp_path / "missing")
+
+
+@pytest.mark.parametrize("header, name", [
+    ("127.0.0.1:8717", "127.0.0.1"), ("localhost", "localhost"), ("[::1]:8717", "::1"), ("::1", "::1"),
+    ("evil.example:80", "evil.example"), ("", ""),
+])
+def test_host_names_are_read_without_their_port(header: str, name: str) -> None:
+    assert host_name(header) == name
+
+
+def test_only_loopback_names_count_as_loopback() -> None:
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.9.9.9", "::1", "[::1]", "localhost", "LOCALHOST"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "10.1.2.3", "evil.example", "localhost.evil.example", ""))
+
+
+# --- the dedup cache ------------------------------------------------------------------------------
+def test_recent_ids_are_bounded_by_bytes_as_well_as_by_count() -> None:
+    recent = RecentIds(ids=1000, max_bytes=10_000)
+    for n in range(1000):
+        recent.remember(f"{n:0>200}", Published(f"m{n}", 0, 1, n))
+    assert recent.bytes <= 10_000 and 0 < len(recent) < 1000
+    newest = f"{999:0>200}"
+    assert recent.get(newest) is not None and recent.get(f"{0:0>200}") is None  # the oldest went first
+    small = RecentIds(ids=3, max_bytes=10**9)
+    for n in range(5):
+        small.remember(str(n), Published(f"m{n}", 0, 1, n))
+    assert [small.get(str(n)) is not None for n in range(5)] == [False, False, True, True, True]
