@@ -7,7 +7,7 @@ backends once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cassandra.cluster import Cluster, Session
 from kazoo.client import KazooClient
@@ -26,6 +26,8 @@ class Store:
     zk_root: str
     replication_cql: str
     cluster: Cluster | None = None
+    # Read once (`spans_datacenters`): a datacenter added to the keyspace takes a restart.
+    _datacenters: int | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def open(cls, settings: Settings) -> Store:
@@ -43,6 +45,12 @@ class Store:
             replication_cql=settings.replication.cql_map(),
             cluster=cluster,
         )
+
+    def spans_datacenters(self) -> bool:
+        """Whether the installation's keyspace has replicas in more than one datacenter."""
+        if self._datacenters is None:
+            self._datacenters = cql.keyspace_datacenters(self.session, self.keyspace)
+        return self._datacenters > 1
 
     def paths(self, queue: QueueRef) -> QueuePaths:
         return queue_paths(self.zk_root, queue)

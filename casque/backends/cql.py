@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cassandra import (
@@ -62,9 +62,34 @@ def consistency(name: str) -> int:
     return int(ConsistencyLevel.name_to_value[name])
 
 
-def serial_consistency(name: str) -> int:
-    """The Paxos consistency that matches a write consistency (local for LOCAL_*)."""
-    return consistency("LOCAL_SERIAL" if name.startswith("LOCAL_") else "SERIAL")
+def serial_consistency(name: str, spans_datacenters: bool = False) -> int:
+    """The Paxos consistency of claims for a write consistency: local for LOCAL_* in one
+    datacenter; SERIAL whenever the keyspace spans datacenters, because two LOCAL_SERIAL
+    rounds in two datacenters can both win the same batch (and merge two batches)."""
+    local = name.startswith("LOCAL_") and not spans_datacenters
+    return consistency("LOCAL_SERIAL" if local else "SERIAL")
+
+
+def replicated_datacenters(replication: Mapping[str, str], host_datacenters: Iterable[str | None]) -> int:
+    """How many datacenters hold replicas of a keyspace with this `replication` map
+    (system_schema.keyspaces), in a cluster whose hosts are in `host_datacenters`.
+
+    NetworkTopologyStrategy names its datacenters; the others place replicas on the ring
+    regardless of datacenter, so every datacenter of the cluster may hold some.
+    """
+    strategy = replication.get("class", "")
+    if strategy.endswith("NetworkTopologyStrategy"):
+        return sum(1 for dc, factor in replication.items() if dc != "class" and int(factor) > 0)
+    return max(1, len({dc for dc in host_datacenters if dc}))
+
+
+def keyspace_datacenters(session: Session, keyspace: str) -> int:
+    """`replicated_datacenters` of a keyspace, as the cluster knows it now."""
+    row = session.execute(
+        "SELECT replication FROM system_schema.keyspaces WHERE keyspace_name = %s", (keyspace,)
+    ).one()
+    replication = dict(row.replication) if row is not None else {}
+    return replicated_datacenters(replication, (host.datacenter for host in session.cluster.metadata.all_hosts()))
 
 
 def connect(settings: Settings) -> tuple[Cluster, Session]:

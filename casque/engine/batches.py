@@ -61,7 +61,7 @@ class Log:
         self.store = store
         self.queue = queue
         self.consistency = cql.consistency(consistency)
-        self.serial_consistency = cql.serial_consistency(consistency)
+        self.serial_consistency = cql.serial_consistency(consistency, store.spans_datacenters())
         table = store.table(queue)
         prepare = store.session.prepare
         self._insert_header: PreparedStatement = prepare(

@@ -3,8 +3,10 @@
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from cassandra import ConsistencyLevel
 
 from casque.engine import catalog
+from casque.engine.batches import Log
 from casque.errors import InvalidChange, QueueNotFound
 from casque.schema import HEADER_SEQ, QueueRef, bucket_of, read_table_options
 from casque.specs import QueueSpec, SubscriberSpec
@@ -67,3 +69,9 @@ def test_delete_policies(store: Store) -> None:
         catalog.read_queue(store, gone)
     assert not read_table_options(store.session, store.keyspace, gone).exists
     assert catalog.list_queues(store) == [kept]
+
+
+def test_a_keyspace_in_one_datacenter_claims_with_local_serial(store: Store) -> None:
+    catalog.apply_queue(store, ORDERS, QueueSpec(shards=1, retention_seconds=3600))
+    assert not store.spans_datacenters()
+    assert Log(store, ORDERS, "LOCAL_QUORUM").serial_consistency == ConsistencyLevel.LOCAL_SERIAL
