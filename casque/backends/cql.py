@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 from cassandra import (
@@ -139,6 +139,21 @@ async def fetch_all(session: Session, statement: str | Statement, params: Sequen
         result = await _result(response)
         rows.extend(result.current_rows)
     return rows
+
+
+async def pages(
+    session: Session, statement: str | Statement, params: Sequence[Any] | None = None
+) -> AsyncIterator[list[Any]]:
+    """The pages of a query, each fetched without blocking the loop, the next one only when
+    asked for: a reader that has enough stops, and the rest is never sent."""
+    result = await execute(session, statement, params)
+    yield list(result.current_rows)
+    while result.has_more_pages:
+        response = result.response_future
+        response.clear_callbacks()  # see fetch_all
+        response.start_fetching_next_page()
+        result = await _result(response)
+        yield list(result.current_rows)
 
 
 async def _result(response: ResponseFuture) -> Any:

@@ -28,6 +28,11 @@ from casque.store import Store
 
 # Rows fetched per read of a shard; a read never ends inside a batch it returns.
 READ_ROWS = 2000
+# A read asks for rows a page at a time and stops once this much payload is in: the rows of
+# a read all sit in memory at once (a sidecar's budget), and READ_ROWS of large messages
+# would be tens of MiB. Far above a batch's size, so a read always returns a whole batch.
+READ_BYTES = 4 * 1024 * 1024
+READ_PAGE_ROWS = 200
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class Log:
             f"SELECT * FROM {table} WHERE shard = ? AND bucket = ? AND batch_no >= ? LIMIT {READ_ROWS}"
         )
         self._read_from.consistency_level = self.consistency
+        self._read_from.fetch_size = READ_PAGE_ROWS
 
     async def claim(
         self,
@@ -136,40 +142,50 @@ class Log:
         return None if row is None else _header_from_row(batch, row)
 
     async def read_from(self, shard: int, first_batch: int) -> list[Batch]:
-        """Whole batches from `first_batch` on, within first_batch's bucket, in order."""
-        rows = await cql.execute(self.store.session, self._read_from, (shard, bucket_of(first_batch), first_batch))
+        """Whole batches from `first_batch` on, within first_batch's bucket, in order: at most
+        READ_ROWS rows, and no further page once READ_BYTES of payload are in (at least one
+        batch, since a batch is far smaller)."""
         batches: list[Batch] = []
-        header: Header | None = None
-        messages: list[StoredMessage] = []
-        count = 0
-        for row in rows.current_rows:
-            count += 1
-            if row.seq == HEADER_SEQ:
-                if header is not None:
-                    batches.append(Batch(header, messages))
-                header, messages = _header_from_row(row.batch_no, row), []
-                continue
-            if header is None or header.batch != row.batch_no:
-                continue  # rows of a batch whose header lies before the read: cannot happen when reading from its start
-            messages.append(
-                StoredMessage(
-                    position=Position(shard, row.batch_no, row.seq),
-                    message_id=row.message_id,
-                    published_at=_utc(row.published_at),
-                    payload=row.payload or b"",
-                    key=row.key,
-                    attributes=dict(row.attributes or {}),
-                    content_type=row.content_type,
-                    expires_at=_utc(row.expires_at) if row.expires_at else None,
-                )
-            )
-        if header is not None:
-            complete = len(messages) == header.message_count
-            # A read that stopped at the row limit may have cut the last batch; it is read
+        open_batch: tuple[Header, list[StoredMessage]] | None = None
+        count = size = 0
+        cut = False
+        async for page in cql.pages(self.store.session, self._read_from, (shard, bucket_of(first_batch), first_batch)):
+            for row in page:
+                count += 1
+                size += len(row.payload or b"")
+                if row.seq == HEADER_SEQ:
+                    if open_batch is not None:
+                        batches.append(Batch(*open_batch))
+                    header = _header_from_row(row.batch_no, row)
+                    assert header is not None  # from a row
+                    open_batch = (header, [])
+                elif open_batch is not None and open_batch[0].batch == row.batch_no:
+                    open_batch[1].append(_message_from_row(shard, row))
+                # else: rows of a batch whose header lies before the read (cannot happen when
+                # reading from its start)
+            if size >= READ_BYTES:
+                cut = True
+                break
+        if open_batch is not None:
+            header, messages = open_batch
+            # A read cut at the row or byte limit may have cut the last batch; it is read
             # again, whole, next time. A batch is also "short" when ephemeral rows expired.
-            if complete or count < READ_ROWS:
+            if len(messages) == header.message_count or not (cut or count >= READ_ROWS):
                 batches.append(Batch(header, messages))
         return batches
+
+
+def _message_from_row(shard: int, row: Any) -> StoredMessage:
+    return StoredMessage(
+        position=Position(shard, row.batch_no, row.seq),
+        message_id=row.message_id,
+        published_at=_utc(row.published_at),
+        payload=row.payload or b"",
+        key=row.key,
+        attributes=dict(row.attributes or {}),
+        content_type=row.content_type,
+        expires_at=_utc(row.expires_at) if row.expires_at else None,
+    )
 
 
 def _unset_nulls(values: Sequence[Any]) -> tuple[Any, ...]:
