@@ -172,8 +172,8 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
     # The limits, on the same table (shards the engine does not use).
     table = store.table(queue)
     raw_insert = await asyncio.to_thread(raw_insert_rate, store, table, total, payload, WINDOW)
-    plain_single = await plain_batch_rate(store, table, half, payload, max(1, round(single_batch)), WINDOW, 500)
-    plain_batched = await plain_batch_rate(store, table, total, payload, max(1, round(avg_batch)), WINDOW, 800)
+    plain_single = await plain_batch_rate(store, table, half, payload, max(1, round(single_batch)), shard_base=500)
+    plain_batched = await plain_batch_rate(store, table, total, payload, max(1, round(avg_batch)), shard_base=800)
     claim = await claim_cost(store, table, payload, max(1, round(avg_batch)),
                              max(5, min(50, total // (4 * max(1, round(avg_batch))))))
     raw_read = await paged_read_rate(store, table, total)

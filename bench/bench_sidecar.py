@@ -246,9 +246,9 @@ async def run_once(store: Store, args: argparse.Namespace, run: int, url: str, h
     http = await http_rates(url, http_queue.name, http_queue.name, args.messages, text, probes)
     table = store.table(engine_queue)
     limit_single = await plain_batch_rate(store, table, args.messages, text.encode(),
-                                          max(1, round(engine["single_batch"])), SINGLE_WINDOW, 500)
+                                          max(1, round(engine["single_batch"])), shard_base=500)
     limit_batched = await plain_batch_rate(store, table, args.messages, text.encode(),
-                                           max(1, round(engine["batched_batch"])), BATCH_WINDOW, 800)
+                                           max(1, round(engine["batched_batch"])), shard_base=800)
     figures = {
         "limit_single": limit_single, "limit_batched": limit_batched,
         "engine_single": engine["single"], "http_single": http["single"],

@@ -153,8 +153,14 @@ def raw_insert_rate(store: Store, table: str, count: int, payload: bytes, window
     return count / (time.perf_counter() - started)
 
 
+# Plain batches in flight for the batch limit: far more than the one write per shard a
+# publisher keeps in flight, so the limit is the node's, yet few enough that the driver's
+# connection does not refuse requests as overloaded (256 batches of 30 KiB did).
+BATCH_LIMIT_WINDOW = 32
+
+
 async def plain_batch_rate(store: Store, table: str, count: int, payload: bytes, batch_size: int,
-                           window: int, shard_base: int = 800) -> float:
+                           window: int = BATCH_LIMIT_WINDOW, shard_base: int = 800) -> float:
     """Rows/s of plain unlogged single-partition batches of `batch_size` message rows,
     `window` in flight: the write limit a group commit of that batch size works against
     (the same rows, without the conditional claim and the header)."""
