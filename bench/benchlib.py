@@ -153,10 +153,11 @@ def raw_insert_rate(store: Store, table: str, count: int, payload: bytes, window
     return count / (time.perf_counter() - started)
 
 
-# Plain batches in flight for the batch limit: far more than the one write per shard a
-# publisher keeps in flight, so the limit is the node's, yet few enough that the driver's
-# connection does not refuse requests as overloaded (256 batches of 30 KiB did).
+# Plain batches in flight for the batch limit: more than the one write per shard a publisher
+# keeps in flight, so the limit is the node's, yet few enough bytes that the driver does not
+# refuse requests as overloaded when its socket's send buffer fills (8 MiB in flight did).
 BATCH_LIMIT_WINDOW = 32
+BATCH_LIMIT_BYTES = 4 * 2**20
 
 
 async def plain_batch_rate(store: Store, table: str, count: int, payload: bytes, batch_size: int,
@@ -170,6 +171,7 @@ async def plain_batch_rate(store: Store, table: str, count: int, payload: bytes,
     )
     now = datetime.now(timezone.utc)
     batches = max(1, count // batch_size)
+    window = max(2, min(window, BATCH_LIMIT_BYTES // max(1, batch_size * len(payload))))
 
     async def plain_batch(i: int) -> None:
         statement = BatchStatement(batch_type=BatchType.UNLOGGED)
