@@ -29,9 +29,9 @@ from kazoo.client import KazooState
 from kazoo.exceptions import LockTimeout, NoNodeError
 
 from casque.backends import cql, zk
+from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters
 from casque.engine.messages import OutgoingMessage
 from casque.errors import CasqueError
-from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters
 from casque.schema import DELAY_BUCKET_SECONDS, DELAYED_TABLE, QueueRef
 from casque.store import Store
 

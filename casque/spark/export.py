@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Literal
 
 from casque.spark import readers
 from casque.spark.errors import InvalidRange
-from casque.spark.stats import prepare_out
 from casque.spark.ranges import ResolvedRange
+from casque.spark.stats import prepare_out
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

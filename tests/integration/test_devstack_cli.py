@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.fixtures.waiting import free_port
 
 CLI = [sys.executable, "-m", "casque.cli"]

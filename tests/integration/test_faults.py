@@ -18,14 +18,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from cassandra.cluster import Cluster, ExecutionProfile, EXEC_PROFILE_DEFAULT
+from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
 
 from casque.backends import cql as cql_backend
 from casque.devstack import processes
 from casque.engine import catalog
 from casque.engine.batches import Log
 from casque.engine.consumer import Consumer
-from casque.engine.messages import OutgoingMessage, Published
+from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
 from casque.errors import BackendUnavailable
 from casque.schema import QueueRef

@@ -34,8 +34,8 @@ from casque.devstack.kube import KubeCluster
 from casque.operator import injection
 from casque.operator.context import OperatorOptions
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
-from tests.unit.test_dockerfiles import cli_call
 from tests.fixtures.waiting import free_port, wait_for
+from tests.unit.test_dockerfiles import cli_call
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "casque"
@@ -696,8 +696,8 @@ def test_the_api_server_stores_other_pods_as_they_were(
     webhook: WebhookOperator, kube_client: client.ApiClient, kube_namespace: str  # noqa: F811
 ) -> None:
     core = client.CoreV1Api(kube_client)
-    for name, annotations in [("plain", None), ("opted-out", {"casque.io/inject": "false", "casque.io/queue": "orders"})]:
-        sent = app_pod(name, annotations)
+    for name, pod_annotations in [("plain", None), ("opted-out", {"casque.io/inject": "false", "casque.io/queue": "orders"})]:
+        sent = app_pod(name, pod_annotations)
         core.create_namespaced_pod(kube_namespace, sent)
         pod = stored_pod(kube_client, kube_namespace, name)
         assert "initContainers" not in pod["spec"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from math import ceil
 from collections import defaultdict
 from collections.abc import Callable
+from math import ceil
 from typing import Any
 
 import pytest

@@ -12,9 +12,9 @@ from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.deadletters import DELIVERIES, LAST_ERROR, MESSAGE_ID, SOURCE, redrive
 from casque.engine.messages import OutgoingMessage
+from casque.engine.offsets import SeekTarget, seek
 from casque.engine.publisher import Publisher
 from casque.engine.stats import queue_stats
-from casque.engine.offsets import SeekTarget, seek
 from casque.errors import InvalidSpec, PositionOutOfRange
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from datetime import datetime, timedelta, timezone
 from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest

@@ -23,7 +23,6 @@ from casque.engine.messages import (
     StoredMessage,
     reserved_client_id,
 )
-from casque.spark import replay
 from casque.errors import (
     BackendUnavailable,
     CasqueError,
@@ -42,6 +41,7 @@ from casque.sidecar.models import PublishMessage, SeekRequest, envelope
 from casque.sidecar.openapi import build
 from casque.sidecar.push import backoff, classify
 from casque.sidecar.routes import OPERATIONS
+from casque.spark import replay
 
 OPERATION_IDS = {"publish", "publishBatch", "receive", "ack", "nack", "extendVisibility", "seek", "queueStats",
                  "subscriberStats"}
