@@ -158,7 +158,7 @@ FIGURES = [
 def main() -> None:
     parser = arguments(__doc__.splitlines()[0], 200_000, 200)
     parser.add_argument("--master", default="local[*]")
-    args = parse(parser, smoke_messages=5000)
+    args = parse(parser, smoke_messages=1000)
 
     settings = scratch_settings(args.cassandra, args.zookeeper)
     keyspace = settings.keyspace
