@@ -1,9 +1,10 @@
 """Rebalance benchmark: what a member joining costs, and how fast a paused member is back.
 
-    python bench/bench_rebalance.py [--shards 12] [--members 3] [--messages 3000]
-        [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
+    python bench/bench_rebalance.py [--shards 12] [--members 3] [--messages 3000] [--runs 3]
+        [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
-Runs on the local stack (`casque dev up`) in a keyspace of its own, dropped at the end.
+Runs on the local stack (`casque dev up`) in a keyspace of its own, dropped at the end; each
+figure is the median of `--runs` runs, each run on queues of its own.
 
 1. Join. `--members` consumers (in this process) consume a backlog, each holding up to 100
    messages in flight (acked a little later, as a worker would). A new member joins; the
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -38,10 +38,8 @@ from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
-from benchlib import arguments, drop_scratch, scratch_settings
+from benchlib import Figure, arguments, drop_scratch, parse, repeat, report, scratch_settings, sidecar_url
 
-QUEUE = QueueRef("default", "rebalance")
-REJOIN_QUEUE = QueueRef("default", "rejoin")
 SUBSCRIBER = "workers"
 IN_FLIGHT = 100
 SESSION_SECONDS = 4.0
@@ -61,18 +59,19 @@ async def hold_and_ack(consumer: Consumer, stop: asyncio.Event, seen: list[Deliv
         await asyncio.sleep(0)
 
 
-async def join(store: Store, shards: int, members: int, messages: int) -> dict[str, float]:
+async def join(store: Store, shards: int, members: int, messages: int, run: int) -> dict[str, float]:
+    queue = QueueRef("default", f"rebalance-{run}")
     spec = QueueSpec(shards=shards, retention_seconds=3600, consistency="ONE")
-    catalog.apply_queue(store, QUEUE, spec)
-    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
-        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=300))
-    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    catalog.apply_queue(store, queue, spec)
+    catalog.apply_subscriber(store, queue, SUBSCRIBER, SubscriberSpec(
+        queue=queue.name, start_position="earliest", visibility_timeout_seconds=300))
+    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
     for start in range(0, messages, 500):
         await publisher.publish([OutgoingMessage(f"m{i}".encode(), key=f"k{i}")
                                  for i in range(start, min(messages, start + 500))])
     await publisher.flush_heads()
 
-    group = [Consumer(store, QUEUE, SUBSCRIBER) for _ in range(members)]
+    group = [Consumer(store, queue, SUBSCRIBER) for _ in range(members)]
     for consumer in group:
         await consumer.start()
     while sum(len(c.held_shards) for c in group) < shards:
@@ -85,7 +84,7 @@ async def join(store: Store, shards: int, members: int, messages: int) -> dict[s
 
     before = {s: c.member_id for c in group for s in c.held_shards}
     in_flight = {s: r.state.in_flight for c in group for s, r in c.readers.items()}
-    newcomer = Consumer(store, QUEUE, SUBSCRIBER)
+    newcomer = Consumer(store, queue, SUBSCRIBER)
     await newcomer.start()
     group.append(newcomer)
     loops.append(asyncio.create_task(hold_and_ack(newcomer, stop, seen)))
@@ -108,21 +107,22 @@ async def join(store: Store, shards: int, members: int, messages: int) -> dict[s
     }
 
 
-def rejoin(settings_env: dict[str, str], store: Store) -> float:
+def rejoin(settings_env: dict[str, str], store: Store, run: int) -> float:
     """Seconds from SIGCONT to /readyz 200 for a sidecar paused past its session."""
-    catalog.apply_queue(store, REJOIN_QUEUE, QueueSpec(shards=4, retention_seconds=3600, consistency="ONE"))
-    catalog.apply_subscriber(store, REJOIN_QUEUE, SUBSCRIBER, SubscriberSpec(queue=REJOIN_QUEUE.name))
+    rejoin_queue = QueueRef("default", f"rejoin-{run}")
+    catalog.apply_queue(store, rejoin_queue, QueueSpec(shards=4, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, rejoin_queue, SUBSCRIBER, SubscriberSpec(queue=rejoin_queue.name))
     log = Path(tempfile.mkstemp(prefix="casque-bench-sidecar-", suffix=".log")[1])
     env = dict(os.environ, **settings_env, CASQUE_ZOOKEEPER_SESSION_TIMEOUT_SECONDS=str(SESSION_SECONDS))
-    command = [sys.executable, "-m", "casque.cli", "sidecar", "--port", "0", "--queue", REJOIN_QUEUE.name,
+    command = [sys.executable, "-m", "casque.cli", "sidecar", "--port", "0", "--queue", rejoin_queue.name,
                "--subscriber", SUBSCRIBER]
     with log.open("wb") as sink:
         process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        url = _wait_url(process, log)
+        url = sidecar_url(process, log)
         _wait_ready(url, process)
         member = _readiness(url)[1]["checks"][f"member/{SUBSCRIBER}"]
-        members = store.paths(REJOIN_QUEUE).subscriber(SUBSCRIBER).members
+        members = store.paths(rejoin_queue).subscriber(SUBSCRIBER).members
         process.send_signal(signal.SIGSTOP)
         while member in store.zk.get_children(members):
             time.sleep(0.05)
@@ -134,16 +134,6 @@ def rejoin(settings_env: dict[str, str], store: Store) -> float:
         process.kill()
         process.wait(30)
         log.unlink(missing_ok=True)
-
-
-def _wait_url(process: subprocess.Popen[bytes], log: Path) -> str:
-    while True:
-        found = re.search(rb"casque sidecar listening on (http://\S+)", log.read_bytes())
-        if found:
-            return found.group(1).decode()
-        if process.poll() is not None:
-            raise SystemExit(f"sidecar exited: {log.read_text()[-2000:]}")
-        time.sleep(0.05)
 
 
 def _readiness(url: str) -> tuple[int, dict[str, dict[str, str]]]:
@@ -163,33 +153,50 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
         time.sleep(0.05)
 
 
+FIGURES = [
+    Figure("moved", "member joining: shards moved", ""),
+    Figure("moved_ratio", "  of the ideal shards/(members+1)", "x"),
+    Figure("redelivered", "  messages redelivered", ""),
+    Figure("in_flight_on_moved", "  in flight on the moved shards at the join", ""),
+    Figure("redelivered_ratio", "  redelivered / in flight on the moved shards", "x"),
+    Figure("settle_s", "  seconds to settle", "s"),
+    Figure("rejoin_s", "paused past its session, SIGCONT to ready", "s"),
+    Figure("rejoin_ratio", "  of the session timeout", "x"),
+]
+
+
 def main() -> None:
     parser = arguments(__doc__.splitlines()[0], messages=3000, size=0)
     parser.add_argument("--members", type=int, default=3)
     parser.set_defaults(shards=12)
-    options = parser.parse_args()
+    options = parse(parser, smoke_messages=400)
+    if options.smoke:
+        options.shards, options.members = min(options.shards, 4), min(options.members, 2)
     settings = scratch_settings(options.cassandra, options.zookeeper)
     store = Store.open(settings)
+    host, _, port = options.cassandra.rpartition(":")
+    env = {"CASQUE_CASSANDRA_CONTACT_POINTS": host, "CASQUE_CASSANDRA_PORT": port,
+           "CASQUE_KEYSPACE": settings.keyspace, "CASQUE_ZOOKEEPER_HOSTS": options.zookeeper,
+           "CASQUE_ZOOKEEPER_ROOT": settings.zookeeper_root, "CASQUE_CONSISTENCY": "ONE"}
+
+    def once(run: int) -> dict[str, float]:
+        joined = asyncio.run(join(store, options.shards, options.members, options.messages, run))
+        back = rejoin(env, store, run)
+        return {
+            "moved": joined["moved"], "moved_ratio": joined["moved"] / joined["ideal"],
+            "redelivered": joined["redelivered"], "in_flight_on_moved": joined["in_flight_on_moved"],
+            "redelivered_ratio": joined["redelivered"] / max(1, joined["in_flight_on_moved"]),
+            "settle_s": joined["seconds"], "rejoin_s": back, "rejoin_ratio": back / SESSION_SECONDS,
+        }
+
     try:
         catalog.ensure_installation(store)
-        joined = asyncio.run(join(store, options.shards, options.members, options.messages))
-        host, _, port = options.cassandra.rpartition(":")
-        env = {"CASQUE_CASSANDRA_CONTACT_POINTS": host, "CASQUE_CASSANDRA_PORT": port,
-               "CASQUE_KEYSPACE": settings.keyspace, "CASQUE_ZOOKEEPER_HOSTS": options.zookeeper,
-               "CASQUE_ZOOKEEPER_ROOT": settings.zookeeper_root, "CASQUE_CONSISTENCY": "ONE"}
-        back = rejoin(env, store)
+        samples = repeat(options.runs, once)
     finally:
         drop_scratch(store, settings)
         store.close()
-    print(f"member joining {options.members} members on {options.shards} shards:")
-    print(f"  shards moved            {joined['moved']:>6}  (ideal {joined['ideal']:.1f}: "
-          f"ratio {joined['moved'] / joined['ideal']:.2f})")
-    print(f"  messages redelivered    {joined['redelivered']:>6}  (in flight on the moved shards: "
-          f"{joined['in_flight_on_moved']}; ratio "
-          f"{joined['redelivered'] / max(1, joined['in_flight_on_moved']):.2f})")
-    print(f"  seconds to settle       {joined['seconds']:>6.2f}")
-    print(f"paused past its session, SIGCONT to ready: {back:.2f} s "
-          f"(session timeout {SESSION_SECONDS:.0f} s: ratio {back / SESSION_SECONDS:.2f})")
+    report("rebalance", options, {"members": options.members, "shards": options.shards,
+                                  "messages": options.messages, "session timeout s": SESSION_SECONDS}, FIGURES, samples)
 
 
 if __name__ == "__main__":

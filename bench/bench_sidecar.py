@@ -1,14 +1,15 @@
 """Sidecar benchmark: the HTTP API against the engine in-process and the raw driver, in one run.
 
-    python bench/bench_sidecar.py [--messages 10000] [--size 1024] [--shards 4]
-        [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
+    python bench/bench_sidecar.py [--messages 10000] [--size 1024] [--shards 4] [--runs 3]
+        [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 Runs on the local stack (`casque dev up`) in a keyspace of its own, dropped at the end. The
 sidecar runs as its own process (`casque sidecar`), as beside an app; this process is the
-app. Prints:
-- the raw driver's single-row insert rate (callback pipeline), the limit of the same node;
+app. Reports, each figure the median of `--runs` runs:
+- the limits: plain unlogged batches of the same rows at the batch sizes the engine's group
+  commit reached for each publish form;
 - publish msgs/s, one message per call and 100 per call, and receive+ack msgs/s, each for
-  the engine in-process and over HTTP, with the HTTP/engine and HTTP/raw ratios;
+  the engine in-process and over HTTP, with the HTTP/engine and HTTP/limit ratios;
 - latency p50/p99 of each hop, one call at a time: an HTTP round trip alone (/healthz),
   publish and ack in-process and over HTTP (the difference is what the sidecar adds), and
   publish-to-receive over HTTP with a long-polling receiver.
@@ -16,11 +17,12 @@ app. Prints:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,19 @@ from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
-from benchlib import arguments, drop_scratch, percentiles, pipeline, raw_insert_rate, scratch_settings
+from benchlib import (
+    Figure,
+    arguments,
+    drop_scratch,
+    parse,
+    percentiles,
+    pipeline,
+    plain_batch_rate,
+    repeat_async,
+    report,
+    scratch_settings,
+    sidecar_url,
+)
 
 SINGLE_WINDOW = 64  # single-message publishes in flight (many app threads or tasks)
 BATCH_WINDOW = 16  # 100-message publishes in flight
@@ -44,14 +58,46 @@ BATCH = 100
 RECEIVERS = 4  # concurrent receive+ack loops
 PROBES = 300
 
+FIGURES = [
+    Figure("limit_single", "limit: plain unlogged batches, engine's 1-msg/call batch size", "rows/s"),
+    Figure("engine_single", f"publish 1 msg/call ({SINGLE_WINDOW} in flight), engine", "msgs/s"),
+    Figure("http_single", "  over HTTP", "msgs/s"),
+    Figure("single_ratio", "  HTTP / engine", "x"),
+    Figure("single_of_limit", "  HTTP / limit", "x"),
+    Figure("limit_batched", f"limit: plain unlogged batches, engine's {BATCH}-msg/call batch size", "rows/s"),
+    Figure("engine_batched", f"publish {BATCH} msgs/call ({BATCH_WINDOW} in flight), engine", "msgs/s"),
+    Figure("http_batched", "  over HTTP", "msgs/s"),
+    Figure("batched_ratio", "  HTTP / engine", "x"),
+    Figure("batched_of_limit", "  HTTP / limit", "x"),
+    Figure("engine_consume", f"receive+ack ({RECEIVERS} loops of {BATCH}), engine", "msgs/s"),
+    Figure("http_consume", "  over HTTP", "msgs/s"),
+    Figure("consume_ratio", "  HTTP / engine", "x"),
+    Figure("hop_p50", "latency one call at a time: HTTP round trip alone (/healthz) p50", "ms"),
+    Figure("hop_p99", "  p99", "ms"),
+    Figure("engine_publish_p50", "publish, engine in-process p50", "ms"),
+    Figure("http_publish_p50", "publish over HTTP p50", "ms"),
+    Figure("added_publish_p50", "  sidecar adds to a publish, p50", "ms"),
+    Figure("added_publish_p99", "  sidecar adds to a publish, p99", "ms"),
+    Figure("engine_ack_p50", "ack, engine in-process p50", "ms"),
+    Figure("http_ack_p50", "ack over HTTP p50", "ms"),
+    Figure("added_ack_p50", "  sidecar adds to an ack, p50", "ms"),
+    Figure("added_ack_p99", "  sidecar adds to an ack, p99", "ms"),
+    Figure("end_to_end_p50", "publish-to-receive over HTTP, long poll, p50", "ms"),
+    Figure("end_to_end_p99", "  p99", "ms"),
+]
+
 
 # --- the engine in-process --------------------------------------------------------------------------
-async def engine_rates(store: Store, queue: QueueRef, spec: QueueSpec, count: int, payload: bytes) -> dict[str, Any]:
+async def engine_rates(store: Store, queue: QueueRef, spec: QueueSpec, count: int, payload: bytes,
+                       probes: int) -> dict[str, Any]:
     publisher = Publisher(store, queue, catalog.read_queue(store, queue))
     message = OutgoingMessage(payload)
     single = count / await pipeline(count, SINGLE_WINDOW, lambda i: publisher.publish([message]))
-    calls = count // BATCH
+    single_batch = publisher.counters.messages / max(1, publisher.counters.batches)
+    calls = max(1, count // BATCH)
+    before = publisher.counters.messages, publisher.counters.batches
     batched = calls * BATCH / await pipeline(calls, BATCH_WINDOW, lambda i: publisher.publish([message] * BATCH))
+    batched_batch = (publisher.counters.messages - before[0]) / max(1, publisher.counters.batches - before[1])
     await publisher.flush_heads()
 
     consumer = Consumer(store, queue, "engine")
@@ -72,7 +118,7 @@ async def engine_rates(store: Store, queue: QueueRef, spec: QueueSpec, count: in
     consume = total / (time.perf_counter() - started)
 
     publish_latency, ack_latency = [], []
-    for _ in range(PROBES):
+    for _ in range(probes):
         started = time.perf_counter()
         await publisher.publish([message])
         publish_latency.append(time.perf_counter() - started)
@@ -81,12 +127,12 @@ async def engine_rates(store: Store, queue: QueueRef, spec: QueueSpec, count: in
         await consumer.ack(delivery.receipt)
         ack_latency.append(time.perf_counter() - started)
     await consumer.stop()
-    return {"single": single, "batched": batched, "consume": consume,
-            "publish_latency": publish_latency, "ack_latency": ack_latency}
+    return {"single": single, "batched": batched, "consume": consume, "single_batch": single_batch,
+            "batched_batch": batched_batch, "publish_latency": publish_latency, "ack_latency": ack_latency}
 
 
 # --- the same over HTTP ---------------------------------------------------------------------------
-async def http_rates(url: str, queue: str, subscriber: str, count: int, payload: str) -> dict[str, Any]:
+async def http_rates(url: str, queue: str, subscriber: str, count: int, payload: str, probes: int) -> dict[str, Any]:
     base = f"/v1/queues/{queue}"
     sub = f"{base}/subscribers/{subscriber}"
     body = {"data": payload, "datacontenttype": "text/plain"}
@@ -99,7 +145,7 @@ async def http_rates(url: str, queue: str, subscriber: str, count: int, payload:
                 return await answer.json()
 
         single = count / await pipeline(count, SINGLE_WINDOW, lambda i: post(f"{base}/messages", body))
-        calls = count // BATCH
+        calls = max(1, count // BATCH)
         batch_body = {"messages": [body] * BATCH}
         batched = calls * BATCH / await pipeline(calls, BATCH_WINDOW, lambda i: post(f"{base}/messages/batch", batch_body))
 
@@ -119,7 +165,7 @@ async def http_rates(url: str, queue: str, subscriber: str, count: int, payload:
         consume = total / (time.perf_counter() - started)
 
         hop, publish_latency, ack_latency = [], [], []
-        for _ in range(PROBES):
+        for _ in range(probes):
             started = time.perf_counter()
             async with http.get("/healthz") as answer:
                 await answer.read()
@@ -136,7 +182,7 @@ async def http_rates(url: str, queue: str, subscriber: str, count: int, payload:
         end_to_end: list[float] = []
 
         async def listen() -> None:
-            while len(end_to_end) < PROBES:
+            while len(end_to_end) < probes:
                 messages = (await post(f"{sub}/receive", {"max": 10, "wait": 5}))["messages"]
                 now = time.perf_counter()
                 end_to_end.extend(now - float(m["data"]) for m in messages)
@@ -144,7 +190,7 @@ async def http_rates(url: str, queue: str, subscriber: str, count: int, payload:
                     await post(f"{sub}/ack", {"receipts": [m["receipt"] for m in messages]})
 
         listening = asyncio.create_task(listen())
-        for _ in range(PROBES):
+        for _ in range(probes):
             await post(f"{base}/messages", {"data": repr(time.perf_counter()), "datacontenttype": "text/plain"})
             await asyncio.sleep(0.005)  # a moderate rate, so each probe is measured alone
         await asyncio.wait_for(listening, 120)
@@ -152,10 +198,8 @@ async def http_rates(url: str, queue: str, subscriber: str, count: int, payload:
             "publish_latency": publish_latency, "ack_latency": ack_latency, "end_to_end": end_to_end}
 
 
-def start_sidecar(settings: Settings, queue: str, subscriber: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+def start_sidecar(settings: Settings, queue: str, subscriber: str, log: Path) -> subprocess.Popen[bytes]:
+    """`casque sidecar` on port 0: it logs the port it got (see `sidecar_url`)."""
     env = dict(
         os.environ,
         CASQUE_CASSANDRA_CONTACT_POINTS=",".join(settings.cassandra_contact_points),
@@ -166,17 +210,17 @@ def start_sidecar(settings: Settings, queue: str, subscriber: str, log: Path) ->
         CASQUE_CONSISTENCY=settings.consistency,
     )
     with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "casque.cli", "sidecar", "--port", str(port), "--queue", queue,
+        return subprocess.Popen(
+            [sys.executable, "-m", "casque.cli", "sidecar", "--port", "0", "--queue", queue,
              "--subscriber", subscriber, "--drain-seconds", "1"],
             env=env, stdout=sink, stderr=subprocess.STDOUT,
         )
-    return process, f"http://127.0.0.1:{port}"
 
 
 async def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 120
     async with aiohttp.ClientSession() as http:
-        for _ in range(1200):
+        while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise SystemExit(f"sidecar exited:\n{log.read_text()[-2000:]}")
             try:
@@ -186,66 +230,73 @@ async def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> N
             except aiohttp.ClientConnectionError:
                 pass
             await asyncio.sleep(0.05)
-    raise SystemExit("sidecar never became ready")
+    raise SystemExit(f"sidecar never became ready:\n{log.read_text()[-2000:]}")
+
+
+async def run_once(store: Store, args: argparse.Namespace, run: int, url: str, http_queue: QueueRef,
+                   spec: QueueSpec, text: str) -> dict[str, float]:
+    """One run: the engine on a queue of its own, HTTP on the sidecar's queue (each run
+    consumes everything it publishes), limits on the engine's table."""
+    probes = 20 if args.smoke else PROBES
+    engine_queue = QueueRef("default", f"engine-{run}")
+    catalog.apply_queue(store, engine_queue, spec)
+    catalog.apply_subscriber(store, engine_queue, "engine", SubscriberSpec(queue=engine_queue.name,
+                                                                           start_position="earliest"))
+    engine = await engine_rates(store, engine_queue, spec, args.messages, text.encode(), probes)
+    http = await http_rates(url, http_queue.name, http_queue.name, args.messages, text, probes)
+    table = store.table(engine_queue)
+    limit_single = await plain_batch_rate(store, table, args.messages, text.encode(),
+                                          max(1, round(engine["single_batch"])), shard_base=500)
+    limit_batched = await plain_batch_rate(store, table, args.messages, text.encode(),
+                                           max(1, round(engine["batched_batch"])), shard_base=800)
+    figures = {
+        "limit_single": limit_single, "limit_batched": limit_batched,
+        "engine_single": engine["single"], "http_single": http["single"],
+        "single_ratio": http["single"] / engine["single"], "single_of_limit": http["single"] / limit_single,
+        "engine_batched": engine["batched"], "http_batched": http["batched"],
+        "batched_ratio": http["batched"] / engine["batched"], "batched_of_limit": http["batched"] / limit_batched,
+        "engine_consume": engine["consume"], "http_consume": http["consume"],
+        "consume_ratio": http["consume"] / engine["consume"],
+    }
+    for key, samples in (("hop", http["hop"]), ("engine_publish", engine["publish_latency"]),
+                         ("http_publish", http["publish_latency"]), ("engine_ack", engine["ack_latency"]),
+                         ("http_ack", http["ack_latency"]), ("end_to_end", http["end_to_end"])):
+        figures[f"{key}_p50"], figures[f"{key}_p99"] = percentiles(samples)
+    for what in ("publish", "ack"):
+        for p in ("p50", "p99"):
+            figures[f"added_{what}_{p}"] = figures[f"http_{what}_{p}"] - figures[f"engine_{what}_{p}"]
+    return figures
 
 
 async def main() -> None:
-    parser = arguments((__doc__ or "").splitlines()[0], 10000, 1024)
-    args = parser.parse_args()
+    args = parse(arguments((__doc__ or "").splitlines()[0], 10000, 1024), smoke_messages=300)
 
     settings = scratch_settings(args.cassandra, args.zookeeper)
     keyspace = settings.keyspace
     store = Store.open(settings)
     spec = QueueSpec(shards=args.shards, retention_seconds=3600, consistency="ONE", max_message_bytes=64 * 1024)
-    engine_queue, http_queue = QueueRef("default", "engine"), QueueRef("default", "http")
+    http_queue = QueueRef("default", "http")
     text = ("casque-" * (args.size // 7 + 1))[: args.size]
-    log = Path(f"/tmp/{keyspace}-sidecar.log")
+    log = Path(tempfile.gettempdir()) / f"{keyspace}-sidecar.log"
     process = None
     try:
         catalog.ensure_installation(store)
-        for queue in (engine_queue, http_queue):
-            catalog.apply_queue(store, queue, spec)
-            catalog.apply_subscriber(store, queue, queue.name, SubscriberSpec(queue=queue.name,
-                                                                              start_position="earliest"))
-        process, url = start_sidecar(settings, http_queue.name, http_queue.name, log)
+        catalog.apply_queue(store, http_queue, spec)
+        catalog.apply_subscriber(store, http_queue, http_queue.name, SubscriberSpec(queue=http_queue.name,
+                                                                                    start_position="earliest"))
+        process = start_sidecar(settings, http_queue.name, http_queue.name, log)
+        url = await asyncio.to_thread(sidecar_url, process, log)
         await wait_ready(url, process, log)
-
-        raw = await asyncio.to_thread(raw_insert_rate, store, store.table(engine_queue), args.messages * 2,
-                                      text.encode())
-        engine = await engine_rates(store, engine_queue, spec, args.messages, text.encode())
-        http = await http_rates(url, http_queue.name, http_queue.name, args.messages, text)
-
-        print(f"casque sidecar benchmark: {args.messages} messages per publish form, {args.size} B, "
-              f"{args.shards} shards, Cassandra {args.cassandra}, sidecar in its own process")
-        print(f"raw driver single-row inserts {raw:10.0f} rows/s (the node's limit in this run)")
-        print(f"{'':34s} {'engine':>10s} {'HTTP':>10s}   HTTP/engine  HTTP/raw")
-        for label, key in ((f"publish 1 msg/call ({SINGLE_WINDOW} in flight)", "single"),
-                           (f"publish {BATCH} msgs/call ({BATCH_WINDOW} in flight)", "batched"),
-                           (f"receive+ack ({RECEIVERS} loops of {BATCH})", "consume")):
-            e, h = engine[key], http[key]
-            print(f"{label:34s} {e:10.0f} {h:10.0f}   {h / e:11.2f}  {h / raw:8.2f}  msgs/s")
-        print(f"latency, one call at a time ({PROBES} samples)    p50 ms    p99 ms")
-        rows = (
-            ("HTTP round trip alone (/healthz)", http["hop"]),
-            ("publish, engine in-process", engine["publish_latency"]),
-            ("publish over HTTP", http["publish_latency"]),
-            ("ack, engine in-process", engine["ack_latency"]),
-            ("ack over HTTP", http["ack_latency"]),
-            ("publish-to-receive over HTTP", http["end_to_end"]),
-        )
-        for label, samples in rows:
-            p50, p99 = percentiles(samples)
-            print(f"  {label:40s} {p50:8.2f} {p99:9.2f}")
-        for what in ("publish", "ack"):
-            e50, e99 = percentiles(engine[f"{what}_latency"])
-            h50, h99 = percentiles(http[f"{what}_latency"])
-            print(f"  sidecar adds to {what:8s} p50 {h50 - e50:+.2f} ms, p99 {h99 - e99:+.2f} ms")
+        samples = await repeat_async(args.runs, lambda run: run_once(store, args, run, url, http_queue, spec, text))
     finally:
         if process is not None and process.poll() is None:
             process.terminate()
             process.wait(30)
         drop_scratch(store, settings)
         store.close()
+    log.unlink(missing_ok=True)
+    report("sidecar", args, {"messages per publish form": args.messages, "size": args.size, "shards": args.shards,
+                             "sidecar": "own process"}, FIGURES, samples)
 
 
 if __name__ == "__main__":

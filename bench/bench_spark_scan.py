@@ -1,7 +1,7 @@
 """Spark scan benchmark: rows/s of the Spark jobs' read against a paged driver scan, in one run.
 
-    python bench/bench_spark_scan.py [--messages 200000] [--size 200] [--shards 4]
-        [--master local[*]] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
+    python bench/bench_spark_scan.py [--messages 200000] [--size 200] [--shards 4] [--runs 3]
+        [--master local[*]] [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 Runs on the local stack (`casque dev up`) in a keyspace of its own, dropped at the end.
 Writes the messages as the publisher lays them out (batches of 1,000 with a header row),
@@ -13,8 +13,9 @@ then reads the same rows, payloads included, four ways:
 - Spark, range: the jobs' reader, partition keys pushed down (what stats/export/replay do);
 - Spark, whole table: the connector's token-range scan with no predicate.
 
-Each Spark figure is the second of two runs (the first warms the JVM and the connector's
-session); the session start is reported on its own. The figure that matters is the ratio of
+Each read runs once to warm up (the JVM, the connector's session, the node's caches), then
+`--runs` times; each figure is the median of those runs, each ratio computed per run. The
+session start is reported on its own. The figure that matters is the ratio of
 the Spark range read to the driver partition scan: on 2 cores, Spark's gain comes from
 reading partitions in parallel and from decoding rows in the JVM instead of in Python.
 """
@@ -42,12 +43,11 @@ from casque.spark.session import SparkOptions, build_session  # noqa: E402
 from casque.specs import QueueSpec  # noqa: E402
 from casque.store import Store  # noqa: E402
 
-from benchlib import arguments, drop_scratch, scratch_settings  # noqa: E402
+from benchlib import Figure, arguments, drop_scratch, parse, report, scratch_settings  # noqa: E402
 
 BATCH = 1000
 WINDOW = 4
 FETCH = 5000
-REPEATS = 2
 
 
 def write_log(store: Store, queue: QueueRef, shards: int, messages: int, size: int) -> dict[int, int]:
@@ -134,21 +134,31 @@ def spark_scan(frame: Any) -> tuple[int, int, float]:
     return int(result["rows"]), int(result["bytes"] or 0), time.perf_counter() - started
 
 
-def twice(run: Any) -> tuple[int, int, float, float]:
-    """(rows, bytes, first run's seconds, best seconds of the next runs): caches warm alike for all."""
-    rows, size, cold = run()
-    warm = []
-    for _ in range(REPEATS):
-        again = run()
-        assert again[:2] == (rows, size)
-        warm.append(again[2])
-    return rows, size, cold, min(warm)
+def warm_runs(run: Any, runs: int) -> list[tuple[int, int, float]]:
+    """`runs` runs of `run` after a first one that warms caches alike for every reader."""
+    rows, size, _ = run()
+    results = [run() for _ in range(runs)]
+    for result in results:
+        assert result[:2] == (rows, size)
+    return results
+
+
+FIGURES = [
+    Figure("driver_partition", "driver, by partition (1 process)", "rows/s"),
+    Figure("driver_table", "driver, whole table (1 process)", "rows/s"),
+    Figure("spark_range", "spark, range (pushed down)", "rows/s"),
+    Figure("spark_table", "spark, whole table (token ranges)", "rows/s"),
+    Figure("range_ratio", "spark range / driver by partition", "x"),
+    Figure("table_ratio", "spark whole table / driver whole table", "x"),
+    Figure("session_s", "spark session start", "s"),
+    Figure("break_even_rows", "rows from which a job pays for its session start (0: never)", ""),
+]
 
 
 def main() -> None:
     parser = arguments(__doc__.splitlines()[0], 200_000, 200)
     parser.add_argument("--master", default="local[*]")
-    args = parser.parse_args()
+    args = parse(parser, smoke_messages=1000)
 
     settings = scratch_settings(args.cassandra, args.zookeeper)
     keyspace = settings.keyspace
@@ -161,49 +171,42 @@ def main() -> None:
         started = time.perf_counter()
         heads = write_log(store, queue, args.shards, args.messages, args.size)
         write_seconds = time.perf_counter() - started
-        print(f"wrote {args.messages:,} messages of {args.size} B in {sum(heads.values())} batches "
-              f"over {args.shards} shards in {write_seconds:.1f}s")
 
-        by_partition = twice(lambda: driver_by_partition(store, queue, heads))
-        whole = twice(lambda: driver_whole_table(store, queue))
+        by_partition = warm_runs(lambda: driver_by_partition(store, queue, heads), args.runs)
+        whole = warm_runs(lambda: driver_whole_table(store, queue), args.runs)
 
         started = time.perf_counter()
         spark = build_session(settings, SparkOptions(master=args.master, app_name="casque-bench-scan"))
         session_seconds = time.perf_counter() - started
         resolved = resolve(store, queue, parse_range(None))
-        ranged = twice(lambda: spark_scan(readers.range_rows(spark, keyspace, resolved, ["payload"])))
-        table = twice(lambda: spark_scan(readers.table(spark, keyspace, queue.messages_table)))
+        ranged = warm_runs(lambda: spark_scan(readers.range_rows(spark, keyspace, resolved, ["payload"])), args.runs)
+        table = warm_runs(lambda: spark_scan(readers.table(spark, keyspace, queue.messages_table)), args.runs)
 
-        for name, (rows, size) in (("driver by partition", by_partition[:2]), ("driver whole table", whole[:2]),
-                                   ("spark range", ranged[:2]), ("spark whole table", table[:2])):
+        for name, runs in (("driver by partition", by_partition), ("driver whole table", whole),
+                           ("spark range", ranged), ("spark whole table", table)):
+            rows, size = runs[0][:2]
             assert rows == args.messages and size == args.messages * args.size, (name, rows, size)
 
-        def rate(rows: int, seconds: float) -> str:
-            return f"{rows / seconds:>10,.0f} rows/s  {rows * args.size / seconds / 2**20:>7.1f} MiB/s"
-
-        cores = os.cpu_count()
-        print(f"\nscan of {args.messages:,} rows ({args.size} B payloads), {cores} cores, master {args.master}; "
-              f"best of {REPEATS} after a first run")
-        for label, figures in (("driver, by partition (1 process)  ", by_partition),
-                               ("driver, whole table (1 process)   ", whole),
-                               ("spark, range (pushed down)        ", ranged),
-                               ("spark, whole table (token ranges) ", table)):
-            print(f"  {label} {rate(figures[0], figures[3])}  {figures[3]:.2f}s (first run {figures[2]:.2f}s)")
-        print(f"  spark session start                {session_seconds:.1f}s")
-        print(f"\nspark range / driver by partition: {by_partition[3] / ranged[3]:.2f}x")
-        print(f"spark whole table / driver whole table: {whole[3] / table[3]:.2f}x")
-        per_row_driver = by_partition[3] / by_partition[0]
-        per_row_spark = ranged[3] / ranged[0]
-        if per_row_spark < per_row_driver:
-            print(f"a job pays for its session start ({session_seconds:.1f}s) from about "
-                  f"{session_seconds / (per_row_driver - per_row_spark):,.0f} rows on")
-        else:
-            print("on this machine the Spark read is not faster per row than the driver")
+        samples: dict[str, list[float]] = {key: [] for key in (f.key for f in FIGURES)}
+        for part, tab, rng, spk in zip(by_partition, whole, ranged, table):
+            samples["driver_partition"].append(part[0] / part[2])
+            samples["driver_table"].append(tab[0] / tab[2])
+            samples["spark_range"].append(rng[0] / rng[2])
+            samples["spark_table"].append(spk[0] / spk[2])
+            samples["range_ratio"].append(part[2] / rng[2])
+            samples["table_ratio"].append(tab[2] / spk[2])
+            samples["session_s"].append(session_seconds)
+            per_row_driver, per_row_spark = part[2] / part[0], rng[2] / rng[0]
+            samples["break_even_rows"].append(session_seconds / (per_row_driver - per_row_spark)
+                                              if per_row_spark < per_row_driver else 0)
     finally:
         if spark is not None:
             spark.stop()
         drop_scratch(store, settings)
         store.close()
+    report("spark scan", args, {"rows": args.messages, "size": args.size, "shards": args.shards,
+                                "cores": os.cpu_count(), "master": args.master, "written in s": round(write_seconds, 1)},
+           FIGURES, samples)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,110 @@
-"""What the benchmarks share: the load pipeline, the raw driver limit, percentiles."""
+"""What the benchmarks share: options, repeated runs and their report, the load pipeline,
+the raw driver limits, percentiles.
+
+Every benchmark measures each figure in `--runs` runs (3 by default) and reports the median
+with the spread (min-max); a ratio is computed inside each run, against a limit measured in
+that same run, and only then summarised. `--json` prints one JSON document instead of the
+table (bench/all.py collects those); `--smoke` runs once with small counts, to prove the
+benchmark still works, not to measure anything.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
+import re
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
+from cassandra.query import BatchStatement, BatchType
+
+from casque.backends import cql
 from casque.config import Settings
 from casque.schema import bucket_of
 from casque.store import Store
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One reported figure: its key in a run's results, what it is, and its unit."""
+
+    key: str
+    label: str
+    unit: str  # "msgs/s", "rows/s", "ms", "s", "x" (a ratio) or "" (a count)
+
+
+def summary(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def repeat(runs: int, once: Callable[[int], dict[str, float]]) -> dict[str, list[float]]:
+    """once(run) for each run, its figures gathered by key."""
+    samples: dict[str, list[float]] = {}
+    for run in range(runs):
+        for key, value in once(run).items():
+            samples.setdefault(key, []).append(float(value))
+        print(f"run {run + 1}/{runs} done", file=sys.stderr, flush=True)
+    return samples
+
+
+async def repeat_async(runs: int, once: Callable[[int], Awaitable[dict[str, float]]]) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {}
+    for run in range(runs):
+        for key, value in (await once(run)).items():
+            samples.setdefault(key, []).append(float(value))
+        print(f"run {run + 1}/{runs} done", file=sys.stderr, flush=True)
+    return samples
+
+
+def _number(value: float, unit: str) -> str:
+    if unit == "x":
+        return f"{value:.2f}"
+    if unit in ("ms", "s"):
+        return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+    return f"{value:,.0f}" if abs(value) >= 100 or value == int(value) else f"{value:.1f}"
+
+
+def cell(figure: dict[str, Any], unit: str) -> str:
+    """'median (min-max)' of a summarised figure, for tables."""
+    if len(figure["values"]) == 1:
+        return _number(figure["median"], unit)
+    return (f"{_number(figure['median'], unit)} "
+            f"({_number(figure['min'], unit)}-{_number(figure['max'], unit)})")
+
+
+def report(name: str, args: argparse.Namespace, context: dict[str, Any], figures: Iterable[Figure],
+           samples: dict[str, list[float]]) -> None:
+    """Print the benchmark's figures: a table, or with --json one JSON document."""
+    listed = [f for f in figures if f.key in samples]
+    document = {
+        "benchmark": name,
+        "smoke": args.smoke,
+        "runs": args.runs,
+        "context": context,
+        "figures": {f.key: {"label": f.label, "unit": f.unit, **summary(samples[f.key])} for f in listed},
+    }
+    bad = [f.key for f in listed if not all(math.isfinite(v) for v in samples[f.key])]
+    if bad:
+        raise SystemExit(f"{name}: figures that are not numbers: {bad}")
+    if args.json:
+        print(json.dumps(document, indent=1))
+        return
+    print(f"casque {name} benchmark: " + ", ".join(f"{k} {v}" for k, v in context.items()))
+    print(f"median of {args.runs} run(s), (min-max)" + ("; SMOKE RUN, small counts: not figures" if args.smoke else ""))
+    width = max(len(f.label) for f in listed)
+    for f in listed:
+        print(f"  {f.label:{width}s}  {cell(document['figures'][f.key], f.unit)} {f.unit}")
 
 
 async def pipeline(count: int, window: int, submit: Callable[[int], Awaitable[Any]]) -> float:
@@ -63,6 +153,35 @@ def raw_insert_rate(store: Store, table: str, count: int, payload: bytes, window
     return count / (time.perf_counter() - started)
 
 
+# Plain batches in flight for the batch limit: more than the one write per shard a publisher
+# keeps in flight, so the limit is the node's, yet few enough bytes that the driver does not
+# refuse requests as overloaded when its socket's send buffer fills (8 MiB in flight did).
+BATCH_LIMIT_WINDOW = 32
+BATCH_LIMIT_BYTES = 4 * 2**20
+
+
+async def plain_batch_rate(store: Store, table: str, count: int, payload: bytes, batch_size: int,
+                           window: int = BATCH_LIMIT_WINDOW, shard_base: int = 800) -> float:
+    """Rows/s of plain unlogged single-partition batches of `batch_size` message rows,
+    `window` in flight: the write limit a group commit of that batch size works against
+    (the same rows, without the conditional claim and the header)."""
+    insert = store.session.prepare(
+        f"INSERT INTO {table} (shard, bucket, batch_no, seq, message_id, published_at, payload) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)"
+    )
+    now = datetime.now(timezone.utc)
+    batches = max(1, count // batch_size)
+    window = max(2, min(window, BATCH_LIMIT_BYTES // max(1, batch_size * len(payload))))
+
+    async def plain_batch(i: int) -> None:
+        statement = BatchStatement(batch_type=BatchType.UNLOGGED)
+        for seq in range(batch_size):
+            statement.add(insert, (shard_base + i % 4, bucket_of(i), i, seq, f"{i}-{seq}", now, payload))
+        await cql.execute(store.session, statement)
+
+    return batches * batch_size / await pipeline(batches, window, plain_batch)
+
+
 def percentiles(samples: list[float]) -> tuple[float, float]:
     """p50 and p99 of `samples` (seconds), in milliseconds."""
     ordered = sorted(samples)
@@ -70,14 +189,42 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 
 
 def arguments(description: str, messages: int, size: int) -> argparse.ArgumentParser:
-    """The options every benchmark takes: load size and where the local stack listens."""
+    """The options every benchmark takes: load size, runs, output, where the stack listens."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--messages", type=int, default=messages)
     parser.add_argument("--size", type=int, default=size)
     parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=3, help="runs per figure; the median and min-max are reported")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one run with small counts: checks the benchmark works, measures nothing")
     parser.add_argument("--cassandra", default="127.0.0.1:9042")
     parser.add_argument("--zookeeper", default="127.0.0.1:2181")
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, smoke_messages: int) -> argparse.Namespace:
+    args = parser.parse_args()
+    if args.smoke:
+        args.runs = 1
+        args.messages = min(args.messages, smoke_messages)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    return args
+
+
+def sidecar_url(process: subprocess.Popen[bytes], log: Path, limit_s: float = 120.0) -> str:
+    """The URL a `casque sidecar --port 0` logs once it listens: the port the kernel gave it,
+    so nothing picks a port here that someone else could bind first."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        found = re.search(rb"casque sidecar listening on (http://\S+)", log.read_bytes())
+        if found:
+            return found.group(1).decode()
+        if process.poll() is not None:
+            raise SystemExit(f"sidecar exited: {log.read_text()[-2000:]}")
+        time.sleep(0.05)
+    raise SystemExit(f"sidecar not listening after {limit_s:.0f}s: {log.read_text()[-2000:]}")
 
 
 def scratch_settings(cassandra: str, zookeeper: str) -> Settings:

@@ -26,8 +26,7 @@ from pydantic import ValidationError
 
 from casque.backends import cql, zk
 from casque.config import Settings
-from casque.engine import catalog
-from casque.engine import stats as engine_stats
+from casque.engine import catalog, stats as engine_stats
 from casque.engine.catalog import Changes
 from casque.engine.stats import SubscriberStats
 from casque.errors import (

@@ -99,6 +99,12 @@ class Reply(BaseModel):
         # None on purpose (an unknown count) is sent as null.
         return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
+    def wire_json(self) -> bytes:
+        """`wire()` as JSON text, serialised by pydantic's own encoder: the HTTP answers use
+        this, since going through dicts and the json module cost twice as much for a
+        receive of 100 messages."""
+        return self.model_dump_json(by_alias=True, exclude_unset=True).encode()
+
 
 # --- errors -------------------------------------------------------------------------------
 class ErrorDetail(Reply):
@@ -409,6 +415,11 @@ class ReceiveResult(Reply):
 
     def wire(self) -> dict[str, Any]:
         return {"messages": [m.wire() for m in self.messages]}
+
+    def wire_json(self) -> bytes:
+        # Message has no aliases, so by_alias changes nothing inside it (a unit test checks
+        # that both forms agree).
+        return self.model_dump_json(by_alias=True, exclude_unset=True).encode()
 
 
 # --- ack, nack, extend --------------------------------------------------------------------

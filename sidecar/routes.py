@@ -73,7 +73,7 @@ async def parse(request: web.Request, model: type[B], optional: bool = False) ->
 
 
 def reply(body: Reply) -> web.Response:
-    return web.json_response(body.wire())
+    return web.Response(body=body.wire_json(), content_type="application/json", charset="utf-8")
 
 
 # --- publishing -----------------------------------------------------------------------------

@@ -1,4 +1,15 @@
-"""Fixtures shared by all tests: the real backends (see tests/fixtures/)."""
+"""Fixtures shared by all tests: the real backends (see tests/fixtures/), and the markers.
+
+Every test under tests/integration/, and every test anywhere that asks for a server fixture,
+is marked `integration` at collection, so `-m "not integration"` starts no server: the
+session fixtures below start their servers only when a selected test asks for them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
 
 from tests.fixtures.sidecars import start_sidecar  # noqa: F401
 from tests.fixtures.stack import (  # noqa: F401
@@ -11,3 +22,16 @@ from tests.fixtures.stack import (  # noqa: F401
     zk,
     zk_hosts,
 )
+
+INTEGRATION = Path(__file__).parent / "integration"
+# Fixtures that start a server (directly or through the fixtures they depend on).
+SERVER_FIXTURES = frozenset({"backends", "ring", "kube_cluster"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        uses = set(getattr(item, "fixturenames", ()))
+        if item.path.is_relative_to(INTEGRATION) or uses & SERVER_FIXTURES:
+            item.add_marker(pytest.mark.integration)
+        if "ring" in uses:
+            item.add_marker(pytest.mark.ring)

@@ -32,11 +32,9 @@ from casque.config import Settings
 from casque.engine import catalog
 from casque.engine.batches import Log
 from casque.engine.consumer import Consumer
-from casque.engine.deadletters import RedriveResult
-from casque.engine.deadletters import redrive as redrive_dead_letters
+from casque.engine.deadletters import RedriveResult, redrive as redrive_dead_letters
 from casque.engine.messages import Delivery, OutgoingMessage, StoredMessage
-from casque.engine.offsets import SeekTarget
-from casque.engine.offsets import seek as seek_offsets
+from casque.engine.offsets import SeekTarget, seek as seek_offsets
 from casque.engine.publisher import Publisher
 from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
 from casque.errors import CasqueError, InvalidSpec

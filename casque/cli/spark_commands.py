@@ -203,8 +203,7 @@ def export(
 ) -> None:
     """Write a range's messages, byte for byte, as Parquet or JSON lines (payload in base64)."""
     _require_spark()
-    from casque.spark.export import FORMATS
-    from casque.spark.export import export as run_export
+    from casque.spark.export import FORMATS, export as run_export
 
     if fmt not in FORMATS:
         raise SparkJobError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
@@ -239,8 +238,7 @@ def replay(
 ) -> None:
     """Re-publish a range into another queue through the publish path; a rerun adds nothing."""
     _require_spark()
-    from casque.spark.replay import replay as run_replay
-    from casque.spark.replay import rich_progress
+    from casque.spark.replay import replay as run_replay, rich_progress
 
     ref = _queue(namespace, queue)
     target = _queue(namespace, into)

@@ -204,8 +204,14 @@ async def replay(spark: SparkSession, store: Store, resolved: ResolvedRange, tar
 @contextmanager
 def rich_progress(console: Console, description: str) -> Iterator[Progress]:
     """A progress bar on `console` for a replay (messages published of those pending)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-    from rich.progress import Progress as Bar
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress as Bar,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     bar = Bar(TextColumn(f"[bold]{description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
               TimeRemainingColumn(), console=console, transient=False)

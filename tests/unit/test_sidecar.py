@@ -20,6 +20,7 @@ from casque.engine.messages import (
     InvalidReceipt,
     OutgoingMessage,
     Position,
+    Published,
     StoredMessage,
     reserved_client_id,
 )
@@ -37,7 +38,19 @@ from casque.errors import (
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings, parse_statuses
 from casque.sidecar.errors import NotReady, SubscriberNotServed, Unauthorized, status_of
-from casque.sidecar.models import PublishMessage, SeekRequest, envelope
+from casque.sidecar.models import (
+    ErrorBody,
+    Health,
+    PublishMessage,
+    PublishResult,
+    ReceiptResult,
+    ReceiptResults,
+    ReceiveResult,
+    Reply,
+    SeekRequest,
+    SeekResult,
+    envelope,
+)
 from casque.sidecar.openapi import build
 from casque.sidecar.push import backoff, classify
 from casque.sidecar.routes import OPERATIONS
@@ -163,6 +176,26 @@ def test_envelope_is_a_cloudevent_with_casque_extensions() -> None:
     # The client reads the same event back.
     read = Message.of(envelope(delivery(b'{"a":1}', None), QueueRef("ns", "q")).wire())
     assert read.type == "casque.message" and read.payload == b'{"a":1}' and read.delivery_count == 2
+
+
+@pytest.mark.parametrize("answer", [
+    PublishResult.of(Published("m-1", 2, 40, 7)),
+    PublishResult.of(Published("m-2", -1, -1, -1, deliver_at=datetime(2030, 1, 1, tzinfo=timezone.utc))),
+    ReceiveResult(messages=[envelope(delivery(payload, content_type), QueueRef("ns", "q")) for payload, content_type in (
+        (b'{"a":[1,2.5,null]}', "application/json"), (b"null", None), (b"caf\xc3\xa9", "text/plain"),
+        (b"\xff\x00", "application/octet-stream"), (b"", None))]),
+    ReceiveResult(messages=[]),
+    ReceiptResults(results=[ReceiptResult(receipt="r1", status="acked"),
+                            ReceiptResult(receipt="r2", error=ErrorBody(code="stale_receipt", message="x")),
+                            ReceiptResult(receipt="r3", status="extended",
+                                          visible_until=datetime(2030, 1, 1, 0, 0, 0, 500, tzinfo=timezone.utc))]),
+    SeekResult(offsets={"0": 5}),
+    Health(status="ok"),
+], ids=lambda answer: type(answer).__name__)
+def test_answers_as_json_text_say_what_wire_says(answer: Reply) -> None:
+    """The HTTP answers are serialised by pydantic straight to JSON text; the dict form
+    (`wire`) is what push, the CLI and the OpenAPI examples use: the two must agree."""
+    assert json.loads(answer.wire_json()) == answer.wire()
 
 
 @pytest.mark.parametrize(("error", "status"), [

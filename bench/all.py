@@ -1,0 +1,119 @@
+"""Every benchmark, one after the other, and the README's figures from their results.
+
+    python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,spark]
+        [--out DIR] [--readme README.md] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
+
+Runs each benchmark as its own process with `--json` (a benchmark's driver threads, Spark JVM
+and sidecar never outlive it), keeps each JSON document in `--out`, and renders one Markdown
+section from them. With `--readme` the section replaces what lies between the README's
+`<!-- bench:begin -->` and `<!-- bench:end -->` lines. A failing benchmark does not stop the
+others; the exit code is 1 if any failed. `scripts/bench.sh` runs this on the local stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchlib import cell
+
+HERE = Path(__file__).resolve().parent
+BENCHMARKS = {
+    "engine": "bench_engine.py",
+    "sidecar": "bench_sidecar.py",
+    "rebalance": "bench_rebalance.py",
+    "spark": "bench_spark_scan.py",
+}
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def run(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any] | None:
+    """One benchmark's JSON document, or None when it failed (its stderr is kept in out)."""
+    command = [sys.executable, str(HERE / BENCHMARKS[name]), "--json", "--runs", str(args.runs),
+               "--cassandra", args.cassandra, "--zookeeper", args.zookeeper]
+    if args.smoke:
+        command.append("--smoke")
+    started = time.monotonic()
+    print(f"bench/all: {name} ...", file=sys.stderr, flush=True)
+    with (out / f"{name}.err").open("wb") as errors:
+        try:
+            done = subprocess.run(command, stdout=subprocess.PIPE, stderr=errors, timeout=args.timeout, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"bench/all: {name} timed out after {args.timeout:.0f}s", file=sys.stderr)
+            return None
+    seconds = time.monotonic() - started
+    if done.returncode != 0:
+        print(f"bench/all: {name} failed (exit {done.returncode}, {seconds:.0f}s):\n"
+              f"{(out / f'{name}.err').read_text(errors='replace')[-3000:]}", file=sys.stderr)
+        return None
+    document: dict[str, Any] = json.loads(done.stdout)
+    document["seconds"] = round(seconds, 1)
+    (out / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
+    print(f"bench/all: {name} done in {seconds:.0f}s", file=sys.stderr, flush=True)
+    return document
+
+
+def render(results: dict[str, dict[str, Any]]) -> str:
+    """The README section: one table per benchmark, each figure its median and (min-max)."""
+    lines = []
+    for name, document in results.items():
+        context = ", ".join(f"{key} {value}" for key, value in document["context"].items())
+        runs = document["runs"]
+        lines += ["", f"**{name}** (`bench/{BENCHMARKS[name]}`; {context}; median of {runs} runs, (min-max))", "",
+                  "| figure | value | unit |", "| --- | --- | --- |"]
+        for figure in document["figures"].values():
+            label = figure["label"]
+            indent = "&emsp;" if label.startswith(" ") else ""
+            lines.append(f"| {indent}{label.strip()} | {cell(figure, figure['unit'])} | {figure['unit']} |")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def update_readme(readme: Path, section: str) -> None:
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme} has no {BEGIN} ... {END} section to update")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{BEGIN}\n{section}{END}{tail}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="every benchmark once with small counts")
+    parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated: " + ", ".join(BENCHMARKS))
+    parser.add_argument("--out", type=Path, help="where the JSON documents go (default: a new temporary directory)")
+    parser.add_argument("--readme", type=Path, help="update this README's benchmark section")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per benchmark")
+    parser.add_argument("--cassandra", default=os.environ.get("CASQUE_BENCH_CASSANDRA", "127.0.0.1:9042"))
+    parser.add_argument("--zookeeper", default=os.environ.get("CASQUE_BENCH_ZOOKEEPER", "127.0.0.1:2181"))
+    args = parser.parse_args()
+    names = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmarks: {', '.join(unknown)}")
+    out = args.out or Path(tempfile.mkdtemp(prefix="casque-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    results = {name: document for name in names if (document := run(name, args, out)) is not None}
+    section = render(results)
+    (out / "README-section.md").write_text(section)
+    print(section)
+    print(f"bench/all: results in {out}", file=sys.stderr)
+    failed = [name for name in names if name not in results]
+    if failed:
+        raise SystemExit(f"bench/all: failed: {', '.join(failed)} (README not updated)")
+    if args.readme is not None:
+        update_readme(args.readme, section)
+        print(f"bench/all: updated {args.readme}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
