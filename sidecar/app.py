@@ -35,6 +35,7 @@ from casque.sidecar.openapi import build
 from casque.sidecar.push import PushWorker
 from casque.sidecar.routes import OPERATIONS, add_routes
 from casque.sidecar.runtime import Runtime
+from casque.sidecar.scopes import Scopes, scope_middleware
 from casque.sidecar.service import QueueService, Subscription
 from casque.store import Store
 
@@ -59,6 +60,9 @@ def create_app(settings: SidecarSettings, backends: Settings | None = None, stor
     middlewares: list[Middleware] = [metrics_middleware(metrics), error_middleware, guard_middleware(settings)]
     if settings.token is not None:
         middlewares.append(bearer_middleware(settings.token.get_secret_value()))
+    # After auth (a stranger learns nothing of the scopes), before any body is read.
+    needs = {op.operation_id: op.scope for op in OPERATIONS if op.scope is not None}
+    middlewares.append(scope_middleware(Scopes.of(settings.publish_scope, settings.subscribe_scope), needs))
     middlewares.append(bodies.large_requests)  # after auth: a stranger's uploads hold no slot
     # aiohttp's own limit stays as a backstop behind bodies.py's, which refuses earlier.
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_request_bytes)

@@ -54,6 +54,10 @@ class SidecarSettings(BaseSettings):
     queue: Annotated[str | None, Field(pattern=NAME_PATTERN.pattern)] = None
     # Comma-separated in the environment: CASQUE_SIDECAR_SUBSCRIBERS=billing,audit
     subscribers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Allowlists (casque.sidecar.scopes): queues this pod may publish to, and `queue/subscriber`
+    # (or `queue/*`) it may receive, settle and seek for. Unset: no restriction; empty: none.
+    publish_scope: Annotated[list[str] | None, NoDecode] = None
+    subscribe_scope: Annotated[list[str] | None, NoDecode] = None
     # When set, every call but /healthz, /readyz, /metrics and /openapi.json needs
     # `Authorization: Bearer <token>`. From the environment or `token_file` only: a flag
     # would show in `ps` to every user of the node.
@@ -89,7 +93,7 @@ class SidecarSettings(BaseSettings):
     push_backoff_seconds: Annotated[float, Field(gt=0, le=3600)] = 1.0
     push_max_backoff_seconds: Annotated[float, Field(gt=0, le=12 * 3600)] = 300.0
 
-    @field_validator("subscribers", mode="before")
+    @field_validator("subscribers", "publish_scope", "subscribe_scope", mode="before")
     @classmethod
     def _split_names(cls, value: object) -> object:
         if isinstance(value, str):
@@ -103,6 +107,23 @@ class SidecarSettings(BaseSettings):
             if not NAME_PATTERN.match(name):
                 raise ValueError(f"subscriber name {name!r} must be a DNS label")
         return list(dict.fromkeys(value))
+
+    @field_validator("publish_scope")
+    @classmethod
+    def _valid_queues(cls, value: list[str] | None) -> list[str] | None:
+        for name in value or ():
+            if not NAME_PATTERN.match(name):
+                raise ValueError(f"queue name {name!r} must be a DNS label")
+        return value
+
+    @field_validator("subscribe_scope")
+    @classmethod
+    def _valid_subscriptions(cls, value: list[str] | None) -> list[str] | None:
+        for entry in value or ():
+            queue, _, subscriber = entry.partition("/")
+            if not NAME_PATTERN.match(queue) or not (subscriber == "*" or NAME_PATTERN.match(subscriber)):
+                raise ValueError(f"subscribe scope entry {entry!r} must be queue/subscriber or queue/*")
+        return value
 
     @field_validator("push_retry_statuses", "push_drop_statuses", mode="before")
     @classmethod
