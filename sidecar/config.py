@@ -11,6 +11,7 @@ import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -83,6 +84,14 @@ class SidecarSettings(BaseSettings):
 
     # Push delivery: POST each message to this URL (overrides the Subscriber's pushUrl).
     push_url: str | None = None
+    # Push URLs must name the loopback (the app in the pod) unless this is set: a Subscriber
+    # is written by whoever may edit it, and must not turn the sidecar into a way to send
+    # the queue's messages, with the pod's network identity, anywhere in the cluster.
+    push_allow_remote: bool = False
+    # Sent with every push in the Casque-Push-Token header, so the app can tell a push from
+    # the sidecar from any other request to its endpoint. Unset: a random one per start
+    # (still sent, but the app can only check it when both containers are given the same).
+    push_token: SecretStr | None = None
     push_concurrency: Annotated[int, Field(ge=1, le=1000)] = 8
     push_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 30.0
     # A 2xx acks. A retry status nacks with exponential backoff (connection errors and
@@ -157,6 +166,14 @@ class SidecarSettings(BaseSettings):
                                  f"{'none' if self.token is None else f'{size}'}")
         return self
 
+    @model_validator(mode="after")
+    def _push_rules(self) -> SidecarSettings:
+        if self.push_url is not None:
+            push_target(self.push_url, self.push_allow_remote)
+        if self.push_token is not None and len(self.push_token.get_secret_value().encode()) < MIN_TOKEN_BYTES:
+            raise ValueError(f"the push token needs at least {MIN_TOKEN_BYTES} bytes")
+        return self
+
     @property
     def base_url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -172,3 +189,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+def push_target(url: str, allow_remote: bool) -> str:
+    """`url` if the sidecar may push to it; ValueError saying why not.
+
+    Only a literal loopback address or `localhost` counts as local: a name that merely
+    resolves to 127.0.0.1 today can resolve elsewhere tomorrow.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"push URL {url!r} is not an http(s) URL with a host")
+    if not allow_remote and not is_loopback(parts.hostname):
+        raise ValueError(f"push URL {url!r} is not on the pod's loopback (127.0.0.1, localhost, [::1]); "
+                         "set CASQUE_SIDECAR_PUSH_ALLOW_REMOTE=true to push elsewhere")
+    return url
