@@ -7,7 +7,6 @@ consumes for, and how it pushes and shuts down.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated
@@ -16,13 +15,13 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from casque.loopback import is_loopback
 from casque.schema import NAME_PATTERN
 
 DEFAULT_PORT = 8717
 MiB = 1024 * 1024
 # A token guards a sidecar others can reach; shorter than this it can be guessed.
 MIN_TOKEN_BYTES = 32
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
 _STATUS_RANGE = re.compile(r"^(\d{3})(?:-(\d{3}))?$")
 
 
@@ -178,17 +177,6 @@ class SidecarSettings(BaseSettings):
     def base_url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
-
-
-def is_loopback(host: str) -> bool:
-    """An address (or name) that only the pod itself can reach."""
-    name = host.strip("[]").lower()
-    if name in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def push_target(url: str, allow_remote: bool) -> str:
