@@ -179,6 +179,13 @@ def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings
                     f"container {container.get('name')!r} uses port {request.port}, the sidecar's; "
                     f"choose another with the annotation {PORT}"
                 )
+    if spec.get("hostNetwork") and request.token_secret is None:
+        # With the node's network the sidecar's 127.0.0.1 is the node's: every process and
+        # every hostNetwork pod of the node could publish, receive and seek as this app.
+        raise InvalidInjection(
+            f"the pod uses hostNetwork, so its sidecar would answer every process on the node; "
+            f"give it a token with the annotation {TOKEN_SECRET}, or run the pod without hostNetwork"
+        )
     if any(volume.get("name") == TMP_VOLUME for volume in spec.get("volumes") or []):
         raise InvalidInjection(f"the volume name {TMP_VOLUME!r} is the sidecar's; rename the Pod's volume")
 

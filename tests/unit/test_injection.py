@@ -364,3 +364,13 @@ def test_malformed_scopes_refuse_the_pod(annotations: dict[str, str], message: s
     answer = review(admission(pod({"casque.io/inject": "true", **annotations})), InjectionSettings(), Settings())
     response = answer["response"]
     assert response["allowed"] is False and message in response["status"]["message"]
+
+
+def test_a_host_network_pod_is_refused_without_a_token() -> None:
+    document = pod(ORDERS, hostNetwork=True)
+    answer = review(admission(document), InjectionSettings(), Settings())["response"]
+    assert answer["allowed"] is False and "hostNetwork" in answer["status"]["message"]
+    assert "casque.io/token-secret" in answer["status"]["message"]
+    with_token = injected(pod({**ORDERS, "casque.io/token-secret": "orders-api"}, hostNetwork=True))
+    assert env_of(container(with_token, injection.SIDECAR_NAME))["CASQUE_SIDECAR_TOKEN"]
+    assert plan(pod(ORDERS, hostNetwork=False), InjectionSettings(), Settings())
