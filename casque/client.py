@@ -8,11 +8,18 @@
             queue.ack(message.receipt)
 
 Both retry a call that met a refused connection or a 503 (a backend hiccup, or a sidecar
-starting or draining), with exponential backoff that honours Retry-After. Retrying a
-publish is safe because every publish carries an id: the client makes one when the caller
-gives none, and the sidecar writes an id at most once within its window, answering a
-retry with the first result (`duplicate=True`). Other 4xx answers are not retried; they
-raise `ApiError` with the sidecar's error code.
+starting or draining), with exponential backoff that honours Retry-After: the sidecar did
+nothing. A call that timed out or lost its connection after it was sent may have been
+done, so only calls that can be done twice are sent again: publishes (every publish
+carries an id: the client makes one when the caller gives none, and the sidecar writes an
+id at most once within its window, answering a retry with the first result,
+`duplicate=True`), acks, extends and stats. A receive, nack or seek is not: a second
+receive would hand out more messages while the first ones sit invisible, a second nack or
+seek would act again; they raise `SidecarUnreachable` for the caller to decide. Other 4xx
+answers are not retried; they raise `ApiError` with the sidecar's error code.
+
+The sidecar is on the pod's loopback, so the clients never send to it through a proxy
+(HTTP_PROXY and the like are ignored for loopback URLs).
 
 The sync client uses only the standard library; the async one uses aiohttp.
 """
@@ -27,6 +34,7 @@ import random
 import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -38,6 +46,7 @@ from urllib.parse import quote
 import aiohttp
 
 from casque.errors import CasqueError
+from casque.loopback import is_loopback
 
 DEFAULT_URL = "http://127.0.0.1:8717"
 _MISSING: Any = object()
@@ -208,6 +217,9 @@ class _Call:
     path: str
     body: Mapping[str, Any] | None = None
     timeout: float | None = None
+    # May be sent again after it could have reached the sidecar (a timeout, a lost answer):
+    # doing it twice must do no more than doing it once.
+    resendable: bool = True
 
 
 class _Requests:
@@ -229,6 +241,7 @@ class _Requests:
         self.token = token if token is not None else os.environ.get("CASQUE_SIDECAR_TOKEN")
         self.timeout = timeout
         self.retry = retry
+        self.local = is_loopback(urllib.parse.urlsplit(self.url).hostname or "")
 
     def headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -250,10 +263,11 @@ class _Requests:
 
     # Each call: the request, then a parser of the answer's JSON.
     def publish(self, body: Mapping[str, Any], queue: str | None) -> _Call:
-        return _Call("POST", f"{self._queue_path(queue)}/messages", body)
+        return _Call("POST", f"{self._queue_path(queue)}/messages", body, resendable=bool(body.get("id")))
 
     def publish_batch(self, bodies: Sequence[Mapping[str, Any]], queue: str | None) -> _Call:
-        return _Call("POST", f"{self._queue_path(queue)}/messages/batch", {"messages": list(bodies)})
+        return _Call("POST", f"{self._queue_path(queue)}/messages/batch", {"messages": list(bodies)},
+                     resendable=all(body.get("id") for body in bodies))
 
     def receive(
         self, max: int, wait: float, visibility: float | None, queue: str | None, subscriber: str | None
@@ -262,7 +276,8 @@ class _Requests:
         if visibility is not None:
             body["visibility"] = visibility
         # The long poll must not outlast the HTTP timeout.
-        return _Call("POST", f"{self._subscriber_path(queue, subscriber)}/receive", body, self.timeout + wait)
+        return _Call("POST", f"{self._subscriber_path(queue, subscriber)}/receive", body, self.timeout + wait,
+                     resendable=False)
 
     def settle(
         self, action: str, receipts: Sequence[str], single: bool, extra: Mapping[str, Any],
@@ -270,7 +285,10 @@ class _Requests:
     ) -> _Call:
         body: dict[str, Any] = {"receipt": receipts[0]} if single else {"receipts": list(receipts)}
         body.update(extra)
-        return _Call("POST", f"{self._subscriber_path(queue, subscriber)}/{action}", body)
+        # A second ack answers already_acked and a second extend sets the same deadline;
+        # a second nack would find the message handed out again.
+        return _Call("POST", f"{self._subscriber_path(queue, subscriber)}/{action}", body,
+                     resendable=action != "nack")
 
     def seek(
         self, to: str | None, at: datetime | None, batches: Mapping[int, int] | None,
@@ -282,7 +300,7 @@ class _Requests:
             body = {"batches": {str(shard): batch for shard, batch in batches.items()}}
         else:
             body = {"to": to}
-        return _Call("POST", f"{self._subscriber_path(queue, subscriber)}/seek", body)
+        return _Call("POST", f"{self._subscriber_path(queue, subscriber)}/seek", body, resendable=False)
 
     def queue_stats(self, queue: str | None) -> _Call:
         return _Call("GET", f"{self._queue_path(queue)}/stats")
@@ -338,6 +356,9 @@ class Client:
         retry: RetryPolicy = RetryPolicy(),
     ) -> None:
         self._calls = _Requests(url, queue, subscriber, token, timeout, retry)
+        # No ProxyHandler entries: a proxy from the environment would not reach the pod's loopback.
+        handlers = [urllib.request.ProxyHandler({})] if self._calls.local else []
+        self._opener = urllib.request.build_opener(*handlers)
 
     def __enter__(self) -> Client:
         return self
@@ -354,7 +375,7 @@ class Client:
         for attempt in range(self._calls.retry.attempts):
             request = urllib.request.Request(self._calls.url + call.path, data=data, method=call.method, headers=self._calls.headers())
             try:
-                with urllib.request.urlopen(request, timeout=call.timeout or self._calls.timeout) as answer:
+                with self._opener.open(request, timeout=call.timeout or self._calls.timeout) as answer:
                     return json.loads(answer.read())
             except urllib.error.HTTPError as refused:
                 error = _Requests.error(refused.code, refused.read(), refused.headers.get("Retry-After"))
@@ -363,6 +384,8 @@ class Client:
                 last = error
             except (urllib.error.URLError, ConnectionError, socket.timeout) as failure:
                 last = SidecarUnreachable(f"sidecar at {self._calls.url}: {getattr(failure, 'reason', failure)}")
+                if not call.resendable and not isinstance(getattr(failure, "reason", failure), ConnectionRefusedError):
+                    raise last from failure
             if attempt + 1 < self._calls.retry.attempts:
                 time.sleep(self._calls.retry.delay(attempt, getattr(last, "retry_after", None)))
         assert last is not None
@@ -463,7 +486,8 @@ class AsyncClient:
 
     async def _send(self, call: _Call) -> Any:
         if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._calls.headers())
+            # trust_env stays off: no proxy from the environment for the pod's loopback.
+            self._session = aiohttp.ClientSession(headers=self._calls.headers(), trust_env=not self._calls.local)
         last: Exception | None = None
         timeout = aiohttp.ClientTimeout(total=call.timeout or self._calls.timeout)
         for attempt in range(self._calls.retry.attempts):
@@ -480,6 +504,9 @@ class AsyncClient:
                     last = error
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as failure:
                 last = SidecarUnreachable(f"sidecar at {self._calls.url}: {failure or type(failure).__name__}")
+                # A failed connect sent nothing; anything later may have been done.
+                if not call.resendable and not isinstance(failure, aiohttp.ClientConnectorError):
+                    raise last from failure
             if attempt + 1 < self._calls.retry.attempts:
                 await asyncio.sleep(self._calls.retry.delay(attempt, getattr(last, "retry_after", None)))
         assert last is not None

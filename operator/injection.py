@@ -7,6 +7,8 @@ A Pod opts in with annotations (on the Deployment's pod template, usually):
     casque.io/subscriber: billing      # optional; several, comma-separated
     casque.io/port: "8717"             # optional; the sidecar's port on localhost
     casque.io/token-secret: orders-api # optional; a Secret of the namespace with a `token` key
+    casque.io/publish-scope: orders    # optional; the only queues the pod may publish to
+    casque.io/subscribe-scope: orders/billing  # optional; queue/subscriber (or queue/*) it may consume
 
 `plan` turns such a Pod into the patch that adds the sidecar; `review` answers a whole
 AdmissionReview with it. Both are pure: a Pod in, a patch out, so the rules are tested
@@ -47,6 +49,8 @@ QUEUE = f"{ANNOTATION_PREFIX}queue"
 SUBSCRIBER = f"{ANNOTATION_PREFIX}subscriber"
 PORT = f"{ANNOTATION_PREFIX}port"
 TOKEN_SECRET = f"{ANNOTATION_PREFIX}token-secret"
+PUBLISH_SCOPE = f"{ANNOTATION_PREFIX}publish-scope"
+SUBSCRIBE_SCOPE = f"{ANNOTATION_PREFIX}subscribe-scope"
 
 SIDECAR_NAME = "casque-sidecar"
 TMP_VOLUME = "casque-sidecar-tmp"
@@ -105,6 +109,9 @@ class SidecarRequest:
     subscribers: tuple[str, ...]
     port: int
     token_secret: str | None
+    # None: the annotation is absent, no restriction. Empty: present and empty, nothing allowed.
+    publish_scope: tuple[str, ...] | None = None
+    subscribe_scope: tuple[str, ...] | None = None
 
     @property
     def url(self) -> str:
@@ -135,7 +142,24 @@ def parse_request(annotations: Mapping[str, str]) -> SidecarRequest:
     text = (annotations.get(PORT) or str(DEFAULT_PORT)).strip()
     if not text.isdigit() or not 1 <= int(text) <= 65535:
         raise InvalidInjection(f"annotation {PORT}: {text!r} is not a port number (1-65535)")
-    return SidecarRequest(queue=queue, subscribers=subscribers, port=int(text), token_secret=token_secret)
+    publish_scope = _names(annotations, PUBLISH_SCOPE)
+    for name in publish_scope or ():
+        if not NAME_PATTERN.match(name):
+            raise InvalidInjection(f"annotation {PUBLISH_SCOPE}: {name!r} is not a queue name (a DNS label)")
+    subscribe_scope = _names(annotations, SUBSCRIBE_SCOPE)
+    for entry in subscribe_scope or ():
+        scoped_queue, _, subscriber = entry.partition("/")
+        if not NAME_PATTERN.match(scoped_queue) or not (subscriber == "*" or NAME_PATTERN.match(subscriber)):
+            raise InvalidInjection(f"annotation {SUBSCRIBE_SCOPE}: {entry!r} is not queue/subscriber or queue/*")
+    return SidecarRequest(queue=queue, subscribers=subscribers, port=int(text), token_secret=token_secret,
+                          publish_scope=publish_scope, subscribe_scope=subscribe_scope)
+
+
+def _names(annotations: Mapping[str, str], key: str) -> tuple[str, ...] | None:
+    """A comma-separated annotation; None when it is absent (an empty one is an empty list)."""
+    if key not in annotations:
+        return None
+    return tuple(dict.fromkeys(n.strip() for n in (annotations[key] or "").split(",") if n.strip()))
 
 
 def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings) -> list[dict[str, Any]]:
@@ -155,6 +179,13 @@ def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings
                     f"container {container.get('name')!r} uses port {request.port}, the sidecar's; "
                     f"choose another with the annotation {PORT}"
                 )
+    if spec.get("hostNetwork") and request.token_secret is None:
+        # With the node's network the sidecar's 127.0.0.1 is the node's: every process and
+        # every hostNetwork pod of the node could publish, receive and seek as this app.
+        raise InvalidInjection(
+            f"the pod uses hostNetwork, so its sidecar would answer every process on the node; "
+            f"give it a token with the annotation {TOKEN_SECRET}, or run the pod without hostNetwork"
+        )
     if any(volume.get("name") == TMP_VOLUME for volume in spec.get("volumes") or []):
         raise InvalidInjection(f"the volume name {TMP_VOLUME!r} is the sidecar's; rename the Pod's volume")
 
@@ -207,6 +238,11 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
         env.append({"name": "CASQUE_SIDECAR_SUBSCRIBERS", "value": ",".join(request.subscribers)})
     if request.token_secret is not None:
         env.append(_secret_env("CASQUE_SIDECAR_TOKEN", request.token_secret, "token"))
+    # Only the sidecar gets the scopes: they bind the app, which must not be able to widen them.
+    if request.publish_scope is not None:
+        env.append({"name": "CASQUE_SIDECAR_PUBLISH_SCOPE", "value": ",".join(request.publish_scope)})
+    if request.subscribe_scope is not None:
+        env.append({"name": "CASQUE_SIDECAR_SUBSCRIBE_SCOPE", "value": ",".join(request.subscribe_scope)})
     # The backends the operator itself uses, so that sidecars and operator agree on them.
     env += [
         {"name": "CASQUE_CASSANDRA_CONTACT_POINTS", "value": ",".join(backends.cassandra_contact_points)},

@@ -32,9 +32,10 @@ from casque.sidecar.guards import guard_middleware
 from casque.sidecar.keys import BACKENDS, METRICS, OPENAPI, RUNTIME, SETTINGS
 from casque.sidecar.metrics import SidecarMetrics, metrics_middleware
 from casque.sidecar.openapi import build
-from casque.sidecar.push import PushWorker
+from casque.sidecar.push import PushWorker, push_token
 from casque.sidecar.routes import OPERATIONS, add_routes
 from casque.sidecar.runtime import Runtime
+from casque.sidecar.scopes import Scopes, scope_middleware
 from casque.sidecar.service import QueueService, Subscription
 from casque.store import Store
 
@@ -59,6 +60,9 @@ def create_app(settings: SidecarSettings, backends: Settings | None = None, stor
     middlewares: list[Middleware] = [metrics_middleware(metrics), error_middleware, guard_middleware(settings)]
     if settings.token is not None:
         middlewares.append(bearer_middleware(settings.token.get_secret_value()))
+    # After auth (a stranger learns nothing of the scopes), before any body is read.
+    needs = {op.operation_id: op.scope for op in OPERATIONS if op.scope is not None}
+    middlewares.append(scope_middleware(Scopes.of(settings.publish_scope, settings.subscribe_scope), needs))
     middlewares.append(bodies.large_requests)  # after auth: a stranger's uploads hold no slot
     # aiohttp's own limit stays as a backstop behind bodies.py's, which refuses earlier.
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_request_bytes)
@@ -110,7 +114,8 @@ async def _connect(app: web.Application, lent: Store | None) -> None:
             delay = min(delay * 2, CONNECT_RETRY_MAX_SECONDS)
     runtime.store = store
     service = QueueService(store, app[SETTINGS], app[METRICS])
-    service.on_consumer_started.append(lambda subscription: _start_push(service, subscription))
+    token = push_token(app[SETTINGS])  # one per start: the same for every subscriber's pushes
+    service.on_consumer_started.append(lambda subscription: _start_push(service, subscription, token))
     runtime.service = service
     runtime.problem = ""
     service.start()
@@ -132,14 +137,11 @@ async def _open_store(settings: Settings) -> Store:
         raise
 
 
-def _start_push(service: QueueService, subscription: Subscription) -> None:
-    """Push to the sidecar's push URL, else to the one the Subscriber names, if any."""
+def _start_push(service: QueueService, subscription: Subscription, token: str) -> None:
+    """A push worker per consumer: it pushes while the sidecar or the Subscriber names a URL."""
     consumer = subscription.consumer
     assert consumer is not None and service.queue is not None
-    url = service.settings.push_url or consumer.subscriber_state.spec.push_url
-    if not url:
-        return
-    worker = PushWorker(consumer, service.queue, subscription.name, url, service.settings, service.metrics)
+    worker = PushWorker(consumer, service.queue, subscription.name, service.settings, service.metrics, token)
+    subscription.push = worker
     worker.start()
     service.stoppers.append(worker.stop)
-

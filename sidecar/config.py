@@ -7,21 +7,21 @@ consumes for, and how it pushes and shuts down.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from casque.loopback import is_loopback
 from casque.schema import NAME_PATTERN
 
 DEFAULT_PORT = 8717
 MiB = 1024 * 1024
 # A token guards a sidecar others can reach; shorter than this it can be guessed.
 MIN_TOKEN_BYTES = 32
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
 _STATUS_RANGE = re.compile(r"^(\d{3})(?:-(\d{3}))?$")
 
 
@@ -54,6 +54,10 @@ class SidecarSettings(BaseSettings):
     queue: Annotated[str | None, Field(pattern=NAME_PATTERN.pattern)] = None
     # Comma-separated in the environment: CASQUE_SIDECAR_SUBSCRIBERS=billing,audit
     subscribers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Allowlists (casque.sidecar.scopes): queues this pod may publish to, and `queue/subscriber`
+    # (or `queue/*`) it may receive, settle and seek for. Unset: no restriction; empty: none.
+    publish_scope: Annotated[list[str] | None, NoDecode] = None
+    subscribe_scope: Annotated[list[str] | None, NoDecode] = None
     # When set, every call but /healthz, /readyz, /metrics and /openapi.json needs
     # `Authorization: Bearer <token>`. From the environment or `token_file` only: a flag
     # would show in `ps` to every user of the node.
@@ -79,6 +83,14 @@ class SidecarSettings(BaseSettings):
 
     # Push delivery: POST each message to this URL (overrides the Subscriber's pushUrl).
     push_url: str | None = None
+    # Push URLs must name the loopback (the app in the pod) unless this is set: a Subscriber
+    # is written by whoever may edit it, and must not turn the sidecar into a way to send
+    # the queue's messages, with the pod's network identity, anywhere in the cluster.
+    push_allow_remote: bool = False
+    # Sent with every push in the Casque-Push-Token header, so the app can tell a push from
+    # the sidecar from any other request to its endpoint. Unset: a random one per start
+    # (still sent, but the app can only check it when both containers are given the same).
+    push_token: SecretStr | None = None
     push_concurrency: Annotated[int, Field(ge=1, le=1000)] = 8
     push_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 30.0
     # A 2xx acks. A retry status nacks with exponential backoff (connection errors and
@@ -89,7 +101,7 @@ class SidecarSettings(BaseSettings):
     push_backoff_seconds: Annotated[float, Field(gt=0, le=3600)] = 1.0
     push_max_backoff_seconds: Annotated[float, Field(gt=0, le=12 * 3600)] = 300.0
 
-    @field_validator("subscribers", mode="before")
+    @field_validator("subscribers", "publish_scope", "subscribe_scope", mode="before")
     @classmethod
     def _split_names(cls, value: object) -> object:
         if isinstance(value, str):
@@ -103,6 +115,23 @@ class SidecarSettings(BaseSettings):
             if not NAME_PATTERN.match(name):
                 raise ValueError(f"subscriber name {name!r} must be a DNS label")
         return list(dict.fromkeys(value))
+
+    @field_validator("publish_scope")
+    @classmethod
+    def _valid_queues(cls, value: list[str] | None) -> list[str] | None:
+        for name in value or ():
+            if not NAME_PATTERN.match(name):
+                raise ValueError(f"queue name {name!r} must be a DNS label")
+        return value
+
+    @field_validator("subscribe_scope")
+    @classmethod
+    def _valid_subscriptions(cls, value: list[str] | None) -> list[str] | None:
+        for entry in value or ():
+            queue, _, subscriber = entry.partition("/")
+            if not NAME_PATTERN.match(queue) or not (subscriber == "*" or NAME_PATTERN.match(subscriber)):
+                raise ValueError(f"subscribe scope entry {entry!r} must be queue/subscriber or queue/*")
+        return value
 
     @field_validator("push_retry_statuses", "push_drop_statuses", mode="before")
     @classmethod
@@ -136,18 +165,30 @@ class SidecarSettings(BaseSettings):
                                  f"{'none' if self.token is None else f'{size}'}")
         return self
 
+    @model_validator(mode="after")
+    def _push_rules(self) -> SidecarSettings:
+        if self.push_url is not None:
+            push_target(self.push_url, self.push_allow_remote)
+        if self.push_token is not None and len(self.push_token.get_secret_value().encode()) < MIN_TOKEN_BYTES:
+            raise ValueError(f"the push token needs at least {MIN_TOKEN_BYTES} bytes")
+        return self
+
     @property
     def base_url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
 
-def is_loopback(host: str) -> bool:
-    """An address (or name) that only the pod itself can reach."""
-    name = host.strip("[]").lower()
-    if name in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
+def push_target(url: str, allow_remote: bool) -> str:
+    """`url` if the sidecar may push to it; ValueError saying why not.
+
+    Only a literal loopback address or `localhost` counts as local: a name that merely
+    resolves to 127.0.0.1 today can resolve elsewhere tomorrow.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"push URL {url!r} is not an http(s) URL with a host")
+    if not allow_remote and not is_loopback(parts.hostname):
+        raise ValueError(f"push URL {url!r} is not on the pod's loopback (127.0.0.1, localhost, [::1]); "
+                         "set CASQUE_SIDECAR_PUSH_ALLOW_REMOTE=true to push elsewhere")
+    return url

@@ -103,6 +103,13 @@ class CrossOrigin(SidecarError):
     status = 403
 
 
+class OutOfScope(SidecarError):
+    """The pod's scopes (casque.sidecar.scopes) do not include this queue or subscriber."""
+
+    code = "out_of_scope"
+    status = 403
+
+
 class NotReady(SidecarError):
     """Starting, or shutting down: try again (on this sidecar, or on the next pod)."""
 

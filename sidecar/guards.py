@@ -23,8 +23,9 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from casque.loopback import is_loopback
 from casque.sidecar.bodies import too_large
-from casque.sidecar.config import SidecarSettings, is_loopback
+from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import CrossOrigin, ForeignHost, UnsupportedMediaType
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -20,6 +20,7 @@ REF = "#/components/schemas/{model}"
 _REASONS = {
     400: "Bad input: invalid JSON, a missing or unknown field, a malformed receipt, a position out of range",
     401: "Missing or wrong bearer token",
+    403: "Outside the pod's publish or subscribe scope (out_of_scope)",
     404: "No such queue or subscriber, or a subscriber this sidecar does not consume for",
     409: "Stale receipt: the delivery expired, was settled, or the message was handed out again",
     413: "A message larger than the queue allows, or a request body over the sidecar's limit",

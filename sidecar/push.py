@@ -17,6 +17,17 @@ keeps in the message's history for the dead-letter queue.
 
 At most `push_concurrency` pushes run at once; a slot frees when the app answers. The
 visibility timeout covers the push timeout, so a slow app is not raced by a redelivery.
+
+What a push trusts: the URL must name the loopback unless `push_allow_remote` is set
+(config.push_target); redirects are answered as statuses, never followed, so a loopback
+app cannot bounce messages elsewhere; at most `MAX_ANSWER_BYTES` of an answer are read
+(an endless answer cannot hold a slot until the timeout, nor fill memory). Every push
+carries the `Casque-Push-Token` header.
+
+The URL and the visibility are read from the Subscriber as it is now (the consumer watches
+its znode), so editing pushUrl starts, moves or stops pushing without a restart. Without
+a URL the worker idles, checking once per RECEIVE_WAIT_SECONDS: a read of memory, not of
+a backend.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import asyncio
 import json
 import logging
 import random
+import secrets
 import time
 
 import aiohttp
@@ -33,13 +45,17 @@ from casque.engine.consumer import Consumer
 from casque.engine.messages import Delivery
 from casque.errors import CasqueError, InvalidSpec, StaleReceipt
 from casque.schema import QueueRef
-from casque.sidecar.config import SidecarSettings
+from casque.sidecar.config import SidecarSettings, push_target
 from casque.sidecar.metrics import SidecarMetrics
 from casque.sidecar.models import envelope
 
 log = logging.getLogger(__name__)
 
 CLOUDEVENTS_JSON = "application/cloudevents+json"
+PUSH_TOKEN_HEADER = "Casque-Push-Token"
+# Enough of an answer to quote in the nack reason; the rest is never read.
+MAX_ANSWER_BYTES = 4096
+QUOTED_ANSWER_CHARS = 200
 # Receives wait at most this long, so a stopping worker notices soon.
 RECEIVE_WAIT_SECONDS = 1.0
 # A push may take the whole push timeout; the message stays invisible a little longer.
@@ -57,6 +73,13 @@ def backoff(delivery_count: int, base: float, ceiling: float) -> float:
     return delay / 2 + random.uniform(0, delay / 2)
 
 
+def push_token(settings: SidecarSettings) -> str:
+    """The configured push token, else a fresh random one (call once per sidecar start)."""
+    if settings.push_token is not None:
+        return settings.push_token.get_secret_value()
+    return secrets.token_urlsafe(32)
+
+
 def classify(status: int | None, settings: SidecarSettings) -> str:
     """ack, retry or drop for an HTTP status (None: no answer at all)."""
     if status is not None and 200 <= status < 300:
@@ -69,32 +92,54 @@ def classify(status: int | None, settings: SidecarSettings) -> str:
 
 
 class PushWorker:
+    """Pushes one subscriber's messages while it has a push URL; idles while it has none."""
+
     def __init__(
         self,
         consumer: Consumer,
         queue: QueueRef,
         subscriber: str,
-        url: str,
         settings: SidecarSettings,
         metrics: SidecarMetrics,
+        token: str,
     ) -> None:
         self.consumer = consumer
         self.queue = queue
         self.subscriber = subscriber
-        self.url = url
         self.settings = settings
         self.metrics = metrics
+        self.token = token
+        # Why the subscriber's push URL is not used ("" when it is, or there is none); readiness shows it.
+        self.problem = ""
         self._active: set[asyncio.Task[None]] = set()
         self._slot_free = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._url: str | None = None
 
     def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.push_timeout_seconds)
         self._session = aiohttp.ClientSession(timeout=timeout)
         self._task = asyncio.get_running_loop().create_task(self._run())
-        log.info("pushing %s/%s to %s", self.queue, self.subscriber, self.url)
+
+    def current_url(self) -> str | None:
+        """The sidecar's push URL, else the Subscriber's as it is now; None: do not push."""
+        url = self.settings.push_url or self.consumer.subscriber_state.spec.push_url
+        if url != self._url:
+            self._url = url
+            self.problem = ""
+            if url:
+                try:
+                    push_target(url, self.settings.push_allow_remote)
+                except ValueError as error:
+                    self.problem = f"not pushing: {error}"
+                    log.error("%s/%s: %s", self.queue, self.subscriber, self.problem)
+                else:
+                    log.info("pushing %s/%s to %s", self.queue, self.subscriber, url)
+            else:
+                log.info("not pushing %s/%s: no push URL", self.queue, self.subscriber)
+        return url if url and not self.problem else None
 
     @property
     def visibility(self) -> float:
@@ -104,7 +149,11 @@ class PushWorker:
 
     async def _run(self) -> None:
         limit = self.settings.push_concurrency
-        while not self._stopping:
+        while not self._stopping and not self.consumer.gone_reason:
+            url = self.current_url()
+            if url is None:
+                await asyncio.sleep(RECEIVE_WAIT_SECONDS)
+                continue
             free = limit - len(self._active)
             if free <= 0:
                 self._slot_free.clear()
@@ -121,7 +170,7 @@ class PushWorker:
             if deliveries:
                 self.metrics.received.labels(self.queue.name, self.subscriber).inc(len(deliveries))
             for delivery in deliveries:
-                task = asyncio.get_running_loop().create_task(self._push(delivery))
+                task = asyncio.get_running_loop().create_task(self._push(delivery, url))
                 self._active.add(task)
                 task.add_done_callback(self._finished)
 
@@ -131,25 +180,29 @@ class PushWorker:
         if not task.cancelled() and task.exception() is not None:
             log.error("push task failed", exc_info=task.exception())
 
-    async def _push(self, delivery: Delivery) -> None:
+    async def _push(self, delivery: Delivery, url: str) -> None:
         assert self._session is not None
         body = json.dumps(envelope(delivery, self.queue).wire()).encode()
+        headers = {"Content-Type": CLOUDEVENTS_JSON, PUSH_TOKEN_HEADER: self.token}
         started = time.perf_counter()
         status: int | None = None
         failure = ""
+        answer = b""
         try:
-            async with self._session.post(self.url, data=body, headers={"Content-Type": CLOUDEVENTS_JSON}) as reply:
+            async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as reply:
                 status = reply.status
-                await reply.read()
+                answer = await read_capped(reply, MAX_ANSWER_BYTES)
         except (aiohttp.ClientError, TimeoutError) as error:
-            failure = f"push to {self.url} failed: {error or type(error).__name__}"
+            failure = f"push to {url} failed: {error or type(error).__name__}"
             log.info("push of %s failed: %s", delivery.message.message_id, failure)
         finally:
             self.metrics.push_latency.labels(self.subscriber).observe(time.perf_counter() - started)
         outcome = classify(status, self.settings)
         self.metrics.pushes.labels(self.subscriber, outcome).inc()
+        quoted = answer[:QUOTED_ANSWER_CHARS].decode("utf-8", "replace").strip()
+        reason = failure or f"push to {url}: HTTP {status}" + (f": {quoted}" if quoted else "")
         try:
-            await self._settle(delivery, outcome, failure or f"push to {self.url}: HTTP {status}")
+            await self._settle(delivery, outcome, reason)
         except StaleReceipt:
             # The visibility ran out (or the shard moved) while the app was busy: the
             # message is someone else's now, and will be pushed again from there.
@@ -194,3 +247,18 @@ class PushWorker:
             await asyncio.gather(*late, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+
+
+async def read_capped(reply: aiohttp.ClientResponse, limit: int) -> bytes:
+    """At most `limit` bytes of an answer; the connection is closed if more would follow."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = await reply.content.read(limit - size)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+    if not reply.content.at_eof():
+        reply.close()  # not reused: the rest of the answer would still be on the wire
+    return b"".join(chunks)

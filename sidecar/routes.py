@@ -41,6 +41,7 @@ from casque.sidecar.models import (
     receive_body,
     wall_clock,
 )
+from casque.sidecar.scopes import Scope
 from casque.sidecar.service import QueueService
 
 B = TypeVar("B", bound=Body)
@@ -62,6 +63,8 @@ class Operation:
     # HTTP statuses (besides 200) with an error body that this operation answers with.
     errors: tuple[int, ...]
     body_optional: bool = False
+    # Which of the pod's scopes (casque.sidecar.scopes) must include the path's queue or subscriber.
+    scope: Scope | None = None
 
 
 def _service(request: web.Request) -> QueueService:
@@ -189,30 +192,30 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[OPENAPI])
 
 
-_CONSUMER_ERRORS = (400, 404, 409, 503)
+_CONSUMER_ERRORS = (400, 403, 404, 409, 503)
 
 OPERATIONS: tuple[Operation, ...] = (
     Operation("publish", "POST", f"{QUEUE_PATH}/messages", publish,
               "Publish one message (answered after it is written)", PublishMessage, PublishResult,
-              (400, 404, 413, 503)),
+              (400, 403, 404, 413, 503), scope="publish"),
     Operation("publishBatch", "POST", f"{QUEUE_PATH}/messages/batch", publish_batch,
               "Publish several messages, all or none", PublishBatchRequest, PublishBatchResult,
-              (400, 404, 413, 503)),
+              (400, 403, 404, 413, 503), scope="publish"),
     Operation("receive", "POST", f"{SUBSCRIBER_PATH}/receive", receive,
               "Receive up to `max` messages, waiting up to `wait` seconds for the first",
-              ReceiveRequest, ReceiveResult, (400, 404, 503), body_optional=True),
+              ReceiveRequest, ReceiveResult, (400, 403, 404, 503), body_optional=True, scope="subscribe"),
     Operation("ack", "POST", f"{SUBSCRIBER_PATH}/ack", ack,
               "Acknowledge deliveries: they are done and never delivered again", AckRequest, ReceiptResults,
-              _CONSUMER_ERRORS),
+              _CONSUMER_ERRORS, scope="subscribe"),
     Operation("nack", "POST", f"{SUBSCRIBER_PATH}/nack", nack,
               "Hand deliveries back, to be delivered again after `delay` seconds", NackRequest, ReceiptResults,
-              _CONSUMER_ERRORS),
+              _CONSUMER_ERRORS, scope="subscribe"),
     Operation("extendVisibility", "POST", f"{SUBSCRIBER_PATH}/extend", extend_visibility,
               "Keep deliveries invisible for `visibility` more seconds", ExtendRequest, ReceiptResults,
-              _CONSUMER_ERRORS),
+              _CONSUMER_ERRORS, scope="subscribe"),
     Operation("seek", "POST", f"{SUBSCRIBER_PATH}/seek", seek,
               "Move a subscriber to the earliest or latest message, a time, or given batches",
-              SeekRequest, SeekResult, (400, 404, 503)),
+              SeekRequest, SeekResult, (400, 403, 404, 503), scope="subscribe"),
     Operation("queueStats", "GET", f"{QUEUE_PATH}/stats", queue_stats,
               "Messages and bytes published, per shard and in total", None, QueueStatsResult, (404, 503)),
     Operation("subscriberStats", "GET", f"{SUBSCRIBER_PATH}/stats", subscriber_stats,

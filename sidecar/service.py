@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kazoo.client import KazooState
 from kazoo.exceptions import NoNodeError
@@ -52,6 +52,9 @@ from casque.sidecar.metrics import SidecarMetrics
 from casque.sidecar.models import SeekRequest
 from casque.specs import QueueState
 from casque.store import Store
+
+if TYPE_CHECKING:
+    from casque.sidecar.push import PushWorker
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,7 @@ class Subscription:
     name: str
     consumer: Consumer | None = None
     problem: str = "starting"
+    push: PushWorker | None = None
 
 
 class QueueService:
@@ -438,6 +442,9 @@ class QueueService:
                 healthy, detail = False, f"cannot read members: {error}"
             checks[f"subscriber/{name}"] = detail
             checks[f"member/{name}"] = consumer.member_id
+            if subscription.push is not None and subscription.push.problem:
+                # Reported, not counted: the app can still receive, and a restart would not fix it.
+                checks[f"push/{name}"] = subscription.push.problem
             ready = ready and healthy
         return ready, checks
 

@@ -446,6 +446,32 @@ async def test_bearer_token(store: Store, make_sidecar: MakeSidecar) -> None:
     assert document["security"] == [{"bearer": []}]
 
 
+async def test_scopes_refuse_other_queues_and_subscribers_with_403(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, subscribers=(SUBSCRIBER, "shipping"))
+    create_queue(store, "audit", subscribers=("reader",))
+    client = await make_sidecar(subscribers=(SUBSCRIBER, "shipping"), publish_scope=[QUEUE],
+                                subscribe_scope=[f"{QUEUE}/{SUBSCRIBER}"])
+    await call(client, f"{BASE}/messages", {"data": 1})
+    for path, body in (("/v1/queues/audit/messages", {"data": 2}),
+                       ("/v1/queues/audit/messages/batch", {"messages": [{"data": 3}]})):
+        assert await error_code(await client.post(path, json=body), 403) == "out_of_scope"
+    assert (await call(client, "/v1/queues/audit/stats"))["publishedMessages"] == 0  # nothing written
+
+    (message,) = await receive_all(client, 1, ack=False)
+    other = f"{BASE}/subscribers/shipping"
+    for operation, body in (("receive", {}), ("ack", {"receipt": message["receipt"]}),
+                            ("nack", {"receipt": message["receipt"]}),
+                            ("extend", {"receipt": message["receipt"], "visibility": 5}),
+                            ("seek", {"to": "latest"})):
+        response = await client.post(f"{other}/{operation}", json=body)
+        assert await error_code(response, 403) == "out_of_scope", operation
+    seek_audit = await client.post("/v1/queues/audit/subscribers/reader/seek", json={"to": "latest"})
+    assert await error_code(seek_audit, 403) == "out_of_scope"
+    await call(client, f"{other}/stats")  # reading stats is not consuming
+    await call(client, f"{SUB}/seek", {"to": "earliest"})
+    await call(client, f"{SUB}/ack", {"receipt": message["receipt"]})
+
+
 async def test_not_ready_until_the_subscriber_exists(store: Store, make_sidecar: MakeSidecar) -> None:
     create_queue(store, subscribers=())
     client = await make_sidecar(ready=False)

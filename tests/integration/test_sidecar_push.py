@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -87,3 +89,148 @@ async def test_push_acks_2xx_retries_failures_with_backoff_and_keeps_dropped_mes
     failures = sum(1 for v in range(COUNT) if v % 3 == 0 or v % 5 == 0)
     assert outcomes["ack"] == COUNT and outcomes["retry"] == failures and (outcomes["drop"] or 0) >= 2
 
+
+
+PUSH_TOKEN = "p" * 40
+
+
+async def _readyz_checks(client: Any) -> dict[str, str]:
+    return dict((await (await client.get("/readyz")).json()).get("checks") or {})
+
+
+async def _until(condition: Any, limit_s: float = 60.0) -> None:
+    """Wait for a condition, checking often; fail if it never holds."""
+    deadline = time.monotonic() + limit_s
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+async def test_pushes_carry_the_token_and_redirects_are_answers_not_followed(
+    store: Store, aiohttp_server: Any, aiohttp_client: Any
+) -> None:
+    tokens: list[str | None] = []
+    deliveries: list[int] = []
+    settled = asyncio.Event()
+    followed = asyncio.Event()
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        tokens.append(request.headers.get("Casque-Push-Token"))
+        deliveries.append((await request.json())["deliverycount"])
+        if len(deliveries) == 1:
+            raise web.HTTPTemporaryRedirect("/elsewhere")  # 307 keeps the POST when followed
+        settled.set()
+        return web.Response(status=204)
+
+    async def elsewhere(request: web.Request) -> web.StreamResponse:
+        followed.set()
+        settled.set()
+        return web.Response(status=204)
+
+    target = web.Application()
+    target.router.add_post("/events", events)
+    target.router.add_post("/elsewhere", elsewhere)
+    server = await aiohttp_server(target)
+    catalog.apply_queue(store, REF, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE, start_position="earliest", push_url=str(server.make_url("/events"))))
+    settings = SidecarSettings(queue=QUEUE, subscribers=[SUBSCRIBER], drain_seconds=1, push_token=PUSH_TOKEN,
+                               push_backoff_seconds=0.05, push_max_backoff_seconds=0.1)
+    client = await aiohttp_client(create_app(settings, Settings(), store))
+    assert (await client.post(f"/v1/queues/{QUEUE}/messages", json={"data": 1})).status == 200
+
+    await asyncio.wait_for(settled.wait(), 60)
+    assert not followed.is_set()
+    assert deliveries == [1, 2]  # the 3xx was retried like any non-2xx, at the same URL
+    assert tokens == [PUSH_TOKEN, PUSH_TOKEN]
+
+
+async def test_an_endless_answer_is_read_only_up_to_the_cap(
+    store: Store, aiohttp_server: Any, aiohttp_client: Any
+) -> None:
+    deliveries: list[int] = []
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        deliveries.append((await request.json())["deliverycount"])
+        response = web.StreamResponse(status=200)
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            while True:  # until the sidecar hangs up
+                await response.write(b"x" * 65536)
+        return response
+
+    target = web.Application()
+    target.router.add_post("/events", events)
+    server = await aiohttp_server(target)
+    catalog.apply_queue(store, REF, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE, start_position="earliest", push_url=str(server.make_url("/events"))))
+    settings = SidecarSettings(queue=QUEUE, subscribers=[SUBSCRIBER], drain_seconds=1, push_timeout_seconds=3,
+                               push_backoff_seconds=0.05, push_max_backoff_seconds=0.1)
+    client = await aiohttp_client(create_app(settings, Settings(), store))
+    assert (await client.post(f"/v1/queues/{QUEUE}/messages", json={"data": 1})).status == 200
+    metrics = client.app[METRICS]
+
+    def pushes(outcome: str) -> float:
+        return metrics.registry.get_sample_value(
+            "casque_sidecar_push_deliveries_total", {"subscriber": SUBSCRIBER, "outcome": outcome}) or 0.0
+
+    async def settled() -> bool:
+        return pushes("ack") + pushes("retry") > 0
+
+    await _until(settled)
+    assert pushes("ack") == 1 and pushes("retry") == 0  # a 200 whose answer never ends still acks
+    assert deliveries == [1]
+
+
+async def test_push_url_changes_apply_without_a_restart_and_remote_urls_are_refused(
+    store: Store, aiohttp_server: Any, aiohttp_client: Any
+) -> None:
+    pushed = asyncio.Event()
+    values: list[Any] = []
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        values.append((await request.json())["data"])
+        pushed.set()
+        return web.Response(status=204)
+
+    target = web.Application()
+    target.router.add_post("/events", events)
+    server = await aiohttp_server(target)
+    catalog.apply_queue(store, REF, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    spec = SubscriberSpec(queue=QUEUE, start_position="earliest")
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, spec)
+    settings = SidecarSettings(queue=QUEUE, subscribers=[SUBSCRIBER], drain_seconds=1)
+    client = await aiohttp_client(create_app(settings, Settings(), store))
+
+    async def ready() -> bool:
+        return (await client.get("/readyz")).status == 200
+
+    await _until(ready)
+    # A remote URL is refused (and said so in readiness); the app can still pull.
+    remote = "http://192.0.2.1:8080/events"
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, spec.model_copy(update={"push_url": remote}))
+
+    async def refused() -> bool:
+        return "not on the pod's loopback" in (await _readyz_checks(client)).get(f"push/{SUBSCRIBER}", "")
+
+    await _until(refused)
+    assert (await client.post(f"/v1/queues/{QUEUE}/messages", json={"data": "pulled"})).status == 200
+    got = await (await client.post(f"/v1/queues/{QUEUE}/subscribers/{SUBSCRIBER}/receive",
+                                   json={"max": 1, "wait": 10})).json()
+    assert [m["data"] for m in got["messages"]] == ["pulled"]
+    acked = await client.post(f"/v1/queues/{QUEUE}/subscribers/{SUBSCRIBER}/ack",
+                              json={"receipt": got["messages"][0]["receipt"]})
+    assert acked.status == 200
+
+    # Pointing the Subscriber at the app starts pushing, with no restart.
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, spec.model_copy(
+        update={"push_url": str(server.make_url("/events"))}))
+
+    async def accepted() -> bool:
+        return f"push/{SUBSCRIBER}" not in await _readyz_checks(client)
+
+    await _until(accepted)
+    assert (await client.post(f"/v1/queues/{QUEUE}/messages", json={"data": "pushed"})).status == 200
+    await asyncio.wait_for(pushed.wait(), 60)
+    assert values == ["pushed"]

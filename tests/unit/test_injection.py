@@ -323,3 +323,54 @@ def test_the_manual_form_in_the_deploy_guide_is_what_the_webhook_injects() -> No
     request = injection.parse_request({"casque.io/queue": "orders", "casque.io/subscriber": "billing"})
     assert documented["initContainers"] == [injection.sidecar_container(request, settings, backends)]
     assert documented["volumes"] == [{"name": injection.TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}}]
+
+
+# --- scopes ---------------------------------------------------------------------------------
+
+
+def test_scope_annotations_reach_the_sidecar_only() -> None:
+    annotations = {**ORDERS, "casque.io/publish-scope": "orders, audit,orders",
+                   "casque.io/subscribe-scope": "orders/billing,audit/*"}
+    result = injected(pod(annotations))
+    env = env_of(container(result, injection.SIDECAR_NAME))
+    assert env["CASQUE_SIDECAR_PUBLISH_SCOPE"] == "orders,audit"
+    assert env["CASQUE_SIDECAR_SUBSCRIBE_SCOPE"] == "orders/billing,audit/*"
+    settings = SidecarSettings(publish_scope=env["CASQUE_SIDECAR_PUBLISH_SCOPE"],
+                               subscribe_scope=env["CASQUE_SIDECAR_SUBSCRIBE_SCOPE"])
+    assert settings.publish_scope == ["orders", "audit"] and settings.subscribe_scope == ["orders/billing", "audit/*"]
+    app_env = env_of(container(result, "app"))
+    assert "CASQUE_SIDECAR_PUBLISH_SCOPE" not in app_env and "CASQUE_SIDECAR_SUBSCRIBE_SCOPE" not in app_env
+
+
+def test_absent_scopes_restrict_nothing_and_empty_ones_allow_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    absent = env_of(container(injected(pod(ORDERS)), injection.SIDECAR_NAME))
+    assert "CASQUE_SIDECAR_PUBLISH_SCOPE" not in absent and "CASQUE_SIDECAR_SUBSCRIBE_SCOPE" not in absent
+    empty = env_of(container(injected(pod({**ORDERS, "casque.io/publish-scope": ""})), injection.SIDECAR_NAME))
+    assert empty["CASQUE_SIDECAR_PUBLISH_SCOPE"] == ""
+    monkeypatch.setenv("CASQUE_SIDECAR_PUBLISH_SCOPE", "")
+    settings = SidecarSettings()
+    assert settings.publish_scope == [] and settings.subscribe_scope is None
+
+
+@pytest.mark.parametrize(
+    ("annotations", "message"),
+    [
+        ({"casque.io/publish-scope": "Orders"}, "casque.io/publish-scope: 'Orders' is not a queue name"),
+        ({"casque.io/subscribe-scope": "billing"}, "casque.io/subscribe-scope: 'billing' is not queue/subscriber"),
+        ({"casque.io/subscribe-scope": "orders/b_c"}, "'orders/b_c' is not queue/subscriber or queue/*"),
+    ],
+)
+def test_malformed_scopes_refuse_the_pod(annotations: dict[str, str], message: str) -> None:
+    answer = review(admission(pod({"casque.io/inject": "true", **annotations})), InjectionSettings(), Settings())
+    response = answer["response"]
+    assert response["allowed"] is False and message in response["status"]["message"]
+
+
+def test_a_host_network_pod_is_refused_without_a_token() -> None:
+    document = pod(ORDERS, hostNetwork=True)
+    answer = review(admission(document), InjectionSettings(), Settings())["response"]
+    assert answer["allowed"] is False and "hostNetwork" in answer["status"]["message"]
+    assert "casque.io/token-secret" in answer["status"]["message"]
+    with_token = injected(pod({**ORDERS, "casque.io/token-secret": "orders-api"}, hostNetwork=True))
+    assert env_of(container(with_token, injection.SIDECAR_NAME))["CASQUE_SIDECAR_TOKEN"]
+    assert plan(pod(ORDERS, hostNetwork=False), InjectionSettings(), Settings())

@@ -1,0 +1,114 @@
+"""The Python client: what it sends again after a timeout, and that it ignores proxies for the loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from casque.client import AsyncClient, Client, RetryPolicy, SidecarUnreachable
+
+RESULTS = {"results": [{"receipt": "r", "status": "acked"}]}
+
+
+class Sidecar:
+    """A stand-in that counts requests per path and holds each one until released (or answers at once)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.release = threading.Event()
+        self.hold = True
+        sidecar = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                action = self.path.rsplit("/", 1)[-1]
+                sidecar.calls[action] = sidecar.calls.get(action, 0) + 1
+                if sidecar.hold:
+                    sidecar.release.wait(30)  # the client times out first: its answer is lost
+                body = json.dumps({"messages": []} if action == "receive" else RESULTS).encode()
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:
+                    pass
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def sidecar() -> Iterator[Sidecar]:
+    running = Sidecar()
+    yield running
+    running.close()
+
+
+RETRY = RetryPolicy(attempts=3, backoff=0.01, max_backoff=0.01)
+
+
+def test_after_a_timeout_receive_nack_and_seek_are_not_sent_again_but_acks_are(sidecar: Sidecar) -> None:
+    client = Client(sidecar.url, queue="q", subscriber="s", timeout=0.3, retry=RETRY)
+    for call in (lambda: client.receive(wait=0), lambda: client.nack("r"), lambda: client.seek("latest")):
+        with pytest.raises(SidecarUnreachable):
+            call()
+    with pytest.raises(SidecarUnreachable):
+        client.ack("r")
+    assert sidecar.calls == {"receive": 1, "nack": 1, "seek": 1, "ack": 3}
+
+
+def test_the_async_client_too(sidecar: Sidecar) -> None:
+    async def calls() -> None:
+        async with AsyncClient(sidecar.url, queue="q", subscriber="s", timeout=0.3, retry=RETRY) as client:
+            for call in (client.receive(wait=0), client.nack("r"), client.seek("latest"), client.ack("r")):
+                with pytest.raises(SidecarUnreachable):
+                    await call
+
+    asyncio.run(calls())
+    assert sidecar.calls == {"receive": 1, "nack": 1, "seek": 1, "ack": 3}
+
+
+def test_a_refused_connection_is_retried_for_every_call() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    client = Client(f"http://127.0.0.1:{port}", queue="q", subscriber="s", retry=RETRY)
+    with pytest.raises(SidecarUnreachable):
+        client.receive()  # three refusals, then the error (nothing was sent, so retrying was safe)
+
+
+def test_proxies_from_the_environment_are_not_used_for_the_loopback(
+    sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sidecar.hold = False
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://192.0.2.1:3128")  # unroutable: a proxied call would fail
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert Client(sidecar.url, queue="q", subscriber="s", timeout=5, retry=RETRY).receive() == []
+
+    async def receive() -> list[Any]:
+        async with AsyncClient(sidecar.url, queue="q", subscriber="s", timeout=5, retry=RETRY) as client:
+            return await client.receive()
+
+    assert asyncio.run(receive()) == []
