@@ -33,7 +33,7 @@ from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
 from bench_sidecar import start_sidecar, wait_ready
-from benchlib import arguments, drop_scratch, scratch_settings
+from benchlib import arguments, drop_scratch, scratch_settings, sidecar_url
 
 LIMIT_MIB = 200
 MiB = 1024 * 1024
@@ -86,7 +86,8 @@ async def main() -> None:
         catalog.apply_queue(store, queue, QueueSpec(shards=4, retention_seconds=3600, consistency="ONE",
                                                     max_message_bytes=MiB))
         catalog.apply_subscriber(store, queue, queue.name, SubscriberSpec(queue=queue.name, start_position="earliest"))
-        process, url = start_sidecar(settings, queue.name, queue.name, log)
+        process = start_sidecar(settings, queue.name, queue.name, log)
+        url = await asyncio.to_thread(sidecar_url, process, log)
         await wait_ready(url, process, log)
         publish, sub = f"/v1/queues/{queue.name}/messages", f"/v1/queues/{queue.name}/subscribers/{queue.name}"
         peaks.append(("ready, idle", peak_rss_mib(process.pid)))

@@ -31,8 +31,13 @@ READ_ROWS = 2000
 # A read asks for rows a page at a time and stops once this much payload is in: the rows of
 # a read all sit in memory at once (a sidecar's budget), and READ_ROWS of large messages
 # would be tens of MiB. Far above a batch's size, so a read always returns a whole batch.
-READ_BYTES = 4 * 1024 * 1024
-READ_PAGE_ROWS = 200
+READ_BYTES = 2 * 1024 * 1024
+# Pages are sized from the rows a shard's last read returned, to about READ_PAGE_BYTES: a
+# page of large messages is itself all in memory at once. The first read of a shard, with
+# nothing to go by, asks for FIRST_PAGE_ROWS.
+READ_PAGE_BYTES = 512 * 1024
+FIRST_PAGE_ROWS = 50
+MIN_PAGE_ROWS, MAX_PAGE_ROWS = 10, 1000
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,8 @@ class Log:
             f"SELECT * FROM {table} WHERE shard = ? AND bucket = ? AND batch_no >= ? LIMIT {READ_ROWS}"
         )
         self._read_from.consistency_level = self.consistency
-        self._read_from.fetch_size = READ_PAGE_ROWS
+        # Mean row bytes of each shard's last read (see page_rows).
+        self._row_bytes: dict[int, float] = {}
 
     async def claim(
         self,
@@ -149,7 +155,9 @@ class Log:
         open_batch: tuple[Header, list[StoredMessage]] | None = None
         count = size = 0
         cut = False
-        async for page in cql.pages(self.store.session, self._read_from, (shard, bucket_of(first_batch), first_batch)):
+        read = self._read_from.bind((shard, bucket_of(first_batch), first_batch))
+        read.fetch_size = self.page_rows(shard)
+        async for page in cql.pages(self.store.session, read):
             for row in page:
                 count += 1
                 size += len(row.payload or b"")
@@ -166,6 +174,8 @@ class Log:
             if size >= READ_BYTES:
                 cut = True
                 break
+        if count:
+            self._row_bytes[shard] = size / count
         if open_batch is not None:
             header, messages = open_batch
             # A read cut at the row or byte limit may have cut the last batch; it is read
@@ -173,6 +183,14 @@ class Log:
             if len(messages) == header.message_count or not (cut or count >= READ_ROWS):
                 batches.append(Batch(header, messages))
         return batches
+
+
+    def page_rows(self, shard: int) -> int:
+        """Rows per page for the next read of `shard`: about READ_PAGE_BYTES of its rows."""
+        mean = self._row_bytes.get(shard)
+        if mean is None:
+            return FIRST_PAGE_ROWS
+        return max(MIN_PAGE_ROWS, min(MAX_PAGE_ROWS, int(READ_PAGE_BYTES / max(mean, 1.0))))
 
 
 def _message_from_row(shard: int, row: Any) -> StoredMessage:
