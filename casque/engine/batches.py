@@ -97,7 +97,7 @@ class Log:
             f"SELECT * FROM {table} WHERE shard = ? AND bucket = ? AND batch_no >= ? LIMIT {READ_ROWS}"
         )
         self._read_from.consistency_level = self.consistency
-        # Mean row bytes of each shard's last read (see page_rows).
+        # Mean payload bytes of the rows of each shard's last read (see page_rows).
         self._row_bytes: dict[int, float] = {}
 
     async def claim(
@@ -156,7 +156,7 @@ class Log:
         count = size = 0
         cut = False
         read = self._read_from.bind((shard, bucket_of(first_batch), first_batch))
-        read.fetch_size = self.page_rows(shard)
+        read.fetch_size = page_rows(self._row_bytes.get(shard))
         async for page in cql.pages(self.store.session, read):
             for row in page:
                 count += 1
@@ -185,12 +185,13 @@ class Log:
         return batches
 
 
-    def page_rows(self, shard: int) -> int:
-        """Rows per page for the next read of `shard`: about READ_PAGE_BYTES of its rows."""
-        mean = self._row_bytes.get(shard)
-        if mean is None:
-            return FIRST_PAGE_ROWS
-        return max(MIN_PAGE_ROWS, min(MAX_PAGE_ROWS, int(READ_PAGE_BYTES / max(mean, 1.0))))
+
+def page_rows(mean_row_bytes: float | None) -> int:
+    """Rows per page for a read of a shard whose last read's rows were `mean_row_bytes`
+    long on average: about READ_PAGE_BYTES a page."""
+    if mean_row_bytes is None:
+        return FIRST_PAGE_ROWS
+    return max(MIN_PAGE_ROWS, min(MAX_PAGE_ROWS, int(READ_PAGE_BYTES / max(mean_row_bytes, 1.0))))
 
 
 def _message_from_row(shard: int, row: Any) -> StoredMessage:
