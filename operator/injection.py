@@ -275,7 +275,7 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
         # (they dial the Pod's IP), so the probes run inside the container.
         "startupProbe": _probe(request.port, "/healthz", period=1, failures=120),
         "livenessProbe": _probe(request.port, "/healthz", period=10, failures=3),
-        "readinessProbe": _probe(request.port, "/readyz", period=5, failures=2),
+        "readinessProbe": _probe(request.port, "/readyz?scope=serving", period=5, failures=2),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": SIDECAR_UID,

@@ -175,7 +175,8 @@ async def readyz(request: web.Request) -> web.Response:
     if runtime.service is None:
         body = Health(status="starting", checks={"backends": runtime.problem})
         return web.json_response(body.wire(), status=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-    ready, checks = await runtime.service.readiness()
+    # ?scope=serving: what the Pod's readiness probe asks (see SidecarService.readiness).
+    ready, checks = await runtime.service.readiness(serving_only=request.query.get("scope") == "serving")
     status: HealthStatus = "ok" if ready else ("draining" if runtime.service.draining else "unready")
     return web.json_response(Health(status=status, checks=checks).wire(), status=200 if ready else 503)
 

@@ -418,8 +418,15 @@ class QueueService:
         return await blocking(seek, self.store, ref, subscriber, target)
 
     # --- health ----------------------------------------------------------------------------
-    async def readiness(self) -> tuple[bool, dict[str, str]]:
-        """Ready: both backends answer, and every served subscriber holds the shards it is due."""
+    async def readiness(self, serving_only: bool = False) -> tuple[bool, dict[str, str]]:
+        """Ready: both backends answer, and every served subscriber holds the shards it is due.
+
+        `serving_only` (the Pod's readiness probe): the sidecar can take the app's calls, so
+        not draining and Cassandra up (ZooKeeper too when it serves subscribers). A member
+        short of its shards is still reported in full by /readyz, but it does not take
+        the Pod out of its Services: that would stop the app's own traffic, which a
+        rebalance has nothing to do with.
+        """
         checks: dict[str, str] = {}
         ready = not self.draining
         if self.draining:
@@ -429,7 +436,10 @@ class QueueService:
         cluster = self.store.session.cluster
         cassandra_ok = any(host.is_up for host in cluster.metadata.all_hosts())
         checks["cassandra"] = "up" if cassandra_ok else "no host up"
-        ready = ready and zk_ok and cassandra_ok
+        ready = ready and cassandra_ok and (zk_ok or not self.subscriptions)
+        if serving_only:
+            return ready, checks
+        ready = ready and zk_ok
         for name, subscription in self.subscriptions.items():
             consumer = subscription.consumer
             if consumer is None:

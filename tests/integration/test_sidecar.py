@@ -482,6 +482,9 @@ async def test_not_ready_until_the_subscriber_exists(store: Store, make_sidecar:
         return "SubscriberNotFound" in (await readiness.json())["checks"]["subscriber/billing"]
 
     await until(says_why)
+    # The Pod's readiness probe asks only whether the sidecar can take calls: it can, and
+    # the app's own traffic is not taken away while its subscriber is missing.
+    assert (await client.get("/readyz?scope=serving")).status == 200
     response = await client.post(f"{SUB}/receive", json={})
     assert await error_code(response, 503) == "not_ready" and response.headers["Retry-After"]
     await call(client, f"{BASE}/messages", {"data": "early"})  # publishing needs no subscriber

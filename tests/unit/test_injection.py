@@ -108,7 +108,7 @@ def test_the_sidecar_serves_the_annotated_queue_and_subscribers_on_localhost() -
         "CASQUE_SIDECAR_SUBSCRIBERS": "billing,audit",
     }
     probes = [container(result, injection.SIDECAR_NAME)[p]["exec"]["command"] for p in ("startupProbe", "readinessProbe")]
-    assert "http://127.0.0.1:9000/healthz" in probes[0][-1] and "http://127.0.0.1:9000/readyz" in probes[1][-1]
+    assert "http://127.0.0.1:9000/healthz" in probes[0][-1] and "http://127.0.0.1:9000/readyz?scope=serving" in probes[1][-1]
 
 
 def test_a_publish_only_sidecar_needs_no_queue() -> None:
