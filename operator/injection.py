@@ -157,6 +157,19 @@ def parse_request(annotations: Mapping[str, str]) -> SidecarRequest:
         scoped_queue, _, subscriber = entry.partition("/")
         if not NAME_PATTERN.match(scoped_queue) or not (subscriber == "*" or NAME_PATTERN.match(subscriber)):
             raise InvalidInjection(f"annotation {SUBSCRIBE_SCOPE}: {entry!r} is not queue/subscriber or queue/*")
+    if subscribe_scope is not None and queue is not None:
+        # The scope says what this pod may consume, yet its sidecar would lease shards and
+        # push for these subscribers anyway; messages it hands out by pull the app could not
+        # settle: they would sit invisible and come back until dead-lettered.
+        allowed = set(subscribe_scope)
+        outside = [s for s in subscribers if f"{queue}/{s}" not in allowed and f"{queue}/*" not in allowed]
+        if outside:
+            listed = ", ".join(f"{queue}/{s}" for s in outside)
+            raise InvalidInjection(
+                f"annotation {SUBSCRIBER}: the sidecar would consume for {listed}, outside the pod's "
+                f"{SUBSCRIBE_SCOPE} ({', '.join(subscribe_scope) or 'empty: nothing'}); add them to the scope, "
+                f"or drop them from {SUBSCRIBER}"
+            )
     return SidecarRequest(queue=queue, subscribers=subscribers, port=int(text), token_secret=token_secret,
                           publish_scope=publish_scope, subscribe_scope=subscribe_scope,
                           push_token_secret=push_token_secret)

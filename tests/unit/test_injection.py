@@ -389,6 +389,32 @@ def test_malformed_scopes_refuse_the_pod(annotations: dict[str, str], message: s
     assert response["allowed"] is False and message in response["status"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("scope", "outside"),
+    [
+        ("orders/audit", "orders/billing"),  # another subscriber of the queue
+        ("audit/billing,audit/*", "orders/billing, orders/audit"),  # the same names on another queue
+        ("", "orders/billing, orders/audit"),  # an empty scope allows nothing
+    ],
+)
+def test_subscribers_outside_the_subscribe_scope_refuse_the_pod(scope: str, outside: str) -> None:
+    annotations = {**ORDERS, "casque.io/subscriber": "billing,audit", "casque.io/subscribe-scope": scope}
+    answer = review(admission(pod(annotations)), InjectionSettings(), Settings())["response"]
+    assert answer["allowed"] is False and "patch" not in answer
+    message = answer["status"]["message"]
+    assert f"casque.io/subscriber: the sidecar would consume for {outside}, outside the pod's " in message
+    assert f"casque.io/subscribe-scope ({scope.replace(',', ', ') or 'empty: nothing'})" in message
+
+
+@pytest.mark.parametrize("scope", ["orders/billing,orders/audit", "orders/*", "orders/*,orders/billing,audit/x"])
+def test_subscribers_inside_the_subscribe_scope_are_served(scope: str) -> None:
+    annotations = {**ORDERS, "casque.io/subscriber": "billing,audit", "casque.io/subscribe-scope": scope}
+    env = env_of(container(injected(pod(annotations)), injection.SIDECAR_NAME))
+    assert env["CASQUE_SIDECAR_SUBSCRIBERS"] == "billing,audit" and env["CASQUE_SIDECAR_SUBSCRIBE_SCOPE"] == scope
+    # A publish-only sidecar serves no subscriber, so any subscribe scope fits it.
+    assert plan(pod({"casque.io/inject": "true", "casque.io/subscribe-scope": ""}), InjectionSettings(), Settings())
+
+
 def test_a_host_network_pod_is_refused_without_a_token() -> None:
     document = pod(ORDERS, hostNetwork=True)
     answer = review(admission(document), InjectionSettings(), Settings())["response"]
