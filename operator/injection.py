@@ -7,6 +7,7 @@ A Pod opts in with annotations (on the Deployment's pod template, usually):
     casque.io/subscriber: billing      # optional; several, comma-separated
     casque.io/port: "8717"             # optional; the sidecar's port on localhost
     casque.io/token-secret: orders-api # optional; a Secret of the namespace with a `token` key
+    casque.io/push-token-secret: orders-push  # optional; a Secret with a `push-token` key
     casque.io/publish-scope: orders    # optional; the only queues the pod may publish to
     casque.io/subscribe-scope: orders/billing  # optional; queue/subscriber (or queue/*) it may consume
 
@@ -49,6 +50,7 @@ QUEUE = f"{ANNOTATION_PREFIX}queue"
 SUBSCRIBER = f"{ANNOTATION_PREFIX}subscriber"
 PORT = f"{ANNOTATION_PREFIX}port"
 TOKEN_SECRET = f"{ANNOTATION_PREFIX}token-secret"
+PUSH_TOKEN_SECRET = f"{ANNOTATION_PREFIX}push-token-secret"
 PUBLISH_SCOPE = f"{ANNOTATION_PREFIX}publish-scope"
 SUBSCRIBE_SCOPE = f"{ANNOTATION_PREFIX}subscribe-scope"
 
@@ -56,6 +58,10 @@ SIDECAR_NAME = "casque-sidecar"
 TMP_VOLUME = "casque-sidecar-tmp"
 DEFAULT_PORT = 8717  # the sidecar's own default (casque.sidecar.config); the operator may not import it
 LOCALHOST = "127.0.0.1"
+# The keys read from the Secrets the annotations name. Distinct, so one Secret may hold both.
+TOKEN_KEY = "token"
+PUSH_TOKEN_KEY = "push-token"
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
 # The image's non-root user (Dockerfile.sidecar); Kubernetes needs the number to check runAsNonRoot.
 SIDECAR_UID = 10001
 
@@ -85,7 +91,7 @@ class InjectionSettings(BaseSettings):
     # messages while the sidecar drains. False: an ordinary container beside the app.
     native_sidecar: bool = True
     # A Secret that every app namespace holds, with the Cassandra username and password.
-    credentials_secret: str | None = Field(default=None, pattern=r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
+    credentials_secret: str | None = Field(default=None, pattern=_SECRET_NAME.pattern)
     username_key: str = "username"
     password_key: str = "password"
     cpu_request: str = Field(default="50m", pattern=_QUANTITY)
@@ -112,6 +118,7 @@ class SidecarRequest:
     # None: the annotation is absent, no restriction. Empty: present and empty, nothing allowed.
     publish_scope: tuple[str, ...] | None = None
     subscribe_scope: tuple[str, ...] | None = None
+    push_token_secret: str | None = None
 
     @property
     def url(self) -> str:
@@ -131,14 +138,13 @@ def has_sidecar(pod: Mapping[str, Any]) -> bool:
 def parse_request(annotations: Mapping[str, str]) -> SidecarRequest:
     queue = (annotations.get(QUEUE) or "").strip() or None
     subscribers = tuple(dict.fromkeys(s.strip() for s in (annotations.get(SUBSCRIBER) or "").split(",") if s.strip()))
-    token_secret = (annotations.get(TOKEN_SECRET) or "").strip() or None
+    token_secret = _secret_name(annotations, TOKEN_SECRET)
+    push_token_secret = _secret_name(annotations, PUSH_TOKEN_SECRET)
     for what, name in [(QUEUE, queue), *((SUBSCRIBER, s) for s in subscribers)]:
         if name is not None and not NAME_PATTERN.match(name):
             raise InvalidInjection(f"annotation {what}: {name!r} is not a queue or subscriber name (a DNS label)")
     if subscribers and queue is None:
         raise InvalidInjection(f"annotation {SUBSCRIBER} needs {QUEUE}, the queue the subscribers belong to")
-    if token_secret is not None and not re.match(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$", token_secret):
-        raise InvalidInjection(f"annotation {TOKEN_SECRET}: {token_secret!r} is not a Secret name")
     text = (annotations.get(PORT) or str(DEFAULT_PORT)).strip()
     if not text.isdigit() or not 1 <= int(text) <= 65535:
         raise InvalidInjection(f"annotation {PORT}: {text!r} is not a port number (1-65535)")
@@ -151,8 +157,29 @@ def parse_request(annotations: Mapping[str, str]) -> SidecarRequest:
         scoped_queue, _, subscriber = entry.partition("/")
         if not NAME_PATTERN.match(scoped_queue) or not (subscriber == "*" or NAME_PATTERN.match(subscriber)):
             raise InvalidInjection(f"annotation {SUBSCRIBE_SCOPE}: {entry!r} is not queue/subscriber or queue/*")
+    if subscribe_scope is not None and queue is not None:
+        # The scope says what this pod may consume, yet its sidecar would lease shards and
+        # push for these subscribers anyway; messages it hands out by pull the app could not
+        # settle: they would sit invisible and come back until dead-lettered.
+        allowed = set(subscribe_scope)
+        outside = [s for s in subscribers if f"{queue}/{s}" not in allowed and f"{queue}/*" not in allowed]
+        if outside:
+            listed = ", ".join(f"{queue}/{s}" for s in outside)
+            raise InvalidInjection(
+                f"annotation {SUBSCRIBER}: the sidecar would consume for {listed}, outside the pod's "
+                f"{SUBSCRIBE_SCOPE} ({', '.join(subscribe_scope) or 'empty: nothing'}); add them to the scope, "
+                f"or drop them from {SUBSCRIBER}"
+            )
     return SidecarRequest(queue=queue, subscribers=subscribers, port=int(text), token_secret=token_secret,
-                          publish_scope=publish_scope, subscribe_scope=subscribe_scope)
+                          publish_scope=publish_scope, subscribe_scope=subscribe_scope,
+                          push_token_secret=push_token_secret)
+
+
+def _secret_name(annotations: Mapping[str, str], key: str) -> str | None:
+    name = (annotations.get(key) or "").strip() or None
+    if name is not None and not _SECRET_NAME.match(name):
+        raise InvalidInjection(f"annotation {key}: {name!r} is not a Secret name")
+    return name
 
 
 def _names(annotations: Mapping[str, str], key: str) -> tuple[str, ...] | None:
@@ -221,7 +248,7 @@ def app_env(request: SidecarRequest) -> list[dict[str, Any]]:
     if request.subscribers:
         env.append({"name": "CASQUE_SIDECAR_SUBSCRIBERS", "value": ",".join(request.subscribers)})
     if request.token_secret is not None:
-        env.append(_secret_env("CASQUE_SIDECAR_TOKEN", request.token_secret, "token"))
+        env.append(_secret_env("CASQUE_SIDECAR_TOKEN", request.token_secret, TOKEN_KEY))
     return env
 
 
@@ -237,7 +264,11 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
     if request.subscribers:
         env.append({"name": "CASQUE_SIDECAR_SUBSCRIBERS", "value": ",".join(request.subscribers)})
     if request.token_secret is not None:
-        env.append(_secret_env("CASQUE_SIDECAR_TOKEN", request.token_secret, "token"))
+        env.append(_secret_env("CASQUE_SIDECAR_TOKEN", request.token_secret, TOKEN_KEY))
+    if request.push_token_secret is not None:
+        # Not given to the app: its push endpoint reads the Secret in its own spec (as it
+        # likes, env or file), and no casque client needs it.
+        env.append(_secret_env("CASQUE_SIDECAR_PUSH_TOKEN", request.push_token_secret, PUSH_TOKEN_KEY))
     # Only the sidecar gets the scopes: they bind the app, which must not be able to widen them.
     if request.publish_scope is not None:
         env.append({"name": "CASQUE_SIDECAR_PUBLISH_SCOPE", "value": ",".join(request.publish_scope)})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import defaultdict
 from typing import Any
@@ -15,6 +14,7 @@ from casque.engine import catalog
 from casque.schema import QueueRef
 from casque.sidecar.app import METRICS, create_app
 from casque.sidecar.config import SidecarSettings
+from casque.sidecar.push import MAX_ANSWER_BYTES
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
@@ -149,14 +149,20 @@ async def test_an_endless_answer_is_read_only_up_to_the_cap(
     store: Store, aiohttp_server: Any, aiohttp_client: Any
 ) -> None:
     deliveries: list[int] = []
+    hung_up = asyncio.Event()
 
     async def events(request: web.Request) -> web.StreamResponse:
         deliveries.append((await request.json())["deliverycount"])
+        # No Content-Length: a chunked answer, whose end only the final empty chunk would mark.
         response = web.StreamResponse(status=200)
         await response.prepare(request)
-        with contextlib.suppress(ConnectionError):
-            while True:  # until the sidecar hangs up
-                await response.write(b"x" * 65536)
+        await response.write(b"x" * (2 * MAX_ANSWER_BYTES))
+        try:
+            # That chunk never comes: a reader that wants the whole answer waits for good.
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:  # the test server cancels a handler when its client hangs up
+            hung_up.set()
+            raise
         return response
 
     target = web.Application()
@@ -165,7 +171,9 @@ async def test_an_endless_answer_is_read_only_up_to_the_cap(
     catalog.apply_queue(store, REF, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
     catalog.apply_subscriber(store, REF, SUBSCRIBER, SubscriberSpec(
         queue=QUEUE, start_position="earliest", push_url=str(server.make_url("/events"))))
-    settings = SidecarSettings(queue=QUEUE, subscribers=[SUBSCRIBER], drain_seconds=1, push_timeout_seconds=3,
+    # The longest push timeout: it must not be what ends the read (an uncapped read would
+    # then end, and ack, too); only the cap may, well before the test's own limit.
+    settings = SidecarSettings(queue=QUEUE, subscribers=[SUBSCRIBER], drain_seconds=1, push_timeout_seconds=3600,
                                push_backoff_seconds=0.05, push_max_backoff_seconds=0.1)
     client = await aiohttp_client(create_app(settings, Settings(), store))
     assert (await client.post(f"/v1/queues/{QUEUE}/messages", json={"data": 1})).status == 200
@@ -180,6 +188,7 @@ async def test_an_endless_answer_is_read_only_up_to_the_cap(
 
     await _until(settled)
     assert pushes("ack") == 1 and pushes("retry") == 0  # a 200 whose answer never ends still acks
+    await asyncio.wait_for(hung_up.wait(), 60)  # the sidecar closed the connection after the cap
     assert deliveries == [1]
 
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import threading
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -101,14 +102,27 @@ def test_proxies_from_the_environment_are_not_used_for_the_loopback(
     sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sidecar.hold = False
-    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):
-        monkeypatch.setenv(name, "http://192.0.2.1:3128")  # unroutable: a proxied call would fail
-    for name in ("NO_PROXY", "no_proxy"):
+    # A working proxy that answers like the sidecar: a client that used it would succeed,
+    # so only the requests it saw can tell.
+    proxy = Sidecar()
+    proxy.hold = False
+    for name in ("HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(name, proxy.url)
+    for name in ("NO_PROXY", "no_proxy"):  # with these, urllib and aiohttp would skip the proxy themselves
         monkeypatch.delenv(name, raising=False)
-    assert Client(sidecar.url, queue="q", subscriber="s", timeout=5, retry=RETRY).receive() == []
+    # urlopen keeps the opener (and the proxies) it built on first use: drop it, so the
+    # environment above is what a client on that path would see.
+    urllib.request.install_opener(None)
+    try:
+        assert Client(sidecar.url, queue="q", subscriber="s", timeout=5, retry=RETRY).receive() == []
 
-    async def receive() -> list[Any]:
-        async with AsyncClient(sidecar.url, queue="q", subscriber="s", timeout=5, retry=RETRY) as client:
-            return await client.receive()
+        async def receive() -> list[Any]:
+            async with AsyncClient(sidecar.url, queue="q", subscriber="s", timeout=5, retry=RETRY) as client:
+                return await client.receive()
 
-    assert asyncio.run(receive()) == []
+        assert asyncio.run(receive()) == []
+    finally:
+        urllib.request.install_opener(None)
+        proxy.close()
+    assert proxy.calls == {}
+    assert sidecar.calls == {"receive": 2}

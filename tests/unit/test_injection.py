@@ -144,6 +144,26 @@ def test_a_token_secret_reaches_the_sidecar_and_the_app() -> None:
     assert env_of(container(result, "app"))["CASQUE_SIDECAR_TOKEN"] == expected
 
 
+def test_a_push_token_secret_reaches_the_sidecar_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    result = injected(pod({**ORDERS, "casque.io/push-token-secret": "orders-push"}))
+    sidecar = env_of(container(result, injection.SIDECAR_NAME))
+    assert sidecar["CASQUE_SIDECAR_PUSH_TOKEN"] == {"secretKeyRef": {"name": "orders-push", "key": "push-token"}}
+    # The app checks pushes with the Secret named in its own spec; the webhook adds nothing there.
+    assert "CASQUE_SIDECAR_PUSH_TOKEN" not in env_of(container(result, "app"))
+    # What the kubelet will set from the Secret is what the sidecar sends in Casque-Push-Token.
+    monkeypatch.setenv("CASQUE_SIDECAR_PUSH_TOKEN", "s" * 32)
+    token = SidecarSettings().push_token
+    assert token is not None and token.get_secret_value() == "s" * 32
+    assert "CASQUE_SIDECAR_PUSH_TOKEN" not in env_of(container(injected(pod(ORDERS)), injection.SIDECAR_NAME))
+
+
+def test_one_secret_may_hold_the_api_token_and_the_push_token() -> None:
+    annotations = {**ORDERS, "casque.io/token-secret": "orders", "casque.io/push-token-secret": "orders"}
+    sidecar = env_of(container(injected(pod(annotations)), injection.SIDECAR_NAME))
+    assert sidecar["CASQUE_SIDECAR_TOKEN"] == {"secretKeyRef": {"name": "orders", "key": "token"}}
+    assert sidecar["CASQUE_SIDECAR_PUSH_TOKEN"] == {"secretKeyRef": {"name": "orders", "key": "push-token"}}
+
+
 def test_the_sidecar_is_locked_down_and_writes_only_to_its_tmp_volume() -> None:
     result = injected(pod(ORDERS))
     sidecar = container(result, injection.SIDECAR_NAME)
@@ -197,6 +217,8 @@ def test_a_pod_is_never_injected_twice() -> None:
         ({"casque.io/port": "http"}, "casque.io/port: 'http' is not a port number"),
         ({"casque.io/port": "70000"}, "casque.io/port: '70000' is not a port number"),
         ({"casque.io/token-secret": "Bad Name"}, "casque.io/token-secret: 'Bad Name' is not a Secret name"),
+        ({"casque.io/push-token-secret": "push_token"},
+         "casque.io/push-token-secret: 'push_token' is not a Secret name"),
     ],
 )
 def test_impossible_annotations_refuse_the_pod_with_a_reason(annotations: dict[str, str], message: str) -> None:
@@ -256,7 +278,8 @@ def test_only_creations_are_patched() -> None:
 def test_every_variable_given_to_the_sidecar_is_one_it_reads() -> None:
     settings = InjectionSettings(credentials_secret="creds")
     backends = Settings(cassandra_local_dc="dc1")
-    request = injection.parse_request({**ORDERS, "casque.io/token-secret": "t"})
+    request = injection.parse_request({**ORDERS, "casque.io/token-secret": "t", "casque.io/push-token-secret": "p",
+                                       "casque.io/publish-scope": "orders", "casque.io/subscribe-scope": "orders/*"})
     names = {env["name"] for env in injection.sidecar_container(request, settings, backends)["env"]}
     known = {f"CASQUE_SIDECAR_{field.upper()}" for field in SidecarSettings.model_fields}
     known |= {f"CASQUE_{field.upper()}" for field in Settings.model_fields}
@@ -364,6 +387,32 @@ def test_malformed_scopes_refuse_the_pod(annotations: dict[str, str], message: s
     answer = review(admission(pod({"casque.io/inject": "true", **annotations})), InjectionSettings(), Settings())
     response = answer["response"]
     assert response["allowed"] is False and message in response["status"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("scope", "outside"),
+    [
+        ("orders/audit", "orders/billing"),  # another subscriber of the queue
+        ("audit/billing,audit/*", "orders/billing, orders/audit"),  # the same names on another queue
+        ("", "orders/billing, orders/audit"),  # an empty scope allows nothing
+    ],
+)
+def test_subscribers_outside_the_subscribe_scope_refuse_the_pod(scope: str, outside: str) -> None:
+    annotations = {**ORDERS, "casque.io/subscriber": "billing,audit", "casque.io/subscribe-scope": scope}
+    answer = review(admission(pod(annotations)), InjectionSettings(), Settings())["response"]
+    assert answer["allowed"] is False and "patch" not in answer
+    message = answer["status"]["message"]
+    assert f"casque.io/subscriber: the sidecar would consume for {outside}, outside the pod's " in message
+    assert f"casque.io/subscribe-scope ({scope.replace(',', ', ') or 'empty: nothing'})" in message
+
+
+@pytest.mark.parametrize("scope", ["orders/billing,orders/audit", "orders/*", "orders/*,orders/billing,audit/x"])
+def test_subscribers_inside_the_subscribe_scope_are_served(scope: str) -> None:
+    annotations = {**ORDERS, "casque.io/subscriber": "billing,audit", "casque.io/subscribe-scope": scope}
+    env = env_of(container(injected(pod(annotations)), injection.SIDECAR_NAME))
+    assert env["CASQUE_SIDECAR_SUBSCRIBERS"] == "billing,audit" and env["CASQUE_SIDECAR_SUBSCRIBE_SCOPE"] == scope
+    # A publish-only sidecar serves no subscriber, so any subscribe scope fits it.
+    assert plan(pod({"casque.io/inject": "true", "casque.io/subscribe-scope": ""}), InjectionSettings(), Settings())
 
 
 def test_a_host_network_pod_is_refused_without_a_token() -> None:
