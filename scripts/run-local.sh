@@ -51,9 +51,18 @@ if [ -f "$pidfile" ]; then
   rm -f "$pidfile"
 fi
 
+logged="$(stat -c %s "$logfile" 2>/dev/null || echo 0)"
 nohup .venv/bin/casque sidecar --queue "$queue" --subscriber "$subscriber" --port "$port" \
   --drain-seconds 5 >>"$logfile" 2>&1 &
 echo $! >"$pidfile"
+if [ "$port" = 0 ]; then
+  # Port 0: the sidecar takes a free port and logs it; read it from what this start logged.
+  for _ in $(seq 1 600); do
+    api="$(tail -c +"$((logged + 1))" "$logfile" | grep -o 'casque sidecar listening on http://[^ ]*' | head -n 1 | cut -d' ' -f5 || true)"
+    if [ -n "$api" ] || ! kill -0 "$(cat "$pidfile")" 2>/dev/null; then break; fi
+    sleep 0.1
+  done
+fi
 
 # curl where it exists; Python otherwise (a fresh Debian image may have no curl).
 call() { # METHOD PATH [JSON]

@@ -7,10 +7,9 @@ application/cloudevents+json`). The app's answer settles the message:
   with exponential backoff and jitter on the delivery count, so a struggling app gets
   fewer requests, spread out, instead of a burst of retries.
 - a drop status (default the other 4xx): the app says it will never take the message.
-  The engine dead-letters a message after the Subscriber's maxDeliveries (when it names a
-  dead-letter queue) but offers no way yet to dead-letter one at once; so a dropped
-  message is nacked with the longest backoff and logged, and reaches the dead-letter
-  queue after its remaining deliveries. Without a dead-letter queue it is never dropped.
+  With a dead-letter queue it is dead-lettered at once, the app's answer kept as its last
+  error. Without one it is never dropped: it is nacked with the longest backoff and
+  logged.
 
 Every nack carries the reason (the status, or the connection error), which the engine
 keeps in the message's history for the dead-letter queue.

@@ -161,3 +161,35 @@ async def test_a_follower_waits_for_the_election_without_logging_errors(
     assert not follower.leading
     noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert noisy == [], [r.getMessage() for r in noisy]
+
+
+async def test_the_queues_default_delay_holds_back_messages_that_name_no_time(
+    store: Store, running: list[object]
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE", default_delay_seconds=3)
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, "waiter", SubscriberSpec(queue="later", start_position="earliest"))
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    mover = mover_for(store, spec, "m1")
+    mover.start()
+    running.append(mover)
+    consumer = Consumer(store, QUEUE, "waiter")
+    await consumer.start()
+    running.append(consumer)
+
+    before = datetime.now(timezone.utc)
+    (held,) = await publisher.publish([OutgoingMessage(b"held")])
+    assert held.batch == -1 and held.deliver_at is not None
+    assert held.deliver_at >= before + timedelta(seconds=3)
+    # A message that names its own time is not delayed further.
+    (now,) = await publisher.publish([OutgoingMessage(b"now", deliver_at=datetime.now(timezone.utc))])
+    assert now.batch >= 0 and now.deliver_at is None
+
+    arrived: dict[bytes, datetime] = {}
+    deadline = time.monotonic() + 60
+    while len(arrived) < 2:
+        assert time.monotonic() < deadline, f"only {sorted(arrived)} arrived"
+        for d in await consumer.receive(max_messages=10, wait=2):
+            arrived[d.message.payload] = datetime.now(timezone.utc)
+            await consumer.ack(d.receipt)
+    assert arrived[b"held"] >= held.deliver_at, "the default delay was not kept"

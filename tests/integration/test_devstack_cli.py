@@ -1,25 +1,34 @@
-"""`casque dev up/status/logs/down` as a user runs them: a real stack, its own ports and state."""
+"""`casque dev up/status/logs/down` and `scripts/run-local.sh` as a user runs them: a real
+stack on its own ports and state, and the sidecar the script starts on it."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.fixtures.waiting import free_port
+from casque.devstack.stack import StackPorts
+from tests.fixtures.stack import Slot, claim_slot
+from tests.fixtures.waiting import wait_for
 
 CLI = [sys.executable, "-m", "casque.cli"]
+REPO = Path(__file__).resolve().parents[2]
+# Cassandra cannot listen on port 0, so the ports come from a slot held (locked) for this
+# session, apart from the test stack's and the ring's: a stack left behind by an interrupted
+# run, or another session's, cannot get in the way, and nothing else picks these ports.
+DEV_PORTS = StackPorts(native=39042, storage=37000, jmx=37199, zookeeper=32181)
 
-
-
-
-# Ports of their own, so that a stack left behind by an interrupted run cannot get in the way.
-CQL, STORAGE, JMX, ZOOKEEPER = (free_port() for _ in range(4))
-PORTS = ["--cql-port", str(CQL), "--storage-port", str(STORAGE), "--jmx-port", str(JMX),
-         "--zookeeper-port", str(ZOOKEEPER)]
+pytestmark = pytest.mark.integration
 
 
 def casque(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
@@ -43,32 +52,94 @@ def owned_processes(state: Path) -> list[str]:
     return found
 
 
-@pytest.mark.integration
-def test_up_twice_status_logs_and_down_leaves_nothing(tmp_path: Path) -> None:
-    state = tmp_path / "stack"
+@pytest.fixture(scope="module")
+def dev_stack() -> Iterator[tuple[Path, StackPorts]]:
+    """A stack started by `casque dev up` on the slot's ports; `down` at the end in any case."""
+    slot: Slot = claim_slot(Path(os.environ.get("CASQUE_TEST_DEV_DIR", "/tmp/casque-test-dev")), DEV_PORTS)
+    state, ports = slot.root, slot.ports
+    # Whatever a killed session of this slot left behind is stopped and forgotten: the slot's
+    # lock says nobody else uses it.
+    casque("down", state=state)
+    shutil.rmtree(state, ignore_errors=True)
     try:
-        first = casque("up", *PORTS, state=state)
+        first = casque("up", "--cql-port", str(ports.native), "--storage-port", str(ports.storage),
+                       "--jmx-port", str(ports.jmx), "--zookeeper-port", str(ports.zookeeper), state=state)
         assert first.returncode == 0, first.stderr
-        assert f"127.0.0.1:{CQL}" in first.stdout and f"127.0.0.1:{ZOOKEEPER}" in first.stdout
-        assert len(owned_processes(state)) == 2
-
-        again = casque("up", state=state)  # settings come from the recorded stack
-        assert again.returncode == 0, again.stderr
-        assert "starting" not in again.stdout
-        assert len(owned_processes(state)) == 2
-
-        status = casque("status", state=state)
-        assert status.returncode == 0
-        assert "cassandra-1" in status.stdout and "stopped" not in status.stdout
-
-        logs = casque("logs", "cassandra-1", "-n", "200", state=state)
-        assert "Startup complete" in logs.stdout
-
-        bad = casque("logs", "nope", state=state)
-        assert bad.returncode == 1
-        assert bad.stderr.strip().startswith("casque: unknown service 'nope'")
+        assert f"127.0.0.1:{ports.native}" in first.stdout and f"127.0.0.1:{ports.zookeeper}" in first.stdout
+        yield state, ports
     finally:
-        down = casque("down", state=state)
+        casque("down", state=state)
+        slot.lock.close()
+
+
+def test_up_twice_status_and_logs(dev_stack: tuple[Path, StackPorts]) -> None:
+    state, _ = dev_stack
+    assert len(owned_processes(state)) == 2
+
+    again = casque("up", state=state)  # settings come from the recorded stack
+    assert again.returncode == 0, again.stderr
+    assert "starting" not in again.stdout
+    assert len(owned_processes(state)) == 2
+
+    status = casque("status", state=state)
+    assert status.returncode == 0
+    assert "cassandra-1" in status.stdout and "stopped" not in status.stdout
+
+    logs = casque("logs", "cassandra-1", "-n", "200", state=state)
+    assert "Startup complete" in logs.stdout
+
+    bad = casque("logs", "nope", state=state)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().startswith("casque: unknown service 'nope'")
+
+
+def _call(url: str, body: dict[str, Any] | None = None) -> Any:
+    request = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read() or b"null")
+
+
+def test_run_local_serves_the_demo_queue(dev_stack: tuple[Path, StackPorts]) -> None:
+    state, ports = dev_stack
+    env = {
+        **os.environ,
+        "CASQUE_STATE_DIR": str(state),  # `dev up` in the script finds this stack running
+        "CASQUE_SIDECAR_PORT": "0",  # the sidecar takes a free port; the script reads it from its log
+        "CASQUE_CASSANDRA_CONTACT_POINTS": "127.0.0.1",
+        "CASQUE_CASSANDRA_PORT": str(ports.native),
+        "CASQUE_ZOOKEEPER_HOSTS": f"127.0.0.1:{ports.zookeeper}",
+    }
+    done = subprocess.run(["bash", "scripts/run-local.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    started = re.search(r"sidecar on (http://127\.0\.0\.1:\d+) \(pid (\d+)", done.stdout)
+    pid = int(started.group(2)) if started else None
+    try:
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert started, done.stdout
+        api = started.group(1)
+        assert "acked" in done.stdout and "queue default/demo" in done.stdout  # the demo ran to its stats
+        _call(f"{api}/readyz")  # 200, or urlopen raises
+
+        base = f"{api}/v1/queues/demo"
+        _call(f"{base}/messages", {"data": {"from": "the test"}, "partitionkey": "k1"})
+        received: list[dict[str, Any]] = []
+
+        def ours() -> bool:
+            received.extend(_call(f"{base}/subscribers/demo-app/receive", {"max": 100, "wait": 5})["messages"])
+            return any(m.get("data") == {"from": "the test"} for m in received)
+
+        wait_for("the test's message through the script's sidecar", ours)
+        _call(f"{base}/subscribers/demo-app/ack", {"receipts": [m["receipt"] for m in received]})
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)  # the sidecar the script started: it drains, then exits
+            wait_for("the script's sidecar to exit", lambda: not Path(f"/proc/{pid}").exists(), timeout=60)
+
+
+def test_down_leaves_nothing(dev_stack: tuple[Path, StackPorts]) -> None:
+    state, _ = dev_stack
+    down = casque("down", state=state)
     assert down.returncode == 0, down.stderr
     assert owned_processes(state) == []
     stopped = casque("status", state=state)
@@ -76,7 +147,6 @@ def test_up_twice_status_logs_and_down_leaves_nothing(tmp_path: Path) -> None:
     assert stopped.stdout.count("stopped") == 2
 
 
-@pytest.mark.integration
 def test_status_without_a_stack_is_one_readable_line(tmp_path: Path) -> None:
     result = casque("status", state=tmp_path / "none")
     assert result.returncode == 1

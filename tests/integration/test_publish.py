@@ -95,6 +95,27 @@ async def test_group_commit_puts_concurrent_publishes_in_few_batches(store: Stor
         assert sorted(seqs) == list(range(len(seqs)))
 
 
+async def test_a_linger_lets_a_publish_wait_for_the_next_one_to_share_its_batch(store: Store) -> None:
+    catalog.apply_queue(store, QUEUE, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+
+    async def first_then_second(linger: float) -> tuple[Published, Published]:
+        publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE), linger=linger)
+        first = asyncio.ensure_future(publisher.publish([OutgoingMessage(b"first")]))
+        for _ in range(3):  # the first publish reaches its shard writer, which starts on it
+            await asyncio.sleep(0)
+        assert not first.done()
+        (second,) = await publisher.publish([OutgoingMessage(b"second")])
+        (result,) = await first
+        return result, second
+
+    # Without a linger the first message's batch is under way before the second arrives ...
+    alone, after = await first_then_second(0.0)
+    assert after.batch > alone.batch
+    # ... with one, the writer waits for company: one batch, in arrival order.
+    first, second = await first_then_second(1.0)
+    assert first.batch == second.batch and (first.seq, second.seq) == (0, 1)
+
+
 async def test_idempotent_publish_returns_the_first_result(store: Store) -> None:
     spec = QueueSpec(shards=2, retention_seconds=3600)
     catalog.apply_queue(store, QUEUE, spec)

@@ -1,10 +1,12 @@
-"""`casque publish`, `consume`, `tail`, `stats`, `seek` on the real stack."""
+"""`casque publish`, `consume`, `tail`, `stats` (and `--watch`), `seek`, `redrive` on the real stack."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ from typer.testing import CliRunner
 
 from casque.cli.main import app
 from casque.engine import catalog
+from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
 from casque.engine.stats import subscriber_stats
@@ -25,6 +28,7 @@ from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from tests.fixtures.stack import Backends
+from tests.fixtures.waiting import wait_for
 
 QUEUE = "cli"
 REF = QueueRef("default", QUEUE)
@@ -164,3 +168,70 @@ def test_errors_are_one_readable_line_and_a_nonzero_exit(env: dict[str, str]) ->
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 1, done.stderr
         assert done.stderr.strip() == line
+
+
+async def dead_letter_next(store: Store, subscriber: str, reason: str) -> bytes:
+    """Receive the subscriber's next message and give up on it: it goes to the dead-letter queue."""
+    consumer = Consumer(store, REF, subscriber)
+    await consumer.start()
+    try:
+        (delivery,) = await consumer.receive(max_messages=1, wait=15)
+        await consumer.dead_letter(delivery.receipt, reason)
+        return delivery.message.payload
+    finally:
+        await consumer.stop()
+
+
+def test_redrive_sends_dead_letters_back_to_the_subscriber_that_failed_them_once(run: Run, store: Store) -> None:
+    dead = QueueRef("default", "cli-dead")
+    catalog.apply_queue(store, dead, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, REF, "reader", SubscriberSpec(
+        queue=QUEUE, start_position="earliest", dead_letter_queue=dead.name))
+    run("publish", QUEUE, "poison")
+    assert asyncio.run(dead_letter_next(store, "reader", "cannot parse")) == b"poison"
+    assert lag(store, "reader") == 0
+
+    first = run("redrive", dead.name)
+    assert "redrove 1 message(s) to default/cli\n" in first.stdout
+    assert "1 redriven, 0 already redriven before" in first.stdout
+    assert run("redrive", dead.name).stdout.splitlines()[-1].startswith("0 redriven")  # a rerun sends nothing twice
+    assert lag(store, "reader") == 1
+    back = run("consume", QUEUE, "reader", "--max", "1")
+    assert back.stdout.rstrip().endswith("poison")
+    # The subscriber that never failed it does not get it twice.
+    other = run("consume", QUEUE, "other", "--idle", "2")
+    assert [line.rsplit(" ", 1)[-1] for line in other.stdout.splitlines()] == ["poison"]
+
+
+def test_stats_watch_refreshes_until_interrupted(store: Store, env: dict[str, str]) -> None:
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "casque.cli", "stats", QUEUE, "--watch", "--interval", "0.2"],
+        env={**os.environ, **env, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "NO_COLOR": "1", "COLUMNS": "200"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    shown = bytearray()
+
+    def read() -> None:
+        assert watch.stdout is not None
+        while chunk := watch.stdout.read1(4096):
+            shown.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        def screens() -> list[str]:
+            text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", bytes(shown).decode(errors="replace"))  # no styles
+            return [s for s in text.split("queue default/cli")[1:] if "members" in s]
+
+        def row(screen: str) -> list[str]:  # shards, batches, messages, bytes, delayed, msgs/s
+            return next(line for line in screen.splitlines() if line.strip(" │┃|").split()[:1] == ["2"]).split("│")
+
+        wait_for("the first screen", lambda: screens() and watch.poll() is None)
+        asyncio.run(publish_text(store, "seen by the watch"))
+        wait_for("a screen showing the new message", lambda: any(
+            [c.strip() for c in row(s) if c.strip()][2] == "1" for s in screens()))
+    finally:
+        watch.send_signal(signal.SIGINT)
+        code = watch.wait(60)
+        reader.join(10)
+    assert code == 0, bytes(shown).decode(errors="replace")[-2000:]

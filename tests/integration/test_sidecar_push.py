@@ -1,8 +1,10 @@
-"""Push delivery to an app that fails some requests: retries with backoff, acks on 2xx, drops kept."""
+"""Push delivery to an app that fails some requests: retries with backoff, acks on 2xx, drops
+kept without a dead-letter queue and dead-lettered at once with one."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import defaultdict
 from typing import Any
@@ -11,6 +13,8 @@ from aiohttp import web
 
 from casque.config import Settings
 from casque.engine import catalog
+from casque.engine.consumer import Consumer
+from casque.engine.deadletters import DELIVERIES, LAST_ERROR, SOURCE, SUBSCRIBER as SUBSCRIBER_ATTRIBUTE
 from casque.schema import QueueRef
 from casque.sidecar.app import METRICS, create_app
 from casque.sidecar.config import SidecarSettings
@@ -89,6 +93,59 @@ async def test_push_acks_2xx_retries_failures_with_backoff_and_keeps_dropped_mes
     failures = sum(1 for v in range(COUNT) if v % 3 == 0 or v % 5 == 0)
     assert outcomes["ack"] == COUNT and outcomes["retry"] == failures and (outcomes["drop"] or 0) >= 2
 
+
+
+async def test_a_dropped_push_goes_to_the_dead_letter_queue_at_once_with_the_apps_answer(
+    store: Store, aiohttp_server: Any, aiohttp_client: Any
+) -> None:
+    pushed: dict[Any, list[int]] = defaultdict(list)
+    fine_acked = asyncio.Event()
+
+    async def app_endpoint(request: web.Request) -> web.StreamResponse:
+        event = await request.json()
+        pushed[event["data"]].append(event["deliverycount"])
+        if event["data"] == "poison":
+            return web.Response(status=422, text="no such customer")
+        if len(pushed) == 4:
+            fine_acked.set()
+        return web.Response(status=204)
+
+    target = web.Application()
+    target.router.add_post("/events", app_endpoint)
+    server = await aiohttp_server(target)
+    dead = QueueRef("default", "events-dead")
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, REF, spec)
+    catalog.apply_queue(store, dead, spec)
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE, start_position="earliest", max_deliveries=5, dead_letter_queue=dead.name,
+        push_url=str(server.make_url("/events"))))
+    catalog.apply_subscriber(store, dead, "inspector", SubscriberSpec(queue=dead.name, start_position="earliest"))
+    settings = SidecarSettings(queue=QUEUE, subscribers=[SUBSCRIBER], drain_seconds=1,
+                               push_backoff_seconds=0.05, push_max_backoff_seconds=0.3)
+    client = await aiohttp_client(create_app(settings, Settings(), store))
+    answer = await client.post(f"/v1/queues/{QUEUE}/messages/batch",
+                               json={"messages": [{"data": "poison", "attributes": {"kind": "order"}}]
+                                     + [{"data": i} for i in range(3)]})
+    assert answer.status == 200
+    await asyncio.wait_for(fine_acked.wait(), 60)
+
+    inspector = Consumer(store, dead, "inspector")
+    await inspector.start()
+    try:
+        (letter,) = await inspector.receive(max_messages=10, wait=30)
+    finally:
+        await inspector.stop()
+    assert json.loads(letter.message.payload) == "poison"
+    assert letter.message.attributes["kind"] == "order"
+    assert (letter.message.attributes[SOURCE], letter.message.attributes[SUBSCRIBER_ATTRIBUTE]) == (REF.key, SUBSCRIBER)
+    assert letter.message.attributes[DELIVERIES] == "1"  # not after maxDeliveries: the app said never
+    assert "HTTP 422" in letter.message.attributes[LAST_ERROR]
+    assert "no such customer" in letter.message.attributes[LAST_ERROR]
+    assert pushed["poison"] == [1]
+    outcomes = {o: client.app[METRICS].registry.get_sample_value(
+        "casque_sidecar_push_deliveries_total", {"subscriber": SUBSCRIBER, "outcome": o}) for o in ("ack", "drop")}
+    assert outcomes == {"ack": 3, "drop": 1}
 
 
 PUSH_TOKEN = "p" * 40
