@@ -14,7 +14,11 @@ A retry that finds only an intent settles it: it reads the shard's headers at SE
 the intent's first batch on, looking for the intent's writer. Found: the publish happened,
 and its position is the answer. A batch nobody has claimed yet: the writer may still claim
 it, so the retry looks again until the deadline (plus CLOCK_SKEW_SECONDS for the two
-machines' clocks) has passed; then the writer never will, and the retry publishes anew.
+machines' clocks) has passed; then the writer never will, and the retry publishes anew,
+after taking the id over with one conditional write (`take_over`, the intent's writer as
+the condition): a client that gave up waiting and retried through another sidecar leaves
+two retries settling one intent, and only one of them may publish. The other finds the
+new intent (a settle re-reads the row while it waits) and settles that one.
 
 What this does not cover: two first attempts of one id at two sidecars at the same instant,
 neither seeing the other's intent (a client retries after a timeout, by which time the first
@@ -88,8 +92,15 @@ class IdempotencyGuard:
             f"INSERT INTO {table} (queue, client_id, message_id, shard, writer, since_batch, claim_deadline) "
             "VALUES (?, ?, ?, ?, ?, ?, ?) USING TTL ?"
         )
+        # A retry that found an intent never claimed takes the id over only if nobody else
+        # did meanwhile: two retries at two sidecars would otherwise both publish it.
+        self._take_over = store.session.prepare(
+            f"UPDATE {table} USING TTL ? SET message_id = ?, shard = ?, writer = ?, since_batch = ?, "
+            "claim_deadline = ? WHERE queue = ? AND client_id = ? IF writer = ? AND batch_no = null"
+        )
+        self._take_over.serial_consistency_level = log.serial_consistency
         self._consistency = log.consistency
-        for statement in (self._select, self._insert, self._insert_intent):
+        for statement in (self._select, self._insert, self._insert_intent, self._take_over):
             statement.consistency_level = self._consistency
         self._recent = RecentIds()
         self._inflight: dict[str, asyncio.Future[Published]] = {}
@@ -150,6 +161,19 @@ class IdempotencyGuard:
             for message, result in published
         ])
 
+    async def take_over(
+        self, row: Any, message: OutgoingMessage, message_id: str, shard: int, writer: str, since_batch: int,
+        deadline: datetime,
+    ) -> bool:
+        """Replace an intent whose writer never claimed (`settle` said so) with ours, unless
+        another retry replaced it first (or it was completed): one conditional write, on
+        this rare path only."""
+        self.statements += 1
+        result = await cql.execute(self._store.session, self._take_over, (
+            self._ttl(message), message_id, shard, writer, since_batch, deadline, self._queue, message.client_id,
+            row.writer))
+        return bool(result.was_applied)
+
     def _ttl(self, message: OutgoingMessage) -> int:
         return max(self._window, message.client_id_window_seconds or 0)
 
@@ -192,6 +216,10 @@ class IdempotencyGuard:
             if datetime.now(timezone.utc) > give_up:
                 return None
             await asyncio.sleep(RESOLVE_POLL_SECONDS)
+            # Another retry may have taken the id over (a new writer) or completed it.
+            fresh = (await self.lookup([row.client_id])).get(row.client_id)
+            if fresh is not None and (fresh.batch_no is not None or fresh.writer != row.writer):
+                return await self.settle(fresh)
 
     async def _seq_of(self, shard: int, batch: int, message_id: str) -> int:
         (found, *_) = await self._log.read_from(shard, batch)

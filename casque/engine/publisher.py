@@ -65,6 +65,9 @@ class _Pending:
     future: asyncio.Future[Published]
     # Its client id is known not to be published (checked, or an intent settled): no check again.
     checked: bool = False
+    # Set when this publish took its id over from an intent never claimed: its intent is
+    # recorded already, under this writer id; its claims end at `claims_until` (monotonic).
+    taken_over: tuple[str, float] | None = None
 
 
 @dataclass
@@ -145,23 +148,48 @@ class ShardWriter:
                 self._publisher.in_background(self._settle_apart(item, row))
         return fresh
 
-    async def _settle_apart(self, item: _Pending, row: object) -> None:
+    async def _settle_apart(self, item: _Pending, row: Any) -> None:
         try:
-            earlier = await self._publisher.idempotency.settle(row)
+            outcome = await self._settle_or_take_over(item, row)
         except BaseException as error:
             if not item.future.done():
                 item.future.set_exception(error)
             raise
-        if earlier is not None:
-            item.future.set_result(earlier)
+        if outcome is not None:
+            item.future.set_result(outcome)
         else:
-            item.checked = True
             self.submit(item)
+
+    async def _settle_or_take_over(self, item: _Pending, row: Any) -> Published | None:
+        """The earlier publish of the item's id; or None once the item may be published: it
+        took the id over (its own batch, its intent recorded) or the id's row expired."""
+        guard = self._publisher.idempotency
+        client_id = item.message.client_id
+        assert client_id is not None
+        while True:
+            earlier = await guard.settle(row)
+            if earlier is not None:
+                return earlier
+            # The intent's writer never claimed. Take the id over, unless another retry
+            # (another sidecar) did first: then settle that one's intent.
+            writer = new_writer_id(self._publisher.publisher_id)
+            since = (self._last_batch or 0) + 1  # never above the batch this item gets
+            deadline, claims_until = claim_deadline()
+            if await guard.take_over(row, item.message, item.message_id, self.shard, writer, since, deadline):
+                item.checked, item.taken_over = True, (writer, claims_until)
+                return None
+            row = (await guard.lookup([client_id])).get(client_id)
+            if row is None:
+                return None  # expired meanwhile: published as a first attempt
+            if row.batch_no is not None:
+                return recorded(row)
 
     def _take(self) -> list[_Pending]:
         items = [self.pending.popleft()]
+        if items[0].taken_over is not None:
+            return items  # a batch of its own, under the writer id its intent names
         size = items[0].message.size
-        while self.pending and len(items) < MAX_BATCH_MESSAGES:
+        while self.pending and len(items) < MAX_BATCH_MESSAGES and self.pending[0].taken_over is None:
             nxt = self.pending[0].message.size
             if size + nxt > MAX_BATCH_BYTES:
                 break
@@ -192,6 +220,8 @@ class ShardWriter:
         writer = new_writer_id(publisher.publisher_id)
         intents = [(item.message, item.message_id) for item in items if item.message.client_id]
         claims_until: float | None = None
+        if items[0].taken_over is not None:  # alone in its batch, its intent recorded already
+            (writer, claims_until), intents = items[0].taken_over, []
         while True:
             if self._last_batch is None or conflicts >= RESYNC_AFTER_CONFLICTS:
                 previous = self._last_batch

@@ -206,6 +206,33 @@ async def test_a_retry_after_a_crash_before_the_claim_publishes_once_the_claim_w
     assert copies_of(store, "order-10") == [(result.shard, result.batch, result.seq)]
 
 
+async def test_two_retries_at_two_sidecars_after_a_crash_before_the_claim_publish_once(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    monkeypatch.setattr(idempotency, "DEADLINE_SECONDS", 1.0)
+    monkeypatch.setattr(idempotency, "CLAIM_SECONDS", 0.5)
+    monkeypatch.setattr(idempotency, "CLOCK_SKEW_SECONDS", 0.2)
+    claim = Log.claim
+
+    async def dies_before_claiming(self: Log, *args: Any, **kwargs: Any) -> Claim:
+        raise Crash()
+
+    monkeypatch.setattr(Log, "claim", dies_before_claiming)
+    with pytest.raises(Crash):
+        await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([OutgoingMessage(b"pay", client_id="order-12")])
+    monkeypatch.setattr(Log, "claim", claim)
+    # The client gave up on its first retry (it waited past its own timeout) and retried
+    # through another sidecar: both find the intent, both see its window close.
+    retries = [Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)) for _ in range(2)]
+    answers = await asyncio.gather(*(r.publish([OutgoingMessage(b"pay", client_id="order-12")]) for r in retries))
+    (one,), (two,) = answers
+    assert (one.shard, one.batch, one.seq) == (two.shard, two.batch, two.seq)
+    assert [one.duplicate, two.duplicate].count(False) == 1
+    assert copies_of(store, "order-12") == [(one.shard, one.batch, one.seq)]
+
+
 async def test_a_retry_while_the_first_attempt_still_claims_finds_its_batch(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
