@@ -173,7 +173,8 @@ class ShardWriter:
             # The intent's writer never claimed. Take the id over, unless another retry
             # (another sidecar) did first: then settle that one's intent.
             writer = new_writer_id(self._publisher.publisher_id)
-            since = (self._last_batch or 0) + 1  # never above the batch this item gets
+            # Never above the batch this item gets: the last batch known, else the watermark.
+            since = (self._last_batch if self._last_batch is not None else await self._read_head()) + 1
             deadline, claims_until = claim_deadline()
             if await guard.take_over(row, item.message, item.message_id, self.shard, writer, since, deadline):
                 item.checked, item.taken_over = True, (writer, claims_until)
@@ -197,13 +198,16 @@ class ShardWriter:
             size += nxt
         return items
 
-    async def _sync(self) -> None:
-        """Learn the latest batch from the head watermark (and its running totals)."""
-        counters = self._publisher.counters
+    async def _read_head(self) -> int:
+        """The shard's head watermark: every batch up to it exists."""
         store = self._publisher.store
         data, _ = await _zk_get(store, store.paths(self._publisher.queue).head(self.shard))
-        counters.zookeeper_reads += 1
-        head = int(data or b"0")
+        self._publisher.counters.zookeeper_reads += 1
+        return int(data or b"0")
+
+    async def _sync(self) -> None:
+        """Learn the latest batch from the head watermark (and its running totals)."""
+        head = await self._read_head()
         self._last_batch = head
         self._totals = (0, 0) if head == 0 else None
         if head:
