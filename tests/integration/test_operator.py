@@ -189,7 +189,9 @@ def operators(
             for item in api.list_namespaced_custom_object(GROUP, VERSION, kube_namespace, plural)["items"]:
                 delete(api, kube_namespace, plural, item["metadata"]["name"])
         try:
-            wait_for("the test's resources to be deleted", lambda: not _remaining(api, kube_namespace), timeout=60)
+            # A deadline, not a figure: on a loaded machine kopf's retries of a deletion
+            # that met a busy API server take minutes, and a teardown is not what is tested.
+            wait_for("the test's resources to be deleted", lambda: not _remaining(api, kube_namespace), timeout=300)
         finally:
             _strip_finalizers(api, kube_namespace)
             for operator in started:
