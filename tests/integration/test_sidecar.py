@@ -318,6 +318,12 @@ async def test_queue_and_subscriber_stats(store: Store, make_sidecar: MakeSideca
     create_queue(store, shards=2)
     client = await make_sidecar()
     await call(client, f"{BASE}/messages/batch", {"messages": [{"data": "abcd"} for _ in range(6)]})
+
+    async def counted() -> bool:
+        # Stats read the head watermarks, which a publish advances after it answers.
+        return bool((await call(client, f"{BASE}/stats"))["publishedMessages"] == 6)
+
+    await until(counted)
     queue = await call(client, f"{BASE}/stats")
     assert queue["queue"] == "default/orders" and queue["publishedMessages"] == 6
     assert len(queue["shards"]) == 2 and queue["publishedBytes"] == 6 * len('"abcd"')
