@@ -55,6 +55,7 @@ SKEW_MARGIN_SECONDS = 1.0
 # With nothing to claim, look again this often (claims of others lapse without a watch firing).
 RECHECK_SECONDS = 2.0
 RENEW_INTERVAL_SECONDS = 0.5
+SCAN_SECONDS = 1.0
 RETRY_MIN_SECONDS, RETRY_MAX_SECONDS = 0.1, 5.0
 STOP_COMPLETION_SECONDS = 10.0
 
@@ -260,6 +261,7 @@ class SharedDelivery:
         # The latest claim records of other members seen, by (shard, name): re-read only once lapsed.
         self._seen: dict[tuple[int, str], ClaimRecord] = {}
         self._rotation = 0
+        self._scanned_at: dict[int, float] = {}
         # Each shard's head as its watch last reported it.
         self._heads: dict[int, int] = {}
 
@@ -392,9 +394,16 @@ class SharedDelivery:
     async def _claim_one(self) -> ClaimReader | None:
         """Take over a lapsed range (older messages first) or claim a new one; None if there is none."""
         order = self._ordered_shards()
+        now = time.monotonic()
         for shard in order:
+            # Listing the claims (and reading those not seen lapsing before) costs reads:
+            # at most once a SCAN_SECONDS per shard, which delays a takeover by as much.
+            if now - self._scanned_at.get(shard, float("-inf")) < SCAN_SECONDS:
+                continue
+            self._scanned_at[shard] = now
             reader = await self._take_over_lapsed(shard)
             if reader is not None:
+                self._scanned_at.pop(shard, None)  # there may be more
                 return reader
         for shard in order:
             reader = await self._claim_fresh(shard)
