@@ -529,12 +529,17 @@ class SharedDelivery:
         marks: dict[int, BatchMarks] = await consumer.acks.load_bucket(
             record.epoch, record.shard, bucket_of(record.start), record.start)
         consumer.counters.ack_bucket_reads += 1
+        # Batches below the offset are done. Only leased delivery, before a switch to sharing,
+        # can have moved the offset past the cursor (with no ack rows for whole batches).
+        data, _ = await zk.call(self.client.get_async, self.paths.offset(record.shard))
+        offset, epoch = decode_offset(data)
+        done_below = offset if epoch == record.epoch else record.start
         by_batch = {b.header.batch: b for b in batches}
         for number in range(record.start, record.end):
             batch = by_batch.get(number)
             mark = marks.get(number, BatchMarks())
-            if batch is None:
-                reader.state.add_batch(number, [])  # expired: nothing left to deliver
+            if batch is None or number < done_below:
+                reader.state.add_batch(number, [])  # expired or done: nothing left to deliver
                 continue
             skipped = {m.position.seq for m in batch.messages if addressed_elsewhere(m, consumer.subscriber)}
             reader.state.add_batch(number, batch.messages, mark.done | skipped, mark.deliveries)

@@ -97,3 +97,26 @@ async def test_a_member_paused_past_its_claims_has_its_acks_refused_and_serves_a
         "the resumed member received nothing")
     verdict = check(group.history)
     assert verdict.ok, str(verdict)
+
+
+async def test_switching_a_live_group_from_leased_to_shared_delivery_loses_nothing(
+    store: Store, group: Group
+) -> None:
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    leased = SubscriberSpec(queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=VISIBILITY)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, leased)
+    await group.add(3)
+    await group.whole(spec.log_shards())
+    await group.publish(300, "leased")
+    await group.drained()
+    publishing = asyncio.create_task(group.publish(600, "switching"))
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, leased.model_copy(update={"delivery": "shared"}))
+    await publishing
+    await group.whole(None)
+    await group.drained()
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    assert all(store.zk.exists(paths.cursor(s)) for s in spec.log_shards()), "the members did not switch"
+    assert not await asyncio.to_thread(group.lease_holders), "a member still holds a shard lease"
+    verdict = check(group.history)
+    assert verdict.ok, str(verdict)
