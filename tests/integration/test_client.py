@@ -11,7 +11,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from casque.client import ApiError, AsyncClient, Client, RetryPolicy, SidecarUnreachable, message
 from casque.config import Settings
 from casque.engine import catalog
 from casque.schema import QueueRef
@@ -19,6 +18,7 @@ from casque.sidecar.app import create_app
 from casque.sidecar.config import SidecarSettings
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from casque_client import ApiError, AsyncClient, Client, RetryPolicy, SidecarUnreachable, message
 
 QUEUE = "mail"
 SUBSCRIBER = "sender"
