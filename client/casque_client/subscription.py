@@ -199,14 +199,13 @@ class _Subscription:
         job = asyncio.ensure_future(work)
         stopped = asyncio.ensure_future(self.stop.wait())
         try:
-            await asyncio.wait({job, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({job, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopped.cancel()
             if not job.done():
                 job.cancel()
-        if job.cancelled():
-            return None
-        return job.result()
+        # Both may be done at once: a result that came is kept, never dropped for the stop.
+        return job.result() if job in done else None
 
     async def _drain(self) -> None:
         if not self.running:
