@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from casque.cli.exits import ExitCode
+from casque.cli.output import MACHINE, TableOutput, check, dumps
 from casque.devstack import artifacts
 from casque.devstack.paths import state_dir
 from casque.devstack.stack import Stack, StackPorts
@@ -71,15 +73,24 @@ def up(
 
 
 @app.command()
-def status(state: StateOption = None) -> None:
-    """Show which services of the local stack run, where, and their logs."""
+def status(state: StateOption = None, output: TableOutput = "table") -> None:
+    """Show which services of the local stack run, where, and their logs (exit 4 if one is stopped)."""
+    check(output, ("table", *MACHINE))
     stack = _recorded(state or state_dir())
+    services = stack.status()
+    if output in MACHINE:
+        typer.echo(dumps([{"service": s.name, "address": s.address, "running": s.running,
+                           "pid": s.pid if s.running else None, "log": str(s.log)} for s in services], output))
+        if not all(s.running for s in services):
+            raise typer.Exit(ExitCode.BACKEND_UNAVAILABLE)
+        return
     table = Table("service", "address", "pid", "log")
     for service in stack.status():
         table.add_row(service.name, service.address, str(service.pid) if service.running else "[red]stopped[/red]", str(service.log))
     console.print(table)
     if not all(s.running for s in stack.status()):
-        raise typer.Exit(3)
+        # A stopped service is an unavailable backend (casque/cli/exits.py).
+        raise typer.Exit(ExitCode.BACKEND_UNAVAILABLE)
 
 
 @app.command()

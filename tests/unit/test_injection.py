@@ -287,7 +287,7 @@ def test_every_variable_given_to_the_sidecar_is_one_it_reads() -> None:
 
 
 def test_every_variable_given_to_the_app_is_one_the_client_reads() -> None:
-    client_source = (ROOT / "casque" / "client.py").read_text()
+    client_source = (ROOT / "client" / "casque_client" / "client.py").read_text()
     request = injection.parse_request({**ORDERS, "casque.io/token-secret": "t"})
     for env in injection.app_env(request):
         assert f'"{env["name"]}"' in client_source, env["name"]

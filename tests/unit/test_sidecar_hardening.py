@@ -18,12 +18,12 @@ from casque.engine.idempotency import RecentIds
 from casque.engine.messages import Delivery, Position, Published, StoredMessage
 from casque.engine.shard_state import ByteBudget, ShardState
 from casque.errors import BackendUnavailable, QueueNotFound
-from casque.loopback import is_loopback
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import as_casque_error, status_of
 from casque.sidecar.guards import host_name
 from casque.sidecar.models import PublishMessage, SeekRequest, message_json, receive_body
+from casque_client.loopback import is_loopback
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 QUEUE = QueueRef("default", "orders")
