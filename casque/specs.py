@@ -103,6 +103,9 @@ class SubscriberSpec(_Spec):
     # shared: every member delivers from every shard, in claimed batch ranges
     # (casque.engine.claims), so a group can have more members than the queue has shards.
     delivery: Literal["leased", "shared"] = "leased"
+    # The next message of a key is delivered only once the one before it is acked or
+    # dead-lettered (casque.engine.keylocks), also across the members of shared delivery.
+    ordered_keys: bool = False
 
     @field_validator("visibility_timeout_seconds", mode="before")
     @classmethod

@@ -42,7 +42,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 
 from casque.backends import zk
-from casque.errors import BackendUnavailable
+from casque.errors import BackendUnavailable, SubscriberNotFound
 from casque.znodes import SubscriberPaths, decode_offset, encode_offset
 
 
@@ -62,13 +62,18 @@ class ClaimRecord:
     member: str
     until_ms: int
     version: int
+    # Hashes of the keys in the range (casque.engine.keylocks), kept only for ordered keys.
+    keys: frozenset[int] = frozenset()
 
     @property
     def name(self) -> str:
         return claim_name(self.epoch, self.start)
 
     def data(self) -> bytes:
-        return json.dumps({"member": self.member, "end": self.end, "until": self.until_ms}).encode()
+        fields: dict[str, object] = {"member": self.member, "end": self.end, "until": self.until_ms}
+        if self.keys:
+            fields["keys"] = sorted(self.keys)
+        return json.dumps(fields).encode()
 
 
 class Completion(Enum):
@@ -86,7 +91,7 @@ def parse_claim(shard: int, name: str, data: bytes, version: int) -> ClaimRecord
     epoch, _, start = name.partition("-")
     fields = json.loads(data)
     return ClaimRecord(shard, int(epoch), int(start), int(fields["end"]), str(fields["member"]),
-                       int(fields["until"]), version)
+                       int(fields["until"]), version, frozenset(int(k) for k in fields.get("keys", ())))
 
 
 async def read_cursor(client: KazooClient, paths: SubscriberPaths, shard: int) -> Cursor | None:
@@ -98,6 +103,18 @@ async def read_cursor(client: KazooClient, paths: SubscriberPaths, shard: int) -
     return Cursor(next_batch, epoch, stat.version)
 
 
+async def ensure_dirs(client: KazooClient, paths: SubscriberPaths, shard: int) -> None:
+    """The shard's claims directory and the cursors directory. Never with makepath: that would
+    bring back a subscriber deleted meanwhile, empty."""
+    for path in (f"{paths.base}/cursors", f"{paths.base}/claims", paths.claims(shard)):
+        try:
+            await zk.call(client.create_async, path, b"")
+        except NodeExistsError:
+            pass
+        except NoNodeError as error:
+            raise SubscriberNotFound(f"subscriber {paths.name} was deleted") from error
+
+
 async def ensure_cursor(client: KazooClient, paths: SubscriberPaths, shard: int) -> Cursor:
     """The shard's cursor, created at the offset if missing and moved up to the offset if a
     seek (a new epoch) or leased delivery (before a switch to sharing) left it behind."""
@@ -107,9 +124,11 @@ async def ensure_cursor(client: KazooClient, paths: SubscriberPaths, shard: int)
         cursor = await read_cursor(client, paths, shard)
         if cursor is None:
             try:
-                await zk.call(client.create_async, paths.cursor(shard), encode_offset(offset, epoch), makepath=True)
+                await zk.call(client.create_async, paths.cursor(shard), encode_offset(offset, epoch))
             except NodeExistsError:
                 pass
+            except NoNodeError:
+                await ensure_dirs(client, paths, shard)
             continue
         if cursor.epoch == epoch and cursor.next >= offset:
             return cursor
@@ -123,11 +142,12 @@ async def ensure_cursor(client: KazooClient, paths: SubscriberPaths, shard: int)
 
 
 async def claim_range(
-    client: KazooClient, paths: SubscriberPaths, shard: int, cursor: Cursor, end: int, member: str, until_ms: int
+    client: KazooClient, paths: SubscriberPaths, shard: int, cursor: Cursor, end: int, member: str, until_ms: int,
+    keys: frozenset[int] = frozenset(),
 ) -> tuple[ClaimRecord | None, Cursor | None]:
     """Claim batches [cursor.next, end). Returns the claim, or None and the cursor as it is now
     (another member moved it first)."""
-    record = ClaimRecord(shard, cursor.epoch, cursor.next, end, member, until_ms, 0)
+    record = ClaimRecord(shard, cursor.epoch, cursor.next, end, member, until_ms, 0, keys)
     transaction = client.transaction()
     transaction.set_data(paths.cursor(shard), encode_offset(end, cursor.epoch), cursor.version)
     transaction.create(f"{paths.claims(shard)}/{record.name}", record.data())
@@ -141,7 +161,7 @@ async def claim_range(
         await delete_claim(client, paths, shard, record.name)
         return None, await read_cursor(client, paths, shard)
     if isinstance(claim_result, NoNodeError):
-        await zk.call(client.ensure_path_async, paths.claims(shard))
+        await ensure_dirs(client, paths, shard)
         return None, await read_cursor(client, paths, shard)
     _raise_failure(results, "claiming batches")
     return record, Cursor(end, cursor.epoch, int(cursor_result.version))

@@ -38,6 +38,7 @@ from casque.engine.acks import ACK, DEAD, AckEvent, AckLog, BatchMarks
 from casque.engine.batches import Log
 from casque.engine.counters import QueueCounters, dead_lettered
 from casque.engine.deadletters import addressed_elsewhere, dead_letter_copy
+from casque.engine.keylocks import KeyLocks
 from casque.engine.leases import ShardLeases
 from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
 from casque.engine.offsets import CommitOutcome, OffsetRecord
@@ -141,7 +142,9 @@ class ShardReader:
         self.shard = shard
         self.epoch = record.epoch
         self.fence = fence
-        self.state = ShardState(shard=shard, offset=record.offset)
+        ordered = consumer.subscriber_state.spec.ordered_keys
+        self.state = ShardState(shard=shard, offset=record.offset,
+                                locks=KeyLocks(on_release=consumer.notify) if ordered else None)
         # What went wrong last in this shard's reading or committing; empty while all is well.
         self.problem = ""
         self._committed = record.offset
@@ -539,7 +542,7 @@ class Consumer:
         DataWatch(self.store.zk, self.paths.base, zk.watch_in_loop(loop, self._subscriber_changed, active))
         await self._leases.start()
         if self._sharing is not None:
-            self._sharing.start()
+            await self._sharing.start()
         self._tasks = [loop.create_task(self._report_loop()), loop.create_task(self._resync_loop())]
 
     def report(self) -> dict[str, int]:
@@ -695,10 +698,13 @@ class Consumer:
         if state.incarnation != self.subscriber_state.incarnation:
             self.subscriber_gone(f"subscriber {self.subscriber} was deleted and created again")
             return
-        if state.spec.delivery != self.subscriber_state.spec.delivery:
-            # Leases and claims do not mix: end, and the owner starts a consumer in the new mode.
+        old = self.subscriber_state.spec
+        if (state.spec.delivery, state.spec.ordered_keys) != (old.delivery, old.ordered_keys):
+            # Leases and claims do not mix, nor do ranges claimed with and without their keys:
+            # end, and the owner starts a consumer in the new mode.
             self._gone_but_present = True
-            self.subscriber_gone(f"subscriber {self.subscriber} switched to {state.spec.delivery} delivery")
+            self.subscriber_gone(f"subscriber {self.subscriber} switched to {state.spec.delivery} delivery"
+                                 f"{' with ordered keys' if state.spec.ordered_keys else ''}")
             return
         self.subscriber_state = state
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from kazoo.recipe.watchers import DataWatch
+from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 
 from casque.backends import zk
 from casque.engine import claims, positions
@@ -31,6 +31,7 @@ from casque.engine.acks import BatchMarks
 from casque.engine.batches import Batch
 from casque.engine.claims import ClaimRecord, Completion, Cursor
 from casque.engine.deadletters import addressed_elsewhere
+from casque.engine.keylocks import KeyLocks, key_hash
 from casque.engine.messages import Delivery, Position, decode_receipt
 from casque.engine.shard_state import ShardState
 from casque.errors import BackendUnavailable, CasqueError, LeaseLost
@@ -72,7 +73,7 @@ class ClaimReader:
         self.record = record
         self.shard = record.shard
         self.epoch = record.epoch
-        self.state = ShardState(shard=record.shard, offset=record.start)
+        self.state = ShardState(shard=record.shard, offset=record.start, locks=sharing.locks_for(record.shard))
         self.problem = ""
         self.last_handout = time.monotonic()
         # Every claim version this reader wrote: the claim is still ours while it is at one of them.
@@ -262,13 +263,21 @@ class SharedDelivery:
         self._seen: dict[tuple[int, str], ClaimRecord] = {}
         self._rotation = 0
         self._scanned_at: dict[int, float] = {}
+        self.ordered = consumer.subscriber_state.spec.ordered_keys
+        self._locks: dict[int, KeyLocks] = {}
+        # Ordered keys: claim names per shard (a watch), and other members' ranges read so far.
+        self._names: dict[int, set[str] | None] = {}
+        self._known: dict[tuple[int, str], ClaimRecord] = {}
+        self._learning: set[tuple[int, str]] = set()
+        # The seek epoch of each shard's cursor as last read (ranges of other epochs are moot).
+        self._epochs: dict[int, int] = {}
         # Each shard's head as its watch last reported it.
         self._heads: dict[int, int] = {}
 
-    def start(self) -> None:
+    async def start(self) -> None:
         loop = asyncio.get_running_loop()
         for shard in self.shards:
-            self._watch_head(shard)
+            await self._prepare(shard)
         self._tasks = [loop.create_task(self._claim_loop()), loop.create_task(self._renew_loop())]
 
     def _watch_head(self, shard: int) -> None:
@@ -304,16 +313,101 @@ class SharedDelivery:
         held = self.claims.get(reader.shard, [])
         if reader in held:
             held.remove(reader)
+            reader.state.release_keys()
         self.space_freed()
+
+    # --- ordered keys ---------------------------------------------------------------------------
+    def locks_for(self, shard: int) -> KeyLocks | None:
+        if not self.ordered:
+            return None
+        locks = self._locks.get(shard)
+        if locks is None:
+            locks = self._locks[shard] = KeyLocks(foreign=lambda batch: self._foreign_keys(shard, batch),
+                                                  on_release=self.consumer.notify)
+        return locks
+
+    def _foreign_keys(self, shard: int, batch: int) -> list[frozenset[int]] | None:
+        """Key hashes of the open ranges of other members below `batch`; None while one is unknown."""
+        names = self._names.get(shard)
+        epoch_now = self._epochs.get(shard)
+        if names is None or epoch_now is None:
+            return None
+        held = {r.record.name for r in self.claims.get(shard, [])}
+        found: list[frozenset[int]] = []
+        for name in names - held:
+            epoch, _, start = name.partition("-")
+            if int(epoch) != epoch_now or int(start) >= batch:
+                continue
+            record = self._known.get((shard, name))
+            if record is None:
+                self._learn(shard, name)
+                return None
+            found.append(record.keys)
+        return found
+
+    def _learn(self, shard: int, name: str) -> None:
+        """Read another member's range (its keys) in the background; deliveries wait for it."""
+        if (shard, name) in self._learning:
+            return
+        self._learning.add((shard, name))
+
+        async def read() -> None:
+            try:
+                record = await claims.read_claim(self.client, self.paths, shard, name)
+                if record is not None:
+                    self._known[(shard, name)] = record
+            except CasqueError as error:
+                log.info("range %s of shard %s not read (%s); retried on the next receive", name, shard, error)
+            finally:
+                self._learning.discard((shard, name))
+                self.consumer.notify()
+
+        self.consumer._in_background(read())
+
+    def _watch_claims(self, shard: int) -> None:
+        self._names[shard] = None
+
+        def changed(children: list[str], *_: object) -> None:
+            present = set(children)
+            self._names[shard] = present
+            for key in [k for k in self._known if k[0] == shard and k[1] not in present]:
+                del self._known[key]
+            self.consumer.notify()  # a range completed: keys it held may be free
+
+        ChildrenWatch(self.client, self.paths.claims(shard),
+                      zk.watch_in_loop(asyncio.get_running_loop(), changed, lambda: not self._stopped))
+
+    async def _see_ranges(self, shard: int) -> None:
+        """Before delivering a new range with ordered keys: every range below it known, with its keys.
+
+        Read after our claim or takeover was written, so it includes every range created
+        before ours; a watch could still be catching up."""
+        names = set(await claims.list_claims(self.client, self.paths, shard))
+        self._names[shard] = names
+        held = {r.record.name for r in self.claims.get(shard, [])}
+        for name in sorted(names - held):
+            if (shard, name) not in self._known:
+                record = await claims.read_claim(self.client, self.paths, shard, name)
+                if record is not None:
+                    self._known[(shard, name)] = record
 
     def completed(self, reader: ClaimReader, offset: int) -> None:
         self.consumer.counters.offset_commits += 1
 
     def set_shards(self, shards: list[int]) -> None:
+        added = [shard for shard in shards if shard not in self.shards]
         self.shards = list(shards)
-        for shard in self.shards:
-            self._watch_head(shard)
+        for shard in added:
+            self.consumer._in_background(self._prepare(shard))
         self._want.set()
+
+    async def _prepare(self, shard: int) -> None:
+        """Watch the shard's head (new batches to claim) and, for ordered keys, its claims."""
+        self._watch_head(shard)
+        if self.ordered and shard not in self._names:
+            # The directory must exist first: a watch set on a missing node never fires.
+            await claims.ensure_dirs(self.client, self.paths, shard)
+            self._watch_claims(shard)
 
     async def resync(self) -> None:
         """A seek: drop the ranges of shards it moved to a new epoch; claiming goes on from their new offsets."""
@@ -416,6 +510,7 @@ class SharedDelivery:
         if cursor is None:
             cursor = await claims.ensure_cursor(self.client, self.paths, shard)
             self._cursors[shard] = cursor
+            self._epochs[shard] = cursor.epoch
         return cursor
 
     def _until_ms(self) -> int:
@@ -498,8 +593,9 @@ class SharedDelivery:
                 if count >= CLAIM_MESSAGES:
                     break
             end = taken[-1].header.batch + 1
+            keys = frozenset(key_hash(m.key) for b in taken for m in b.messages if m.key) if self.ordered else frozenset()
             record, now = await claims.claim_range(
-                self.client, self.paths, shard, cursor, end, self.consumer.member_id, self._until_ms())
+                self.client, self.paths, shard, cursor, end, self.consumer.member_id, self._until_ms(), keys)
             self.zk_writes += 1
             if now is not None:
                 self._cursors[shard] = now
@@ -524,6 +620,8 @@ class SharedDelivery:
 
     async def _reader(self, record: ClaimRecord, batches: list[Batch]) -> ClaimReader:
         """A reader of the range, loaded with its batches and what the ack rows say is done."""
+        if self.ordered:
+            await self._see_ranges(record.shard)
         reader = ClaimReader(self, record)
         consumer = self.consumer
         marks: dict[int, BatchMarks] = await consumer.acks.load_bucket(

@@ -229,3 +229,52 @@ async def test_a_seek_replays_through_the_pool_in_a_new_epoch(store: Store, cons
     paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
     cursors = [await claims.read_cursor(store.zk, paths, s) for s in spec.log_shards()]
     assert all(c is not None and c.epoch == 1 for c in cursors), cursors
+
+
+async def test_ordered_keys_deliver_the_next_message_of_a_key_only_after_the_previous_is_acked(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="shared",
+        ordered_keys=True))
+    group = [await start(consumers, store) for _ in range(3)]
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    order: dict[str, list[str]] = {}
+    for start_at in range(0, 300, 30):  # ten batches, four keys spread over all of them
+        results = await publisher.publish([OutgoingMessage(f"m{i}".encode(), key=f"k{i % 4}")
+                                           for i in range(start_at, start_at + 30)])
+        for r, i in zip(results, range(start_at, start_at + 30)):
+            order.setdefault(f"k{i % 4}", []).append(r.message_id)
+    await publisher.flush_heads()
+    published = {m for ids in order.values() for m in ids}
+    # Per message: when its first delivery was answered, and when its ack was sent.
+    delivered_at: dict[str, float] = {}
+    ack_sent_at: dict[str, float] = {}
+    receivers: dict[str, str] = {}
+    stop = asyncio.Event()
+
+    async def ordered_worker(consumer: Consumer) -> None:
+        while not stop.is_set():
+            got = await consumer.receive(max_messages=10, wait=0.5)
+            answered = time.monotonic()
+            for d in got:
+                delivered_at.setdefault(d.message.message_id, answered)
+                receivers[d.message.message_id] = consumer.member_id
+            await asyncio.sleep(0.01)  # the app's work
+            if got:
+                ack_sent = time.monotonic()
+                for d, result in zip(got, await consumer.ack_many([d.receipt for d in got])):
+                    if result is True:
+                        ack_sent_at[d.message.message_id] = ack_sent
+
+    workers = [asyncio.create_task(ordered_worker(c)) for c in group]
+    await until("every message acked", lambda: published <= set(ack_sent_at), limit_s=120)
+    stop.set()
+    await asyncio.gather(*workers)
+    for key, ids in order.items():
+        for earlier, later in zip(ids, ids[1:]):
+            assert delivered_at[later] > ack_sent_at[earlier], (
+                f"{key}: {later} was delivered before {earlier} was acked")
+    assert len(set(receivers.values())) > 1, "one member received everything: nothing was shared"
