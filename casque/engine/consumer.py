@@ -578,6 +578,10 @@ class Consumer:
             return {source.shard for source in self._sharing.sources()}
         return set(self.readers)
 
+    def group_members(self) -> list[str]:
+        """The live members of this consumer's group, as last seen."""
+        return self._leases.members if self._leases is not None else []
+
     def sources(self) -> list[Source]:
         """What deliveries come from: the leased shards' readers, or the claimed ranges."""
         if self._sharing is not None:

@@ -587,10 +587,11 @@ class SharedDelivery:
                 raise BackendUnavailable(f"shard {shard}: batch {cursor.next} exists but the read did not return it")
             taken: list[Batch] = []
             count = 0
+            target = self._claim_target(sum(len(b.messages) for b in batches))
             for batch in batches:
                 taken.append(batch)
                 count += len(batch.messages)
-                if count >= CLAIM_MESSAGES:
+                if count >= target:
                     break
             end = taken[-1].header.batch + 1
             keys = frozenset(key_hash(m.key) for b in taken for m in b.messages if m.key) if self.ordered else frozenset()
@@ -608,6 +609,12 @@ class SharedDelivery:
             self.claims_taken += 1
             return await self._reader(record, taken)
         return None
+
+    def _claim_target(self, available: int) -> int:
+        """Messages to claim: CLAIM_MESSAGES, or less when what is there to claim, split over
+        the group's members, is less; so a small backlog still reaches every member."""
+        members = len(self.consumer.group_members()) or 1
+        return max(1, min(CLAIM_MESSAGES, available // members))
 
     async def _skip_expired(self, shard: int, cursor: Cursor, head: int) -> None:
         earliest = await asyncio.to_thread(
