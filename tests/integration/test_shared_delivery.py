@@ -278,3 +278,35 @@ async def test_ordered_keys_deliver_the_next_message_of_a_key_only_after_the_pre
             assert delivered_at[later] > ack_sent_at[earlier], (
                 f"{key}: {later} was delivered before {earlier} was acked")
     assert len(set(receivers.values())) > 1, "one member received everything: nothing was shared"
+
+
+async def test_a_poison_message_goes_to_the_dead_letter_queue_and_its_range_completes(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    dead_letters = QueueRef(QUEUE.namespace, "shared-dlq")
+    catalog.apply_queue(store, dead_letters, spec)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="shared",
+        max_deliveries=2, dead_letter_queue=dead_letters.name))
+    first, second = await start(consumers, store), await start(consumers, store)
+    published = await publish(store, 20, "m", per_call=20)
+    poison: str | None = None
+    acked: set[str] = set()
+    shards = spec.log_shards()
+    deadline = time.monotonic() + 60
+    # The app keeps asking (a receive is what finds a message over its max deliveries).
+    while offsets_of(store, shards)[0] <= heads_of(store, shards)[0]:
+        assert time.monotonic() < deadline, f"{len(acked)} acked, poison {poison}"
+        for consumer in (first, second):
+            for d in await consumer.receive(max_messages=20, wait=0.2):
+                if poison is None:
+                    poison = d.message.message_id
+                if d.message.message_id == poison:
+                    await consumer.nack(d.receipt, error="cannot parse")
+                elif await consumer.ack(d.receipt):
+                    acked.add(d.message.message_id)
+    assert poison is not None and acked == published - {poison}
+    head = catalog.read_int(store, store.paths(dead_letters).head(0))
+    assert head == 1, "the poison message did not reach the dead-letter queue"
