@@ -51,6 +51,11 @@ CLAIM_MESSAGES = 256
 CLAIM_LOW_WATER = 64
 # ... and only while its app asked for messages this recently: an idle member hoards nothing.
 DEMAND_SECONDS = 5.0
+# ... and while it holds (loaded, in flight included) fewer messages and payload bytes than
+# these over all its ranges: an app that receives and never acks cannot make it read the
+# whole backlog into memory (a sidecar's container has 256 MiB).
+MAX_LOADED_MESSAGES = 4000
+MAX_LOADED_BYTES = 16 * 1024 * 1024
 # Another member takes over a lapsed claim only this long after its time: clocks may differ.
 SKEW_MARGIN_SECONDS = 1.0
 # With nothing to claim, look again this often (claims of others lapse without a watch firing).
@@ -424,6 +429,13 @@ class SharedDelivery:
                     self.consumer.counters.seeks_applied += 1
         self._want.set()
 
+    def _may_claim(self) -> bool:
+        if time.monotonic() - self.last_demand >= DEMAND_SECONDS or self.ready_messages() >= CLAIM_LOW_WATER:
+            return False
+        sources = self.sources()
+        return (sum(r.state.loaded_messages for r in sources) < MAX_LOADED_MESSAGES
+                and sum(r.state.loaded_bytes for r in sources) < MAX_LOADED_BYTES)
+
     def ready_messages(self) -> int:
         return sum(r.state.loaded_messages - r.state.in_flight for r in self.sources())
 
@@ -451,7 +463,7 @@ class SharedDelivery:
             self._want.clear()
             if self._stopped:
                 return
-            if time.monotonic() - self.last_demand >= DEMAND_SECONDS or self.ready_messages() >= CLAIM_LOW_WATER:
+            if not self._may_claim():
                 continue
             try:
                 got = await self._claim_one()

@@ -310,3 +310,24 @@ async def test_a_poison_message_goes_to_the_dead_letter_queue_and_its_range_comp
     assert poison is not None and acked == published - {poison}
     head = catalog.read_int(store, store.paths(dead_letters).head(0))
     assert head == 1, "the poison message did not reach the dead-letter queue"
+
+
+async def test_an_app_that_never_acks_does_not_make_its_member_load_the_whole_backlog(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    from casque.engine.sharing import CLAIM_MESSAGES, MAX_LOADED_MESSAGES
+
+    setup(store, shards=1, visibility=300)
+    member = await start(consumers, store)
+    await publish(store, MAX_LOADED_MESSAGES + 2000, "m", per_call=100)
+    held = 0
+    deadline = time.monotonic() + 120
+    while held < MAX_LOADED_MESSAGES:
+        assert time.monotonic() < deadline, f"only {held} received"
+        held += len(await member.receive(max_messages=100, wait=2))
+    sharing = member._sharing
+    assert sharing is not None
+    sharing.demand()
+    assert not sharing._may_claim(), "the member would claim more while holding its limit"
+    loaded = sum(r.state.loaded_messages for r in sharing.sources())
+    assert loaded < MAX_LOADED_MESSAGES + CLAIM_MESSAGES, loaded
