@@ -102,6 +102,23 @@ def terminate(directory: Path, grace_seconds: float = 45.0) -> bool:
     return True
 
 
+def kill(directory: Path) -> int:
+    """SIGKILL the process, for fault tests (a crash: no shutdown, no goodbye to peers);
+    returns its pid once it is gone."""
+    pid = running_pid(directory)
+    if pid is None:
+        raise StackError(f"no running process for {directory}")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30.0
+    while running_pid(directory) is not None:
+        if time.monotonic() > deadline:
+            raise StackError(f"process {pid} for {directory} survived SIGKILL")
+        _reap(pid)
+        time.sleep(0.05)
+    _reap(pid)
+    return pid
+
+
 def pause(directory: Path) -> None:
     """SIGSTOP the process: for fault tests (a paused server looks alive but answers nothing)."""
     pid = running_pid(directory)
