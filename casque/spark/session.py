@@ -53,6 +53,20 @@ class SparkOptions:
     conf: Mapping[str, str] = field(default_factory=dict)
 
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+
+def on_this_machine(master: str) -> bool:
+    """Whether every executor of `master` runs on this machine: local mode, or a standalone
+    master (or masters) on a loopback address."""
+    if master.startswith("local"):
+        return True
+    if not master.startswith("spark://"):
+        return False
+    hosts = [address.rpartition(":")[0] for address in master[len("spark://"):].split(",")]
+    return all(host in LOOPBACK_HOSTS for host in hosts)
+
+
 def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
     """Every Spark setting of a casque job, as plain strings (testable without a JVM)."""
     conf: dict[str, str] = {
@@ -73,8 +87,6 @@ def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
         # Pages of 5,000 rows instead of 1,000: a quarter of the round trips for small messages.
         "spark.cassandra.input.fetch.sizeInRows": "5000",
         "spark.cassandra.output.consistency.level": settings.consistency,
-        # Python workers must be the driver's interpreter (same packages, same version).
-        "spark.pyspark.python": sys.executable,
         "spark.pyspark.driver.python": sys.executable,
     }
     if settings.cassandra_local_dc:
@@ -82,12 +94,20 @@ def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
     if settings.cassandra_username:
         conf["spark.cassandra.auth.username"] = settings.cassandra_username
         conf["spark.cassandra.auth.password"] = settings.cassandra_password or ""
-    if options.master.startswith("local"):
-        # A local job talks to nobody but itself: no UI port to collide with other
-        # processes on the machine, and the driver bound to loopback.
-        conf["spark.ui.enabled"] = "false"
+    if on_this_machine(options.master):
+        # The jobs run no Python on executors (every step is Spark SQL, planned in the JVM),
+        # so executors need the connector jars alone, which the driver serves them through
+        # spark.jars. Should a Python worker ever start, on this machine it is the driver's
+        # interpreter; on a cluster it is the executors' own (spark.pyspark.python, or
+        # PYSPARK_PYTHON in their image), since this path means nothing there.
+        conf["spark.pyspark.python"] = sys.executable
+        # A job whose executors all run here talks to nobody else: the driver bound to
+        # loopback, where a standalone master and worker on 127.0.0.1 reach it.
         conf["spark.driver.host"] = "127.0.0.1"
         conf["spark.driver.bindAddress"] = "127.0.0.1"
+    if options.master.startswith("local"):
+        # No UI port to collide with other processes on the machine, and no JVM chatter.
+        conf["spark.ui.enabled"] = "false"
         conf["spark.driver.extraJavaOptions"] += f" -Dlog4j2.configurationFile={_quiet_logging()}"
     conf.update(_connector_conf(options.connector))
     conf.update(options.conf)
@@ -150,7 +170,7 @@ def build_session(settings: Settings, options: SparkOptions | None = None) -> Sp
     # PySpark launches the JVM itself; it must not pick up a submit configuration meant for
     # another program.
     os.environ.pop("PYSPARK_SUBMIT_ARGS", None)
-    if options.master.startswith("local"):
+    if on_this_machine(options.master):
         # Otherwise Spark binds its block manager to the first non-loopback interface it finds.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = SparkSession.builder
