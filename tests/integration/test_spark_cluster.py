@@ -5,7 +5,8 @@ as the local-mode tests (computed with the Python driver from the same rows).
 
 Each command runs in its own process, as from a terminal: the driver runs there (client
 mode), the executors on the worker, which fetch the connector jars from the driver
-(`spark.jars`). Every command must show up at the master as a finished application, so a
+(`spark.jars`, or spark-submit's `--jars`). Export runs under spark-submit, the way a
+Kubernetes user starts it; stats and replay as `casque spark ... --master spark://...`. Every command must show up at the master as a finished application, so a
 job that silently fell back to local mode fails.
 """
 
@@ -23,11 +24,13 @@ from typing import Any
 import pytest
 from cassandra.cluster import Session
 
+import casque.cli
 from casque.engine import catalog
 from casque.spark import replay
+from casque.spark.jars import local_jars
 from casque.specs import QueueSpec
 from casque.store import Store
-from tests.fixtures.spark_cluster import SparkCluster, spark_cluster  # noqa: F401
+from tests.fixtures.spark_cluster import SparkCluster, spark_cluster, spark_home  # noqa: F401
 from tests.integration.test_spark import (  # noqa: F401
     SOURCE,
     TARGET,
@@ -43,15 +46,31 @@ from tests.integration.test_spark import (  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
+# The `casque` command as a script file, which spark-submit runs as the driver's program.
+CLI_SCRIPT = Path(casque.cli.__file__).with_name("__main__.py")
 
-def on_cluster(cluster: SparkCluster, environment: dict[str, str], *args: str) -> str:
-    """Run `casque spark ARGS` against the cluster; its output. Asserts that it ran there."""
+
+def on_cluster(cluster: SparkCluster, environment: dict[str, str], *args: str, submit: bool = False) -> str:
+    """Run `casque spark ARGS` against the cluster (with --master, or under spark-submit);
+    its output. Asserts that it ran there: an application finished at the master."""
     before = len(cluster.completed_apps())
+    # One executor with the worker's cores; the driver's UI is of no use here.
+    settings = ["--conf", "spark.executor.memory=768m", "--conf", "spark.ui.enabled=false"]
+    if submit:
+        # As on Kubernetes: spark-submit owns the driver's JVM, so it gets the master and the
+        # connector jars; the job takes its master from there.
+        jars = ",".join(str(jar) for jar in local_jars() or [])
+        assert jars, "run scripts/install-spark.sh"
+        command = [str(spark_home() / "bin" / "spark-submit"), "--master", cluster.url, "--jars", jars, *settings,
+                   str(CLI_SCRIPT), "spark", *args]
+    else:
+        command = [sys.executable, "-m", "casque.cli", "spark", *args, "--master", cluster.url,
+                   "--connector", "local", *settings]
     done = subprocess.run(
-        [sys.executable, "-m", "casque.cli", "spark", *args, "--master", cluster.url, "--connector", "local",
-         # One executor with the worker's cores; the driver's UI is of no use here.
-         "--conf", "spark.executor.memory=768m", "--conf", "spark.ui.enabled=false"],
-        env={**os.environ, **environment, "COLUMNS": "200"}, capture_output=True, text=True, timeout=600,
+        command, capture_output=True, text=True, timeout=600,
+        env={**os.environ, **environment, "COLUMNS": "200",
+             # spark-submit's driver: this interpreter, with casque and its packages.
+             "PYSPARK_DRIVER_PYTHON": sys.executable, "PYSPARK_PYTHON": sys.executable},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     finished = cluster.completed_apps()[before:]
@@ -82,13 +101,13 @@ def test_stats_on_the_cluster_match_the_driver(
     assert (out / "report.html").exists()
 
 
-def test_export_on_the_cluster_round_trips_every_message(
+def test_export_under_spark_submit_round_trips_every_message(
     spark_cluster: SparkCluster, store: Store, history: History, env: dict[str, str], tmp_path: Path  # noqa: F811
 ) -> None:
     start = history.start + timedelta(minutes=1)
     since = start.isoformat().replace("+00:00", "Z")
     on_cluster(spark_cluster, env, "export", "--queue", SOURCE.name, "--from", since, "--format", "jsonl",
-               "--out", str(tmp_path / "export"))
+               "--out", str(tmp_path / "export"), submit=True)
     expected = {m.message_id: m for m in history.messages if m.published_at >= start}
     seen: list[tuple[int, int, int]] = []
     for part in sorted((tmp_path / "export" / "messages").glob("part-*.json")):
