@@ -131,6 +131,13 @@ class ZooKeeperServer:
                 return line.partition(":")[2].strip()
         return None
 
+    def connections(self) -> int:
+        """Client connections the server holds now (0 when it does not answer)."""
+        for line in (self.four_letter_word("srvr") or "").splitlines():
+            if line.startswith("Connections:"):
+                return int(line.partition(":")[2])
+        return 0
+
     def failure(self, what: str) -> str:
         tail = processes.log_tail(self.log_path, 200) + processes.log_tail(self.directory / "stdout.log", 50)
         errors = [line for line in tail if "ERROR" in line or "Exception" in line]

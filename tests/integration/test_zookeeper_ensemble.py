@@ -19,7 +19,8 @@ import pytest
 from casque.devstack import processes
 from casque.devstack.zookeeper import ZooKeeperEnsemble, ZooKeeperServer
 from casque.store import Store
-from tests.fixtures.group import Group, assert_sound, has_delivered, until
+from tests.fixtures.group import PUBLISH_CHUNK, Group, assert_sound, has_delivered, until
+from tests.fixtures.history import History
 from tests.fixtures.sidecars import StartSidecar
 from tests.integration.test_group_faults import QUEUE, SUBSCRIBER, create
 
@@ -55,7 +56,9 @@ def victim(ensemble: ZooKeeperEnsemble, role: str) -> ZooKeeperServer:
         return leader
     followers = ensemble.followers()
     assert followers, ensemble.modes()
-    return followers[0]
+    # The one most clients are connected to (clients pick members at random), so that the
+    # kill cuts sessions off rather than only shrinking the quorum.
+    return max(followers, key=lambda member: member.connections())
 
 
 @pytest.mark.parametrize("role", ["leader", "follower"])
@@ -67,14 +70,31 @@ async def test_a_killed_ensemble_member_costs_no_session_and_no_acknowledged_mes
     await group.whole(spec.log_shards())
     members = {sidecar: group.members[sidecar] for sidecar in sidecars}
 
-    publishing = asyncio.create_task(group.publish(600, "load"))
+    # The publisher runs through the fault: it stops only once publishes sent after the kill
+    # have been answered.
+    stop = asyncio.Event()
+
+    async def keep_publishing() -> None:
+        chunk = 0
+        while not stop.is_set():
+            await group.publish(PUBLISH_CHUNK, f"load{chunk}")
+            chunk += 1
+
+    publishing = asyncio.create_task(keep_publishing())
     for sidecar in sidecars:
         await until("both members to have work in hand", has_delivered(group, sidecar))
     killed = victim(ensemble, role)
     await asyncio.to_thread(processes.kill, killed.directory)
+    killed_at = History.now()
     # Two of three still make a quorum: a leader again (a new one if the leader died).
     await until("the two survivors to serve", lambda: asyncio.to_thread(ensemble.serving, 2),
                 describe=ensemble.modes)
+
+    async def published_after_the_kill() -> bool:
+        return sum(1 for answered in group.history.published.values() if answered > killed_at) >= 2 * PUBLISH_CHUNK
+
+    await until("publishes answered after the kill", published_after_the_kill)
+    stop.set()
     await publishing
 
     await group.whole(spec.log_shards())

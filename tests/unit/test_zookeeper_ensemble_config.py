@@ -43,7 +43,8 @@ def test_a_single_server_stays_standalone_in_its_old_directory(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(("answer", "mode"), [
-    ("Zookeeper version: 3.9.4\nLatency min/avg/max: 0/0.0/0\nMode: leader\nNode count: 5\n", "leader"),
+    ("Zookeeper version: 3.9.4\nLatency min/avg/max: 0/0.0/0\nConnections: 3\nMode: leader\nNode count: 5\n",
+     "leader"),
     ("Zookeeper version: 3.9.4\nMode: follower\n", "follower"),
     ("This ZooKeeper instance is not currently serving requests\n", None),
     (None, None),
@@ -53,6 +54,7 @@ def test_the_mode_is_read_from_srvr(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     server = ZooKeeperServer(tmp_path)
     monkeypatch.setattr(ZooKeeperServer, "four_letter_word", lambda self, word, timeout=2.0: answer)
     assert server.mode() == mode
+    assert server.connections() == (3 if mode == "leader" else 0)
 
 
 def test_a_stack_recorded_before_ensembles_loads_as_one_server(tmp_path: Path) -> None:
