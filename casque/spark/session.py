@@ -2,8 +2,8 @@
 
 `local[*]` is the default; the same job runs on a standalone cluster (`spark://host:7077`)
 or on Kubernetes (`k8s://https://apiserver:6443`) by changing the master, or under
-spark-submit (`casque/spark/__main__.py`), which then gives the master and the jars. The Cassandra
-connection comes from the same CASQUE_* settings every casque process uses, so executors
+spark-submit running the `casque` command's script, which then gives the master and the
+connector's jars (docs/spark.md). The Cassandra connection comes from the same CASQUE_* settings every casque process uses, so executors
 reach the cluster the driver's settings name.
 
 One JVM serves one Python process: `getOrCreate` returns the running session if there is
@@ -118,7 +118,7 @@ def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
         # No UI port to collide with other processes on the machine, and no JVM chatter.
         conf["spark.ui.enabled"] = "false"
         conf["spark.driver.extraJavaOptions"] += f" -Dlog4j2.configurationFile={_quiet_logging()}"
-    if options.master is not None:
+    if not submitted():
         # Under spark-submit the driver's JVM is running already: jars named now would reach
         # the executors but not the driver's classpath, so the connector comes with
         # spark-submit's own --jars or --packages instead.

@@ -160,3 +160,12 @@ def test_session_settings() -> None:
     assert here["spark.driver.host"] == "127.0.0.1" and "spark.ui.enabled" not in here
     assert not on_this_machine("spark://127.0.0.1:7077,m:7077") and not on_this_machine("k8s://https://k:6443")
     assert on_this_machine("spark://localhost:7077,127.0.0.1:7078")
+
+
+def test_session_settings_under_spark_submit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """spark-submit started the driver's JVM: its master and its --jars/--packages stand."""
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "45678")
+    conf = spark_conf(Settings(cassandra_contact_points=["10.0.0.1"]), SparkOptions(master=None, connector="packages"))
+    assert not {"spark.master", "spark.jars", "spark.jars.packages"} & set(conf)
+    assert conf["spark.cassandra.connection.host"] == "10.0.0.1"
+    assert "--add-opens=java.base/sun.nio.ch=ALL-UNNAMED" in conf["spark.executor.extraJavaOptions"]
