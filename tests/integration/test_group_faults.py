@@ -16,7 +16,7 @@ until the server has expired it, which the test observes (the member znode goes)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -26,9 +26,9 @@ from casque.engine.publisher import Publisher
 from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from tests.fixtures.group import Group, until
-from tests.fixtures.history import History, Seek, check
-from tests.fixtures.sidecars import SidecarProcess, StartSidecar
+from tests.fixtures.group import Group, assert_sound, has_delivered, until
+from tests.fixtures.history import History, Seek
+from tests.fixtures.sidecars import StartSidecar
 
 QUEUE = QueueRef("default", "orders")
 SUBSCRIBER = "fulfilment"
@@ -50,11 +50,6 @@ async def group(request: pytest.FixtureRequest, store: Store, start_sidecar: Sta
     running = Group(start_sidecar, store, QUEUE, SUBSCRIBER, env=SESSION, delivery=request.param)
     yield running
     await running.stop()
-
-
-def assert_sound(history: History) -> None:
-    verdict = check(history)
-    assert verdict.ok, str(verdict)
 
 
 async def test_a_member_paused_past_its_session_rejoins_and_takes_its_share_back(
@@ -107,7 +102,7 @@ async def test_a_member_killed_with_sigkill_loses_nothing_and_its_replacement_jo
     # Published through every sidecar, the victim too: a publish it had written but not
     # answered is retried elsewhere with the same ids, and must not land twice (a phantom).
     publishing = asyncio.create_task(group.publish(600, "load"))
-    await until("the victim to have work in hand", _has_delivered(group, victim))
+    await until("the victim to have work in hand", has_delivered(group, victim))
     victim.kill()  # no drain, no release: its leases go with its session
     await group.add(1)
     await publishing
@@ -125,7 +120,7 @@ async def test_a_rolling_restart_redelivers_only_what_the_leaving_members_held(
     held_at_leave = 0
     for index, leaving in enumerate(originals):
         publishing = asyncio.create_task(group.publish(200, f"wave{index}"))
-        await until("the leaving member to have work in hand", _has_delivered(group, leaving))
+        await until("the leaving member to have work in hand", has_delivered(group, leaving))
         held_at_leave += _unacked(group.history, group.members[leaving])
         assert await asyncio.to_thread(leaving.terminate) == 0  # drains, releases its leases
         await group.add(1)
@@ -228,15 +223,6 @@ def _all_expired(store: Store, positions: list[tuple[int, int]]) -> bool:
     query = f"SELECT batch_no FROM {store.table(QUEUE)} WHERE shard = %s AND bucket = %s AND batch_no = %s AND seq = -1"
     return all(store.session.execute(query, (shard, bucket_of(batch), batch)).one() is None
                for shard, batch in positions)
-
-
-def _has_delivered(group: Group, sidecar: SidecarProcess) -> Callable[[], Awaitable[bool]]:
-    member = group.members[sidecar]
-
-    async def condition() -> bool:
-        return any(d.member == member for d in group.history.deliveries)
-
-    return condition
 
 
 def _unacked(history: History, member: str) -> int:
