@@ -81,3 +81,9 @@ class AccessDenied(CasqueError):
     identity used on another namespace's znodes. Retrying with the same credentials cannot help."""
 
     code = "access_denied"
+
+
+class QuotaExceeded(CasqueError):
+    """A queue would take its namespace past a limit set by the platform team."""
+
+    code = "quota_exceeded"
