@@ -51,12 +51,13 @@ def apply_zookeeper_secret(api: client.ApiClient, settings: Settings, namespace:
         return False
     core = client.CoreV1Api(api)
     try:
-        current = core.read_namespaced_secret(ZOOKEEPER_SECRET, namespace)
-    except ApiException as error:
-        if error.status != 404:
-            raise
         core.create_namespaced_secret(namespace, wanted)  # type: ignore[arg-type]  # the client takes a dict too
         return True
+    except ApiException as error:
+        # 409: it exists (written for another Queue, maybe by a reconcile running now).
+        if error.status != 409:
+            raise
+    current = core.read_namespaced_secret(ZOOKEEPER_SECRET, namespace)
     if (current.data or {}) == wanted["data"]:
         return False
     core.patch_namespaced_secret(ZOOKEEPER_SECRET, namespace, {"data": wanted["data"]})
