@@ -3,7 +3,7 @@
 Each shard of each priority level is a log of its own (a head, offsets, leases and a
 partition range per subscriber), so shards x priorities is what a namespace's queues cost
 the backends; retention is how much they keep. The defaults come from the operator's
-settings (CASQUE_QUOTA_*, Helm `quotas.*`); a Namespace's annotations override them for
+settings (CASQUE_QUOTA_*); a Namespace's annotations override them for
 that namespace, and only cluster administrators may change a Namespace. `violations` is the
 pure rule; the reconcile applies it to the queues that exist in the backends.
 """
