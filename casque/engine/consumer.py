@@ -748,12 +748,12 @@ class Consumer:
                 self._sharing.demand()
             budget = ByteBudget(max_bytes) if max_bytes is not None else None
             got = self._take(max_messages, visibility or self.visibility_timeout, budget)
+            if got and self._sharing is not None:
+                # Claims first: a delivery whose range could not be kept is put back uncounted.
+                got = await self._sharing.cover(got)
             if got:
                 await self._record_deliveries(got)
-                if self._sharing is not None:
-                    got = await self._sharing.cover(got)
-                if got:
-                    return got
+                return got
             now = time.monotonic()
             remaining = deadline - now
             if remaining <= 0:

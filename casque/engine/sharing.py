@@ -671,29 +671,21 @@ class SharedDelivery:
     async def cover(self, deliveries: list[Delivery]) -> list[Delivery]:
         """Make sure every delivery's claim lasts past its visibility deadline; deliveries whose
         claim could not be renewed are put back and left out."""
+        owners = {d.receipt: self.source_for(d.message.position) for d in deliveries}
         wanted: dict[ClaimReader, float] = {}
         wall_offset = time.time() - time.monotonic()
         for d in deliveries:
-            reader = self.source_for(d.message.position)
+            reader = owners[d.receipt]
             if reader is not None:
                 reader.last_handout = time.monotonic()
-                ends = d.visible_until + wall_offset
-                if ends * 1000 > reader.record.until_ms:
-                    wanted[reader] = max(wanted.get(reader, 0.0), ends)
-        lost: set[ClaimReader] = set()
-        for reader, ends in wanted.items():
-            visibility = self.consumer.visibility_timeout
-            if not await reader.renew(int((ends + _headroom(visibility)) * 1000)):
-                lost.add(reader)
-        if not lost:
-            return deliveries
+                wanted[reader] = max(wanted.get(reader, 0.0), d.visible_until + wall_offset)
+        lost = {reader for reader, ends in wanted.items() if not await reader.renew_past(ends)}
         kept = []
         for d in deliveries:
-            if self.source_for(d.message.position) in lost or d.message.position.shard not in self.claims:
-                position, nonce = decode_receipt(d.receipt)
-                for reader in lost:
-                    if reader.record.start <= position.batch < reader.record.end and reader.shard == position.shard:
-                        reader.state.undo_take(position, nonce)
+            reader = owners[d.receipt]
+            if reader is None or reader in lost:
+                if reader is not None:
+                    reader.state.undo_take(*decode_receipt(d.receipt))
                 continue
             kept.append(d)
         return kept
@@ -705,8 +697,8 @@ class SharedDelivery:
             visibility = self.consumer.visibility_timeout
             for reader in self.sources():
                 remaining = reader.record.until_ms / 1000 - wall
-                if remaining > visibility + _headroom(visibility) / 2:
-                    continue
+                if remaining > visibility + _headroom(visibility) / 2 or reader.complete:
+                    continue  # a complete range is being completed, not given up
                 try:
                     if reader.in_use(now):
                         await reader.renew(self._until_ms())
