@@ -33,6 +33,7 @@ from casque.config import ReplicationSettings, Settings
 from casque.devstack.kube import KubeCluster
 from casque.operator import injection
 from casque.operator.context import OperatorOptions
+from casque.operator.quotas import QuotaSettings
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
 from tests.fixtures.waiting import free_port, wait_for
 from tests.unit.test_dockerfiles import cli_call
@@ -197,7 +198,9 @@ NON_DEFAULT: dict[str, Any] = {
         "replication": {"strategy": "SimpleStrategy", "factor": 1},
         "auth": {"username": "casque", "password": "s3cret"},
     },
-    "zookeeper": {"connect": "zk-0.zk:2181,zk-1.zk:2181", "root": "/shop/casque"},
+    "zookeeper": {"connect": "zk-0.zk:2181,zk-1.zk:2181", "root": "/shop/casque",
+                  "auth": {"username": "casque", "password": "z" * 32}},
+    "quotas": {"maxQueues": 20, "maxShardPriorities": 64, "maxRetention": "14d"},
     "operator": {
         "image": {"digest": "sha256:" + "ab" * 32},
         "replicas": 3,
@@ -409,8 +412,8 @@ def test_non_default_values_are_accepted_by_the_api_server(
     assert {g for rule in cluster_rules for g in rule["apiGroups"]} == {"apiextensions.k8s.io", ""}
     assert not any("events" in rule["resources"] for rule in cluster_rules)
     # A certificate of the user's: no Secret made for it, its CA in the configuration.
-    assert {s["metadata"]["name"] for s in of_kind(documents, "Secret")} == {next(
-        d["metadata"]["name"] for d in of_kind(documents, "Secret"))}  # only the Cassandra credentials
+    secrets = sorted(s["metadata"]["name"].rsplit("-", 1)[1] for s in of_kind(documents, "Secret"))
+    assert secrets == ["cassandra", "zookeeper"]  # only the credentials: both backends' installation identities
     webhook = one(documents, "MutatingWebhookConfiguration")["webhooks"][0]
     assert webhook["clientConfig"]["caBundle"] == kube_cluster.ca_bundle
     assert webhook["failurePolicy"] == "Fail"
@@ -427,6 +430,8 @@ def test_non_default_values_are_accepted_by_the_api_server(
     assert params["lease_name"] == "shop-operator" and params["lease_duration"] == 20 and params["verbose"]
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["CASQUE_CASSANDRA_USERNAME"]["secretKeyRef"]["key"] == "username"
+    assert env["CASQUE_ZOOKEEPER_PASSWORD"]["secretKeyRef"]["key"] == "password"
+    assert (env["CASQUE_QUOTA_MAX_QUEUES"], env["CASQUE_QUOTA_MAX_RETENTION"]) == ("20", "14d")
     assert env["CASQUE_INJECTION_IMAGE"] == "registry.example.com/platform/casque/sidecar:0.1.0-rc1"
     pod = one(documents, "Deployment")["spec"]["template"]
     assert pod["metadata"]["annotations"]["example.com/team"] == "platform"
@@ -461,6 +466,7 @@ def test_the_operator_reads_every_setting_the_chart_gives_it(
     for prefix, settings in (
         ("CASQUE_", Settings), ("CASQUE_REPLICATION_", ReplicationSettings),
         ("CASQUE_OPERATOR_", OperatorOptions), ("CASQUE_INJECTION_", injection.InjectionSettings),
+        ("CASQUE_QUOTA_", QuotaSettings),
     ):  # fmt: skip
         known |= {f"{prefix}{field.upper()}" for field in settings.model_fields}
     assert names <= known, names - known
@@ -472,7 +478,9 @@ def test_the_operator_reads_every_setting_the_chart_gives_it(
     backends.replication.cql_map()  # valid replication for the keyspace the operator creates
     sidecar = injection.InjectionSettings()
     OperatorOptions()
+    quotas = QuotaSettings()
     if values:
+        assert (quotas.max_queues, quotas.max_shard_priorities, quotas.max_retention) == (20, 64, "14d")
         assert backends.cassandra_contact_points == ["cassandra-0.cassandra", "cassandra-1.cassandra"]
         assert backends.replication.strategy == "SimpleStrategy" and backends.zookeeper_root == "/shop/casque"
         assert sidecar.native_sidecar is False and sidecar.cpu_limit == "1" and sidecar.credentials_secret
@@ -503,13 +511,14 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
 ) -> None:
     release = f"r{uuid.uuid4().hex[:6]}"
     show = ["--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml"]
-    for values in (None, {"operator": {"watchNamespaces": [other_namespace]}}):
+    zookeeper_auth = {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}}}
+    for values in (None, {"operator": {"watchNamespaces": [other_namespace]}}, zookeeper_auth):
         manifest = tools.template(kube_namespace, values, *show, release=release).stdout
         tools.run(*tools.kubectl, "apply", "-f", "-", input=manifest)
         try:
             account = f"{release}-casque"
             can = lambda verb, resource, on=None: tools.can_i(kube_namespace, account, verb, resource, on)  # noqa: E731
-            served = other_namespace if values else kube_namespace
+            served = other_namespace if values and "operator" in values else kube_namespace
             for verb in ("get", "list", "watch", "patch", "update"):
                 assert can(verb, "queues.casque.io", served) and can(verb, "subscribers.casque.io", served)
             assert can("patch", "queues.casque.io/status", served) and can("update", "subscribers.casque.io/status", served)
@@ -521,7 +530,13 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
             # ... and no more.
             assert not can("update", "leases.coordination.k8s.io/someone-elses")
             assert not can("delete", "queues.casque.io", served) and not can("create", "subscribers.casque.io", served)
-            assert not can("get", "secrets") and not can("create", "pods") and not can("list", "pods")
+            if values is zookeeper_auth:  # each namespace's ZooKeeper identity, a Secret the operator writes
+                for verb in ("get", "create", "patch", "delete"):
+                    assert can(verb, "secrets", served)
+                assert not can("list", "secrets", served)
+            else:
+                assert not can("get", "secrets")
+            assert not can("create", "pods") and not can("list", "pods")
             assert not can("update", "customresourcedefinitions.apiextensions.k8s.io")
             assert not can("create", "mutatingwebhookconfigurations.admissionregistration.k8s.io")
             if values:  # with watchNamespaces, nothing on casque's resources elsewhere

@@ -58,6 +58,14 @@ app.kubernetes.io/component: operator
 {{- end -}}
 
 {{/* The Secret holding the Cassandra username and password, if any. */}}
+{{- define "casque.zookeeperSecret" -}}
+{{- if .Values.zookeeper.auth.existingSecret -}}
+{{- .Values.zookeeper.auth.existingSecret -}}
+{{- else if .Values.zookeeper.auth.username -}}
+{{- printf "%s-zookeeper" (include "casque.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "casque.cassandraSecret" -}}
 {{- if .Values.cassandra.auth.existingSecret -}}
 {{- .Values.cassandra.auth.existingSecret -}}
@@ -92,4 +100,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
+{{- if include "casque.zookeeperSecret" . }}
+# Each namespace's ZooKeeper identity, written with its first Queue, deleted after its last.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create, patch, delete]
+{{- end }}
 {{- end -}}
