@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from casque.cli import apply, dev, queue_commands, resources, spark_commands
+from casque.cli import apply, dev, queue_commands, resources, security, spark_commands
 from casque.cli.exits import guard_all, report
 from casque.errors import CasqueError
 from casque.operator import cli as operator_cli
@@ -17,6 +17,7 @@ app.add_typer(operator_cli.app, name="operator")
 app.add_typer(spark_commands.app, name="spark")
 app.command("apply")(apply.apply_file)
 app.command("delete")(apply.delete_file)
+app.command("secure-znodes")(security.secure_znodes)
 queue_commands.register(app)
 resources.register(app)
 # Every command maps casque's errors to one line and an exit code (casque/cli/exits.py).
