@@ -8,6 +8,9 @@ from typing import Annotated
 
 import typer
 
+from casque import logs
+from casque.logs import LOG_FORMAT_ENV, LogFormat
+
 app = typer.Typer(help="The Kubernetes operator for Queue and Subscriber resources.", no_args_is_help=True)
 
 
@@ -51,6 +54,10 @@ def run(
         typer.Option(envvar="CASQUE_OPERATOR_METRICS_PORT", help="Serve Prometheus metrics on this port (all addresses)."),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log more.")] = False,
+    log_format: Annotated[
+        LogFormat,
+        typer.Option("--log-format", envvar=LOG_FORMAT_ENV, help="Log lines as text, or one JSON object each."),
+    ] = "text",
 ) -> None:
     """Run the operator: reconcile Queues and Subscribers into Cassandra and ZooKeeper.
 
@@ -92,6 +99,10 @@ def run(
         except ValueError as error:
             raise typer.BadParameter(f"CASQUE_INJECTION_* settings: {error}") from error
     kopf.configure(verbose=verbose)
+    if log_format == "json":
+        # kopf installs its own handler (and its object references as `extra` fields, which
+        # the JSON lines keep); only its formatter is replaced.
+        logs.reformat(log_format)
     if metrics_port is not None:
         import prometheus_client
 

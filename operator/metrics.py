@@ -9,6 +9,7 @@ Served with prometheus_client's default registry by `casque operator run --metri
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from prometheus_client import Gauge
@@ -19,7 +20,15 @@ SUBSCRIBER_GAUGES = {
     "lagBatches": Gauge("casque_subscriber_lag_batches", "Batches the subscriber has yet to consume", _LABELS),
     "inFlight": Gauge("casque_subscriber_in_flight", "Messages delivered and not yet acked", _LABELS),
     "consumers": Gauge("casque_subscriber_consumers", "Live consumers (sidecars) of the subscriber", _LABELS),
+    "deadLettered": Gauge("casque_subscriber_dead_lettered", "Messages sent to the dead-letter queue so far",
+                          _LABELS),
 }
+# A time, not an age: an age set at each status refresh would be stale by the refresh
+# interval between refreshes, while `time() - this` is right at every evaluation. 0 when
+# nothing is pending.
+OLDEST_PENDING = Gauge("casque_subscriber_oldest_pending_timestamp_seconds",
+                       "Publish time (Unix seconds) of the oldest message the subscriber has yet to consume; "
+                       "0 when none", _LABELS)
 # The queue each subscriber's series were last set under, to remove them on deletion.
 _exported: dict[tuple[str, str], str] = {}
 
@@ -37,13 +46,20 @@ def observe_subscriber(namespace: str, name: str, status: Mapping[str, Any]) -> 
         value = status.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             gauge.labels(namespace, queue, name).set(value)
+    if "oldestPendingTime" in status:
+        oldest = status["oldestPendingTime"]
+        try:
+            stamp = datetime.fromisoformat(oldest.replace("Z", "+00:00")).timestamp() if oldest else 0.0
+        except (AttributeError, ValueError):
+            return
+        OLDEST_PENDING.labels(namespace, queue, name).set(stamp)
 
 
 def forget_subscriber(namespace: str, name: str) -> None:
     queue = _exported.pop((namespace, name), None)
     if queue is None:
         return
-    for gauge in SUBSCRIBER_GAUGES.values():
+    for gauge in (*SUBSCRIBER_GAUGES.values(), OLDEST_PENDING):
         try:
             gauge.remove(namespace, queue, name)
         except KeyError:

@@ -444,6 +444,7 @@ def subscriber_figures(spec: SubscriberSpec, seen: SubscriberObservation) -> dic
         "oldestPendingTime": conditions.timestamp(min(oldest)) if oldest else None,
         "consumers": seen.consumers,
         "inFlight": figures.in_flight if figures else None,
+        "deadLettered": figures.dead_lettered if figures else None,
     }
 
 

@@ -30,7 +30,8 @@ from casque.sidecar.auth import bearer_middleware
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import error_middleware
 from casque.sidecar.guards import guard_middleware
-from casque.sidecar.keys import BACKENDS, METRICS, OPENAPI, RUNTIME, SETTINGS
+from casque.sidecar.keys import BACKENDS, METRICS, OPENAPI, RUNTIME, SETTINGS, TRACING
+from casque.sidecar.logs import request_middleware
 from casque.sidecar.metrics import SidecarMetrics, metrics_middleware
 from casque.sidecar.openapi import build
 from casque.sidecar.push import PushWorker, push_token
@@ -38,11 +39,12 @@ from casque.sidecar.routes import OPERATIONS, add_routes
 from casque.sidecar.runtime import Runtime
 from casque.sidecar.scopes import Scopes, scope_middleware
 from casque.sidecar.service import QueueService, Subscription
+from casque.sidecar.tracing import Tracing, from_environment
 from casque.store import Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "METRICS", "OPENAPI", "RUNTIME", "SETTINGS", "create_app", "service_of"]
+__all__ = ["BACKENDS", "METRICS", "OPENAPI", "RUNTIME", "SETTINGS", "TRACING", "create_app", "service_of"]
 
 CONNECT_RETRY_MIN_SECONDS = 0.5
 CONNECT_RETRY_MAX_SECONDS = 10.0
@@ -55,10 +57,18 @@ def _version() -> str:
         return "0.0.0"
 
 
-def create_app(settings: SidecarSettings, backends: Settings | None = None, store: Store | None = None) -> web.Application:
-    """A sidecar app. `store`, when given, is used as it is and left open at the end."""
+def create_app(
+    settings: SidecarSettings, backends: Settings | None = None, store: Store | None = None,
+    tracing: Tracing | None = None,
+) -> web.Application:
+    """A sidecar app. `store`, when given, is used as it is and left open at the end; so is
+    `tracing`. Without it, tracing is what the OTEL_* variables configure (tracing.py)."""
     metrics = SidecarMetrics()
-    middlewares: list[Middleware] = [metrics_middleware(metrics), error_middleware, guard_middleware(settings)]
+    # The request id first: every line logged while a request is handled, errors included, names it.
+    middlewares: list[Middleware] = [
+        request_middleware(settings.access_log), metrics_middleware(metrics), error_middleware,
+        guard_middleware(settings),
+    ]
     if settings.token is not None:
         middlewares.append(bearer_middleware(settings.token.get_secret_value()))
     # After auth (a stranger learns nothing of the scopes), before any body is read.
@@ -71,11 +81,21 @@ def create_app(settings: SidecarSettings, backends: Settings | None = None, stor
     app[BACKENDS] = backends or Settings()
     app[METRICS] = metrics
     app[RUNTIME] = Runtime()
+    app[TRACING] = tracing if tracing is not None else from_environment()
     app[OPENAPI] = build(OPERATIONS, _version(), bearer_token=settings.token is not None)
     bodies.install(app)
     add_routes(app)
     app.cleanup_ctx.append(_backends_context(store))
+    if tracing is None and app[TRACING] is not None:
+        app.on_cleanup.append(_flush_spans)
     return app
+
+
+async def _flush_spans(app: web.Application) -> None:
+    # Spans are exported in the background in batches: flush what is left before exiting.
+    traced = app[TRACING]
+    if traced is not None:
+        await asyncio.to_thread(traced.shutdown)
 
 
 def service_of(app: web.Application) -> QueueService:
@@ -122,7 +142,8 @@ async def _connect(app: web.Application, lent: Store | None) -> None:
     runtime.store = store
     service = QueueService(store, app[SETTINGS], app[METRICS])
     token = push_token(app[SETTINGS])  # one per start: the same for every subscriber's pushes
-    service.on_consumer_started.append(lambda subscription: _start_push(service, subscription, token))
+    tracing = app[TRACING]
+    service.on_consumer_started.append(lambda subscription: _start_push(service, subscription, token, tracing))
     runtime.service = service
     runtime.problem = ""
     service.start()
@@ -144,11 +165,12 @@ async def _open_store(settings: Settings, namespace: str) -> Store:
         raise
 
 
-def _start_push(service: QueueService, subscription: Subscription, token: str) -> None:
+def _start_push(service: QueueService, subscription: Subscription, token: str, tracing: Tracing | None) -> None:
     """A push worker per consumer: it pushes while the sidecar or the Subscriber names a URL."""
     consumer = subscription.consumer
     assert consumer is not None and service.queue is not None
-    worker = PushWorker(consumer, service.queue, subscription.name, service.settings, service.metrics, token)
+    worker = PushWorker(consumer, service.queue, subscription.name, service.settings, service.metrics, token,
+                        tracing)
     subscription.push = worker
     worker.start()
     service.stoppers.append(worker.stop)

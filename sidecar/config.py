@@ -78,6 +78,9 @@ class SidecarSettings(BaseSettings):
     # A client that has not sent its whole body by then gets 408: a trickling client must
     # not hold a connection and its buffer forever.
     body_timeout_seconds: Annotated[float, Field(gt=0, le=600)] = 30.0
+    # One log line per request (method, path, status, time, request id). Off by default:
+    # at thousands of requests a second it would be most of the log.
+    access_log: bool = False
     # Group commit linger: wait this long for more publishes before writing a batch.
     publish_linger_seconds: Annotated[float, Field(ge=0, le=1)] = 0.0
 

@@ -6,9 +6,11 @@
 - No Origin other than the loopback's. Browsers put the page's Origin on every POST they
   send, cross-site "simple" requests (text/plain, no preflight) included; apps in the pod
   send none (403).
-- A body comes as `Content-Type: application/json`. A page cannot send that cross-site
-  without a CORS preflight, which the sidecar never grants (415). A POST without a body
-  (a receive with the defaults) needs none; from a page it carries an Origin.
+- A body comes as `Content-Type: application/json` (or a CloudEvents JSON type). A page
+  cannot send those cross-site without a CORS preflight, which the sidecar never grants
+  (415). A POST without a body (a receive with the defaults) needs none; from a page it
+  carries an Origin. A CloudEvent in binary mode may have any content type, but it needs
+  the `ce-specversion` header, which a page cannot send cross-site without a preflight either.
 - A declared Content-Length within the limit, refused before a byte of the body is read (413).
 
 Probes, metrics and the OpenAPI document carry no message data and only answer GETs, so
@@ -26,12 +28,13 @@ from aiohttp.typedefs import Middleware
 from casque.sidecar.bodies import too_large
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import CrossOrigin, ForeignHost, UnsupportedMediaType
+from casque.sidecar.events import CLOUDEVENTS_BATCH, CLOUDEVENTS_JSON, is_binary
 from casque_client.loopback import is_loopback
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
-JSON_MEDIA_TYPES = frozenset({"application/json"})
+JSON_MEDIA_TYPES = frozenset({"application/json", CLOUDEVENTS_JSON, CLOUDEVENTS_BATCH})
 
 
 def host_name(host_header: str) -> str:
@@ -51,11 +54,12 @@ def check(request: web.Request, settings: SidecarSettings, loopback_only: bool) 
     origin = request.headers.get("Origin")
     if origin is not None and not is_loopback(urlsplit(origin).hostname or ""):
         raise CrossOrigin(f"requests from web pages ({origin[:100]}) are refused; the API is for the pod's app")
-    if request.body_exists:
+    if request.body_exists and not is_binary(request.headers):
         media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if media not in JSON_MEDIA_TYPES:
             raise UnsupportedMediaType(
-                f"the body must be sent as Content-Type: application/json (got {media[:100] or 'none'})"
+                f"the body must be sent as Content-Type: application/json, or as a CloudEvent in binary mode "
+                f"with ce-specversion (got {media[:100] or 'none'})"
             )
     refusal = too_large(request, settings.max_request_bytes)
     if refusal is not None:

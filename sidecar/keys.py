@@ -10,9 +10,12 @@ from casque.config import Settings
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.metrics import SidecarMetrics
 from casque.sidecar.runtime import Runtime
+from casque.sidecar.tracing import Tracing
 
 SETTINGS = web.AppKey("settings", SidecarSettings)
 BACKENDS = web.AppKey("backends", Settings)
 METRICS = web.AppKey("metrics", SidecarMetrics)
 RUNTIME = web.AppKey("runtime", Runtime)
 OPENAPI = web.AppKey("openapi", dict[str, Any])
+# None unless an exporter is configured (tracing.py): each operation checks it once.
+TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")

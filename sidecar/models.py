@@ -4,9 +4,17 @@ A published and a delivered message have the shape of a CloudEvent in structured
 mode (`specversion`, `id`, `source`, `type`, `time`, `datacontenttype`, `data` or
 `data_base64`), so apps and tools that speak CloudEvents read them as they are. casque's
 own fields are CloudEvents extension attributes (lowercase, no separators): `partitionkey`
-(the CloudEvents partitioning extension), `priority`, `deliverycount`, `receipt`, `shard`,
-`batch`, `seq`, `visibleuntil`, `expiresat`. Application attributes travel in `attributes`.
-Publishing also takes casque's scheduling fields `delay`, `deliverAt` and `priority`.
+(the CloudEvents partitioning extension), `traceparent` and `tracestate` (the distributed
+tracing extension), `messageid` (the id casque gave the message), `priority`,
+`deliverycount`, `receipt`, `shard`, `batch`, `seq`, `visibleuntil`, `expiresat`.
+Application attributes travel in `attributes`. Publishing also takes casque's scheduling
+fields `delay`, `deliverAt` and `priority`.
+
+The producer's `id`, `source`, `type`, `subject`, `time`, `dataschema` and trace context
+are kept in the message's attributes under `ce-` names, which apps cannot use (the
+engine's own attributes are `casque-`), and come back as the event's attributes on
+receive and push. `id` and `source` together name an event (the CloudEvents rule), so
+they are also the idempotency key; see `dedup_key`.
 
 The other bodies use camelCase. Every body refuses unknown fields: a misspelt `delay`
 must not publish at once a message that was meant to wait.
@@ -19,11 +27,21 @@ import binascii
 import json
 import logging
 import math
+import re
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    RootModel,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from casque.engine.messages import (
@@ -47,8 +65,15 @@ MAX_VISIBILITY_SECONDS = 12 * 3600
 MAX_ATTRIBUTES = 64
 SPECVERSION: Literal["1.0"] = "1.0"
 DEFAULT_TYPE = "casque.message"
-# CloudEvents `type`, `source` and `subject` of a published event ride in these attributes.
-CE_ATTRIBUTES = {"type": "ce-type", "source": "ce-source", "subject": "ce-subject"}
+# CloudEvents attributes of a published event ride in these message attributes.
+CE_ATTRIBUTES = {
+    "id": "ce-id", "type": "ce-type", "source": "ce-source", "subject": "ce-subject", "time": "ce-time",
+    "dataschema": "ce-dataschema", "traceparent": "ce-traceparent", "tracestate": "ce-tracestate",
+}
+# W3C trace context, version 00: version-traceid-parentid-flags. A later version may append
+# fields after the flags; its first four read the same way.
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+MAX_TRACESTATE = 512
 JSON_CONTENT_TYPE = "application/json"
 BINARY_CONTENT_TYPE = "application/octet-stream"
 
@@ -77,6 +102,50 @@ def _in_utc_range(value: datetime) -> datetime:
 
 
 Instant = Annotated[AwareDatetime, AfterValidator(_in_utc_range)]
+
+
+def valid_traceparent(value: str | None) -> str | None:
+    """`value` if it is a W3C traceparent a tracer can continue, else None.
+
+    The trace context rules say a receiver that cannot parse the header starts a new trace
+    rather than failing the request: a malformed traceparent is dropped, never refused.
+    """
+    if value is None:
+        return None
+    match = _TRACEPARENT.match(value.strip())
+    if match is None:
+        return None
+    version, trace_id, parent_id, _, rest = match.groups()
+    if version == "ff" or (version == "00" and rest) or set(trace_id) == {"0"} or set(parent_id) == {"0"}:
+        return None
+    return value.strip()
+
+
+def valid_tracestate(value: str | None) -> str | None:
+    if value is None or len(value) > MAX_TRACESTATE or not value.isascii() or not value.isprintable():
+        return None
+    return value.strip() or None
+
+
+def _no_nul(value: str) -> str:
+    # dedup_key joins source and id with NUL: with NUL refused in both, the join is unambiguous.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+def dedup_key(source: str | None, event_id: str | None) -> str | None:
+    """The idempotency key of a published event: (source, id), the pair CloudEvents says is unique.
+
+    An event without a source keeps its bare id as the key, so clients that send only `id`
+    dedupe exactly as before. With a source the key starts with NUL, which no id can hold:
+    it never meets a bare id, nor the engine's own key prefixes.
+    """
+    if event_id is None:
+        return None
+    if source is None:
+        return event_id
+    return f"\x00{source}\x00{event_id}"
 AttributeName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:/-]{1,128}$"), AfterValidator(_encodable)]
 Receipt = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_-]+$")]
 Seconds = Annotated[float, Field(ge=0, le=MAX_VISIBILITY_SECONDS)]
@@ -159,14 +228,22 @@ class PublishMessage(Body):
     """One message, as a CloudEvent. Give `data` (JSON, or text for a text content type) or `data_base64`."""
 
     specversion: Literal["1.0"] | None = None
-    id: Annotated[Text | None, Field(min_length=1, max_length=256)] = Field(
+    id: Annotated[Text | None, Field(min_length=1, max_length=256), AfterValidator(_no_nul)] = Field(
         default=None,
-        description="Idempotency key: a publish with an id already published within 10 minutes "
-        "is not written again and returns the first result with duplicate=true.",
+        description="Idempotency key, with `source`: a publish of an (id, source) already published "
+        "within 10 minutes is not written again and returns the first result with duplicate=true. "
+        "Returned as the event's `id` on receive.",
     )
     type: Annotated[Text | None, Field(min_length=1, max_length=256)] = None
-    source: Annotated[Text | None, Field(min_length=1, max_length=1024)] = None
+    source: Annotated[Text | None, Field(min_length=1, max_length=1024), AfterValidator(_no_nul)] = None
     subject: Annotated[Text | None, Field(min_length=1, max_length=1024)] = None
+    time: Instant | None = Field(default=None, description="When the event happened (the producer's time).")
+    dataschema: Annotated[Text | None, Field(min_length=1, max_length=1024)] = None
+    traceparent: Annotated[str | None, Field(max_length=512)] = Field(
+        default=None, description="W3C trace context of the event's creation (CloudEvents distributed tracing). "
+        "The request's `traceparent` header is used when absent; a malformed one is ignored."
+    )
+    tracestate: Annotated[str | None, Field(max_length=MAX_TRACESTATE)] = None
     datacontenttype: Annotated[
         Text | None, Field(max_length=256, pattern=r"^[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+(\s*;.*)?$")
     ] = None
@@ -237,6 +314,13 @@ class PublishMessage(Body):
         attributes = dict(self.attributes)
         for field, attribute in CE_ATTRIBUTES.items():
             value = getattr(self, field)
+            if field == "time" and value is not None:
+                value = value.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+            elif field == "traceparent":
+                value = valid_traceparent(value)
+            elif field == "tracestate":
+                # A tracestate means nothing without the traceparent it belongs to.
+                value = valid_tracestate(value) if valid_traceparent(self.traceparent) else None
             if value is not None:
                 attributes[attribute] = value
         deliver_at = self.deliver_at
@@ -247,7 +331,7 @@ class PublishMessage(Body):
             key=self.partitionkey,
             attributes=attributes,
             content_type=content_type,
-            client_id=self.id,
+            client_id=dedup_key(self.source, self.id),
             ttl_seconds=self.ttl,
             priority=self.priority,
             deliver_at=deliver_at,
@@ -258,6 +342,12 @@ class PublishBatchRequest(Body):
     messages: Annotated[list[PublishMessage], Field(min_length=1, max_length=MAX_BATCH_MESSAGES)] = Field(
         description="Written all or none: one invalid message refuses the whole request."
     )
+
+
+class PublishEventBatch(RootModel[Annotated[list[PublishMessage], Field(min_length=1, max_length=MAX_BATCH_MESSAGES)]]):
+    """CloudEvents batch mode (`application/cloudevents-batch+json`): a JSON array of events, all or none."""
+
+    model_config = ConfigDict(strict=True)
 
 
 class PublishResult(Reply):
@@ -297,15 +387,22 @@ class Message(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
     specversion: Literal["1.0"] = SPECVERSION
-    id: str
+    id: str = Field(description="The producer's id when it gave one, else casque's message id.")
     source: str
     type: str
     subject: str | None = None
-    time: datetime
+    time: datetime = Field(description="The producer's time when it gave one, else when casque wrote the message.")
+    dataschema: str | None = None
     datacontenttype: str | None = None
     data: JsonValue = None
     data_base64: str | None = None
     partitionkey: str | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
+    messageid: str = Field(description="The id casque gave the message when it was written (publish's messageId).")
+    publishedat: datetime | None = Field(
+        default=None, description="When casque wrote the message; given when `time` is the producer's."
+    )
     attributes: dict[str, str] = Field(default_factory=dict)
     priority: int = 0
     deliverycount: int = Field(description="1 on first delivery; counts redeliveries after nack or expiry.")
@@ -331,10 +428,11 @@ def envelope(delivery: Delivery, queue: QueueRef, raw: bool = False) -> Message:
     attributes = dict(stored.attributes)
     fields: dict[str, Any] = {
         "specversion": SPECVERSION,
-        "id": stored.message_id,
+        "id": attributes.pop(CE_ATTRIBUTES["id"], stored.message_id),
         "type": attributes.pop(CE_ATTRIBUTES["type"], DEFAULT_TYPE),
         "source": attributes.pop(CE_ATTRIBUTES["source"], source_of(queue)),
         "time": stored.published_at,
+        "messageid": stored.message_id,
         "attributes": attributes,
         "priority": priority_of(stored.position.shard),
         "deliverycount": delivery.delivery_count,
@@ -345,9 +443,14 @@ def envelope(delivery: Delivery, queue: QueueRef, raw: bool = False) -> Message:
         # The engine keeps deadlines on the monotonic clock; apps need a wall-clock time.
         "visibleuntil": wall_clock(delivery.visible_until),
     }
-    subject = attributes.pop(CE_ATTRIBUTES["subject"], None)
-    if subject is not None:
-        fields["subject"] = subject
+    produced = attributes.pop(CE_ATTRIBUTES["time"], None)
+    if produced is not None:
+        fields["time"] = produced
+        fields["publishedat"] = stored.published_at
+    for name in ("subject", "dataschema", "traceparent", "tracestate"):
+        value = attributes.pop(CE_ATTRIBUTES[name], None)
+        if value is not None:
+            fields[name] = value
     if stored.key is not None:
         fields["partitionkey"] = stored.key
     if stored.expires_at is not None:

@@ -46,7 +46,8 @@ from casque.errors import CasqueError, InvalidSpec, StaleReceipt
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings, push_target
 from casque.sidecar.metrics import SidecarMetrics
-from casque.sidecar.models import envelope
+from casque.sidecar.models import CE_ATTRIBUTES, envelope
+from casque.sidecar.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class PushWorker:
         settings: SidecarSettings,
         metrics: SidecarMetrics,
         token: str,
+        tracing: Tracing | None = None,
     ) -> None:
         self.consumer = consumer
         self.queue = queue
@@ -108,6 +110,7 @@ class PushWorker:
         self.settings = settings
         self.metrics = metrics
         self.token = token
+        self.tracing = tracing
         # Why the subscriber's push URL is not used ("" when it is, or there is none); readiness shows it.
         self.problem = ""
         self._active: set[asyncio.Task[None]] = set()
@@ -180,9 +183,32 @@ class PushWorker:
             log.error("push task failed", exc_info=task.exception())
 
     async def _push(self, delivery: Delivery, url: str) -> None:
+        """Push with the message's trace context in the W3C headers as well as in the event:
+        the app's HTTP server instrumentation reads the headers, not the body."""
+        headers = {"Content-Type": CLOUDEVENTS_JSON, PUSH_TOKEN_HEADER: self.token}
+        attributes = delivery.message.attributes
+        traceparent = attributes.get(CE_ATTRIBUTES["traceparent"])
+        tracestate = attributes.get(CE_ATTRIBUTES["tracestate"])
+        if self.tracing is None:
+            if traceparent is not None:
+                headers["traceparent"] = traceparent
+                if tracestate is not None:
+                    headers["tracestate"] = tracestate
+            await self._send(delivery, url, headers)
+            return
+        with self.tracing.span(f"push {self.queue.name}/{self.subscriber}", "client", (traceparent, tracestate),
+                               attributes={"messaging.system": "casque", "messaging.operation.type": "process",
+                                           "messaging.destination.name": self.queue.name,
+                                           "messaging.consumer.group.name": self.subscriber,
+                                           "messaging.message.id": delivery.message.message_id}) as span:
+            headers["traceparent"], state = self.tracing.context_of(span)
+            if state is not None:
+                headers["tracestate"] = state
+            await self._send(delivery, url, headers)
+
+    async def _send(self, delivery: Delivery, url: str, headers: dict[str, str]) -> None:
         assert self._session is not None
         body = json.dumps(envelope(delivery, self.queue).wire()).encode()
-        headers = {"Content-Type": CLOUDEVENTS_JSON, PUSH_TOKEN_HEADER: self.token}
         started = time.perf_counter()
         status: int | None = None
         failure = ""

@@ -14,11 +14,14 @@ from typing import TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.errors import CasqueError
-from casque.sidecar.bodies import parse_body
+from casque.sidecar.bodies import parse_body, read_limited
 from casque.sidecar.errors import RETRY_AFTER_SECONDS, error_body
-from casque.sidecar.keys import METRICS, OPENAPI, RUNTIME, SETTINGS
+from casque.sidecar.events import binary_event, is_batch, is_binary
+from casque.sidecar.keys import METRICS, OPENAPI, RUNTIME, SETTINGS, TRACING
 from casque.sidecar.models import (
+    CE_ATTRIBUTES,
     AckRequest,
     Body,
     ExtendRequest,
@@ -27,6 +30,7 @@ from casque.sidecar.models import (
     NackRequest,
     PublishBatchRequest,
     PublishBatchResult,
+    PublishEventBatch,
     PublishMessage,
     PublishResult,
     QueueStatsResult,
@@ -39,12 +43,14 @@ from casque.sidecar.models import (
     SeekResult,
     SubscriberStatsResult,
     receive_body,
+    valid_traceparent,
+    valid_tracestate,
     wall_clock,
 )
 from casque.sidecar.scopes import Scope
 from casque.sidecar.service import QueueService
 
-B = TypeVar("B", bound=Body)
+B = TypeVar("B", bound=Body | PublishEventBatch)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 QUEUE_PATH = "/v1/queues/{queue}"
@@ -81,15 +87,66 @@ def reply(body: Reply) -> web.Response:
 
 # --- publishing -----------------------------------------------------------------------------
 async def publish(request: web.Request) -> web.Response:
-    message = await parse(request, PublishMessage)
-    (result,) = await _service(request).publish(request.match_info["queue"], [message.outgoing()])
+    """One event in structured or binary mode, or a CloudEvents batch (answered as publishBatch)."""
+    if is_batch(request.content_type):
+        return await _publish_events(request, (await parse(request, PublishEventBatch)).root)
+    if is_binary(request.headers):
+        message = binary_event(request.headers, await read_limited(request, request.app[SETTINGS]))
+    else:
+        message = await parse(request, PublishMessage)
+    (result,) = await _publish(request, [message])
     return reply(PublishResult.of(result))
 
 
 async def publish_batch(request: web.Request) -> web.Response:
-    batch = await parse(request, PublishBatchRequest)
-    results = await _service(request).publish(request.match_info["queue"], [m.outgoing() for m in batch.messages])
+    if is_batch(request.content_type):
+        return await _publish_events(request, (await parse(request, PublishEventBatch)).root)
+    return await _publish_events(request, (await parse(request, PublishBatchRequest)).messages)
+
+
+async def _publish_events(request: web.Request, messages: list[PublishMessage]) -> web.Response:
+    results = await _publish(request, messages)
     return reply(PublishBatchResult(results=[PublishResult.of(r) for r in results]))
+
+
+def _trace_header(request: web.Request) -> tuple[str | None, str | None]:
+    traceparent = valid_traceparent(request.headers.get("traceparent"))
+    if traceparent is None:
+        return None, None
+    return traceparent, valid_tracestate(request.headers.get("tracestate"))
+
+
+def _traced(message: PublishMessage, context: tuple[str | None, str | None]) -> PublishMessage:
+    """The message with `context` as its trace context, unless it brought a valid one itself."""
+    if context[0] is None or valid_traceparent(message.traceparent) is not None:
+        return message
+    return message.model_copy(update={"traceparent": context[0], "tracestate": context[1]})
+
+
+async def _publish(request: web.Request, messages: list[PublishMessage]) -> list[Published]:
+    queue = request.match_info["queue"]
+    header = _trace_header(request)
+    tracing = request.app[TRACING]
+    if tracing is None:
+        # The request's trace context goes with the messages that have none of their own.
+        return await _service(request).publish(queue, [_traced(m, header).outgoing() for m in messages])
+    parent = header
+    if parent[0] is None and len(messages) == 1:
+        parent = (valid_traceparent(messages[0].traceparent), valid_tracestate(messages[0].tracestate))
+    with tracing.span(f"publish {queue}", "producer", parent, attributes={
+        "messaging.system": "casque", "messaging.operation.type": "send",
+        "messaging.destination.name": queue, "messaging.batch.message_count": len(messages),
+    }) as span:
+        own = tracing.context_of(span)
+        outgoing: list[OutgoingMessage] = [_traced(m, own).outgoing() for m in messages]
+        return await _service(request).publish(queue, outgoing)
+
+
+def trace_context(delivery: Delivery) -> tuple[str, str | None] | None:
+    """The trace context a delivered message was stored with, if any."""
+    attributes = delivery.message.attributes
+    traceparent = attributes.get(CE_ATTRIBUTES["traceparent"])
+    return None if traceparent is None else (traceparent, attributes.get(CE_ATTRIBUTES["tracestate"]))
 
 
 # --- consuming ------------------------------------------------------------------------------
@@ -97,7 +154,20 @@ async def receive(request: web.Request) -> web.Response:
     ask = await parse(request, ReceiveRequest, optional=True)
     service = _service(request)
     queue, subscriber = request.match_info["queue"], request.match_info["subscriber"]
-    deliveries = await service.receive(queue, subscriber, ask.max_messages, ask.wait, ask.visibility)
+    tracing = request.app[TRACING]
+    if tracing is None:
+        deliveries = await service.receive(queue, subscriber, ask.max_messages, ask.wait, ask.visibility)
+    else:
+        with tracing.span(f"receive {queue}/{subscriber}", "consumer", _trace_header(request), attributes={
+            "messaging.system": "casque", "messaging.operation.type": "receive",
+            "messaging.destination.name": queue, "messaging.consumer.group.name": subscriber,
+        }) as span:
+            deliveries = await service.receive(queue, subscriber, ask.max_messages, ask.wait, ask.visibility)
+            span.set_attribute("messaging.batch.message_count", len(deliveries))
+            # Links are set when the span starts; the messages are known only now, so each
+            # one's trace context is added as a link to the span that is still open.
+            for context in filter(None, map(trace_context, deliveries)):
+                tracing.link(span, context)
     return web.Response(body=receive_body(deliveries, service.queue_ref(queue)), content_type="application/json")
 
 
@@ -116,7 +186,17 @@ def _results(
 
 async def ack(request: web.Request) -> web.Response:
     body = await parse(request, AckRequest)
-    outcomes = await _service(request).ack(request.match_info["queue"], request.match_info["subscriber"], body.all)
+    queue, subscriber = request.match_info["queue"], request.match_info["subscriber"]
+    tracing = request.app[TRACING]
+    if tracing is None:
+        outcomes = await _service(request).ack(queue, subscriber, body.all)
+    else:
+        with tracing.span(f"ack {queue}/{subscriber}", "consumer", _trace_header(request), attributes={
+            "messaging.system": "casque", "messaging.operation.type": "settle",
+            "messaging.destination.name": queue, "messaging.consumer.group.name": subscriber,
+            "messaging.batch.message_count": len(body.all),
+        }):
+            outcomes = await _service(request).ack(queue, subscriber, body.all)
     return _results(
         body.all, outcomes, body.single,
         lambda r, newly: ReceiptResult(receipt=r, status="acked" if newly else "already_acked"),

@@ -18,7 +18,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from casque import logs
 from casque.config import Settings
+from casque.logs import LogFormat
 from casque.sidecar.app import RUNTIME, create_app
 from casque.sidecar.config import SidecarSettings
 
@@ -71,8 +73,8 @@ async def _until_signalled() -> None:
             loop.remove_signal_handler(number)
 
 
-def run(settings: SidecarSettings, backends: Settings | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def run(settings: SidecarSettings, backends: Settings | None = None, log_format: LogFormat = "text") -> None:
+    logs.configure(log_format)
     # The drivers log every reconnect attempt at INFO; the sidecar's own lines matter more here.
     for noisy in ("cassandra", "kazoo"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

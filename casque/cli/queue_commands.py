@@ -40,6 +40,7 @@ from casque.engine.offsets import SeekTarget, seek as seek_offsets
 from casque.engine.publisher import Publisher
 from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
 from casque.errors import InvalidSpec
+from casque.logs import LOG_FORMAT_ENV, LogFormat
 from casque.schema import QueueRef
 from casque.sidecar.config import DEFAULT_PORT, SidecarSettings
 from casque.sidecar.models import PublishMessage
@@ -64,6 +65,9 @@ ZookeeperOption = Annotated[
     str | None, typer.Option("--zookeeper", help="ZooKeeper connect string (default: CASQUE_ZOOKEEPER_HOSTS).")
 ]
 KeyspaceOption = Annotated[str | None, typer.Option("--keyspace", help="The installation's keyspace.")]
+LogFormatOption = Annotated[
+    LogFormat, typer.Option("--log-format", envvar=LOG_FORMAT_ENV, help="Log lines as text, or one JSON object each."),
+]
 
 
 def backend_settings(cassandra: str | None, zookeeper: str | None, keyspace: str | None) -> Settings:
@@ -150,6 +154,11 @@ def sidecar(
     max_wait: Annotated[float | None, typer.Option(help="Longest long poll, in seconds.")] = None,
     push_url: Annotated[str | None, typer.Option(help="POST messages to this URL instead of waiting for receives.")] = None,
     push_concurrency: Annotated[int | None, typer.Option(help="Pushes under way at once.")] = None,
+    log_format: LogFormatOption = "text",
+    access_log: Annotated[
+        bool | None, typer.Option("--access-log/--no-access-log", help="Log a line per request (off by default).",
+                                  show_default=False),
+    ] = None,
     cassandra: CassandraOption = None,
     zookeeper: ZookeeperOption = None,
     keyspace: KeyspaceOption = None,
@@ -160,11 +169,11 @@ def sidecar(
     given: dict[str, Any] = {
         "queue": queue, "subscribers": subscriber or None, "host": host, "port": port, "namespace": namespace,
         "token_file": token_file, "drain_seconds": drain_seconds, "max_wait_seconds": max_wait, "push_url": push_url,
-        "push_concurrency": push_concurrency,
+        "push_concurrency": push_concurrency, "access_log": access_log,
     }
     with _readable_errors():
         settings = SidecarSettings(**{k: v for k, v in given.items() if v is not None})
-    run(settings, backend_settings(cassandra, zookeeper, keyspace))
+    run(settings, backend_settings(cassandra, zookeeper, keyspace), log_format)
 
 
 # --- publish ------------------------------------------------------------------------------------

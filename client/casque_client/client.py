@@ -78,7 +78,12 @@ class PublishResult:
 
 @dataclass(frozen=True)
 class Message:
-    """A delivered message (the CloudEvent the sidecar returns, with handy accessors)."""
+    """A delivered message (the CloudEvent the sidecar returns, with handy accessors).
+
+    `id` and `source` are the producer's when it gave them (together they name the event);
+    `message_id` is the id the sidecar gave the message when it was written, as publish
+    answered it.
+    """
 
     id: str
     receipt: str
@@ -97,6 +102,8 @@ class Message:
     seq: int
     visible_until: datetime
     event: Mapping[str, Any] = field(repr=False)
+    message_id: str = ""
+    traceparent: str | None = None
 
     @property
     def payload(self) -> bytes:
@@ -129,6 +136,9 @@ class Message:
             seq=event["seq"],
             visible_until=_parse_time(event["visibleuntil"]),
             event=dict(event),
+            # A sidecar from before producer ids were kept sends casque's id as `id`.
+            message_id=event.get("messageid", event["id"]),
+            traceparent=event.get("traceparent"),
         )
 
 

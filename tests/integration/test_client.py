@@ -55,7 +55,7 @@ async def test_async_client_covers_the_api(sidecar_url: str) -> None:
         got = []
         while len(got) < 8:
             got.extend(await client.receive(max=10, wait=5))
-        by_id = {m.id: m for m in got}
+        by_id = {m.message_id: m for m in got}
         assert by_id[one.message_id].data == {"to": "ada@example.org"}
         assert by_id[one.message_id].key == "ada" and by_id[one.message_id].type == "com.example.mail"
         assert by_id[one.message_id].attributes == {"kind": "welcome"}
@@ -102,7 +102,7 @@ async def test_sync_client_covers_the_api(sidecar_url: str) -> None:
                 messages = client.receive(max=10, wait=5)
                 for m in messages:
                     client.ack(m.receipt)
-                received.extend(m.id for m in messages)
+                received.extend(m.message_id for m in messages)
             assert sorted(received) == sorted(published)
             with pytest.raises(ApiError) as stale:
                 client.nack("AAAAAQAAAAAAAAABAAAAACnit9BDrPMR")

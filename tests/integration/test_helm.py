@@ -775,3 +775,27 @@ def test_every_replica_answers_the_webhook_leader_or_standby(
     finally:
         for replica in replicas:
             replica.stop()
+
+
+def test_the_dashboard_and_alert_rules_render_when_enabled(tools: Tools, kube_namespace: str) -> None:  # noqa: F811
+    assert not of_kind(tools.render(kube_namespace), "PrometheusRule")  # both are off by default
+    documents = tools.render(kube_namespace, {"metrics": {
+        "dashboards": {"enabled": True, "namespace": "monitoring"},
+        "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}, "lagMessages": 500, "for": "5m"},
+    }})
+    dashboards = next(d for d in of_kind(documents, "ConfigMap") if d["metadata"]["name"].endswith("-dashboards"))
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboards["metadata"]["namespace"] == "monitoring"
+    dashboard = json.loads(dashboards["data"]["casque.json"])
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    assert {"Lag (messages)", "Oldest pending message age", "Dead-lettered (per 5 minutes)", "Publish rate",
+            "Receive and ack rates"} <= titles
+    rule = one(documents, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert set(alerts) == {"CasqueSubscriberLagHigh", "CasqueSubscriberOldestMessageOld", "CasqueMessagesDeadLettered"}
+    assert alerts["CasqueSubscriberLagHigh"]["expr"].endswith("> 500") and alerts["CasqueSubscriberLagHigh"]["for"] == "5m"
+    # Prometheus fills in the alert's labels: the template must leave its {{ }} to it.
+    assert "{{ $labels.subscriber }}" in alerts["CasqueSubscriberLagHigh"]["annotations"]["summary"]
+    refused = tools.template(kube_namespace, {"metrics": {"prometheusRule": {"for": "ten minutes"}}}, check=False)
+    assert refused.returncode != 0 and SCHEMA_ERROR in refused.stderr

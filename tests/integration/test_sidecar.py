@@ -107,7 +107,7 @@ async def test_publish_receive_ack_roundtrip_with_cloudevents_envelope(store: St
 
     (message,) = await receive_all(client, 1, ack=False)
     assert message["specversion"] == "1.0"
-    assert message["id"] == published["messageId"]
+    assert message["id"] == message["messageid"] == published["messageId"]  # no producer id: casque's
     assert (message["type"], message["source"], message["subject"]) == ("com.example.order.created", "/shop", "order-42")
     assert message["datacontenttype"] == "application/json" and message["data"] == {"order": 42}
     assert message["partitionkey"] == "customer-7" and message["attributes"] == {"region": "eu"}
@@ -180,7 +180,7 @@ async def test_delayed_and_prioritised_messages(store: Store, make_sidecar: Make
     got = {m["data"]: m for m in await receive_all(client, 3)}  # the sidecar moves "soon" when due
     assert set(got) == {"soon", "overdue", "urgent"}
     assert (got["urgent"]["priority"], got["soon"]["priority"], got["overdue"]["priority"]) == (2, 1, 0)
-    assert got["soon"]["id"] == soon["messageId"]  # the id given at publish survives the move
+    assert got["soon"]["messageid"] == soon["messageId"]  # the id given at publish survives the move
     stats = await call(client, f"{BASE}/stats")
     assert stats["delayed"] == 1 and set(stats["publishedByPriority"]) == {"0", "1", "2"}
     assert {s["priority"] for s in stats["shards"]} == {0, 1, 2}
@@ -199,7 +199,7 @@ async def test_the_sidecar_moves_delayed_messages_into_the_log_when_due(
     assert waiting.deliver_at == due
     client = await make_sidecar()  # its mover is elected and moves the message when due
     (message,) = await receive_all(client, 1)
-    assert message["id"] == waiting.message_id and message["data"] == "later"
+    assert message["messageid"] == waiting.message_id and message["data"] == "later"
     assert datetime.fromisoformat(message["time"].replace("Z", "+00:00")) >= due - timedelta(seconds=1)
 
 
@@ -209,7 +209,7 @@ async def test_long_poll_wakes_when_a_message_is_published(store: Store, make_si
     waiting = asyncio.create_task(call(client, f"{SUB}/receive", {"max": 5, "wait": 15}))
     published = await call(client, f"{BASE}/messages", {"data": "wake up"})
     messages = (await waiting)["messages"]
-    assert [m["id"] for m in messages] == [published["messageId"]]
+    assert [m["messageid"] for m in messages] == [published["messageId"]]
 
 
 async def test_receive_respects_max_and_takes_an_empty_body(store: Store, make_sidecar: MakeSidecar) -> None:
@@ -243,10 +243,10 @@ async def test_nack_redelivers_now_or_after_its_delay(store: Store, make_sidecar
 
     # A short delay: the long poll wakes when it is due.
     publish = await call(client, f"{BASE}/messages", {"data": "later"})
-    (third,) = [m for m in await receive_all(client, 1, ack=False) if m["id"] == publish["messageId"]]
+    (third,) = [m for m in await receive_all(client, 1, ack=False) if m["messageid"] == publish["messageId"]]
     await call(client, f"{SUB}/nack", {"receipt": third["receipt"], "delay": 0.2})
     again = (await call(client, f"{SUB}/receive", {"max": 1, "wait": 10}))["messages"]
-    assert [m["id"] for m in again] == [publish["messageId"]] and again[0]["deliverycount"] == 2
+    assert [m["messageid"] for m in again] == [publish["messageId"]] and again[0]["deliverycount"] == 2
 
 
 async def test_extend_keeps_a_message_and_expiry_makes_the_old_receipt_stale(

@@ -114,7 +114,7 @@ def receive_all(client: Client, expected: set[str]) -> dict[str, Any]:
         messages = client.receive(max=100, wait=1)
         if messages:
             client.ack_batch([m.receipt for m in messages])
-        got.update((m.id, m) for m in messages)
+        got.update((m.message_id, m) for m in messages)
         return expected <= set(got)
 
     wait_for(f"{len(expected)} messages", more)

@@ -57,7 +57,7 @@ async def test_a_killed_sidecar_loses_no_acknowledged_message(
             published.update(r.message_id for r in results)
         taken = await client.receive(max=60, wait=10)
         assert taken
-        acked = {m.id for m in taken[::2]}
+        acked = {m.message_id for m in taken[::2]}
         outcomes = await client.ack_batch([m.receipt for m in taken[::2]])
         assert all(o.status == "acked" for o in outcomes)
 
@@ -72,7 +72,7 @@ async def test_a_killed_sidecar_loses_no_acknowledged_message(
             messages = await client.receive(max=100, wait=2)
             if messages:
                 await client.ack_batch([m.receipt for m in messages])
-            got.extend(m.id for m in messages)
+            got.extend(m.message_id for m in messages)
     assert set(got) == published - acked  # every published message not acked came back...
     assert not set(got) & acked  # ...and none that was acked before the kill
 

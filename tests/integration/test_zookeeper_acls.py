@@ -205,7 +205,7 @@ async def test_a_sidecar_with_its_namespaces_credentials_serves_it_and_creates_o
                 assert time.monotonic() < deadline, f"{subscriber} received {len(got)} of {len(published)}"
                 messages = await client.receive(max=50, wait=2, subscriber=subscriber)
                 await client.ack_batch([m.receipt for m in messages], subscriber=subscriber)
-                got |= {m.id for m in messages}
+                got |= {m.message_id for m in messages}
         await client.seek("earliest", subscriber="billing")
         await client.seek("earliest", subscriber="pool")
         assert await client.receive(max=5, wait=10, subscriber="pool")

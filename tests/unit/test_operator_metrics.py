@@ -35,3 +35,14 @@ def test_a_subscriber_moved_to_another_queue_keeps_no_series_of_the_old_one() ->
 def test_a_status_patch_without_figures_sets_nothing() -> None:
     metrics.observe_subscriber("metrics-test", "quiet", {"conditions": []})
     assert sample("casque_subscriber_lag_messages", "orders", "quiet") is None
+
+
+def test_the_oldest_pending_time_is_exported_as_a_timestamp_and_zero_when_nothing_waits() -> None:
+    metrics.observe_subscriber("metrics-test", "aged", {"queue": "orders", "deadLettered": 4,
+                                                        "oldestPendingTime": "2030-01-01T00:00:00Z"})
+    assert sample("casque_subscriber_oldest_pending_timestamp_seconds", "orders", "aged") == 1893456000.0
+    assert sample("casque_subscriber_dead_lettered", "orders", "aged") == 4
+    metrics.observe_subscriber("metrics-test", "aged", {"queue": "orders", "oldestPendingTime": None})
+    assert sample("casque_subscriber_oldest_pending_timestamp_seconds", "orders", "aged") == 0
+    metrics.forget_subscriber("metrics-test", "aged")
+    assert sample("casque_subscriber_oldest_pending_timestamp_seconds", "orders", "aged") is None

@@ -181,6 +181,7 @@ def test_subscriber_readiness() -> None:
         "oldestPendingTime": None,
         "consumers": 1,
         "inFlight": None,
+        "deadLettered": None,
     }
 
     no_queue = SubscriberObservation(False, None, {}, {}, 0, None)

@@ -48,6 +48,7 @@ from casque.sidecar.models import (
     Reply,
     SeekRequest,
     SeekResult,
+    dedup_key,
     envelope,
 )
 from casque.sidecar.openapi import build
@@ -93,8 +94,10 @@ def test_publish_bodies_become_engine_messages() -> None:
                         "ttl": 60, "type": "t", "source": "/s", "subject": "sub", "specversion": "1.0"})
     out = structured.outgoing()
     assert out.payload == '{"a":[1,"é"]}'.encode() and out.content_type == "application/json"
-    assert out.key == "k" and out.client_id == "c1" and out.ttl_seconds == 60
-    assert out.attributes == {"x": "y", "ce-type": "t", "ce-source": "/s", "ce-subject": "sub"}
+    # (source, id) is the idempotency key; the id alone when there is no source.
+    assert out.key == "k" and out.client_id == dedup_key("/s", "c1") and out.ttl_seconds == 60
+    assert parse({"id": "c1"}).outgoing().client_id == "c1"
+    assert out.attributes == {"x": "y", "ce-id": "c1", "ce-type": "t", "ce-source": "/s", "ce-subject": "sub"}
     text = parse({"data": "hi", "datacontenttype": "text/plain"}).outgoing()
     assert (text.payload, text.content_type) == (b"hi", "text/plain")
     json_string = parse({"data": "hi"}).outgoing()

@@ -1,0 +1,62 @@
+"""A request id per HTTP request, and the optional access log.
+
+The id comes from the request's `X-Request-Id` when it is a sensible token (so a caller's
+id follows the request through its sidecar), else a fresh one; it is answered in the
+`X-Request-Id` header and set in casque.logs.REQUEST_ID while the request is handled, so
+every line logged meanwhile names it. The access log, off by default, is one line per
+request written here rather than by aiohttp's access logger, which runs after the
+request's context is gone and could not name the id.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from casque.logs import REQUEST_ID
+
+log = logging.getLogger("casque.sidecar.access")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+REQUEST_ID_HEADER = "X-Request-Id"
+# A caller's id is echoed into headers and logs: only short plain tokens are taken as they are.
+_ACCEPTED_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+
+def request_id_of(request: web.Request) -> str:
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    return given if _ACCEPTED_ID.match(given) else uuid.uuid4().hex
+
+
+def request_middleware(access_log: bool) -> Middleware:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        request_id = request_id_of(request)
+        token = REQUEST_ID.set(request_id)
+        started = time.perf_counter()
+        status = 500
+        try:
+            try:
+                response = await handler(request)
+            except web.HTTPException as http:  # answered as it is, with the id too
+                status = http.status
+                http.headers[REQUEST_ID_HEADER] = request_id
+                raise
+            status = response.status
+            response.headers[REQUEST_ID_HEADER] = request_id
+            return response
+        finally:
+            if access_log:
+                log.info("%s %s %d %.1fms", request.method, request.path, status,
+                         (time.perf_counter() - started) * 1000,
+                         extra={"method": request.method, "path": request.path, "status": status,
+                                "duration_ms": round((time.perf_counter() - started) * 1000, 3)})
+            REQUEST_ID.reset(token)
+
+    return middleware
