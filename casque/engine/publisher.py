@@ -37,7 +37,7 @@ from casque.engine.delayed import (
     read_cursor,
 )
 from casque.engine.heads import HeadAdvancer
-from casque.engine.idempotency import IdempotencyGuard, claim_deadline, recorded
+from casque.engine.idempotency import IdempotencyGuard, IdRecord, claim_deadline, recorded
 from casque.engine.messages import OutgoingMessage, Published
 from casque.errors import BackendUnavailable, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
@@ -109,11 +109,13 @@ class ShardWriter:
                     items = await self._unpublished(items)
                     if not items:
                         continue
-                    batch = await self._write(items)
+                    batch, writer = await self._write(items)
                     results = [Published(item.message_id, self.shard, batch, seq) for seq, item in enumerate(items)]
-                    # Positions recorded before the answer; if this fails, the intents lead a retry here.
-                    await self._publisher.idempotency.record_positions(
-                        [(i.message, r) for i, r in zip(items, results) if i.message.client_id])
+                    with_ids = [item.message for item in items if item.message.client_id]
+                    if with_ids:
+                        # Recorded before the answer, to spare a retry the serial reads that
+                        # settle an intent; if this fails, the intents lead a retry here.
+                        await self._publisher.idempotency.record_won(with_ids, writer, self.shard, batch)
                 except BaseException as error:
                     self._last_batch = None  # knowledge of the shard is unsure: resync before the next claim
                     for item in items:
@@ -148,7 +150,7 @@ class ShardWriter:
                 self._publisher.in_background(self._settle_apart(item, row))
         return fresh
 
-    async def _settle_apart(self, item: _Pending, row: Any) -> None:
+    async def _settle_apart(self, item: _Pending, row: IdRecord) -> None:
         try:
             outcome = await self._settle_or_take_over(item, row)
         except BaseException as error:
@@ -160,7 +162,7 @@ class ShardWriter:
         else:
             self.submit(item)
 
-    async def _settle_or_take_over(self, item: _Pending, row: Any) -> Published | None:
+    async def _settle_or_take_over(self, item: _Pending, row: IdRecord) -> Published | None:
         """The earlier publish of the item's id; or None once the item may be published: it
         took the id over (its own batch, its intent recorded) or the id's row expired."""
         guard = self._publisher.idempotency
@@ -179,11 +181,12 @@ class ShardWriter:
             if await guard.take_over(row, item.message, item.message_id, self.shard, writer, since, deadline):
                 item.checked, item.taken_over = True, (writer, claims_until)
                 return None
-            row = (await guard.lookup([client_id])).get(client_id)
-            if row is None:
+            fresh = (await guard.lookup([client_id])).get(client_id)
+            if fresh is None:
                 return None  # expired meanwhile: published as a first attempt
-            if row.batch_no is not None:
-                return recorded(row)
+            if fresh.batch_no is not None:
+                return recorded(fresh)
+            row = fresh
 
     def _take(self) -> list[_Pending]:
         items = [self.pending.popleft()]
@@ -215,14 +218,15 @@ class ShardWriter:
             if header is not None and header.total_messages is not None and header.total_bytes is not None:
                 self._totals = (header.total_messages, header.total_bytes)
 
-    async def _write(self, items: list[_Pending]) -> int:
+    async def _write(self, items: list[_Pending]) -> tuple[int, str]:
+        """The batch the items were written in, and the writer id that won it."""
         publisher = self._publisher
         counters = publisher.counters
         conflicts = 0
         # One writer id for every claim attempt of these items: an intent names it, and a
         # retry of one of their ids finds the batch by it.
         writer = new_writer_id(publisher.publisher_id)
-        intents = [(item.message, item.message_id) for item in items if item.message.client_id]
+        intents = [(item.message, item.message_id, seq) for seq, item in enumerate(items) if item.message.client_id]
         claims_until: float | None = None
         if items[0].taken_over is not None:  # alone in its batch, its intent recorded already
             (writer, claims_until), intents = items[0].taken_over, []
@@ -258,7 +262,7 @@ class ShardWriter:
                 counters.batches += 1
                 counters.messages += len(items)
                 self.heads.advance(batch)
-                return batch
+                return batch, writer
             counters.conflicts += 1
             conflicts += 1
 

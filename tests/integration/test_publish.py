@@ -6,7 +6,6 @@ import asyncio
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from math import ceil
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ from casque.engine.batches import Claim, Header, Log
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
 from casque.errors import BackendUnavailable, MessageTooLarge, PublishOutcomeUnknown, WriteOutcomeUnknown
-from casque.schema import QueueRef
+from casque.schema import CLIENT_ID_BUCKETS, QueueRef, client_id_bucket
 from casque.specs import QueueSpec
 from casque.store import Store
 
@@ -145,7 +144,8 @@ async def until(what: str, condition: Callable[[], bool], limit_s: float = 30.0)
 def intent_of(store: Store, client_id: str) -> str | None:
     queue_key = catalog.read_queue(store, QUEUE).shared_key(QUEUE)
     row = store.session.execute(
-        f"SELECT writer FROM {store.keyspace}.publish_ids WHERE queue = %s AND client_id = %s", (queue_key, client_id)
+        f"SELECT writer FROM {store.keyspace}.client_ids WHERE queue = %s AND bucket = %s AND client_id = %s",
+        (queue_key, client_id_bucket(client_id), client_id)
     ).one()
     return None if row is None else row.writer
 
@@ -166,10 +166,10 @@ async def test_a_retry_after_a_crash_between_the_batch_and_its_id_record_finds_t
     catalog.apply_queue(store, QUEUE, spec)
     crashing = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
 
-    async def dies_before_recording(published: object) -> None:
+    async def dies_before_recording(*args: object) -> None:
         raise Crash()
 
-    monkeypatch.setattr(crashing.idempotency, "record_positions", dies_before_recording)
+    monkeypatch.setattr(crashing.idempotency, "record_won", dies_before_recording)
     with pytest.raises(Crash):
         await crashing.publish([OutgoingMessage(b"pay", client_id="order-9")])
     monkeypatch.undo()
@@ -267,12 +267,16 @@ async def test_ids_cost_a_few_statements_per_batch_not_two_per_message(store: St
     messages = [OutgoingMessage(f"m{i}".encode(), client_id=f"id-{i}") for i in range(500)]
     results = await publisher.publish(messages)
     assert len({r.message_id for r in results}) == 500 and not any(r.duplicate for r in results)
-    # Per batch: a read per 100 ids, a write of intents and one of positions per 40 ids.
-    per_batch = ceil(500 / idempotency.LOOKUP_CHUNK) + 2 * ceil(500 / idempotency.WRITE_CHUNK)
+    # Per batch: a read and a write of intents per bucket partition, and the writer's row.
+    buckets = len({client_id_bucket(m.client_id or "") for m in messages})
     assert publisher.counters.batches == 1
-    assert publisher.idempotency.statements == per_batch < 500 * 2 / 10
-    again = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish(messages)
+    assert publisher.idempotency.statements == 2 * buckets + 1 <= 2 * CLIENT_ID_BUCKETS + 1
+    # Another sidecar finds every id with a read per bucket and one read of the writer's row.
+    other = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    again = await other.publish(messages)
     assert [r.message_id for r in again] == [r.message_id for r in results] and all(r.duplicate for r in again)
+    assert [(r.shard, r.batch, r.seq) for r in again] == [(r.shard, r.batch, r.seq) for r in results]
+    assert other.idempotency.statements == buckets + 1 and other.counters.batches == 0
 
 
 async def test_a_claim_of_unknown_outcome_is_settled_before_the_publish_is_answered(
