@@ -24,16 +24,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from kazoo.exceptions import KazooException
 from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
 from casque.engine.batches import Claim, Header, Log, new_writer_id
+from casque.engine.counters import DELAYED_OUT
 from casque.engine.delayed import (
-    CURSOR_MARGIN,
     IMMEDIATE_SECONDS,
-    LOOKBACK,
     MOVED_PREFIX,
+    CursorReads,
     DelayedStore,
+    moved_message,
     read_cursor,
 )
 from casque.engine.heads import HeadAdvancer
@@ -338,7 +340,11 @@ class Publisher:
     def __post_init__(self) -> None:
         self.log = Log(self.store, self.queue, self.spec.consistency)
         self._delayed: DelayedStore | None = None
+        self._cursor_reads: CursorReads | None = None
+        # The mover's `until` as its znode's watch last told.
         self._mover_cursor: datetime | None = None
+        # Delayed rows this publisher moved itself, the mover having passed them (see _move_if_passed).
+        self.delayed_moves = 0
         self.counters = PublisherCounters()
         self._writers = {shard: ShardWriter(self, shard) for shard in self.spec.log_shards()}
         self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
@@ -400,6 +406,7 @@ class Publisher:
             result = Published(message_id, -1, -1, -1, deliver_at=due)
             if message.client_id:
                 await self.idempotency.record_positions([(message, result)])
+            await self._move_if_passed(message_id, due, message)
             return result
         future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
         self._writers[self._choose_shard(message)].submit(_Pending(message_id, message, future))
@@ -410,15 +417,49 @@ class Publisher:
         now = datetime.now(timezone.utc)
         if (due - now).total_seconds() <= IMMEDIATE_SECONDS:
             return False
-        # The mover rescans LOOKBACK behind its cursor, so a row due before that would never
-        # be moved (our clock lags the mover's): such a message is due now. CURSOR_MARGIN
-        # covers the cursor moving on while this row is being written.
+        # The mover has read up to its cursor (our clock may lag its): a row due before that
+        # is due now. (Its watch may lag too; `_move_if_passed` settles what it missed.)
         cursor = self._mover_cursor
-        return cursor is None or due > cursor - LOOKBACK + CURSOR_MARGIN
+        return cursor is None or due > cursor
+
+    async def _move_if_passed(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
+        """After a delayed row is written, before the publish is answered: if the mover has
+        started a pass that reads rows due by `due`, that pass may have read before the row
+        landed, so the row is moved now, with the mover's client id for it (both moves store
+        one message). Otherwise every pass that reads it starts after it landed.
+
+        Without an answer from ZooKeeper the publish still succeeds (the row is stored), and
+        the check is retried apart until it is answered."""
+        assert self._cursor_reads is not None
+        try:
+            cursor = await self._cursor_reads.read()
+        except (BackendUnavailable, asyncio.TimeoutError, KazooException) as error:
+            log.warning("queue %s: the delayed-message mover's cursor is unreadable (%s); checked later", self.queue,
+                        error)
+            self.in_background(self._move_if_passed_later(message_id, due, message))
+            return
+        if cursor is not None and cursor.until >= due:
+            await self._move_now(message_id, message)
+
+    async def _move_if_passed_later(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
+        while True:
+            await asyncio.sleep(IMMEDIATE_SECONDS)
+            try:
+                await self._move_if_passed(message_id, due, message)
+                return
+            except (BackendUnavailable, asyncio.TimeoutError, KazooException):
+                continue
+
+    async def _move_now(self, message_id: str, message: OutgoingMessage) -> None:
+        self.delayed_moves += 1
+        (moved,) = await self.publish([moved_message(message_id, message, self.spec.retention_seconds)], [message_id])
+        if not moved.duplicate:
+            await self._delayed_store().counters.add(DELAYED_OUT, 1)
 
     def _delayed_store(self) -> DelayedStore:
         if self._delayed is None:
             self._delayed = DelayedStore(self.store, self.state.shared_key(self.queue), self.spec.retention_seconds)
+            self._cursor_reads = CursorReads(self.store, self.store.paths(self.queue).mover)
             loop = asyncio.get_running_loop()
             DataWatch(self.store.zk, self.store.paths(self.queue).mover,
                       zk.watch_in_loop(loop, self._cursor_changed, lambda: True))
@@ -426,9 +467,10 @@ class Publisher:
 
     def _cursor_changed(self, data: bytes | None, *_: object) -> None:
         try:
-            self._mover_cursor = read_cursor(data)
+            cursor = read_cursor(data)
         except (ValueError, KeyError):
-            self._mover_cursor = None
+            cursor = None
+        self._mover_cursor = None if cursor is None else cursor.until
 
     def _choose_shard(self, message: OutgoingMessage) -> int:
         """The log shard for a message: within its priority level, by key or by load."""
