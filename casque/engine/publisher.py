@@ -115,9 +115,11 @@ class ShardWriter:
                     results = [Published(item.message_id, self.shard, batch, seq) for seq, item in enumerate(items)]
                     with_ids = [item.message for item in items if item.message.client_id]
                     if with_ids:
-                        # Recorded before the answer, to spare a retry the serial reads that
-                        # settle an intent; if this fails, the intents lead a retry here.
-                        await self._publisher.idempotency.record_won(with_ids, writer, self.shard, batch)
+                        # Only spares a retry the serial reads that settle an intent (the
+                        # intents lead it here without it), so it does not hold up the answer
+                        # or the next batch.
+                        self._publisher.in_background(
+                            self._publisher.idempotency.record_won(with_ids, writer, self.shard, batch))
                 except BaseException as error:
                     self._last_batch = None  # knowledge of the shard is unsure: resync before the next claim
                     for item in items:

@@ -169,9 +169,9 @@ async def test_a_retry_after_a_crash_between_the_batch_and_its_id_record_finds_t
     async def dies_before_recording(*args: object) -> None:
         raise Crash()
 
+    # The batch is written and the publish answered, but the writer's row never lands.
     monkeypatch.setattr(crashing.idempotency, "record_won", dies_before_recording)
-    with pytest.raises(Crash):
-        await crashing.publish([OutgoingMessage(b"pay", client_id="order-9")])
+    await crashing.publish([OutgoingMessage(b"pay", client_id="order-9")])
     monkeypatch.undo()
     (written,) = copies_of(store, "order-9")  # the batch made it
 
