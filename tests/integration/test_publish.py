@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from casque.engine.batches import Claim, Header, Log
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
 from casque.errors import BackendUnavailable, MessageTooLarge, PublishOutcomeUnknown, WriteOutcomeUnknown
-from casque.schema import CLIENT_ID_BUCKETS, QueueRef, client_id_bucket
+from casque.schema import CLIENT_ID_BUCKETS, LEGACY_PUBLISH_IDS_TABLE, QueueRef, client_id_bucket, ensure_keyspace
 from casque.specs import QueueSpec
 from casque.store import Store
 
@@ -359,3 +360,35 @@ async def test_oversize_message_rejects_the_whole_request(store: Store) -> None:
     with pytest.raises(MessageTooLarge):
         await publisher.publish([OutgoingMessage(b"ok"), OutgoingMessage(b"x" * 2000)])
     assert catalog.read_int(store, store.paths(QUEUE).head(0)) == 0
+
+
+async def test_ids_an_earlier_version_recorded_in_its_table_are_honoured(store: Store) -> None:
+    """An installation made before `client_ids` has `publish_ids`, a partition per id: what
+    sidecars of the earlier version recorded there (a position, or an intent whose writer
+    died before claiming) still decides a retry through a sidecar of this version."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    legacy = f"{store.keyspace}.{LEGACY_PUBLISH_IDS_TABLE}"
+    # The table as its first release made it; the installation step adds the later columns.
+    store.session.execute(f"CREATE TABLE {legacy} (queue text, client_id text, message_id text, shard int, "
+                          "batch_no bigint, seq int, PRIMARY KEY ((queue, client_id)))")
+    ensure_keyspace(store.session, store.keyspace, store.replication_cql)
+    key = catalog.read_queue(store, QUEUE).shared_key(QUEUE)
+    store.session.execute(f"INSERT INTO {legacy} (queue, client_id, message_id, shard, batch_no, seq) "
+                          "VALUES (%s, 'old-done', 'm-old', 0, 7, 3) USING TTL 600", (key,))
+    store.session.execute(
+        f"INSERT INTO {legacy} (queue, client_id, message_id, shard, writer, since_batch, claim_deadline) "
+        "VALUES (%s, 'old-intent', 'm-dead', 0, 'dead-writer', 1, %s) USING TTL 600",
+        (key, datetime.now(timezone.utc) - timedelta(seconds=60)))
+
+    (done,) = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish(
+        [OutgoingMessage(b"x", client_id="old-done")])
+    assert done.duplicate and (done.message_id, done.shard, done.batch, done.seq) == ("m-old", 0, 7, 3)
+    # The dead writer's intent: two retries at two sidecars, one publish.
+    retries = [Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)) for _ in range(2)]
+    (one,), (two,) = await asyncio.gather(
+        *(r.publish([OutgoingMessage(b"y", client_id="old-intent")]) for r in retries))
+    assert (one.shard, one.batch, one.seq) == (two.shard, two.batch, two.seq)
+    assert [one.duplicate, two.duplicate].count(False) == 1
+    assert copies_of(store, "old-intent") == [(one.shard, one.batch, one.seq)]
+    assert copies_of(store, "old-done") == []
