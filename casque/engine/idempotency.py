@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from cassandra import InvalidRequest
 from cassandra.query import BatchStatement, BatchType, PreparedStatement
 
 from casque.backends import cql
@@ -219,7 +220,11 @@ class IdempotencyGuard:
             missing = [c for c in client_ids if c not in found]
             if missing:
                 self.statements += -(-len(missing) // LEGACY_LOOKUP_CHUNK)
-                found.update(await self._legacy.lookup(missing))
+                try:
+                    found.update(await self._legacy.lookup(missing))
+                except InvalidRequest:
+                    # Dropped since this guard started (see LegacyIds): nothing left to honour.
+                    self._legacy = None
         return found
 
     async def earlier(self, client_id: str) -> Published | None:

@@ -392,3 +392,7 @@ async def test_ids_an_earlier_version_recorded_in_its_table_are_honoured(store: 
     assert [one.duplicate, two.duplicate].count(False) == 1
     assert copies_of(store, "old-intent") == [(one.shard, one.batch, one.seq)]
     assert copies_of(store, "old-done") == []
+    # Once the operator drops the old table, sidecars that still look there stop looking.
+    store.session.execute(f"DROP TABLE {legacy}")
+    (fresh,) = await retries[0].publish([OutgoingMessage(b"z", client_id="new-1")])
+    assert not fresh.duplicate and copies_of(store, "new-1") == [(fresh.shard, fresh.batch, fresh.seq)]
