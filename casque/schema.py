@@ -49,8 +49,8 @@ ACKS_TABLE = "acks"
 # write per partition, not one per id.
 CLIENT_IDS_TABLE = "client_ids"
 CLIENT_ID_BUCKETS = 16
-# Which batch each writer id won: one row per group commit completes the intents of all
-# its ids (they name the writer and their seq).
+# A row per writer id (per group commit): where its claims start and until when, written
+# with the intents of its ids, and the batch it won, which completes all of them.
 PUBLISH_WRITERS_TABLE = "publish_writers"
 # The table of one partition per id that CLIENT_IDS_TABLE replaces. Installations made
 # before it keep it; sidecars look there for ids they miss until it is dropped.
@@ -246,11 +246,10 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     PRIMARY KEY ((queue), name)
 )""",
         # Client message ids of recent publishes, for idempotent publish; rows expire
-        # after the deduplication window. Written as an intent before the claim (writer,
-        # since_batch, claim_deadline: where and by whom the batch will be claimed, and until
-        # when; seq: the message's place in it), and completed by the writer's row in
-        # publish_writers once the batch is written (or here, with batch_no, by a retry
-        # that settled it). A queue's ids share CLIENT_ID_BUCKETS partitions
+        # after the deduplication window. Written as an intent before the claim (writer, and
+        # seq: the message's place in its batch; the writer's row in publish_writers says
+        # where and until when it claims), and completed by the writer's row once the batch
+        # is written (or here, with batch_no, by a retry that settled it). A queue's ids share CLIENT_ID_BUCKETS partitions
         # (`client_id_bucket`), so a group commit reads and writes a few partitions however
         # many ids it carries; at 5,000 ids/s and a 600 s window a partition holds about
         # 190,000 rows (~30 MB).
@@ -263,16 +262,18 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     batch_no bigint,
     seq int,
     writer text,
-    since_batch bigint,
-    claim_deadline timestamp,
     PRIMARY KEY ((queue, bucket), client_id)
 ) WITH gc_grace_seconds = {GC_GRACE_SECONDS}
   AND compaction = {_compaction(86400)}""",
-        # The batch a writer id won (one per group commit), living as long as its ids.
+        # A writer id (one per group commit): written with its intents, where its claims
+        # start and until when they may be sent; once written, the batch it won. Lives as
+        # long as its ids.
         f"""CREATE TABLE IF NOT EXISTS {keyspace}.{PUBLISH_WRITERS_TABLE} (
     queue text,
     writer text,
     shard int,
+    since_batch bigint,
+    claim_deadline timestamp,
     batch_no bigint,
     PRIMARY KEY ((queue, writer))
 ) WITH gc_grace_seconds = {GC_GRACE_SECONDS}

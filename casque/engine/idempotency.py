@@ -33,7 +33,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -77,7 +77,8 @@ LEGACY_LOOKUP_CHUNK = 100
 # A retry looks for an intent's batch again this often while the deadline has not passed.
 RESOLVE_POLL_SECONDS = 0.25
 
-_COLUMNS = "client_id, message_id, shard, batch_no, seq, writer, since_batch, claim_deadline, TTL(writer) AS intent_ttl"
+_COLUMNS = "client_id, message_id, shard, batch_no, seq, writer, TTL(writer) AS intent_ttl"
+_LEGACY_COLUMNS = f"{_COLUMNS}, since_batch, claim_deadline"
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,21 @@ class IdRecord:
     legacy: bool = False
 
 
-def _record(row: Any, legacy: bool = False) -> IdRecord:
+def _record(row: Any) -> IdRecord:
+    """A `client_ids` row; an intent's claim facts are on its writer's row (`_with_writer`)."""
+    return IdRecord(row.client_id, row.message_id, row.shard, row.batch_no, row.seq, row.writer, None, None,
+                    row.intent_ttl)
+
+
+def _legacy_record(row: Any) -> IdRecord:
     return IdRecord(row.client_id, row.message_id, row.shard, row.batch_no, row.seq, row.writer, row.since_batch,
-                    row.claim_deadline, row.intent_ttl, legacy)
+                    row.claim_deadline, row.intent_ttl, legacy=True)
 
 
-def _won(record: IdRecord, batch: int) -> IdRecord:
-    """An intent completed by its writer's row: the batch its writer won."""
-    return IdRecord(record.client_id, record.message_id, record.shard, batch, record.seq, record.writer,
-                    record.since_batch, record.claim_deadline, record.intent_ttl, record.legacy)
+def _with_writer(record: IdRecord, writer: Any) -> IdRecord:
+    """An intent with its writer's claim facts, and the batch the writer won if it did."""
+    return replace(record, since_batch=writer.since_batch, claim_deadline=writer.claim_deadline,
+                   batch_no=record.batch_no if writer.batch_no is None else writer.batch_no)
 
 
 class IdempotencyGuard:
@@ -135,31 +142,37 @@ class IdempotencyGuard:
             f"INSERT INTO {table} (queue, bucket, client_id, message_id, shard, batch_no, seq) "
             "VALUES (?, ?, ?, ?, ?, ?, ?) USING TTL ?"
         )
+        # An id's intent: the facts shared by the whole batch (where its claims start, until
+        # when they may be sent) are on the writer's row, written with the intents.
         self._insert_intent = store.session.prepare(
-            f"INSERT INTO {table} (queue, bucket, client_id, message_id, shard, seq, writer, since_batch, "
-            "claim_deadline) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ?"
+            f"INSERT INTO {table} (queue, bucket, client_id, message_id, shard, seq, writer) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?) USING TTL ?"
         )
         writers = f"{store.keyspace}.{PUBLISH_WRITERS_TABLE}"
-        self._insert_won = store.session.prepare(
-            f"INSERT INTO {writers} (queue, writer, shard, batch_no) VALUES (?, ?, ?, ?) USING TTL ?"
+        self._insert_writer = store.session.prepare(
+            f"INSERT INTO {writers} (queue, writer, shard, since_batch, claim_deadline) VALUES (?, ?, ?, ?, ?) "
+            "USING TTL ?"
         )
-        self._select_won = store.session.prepare(
-            f"SELECT writer, batch_no FROM {writers} WHERE queue = ? AND writer IN ?"
+        self._insert_won = store.session.prepare(
+            f"INSERT INTO {writers} (queue, writer, batch_no) VALUES (?, ?, ?) USING TTL ?"
+        )
+        self._select_writers = store.session.prepare(
+            f"SELECT writer, since_batch, claim_deadline, batch_no FROM {writers} WHERE queue = ? AND writer IN ?"
         )
         # A retry that found an intent never claimed takes the id over only if nobody else
         # did meanwhile: two retries at two sidecars would otherwise both publish it.
         self._take_over = store.session.prepare(
-            f"UPDATE {table} USING TTL ? SET message_id = ?, shard = ?, seq = 0, writer = ?, since_batch = ?, "
-            "claim_deadline = ? WHERE queue = ? AND bucket = ? AND client_id = ? IF writer = ? AND batch_no = null"
+            f"UPDATE {table} USING TTL ? SET message_id = ?, shard = ?, seq = 0, writer = ? "
+            "WHERE queue = ? AND bucket = ? AND client_id = ? IF writer = ? AND batch_no = null"
         )
         # The same for an intent found in the legacy table: the first retry to move it here wins.
         self._take_over_legacy = store.session.prepare(
-            f"INSERT INTO {table} (queue, bucket, client_id, message_id, shard, seq, writer, since_batch, "
-            "claim_deadline) VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?) IF NOT EXISTS USING TTL ?"
+            f"INSERT INTO {table} (queue, bucket, client_id, message_id, shard, seq, writer) "
+            "VALUES (?, ?, ?, ?, ?, 0, ?) IF NOT EXISTS USING TTL ?"
         )
         self._consistency = log.consistency
-        for statement in (self._select, self._insert, self._insert_intent, self._insert_won, self._select_won,
-                          self._take_over, self._take_over_legacy):
+        for statement in (self._select, self._insert, self._insert_intent, self._insert_writer, self._insert_won,
+                          self._select_writers, self._take_over, self._take_over_legacy):
             statement.consistency_level = self._consistency
         for statement in (self._take_over, self._take_over_legacy):
             statement.serial_consistency_level = log.serial_consistency
@@ -208,14 +221,15 @@ class IdempotencyGuard:
         pages = await asyncio.gather(
             *(cql.fetch_all(self._store.session, self._select, (self._queue, bucket, chunk)) for bucket, chunk in reads))
         found = {row.client_id: _record(row) for rows in pages for row in rows}
-        # Intents whose writer recorded the batch it won (a retry after the answer was lost).
-        writers = list({r.writer for r in found.values() if r.batch_no is None and r.writer is not None})
-        if writers:
+        # Intents (a retry: rare) get their writers' rows: where the claims started and
+        # until when they could be sent, and the batch won if the writer recorded it. An
+        # intent without one was never claimed: its writer claims only once both are written.
+        intents = [r for r in found.values() if r.batch_no is None and r.writer is not None]
+        if intents:
             self.statements += 1
-            won = {row.writer: row.batch_no for row in await cql.fetch_all(
-                self._store.session, self._select_won, (self._queue, writers))}
-            found.update([(c, _won(r, won[r.writer])) for c, r in found.items()
-                          if r.batch_no is None and r.writer in won and r.seq is not None])
+            writers = {row.writer: row for row in await cql.fetch_all(
+                self._store.session, self._select_writers, (self._queue, list({r.writer for r in intents})))}
+            found.update([(r.client_id, _with_writer(r, writers[r.writer])) for r in intents if r.writer in writers])
         if self._legacy is not None:
             missing = [c for c in client_ids if c not in found]
             if missing:
@@ -237,19 +251,28 @@ class IdempotencyGuard:
         deadline: datetime,
     ) -> None:
         """Before a claim: (message, message id, seq in the batch) of each message of the batch
-        that has a client id."""
-        await self._write_rows(self._insert_intent, [
+        that has a client id, and the writer's row, all at once."""
+        rows = [
             (self._queue, client_id_bucket(message.client_id), message.client_id, message_id, shard, seq, writer,
-             since_batch, deadline, self._ttl(message))
+             self._ttl(message))
             for message, message_id, seq in intents if message.client_id
-        ])
+        ]
+        if rows:
+            await asyncio.gather(
+                self._write_writer(writer, shard, since_batch, deadline, max(row[-1] for row in rows)),
+                self._write_rows(self._insert_intent, rows))
+
+    async def _write_writer(self, writer: str, shard: int, since_batch: int, deadline: datetime, ttl: int) -> None:
+        self.statements += 1
+        await cql.execute(self._store.session, self._insert_writer, (self._queue, writer, shard, since_batch, deadline,
+                                                                     ttl))
 
     async def record_won(self, messages: Sequence[OutgoingMessage], writer: str, shard: int, batch: int) -> None:
         """After a write: the batch `writer` won, which completes the intents of its ids
         (`messages`, those with a client id), for as long as the longest of them lives."""
         self.statements += 1
         ttl = max(self._ttl(m) for m in messages)
-        await cql.execute(self._store.session, self._insert_won, (self._queue, writer, shard, batch, ttl))
+        await cql.execute(self._store.session, self._insert_won, (self._queue, writer, batch, ttl))
 
     async def record_positions(self, published: Sequence[tuple[OutgoingMessage, Published]]) -> None:
         """Where each id's message is, on a row of its own (one write per bucket partition):
@@ -268,16 +291,17 @@ class IdempotencyGuard:
         another retry replaced it first (or it was completed): one conditional write, on
         this rare path only."""
         assert message.client_id is not None
+        # The new writer's row first: whoever sees the new intent finds its claim facts.
+        await self._write_writer(writer, shard, since_batch, deadline, self._ttl(message))
         self.statements += 1
         bucket = client_id_bucket(message.client_id)
         if record.legacy:
             result = await cql.execute(self._store.session, self._take_over_legacy, (
-                self._queue, bucket, message.client_id, message_id, shard, writer, since_batch, deadline,
-                self._ttl(message)))
+                self._queue, bucket, message.client_id, message_id, shard, writer, self._ttl(message)))
         else:
             result = await cql.execute(self._store.session, self._take_over, (
-                self._ttl(message), message_id, shard, writer, since_batch, deadline, self._queue, bucket,
-                message.client_id, record.writer))
+                self._ttl(message), message_id, shard, writer, self._queue, bucket, message.client_id,
+                record.writer))
         return bool(result.was_applied)
 
     def _ttl(self, message: OutgoingMessage) -> int:
@@ -397,7 +421,8 @@ class LegacyIds:
         self._store = store
         self._queue = queue_key
         self._select = store.session.prepare(
-            f"SELECT {_COLUMNS} FROM {store.keyspace}.{LEGACY_PUBLISH_IDS_TABLE} WHERE queue = ? AND client_id IN ?"
+            f"SELECT {_LEGACY_COLUMNS} FROM {store.keyspace}.{LEGACY_PUBLISH_IDS_TABLE} "
+            "WHERE queue = ? AND client_id IN ?"
         )
         self._select.consistency_level = consistency
 
@@ -405,7 +430,7 @@ class LegacyIds:
         chunks = [list(client_ids[i:i + LEGACY_LOOKUP_CHUNK]) for i in range(0, len(client_ids), LEGACY_LOOKUP_CHUNK)]
         pages = await asyncio.gather(
             *(cql.fetch_all(self._store.session, self._select, (self._queue, chunk)) for chunk in chunks))
-        return {row.client_id: _record(row, legacy=True) for rows in pages for row in rows}
+        return {row.client_id: _legacy_record(row) for rows in pages for row in rows}
 
 
 def claim_deadline() -> tuple[datetime, float]:
