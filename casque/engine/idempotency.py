@@ -7,10 +7,11 @@ queue's ids are spread over a few partitions there (`casque.schema.client_id_buc
 group commit checks and records all its ids with a few requests, however many there are.
 
 A crash must not let a retry publish an id twice, so the link from id to batch is recorded
-before the batch exists, not after: the shard writer records an intent (the id, its message
-id, the shard, the writer id its claims carry, the first batch it will try, and a claim
-deadline) and only then claims. It never sends a claim after CLAIM_SECONDS of the deadline's
-window have passed. After the batch is written, the row is completed with the position.
+before the batch exists, not after: the shard writer records an intent per id (its message
+id, the shard, its seq in the batch, the writer id its claims carry) and the writer's row
+(the first batch it will try, and a claim deadline), and only then claims. It never sends a
+claim after CLAIM_SECONDS of the deadline's window have passed. After the batch is written,
+the batch number on the writer's row completes the intents of all its ids.
 
 A retry that finds only an intent settles it: it reads the shard's headers at SERIAL from
 the intent's first batch on, looking for the intent's writer. Found: the publish happened,
@@ -20,7 +21,9 @@ machines' clocks) has passed; then the writer never will, and the retry publishe
 after taking the id over with one conditional write (`take_over`, the intent's writer as
 the condition): a client that gave up waiting and retried through another sidecar leaves
 two retries settling one intent, and only one of them may publish. The other finds the
-new intent (a settle re-reads the row while it waits) and settles that one.
+new intent (a settle re-reads the row while it waits) and settles that one. An intent whose
+writer has no row was never claimed (claims start once both are written): it is taken over
+at once.
 
 What this does not cover: two first attempts of one id at two sidecars at the same instant,
 neither seeing the other's intent (a client retries after a timeout, by which time the first

@@ -398,3 +398,32 @@ async def test_ids_an_earlier_version_recorded_in_its_table_are_honoured(store: 
     store.session.execute(f"DROP TABLE {legacy}")
     (fresh,) = await retries[0].publish([OutgoingMessage(b"z", client_id="new-1")])
     assert not fresh.duplicate and copies_of(store, "new-1") == [(fresh.shard, fresh.batch, fresh.seq)]
+
+
+async def test_an_intent_whose_writers_row_never_landed_is_taken_over_without_waiting(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The intents of a batch land but its writer's row does not (the process dies between
+    them): claims start only once both are written, so a retry publishes at once, once."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    crashing = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+
+    async def dies_before_the_writers_row(*args: object) -> None:
+        raise Crash()
+
+    monkeypatch.setattr(crashing.idempotency, "_write_writer", dies_before_the_writers_row)
+    with pytest.raises(Crash):
+        await crashing.publish([OutgoingMessage(b"pay", client_id="order-13")])
+    await until("the intent", lambda: intent_of(store, "order-13") is not None)
+    assert copies_of(store, "order-13") == []
+    retries = [Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)) for _ in range(2)]
+    (one,), (two,) = await asyncio.gather(
+        *(r.publish([OutgoingMessage(b"pay", client_id="order-13")]) for r in retries))
+    assert (one.shard, one.batch, one.seq) == (two.shard, two.batch, two.seq)
+    assert [one.duplicate, two.duplicate].count(False) == 1
+    # The one that published never waited on the dead intent's claims (nobody could claim);
+    # the other settled the intent of the one that published.
+    publishing = retries[0] if not one.duplicate else retries[1]
+    assert publishing.idempotency.resolved_intents == 0
+    assert copies_of(store, "order-13") == [(one.shard, one.batch, one.seq)]
