@@ -1,6 +1,6 @@
 """Every benchmark, one after the other, and the README's figures from their results.
 
-    python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,spark]
+    python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,shared,spark]
         [--out DIR] [--readme README.md] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 Runs each benchmark as its own process with `--json` (a benchmark's driver threads, Spark JVM
@@ -29,6 +29,7 @@ BENCHMARKS = {
     "engine": "bench_engine.py",
     "sidecar": "bench_sidecar.py",
     "rebalance": "bench_rebalance.py",
+    "shared": "bench_shared.py",
     "spark": "bench_spark_scan.py",
 }
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# e.g. `openssl rand -base64 32` gives 44.
+MIN_ZOOKEEPER_PASSWORD = 32
 
 Consistency = Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM", "EACH_QUORUM", "ALL"]
 
@@ -47,7 +50,32 @@ class Settings(BaseSettings):
     # paused longer than this loses its leases to the others; shorter moves shards sooner
     # after a crash, longer rides out longer GC pauses.
     zookeeper_session_timeout_seconds: Annotated[float, Field(ge=1, le=120)] = 10.0
+    # Digest authentication to ZooKeeper (casque.backends.zkacl). Unset: no authentication,
+    # and znodes are created open to anyone, as before ACLs existed. The operator's settings
+    # name the installation identity; a sidecar's, its namespace's (from the Secret the
+    # operator writes into the namespace).
+    zookeeper_username: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.-]+$")] = None
+    zookeeper_password: SecretStr | None = None
+    # While rotating the installation password: the old one, so the operator can still
+    # reach znodes whose ACLs name it, and every ACL it writes names both.
+    zookeeper_previous_password: SecretStr | None = None
+    # A sidecar's only: the ACL of everything it creates, `scheme:id:perms,...` (the operator
+    # writes it into the namespace's Secret next to the credentials).
+    zookeeper_acl: str | None = None
     replication: ReplicationSettings = Field(default_factory=ReplicationSettings)
+
+    @model_validator(mode="after")
+    def _zookeeper_credentials_paired(self) -> Settings:
+        if (self.zookeeper_username is None) != (self.zookeeper_password is None):
+            raise ValueError("CASQUE_ZOOKEEPER_USERNAME and CASQUE_ZOOKEEPER_PASSWORD go together")
+        if self.zookeeper_previous_password is not None and self.zookeeper_password is None:
+            raise ValueError("CASQUE_ZOOKEEPER_PREVIOUS_PASSWORD needs CASQUE_ZOOKEEPER_PASSWORD")
+        for name, secret in (("PASSWORD", self.zookeeper_password), ("PREVIOUS_PASSWORD", self.zookeeper_previous_password)):
+            # The SHA-1 digest of user:password is in every ACL (and so in every namespace's
+            # Secret): only a long random password keeps it from being guessed offline.
+            if secret is not None and len(secret.get_secret_value()) < MIN_ZOOKEEPER_PASSWORD:
+                raise ValueError(f"CASQUE_ZOOKEEPER_{name} must be at least {MIN_ZOOKEEPER_PASSWORD} characters")
+        return self
 
     @field_validator("cassandra_contact_points", mode="before")
     @classmethod

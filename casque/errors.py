@@ -74,3 +74,16 @@ class LeaseLost(StaleReceipt):
     """The consumer lost its lease on the message's shard: another member may deliver it."""
 
     code = "lease_lost"
+
+
+class AccessDenied(CasqueError):
+    """A backend refused these credentials the operation: e.g. a namespace's ZooKeeper
+    identity used on another namespace's znodes. Retrying with the same credentials cannot help."""
+
+    code = "access_denied"
+
+
+class QuotaExceeded(CasqueError):
+    """A queue would take its namespace past a limit set by the platform team."""
+
+    code = "quota_exceeded"

@@ -99,6 +99,13 @@ class SubscriberSpec(_Spec):
     max_deliveries: Annotated[int, Field(ge=0, le=1000)] = 10
     dead_letter_queue: Annotated[str | None, Field(pattern=NAME_PATTERN.pattern)] = None
     push_url: str | None = None
+    # leased: each shard is delivered by one member at a time (per-key order holds);
+    # shared: every member delivers from every shard, in claimed batch ranges
+    # (casque.engine.claims), so a group can have more members than the queue has shards.
+    delivery: Literal["leased", "shared"] = "leased"
+    # The next message of a key is delivered only once the one before it is acked or
+    # dead-lettered (casque.engine.keylocks), also across the members of shared delivery.
+    ordered_keys: bool = False
 
     @field_validator("visibility_timeout_seconds", mode="before")
     @classmethod

@@ -30,10 +30,12 @@ class Store:
     _datacenters: int | None = field(default=None, init=False, repr=False)
 
     @classmethod
-    def open(cls, settings: Settings) -> Store:
+    def open(cls, settings: Settings, namespace: str | None = None) -> Store:
+        """Connect to both backends. `namespace`: this process serves that namespace only
+        (a sidecar), with its namespace's ZooKeeper identity when the settings carry one."""
         cluster, session = cql.connect(settings)
         try:
-            client = zk.connect(settings)
+            client = zk.connect(settings, namespace=namespace)
         except Exception:
             cluster.shutdown()
             raise

@@ -8,6 +8,8 @@
         .../subscribers/{sub}/members/{member}                ephemeral: a live consumer (sidecar)
         .../subscribers/{sub}/leases/{shard}                  ephemeral: the member consuming the shard
         .../subscribers/{sub}/seek                            the latest seek request (JSON)
+        .../subscribers/{sub}/cursors/{shard}                 shared delivery: first unclaimed batch ("N@E")
+        .../subscribers/{sub}/claims/{shard}/{E}-{start}      shared delivery: a member's claimed batch range (JSON)
     {root}/queues/{namespace}/{queue}/mover                   election of the delayed-message mover
     {root}/queues/{namespace}/{queue}/redrive                 redrive watermark of a dead-letter queue (JSON)
 
@@ -96,6 +98,12 @@ class SubscriberPaths:
     @property
     def seek(self) -> str:
         return f"{self.base}/seek"
+
+    def cursor(self, shard: int) -> str:
+        return f"{self.base}/cursors/{shard}"
+
+    def claims(self, shard: int) -> str:
+        return f"{self.base}/claims/{shard}"
 
 
 def queue_paths(root: str, queue: QueueRef) -> QueuePaths:

@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from casque.config import Settings
 from casque.operator import kube, reconcile
 from casque.operator.health import DEFAULT_STALL_AFTER, WatchHealth
+from casque.operator.quotas import QuotaSettings
 from casque.store import Store
 
 
@@ -45,6 +46,10 @@ class StoreHolder:
         self._store: Store | None = None
         self._lock = threading.Lock()
 
+    @property
+    def settings(self) -> Settings:
+        return self._settings
+
     def __call__(self) -> Store:
         with self._lock:
             if self._store is None:
@@ -62,6 +67,7 @@ class StoreHolder:
 class OperatorContext:
     stores: StoreHolder
     options: OperatorOptions = field(default_factory=OperatorOptions)
+    quotas: QuotaSettings = field(default_factory=QuotaSettings)
     health: WatchHealth = field(default_factory=WatchHealth)
     # Namespaces the operator serves; empty means all of them.
     namespaces: tuple[str, ...] = ()
@@ -78,6 +84,7 @@ class OperatorContext:
         return cls(
             stores=StoreHolder(Settings()),
             options=options,
+            quotas=QuotaSettings(),
             health=WatchHealth(stall_after=options.watch_stall_seconds),
             namespaces=namespaces,
         )
@@ -93,7 +100,8 @@ class OperatorContext:
         self._locks.pop(uid, None)
 
     def kube_api(self) -> client.ApiClient:
-        """A client of the Kubernetes API for the probe's LISTs, made on first use."""
+        """A client of the Kubernetes API (the probe's LISTs, namespaces' Secrets and
+        quota annotations), made on first use."""
         with self._kube_lock:
             if self._kube is None:
                 self._kube = kube.api_client()

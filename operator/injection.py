@@ -56,6 +56,9 @@ SUBSCRIBE_SCOPE = f"{ANNOTATION_PREFIX}subscribe-scope"
 
 SIDECAR_NAME = "casque-sidecar"
 TMP_VOLUME = "casque-sidecar-tmp"
+# Written into each namespace by the operator (casque.operator.tenancy, which the webhook,
+# a lighter module, does not import).
+ZOOKEEPER_SECRET = "casque-zookeeper"
 DEFAULT_PORT = 8717  # the sidecar's own default (casque.sidecar.config); the operator may not import it
 LOCALHOST = "127.0.0.1"
 # The keys read from the Secrets the annotations name. Distinct, so one Secret may hold both.
@@ -287,6 +290,14 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
         {"name": "CASQUE_ZOOKEEPER_HOSTS", "value": backends.zookeeper_hosts},
         {"name": "CASQUE_ZOOKEEPER_ROOT", "value": backends.zookeeper_root},
     ]
+    if backends.zookeeper_username is not None:
+        # The namespace's own ZooKeeper identity, from the Secret the operator writes with the
+        # namespace's first Queue (casque.operator.tenancy); never the operator's.
+        env += [
+            _secret_env("CASQUE_ZOOKEEPER_USERNAME", ZOOKEEPER_SECRET, "username"),
+            _secret_env("CASQUE_ZOOKEEPER_PASSWORD", ZOOKEEPER_SECRET, "password"),
+            _secret_env("CASQUE_ZOOKEEPER_ACL", ZOOKEEPER_SECRET, "acl"),
+        ]
     if settings.credentials_secret is not None:
         # A Pod can only refer to Secrets of its own namespace: each app namespace holds a copy.
         env += [

@@ -35,9 +35,11 @@ from casque.errors import (
     InvalidChange,
     InvalidSpec,
     QueueNotFound,
+    QuotaExceeded,
     SubscriberNotFound,
 )
 from casque.operator import conditions
+from casque.operator.quotas import Limits, violations
 from casque.schema import QueueRef, read_table_options, validate_name
 from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState, format_duration
 from casque.store import Store
@@ -58,12 +60,15 @@ BACKEND_UNAVAILABLE = "BackendUnavailable"
 QUEUE_NOT_FOUND = "QueueNotFound"
 DEAD_LETTER_QUEUE_NOT_FOUND = "DeadLetterQueueNotFound"
 INTERNAL_ERROR = "InternalError"
+QUOTA_EXCEEDED = "QuotaExceeded"
 
 # Seconds before retrying: a backend outage is usually a restart or a failover; a missing
 # queue is usually a Subscriber applied in the same breath as its Queue.
 BACKEND_RETRY_SECONDS = 20.0
 QUEUE_RETRY_SECONDS = 5.0
 ERROR_RETRY_SECONDS = 60.0
+# A refused queue may fit once another is deleted or the quota raised: look again now and then.
+QUOTA_RETRY_SECONDS = 60.0
 
 
 # --- Failures -----------------------------------------------------------------------------
@@ -94,6 +99,8 @@ def classify(error: BaseException) -> Failure:
         return Failure(BACKEND_UNAVAILABLE, str(error), BACKEND_RETRY_SECONDS, error)
     if isinstance(error, QueueNotFound):
         return Failure(QUEUE_NOT_FOUND, str(error), QUEUE_RETRY_SECONDS, error)
+    if isinstance(error, QuotaExceeded):
+        return Failure(QUOTA_EXCEEDED, str(error), QUOTA_RETRY_SECONDS, error)
     if isinstance(error, CasqueError):
         return Failure(type(error).__name__, str(error), ERROR_RETRY_SECONDS, error)
     return Failure(INTERNAL_ERROR, f"{type(error).__name__}: {error}", ERROR_RETRY_SECONDS, error)
@@ -499,22 +506,48 @@ class Resource:
     generation: int | None = None
 
 
-async def reconcile_queue(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
-    """Create or update the queue's table and znodes, then report what is there."""
+async def reconcile_queue(
+    stores: StoreSource, resource: Resource, now: datetime, limits: Limits = Limits()
+) -> Outcome:
+    """Create or update the queue's table and znodes, then report what is there.
+
+    With `limits`, a queue that would take its namespace past them is refused
+    (`QuotaExceeded`) before anything is created or changed."""
     try:
         ref = queue_ref(resource.namespace, resource.name)
         spec = parse_queue_spec(resource.spec)
         store = await asyncio.to_thread(stores)
+        if limits.any:
+            await _in_thread(check_quota, store, ref, spec, limits)
         changes = await _in_thread(catalog.apply_queue, store, ref, spec)
         seen = await observe_queue(store, ref)
     except Exception as error:  # noqa: BLE001 - every failure becomes a condition
-        return _failed(resource, classify(error), now)
+        return failed(resource, classify(error), now)
     wanted = {
         **queue_figures(seen),
         **readiness_status(resource.status, queue_readiness(spec, seen), resource.generation, now),
         "warnings": changes.warnings or None,
     }
     return Outcome(status=conditions.merge_patch(resource.status, wanted), changes=changes)
+
+
+def check_quota(store: Store, ref: QueueRef, spec: QueueSpec, limits: Limits) -> None:
+    """Judge against the queues that exist in the backends, not the resources: a Queue that
+    was refused, or is not yet applied, uses nothing; one made by `casque apply` does."""
+    others: list[QueueSpec] = []
+    current: QueueSpec | None = None
+    for other in catalog.list_queues(store, ref.namespace):
+        try:
+            stored = catalog.read_queue(store, other).spec
+        except QueueNotFound:
+            continue  # being created or deleted
+        if other == ref:
+            current = stored
+        else:
+            others.append(stored)
+    problems = violations(limits, others, current, spec)
+    if problems:
+        raise QuotaExceeded(f"queue {ref} exceeds the namespace's quota: " + "; ".join(problems))
 
 
 async def refresh_queue(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
@@ -535,7 +568,7 @@ async def refresh_queue(stores: StoreSource, resource: Resource, now: datetime) 
             outcome.repaired = drift
             seen = await observe_queue(store, ref)
     except Exception as error:  # noqa: BLE001
-        return _failed(resource, classify(error), now) if judge else Outcome(failure=classify(error))
+        return failed(resource, classify(error), now) if judge else Outcome(failure=classify(error))
     wanted = queue_figures(seen)
     if judge:
         wanted |= readiness_status(resource.status, queue_readiness(spec, seen), resource.generation, now)
@@ -566,7 +599,7 @@ async def reconcile_subscriber(stores: StoreSource, resource: Resource, now: dat
         changes = await _in_thread(catalog.apply_subscriber, store, ref, resource.name, spec)
         seen = await observe_subscriber(store, resource.namespace, resource.name, spec)
     except Exception as error:  # noqa: BLE001
-        return _failed(resource, classify(error), now)
+        return failed(resource, classify(error), now)
     wanted = {
         **subscriber_figures(spec, seen),
         **readiness_status(resource.status, subscriber_readiness(spec, seen), resource.generation, now),
@@ -593,7 +626,7 @@ async def refresh_subscriber(stores: StoreSource, resource: Resource, now: datet
             outcome.repaired = drift
             seen = await observe_subscriber(store, resource.namespace, resource.name, spec)
     except Exception as error:  # noqa: BLE001
-        return _failed(resource, classify(error), now) if judge else Outcome(failure=classify(error))
+        return failed(resource, classify(error), now) if judge else Outcome(failure=classify(error))
     wanted = subscriber_figures(spec, seen)
     if judge:
         wanted |= readiness_status(resource.status, subscriber_readiness(spec, seen), resource.generation, now)
@@ -627,7 +660,7 @@ async def _in_thread(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs
     return await asyncio.to_thread(call)
 
 
-def _failed(resource: Resource, failure: Failure, now: datetime) -> Outcome:
+def failed(resource: Resource, failure: Failure, now: datetime) -> Outcome:
     return Outcome(
         status=conditions.merge_patch(
             resource.status, failure_status(resource.status, failure, resource.generation, now)

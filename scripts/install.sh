@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything casque needs on a fresh Debian machine, idempotently and cached:
 # Java 17 and Maven (apt, only if missing), a virtualenv in .venv with the project and its
-# pinned dependencies (pip, skipped when pyproject.toml is unchanged), and the Cassandra and
+# pinned dependencies, the app client in client/ included (pip, skipped when the
+# pyproject.toml files are unchanged), and the Cassandra and
 # ZooKeeper jars (Maven Central, cached under ~/.cache/casque).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,10 +22,11 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 stamp=.venv/.casque-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml client/pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[dev]'
+  # casque requires casque-client, which is not on an index: the local one satisfies it.
+  .venv/bin/python -m pip install -q -e ./client -e '.[dev]'
   echo "$want" > "$stamp"
 fi
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Command 2 of the README: install everything, then run the whole test suite against real
-# servers that the tests start themselves (Cassandra, ZooKeeper, kube-apiserver with etcd,
-# Spark in local mode).
+# servers that the tests start themselves (Cassandra, ZooKeeper and a ZooKeeper ensemble,
+# kube-apiserver with etcd, Spark in local mode and as a standalone master and worker).
 #
 # CASQUE_TEST_STRESS=1 runs the suite with a CPU hog beside it (one busy process per core),
 # as on a machine shared with other work: a test that fails only then is still a bug.

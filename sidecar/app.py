@@ -24,6 +24,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from casque.config import Settings
+from casque.errors import AccessDenied
 from casque.sidecar import bodies
 from casque.sidecar.auth import bearer_middleware
 from casque.sidecar.config import SidecarSettings
@@ -106,7 +107,13 @@ async def _connect(app: web.Application, lent: Store | None) -> None:
     store = lent
     while store is None:
         try:
-            store = await _open_store(app[BACKENDS])
+            store = await _open_store(app[BACKENDS], app[SETTINGS].namespace)
+        except AccessDenied as error:
+            # Wrong credentials do not heal by themselves, but a rotated Secret mounted anew
+            # does not restart the process either: say why loudly, and keep trying slowly.
+            runtime.problem = f"ZooKeeper refused the sidecar's credentials: {error}"
+            log.error("%s; retrying in %.1fs", runtime.problem, CONNECT_RETRY_MAX_SECONDS)
+            await asyncio.sleep(CONNECT_RETRY_MAX_SECONDS)
         except Exception as error:  # any failure to connect is worth another try; the log says which
             runtime.problem = f"backends not reachable yet ({type(error).__name__}: {error}); retrying"
             log.warning("%s in %.1fs", runtime.problem, delay)
@@ -122,8 +129,8 @@ async def _connect(app: web.Application, lent: Store | None) -> None:
     log.info("backends connected")
 
 
-async def _open_store(settings: Settings) -> Store:
-    opening = asyncio.get_running_loop().run_in_executor(None, Store.open, settings)
+async def _open_store(settings: Settings, namespace: str) -> Store:
+    opening = asyncio.get_running_loop().run_in_executor(None, Store.open, settings, namespace)
     try:
         return await asyncio.shield(opening)
     except asyncio.CancelledError:

@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from casque.loopback import is_loopback
 from casque.schema import NAME_PATTERN
+from casque_client.loopback import is_loopback
 
 DEFAULT_PORT = 8717
 MiB = 1024 * 1024

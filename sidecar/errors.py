@@ -14,7 +14,7 @@ from aiohttp import web
 from cassandra import DriverException
 from cassandra.connection import ConnectionException
 from cassandra.protocol import ServerError
-from kazoo.exceptions import KazooException
+from kazoo.exceptions import KazooException, NoAuthError
 from kazoo.handlers.threading import KazooTimeoutError
 from pydantic import ValidationError
 
@@ -22,6 +22,7 @@ from casque.backends import cql, zk
 from casque.engine.consumer import ConsumerStopped
 from casque.engine.messages import InvalidReceipt
 from casque.errors import (
+    AccessDenied,
     BackendUnavailable,
     CasqueError,
     InvalidChange,
@@ -129,6 +130,9 @@ STATUS: Mapping[type[CasqueError], int] = {
     MessageTooLarge: 413,
     BackendUnavailable: 503,
     ConsumerStopped: 503,
+    # The sidecar's ZooKeeper identity may not touch what the call needs: its credentials
+    # are another namespace's or out of date. Retrying cannot help until they are fixed.
+    AccessDenied: 403,
 }
 
 
@@ -150,6 +154,8 @@ def as_casque_error(error: BaseException) -> CasqueError | None:
     """A driver's failure as casque's error (None: not a backend failure, so our fault)."""
     if isinstance(error, CasqueError):
         return error
+    if isinstance(error, NoAuthError):
+        return AccessDenied("ZooKeeper refused the sidecar's identity this operation")
     if isinstance(error, BACKEND_FAILURES):
         return BackendUnavailable(f"{type(error).__name__}: {error}")
     return None

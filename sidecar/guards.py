@@ -23,10 +23,10 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from casque.loopback import is_loopback
 from casque.sidecar.bodies import too_large
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import CrossOrigin, ForeignHost, UnsupportedMediaType
+from casque_client.loopback import is_loopback
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

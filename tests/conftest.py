@@ -15,17 +15,19 @@ from tests.fixtures.sidecars import start_sidecar  # noqa: F401
 from tests.fixtures.stack import (  # noqa: F401
     backends,
     cql,
+    ensemble_zk_hosts,
     keyspace,
     new_store,
     ring,
     store,
     zk,
     zk_hosts,
+    zookeeper_ensemble,
 )
 
 INTEGRATION = Path(__file__).parent / "integration"
 # Fixtures that start a server (directly or through the fixtures they depend on).
-SERVER_FIXTURES = frozenset({"backends", "ring", "kube_cluster"})
+SERVER_FIXTURES = frozenset({"backends", "ring", "kube_cluster", "zookeeper_ensemble"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -12,25 +12,103 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, OperationTimeoutError, SessionExpiredError
+from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, OperationTimeoutError, SessionExpiredError
 from kazoo.handlers.threading import KazooTimeoutError
 
+from casque.backends.zkacl import AclClient, Identity, installation_policy, namespace_policy, parse_acl
 from casque.config import Settings
-from casque.errors import BackendUnavailable
+from casque.errors import AccessDenied, BackendUnavailable, InvalidSpec
 
 T = TypeVar("T")
 RETRYABLE = (ConnectionLoss, OperationTimeoutError, SessionExpiredError, KazooTimeoutError)
 
 
-def connect(settings: Settings, hosts: str | None = None, timeout: float | None = None) -> KazooClient:
+def identities(settings: Settings) -> list[Identity]:
+    """The digest identities of `settings`: none without credentials; the current one, and
+    the previous one while a rotation is under way."""
+    if settings.zookeeper_username is None or settings.zookeeper_password is None:
+        return []
+    passwords = [settings.zookeeper_password, settings.zookeeper_previous_password]
+    return [Identity(settings.zookeeper_username, p.get_secret_value()) for p in passwords if p is not None]
+
+
+def connect(
+    settings: Settings, hosts: str | None = None, timeout: float | None = None, namespace: str | None = None
+) -> KazooClient:
+    """A started client. With credentials in `settings` it authenticates and puts casque's
+    ACLs on every znode it creates (casque.backends.zkacl): as the installation identity, or,
+    with `namespace`, as that namespace's sidecar, with the ACL of `settings.zookeeper_acl`.
+    A sidecar's access to its namespace is checked here, so wrong credentials fail at once
+    with `AccessDenied` instead of at its first write."""
     timeout = timeout or settings.zookeeper_session_timeout_seconds
-    client = KazooClient(hosts=hosts or settings.zookeeper_hosts, timeout=timeout)
+    hosts = hosts or settings.zookeeper_hosts
+    own = identities(settings)
+    client: KazooClient
+    if not own:
+        client = KazooClient(hosts=hosts, timeout=timeout)
+    elif namespace is not None and settings.zookeeper_acl is not None:
+        try:
+            acl = parse_acl(settings.zookeeper_acl)
+        except ValueError as error:
+            raise InvalidSpec(f"CASQUE_ZOOKEEPER_ACL: {error}") from error
+        client = AclClient(namespace_policy(settings.zookeeper_root, acl), hosts=hosts, timeout=timeout,
+                           auth_data=[i.auth for i in own])
+    else:
+        # The installation identity (a sidecar run with it too: it computes the same ACLs).
+        policy = installation_policy(settings.zookeeper_root, own)
+        client = AclClient(policy, hosts=hosts, timeout=timeout, auth_data=[i.auth for i in own])
     try:
         client.start(timeout=timeout)
     except KazooTimeoutError as error:
         client.close()
         raise BackendUnavailable(f"ZooKeeper at {settings.zookeeper_hosts} is unreachable") from error
+    if own and namespace is not None:
+        try:
+            if settings.zookeeper_acl is None:
+                _check_installation(client, settings)
+            check_namespace_access(client, settings, namespace)
+        except BaseException:
+            client.stop()
+            client.close()
+            raise
     return client
+
+
+def _check_installation(client: KazooClient, settings: Settings) -> None:
+    """A sidecar with credentials but no ACL must hold the installation identity: with a
+    namespace's, it would create znodes that only the namespace could use."""
+    try:
+        client.get_children(f"{settings.zookeeper_root.rstrip('/')}/queues")
+    except NoAuthError as error:
+        raise AccessDenied(
+            f"user {settings.zookeeper_username!r} is not the installation's: a namespace's ZooKeeper "
+            "credentials need CASQUE_ZOOKEEPER_ACL too (the operator writes both into the casque-zookeeper Secret)"
+        ) from error
+    except NoNodeError:
+        pass  # a new installation: nothing to protect yet
+    except RETRYABLE as error:
+        raise BackendUnavailable(f"ZooKeeper: {type(error).__name__}") from error
+
+
+def check_namespace_access(client: KazooClient, settings: Settings, namespace: str) -> None:
+    path = f"{settings.zookeeper_root.rstrip('/')}/queues/{namespace}"
+    try:
+        # Listing needs READ, which only the namespace's own identity (and the
+        # installation's) has, so a sidecar given another namespace's credentials stops here.
+        client.get_children(path)
+    except NoAuthError as error:
+        raise AccessDenied(
+            f"ZooKeeper refused user {settings.zookeeper_username!r} access to namespace {namespace!r} "
+            f"({path}): these credentials belong to another namespace, or are out of date; "
+            f"use the casque-zookeeper Secret of namespace {namespace!r}"
+        ) from error
+    except NoNodeError as error:
+        raise BackendUnavailable(
+            f"namespace {namespace!r} has no queue yet ({path} does not exist): the operator creates it "
+            "with the namespace's first Queue"
+        ) from error
+    except RETRYABLE as error:
+        raise BackendUnavailable(f"ZooKeeper: {type(error).__name__}") from error
 
 
 async def call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -52,6 +130,12 @@ async def call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await done
     except RETRYABLE as error:
         raise BackendUnavailable(f"ZooKeeper: {type(error).__name__}") from error
+    except NoAuthError as error:
+        raise AccessDenied(f"ZooKeeper refused this identity the operation on {_path_of(args)}") from error
+
+
+def _path_of(args: tuple[Any, ...]) -> str:
+    return args[0] if args and isinstance(args[0], str) else "a transaction"
 
 
 def _settle(done: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:

@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from casque.cli.exits import ExitCode
+from casque.cli.output import MACHINE, TableOutput, check, dumps
 from casque.devstack import artifacts
 from casque.devstack.paths import state_dir
 from casque.devstack.stack import Stack, StackPorts
@@ -45,10 +47,20 @@ def up(
     cql_port: Annotated[int | None, typer.Option(help="CQL port (default 9042).")] = None,
     storage_port: Annotated[int | None, typer.Option(help="Cassandra inter-node port (default 7000).")] = None,
     jmx_port: Annotated[int | None, typer.Option(help="JMX port of node 1; node N uses +100*(N-1) (default 7199).")] = None,
-    zookeeper_port: Annotated[int | None, typer.Option(help="ZooKeeper client port (default 2181).")] = None,
+    zookeeper_nodes: Annotated[int | None, typer.Option(
+        min=1, max=5, help="ZooKeeper servers: 1, or an ensemble of 3 (or 5) on 127.0.0.1.")] = None,
+    zookeeper_port: Annotated[int | None, typer.Option(
+        help="ZooKeeper client port (default 2181); ensemble member N uses +N-1.")] = None,
+    zookeeper_quorum_port: Annotated[int | None, typer.Option(
+        help="Ensemble quorum port of member 1 (default 2888); member N uses +N-1.")] = None,
+    zookeeper_election_port: Annotated[int | None, typer.Option(
+        help="Ensemble election port of member 1 (default 3888); member N uses +N-1.")] = None,
     state: StateOption = None,
 ) -> None:
     """Start ZooKeeper and Cassandra (or find them running) and wait until both answer.
+
+    With --zookeeper-nodes 3 ZooKeeper is an ensemble of three servers on 127.0.0.1, each
+    with its own data directory, and the connect string printed lists all three.
 
     Settings not given are taken from the stack recorded in the state directory, if any.
     """
@@ -60,10 +72,17 @@ def up(
         storage=storage_port or base.storage,
         jmx=jmx_port or base.jmx,
         zookeeper=zookeeper_port or base.zookeeper,
+        zookeeper_quorum=zookeeper_quorum_port or base.zookeeper_quorum,
+        zookeeper_election=zookeeper_election_port or base.zookeeper_election,
     )
+    ensemble = zookeeper_nodes or (recorded.zookeeper_nodes if recorded else 1)
+    if ensemble % 2 == 0:
+        # An even ensemble tolerates no more failures than the odd one below it, and a
+        # two-member one tolerates none: refuse it rather than start something misleading.
+        raise StackError(f"--zookeeper-nodes {ensemble}: an ensemble needs an odd number of servers (1, 3 or 5)")
     node_count = nodes or (recorded.nodes if recorded else 1)
     heap = heap_mb or (recorded.heap_mb if recorded and recorded.nodes == node_count else (1536 if node_count == 1 else 1024))
-    stack = Stack(root=root, nodes=node_count, ports=ports, heap_mb=heap)
+    stack = Stack(root=root, nodes=node_count, ports=ports, heap_mb=heap, zookeeper_nodes=ensemble)
     stack.up(report=lambda line: console.print(f"[dim]{line}[/dim]"))
     console.print(f"Cassandra: {', '.join(f'{a}:{stack.ports.native}' for a in stack.contact_points)} (CQL)")
     console.print(f"ZooKeeper: {stack.zookeeper_hosts}")
@@ -71,20 +90,30 @@ def up(
 
 
 @app.command()
-def status(state: StateOption = None) -> None:
-    """Show which services of the local stack run, where, and their logs."""
+def status(state: StateOption = None, output: TableOutput = "table") -> None:
+    """Show which services of the local stack run, where, and their logs (exit 4 if one is stopped)."""
+    check(output, ("table", *MACHINE))
     stack = _recorded(state or state_dir())
+    services = stack.status()
+    if output in MACHINE:
+        typer.echo(dumps([{"service": s.name, "address": s.address, "running": s.running,
+                           "pid": s.pid if s.running else None, "log": str(s.log)} for s in services], output))
+        if not all(s.running for s in services):
+            raise typer.Exit(ExitCode.BACKEND_UNAVAILABLE)
+        return
     table = Table("service", "address", "pid", "log")
     for service in stack.status():
         table.add_row(service.name, service.address, str(service.pid) if service.running else "[red]stopped[/red]", str(service.log))
     console.print(table)
     if not all(s.running for s in stack.status()):
-        raise typer.Exit(3)
+        # A stopped service is an unavailable backend (casque/cli/exits.py).
+        raise typer.Exit(ExitCode.BACKEND_UNAVAILABLE)
 
 
 @app.command()
 def logs(
-    service: Annotated[str, typer.Argument(help="zookeeper, cassandra-1, cassandra-2, ...")] = "cassandra-1",
+    service: Annotated[str, typer.Argument(
+        help="zookeeper (zookeeper-1, -2, ... for an ensemble), cassandra-1, cassandra-2, ...")] = "cassandra-1",
     lines: Annotated[int, typer.Option("-n", "--lines")] = 50,
     follow: Annotated[bool, typer.Option("-f", "--follow")] = False,
     state: StateOption = None,

@@ -6,7 +6,8 @@ import sys
 
 import typer
 
-from casque.cli import apply, dev, queue_commands, spark_commands
+from casque.cli import apply, dev, queue_commands, resources, spark_commands
+from casque.cli.exits import guard_all, report
 from casque.errors import CasqueError
 from casque.operator import cli as operator_cli
 
@@ -17,14 +18,13 @@ app.add_typer(spark_commands.app, name="spark")
 app.command("apply")(apply.apply_file)
 app.command("delete")(apply.delete_file)
 queue_commands.register(app)
-
-# Exit codes: 1 for casque's own refusals (bad input, unreachable backend), 2 is typer's usage error.
-EXIT_CASQUE_ERROR = 1
+resources.register(app)
+# Every command maps casque's errors to one line and an exit code (casque/cli/exits.py).
+guard_all(app)
 
 
 def main() -> None:
     try:
         app(prog_name="casque")
-    except CasqueError as error:
-        print(f"casque: {error}", file=sys.stderr)
-        sys.exit(EXIT_CASQUE_ERROR)
+    except CasqueError as error:  # raised outside a command, e.g. while typer builds it
+        sys.exit(report(error))

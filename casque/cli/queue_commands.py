@@ -28,6 +28,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from casque.backends import zk
+from casque.cli.exits import UsageError
+from casque.cli.output import MACHINE, TableOutput, TextOutput, check, dumps
 from casque.config import Settings
 from casque.engine import catalog
 from casque.engine.batches import Log
@@ -37,7 +39,7 @@ from casque.engine.messages import Delivery, OutgoingMessage, StoredMessage
 from casque.engine.offsets import SeekTarget, seek as seek_offsets
 from casque.engine.publisher import Publisher
 from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
-from casque.errors import CasqueError, InvalidSpec
+from casque.errors import InvalidSpec
 from casque.schema import QueueRef
 from casque.sidecar.config import DEFAULT_PORT, SidecarSettings
 from casque.sidecar.models import PublishMessage
@@ -50,10 +52,6 @@ err = Console(stderr=True)
 PUBLISH_CHUNK = 500
 # Show a progress bar for operations on at least this many messages.
 PROGRESS_FROM = 200
-
-
-class UsageError(CasqueError):
-    code = "invalid_argument"
 
 
 # --- shared options -----------------------------------------------------------------------------
@@ -233,12 +231,14 @@ def publish(
         str | None, typer.Option("--file", "-f", help="JSON lines of messages as the API takes them ('-': stdin).")
     ] = None,
     count: Annotated[int, typer.Option("--count", "-c", min=1, help="Publish DATA this many times.")] = 1,
+    output: TextOutput = "text",
     namespace: NamespaceOption = "default",
     cassandra: CassandraOption = None,
     zookeeper: ZookeeperOption = None,
     keyspace: KeyspaceOption = None,
 ) -> None:
     """Publish a message (or a file of them); prints where each landed."""
+    check(output, ("text", *MACHINE))
     if (data is None) == (file is None):
         raise UsageError("give DATA or --file")
     if file is not None:
@@ -253,22 +253,27 @@ def publish(
         raise UsageError("--id with --count would publish one message: drop one of them")
     ref = _queue(namespace, queue)
     settings = backend_settings(cassandra, zookeeper, keyspace)
-    asyncio.run(_publish(settings, ref, [m.outgoing() for m in messages]))
+    asyncio.run(_publish(settings, ref, [m.outgoing() for m in messages], output))
 
 
-async def _publish(settings: Settings, ref: QueueRef, messages: list[OutgoingMessage]) -> None:
+async def _publish(settings: Settings, ref: QueueRef, messages: list[OutgoingMessage], output: str = "text") -> None:
     async with opened(settings) as store:
         state = await asyncio.to_thread(catalog.read_queue, store, ref)
         publisher = Publisher(store, ref, state)
         for message in messages:
             publisher.validate(message)  # all or nothing: refuse before writing any
-        quiet = len(messages) > 10
+        quiet = len(messages) > 10 or output in MACHINE
+        landed: list[dict[str, Any]] = []
         with _progress(len(messages), f"publishing to {ref}") as progress:
             task = progress.add_task("publish", total=len(messages))
             for start in range(0, len(messages), PUBLISH_CHUNK):
                 chunk = messages[start:start + PUBLISH_CHUNK]
                 results = await publisher.publish(chunk)
                 progress.advance(task, len(chunk))
+                landed.extend({"messageId": r.message_id, "shard": r.shard, "batch": r.batch, "seq": r.seq,
+                               "duplicate": r.duplicate,
+                               "deliverAt": r.deliver_at.isoformat() if r.deliver_at is not None else None}
+                              for r in results)
                 if not quiet:
                     for r in results:
                         note = " (duplicate)" if r.duplicate else ""
@@ -276,19 +281,21 @@ async def _publish(settings: Settings, ref: QueueRef, messages: list[OutgoingMes
                                  else f"delayed until {r.deliver_at.isoformat()}")
                         out.print(f"{r.message_id}  {where}{note}")
         await publisher.flush_heads()
-        if quiet:
+        if output in MACHINE:
+            typer.echo(dumps({"queue": str(ref), "results": landed}, output))
+        elif quiet:
             out.print(f"published {len(messages)} messages to {ref}")
 
 
 # --- consume and tail ---------------------------------------------------------------------------
 def _describe(message: StoredMessage, deliveries: int | None, output: str, ref: QueueRef) -> str:
     position = message.position
-    if output == "json":
+    if output in MACHINE:
         from casque.sidecar.models import envelope
 
-        if deliveries is not None:
-            return json.dumps(envelope(_as_delivery(message, deliveries), ref).wire())
-        return json.dumps(_log_record(message))
+        record = envelope(_as_delivery(message, deliveries), ref).wire() if deliveries is not None else _log_record(message)
+        # JSON: one event per line (JSON lines); YAML: one document per message, a stream.
+        return json.dumps(record) if output == "json" else "---\n" + dumps(record, "yaml")
     body = _readable_payload(message)
     key = f" key={message.key}" if message.key else ""
     again = f" (delivery {deliveries})" if deliveries and deliveries > 1 else ""
@@ -329,15 +336,16 @@ def consume(
         float, typer.Option(help="Stop after this many seconds without a message (0: never, follow).")
     ] = 5.0,
     ack: Annotated[bool, typer.Option(help="Ack what was printed (--no-ack: hand it back at once).")] = True,
-    output: Annotated[str, typer.Option("--output", "-o", help="text or json (CloudEvents, one per line).")] = "text",
+    output: Annotated[
+        str, typer.Option("--output", "-o", help="text, json (CloudEvents, one per line) or yaml (a document each).")
+    ] = "text",
     namespace: NamespaceOption = "default",
     cassandra: CassandraOption = None,
     zookeeper: ZookeeperOption = None,
     keyspace: KeyspaceOption = None,
 ) -> None:
     """Receive messages as SUBSCRIBER, print them and ack them."""
-    if output not in ("text", "json"):
-        raise UsageError("--output is text or json")
+    check(output, ("text", *MACHINE))
     settings = backend_settings(cassandra, zookeeper, keyspace)
     asyncio.run(_consume(settings, _queue(namespace, queue), subscriber, max_messages, idle, ack, output))
 
@@ -382,15 +390,16 @@ def tail(
     last: Annotated[int, typer.Option("--last", "-l", min=0, help="Start this many batches back in each shard.")] = 0,
     max_messages: Annotated[int | None, typer.Option("--max", "-m", min=1, help="Stop after this many.")] = None,
     follow: Annotated[bool, typer.Option(help="Keep printing new messages (--no-follow: print and stop).")] = True,
-    output: Annotated[str, typer.Option("--output", "-o", help="text or json (one per line).")] = "text",
+    output: Annotated[
+        str, typer.Option("--output", "-o", help="text, json (one per line) or yaml (a document each).")
+    ] = "text",
     namespace: NamespaceOption = "default",
     cassandra: CassandraOption = None,
     zookeeper: ZookeeperOption = None,
     keyspace: KeyspaceOption = None,
 ) -> None:
     """Print new messages of a queue as they are published, without consuming them."""
-    if output not in ("text", "json"):
-        raise UsageError("--output is text or json")
+    check(output, ("text", *MACHINE))
     settings = backend_settings(cassandra, zookeeper, keyspace)
     asyncio.run(_tail(settings, _queue(namespace, queue), last, max_messages, follow, output))
 
@@ -448,15 +457,16 @@ def stats(
     ] = None,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option(min=0.2, help="Seconds between refreshes with --watch.")] = 2.0,
-    output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
+    output: TableOutput = "table",
     namespace: NamespaceOption = "default",
     cassandra: CassandraOption = None,
     zookeeper: ZookeeperOption = None,
     keyspace: KeyspaceOption = None,
 ) -> None:
     """Published messages, and each subscriber's lag, oldest unacked age and in-flight count."""
-    if output not in ("table", "json"):
-        raise UsageError("--output is table or json")
+    check(output, ("table", *MACHINE))
+    if watch and output in MACHINE:
+        raise UsageError("--watch refreshes a table: it takes no --output json or yaml")
     settings = backend_settings(cassandra, zookeeper, keyspace)
     asyncio.run(_stats(settings, _queue(namespace, queue), subscriber, watch, interval, output))
 
@@ -474,8 +484,8 @@ async def _stats(
 ) -> None:
     async with opened(settings) as store:
         sample = await _sample(store, ref, names)
-        if output == "json":
-            out.print_json(json.dumps(_stats_json(*sample)))
+        if output in MACHINE:
+            typer.echo(dumps(_stats_json(*sample), output))
             return
         if not watch:
             out.print(_stats_view(*sample, rate=None))
@@ -540,12 +550,14 @@ def seek(
                                       formats=["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"])
     ] = None,
     batch: Annotated[list[str] | None, typer.Option("--batch", help="SHARD=BATCH to read next (repeatable).")] = None,
+    output: TableOutput = "table",
     namespace: NamespaceOption = "default",
     cassandra: CassandraOption = None,
     zookeeper: ZookeeperOption = None,
     keyspace: KeyspaceOption = None,
 ) -> None:
     """Move a subscriber: replay from the start or a time, skip to the end, or go to given batches."""
+    check(output, ("table", *MACHINE))
     given = [option for option, value in (("--to", to), ("--time", time), ("--batch", batch)) if value]
     if len(given) != 1:
         raise UsageError("give exactly one of --to, --time or --batch")
@@ -559,6 +571,10 @@ def seek(
         target = SeekTarget(kind="batch", batches=_shard_batches(batch or []))
     settings = backend_settings(cassandra, zookeeper, keyspace)
     offsets = asyncio.run(_seek(settings, _queue(namespace, queue), subscriber, target))
+    if output in MACHINE:
+        typer.echo(dumps({"queue": str(_queue(namespace, queue)), "subscriber": subscriber, "target": target.kind,
+                          "offsets": {str(shard): offset for shard, offset in sorted(offsets.items())}}, output))
+        return
     table = Table("shard", "next batch")
     for shard, offset in sorted(offsets.items()):
         table.add_row(str(shard), f"{offset:,}")
@@ -598,12 +614,14 @@ def redrive(
                                       formats=["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"])
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many messages.")] = None,
+    output: TextOutput = "text",
     namespace: NamespaceOption = "default",
     cassandra: CassandraOption = None,
     zookeeper: ZookeeperOption = None,
     keyspace: KeyspaceOption = None,
 ) -> None:
     """Send dead letters back to the subscriber that gave up on them (a rerun sends nothing twice)."""
+    check(output, ("text", *MACHINE))
     settings = backend_settings(cassandra, zookeeper, keyspace)
 
     def utc(moment: datetime | None) -> datetime | None:
@@ -616,6 +634,10 @@ def redrive(
             return await redrive_dead_letters(store, _queue(namespace, dead_letter_queue), utc(since), utc(until), limit)
 
     result = asyncio.run(run())
+    if output in MACHINE:
+        typer.echo(dumps({"redriven": result.redriven, "duplicates": result.duplicates,
+                          "bySource": dict(sorted(result.by_source.items()))}, output))
+        return
     for source, count in sorted(result.by_source.items()):
         out.print(f"redrove {count} message(s) to {source}")
     out.print(f"{result.redriven} redriven, {result.duplicates} already redriven before")

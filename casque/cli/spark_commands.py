@@ -54,7 +54,9 @@ RangeOption = Annotated[
     typer.Option("--range", "-r", help="TIME..TIME and/or SHARD:FIRST-LAST terms, comma-separated (default: all)."),
 ]
 MasterOption = Annotated[
-    str, typer.Option("--master", help="Spark master: local[*], spark://HOST:7077 or k8s://https://HOST:PORT.")
+    str | None,
+    typer.Option("--master", help="Spark master: local[*] (default), spark://HOST:7077 or k8s://https://HOST:PORT; "
+                                  "under spark-submit, spark-submit's."),
 ]
 ConfOption = Annotated[
     list[str] | None, typer.Option("--conf", help="Extra Spark setting KEY=VALUE (repeatable).")
@@ -82,10 +84,14 @@ def _conf(items: list[str] | None) -> dict[str, str]:
 
 
 @contextmanager
-def _session(settings: Settings, master: str, conf: list[str] | None, connector: str) -> Iterator[SparkSession]:
+def _session(settings: Settings, master: str | None, conf: list[str] | None,
+             connector: str) -> Iterator[SparkSession]:
     from pyspark.sql import SparkSession
 
-    from casque.spark.session import SparkOptions, build_session
+    from casque.spark.session import DEFAULT_MASTER, SparkOptions, build_session, submitted
+
+    if master is None and not submitted():
+        master = DEFAULT_MASTER
 
     # Embedded (a notebook, the tests): join the process's running session and leave it running.
     running = SparkSession.getActiveSession() is not None
@@ -145,7 +151,7 @@ def stats(
         Path | None, typer.Option("--out", "-o", help="Output directory (default: ./casque-stats-QUEUE-TIME).")
     ] = None,
     overwrite: OverwriteOption = False,
-    master: MasterOption = "local[*]",
+    master: MasterOption = None,
     conf: ConfOption = None,
     connector: ConnectorOption = "auto",
     namespace: NamespaceOption = "default",
@@ -193,7 +199,7 @@ def export(
     to: Annotated[str | None, typer.Option("--to", help="RFC3339 time: publishes before this time.")] = None,
     range_: RangeOption = None,
     overwrite: OverwriteOption = False,
-    master: MasterOption = "local[*]",
+    master: MasterOption = None,
     conf: ConfOption = None,
     connector: ConnectorOption = "auto",
     namespace: NamespaceOption = "default",
@@ -228,7 +234,7 @@ def replay(
     range_: RangeOption = None,
     from_: Annotated[str | None, typer.Option("--from", help="RFC3339 time: publishes from this time on.")] = None,
     to: Annotated[str | None, typer.Option("--to", help="RFC3339 time: publishes before this time.")] = None,
-    master: MasterOption = "local[*]",
+    master: MasterOption = None,
     conf: ConfOption = None,
     connector: ConnectorOption = "auto",
     namespace: NamespaceOption = "default",

@@ -49,6 +49,34 @@ def running_pid(directory: Path) -> int | None:
     return None
 
 
+def owned_under(root: Path) -> list[Path]:
+    """The directories under `root` whose process runs now, found by the markers on the
+    command lines (pid files can be gone: a killed session's directory may be half removed)."""
+    prefix = f"-Dcasque.owner={root.resolve()}/"
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            for part in _cmdline(int(proc.name)):
+                # A marker can also sit inside one argument, e.g. an environment assignment.
+                at = part.find(prefix)
+                if at >= 0:
+                    found.add(Path(part[at + len("-Dcasque.owner="):].split()[0]))
+    return sorted(found)
+
+
+def stop_owned_under(root: Path) -> None:
+    """Stop every process a stack or fixture started for a directory under `root`, pid file
+    or not (SIGTERM, then SIGKILL)."""
+    for directory in owned_under(root):
+        pids = [int(proc.name) for proc in Path("/proc").iterdir()
+                if proc.name.isdigit() and owner_marker(directory) in _cmdline(int(proc.name))]
+        if pids:
+            # terminate() goes by the pid file: write it again from what /proc shows.
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "pid").write_text(f"{pids[0]}\n")
+            terminate(directory, grace_seconds=15.0)
+
+
 def spawn(directory: Path, argv: Sequence[str], log_name: str) -> int:
     """Start `argv` detached from our session, output appended to `directory/log_name`."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -100,6 +128,23 @@ def terminate(directory: Path, grace_seconds: float = 45.0) -> bool:
             raise StackError(f"process {pid} for {directory} survived SIGKILL")
     (directory / "pid").unlink(missing_ok=True)
     return True
+
+
+def kill(directory: Path) -> int:
+    """SIGKILL the process, for fault tests (a crash: no shutdown, no goodbye to peers);
+    returns its pid once it is gone."""
+    pid = running_pid(directory)
+    if pid is None:
+        raise StackError(f"no running process for {directory}")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30.0
+    while running_pid(directory) is not None:
+        if time.monotonic() > deadline:
+            raise StackError(f"process {pid} for {directory} survived SIGKILL")
+        _reap(pid)
+        time.sleep(0.05)
+    _reap(pid)
+    return pid
 
 
 def pause(directory: Path) -> None:

@@ -1,8 +1,9 @@
-"""The local stack: one ZooKeeper and a Cassandra node or ring, owned by one state directory.
+"""The local stack: a ZooKeeper (one server or an ensemble) and a Cassandra node or ring,
+owned by one state directory.
 
 `up` is idempotent: it starts only what is not already running from the same directory,
 and `down` stops exactly the processes whose pid files and owner markers say are ours.
-The layout (node count, ports) is saved in `stack.json` so that `status`, `logs` and
+The layout (node counts, ports) is saved in `stack.json` so that `status`, `logs` and
 `down` act on what `up` really started.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from casque.devstack import artifacts
 from casque.devstack.cassandra import CassandraNode
-from casque.devstack.zookeeper import ZooKeeperServer
+from casque.devstack.zookeeper import ZooKeeperEnsemble
 from casque.errors import StackError
 
 Report = Callable[[str], None]
@@ -29,6 +30,9 @@ class StackPorts:
     storage: int = 7000
     jmx: int = 7199
     zookeeper: int = 2181
+    # An ensemble's member N uses each of the three ZooKeeper ports + N - 1.
+    zookeeper_quorum: int = 2888
+    zookeeper_election: int = 3888
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Stack:
     ports: StackPorts = field(default_factory=StackPorts)
     heap_mb: int = 1536
     cluster_name: str = "casque-dev"
+    zookeeper_nodes: int = 1
 
     @property
     def state_file(self) -> Path:
@@ -78,8 +83,10 @@ class Stack:
             for i in range(1, self.nodes + 1)
         ]
 
-    def zookeeper(self) -> ZooKeeperServer:
-        return ZooKeeperServer(directory=self.root / "zookeeper", client_port=self.ports.zookeeper)
+    def zookeeper(self) -> ZooKeeperEnsemble:
+        return ZooKeeperEnsemble(root=self.root, size=self.zookeeper_nodes, client_port=self.ports.zookeeper,
+                                 quorum_port=self.ports.zookeeper_quorum,
+                                 election_port=self.ports.zookeeper_election)
 
     @classmethod
     def load(cls, root: Path) -> Stack | None:
@@ -94,6 +101,7 @@ class Stack:
             ports=StackPorts(**saved["ports"]),
             heap_mb=int(saved["heap_mb"]),
             cluster_name=str(saved["cluster_name"]),
+            zookeeper_nodes=int(saved.get("zookeeper_nodes", 1)),
         )
 
     def _save(self) -> None:
@@ -101,14 +109,14 @@ class Stack:
         self.state_file.write_text(
             json.dumps(
                 {"nodes": self.nodes, "ports": asdict(self.ports), "heap_mb": self.heap_mb,
-                 "cluster_name": self.cluster_name},
+                 "cluster_name": self.cluster_name, "zookeeper_nodes": self.zookeeper_nodes},
                 indent=2,
             )
         )
 
     def status(self) -> list[ServiceStatus]:
-        zk = self.zookeeper()
-        services = [ServiceStatus("zookeeper", zk.connect_string, zk.pid(), zk.log_path)]
+        services = [ServiceStatus(zk.name, zk.connect_string, zk.pid(), zk.log_path)
+                    for zk in self.zookeeper().members()]
         for i, node in enumerate(self.cassandra_nodes(), start=1):
             services.append(
                 ServiceStatus(f"cassandra-{i}", f"{node.address}:{node.native_port}", node.pid(), node.log_path)
@@ -134,12 +142,14 @@ class Stack:
             raise
 
     def _start_all(self, report: Report) -> None:
-        zk = self.zookeeper()
-        if zk.pid() is None:
-            _require_free(zk.address, zk.client_port, "ZooKeeper")
-            report(f"starting ZooKeeper on {zk.connect_string}")
-            zk.start()
-        zk.wait_ready()
+        ensemble = self.zookeeper()
+        for zk in ensemble.members():
+            if zk.pid() is None:
+                for port, what in zk.ports():
+                    _require_free(zk.address, port, what)
+                report(f"starting ZooKeeper on {zk.connect_string}")
+                zk.start()
+        ensemble.wait_ready()
 
         nodes = self.cassandra_nodes()
         seed, others = nodes[0], nodes[1:]
@@ -179,8 +189,8 @@ class Stack:
         for node in reversed(self.cassandra_nodes()):
             if node.stop():
                 report(f"stopped Cassandra {node.address}")
-        if self.zookeeper().stop():
-            report("stopped ZooKeeper")
+        for zk in self.zookeeper().stop():
+            report(f"stopped ZooKeeper {zk.connect_string}")
 
 
 def _require_free(address: str, port: int, what: str) -> None:

@@ -1,13 +1,20 @@
-"""The standalone ZooKeeper 3.9 server of the local stack.
+"""The ZooKeeper 3.9 of the local stack: one standalone server, or an ensemble on 127.0.0.1.
 
 The tick is 500 ms so that the smallest session timeout is 1 s: fault tests expire
 sessions on purpose and should not wait long for it. Clients still ask for their own
 timeout (kazoo's default is 10 s).
+
+An ensemble's members share the address and differ by ports: member N listens for clients
+on `client_port + N - 1`, for its followers (when it leads) on `quorum_port + N - 1` and for
+leader election on `election_port + N - 1`. Each has a data directory of its own with its
+`myid`. The four-letter words `srvr` and `mntr` are enabled so that anyone (the fault tests
+first) can ask a member whether it leads, follows, or serves nothing (no quorum).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +23,9 @@ from casque.devstack import processes
 from casque.devstack.artifacts import ZOOKEEPER
 from casque.errors import StackError
 
+# What a member answers to `srvr` while it serves: its role in the ensemble.
+SERVING_MODES = frozenset({"leader", "follower", "standalone"})
+
 
 @dataclass(frozen=True)
 class ZooKeeperServer:
@@ -23,6 +33,11 @@ class ZooKeeperServer:
     address: str = "127.0.0.1"
     client_port: int = 2181
     heap_mb: int = 256
+    # An ensemble member's id and the `server.N=...` lines of the whole ensemble (this member
+    # included); None and () for a standalone server.
+    myid: int | None = None
+    peers: tuple[str, ...] = ()
+    name: str = "zookeeper"
 
     @property
     def connect_string(self) -> str:
@@ -32,9 +47,23 @@ class ZooKeeperServer:
     def log_path(self) -> Path:
         return self.directory / "zookeeper.log"
 
+    def ports(self) -> list[tuple[int, str]]:
+        """The ports this server listens on, with what each is for."""
+        own = [(self.client_port, "ZooKeeper client")]
+        if self.myid is not None:
+            # server.N=address:quorum:election
+            _, _, spec = self.peers[self.myid - 1].partition("=")
+            _, quorum, election = spec.split(":")
+            own += [(int(quorum), "ZooKeeper quorum"), (int(election), "ZooKeeper election")]
+        return own
+
     def write_config(self) -> None:
         d = self.directory.resolve()
         (self.directory / "data").mkdir(parents=True, exist_ok=True)
+        ensemble = ""
+        if self.myid is not None:
+            (self.directory / "data" / "myid").write_text(f"{self.myid}\n")
+            ensemble = "".join(f"{line}\n" for line in self.peers)
         (self.directory / "zoo.cfg").write_text(
             f"tickTime=500\ninitLimit=10\nsyncLimit=5\n"
             f"dataDir={d}/data\nclientPort={self.client_port}\n"
@@ -43,6 +72,7 @@ class ZooKeeperServer:
             "maxClientCnxns=0\nadmin.enableServer=false\n"
             "4lw.commands.whitelist=ruok,srvr,stat,mntr\n"
             "autopurge.snapRetainCount=3\nautopurge.purgeInterval=1\n"
+            f"{ensemble}"
         )
         (self.directory / "logback.xml").write_text(
             f"""<configuration>
@@ -59,6 +89,9 @@ class ZooKeeperServer:
         self.write_config()
         processes.rotate(self.log_path)
         d = self.directory.resolve()
+        # ZooKeeperServerMain cannot join an ensemble; QuorumPeerMain reads the server.N lines.
+        main = ("org.apache.zookeeper.server.ZooKeeperServerMain" if self.myid is None
+                else "org.apache.zookeeper.server.quorum.QuorumPeerMain")
         return processes.spawn(
             self.directory,
             [
@@ -68,7 +101,7 @@ class ZooKeeperServer:
                 f"-Dlogback.configurationFile={d}/logback.xml",
                 "-Dzookeeper.admin.enableServer=false",
                 "-cp", ZOOKEEPER.classpath(),
-                "org.apache.zookeeper.server.ZooKeeperServerMain",
+                main,
                 f"{d}/zoo.cfg",
             ],
             "stdout.log",
@@ -77,16 +110,115 @@ class ZooKeeperServer:
     def pid(self) -> int | None:
         return processes.running_pid(self.directory)
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Wait until a client session can be opened and a read completes."""
+    def four_letter_word(self, word: str, timeout: float = 2.0) -> str | None:
+        """The server's answer to a four-letter word (`srvr`, `mntr`, ...); None if it does not answer."""
+        try:
+            with socket.create_connection((self.address, self.client_port), timeout=timeout) as sock:
+                sock.sendall(word.encode())
+                chunks = []
+                while chunk := sock.recv(4096):
+                    chunks.append(chunk)
+        except OSError:
+            return None
+        return b"".join(chunks).decode(errors="replace")
+
+    def mode(self) -> str | None:
+        """`leader`, `follower` or `standalone` while the server serves clients, else None
+        (not running, or an ensemble member without a quorum, which answers no requests)."""
+        answer = self.four_letter_word("srvr") or ""
+        for line in answer.splitlines():
+            if line.startswith("Mode:"):
+                return line.partition(":")[2].strip()
+        return None
+
+    def connections(self) -> int:
+        """Client connections the server holds now (0 when it does not answer)."""
+        for line in (self.four_letter_word("srvr") or "").splitlines():
+            if line.startswith("Connections:"):
+                return int(line.partition(":")[2])
+        return 0
+
+    def failure(self, what: str) -> str:
+        tail = processes.log_tail(self.log_path, 200) + processes.log_tail(self.directory / "stdout.log", 50)
+        errors = [line for line in tail if "ERROR" in line or "Exception" in line]
+        reason = errors[-1].strip() if errors else "no error line in the log"
+        return f"ZooKeeper {self.connect_string} {what}: {reason} (log: {self.log_path})"
+
+    def stop(self) -> bool:
+        return processes.terminate(self.directory, grace_seconds=15.0)
+
+
+@dataclass(frozen=True)
+class ZooKeeperEnsemble:
+    """One standalone server (`size` 1, in `root/zookeeper`) or `size` members (in
+    `root/zookeeper-N`), started, awaited and stopped together."""
+
+    root: Path
+    size: int = 1
+    address: str = "127.0.0.1"
+    client_port: int = 2181
+    quorum_port: int = 2888
+    election_port: int = 3888
+    heap_mb: int = 256
+
+    def members(self) -> list[ZooKeeperServer]:
+        if self.size == 1:
+            return [ZooKeeperServer(self.root / "zookeeper", self.address, self.client_port, self.heap_mb)]
+        peers = tuple(
+            f"server.{n}={self.address}:{self.quorum_port + n - 1}:{self.election_port + n - 1}"
+            for n in range(1, self.size + 1)
+        )
+        return [
+            ZooKeeperServer(self.root / f"zookeeper-{n}", self.address, self.client_port + n - 1, self.heap_mb,
+                            myid=n, peers=peers, name=f"zookeeper-{n}")
+            for n in range(1, self.size + 1)
+        ]
+
+    @property
+    def connect_string(self) -> str:
+        return ",".join(member.connect_string for member in self.members())
+
+    def start(self) -> None:
+        """Start the members that are not running (a restarted member rejoins the ensemble)."""
+        for member in self.members():
+            if member.pid() is None:
+                member.start()
+
+    def modes(self) -> dict[str, str | None]:
+        return {member.name: member.mode() for member in self.members()}
+
+    def leader(self) -> ZooKeeperServer | None:
+        """The member that leads now (a standalone server leads itself); None during an election."""
+        for member in self.members():
+            if member.mode() in ("leader", "standalone"):
+                return member
+        return None
+
+    def followers(self) -> list[ZooKeeperServer]:
+        return [member for member in self.members() if member.mode() == "follower"]
+
+    def serving(self, members: int | None = None) -> bool:
+        """Whether there is a leader and `members` (default: all) serve clients."""
+        modes = list(self.modes().values())
+        wanted = self.size if members is None else members
+        return (sum(1 for mode in modes if mode in SERVING_MODES) >= wanted
+                and any(mode in ("leader", "standalone") for mode in modes))
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Wait until every member serves (an ensemble has elected a leader) and a client
+        session on the whole connect string can read."""
         from kazoo.client import KazooClient
 
         # kazoo logs every refused connection; while waiting for startup those are expected.
         logging.getLogger("kazoo.client").setLevel(logging.CRITICAL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.pid() is None:
-                raise StackError(self._failure("exited during startup"))
+            for member in self.members():
+                if member.pid() is None:
+                    raise StackError(member.failure("exited during startup"))
+            if not self.serving():
+                time.sleep(0.2)
+                continue
             client = KazooClient(hosts=self.connect_string, timeout=5.0)
             try:
                 client.start(timeout=2.0)
@@ -97,13 +229,10 @@ class ZooKeeperServer:
             finally:
                 client.stop()
                 client.close()
-        raise StackError(self._failure(f"did not answer within {timeout:.0f}s"))
+        waiting = [m for m in self.members() if m.mode() not in SERVING_MODES]
+        raise StackError((waiting or self.members())[0].failure(
+            f"did not serve within {timeout:.0f}s (modes {self.modes()})"))
 
-    def _failure(self, what: str) -> str:
-        tail = processes.log_tail(self.log_path, 200) + processes.log_tail(self.directory / "stdout.log", 50)
-        errors = [line for line in tail if "ERROR" in line or "Exception" in line]
-        reason = errors[-1].strip() if errors else "no error line in the log"
-        return f"ZooKeeper {self.connect_string} {what}: {reason} (log: {self.log_path})"
-
-    def stop(self) -> bool:
-        return processes.terminate(self.directory, grace_seconds=15.0)
+    def stop(self) -> list[ZooKeeperServer]:
+        """Stop every member; the ones that were running."""
+        return [member for member in self.members() if member.stop()]

@@ -14,7 +14,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError, Rolled
 
 from casque.engine import positions
 from casque.engine.delayed import Cursor
-from casque.errors import BackendUnavailable, InvalidChange, QueueNotFound, SubscriberNotFound
+from casque.errors import BackendUnavailable, InvalidChange, InvalidSpec, QueueNotFound, SubscriberNotFound
 from casque.schema import (
     QueueRef,
     count_queue_tables,
@@ -25,7 +25,7 @@ from casque.schema import (
 )
 from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState
 from casque.store import Store
-from casque.znodes import SubscriberPaths, decode_offset
+from casque.znodes import SubscriberPaths, decode_offset, queues_root
 
 # Cassandra's memory use grows with the number of tables; warn well before it hurts.
 TABLE_COUNT_WARNING = 200
@@ -49,6 +49,37 @@ def ensure_installation(store: Store) -> None:
     """The keyspace, the shared tables and the root znodes."""
     ensure_keyspace(store.session, store.keyspace, store.replication_cql)
     store.zk.ensure_path(f"{store.zk_root}/queues")
+
+
+def secure_znodes(store: Store, namespace: str | None = None) -> int:
+    """Give every znode of the installation (or of one namespace) the ACL casque's policy
+    wants, and return how many changed.
+
+    For an installation that ran without ZooKeeper authentication (its znodes open to
+    anyone) and for a rotation of the installation password (ACLs naming the old identities
+    only): run it with the new settings, once the sidecars hold credentials the new ACLs
+    name. A znode created while the walk runs already gets the new ACL from its creator,
+    or, from a sidecar still without credentials, an open one that the next run fixes.
+    """
+    policy = getattr(store.zk, "acl_policy", None)
+    if policy is None:
+        raise InvalidSpec("no ZooKeeper credentials are configured (CASQUE_ZOOKEEPER_USERNAME/_PASSWORD)")
+    start = f"{queues_root(store.zk_root)}/{validate_name('namespace', namespace)}" if namespace else store.zk_root
+    changed = 0
+    pending = [start]
+    while pending:
+        path = pending.pop()
+        try:
+            current, stat = store.zk.get_acls(path)
+            wanted = policy.acl_for(path)
+            if set(current) != set(wanted):
+                # The ACL version checks that nobody changed it since we read it.
+                store.zk.set_acls(path, wanted, version=stat.aversion)
+                changed += 1
+            pending.extend(f"{path.rstrip('/')}/{child}" for child in store.zk.get_children(path))
+        except NoNodeError:
+            continue  # an ephemeral znode gone meanwhile
+    return changed
 
 
 def read_int(store: Store, path: str) -> int:

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.recipe.watchers import DataWatch
@@ -38,11 +38,13 @@ from casque.engine.acks import ACK, DEAD, AckEvent, AckLog, BatchMarks
 from casque.engine.batches import Log
 from casque.engine.counters import QueueCounters, dead_lettered
 from casque.engine.deadletters import addressed_elsewhere, dead_letter_copy
+from casque.engine.keylocks import KeyLocks
 from casque.engine.leases import ShardLeases
 from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
 from casque.engine.offsets import CommitOutcome, OffsetRecord
 from casque.engine.publisher import Publisher
 from casque.engine.shard_state import ByteBudget, Handout, ShardState
+from casque.engine.sharing import ClaimReader, SharedDelivery
 from casque.errors import (
     BackendUnavailable,
     CasqueError,
@@ -56,6 +58,9 @@ from casque.specs import QueueState, SubscriberState, priority_of
 from casque.store import Store
 
 log = logging.getLogger(__name__)
+
+# Where a delivery comes from: a leased shard's reader, or a claimed range (shared delivery).
+Source = Union["ShardReader", ClaimReader]
 
 # Load more batches while fewer than this many messages, and fewer than this many payload
 # bytes, of the shard are held in memory (loaded and not done).
@@ -137,7 +142,9 @@ class ShardReader:
         self.shard = shard
         self.epoch = record.epoch
         self.fence = fence
-        self.state = ShardState(shard=shard, offset=record.offset)
+        ordered = consumer.subscriber_state.spec.ordered_keys
+        self.state = ShardState(shard=shard, offset=record.offset,
+                                locks=KeyLocks(on_release=consumer.notify) if ordered else None)
         # What went wrong last in this shard's reading or committing; empty while all is well.
         self.problem = ""
         self._committed = record.offset
@@ -278,7 +285,7 @@ class ShardReader:
                 skipped = {m.position.seq for m in batch.messages if addressed_elsewhere(m, consumer.subscriber)}
                 state.add_batch(batch.header.batch, batch.messages, mark.done | skipped, mark.deliveries)
             consumer.notify()
-            self._schedule_commit()
+            self.schedule_commit()
             return True
         if first <= self._head:
             # Batches up to the head exist unless retention expired them.
@@ -287,7 +294,7 @@ class ShardReader:
             )
             if earliest > first:
                 await self._skip_missing(first, earliest)
-                self._schedule_commit()
+                self.schedule_commit()
                 return True
         return False
 
@@ -323,10 +330,17 @@ class ShardReader:
                 return
             self.state.skip_to(end)
 
-    def _schedule_commit(self) -> None:
+    def schedule_commit(self) -> None:
         self._advance()
         if self.state.offset != self._committed:
             self._commit_wanted.set()
+
+    def completes(self, batch: int) -> bool:
+        """Whether an ack in `batch` is made durable by an offset write (its batch is complete)."""
+        return batch < self.state.offset
+
+    def covering(self, batch: int) -> asyncio.Future[None]:
+        return self.offset_covering(batch)
 
     def offset_covering(self, batch: int) -> asyncio.Future[None]:
         """A future done once a written offset is past `batch` (the batch is durably complete)."""
@@ -480,6 +494,8 @@ class Consumer:
         # Deliveries served by each priority level while lower levels had messages ready.
         self._served: dict[int, int] = {}
         self._leases: ShardLeases | None = None
+        # Shared delivery (spec.delivery == "shared"): claimed batch ranges instead of leased shards.
+        self._sharing: SharedDelivery | None = None
         self._stopped = False
         self._resync_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -488,6 +504,8 @@ class Consumer:
         self._background: set[asyncio.Task[None]] = set()
         # Why this consumer ended by itself (its subscriber was deleted); empty while it serves.
         self.gone_reason = ""
+        # Whether the subscriber still exists after this consumer ended (a delivery mode change).
+        self._gone_but_present = False
         self.on_gone: list[Callable[[Consumer], None]] = []
 
     async def start(self) -> None:
@@ -508,17 +526,23 @@ class Consumer:
             dlq_state = await asyncio.to_thread(catalog.read_queue, self.store, dead_letter_queue)
             self._dead_letters = Publisher(self.store, dead_letter_queue, dlq_state)
             self._max_deliveries = subscriber_spec.max_deliveries
+        shared = subscriber_spec.delivery == "shared"
+        # In shared delivery the leases only keep the member registered (no shard is leased).
         self._leases = ShardLeases(
-            self.store.zk, self.paths, self.member_id, spec.log_shards(),
+            self.store.zk, self.paths, self.member_id, [] if shared else spec.log_shards(),
             on_acquired=self._acquired, on_released=self._released, on_lost=self._lost,
             on_trusted=self.notify,
         )
+        if shared:
+            self._sharing = SharedDelivery(self, spec.log_shards())
         loop = asyncio.get_running_loop()
         active = lambda: not self._stopped  # noqa: E731
         DataWatch(self.store.zk, self.paths.seek, zk.watch_in_loop(loop, self._seek_changed, active))
         DataWatch(self.store.zk, self.store.paths(self.queue).base, zk.watch_in_loop(loop, self._queue_changed, active))
         DataWatch(self.store.zk, self.paths.base, zk.watch_in_loop(loop, self._subscriber_changed, active))
         await self._leases.start()
+        if self._sharing is not None:
+            await self._sharing.start()
         self._tasks = [loop.create_task(self._report_loop()), loop.create_task(self._resync_loop())]
 
     def report(self) -> dict[str, int]:
@@ -528,7 +552,7 @@ class Consumer:
             "redelivered": self.counters.redeliveries,
             "dead_lettered": self.counters.dead_lettered,
             "acked": self.counters.acks,
-            "shards": len(self.readers),
+            "shards": len(self.held_shards),
         }
 
     async def publish_report(self) -> None:
@@ -549,7 +573,25 @@ class Consumer:
 
     @property
     def held_shards(self) -> set[int]:
+        """Shards this member delivers from now: leased, or with a claimed range in shared delivery."""
+        if self._sharing is not None:
+            return {source.shard for source in self._sharing.sources()}
         return set(self.readers)
+
+    def group_members(self) -> list[str]:
+        """The live members of this consumer's group, as last seen."""
+        return self._leases.members if self._leases is not None else []
+
+    def sources(self) -> list[Source]:
+        """What deliveries come from: the leased shards' readers, or the claimed ranges."""
+        if self._sharing is not None:
+            return list(self._sharing.sources())
+        return [self.readers[shard] for shard in sorted(self.readers)]
+
+    def _source_for(self, position: Position) -> Source | None:
+        if self._sharing is not None:
+            return self._sharing.source_for(position)
+        return self.readers.get(position.shard)
 
     def notify(self) -> None:
         self._available.set()
@@ -617,6 +659,10 @@ class Consumer:
                 self._resync_wanted.set()
 
     async def _resync(self) -> None:
+        if self._sharing is not None:
+            await self._sharing.resync()
+            self.notify()
+            return
         for shard, reader in sorted(self.readers.items()):
             record = await offsets.read_offset(self.store.zk, self.paths, shard)
             if record.epoch == reader.epoch or not reader.current:
@@ -639,7 +685,9 @@ class Consumer:
         except ValidationError:
             return
         self.queue_state = state
-        if self._leases is not None:
+        if self._sharing is not None:
+            self._sharing.set_shards(state.spec.log_shards())
+        elif self._leases is not None:
             # Shards or priority levels added: take part in consuming them at once.
             self._leases.set_shards(state.spec.log_shards())
 
@@ -653,6 +701,14 @@ class Consumer:
             return
         if state.incarnation != self.subscriber_state.incarnation:
             self.subscriber_gone(f"subscriber {self.subscriber} was deleted and created again")
+            return
+        old = self.subscriber_state.spec
+        if (state.spec.delivery, state.spec.ordered_keys) != (old.delivery, old.ordered_keys):
+            # Leases and claims do not mix, nor do ranges claimed with and without their keys:
+            # end, and the owner starts a consumer in the new mode.
+            self._gone_but_present = True
+            self.subscriber_gone(f"subscriber {self.subscriber} switched to {state.spec.delivery} delivery"
+                                 f"{' with ordered keys' if state.spec.ordered_keys else ''}")
             return
         self.subscriber_state = state
 
@@ -682,12 +738,19 @@ class Consumer:
         deadline = time.monotonic() + wait
         while True:
             if self.gone_reason:
+                if self._gone_but_present:
+                    raise ConsumerStopped(f"{self.gone_reason}; try again")
                 raise SubscriberNotFound(self.gone_reason)
             if self._stopped:
                 raise ConsumerStopped("the consumer is shutting down")
             self._available.clear()
+            if self._sharing is not None:
+                self._sharing.demand()
             budget = ByteBudget(max_bytes) if max_bytes is not None else None
             got = self._take(max_messages, visibility or self.visibility_timeout, budget)
+            if got and self._sharing is not None:
+                # Claims first: a delivery whose range could not be kept is put back uncounted.
+                got = await self._sharing.cover(got)
             if got:
                 await self._record_deliveries(got)
                 return got
@@ -695,7 +758,7 @@ class Consumer:
             remaining = deadline - now
             if remaining <= 0:
                 return []
-            due = [t for r in self.readers.values() if (t := r.state.next_due()) is not None]
+            due = [t for r in self.sources() if (t := r.state.next_due()) is not None]
             if due:
                 remaining = min(remaining, max(0.0, min(due) - now) + 0.001)
             try:
@@ -707,16 +770,16 @@ class Consumer:
         """Deliveries from the leased shards: higher priority levels first, with every
         PRIORITY_FAIRNESS-th delivery reserved for lower levels that have messages ready,
         so a busy high level cannot starve them; round-robin over the shards of a level."""
-        if self._leases is not None and not self._leases.trusted:
+        if self._sharing is None and self._leases is not None and not self._leases.trusted:
             # SUSPENDED, or no word from ZooKeeper for a while (a pause): our leases may be
             # gone to other members; hand out nothing until the session is confirmed alive.
+            # (Claims need no such check: each one says itself until when it is ours.)
             return []
         now, wall = time.monotonic(), time.time()
-        levels: dict[int, list[ShardReader]] = {}
-        for shard in sorted(self.readers):
-            reader = self.readers[shard]
+        levels: dict[int, list[Source]] = {}
+        for reader in self.sources():
             if not reader.releasing and reader.state.has_ready(now):
-                levels.setdefault(priority_of(shard), []).append(reader)
+                levels.setdefault(priority_of(reader.shard), []).append(reader)
         if not levels:
             return []
         order = sorted(levels, reverse=True)
@@ -744,13 +807,13 @@ class Consumer:
         return self._plan(order[1:], lower) + [(order[0], count - lower)]
 
     def _take_level(
-        self, readers: list[ShardReader], want: int, now: float, wall: float, visibility: float,
+        self, readers: list[Source], want: int, now: float, wall: float, visibility: float,
         budget: ByteBudget | None = None,
     ) -> list[Delivery]:
         deliveries: list[Delivery] = []
         if want <= 0:
             return deliveries
-        dead: list[tuple[ShardReader, Handout]] = []
+        dead: list[tuple[Source, Handout]] = []
         self._rotation = (self._rotation + 1) % len(readers)
         order = readers[self._rotation:] + readers[: self._rotation]
         # Several passes with small shares each, so every shard with messages gets a turn.
@@ -785,7 +848,7 @@ class Consumer:
             self._in_background(self._dead_letter(dead))
         return deliveries
 
-    async def _dead_letter(self, handouts: list[tuple[ShardReader, Handout]]) -> None:
+    async def _dead_letter(self, handouts: list[tuple[Source, Handout]]) -> None:
         """Publish messages over max deliveries to the dead-letter queue, then mark them done.
 
         If publishing fails they stay invisible for a while and then are tried again.
@@ -796,7 +859,7 @@ class Consumer:
             log.warning("dead-letter queue unavailable (%s); %d messages will be tried again", error, len(handouts))
             return
 
-        async def move(reader: ShardReader, handout: Handout) -> None:
+        async def move(reader: Source, handout: Handout) -> None:
             entry = handout.entry
             message = entry.message
             copy = dead_letter_copy(
@@ -814,7 +877,7 @@ class Consumer:
             await self._queue_counters.add(dead_lettered(self.subscriber_state.ack_key(self.subscriber)), 1)
             p = message.position
             await self.acks.record(AckEvent(reader.epoch, p.shard, p.batch, p.seq, outcome=DEAD))
-            reader._schedule_commit()
+            reader.schedule_commit()
             reader.space_freed()
 
         await asyncio.gather(*(move(r, h) for r, h in handouts))
@@ -836,7 +899,7 @@ class Consumer:
         """Write every delivery's count; if that fails, put the messages back and raise."""
         writes: list[asyncio.Future[None]] = []
         for d in deliveries:
-            reader = self.readers.get(d.message.position.shard)
+            reader = self._source_for(d.message.position)
             if reader is not None:
                 p = d.message.position
                 writes.append(self.acks.record(AckEvent(reader.epoch, p.shard, p.batch, p.seq,
@@ -847,7 +910,7 @@ class Consumer:
             return
         for d in deliveries:
             position, nonce = decode_receipt(d.receipt)
-            reader = self.readers.get(position.shard)
+            reader = self._source_for(position)
             if reader is not None:
                 reader.state.undo_take(position, nonce)
         self.counters.deliveries -= len(deliveries)
@@ -856,10 +919,12 @@ class Consumer:
             raise failure
         raise BackendUnavailable(f"delivery counts not recorded: {failure!r}") from failure
 
-    def _reader_for(self, receipt: str) -> tuple[ShardReader, Position, int]:
+    def _reader_for(self, receipt: str) -> tuple[Source, Position, int]:
         position, nonce = decode_receipt(receipt)
-        reader = self.readers.get(position.shard)
+        reader = self._source_for(position)
         if reader is None:
+            if self._sharing is not None:
+                raise StaleReceipt(f"batch {position.shard}/{position.batch} is no longer claimed by this consumer")
             raise StaleReceipt(f"shard {position.shard} is no longer leased by this consumer")
         return reader, position, nonce
 
@@ -879,7 +944,7 @@ class Consumer:
         (a new holder reads the ack rows only after it takes the lease, so it sees the row).
         """
         results: list[bool | CasqueError] = []
-        newly: list[tuple[int, ShardReader, AckEvent]] = []
+        newly: list[tuple[int, Source, AckEvent]] = []
         for receipt in receipts:
             try:
                 reader, position, nonce = self._reader_for(receipt)
@@ -896,17 +961,17 @@ class Consumer:
         # how to make these durable.
         await asyncio.sleep(0)
         for reader in {r for _, r, _ in newly}:
-            reader._schedule_commit()
+            reader.schedule_commit()
             reader.space_freed()
-        as_rows: list[tuple[int, ShardReader, AckEvent]] = []
-        covering: dict[ShardReader, list[tuple[int, ShardReader, AckEvent]]] = {}
+        as_rows: list[tuple[int, Source, AckEvent]] = []
+        covering: dict[Source, list[tuple[int, Source, AckEvent]]] = {}
         for item in newly:
             _, reader, event = item
-            if event.batch < reader.state.offset:
+            if reader.completes(event.batch):
                 covering.setdefault(reader, []).append(item)
             else:
                 as_rows.append(item)
-        waits = {reader: reader.offset_covering(max(e.batch for _, _, e in items)) for reader, items in covering.items()}
+        waits = {reader: reader.covering(max(e.batch for _, _, e in items)) for reader, items in covering.items()}
         outcomes = await asyncio.gather(*waits.values(), return_exceptions=True)
         for (reader, items), outcome in zip(covering.items(), outcomes):
             if isinstance(outcome, BackendUnavailable):
@@ -923,7 +988,8 @@ class Consumer:
             for reader, ok in zip(readers, leased):
                 if ok:
                     continue
-                lost = LeaseLost(f"shard {reader.shard} moved to another member before the ack was recorded; "
+                what = "its batches" if isinstance(reader, ClaimReader) else "shard"
+                lost = LeaseLost(f"{what} {reader.shard} moved to another member before the ack was recorded; "
                                  "the message may be delivered again")
                 for index, r, _ in as_rows:
                     if r is reader:
@@ -941,7 +1007,10 @@ class Consumer:
         """Keep a delivery invisible for `visibility` more seconds; returns seconds until it is visible."""
         reader, position, nonce = self._reader_for(receipt)
         now = time.monotonic()
-        return reader.state.extend(position, nonce, visibility, now) - now
+        deadline = reader.state.extend(position, nonce, visibility, now)
+        if isinstance(reader, ClaimReader) and not await reader.renew_past(time.time() + (deadline - now)):
+            raise StaleReceipt("the message's batches went to another member; it may be delivered again")
+        return deadline - now
 
     async def dead_letter(self, receipt: str, error: str | None = None) -> None:
         """Send a delivery to the dead-letter queue now: the app says it can never be processed.
@@ -965,7 +1034,7 @@ class Consumer:
 
     async def shard_status(self) -> ShardStatus:
         """Which shards are due to this member, held, and failing."""
-        held = sorted(self.readers)
+        held = sorted(self.held_shards)
         if self.gone_reason:
             return ShardStatus(held, problem=self.gone_reason)
         leases = self._leases
@@ -973,6 +1042,11 @@ class Consumer:
             return ShardStatus(held, problem="starting")
         if not leases.connected or not leases.registered:
             return ShardStatus(held, problem="not in the group: rejoining after a ZooKeeper session loss")
+        if self._sharing is not None:
+            failing, problem = self._sharing.status()
+            problems = [problem] if problem else []
+            problems.extend(f"shard {s}: {p}" for s, p in sorted(failing.items()))
+            return ShardStatus(held, failing=failing, problem="; ".join(problems))
         due = await leases.assigned()
         if due is None:
             return ShardStatus(held, problem="not in the group: registering")
@@ -986,11 +1060,11 @@ class Consumer:
         return ShardStatus(held, missing, failing, "; ".join(problems))
 
     def in_flight(self) -> int:
-        return sum(r.state.in_flight for r in self.readers.values())
+        return sum(r.state.in_flight for r in self.sources())
 
     def loaded_bytes(self) -> int:
-        """Payload bytes held over all leased shards (the prefetch budget's measure)."""
-        return sum(r.state.loaded_bytes for r in self.readers.values())
+        """Payload bytes held over all leased shards or claimed ranges (the prefetch budget's measure)."""
+        return sum(r.state.loaded_bytes for r in self.sources())
 
     async def stop(self, drain_seconds: float = 0.0) -> None:
         """Stop: wait up to `drain_seconds` for in-flight messages to be acked, write
@@ -1009,6 +1083,8 @@ class Consumer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._sharing is not None:
+            await self._sharing.stop()
         if self._leases is not None:
             await self._leases.stop()
         for shard in list(self.readers):

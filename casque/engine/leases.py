@@ -134,6 +134,11 @@ class ShardLeases:
         self.session_seconds = getattr(client, "_session_timeout", DEFAULT_SESSION_SECONDS * 1000) / 1000.0
 
     @property
+    def members(self) -> list[str]:
+        """The group's members, as the last membership watch reported them."""
+        return list(self._members)
+
+    @property
     def trusted(self) -> bool:
         """Whether our session, and with it every lease we hold, is known to be alive now."""
         if not self.connected:

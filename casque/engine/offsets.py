@@ -146,6 +146,10 @@ def _try_seek(client: KazooClient, paths: SubscriberPaths, target: SeekTarget, o
     for shard, offset in offsets.items():
         _, stat = client.get(paths.offset(shard))
         transaction.set_data(paths.offset(shard), encode_offset(offset, new_epoch), stat.version)
+        if client.exists(paths.cursor(shard)) is not None:
+            # Shared delivery: ranges are claimed from the new position on; claims of the old
+            # epoch are moot (casque.engine.claims). Unconditional: claiming only ever checks it.
+            transaction.set_data(paths.cursor(shard), encode_offset(offset, new_epoch))
     record = json.dumps(
         {"epoch": new_epoch, "target": target.kind, "offsets": {str(s): o for s, o in offsets.items()},
          "requested_at": datetime.now(timezone.utc).isoformat()}

@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass, field
 from enum import Enum
 
+from casque.engine.keylocks import KeyLocks
 from casque.engine.messages import Position, StoredMessage
 from casque.errors import StaleReceipt
 
@@ -106,6 +107,8 @@ class ShardState:
     next_batch: int = 0
     batches: dict[int, LoadedBatch] = field(default_factory=dict)
     counters: ShardCounters = field(default_factory=ShardCounters)
+    # Ordered keys (casque.engine.keylocks): a keyed message waits for the one before it.
+    locks: KeyLocks | None = None
     _ready: list[tuple[int, int]] = field(default_factory=list)
     _delayed: list[tuple[float, int, int]] = field(default_factory=list)
     _deadlines: list[tuple[float, int, int, int]] = field(default_factory=list)
@@ -136,6 +139,8 @@ class ShardState:
                 loaded.done.add(seq)
                 continue
             loaded.entries[seq] = Entry(message, deliveries=deliveries.get(seq, 0))
+            if self.locks is not None:
+                self.locks.add(message.key, message.position)
             loaded.remaining += 1
             self._loaded_bytes += message.size
             heapq.heappush(self._ready, (batch, seq))
@@ -165,10 +170,14 @@ class ShardState:
         """
         self._release_due(now)
         handed: list[Handout] = []
+        held_back: list[tuple[int, int]] = []
         while self._ready and len(handed) < limit:
             batch, seq = heapq.heappop(self._ready)
             entry = self._entry(batch, seq)
             if entry is None or entry.state is not State.READY:
+                continue
+            if self.locks is not None and not self.locks.may_deliver(entry.message.key, entry.message.position):
+                held_back.append((batch, seq))  # an earlier message of its key is not done yet
                 continue
             expires = entry.message.expires_at
             if expires is not None and expires.timestamp() <= expired_ttl:
@@ -201,6 +210,8 @@ class ShardState:
             if redelivery:
                 self.counters.redelivered += 1
             handed.append(Handout(entry, entry.nonce, redelivery))
+        for item in held_back:
+            heapq.heappush(self._ready, item)
         return handed
 
     def ack(self, position: Position, nonce: int) -> bool:
@@ -268,6 +279,13 @@ class ShardState:
             self._in_flight -= 1
         self._finish(position.batch, entry, counted=False)
         return entry
+
+    def release_keys(self) -> None:
+        """This state is dropped (its range went to another member): its messages no longer hold keys here."""
+        if self.locks is not None:
+            for loaded in self.batches.values():
+                for entry in loaded.entries.values():
+                    self.locks.release(entry.message.key, entry.message.position)
 
     # --- progress ------------------------------------------------------------------------
     def advance_offset(self) -> int:
@@ -368,6 +386,8 @@ class ShardState:
         entry.state = State.DONE
         loaded = self.batches[batch]
         seq = entry.message.position.seq
+        if self.locks is not None:
+            self.locks.release(entry.message.key, entry.message.position)
         del loaded.entries[seq]
         loaded.remaining -= 1
         self._loaded_messages -= 1
@@ -380,6 +400,9 @@ class ShardState:
     def _forget(self, batch: int) -> None:
         loaded = self.batches.pop(batch, None)
         if loaded is not None:
+            if self.locks is not None:
+                for entry in loaded.entries.values():
+                    self.locks.release(entry.message.key, entry.message.position)
             self._in_flight -= sum(1 for e in loaded.entries.values() if e.state is State.IN_FLIGHT)
             self._loaded_messages -= loaded.remaining
             self._loaded_bytes -= sum(e.message.size for e in loaded.entries.values())

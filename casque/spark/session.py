@@ -1,8 +1,9 @@
 """Building the SparkSession the jobs run in: master, connector jars, Cassandra connection.
 
 `local[*]` is the default; the same job runs on a standalone cluster (`spark://host:7077`)
-or on Kubernetes (`k8s://https://apiserver:6443`) by changing the master. The Cassandra
-connection comes from the same CASQUE_* settings every casque process uses, so executors
+or on Kubernetes (`k8s://https://apiserver:6443`) by changing the master, or under
+spark-submit running the `casque` command's script, which then gives the master and the
+connector's jars (docs/spark.md). The Cassandra connection comes from the same CASQUE_* settings every casque process uses, so executors
 reach the cluster the driver's settings name.
 
 One JVM serves one Python process: `getOrCreate` returns the running session if there is
@@ -40,9 +41,16 @@ JAVA17_OPTIONS = " ".join(
 ) + " -Djdk.reflect.useDirectMethodHandle=false -Dio.netty.tryReflectionSetAccessible=true"
 
 
+def submitted() -> bool:
+    """Whether this process is a driver that spark-submit started: spark-submit then owns the
+    JVM, and with it the master, the driver's classpath (--jars, --packages) and options."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
 @dataclass(frozen=True)
 class SparkOptions:
-    master: str = DEFAULT_MASTER
+    # None: the master spark-submit was given (see submitted()).
+    master: str | None = DEFAULT_MASTER
     app_name: str = "casque"
     # Small by default: the jobs aggregate a queue's history into small tables, and a
     # 2-core machine pays for every idle shuffle partition.
@@ -53,10 +61,23 @@ class SparkOptions:
     conf: Mapping[str, str] = field(default_factory=dict)
 
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+
+def on_this_machine(master: str) -> bool:
+    """Whether every executor of `master` runs on this machine: local mode, or a standalone
+    master (or masters) on a loopback address."""
+    if master.startswith("local"):
+        return True
+    if not master.startswith("spark://"):
+        return False
+    hosts = [address.rpartition(":")[0] for address in master[len("spark://"):].split(",")]
+    return all(host in LOOPBACK_HOSTS for host in hosts)
+
+
 def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
     """Every Spark setting of a casque job, as plain strings (testable without a JVM)."""
     conf: dict[str, str] = {
-        "spark.master": options.master,
         "spark.app.name": options.app_name,
         "spark.sql.shuffle.partitions": str(options.shuffle_partitions),
         "spark.sql.session.timeZone": "UTC",
@@ -73,23 +94,35 @@ def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
         # Pages of 5,000 rows instead of 1,000: a quarter of the round trips for small messages.
         "spark.cassandra.input.fetch.sizeInRows": "5000",
         "spark.cassandra.output.consistency.level": settings.consistency,
-        # Python workers must be the driver's interpreter (same packages, same version).
-        "spark.pyspark.python": sys.executable,
         "spark.pyspark.driver.python": sys.executable,
     }
+    if options.master is not None:
+        conf["spark.master"] = options.master
     if settings.cassandra_local_dc:
         conf["spark.cassandra.connection.localDC"] = settings.cassandra_local_dc
     if settings.cassandra_username:
         conf["spark.cassandra.auth.username"] = settings.cassandra_username
         conf["spark.cassandra.auth.password"] = settings.cassandra_password or ""
-    if options.master.startswith("local"):
-        # A local job talks to nobody but itself: no UI port to collide with other
-        # processes on the machine, and the driver bound to loopback.
-        conf["spark.ui.enabled"] = "false"
+    if options.master is not None and on_this_machine(options.master):
+        # The jobs run no Python on executors (every step is Spark SQL, planned in the JVM),
+        # so executors need the connector jars alone, which the driver serves them through
+        # spark.jars. Should a Python worker ever start, on this machine it is the driver's
+        # interpreter; on a cluster it is the executors' own (spark.pyspark.python, or
+        # PYSPARK_PYTHON in their image), since this path means nothing there.
+        conf["spark.pyspark.python"] = sys.executable
+        # A job whose executors all run here talks to nobody else: the driver bound to
+        # loopback, where a standalone master and worker on 127.0.0.1 reach it.
         conf["spark.driver.host"] = "127.0.0.1"
         conf["spark.driver.bindAddress"] = "127.0.0.1"
+    if options.master is not None and options.master.startswith("local"):
+        # No UI port to collide with other processes on the machine, and no JVM chatter.
+        conf["spark.ui.enabled"] = "false"
         conf["spark.driver.extraJavaOptions"] += f" -Dlog4j2.configurationFile={_quiet_logging()}"
-    conf.update(_connector_conf(options.connector))
+    if not submitted():
+        # Under spark-submit the driver's JVM is running already: jars named now would reach
+        # the executors but not the driver's classpath, so the connector comes with
+        # spark-submit's own --jars or --packages instead.
+        conf.update(_connector_conf(options.connector))
     conf.update(options.conf)
     return conf
 
@@ -150,7 +183,7 @@ def build_session(settings: Settings, options: SparkOptions | None = None) -> Sp
     # PySpark launches the JVM itself; it must not pick up a submit configuration meant for
     # another program.
     os.environ.pop("PYSPARK_SUBMIT_ARGS", None)
-    if options.master.startswith("local"):
+    if options.master is not None and on_this_machine(options.master):
         # Otherwise Spark binds its block manager to the first non-loopback interface it finds.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = SparkSession.builder
@@ -160,6 +193,7 @@ def build_session(settings: Settings, options: SparkOptions | None = None) -> Sp
         session = builder.getOrCreate()
     except Exception as error:  # py4j and the launcher raise plain exceptions
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise SparkUnavailable(f"the Spark session did not start ({options.master}): {first}") from error
+        master = options.master or "spark-submit's master"
+        raise SparkUnavailable(f"the Spark session did not start ({master}): {first}") from error
     session.sparkContext.setLogLevel("WARN")
     return session

@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 
 import kopf
 
-from casque.operator import reconcile
+from casque.operator import metrics, reconcile
 from casque.operator.context import OperatorContext
 from casque.operator.handlers.common import report, resource_of, run_locked, to_kopf
 
@@ -17,6 +17,7 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
         context, body, lambda: reconcile.reconcile_subscriber(context.stores, resource, datetime.now(timezone.utc))
     )
     report(body, patch, outcome, logger)
+    metrics.observe_subscriber(resource.namespace, resource.name, outcome.status)
     if outcome.failure is not None:
         raise to_kopf(outcome.failure)
 
@@ -27,6 +28,7 @@ async def refresh(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, 
         context, body, lambda: reconcile.refresh_subscriber(context.stores, resource, datetime.now(timezone.utc))
     )
     report(body, patch, outcome, logger, timer=True)
+    metrics.observe_subscriber(resource.namespace, resource.name, outcome.status)
 
 
 async def delete(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
@@ -36,3 +38,4 @@ async def delete(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, l
     if outcome.failure is not None:
         raise to_kopf(outcome.failure)
     context.forget(body.metadata.uid)
+    metrics.forget_subscriber(resource.namespace, resource.name)

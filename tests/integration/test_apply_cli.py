@@ -193,7 +193,7 @@ def test_refusals_from_the_backends_state(local: Local) -> None:
 
     orphan = "apiVersion: casque.io/v1alpha1\nkind: Subscriber\nmetadata: {name: audit}\nspec: {queue: nowhere}\n"
     missing = local.casque("apply", "-f", local.write(orphan, "orphan.yaml"))
-    assert missing.returncode == 1
+    assert missing.returncode == 3  # not found
     assert missing.stderr.strip() == "casque: subscriber default/audit (queue nowhere): queue default/nowhere does not exist"
 
 
@@ -203,6 +203,6 @@ def test_unreachable_backends_are_one_line(local: Local) -> None:
         closed = sock.getsockname()[1]
     local.env["CASQUE_CASSANDRA_PORT"] = str(closed)
     result = local.casque("apply", "-f", local.write(ORDERS.format(shards=1, retention="1h", policy="Retain")))
-    assert result.returncode == 1
+    assert result.returncode == 4  # backend unavailable
     (line,) = result.stderr.splitlines()
     assert line.startswith("casque: Cassandra at ['127.0.0.1'] is unreachable")

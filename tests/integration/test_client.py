@@ -1,17 +1,16 @@
-"""The Python client (sync and async) against a sidecar on the real stack, retries included."""
+"""The Python client (sync and async, and subscribe()) against a sidecar on the real stack, retries included."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from casque.client import ApiError, AsyncClient, Client, RetryPolicy, SidecarUnreachable, message
 from casque.config import Settings
 from casque.engine import catalog
 from casque.schema import QueueRef
@@ -19,6 +18,7 @@ from casque.sidecar.app import create_app
 from casque.sidecar.config import SidecarSettings
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from casque_client import ApiError, AsyncClient, Client, Message, RetryPolicy, SidecarUnreachable, message, subscribe
 
 QUEUE = "mail"
 SUBSCRIBER = "sender"
@@ -148,3 +148,110 @@ async def test_no_sidecar_means_retries_then_one_clear_error() -> None:
             await client.publish(1)
     with pytest.raises(SidecarUnreachable):
         await asyncio.to_thread(Client(f"http://127.0.0.1:{port}", queue=QUEUE, retry=FAST).publish, 1)
+
+
+# --- subscribe() ------------------------------------------------------------------------------
+
+
+class CountingClient(AsyncClient):
+    """Records how many messages each receive asked for."""
+
+    asked: list[int]
+
+    async def receive(self, max: int = 10, wait: float = 0.0, visibility: float | None = None, **where: Any) -> list[Message]:
+        self.asked = [*getattr(self, "asked", []), max]
+        return await super().receive(max, wait, visibility, **where)
+
+
+async def test_subscribe_nacks_a_failing_handler_and_the_message_comes_back(sidecar_url: str) -> None:
+    deliveries: list[tuple[str, int]] = []
+    receipts: list[str] = []
+    done = asyncio.Event()
+
+    async def handle(m: Message) -> None:
+        deliveries.append((m.data["order"], m.delivery_count))
+        receipts.append(m.receipt)
+        if m.delivery_count == 1:
+            raise RuntimeError("payment service timed out")
+        done.set()
+
+    async with AsyncClient(sidecar_url, queue=QUEUE, subscriber=SUBSCRIBER, retry=FAST) as client:
+        await client.publish({"order": "o-1"})
+        stop = asyncio.Event()
+        task = asyncio.create_task(subscribe(QUEUE, SUBSCRIBER, handle, client=client, wait=1, nack_delay=0, stop=stop))
+        await asyncio.wait_for(done.wait(), 60)
+        stop.set()
+        await asyncio.wait_for(task, 60)
+        assert deliveries == [("o-1", 1), ("o-1", 2)]
+        # The second delivery was acked by subscribe(): nothing is left to hand out.
+        assert await client.ack(receipts[1]) == "already_acked"
+        assert await client.receive(max=10) == []
+
+
+async def test_subscribe_extends_a_slow_handler_past_its_visibility_timeout(sidecar_url: str) -> None:
+    """A handler that outlives its delivery's visibility (1 s) keeps the message: a competing
+    receive on the same subscriber gets nothing meanwhile, and the ack at the end is taken."""
+    competitor_got: list[Message] = []
+    handled: list[Message] = []
+    finished = asyncio.Event()
+
+    async with AsyncClient(sidecar_url, queue=QUEUE, subscriber=SUBSCRIBER, retry=FAST) as client, \
+            AsyncClient(sidecar_url, queue=QUEUE, subscriber=SUBSCRIBER, retry=FAST) as competitor:
+
+        async def slow(m: Message) -> None:
+            handled.append(m)
+            # Outlive the first deadline by a clear margin, receiving as a competitor all along:
+            # without extends the message would be visible again, and handed to it.
+            past = m.visible_until + timedelta(seconds=1.5)
+            while datetime.now(timezone.utc) < past:
+                competitor_got.extend(await competitor.receive(max=10, wait=0.3))
+            finished.set()
+
+        await client.publish({"order": "slow"})
+        stop = asyncio.Event()
+        task = asyncio.create_task(subscribe(QUEUE, SUBSCRIBER, slow, client=client, visibility=1, wait=1, stop=stop))
+        await asyncio.wait_for(finished.wait(), 60)
+        stop.set()  # the stop waits for the handler's ack
+        await asyncio.wait_for(task, 60)
+        assert [m.delivery_count for m in handled] == [1] and competitor_got == []
+        # Still the current delivery when the handler finished: subscribe()'s ack was taken.
+        assert await client.ack(handled[0].receipt) == "already_acked"
+
+
+async def test_subscribe_runs_at_most_its_concurrency_of_handlers(sidecar_url: str) -> None:
+    concurrency, total = 3, 12
+    running, most = 0, 0
+    seen: set[int] = set()
+    full = asyncio.Event()
+    release = asyncio.Event()
+    everything = asyncio.Event()
+
+    async def handle(m: Message) -> None:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        if running == concurrency:
+            full.set()
+        # The first handlers hold their slots until the limit is reached, so that an
+        # over-eager subscribe would show more than `concurrency` running at once.
+        await release.wait()
+        running -= 1
+        seen.add(m.data["n"])
+        if len(seen) == total:
+            everything.set()
+
+    async with CountingClient(sidecar_url, queue=QUEUE, subscriber=SUBSCRIBER, retry=FAST) as client:
+        await client.publish_batch([message({"n": n}) for n in range(total)])
+        stop = asyncio.Event()
+        task = asyncio.create_task(subscribe(QUEUE, SUBSCRIBER, handle, client=client, concurrency=concurrency,
+                                             wait=1, stop=stop))
+        await asyncio.wait_for(full.wait(), 60)
+        release.set()
+        await asyncio.wait_for(everything.wait(), 60)
+        stop.set()
+        await asyncio.wait_for(task, 60)
+        # Every message was acked: none is left to receive.
+        assert await client.receive(max=100) == []
+    assert most == concurrency and seen == set(range(total))
+    # No receive asked for more messages than there were free handler slots.
+    assert all(1 <= asked <= concurrency for asked in client.asked[:-1])

@@ -1,5 +1,6 @@
 """`casque dev up/status/logs/down` and `scripts/run-local.sh` as a user runs them: a real
-stack on its own ports and state, and the sidecar the script starts on it."""
+stack on its own ports and state (Cassandra and a three-member ZooKeeper ensemble), and the
+sidecar the script starts on it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from casque.devstack.stack import StackPorts
+from casque.devstack.stack import Stack, StackPorts
 from tests.fixtures.stack import Slot, claim_slot
 from tests.fixtures.waiting import wait_for
 
@@ -26,7 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 # Cassandra cannot listen on port 0, so the ports come from a slot held (locked) for this
 # session, apart from the test stack's and the ring's: a stack left behind by an interrupted
 # run, or another session's, cannot get in the way, and nothing else picks these ports.
-DEV_PORTS = StackPorts(native=39042, storage=37000, jmx=37199, zookeeper=32181)
+DEV_PORTS = StackPorts(native=39042, storage=37000, jmx=37199, zookeeper=32181,
+                       zookeeper_quorum=32881, zookeeper_election=32981)
+ZOOKEEPERS = 3
 
 pytestmark = pytest.mark.integration
 
@@ -52,6 +55,10 @@ def owned_processes(state: Path) -> list[str]:
     return found
 
 
+def connect_string(ports: StackPorts) -> str:
+    return ",".join(f"127.0.0.1:{ports.zookeeper + n}" for n in range(ZOOKEEPERS))
+
+
 @pytest.fixture(scope="module")
 def dev_stack() -> Iterator[tuple[Path, StackPorts]]:
     """A stack started by `casque dev up` on the slot's ports; `down` at the end in any case."""
@@ -63,9 +70,12 @@ def dev_stack() -> Iterator[tuple[Path, StackPorts]]:
     shutil.rmtree(state, ignore_errors=True)
     try:
         first = casque("up", "--cql-port", str(ports.native), "--storage-port", str(ports.storage),
-                       "--jmx-port", str(ports.jmx), "--zookeeper-port", str(ports.zookeeper), state=state)
+                       "--jmx-port", str(ports.jmx), "--zookeeper-port", str(ports.zookeeper),
+                       "--zookeeper-nodes", str(ZOOKEEPERS), "--zookeeper-quorum-port", str(ports.zookeeper_quorum),
+                       "--zookeeper-election-port", str(ports.zookeeper_election), state=state)
         assert first.returncode == 0, first.stderr
-        assert f"127.0.0.1:{ports.native}" in first.stdout and f"127.0.0.1:{ports.zookeeper}" in first.stdout
+        assert f"127.0.0.1:{ports.native}" in first.stdout
+        assert f"ZooKeeper: {connect_string(ports)}" in first.stdout
         yield state, ports
     finally:
         casque("down", state=state)
@@ -73,17 +83,29 @@ def dev_stack() -> Iterator[tuple[Path, StackPorts]]:
 
 
 def test_up_twice_status_and_logs(dev_stack: tuple[Path, StackPorts]) -> None:
-    state, _ = dev_stack
-    assert len(owned_processes(state)) == 2
+    state, ports = dev_stack
+    assert len(owned_processes(state)) == 1 + ZOOKEEPERS
 
     again = casque("up", state=state)  # settings come from the recorded stack
     assert again.returncode == 0, again.stderr
     assert "starting" not in again.stdout
-    assert len(owned_processes(state)) == 2
+    assert len(owned_processes(state)) == 1 + ZOOKEEPERS
 
     status = casque("status", state=state)
     assert status.returncode == 0
     assert "cassandra-1" in status.stdout and "stopped" not in status.stdout
+    for n in range(ZOOKEEPERS):
+        assert f"zookeeper-{n + 1}" in status.stdout and f"127.0.0.1:{ports.zookeeper + n}" in status.stdout
+    # Each member has its own data and id, and all of them serve: one leads, the others follow.
+    assert {(state / f"zookeeper-{n}" / "data" / "myid").read_text().strip() for n in (1, 2, 3)} == {"1", "2", "3"}
+    recorded = Stack.load(state)
+    assert recorded is not None
+    assert sorted(map(str, recorded.zookeeper().modes().values())) == ["follower", "follower", "leader"]
+
+    other = casque("up", "--zookeeper-nodes", "1", state=state)
+    assert other.returncode == 1 and "run `casque dev down` first" in other.stderr
+    even = casque("up", "--zookeeper-nodes", "2", state=state)
+    assert even.returncode == 1 and "odd number" in even.stderr
 
     logs = casque("logs", "cassandra-1", "-n", "200", state=state)
     assert "Startup complete" in logs.stdout
@@ -108,7 +130,7 @@ def test_run_local_serves_the_demo_queue(dev_stack: tuple[Path, StackPorts]) -> 
         "CASQUE_SIDECAR_PORT": "0",  # the sidecar takes a free port; the script reads it from its log
         "CASQUE_CASSANDRA_CONTACT_POINTS": "127.0.0.1",
         "CASQUE_CASSANDRA_PORT": str(ports.native),
-        "CASQUE_ZOOKEEPER_HOSTS": f"127.0.0.1:{ports.zookeeper}",
+        "CASQUE_ZOOKEEPER_HOSTS": connect_string(ports),
     }
     done = subprocess.run(["bash", "scripts/run-local.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -143,8 +165,8 @@ def test_down_leaves_nothing(dev_stack: tuple[Path, StackPorts]) -> None:
     assert down.returncode == 0, down.stderr
     assert owned_processes(state) == []
     stopped = casque("status", state=state)
-    assert stopped.returncode == 3
-    assert stopped.stdout.count("stopped") == 2
+    assert stopped.returncode == 4  # a stopped service: backend unavailable (casque/cli/exits.py)
+    assert stopped.stdout.count("stopped") == 1 + ZOOKEEPERS
 
 
 def test_status_without_a_stack_is_one_readable_line(tmp_path: Path) -> None:

@@ -5,7 +5,9 @@ sidecar that receives and acks as the app in its pod would, injects one fault, a
 demands: every member back in the group and ready, every shard leased by a live member,
 and a history (tests.fixtures.history) in which every acknowledged publish was delivered
 and acked, nothing was delivered after a successful ack (outside seeks), and no ack of a
-superseded delivery was answered `acked`.
+superseded delivery was answered `acked`. Every test runs in both delivery modes: leased
+shards, and shared delivery where every member claims ranges of every shard (there, "every
+shard leased" becomes every live member registered and ready).
 
 The sidecars ask for 4 s ZooKeeper sessions, so a pause "past the session" is a pause
 until the server has expired it, which the test observes (the member znode goes).
@@ -14,7 +16,7 @@ until the server has expired it, which the test observes (the member znode goes)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -24,39 +26,36 @@ from casque.engine.publisher import Publisher
 from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from tests.fixtures.group import Group, until
-from tests.fixtures.history import History, Seek, check
-from tests.fixtures.sidecars import SidecarProcess, StartSidecar
+from tests.fixtures.group import Group, assert_sound, has_delivered, until
+from tests.fixtures.history import History, Seek
+from tests.fixtures.sidecars import StartSidecar
 
 QUEUE = QueueRef("default", "orders")
 SUBSCRIBER = "fulfilment"
 SESSION = {"CASQUE_ZOOKEEPER_SESSION_TIMEOUT_SECONDS": "4"}
 
 
-def create(store: Store, shards: int, visibility: int = 10) -> QueueSpec:
+def create(group: Group, shards: int, visibility: int = 10) -> QueueSpec:
     spec = QueueSpec(shards=shards, retention_seconds=3600, consistency="ONE")
-    catalog.apply_queue(store, QUEUE, spec)
-    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
-        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=visibility))
+    catalog.apply_queue(group.store, QUEUE, spec)
+    catalog.apply_subscriber(group.store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=visibility,
+        delivery=group.delivery))
     return spec
 
 
-@pytest.fixture
-async def group(store: Store, start_sidecar: StartSidecar) -> AsyncIterator[Group]:
-    running = Group(start_sidecar, store, QUEUE, SUBSCRIBER, env=SESSION)
+# The whole suite runs in both delivery modes: leased shards, and ranges claimed by every member.
+@pytest.fixture(params=["leased", "shared"])
+async def group(request: pytest.FixtureRequest, store: Store, start_sidecar: StartSidecar) -> AsyncIterator[Group]:
+    running = Group(start_sidecar, store, QUEUE, SUBSCRIBER, env=SESSION, delivery=request.param)
     yield running
     await running.stop()
-
-
-def assert_sound(history: History) -> None:
-    verdict = check(history)
-    assert verdict.ok, str(verdict)
 
 
 async def test_a_member_paused_past_its_session_rejoins_and_takes_its_share_back(
     store: Store, group: Group
 ) -> None:
-    spec = create(store, shards=4)
+    spec = create(group, shards=4)
     first, *_ = await group.add(3)
     await group.whole(spec.log_shards())
     await group.publish(150, "before")
@@ -66,7 +65,8 @@ async def test_a_member_paused_past_its_session_rejoins_and_takes_its_share_back
     await group.drained()
     first.resume()
     await group.whole(spec.log_shards())
-    assert group.members[first] in set((await asyncio.to_thread(group.lease_holders)).values())
+    if group.delivery == "leased":
+        assert group.members[first] in set((await asyncio.to_thread(group.lease_holders)).values())
     after = await group.publish(300, "after")
     await group.drained()
     assert any(d.member == group.members[first] for d in group.history.deliveries
@@ -77,7 +77,7 @@ async def test_a_member_paused_past_its_session_rejoins_and_takes_its_share_back
 async def test_every_member_paused_past_its_session_rejoins_and_consumption_resumes(
     store: Store, group: Group
 ) -> None:
-    spec = create(store, shards=3)
+    spec = create(group, shards=3)
     sidecars = await group.add(3)
     await group.whole(spec.log_shards())
     await group.publish(150, "before")
@@ -96,13 +96,13 @@ async def test_every_member_paused_past_its_session_rejoins_and_consumption_resu
 async def test_a_member_killed_with_sigkill_loses_nothing_and_its_replacement_joins(
     store: Store, group: Group
 ) -> None:
-    spec = create(store, shards=4)
+    spec = create(group, shards=4)
     victim, *_ = await group.add(3)
     await group.whole(spec.log_shards())
     # Published through every sidecar, the victim too: a publish it had written but not
     # answered is retried elsewhere with the same ids, and must not land twice (a phantom).
     publishing = asyncio.create_task(group.publish(600, "load"))
-    await until("the victim to have work in hand", _has_delivered(group, victim))
+    await until("the victim to have work in hand", has_delivered(group, victim))
     victim.kill()  # no drain, no release: its leases go with its session
     await group.add(1)
     await publishing
@@ -114,13 +114,13 @@ async def test_a_member_killed_with_sigkill_loses_nothing_and_its_replacement_jo
 async def test_a_rolling_restart_redelivers_only_what_the_leaving_members_held(
     store: Store, group: Group
 ) -> None:
-    spec = create(store, shards=6, visibility=60)
+    spec = create(group, shards=6, visibility=60)
     originals = await group.add(3)
     await group.whole(spec.log_shards())
     held_at_leave = 0
     for index, leaving in enumerate(originals):
         publishing = asyncio.create_task(group.publish(200, f"wave{index}"))
-        await until("the leaving member to have work in hand", _has_delivered(group, leaving))
+        await until("the leaving member to have work in hand", has_delivered(group, leaving))
         held_at_leave += _unacked(group.history, group.members[leaving])
         assert await asyncio.to_thread(leaving.terminate) == 0  # drains, releases its leases
         await group.add(1)
@@ -134,7 +134,7 @@ async def test_a_rolling_restart_redelivers_only_what_the_leaving_members_held(
 async def test_shards_added_under_live_members_are_consumed_and_counted_by_readiness(
     store: Store, group: Group
 ) -> None:
-    create(store, shards=2)
+    create(group, shards=2)
     await group.add(3)
     await group.whole([0, 1])
     await group.publish(100, "small")
@@ -147,7 +147,7 @@ async def test_shards_added_under_live_members_are_consumed_and_counted_by_readi
 
 
 async def test_a_seek_under_load_replays_everything_and_loses_nothing(store: Store, group: Group) -> None:
-    spec = create(store, shards=3)
+    spec = create(group, shards=3)
     first, *_ = await group.add(2)
     await group.whole(spec.log_shards())
     await group.publish(200, "history")
@@ -167,14 +167,14 @@ async def test_a_seek_under_load_replays_everything_and_loses_nothing(store: Sto
 
 
 async def test_a_recreated_subscriber_is_served_from_its_new_incarnation(store: Store, group: Group) -> None:
-    spec = create(store, shards=2)
+    spec = create(group, shards=2)
     await group.add(2)
     await group.whole(spec.log_shards())
     await group.publish(100, "old")
     await group.drained()
     recreated_at = History.now()
     catalog.delete_subscriber(store, QUEUE, SUBSCRIBER)
-    create(store, shards=2)
+    create(group, shards=2)
     # The new incarnation starts at `earliest` and inherits no acks: a reset, like a seek.
     group.history.seeks.append(Seek(recreated_at, History.now()))
     await group.whole(spec.log_shards())
@@ -191,7 +191,7 @@ async def test_a_recreated_subscriber_is_served_from_its_new_incarnation(store: 
 async def test_a_backlog_older_than_retention_is_skipped_and_the_group_stays_ready(
     store: Store, group: Group
 ) -> None:
-    spec = create(store, shards=2)
+    spec = create(group, shards=2)
     table = store.table(QUEUE)
     # Published while nobody consumes, then expired: a subscriber fallen behind retention.
     store.session.execute(f"ALTER TABLE {table} WITH default_time_to_live = 2")
@@ -223,15 +223,6 @@ def _all_expired(store: Store, positions: list[tuple[int, int]]) -> bool:
     query = f"SELECT batch_no FROM {store.table(QUEUE)} WHERE shard = %s AND bucket = %s AND batch_no = %s AND seq = -1"
     return all(store.session.execute(query, (shard, bucket_of(batch), batch)).one() is None
                for shard, batch in positions)
-
-
-def _has_delivered(group: Group, sidecar: SidecarProcess) -> Callable[[], Awaitable[bool]]:
-    member = group.members[sidecar]
-
-    async def condition() -> bool:
-        return any(d.member == member for d in group.history.deliveries)
-
-    return condition
 
 
 def _unacked(history: History, member: str) -> int:

@@ -7,6 +7,7 @@ the resources' status. Waits poll with a bounded timeout; nothing is timed.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from casque.devstack.kube import KubeCluster
 from casque.engine import catalog
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
+from casque.operator.reconcile import QUOTA_RETRY_SECONDS
 from casque.operator.resources import FINALIZER, GROUP, QUEUES, SUBSCRIBERS, VERSION
 from casque.schema import QueueRef, drop_messages_table_ddl, read_table_options
 from casque.store import Store
@@ -636,3 +638,109 @@ def test_one_leader_at_a_time_and_a_takeover(
     leases.replace_namespaced_lease("casque-operator", ns, lease)
     assert second.process.wait(timeout=30) == 3
     assert "leadership lost" in second.log()
+
+
+def test_a_queue_over_the_namespaces_quota_is_refused_in_status_until_the_namespace_allows_it(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    operators(env={**backend.env, "CASQUE_QUOTA_MAX_QUEUES": "1", "CASQUE_QUOTA_MAX_RETENTION": "1d"})
+    create(api, ns, queue("first", shards=2, retention="1h"))
+    wait_ready(api, ns, QUEUES, "first")
+    create(api, ns, queue("second", retention="2d"))
+    refusal = ready_of(wait_ready(api, ns, QUEUES, "second", status="False", reason="QuotaExceeded"))
+    assert "1 queues and has 1 already" in refusal["message"]
+    assert "retention 2d is longer than the namespace's limit of 1d" in refusal["message"]
+    assert ("Warning", "QuotaExceeded") in [(t, r) for t, r, _ in events(kube_client, ns, "second")]
+    assert not backend.store.zk.exists(backend.store.paths(QueueRef(ns, "second")).base)  # nothing created
+
+    # The platform team raises the namespace's limits with annotations on the Namespace.
+    client.CoreV1Api(kube_client).patch_namespace(ns, {"metadata": {"annotations": {
+        "quota.casque.io/max-queues": "2", "quota.casque.io/max-retention": "7d"}}})
+    # A refusal is retried (the quota may have room later): the retry finds the new limits.
+    wait_ready(api, ns, QUEUES, "second", reason="Reconciled", timeout=QUOTA_RETRY_SECONDS + 120)
+
+
+ZOOKEEPER_PASSWORD = "operator-test-installation-password-0123456789"
+
+
+@pytest.fixture
+def secured_root(backend: Backend) -> Iterator[None]:
+    """Set up before the operators, so removed after they stopped: the backend fixture's
+    cleanup has no identity, and secured znodes go only with the installation's."""
+    from kazoo.exceptions import NoNodeError
+
+    yield
+    admin = KazooClient(hosts=backend.env["CASQUE_ZOOKEEPER_HOSTS"],
+                        auth_data=[("digest", f"casque:{ZOOKEEPER_PASSWORD}")])
+    admin.start(timeout=15)
+    try:
+        # Its parent too: the operator created it, with the installation's ACL, as it
+        # creates every missing ancestor of its root.
+        admin.delete(backend.zk_root.rsplit("/", 1)[0], recursive=True)
+    except NoNodeError:
+        pass
+    finally:
+        admin.stop()
+        admin.close()
+
+
+def test_the_namespaces_zookeeper_identity_follows_its_queues(
+    secured_root: None,
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    from kazoo.exceptions import NoAuthError
+    from pydantic import SecretStr
+
+    from casque.backends import zk as zk_backend
+    from casque.config import Settings
+
+    api = client.CustomObjectsApi(kube_client)
+    core = client.CoreV1Api(kube_client)
+    ns = kube_namespace
+    password = ZOOKEEPER_PASSWORD
+    installation = Settings(zookeeper_hosts=backend.env["CASQUE_ZOOKEEPER_HOSTS"], zookeeper_root=backend.zk_root,
+                            zookeeper_username="casque", zookeeper_password=SecretStr(password))
+    operators(env={**backend.env, "CASQUE_ZOOKEEPER_USERNAME": "casque", "CASQUE_ZOOKEEPER_PASSWORD": password})
+    create(api, ns, queue("orders", deletionPolicy="Delete"))
+    create(api, ns, queue("audit", deletionPolicy="Delete"))
+    wait_ready(api, ns, QUEUES, "orders")
+    wait_ready(api, ns, QUEUES, "audit")
+    secret = core.read_namespaced_secret("casque-zookeeper", ns)
+    data = {key: base64.b64decode(value).decode() for key, value in secret.data.items()}
+    assert data["username"] == f"casque.{ns}" and password not in str(data)
+
+    # The Secret's identity works on its namespace; without it, nothing can be read.
+    sidecar = Settings(zookeeper_hosts=installation.zookeeper_hosts, zookeeper_root=backend.zk_root,
+                       zookeeper_username=data["username"], zookeeper_password=SecretStr(data["password"]),
+                       zookeeper_acl=data["acl"])
+    own = zk_backend.connect(sidecar, namespace=ns)
+    try:
+        assert set(own.get_children(f"{backend.zk_root}/queues/{ns}")) == {"orders", "audit"}
+    finally:
+        own.stop()
+        own.close()
+    with pytest.raises(NoAuthError):
+        backend.store.zk.get(backend.store.paths(QueueRef(ns, "orders")).base)
+
+    # One Queue deleted: the other still needs the identity. The last one: it goes.
+    delete(api, ns, QUEUES, "orders")
+    wait_for("orders to be gone", lambda: get(api, ns, QUEUES, "orders") is None)
+    assert core.read_namespaced_secret("casque-zookeeper", ns).data == secret.data
+    delete(api, ns, QUEUES, "audit")
+
+    def secret_gone() -> bool:
+        try:
+            core.read_namespaced_secret("casque-zookeeper", ns)
+        except ApiException as error:
+            return error.status == 404
+        return False
+
+    wait_for("the namespace's Secret to be deleted with its last Queue", secret_gone)

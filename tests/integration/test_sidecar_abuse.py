@@ -22,11 +22,11 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from casque.client import Client
 from casque.engine import catalog
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from casque_client import Client
 from tests.fixtures.forwarder import Forwarder
 from tests.fixtures.sidecars import SidecarProcess
 from tests.fixtures.stack import Backends

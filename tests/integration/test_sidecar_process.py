@@ -24,12 +24,12 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from casque.client import AsyncClient
 from casque.engine import catalog
 from casque.engine.stats import queue_stats
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from casque_client import AsyncClient
 from tests.fixtures.sidecars import SidecarProcess
 
 QUEUE = "jobs"

@@ -431,19 +431,21 @@ def test_cli_commands(spark: Any, store: Store, history: History, env: dict[str,
     assert json.loads((tmp_path / "e" / "manifest.json").read_text())["messages"] == in_window
     # The output directory is never overwritten silently.
     refused = run("export", "--queue", SOURCE.name, "--format", "jsonl", "--out", str(tmp_path / "e"), code=1)
-    assert "not empty" in str(refused.exception)
+    assert "not empty" in refused.stderr
 
     catalog.apply_queue(store, TARGET, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
     replayed = run("replay", "--queue", SOURCE.name, "--range", "1:1-3", "--into", TARGET.name)
     assert f"{sum(1 for m in history.messages if m.shard == 1 and m.batch <= 3):,} published" in replayed.output
 
-    for args, words in (
-        (("stats", "--queue", SOURCE.name, "--range", "0:9-2"), "first batch is after the last"),
-        (("stats", "--queue", SOURCE.name, "--since", "yesterday"), "not an RFC3339 time"),
-        (("export", "--queue", SOURCE.name, "--range", "7:1-", "--out", str(tmp_path / "x")), "no shard 7"),
-        (("export", "--queue", SOURCE.name, "--format", "csv", "--out", str(tmp_path / "x")), "parquet, jsonl"),
-        (("replay", "--queue", SOURCE.name, "--into", "missing"), "does not exist"),
-        (("replay", "--queue", SOURCE.name, "--into", SOURCE.name), "into itself"),
+    # Refusals are one line on stderr with the exit code of casque/cli/exits.py.
+    for args, words, code in (
+        (("stats", "--queue", SOURCE.name, "--range", "0:9-2"), "first batch is after the last", 1),
+        (("stats", "--queue", SOURCE.name, "--since", "yesterday"), "not an RFC3339 time", 1),
+        (("export", "--queue", SOURCE.name, "--range", "7:1-", "--out", str(tmp_path / "x")), "no shard 7", 1),
+        (("export", "--queue", SOURCE.name, "--format", "csv", "--out", str(tmp_path / "x")), "parquet, jsonl", 1),
+        (("replay", "--queue", SOURCE.name, "--into", "missing"), "does not exist", 3),
+        (("replay", "--queue", SOURCE.name, "--into", SOURCE.name), "into itself", 1),
     ):
-        refused = run(*args, code=1)
-        assert words in str(refused.exception), (args, refused.exception)
+        refused = run(*args, code=code)
+        lines = [line for line in refused.stderr.splitlines() if line.startswith("casque: ")]
+        assert len(lines) == 1 and words in lines[0], (args, refused.stderr)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from casque.client import AsyncClient, Client, RetryPolicy, SidecarUnreachable
+from casque_client import AsyncClient, Client, RetryPolicy, SidecarUnreachable
 
 RESULTS = {"results": [{"receipt": "r", "status": "acked"}]}
 

@@ -1,8 +1,8 @@
 """Dockerfile.operator and Dockerfile.sidecar: hadolint-clean and in step with pyproject.toml.
 
 No Docker engine runs here, so the images are checked by reading them: they install the
-project's own wheel (built here from exactly what they copy) with the pinned dependencies it
-declares, on the Python the project requires, as a non-root user writing only to /tmp, and
+project's own wheels, casque's and the app client's (built here from exactly what they copy),
+with the pinned dependencies casque declares, on the Python the project requires, as a non-root user writing only to /tmp, and
 start `casque` with a command line that the CLI accepts.
 """
 
@@ -33,9 +33,12 @@ from casque.sidecar.config import DEFAULT_PORT
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+CLIENT_PYPROJECT = tomllib.loads((ROOT / "client" / "pyproject.toml").read_text())
 DOCKERFILES = {"operator": ROOT / "Dockerfile.operator", "sidecar": ROOT / "Dockerfile.sidecar"}
 BASE_IMAGE = re.compile(r"^python:(\d+)\.(\d+)\.(\d+)-slim-bookworm$")
-WHEEL_GLOB = "/wheels/casque-*.whl"
+WHEEL_GLOB = "/wheels/*.whl"
+# casque requires the app client, a distribution of its own in client/ that is on no index.
+CLIENT = "client"
 
 
 @dataclass(frozen=True)
@@ -160,14 +163,14 @@ def test_two_stages_on_one_pinned_slim_python_the_project_supports(image: str) -
 
 
 @pytest.mark.parametrize("image", DOCKERFILES)
-def test_the_image_installs_the_project_wheel_and_nothing_else(image: str) -> None:
+def test_the_image_installs_the_project_wheels_and_nothing_else(image: str) -> None:
     build, runtime = stages(DOCKERFILES[image])
     pips = [c for c in shell_commands(build) if c[:3] == ["python", "-m", "pip"]]
     wheel = [c for c in pips if "wheel" in c]
     install = [c for c in pips if "install" in c]
     assert len(wheel) == 1 and len(install) == 1, pips
-    # The project's own wheel, without its dependencies, from the copied sources ...
-    assert "--no-deps" in wheel[0] and [a for a in wheel[0][4:] if not a.startswith("-")] == ["/wheels", "."]
+    # The project's own wheels, without their dependencies, from the copied sources ...
+    assert "--no-deps" in wheel[0] and [a for a in wheel[0][4:] if not a.startswith("-")] == ["/wheels", ".", f"./{CLIENT}"]
     # ... installed with the dependencies it declares: no extras, no extra packages, no sdists.
     arguments = install[0][install[0].index("install") + 1 :]
     assert [a for a in arguments if not a.startswith("-")] == [WHEEL_GLOB]
@@ -218,7 +221,7 @@ def project_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_copied_sources_are_the_whole_package(project_wheel: Path) -> None:
     setuptools = PYPROJECT["tool"]["setuptools"]
-    assert {"pyproject.toml", PYPROJECT["project"]["readme"], *setuptools["package-dir"].values()} == copied_sources(
+    assert {"pyproject.toml", PYPROJECT["project"]["readme"], *setuptools["package-dir"].values(), CLIENT} == copied_sources(
         DOCKERFILES["operator"]
     )
     with zipfile.ZipFile(project_wheel) as archive:
@@ -241,6 +244,9 @@ def test_the_wheel_declares_the_pinned_dependencies_of_pyproject(project_wheel: 
         assert specifier.operator == "==", f"{line} is not pinned"
     runtime = [r for r in metadata.get_all("Requires-Dist") or [] if "extra ==" not in r]
     assert sorted(map(str, map(Requirement, runtime))) == sorted(map(str, map(Requirement, declared)))
+    # The image installs the client wheel built beside casque's: it must be the version casque pins.
+    client = CLIENT_PYPROJECT["project"]
+    assert f"{client['name']}=={client['version']}" in declared
     assert metadata["Requires-Python"] == PYPROJECT["project"]["requires-python"]
     assert metadata["Version"] == PYPROJECT["project"]["version"]
     for name, target in PYPROJECT["project"]["scripts"].items():
@@ -311,3 +317,24 @@ def test_the_command_line_check_refuses_what_the_cli_refuses() -> None:
     for args in (["operator", "run", "--no-such-flag"], ["operator", "run", "--metrics-port", "http"], ["no-such-command"]):
         with pytest.raises(typer.exceptions.TyperException, match="No such|valid integer"):
             cli_call(args)
+
+
+def test_the_client_wheel_holds_the_client_and_asks_for_ranges(tmp_path: Path) -> None:
+    """The app client's wheel, built from the copied client/ folder, needs nothing of casque's."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+         "--wheel-dir", str(tmp_path), str(ROOT / CLIENT)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (wheel,) = tmp_path.glob("casque_client-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        metadata = Parser().parsestr(archive.read(metadata_name).decode())
+    assert {"casque_client/__init__.py", "casque_client/subscription.py", "casque_client/py.typed"} <= names
+    assert not any(name.startswith("casque/") for name in names)
+    requirements = [Requirement(r) for r in metadata.get_all("Requires-Dist") or []]
+    assert [r.name for r in requirements] == ["aiohttp"]
+    # Ranges, not pins: an app's other dependencies choose the versions.
+    assert all(s.operator != "==" for r in requirements for s in r.specifier)

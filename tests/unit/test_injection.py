@@ -137,6 +137,20 @@ def test_the_sidecar_uses_the_operators_backends_and_the_credentials_secret() ->
     assert env["CASQUE_CASSANDRA_PASSWORD"] == {"secretKeyRef": {"name": "cassandra-creds", "key": "pass"}}
 
 
+def test_with_zookeeper_authentication_the_sidecar_gets_its_namespaces_identity_only() -> None:
+    installation_password = "i" * 40
+    backends = Settings(zookeeper_username="casque", zookeeper_password=installation_password)  # type: ignore[arg-type]
+    document = pod(ORDERS)
+    patched = apply_patch(document, plan(document, InjectionSettings(), backends))
+    env = env_of(container(patched, injection.SIDECAR_NAME))
+    for variable, key in (("USERNAME", "username"), ("PASSWORD", "password"), ("ACL", "acl")):
+        assert env[f"CASQUE_ZOOKEEPER_{variable}"] == {"secretKeyRef": {"name": "casque-zookeeper", "key": key}}
+    assert installation_password not in json.dumps(patched)
+    assert not any(name.startswith("CASQUE_ZOOKEEPER_") and name != "CASQUE_ZOOKEEPER_HOSTS"
+                   for name in env_of(container(injected(pod(ORDERS)), injection.SIDECAR_NAME))
+                   if name != "CASQUE_ZOOKEEPER_ROOT")
+
+
 def test_a_token_secret_reaches_the_sidecar_and_the_app() -> None:
     result = injected(pod({**ORDERS, "casque.io/token-secret": "orders-api"}))
     expected = {"secretKeyRef": {"name": "orders-api", "key": "token"}}
@@ -287,7 +301,7 @@ def test_every_variable_given_to_the_sidecar_is_one_it_reads() -> None:
 
 
 def test_every_variable_given_to_the_app_is_one_the_client_reads() -> None:
-    client_source = (ROOT / "casque" / "client.py").read_text()
+    client_source = (ROOT / "client" / "casque_client" / "client.py").read_text()
     request = injection.parse_request({**ORDERS, "casque.io/token-secret": "t"})
     for env in injection.app_env(request):
         assert f'"{env["name"]}"' in client_source, env["name"]

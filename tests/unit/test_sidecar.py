@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from casque.client import Message, RetryPolicy, message
 from casque.engine.consumer import ConsumerStopped
 from casque.engine.deadletters import dead_letter_copy, redrive_copy
 from casque.engine.delayed import moved_client_id
@@ -55,6 +54,7 @@ from casque.sidecar.openapi import build
 from casque.sidecar.push import backoff, classify
 from casque.sidecar.routes import OPERATIONS
 from casque.spark import replay
+from casque_client import Message, RetryPolicy, message
 
 OPERATION_IDS = {"publish", "publishBatch", "receive", "ack", "nack", "extendVisibility", "seek", "queueStats",
                  "subscriberStats"}

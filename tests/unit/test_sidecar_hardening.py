@@ -17,13 +17,13 @@ from pydantic import ValidationError
 from casque.engine.idempotency import RecentIds
 from casque.engine.messages import Delivery, Position, Published, StoredMessage
 from casque.engine.shard_state import ByteBudget, ShardState
-from casque.errors import BackendUnavailable, QueueNotFound
-from casque.loopback import is_loopback
+from casque.errors import AccessDenied, BackendUnavailable, QueueNotFound
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import as_casque_error, status_of
 from casque.sidecar.guards import host_name
 from casque.sidecar.models import PublishMessage, SeekRequest, message_json, receive_body
+from casque_client.loopback import is_loopback
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 QUEUE = QueueRef("default", "orders")
@@ -97,13 +97,17 @@ def test_times_outside_what_utc_can_express_are_bad_input(moment: str) -> None:
     ServerError(code=0, message="boom", info=None),
     ConnectionLoss(),
     SessionExpiredError(),
-    NoAuthError(),
     NoNodeError(),
 ])
 def test_every_backend_failure_is_a_retryable_503(error: BaseException) -> None:
     mapped = as_casque_error(error)
     assert isinstance(mapped, BackendUnavailable)
     assert status_of(mapped) == 503
+
+
+def test_a_zookeeper_refusal_of_the_sidecars_identity_is_a_403_not_a_retryable_503() -> None:
+    mapped = as_casque_error(NoAuthError())
+    assert isinstance(mapped, AccessDenied) and status_of(mapped) == 403
 
 
 def test_casque_errors_keep_their_status_and_our_own_faults_stay_unmapped() -> None:

@@ -27,7 +27,7 @@ from casque.spark.ranges import (
 )
 from casque.spark.readers import plan_reads
 from casque.spark.replay import client_id, waves
-from casque.spark.session import SparkOptions, spark_conf
+from casque.spark.session import SparkOptions, on_this_machine, spark_conf
 
 pytestmark = pytest.mark.spark
 
@@ -153,3 +153,19 @@ def test_session_settings() -> None:
     assert "spark.ui.enabled" not in remote and "spark.driver.host" not in remote
     assert remote["spark.executor.memory"] == "2g"
     assert "--add-opens" in remote["spark.executor.extraJavaOptions"]
+    # A cluster's executors run their own Python, if any: the driver's path is not theirs.
+    assert "spark.pyspark.python" not in remote and "spark.pyspark.python" in local
+    # A standalone cluster on loopback reaches the driver there; the UI stays on.
+    here = spark_conf(settings, SparkOptions(master="spark://127.0.0.1:7077", connector="packages"))
+    assert here["spark.driver.host"] == "127.0.0.1" and "spark.ui.enabled" not in here
+    assert not on_this_machine("spark://127.0.0.1:7077,m:7077") and not on_this_machine("k8s://https://k:6443")
+    assert on_this_machine("spark://localhost:7077,127.0.0.1:7078")
+
+
+def test_session_settings_under_spark_submit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """spark-submit started the driver's JVM: its master and its --jars/--packages stand."""
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "45678")
+    conf = spark_conf(Settings(cassandra_contact_points=["10.0.0.1"]), SparkOptions(master=None, connector="packages"))
+    assert not {"spark.master", "spark.jars", "spark.jars.packages"} & set(conf)
+    assert conf["spark.cassandra.connection.host"] == "10.0.0.1"
+    assert "--add-opens=java.base/sun.nio.ch=ALL-UNNAMED" in conf["spark.executor.extraJavaOptions"]

@@ -25,6 +25,8 @@ def package_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(ROOT / "casque", tree / "casque", ignore=skip)
     shutil.copytree(ROOT / "operator", tree / "casque" / "operator", ignore=skip)
     shutil.copytree(ROOT / "sidecar", tree / "casque" / "sidecar", ignore=skip)
+    # The app client is a distribution of its own (client/), checked with the rest.
+    shutil.copytree(ROOT / "client" / "casque_client", tree / "casque_client", ignore=skip)
     return tree
 
 
@@ -37,7 +39,7 @@ def run(command: list[str], tree: Path) -> subprocess.CompletedProcess[str]:
 def test_mypy_strict(package_tree: Path) -> None:
     result = run(
         [sys.executable, "-m", "mypy", "--strict", "--config-file", str(ROOT / "pyproject.toml"),
-         "--cache-dir", str(ROOT / ".mypy_cache" / "layout"), "-p", "casque"],
+         "--cache-dir", str(ROOT / ".mypy_cache" / "layout"), "-p", "casque", "-p", "casque_client"],
         package_tree,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -1,4 +1,4 @@
-"""Whether an address only the pod itself can reach: shared by the sidecar and the client.
+"""Whether an address only the pod itself can reach: used by the client, and by the sidecar (which requires the client).
 
 Only literal loopback addresses and the loopback's standard names count; a name that
 resolves to 127.0.0.1 today may resolve elsewhere tomorrow.

@@ -1,0 +1,212 @@
+"""Who may touch which znode: ZooKeeper digest identities and the ACL every create carries.
+
+Two kinds of identity authenticate to ZooKeeper (digest scheme, `user:password`):
+
+- the installation identity (the operator, `casque apply`, an administrator's CLI), from
+  the settings. It holds every permission on every znode of the installation.
+- one identity per Kubernetes namespace, for that namespace's sidecars. Its name is
+  `<installation user>.<namespace>` and its password is derived from the installation's
+  (HMAC-SHA256 of the namespace), so the operator can recreate it from its own settings at
+  any time and needs to store nothing; the operator hands it to the namespace in a Secret.
+
+The ACLs, by path (ZooKeeper checks only the ACL of the znode an operation names, and a
+create or delete the ACL of the parent, never the ancestors'):
+
+    {root}, {root}/queues                  installation: all
+    {root}/queues/<ns>                     installation: all; <ns>: read (it lists its queues,
+                                           and cannot create or delete queues itself)
+    {root}/queues/<ns>/<anything below>    installation: all; <ns>: read, write, create, delete
+
+No identity but the installation's has ADMIN anywhere, so a namespace can neither change
+an ACL nor lock the operator out of its znodes. Reads are restricted too: one namespace
+cannot read another's offsets, members or subscriber settings (only `exists` is not
+checked by ZooKeeper, so the existence of a znode is not secret).
+
+A namespace's sidecar does not know the installation password, and ZooKeeper masks the
+digests in the ACLs it reads back to anyone without ADMIN, so the sidecar cannot learn the
+installation's part of the ACL from the server: the operator writes the ACL of the znodes
+below the namespace into the namespace's Secret (`CASQUE_ZOOKEEPER_ACL`, in ZooKeeper's
+`scheme:id:perms` form), and the sidecar puts exactly that on what it creates. The digests
+in it are SHA-1 hashes of high-entropy passwords (settings refuse short ones). While the
+installation password is being rotated, both passwords' identities are in every ACL, so
+sidecars holding either password keep working until they restart.
+
+`AclClient` is a KazooClient that puts the ACL of this policy on every create, including the
+parents that `makepath`/`ensure_path` create and the creates of a transaction, so no code
+path can create a znode with another ACL by forgetting to pass one.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kazoo.client import KazooClient, TransactionRequest
+from kazoo.security import ACL, Id, Permissions, make_digest_acl_credential
+
+# What a namespace's identity may do below its namespace znode: everything but ADMIN.
+NAMESPACE_PERMS = Permissions.READ | Permissions.WRITE | Permissions.CREATE | Permissions.DELETE
+DERIVATION_CONTEXT = b"casque zookeeper namespace identity\x00"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A digest identity. `repr` never shows the password."""
+
+    username: str
+    password: str = field(repr=False)
+
+    @property
+    def auth(self) -> tuple[str, str]:
+        """The (scheme, credential) pair for kazoo's `auth_data`."""
+        return ("digest", f"{self.username}:{self.password}")
+
+    @property
+    def acl_id(self) -> Id:
+        """What ZooKeeper stores in an ACL for this identity: the user and a SHA-1 of user:password."""
+        return Id("digest", make_digest_acl_credential(self.username, self.password))
+
+
+def namespace_identity(installation: Identity, namespace: str) -> Identity:
+    """The identity of `namespace`'s sidecars, derived from the installation's.
+
+    A keyed hash rather than a random password stored somewhere: the operator (and
+    `casque apply`) can compute every namespace's ACL from its settings alone, and rotating
+    the installation password rotates every namespace's too.
+    """
+    digest = hmac.new(installation.password.encode(), DERIVATION_CONTEXT + namespace.encode(), hashlib.sha256)
+    password = base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=")
+    return Identity(f"{installation.username}.{namespace}", password)
+
+
+def widen(namespace_acl: Sequence[ACL]) -> list[ACL]:
+    """The ACL of the znodes below a namespace znode, from the namespace znode's own ACL:
+    the read-only entries (the namespace's identities) get read, write, create and delete."""
+    return [
+        ACL(NAMESPACE_PERMS, entry.id) if entry.perms == Permissions.READ else ACL(entry.perms, entry.id)
+        for entry in namespace_acl
+    ]
+
+
+@dataclass(frozen=True)
+class AclPolicy:
+    """The ACL of a create, by path (paths as the client sees them, under its chroot).
+
+    `namespace_acl(ns)` gives the ACL of `{root}/queues/<ns>`; everything below it gets that
+    ACL widened. Anything else gets `installation_acl`.
+    """
+
+    root: str
+    installation_acl: tuple[ACL, ...]
+    namespace_acl: Callable[[str], Sequence[ACL]]
+    # A sidecar's policy: one ACL for everything it creates.
+    below_only: bool = False
+
+    def acl_for(self, path: str) -> list[ACL]:
+        if self.below_only:
+            return list(self.installation_acl)
+        namespace, below = self.split(path)
+        if namespace is None:
+            return list(self.installation_acl)
+        acl = self.namespace_acl(namespace)
+        return widen(acl) if below else list(acl)
+
+    def descendant_acl(self, namespace: str) -> list[ACL]:
+        """The ACL of the znodes below `namespace`'s znode: what its sidecars must create with."""
+        return widen(self.namespace_acl(namespace))
+
+    def split(self, path: str) -> tuple[str | None, bool]:
+        """(namespace, whether the path is below the namespace znode) for a path under
+        `{root}/queues/<ns>`; (None, False) for any other path."""
+        prefix = f"{self.root.rstrip('/')}/queues/"
+        if not path.startswith(prefix):
+            return None, False
+        namespace, _, rest = path[len(prefix):].partition("/")
+        return (namespace or None), bool(rest)
+
+
+def installation_policy(root: str, identities: Sequence[Identity]) -> AclPolicy:
+    """The operator's view: it knows every identity, so it computes every ACL.
+
+    `identities` are the installation's current identity and, while it is being rotated,
+    the previous one; each brings its namespaces' identities into the ACLs.
+    """
+    admins = tuple(ACL(Permissions.ALL, identity.acl_id) for identity in identities)
+
+    def namespace_acl(namespace: str) -> list[ACL]:
+        readers = [ACL(Permissions.READ, namespace_identity(i, namespace).acl_id) for i in identities]
+        return [*admins, *readers]
+
+    return AclPolicy(root, admins, namespace_acl)
+
+
+def namespace_policy(root: str, descendant_acl: Sequence[ACL]) -> AclPolicy:
+    """A namespace sidecar's view: whatever it creates carries the ACL the operator gave it
+    (the ACL of the znodes below its namespace). It has no right to create anywhere else,
+    and the server refuses it there whatever ACL it sends."""
+    fixed = tuple(descendant_acl)
+    return AclPolicy(root, fixed, lambda namespace: fixed, below_only=True)
+
+
+PERM_LETTERS = {"r": Permissions.READ, "w": Permissions.WRITE, "c": Permissions.CREATE,
+                "d": Permissions.DELETE, "a": Permissions.ADMIN}
+
+
+def format_acl(acl: Sequence[ACL]) -> str:
+    """`scheme:id:perms,...` as ZooKeeper's own tools write it, e.g. `digest:casque:HASH=:cdrwa`."""
+    def letters(perms: int) -> str:
+        return "".join(letter for letter, bit in PERM_LETTERS.items() if perms & bit)
+    return ",".join(f"{entry.id.scheme}:{entry.id.id}:{letters(entry.perms)}" for entry in acl)
+
+
+def parse_acl(text: str) -> list[ACL]:
+    acl = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        scheme, _, rest = part.partition(":")
+        identity, _, letters = rest.rpartition(":")
+        if not scheme or not identity or not letters or set(letters) - set(PERM_LETTERS):
+            raise ValueError(f"{part!r} is not an ACL entry of the form scheme:id:perms (perms of cdrwa)")
+        perms = 0
+        for letter in letters:
+            perms |= PERM_LETTERS[letter]
+        acl.append(ACL(perms, Id(scheme, identity)))
+    if not acl:
+        raise ValueError("an ACL needs at least one entry")
+    return acl
+
+
+class AclClient(KazooClient):  # type: ignore[misc]  # kazoo is untyped
+    """A KazooClient whose every create carries `policy.acl_for(path)`.
+
+    kazoo's `ensure_path` and `create(makepath=True)` pass the ACL of the node being created
+    down to its missing parents; here each parent gets its own path's ACL instead, so
+    `{root}/queues/<ns>` created as the parent of a queue is readable by the namespace but
+    not writable by it.
+    """
+
+    def __init__(self, policy: AclPolicy, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.acl_policy = policy
+
+    def create_async(self, path: str, value: bytes = b"", acl: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return super().create_async(path, value, self.acl_policy.acl_for(path), *args, **kwargs)
+
+    def ensure_path_async(self, path: str, acl: Any = None) -> Any:
+        # kazoo's ensure_path creates through create_async, which sets each node's ACL.
+        return super().ensure_path_async(path, None)
+
+    def transaction(self) -> TransactionRequest:
+        return _AclTransaction(self)
+
+
+class _AclTransaction(TransactionRequest):  # type: ignore[misc]  # kazoo is untyped
+    client: AclClient
+
+    def create(self, path: str, value: bytes = b"", acl: Any = None, *args: Any, **kwargs: Any) -> None:
+        super().create(path, value, self.client.acl_policy.acl_for(path), *args, **kwargs)

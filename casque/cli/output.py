@@ -1,0 +1,47 @@
+"""`-o/--output` for every command: the human form, or the same data as JSON or YAML.
+
+The machine forms print the data the command already computed, so a script that reads
+`-o json` sees what a person reads in the table, and `casque get ... -o yaml` prints
+documents that `casque apply -f` takes back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from casque.cli.exits import UsageError
+
+MACHINE = ("json", "yaml")
+
+
+TableOutput = Annotated[str, typer.Option("--output", "-o", help="table, json or yaml.")]
+TextOutput = Annotated[str, typer.Option("--output", "-o", help="text, json or yaml.")]
+
+
+def check(output: str, allowed: Sequence[str]) -> str:
+    if output not in allowed:
+        raise UsageError(f"--output is {', '.join(allowed[:-1])} or {allowed[-1]}, not {output!r}")
+    return output
+
+
+def dumps(data: Any, output: str) -> str:
+    """`data` (JSON-compatible) as JSON or YAML text."""
+    if output == "json":
+        return json.dumps(data, indent=2, ensure_ascii=False)
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip("\n")
+
+
+def dumps_all(documents: Sequence[Any], output: str) -> str:
+    """Several documents: a JSON list, or a YAML stream (documents separated by ---)."""
+    if output == "json":
+        return json.dumps(list(documents), indent=2, ensure_ascii=False)
+    return yaml.safe_dump_all(list(documents), sort_keys=False, allow_unicode=True).rstrip("\n")
+
+
+def emit(data: Any, output: str) -> None:
+    typer.echo(dumps(data, output))

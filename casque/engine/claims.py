@@ -1,0 +1,252 @@
+"""Batch claims: the members of a shared subscriber divide each shard's batches between them.
+
+Recipe, per subscriber and shard (paths in casque.znodes):
+
+    .../cursors/{shard}                  "N@E": batch N is the first nobody has claimed in seek epoch E
+    .../claims/{shard}/{E}-{start}       JSON {member, end, until}: batches [start, end) are being
+                                         delivered by `member` until `until` (ms, wall clock)
+
+- A member claims the next range by moving the cursor from N to N+k (compare-and-set on
+  the cursor's version) and creating the range's claim znode, in one multi: ranges never
+  overlap, and there is one ZooKeeper write per range, not per message.
+- A claim is not ephemeral: a member that dies or pauses keeps it only until `until`, after
+  which any member takes it over by rewriting its data with a compare-and-set on the claim's
+  version. The version names the holder: the holder's ack rows count only if the version is
+  still its own after they are written (the taker reads the ack rows after its takeover),
+  and a completion is a multi that checks it. So a member that lost a claim without
+  noticing can neither complete it nor have an ack answered as done. Clocks only decide
+  when a takeover may happen (a fast clock redelivers early, it never loses a message).
+- Completing a range deletes its claim and moves the shard's offset, in one multi that
+  checks both versions: the offset becomes the lowest start of the claims still open, or the
+  cursor when none is. The offset is read first, then the cursor, then the claims: a claim
+  created after the cursor was read starts at or above that cursor, and one deleted after
+  the claims were read only leaves the offset lower than it could be, which the next
+  completion corrects. Every completion writes the offset (version checked), so completions
+  are serialised and none leaves the offset behind a range completed concurrently.
+- A seek writes the offsets with a new epoch and resets the cursors (casque.engine.offsets).
+  Claims of an older epoch are moot: their completion leaves the offset alone, and members
+  delete them when they meet them.
+
+Connection states: every call is one request; connection loss surfaces as
+BackendUnavailable and the caller retries. A claim outlives sessions on purpose: what it
+protects is bounded by its time, not by a session, so nothing waits for a session to expire.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
+
+from casque.backends import zk
+from casque.errors import BackendUnavailable, SubscriberNotFound
+from casque.znodes import SubscriberPaths, decode_offset, encode_offset
+
+
+@dataclass(frozen=True)
+class Cursor:
+    next: int
+    epoch: int
+    version: int
+
+
+@dataclass(frozen=True)
+class ClaimRecord:
+    shard: int
+    epoch: int
+    start: int
+    end: int
+    member: str
+    until_ms: int
+    version: int
+    # Hashes of the keys in the range (casque.engine.keylocks), kept only for ordered keys.
+    keys: frozenset[int] = frozenset()
+
+    @property
+    def name(self) -> str:
+        return claim_name(self.epoch, self.start)
+
+    def data(self) -> bytes:
+        fields: dict[str, object] = {"member": self.member, "end": self.end, "until": self.until_ms}
+        if self.keys:
+            fields["keys"] = sorted(self.keys)
+        return json.dumps(fields).encode()
+
+
+class Completion(Enum):
+    DONE = "done"  # the claim is gone and the offset covers what it allows
+    LOST = "lost"  # another member took the claim over (or it was removed): nothing written
+    MOOT = "moot"  # a seek moved the shard to another epoch: the range no longer counts
+
+
+def claim_name(epoch: int, start: int) -> str:
+    # Zero-padded, so that names sort by start within an epoch.
+    return f"{epoch}-{start:015d}"
+
+
+def parse_claim(shard: int, name: str, data: bytes, version: int) -> ClaimRecord:
+    epoch, _, start = name.partition("-")
+    fields = json.loads(data)
+    return ClaimRecord(shard, int(epoch), int(start), int(fields["end"]), str(fields["member"]),
+                       int(fields["until"]), version, frozenset(int(k) for k in fields.get("keys", ())))
+
+
+async def read_cursor(client: KazooClient, paths: SubscriberPaths, shard: int) -> Cursor | None:
+    try:
+        data, stat = await zk.call(client.get_async, paths.cursor(shard))
+    except NoNodeError:
+        return None
+    next_batch, epoch = decode_offset(data)
+    return Cursor(next_batch, epoch, stat.version)
+
+
+async def ensure_dirs(client: KazooClient, paths: SubscriberPaths, shard: int) -> None:
+    """The shard's claims directory and the cursors directory. Never with makepath: that would
+    bring back a subscriber deleted meanwhile, empty."""
+    for path in (f"{paths.base}/cursors", f"{paths.base}/claims", paths.claims(shard)):
+        try:
+            await zk.call(client.create_async, path, b"")
+        except NodeExistsError:
+            pass
+        except NoNodeError as error:
+            raise SubscriberNotFound(f"subscriber {paths.name} was deleted") from error
+
+
+async def ensure_cursor(client: KazooClient, paths: SubscriberPaths, shard: int) -> Cursor:
+    """The shard's cursor, created at the offset if missing and moved up to the offset if a
+    seek (a new epoch) or leased delivery (before a switch to sharing) left it behind."""
+    while True:
+        data, _ = await zk.call(client.get_async, paths.offset(shard))
+        offset, epoch = decode_offset(data)
+        cursor = await read_cursor(client, paths, shard)
+        if cursor is None:
+            try:
+                await zk.call(client.create_async, paths.cursor(shard), encode_offset(offset, epoch))
+            except NodeExistsError:
+                pass
+            except NoNodeError:
+                await ensure_dirs(client, paths, shard)
+            continue
+        if cursor.epoch == epoch and cursor.next >= offset:
+            return cursor
+        if cursor.epoch > epoch:
+            return cursor  # the seek's offsets are written with its cursors: read again soon
+        try:
+            stat = await zk.call(client.set_async, paths.cursor(shard), encode_offset(offset, epoch), cursor.version)
+        except BadVersionError:
+            continue
+        return Cursor(offset, epoch, stat.version)
+
+
+async def claim_range(
+    client: KazooClient, paths: SubscriberPaths, shard: int, cursor: Cursor, end: int, member: str, until_ms: int,
+    keys: frozenset[int] = frozenset(),
+) -> tuple[ClaimRecord | None, Cursor | None]:
+    """Claim batches [cursor.next, end). Returns the claim, or None and the cursor as it is now
+    (another member moved it first)."""
+    record = ClaimRecord(shard, cursor.epoch, cursor.next, end, member, until_ms, 0, keys)
+    transaction = client.transaction()
+    transaction.set_data(paths.cursor(shard), encode_offset(end, cursor.epoch), cursor.version)
+    transaction.create(f"{paths.claims(shard)}/{record.name}", record.data())
+    results = await zk.call(transaction.commit_async)
+    cursor_result, claim_result = results
+    if isinstance(cursor_result, BadVersionError):
+        return None, await read_cursor(client, paths, shard)
+    if isinstance(claim_result, NodeExistsError):
+        # A range starting here exists though the cursor was here: a claim of this epoch
+        # left by a seek back to the same batch. It is moot; remove it and try again.
+        await delete_claim(client, paths, shard, record.name)
+        return None, await read_cursor(client, paths, shard)
+    if isinstance(claim_result, NoNodeError):
+        await ensure_dirs(client, paths, shard)
+        return None, await read_cursor(client, paths, shard)
+    _raise_failure(results, "claiming batches")
+    return record, Cursor(end, cursor.epoch, int(cursor_result.version))
+
+
+async def skip_range(client: KazooClient, paths: SubscriberPaths, cursor: Cursor, shard: int, end: int) -> bool:
+    """Move the cursor over batches known to be gone (expired): there is nothing to claim."""
+    try:
+        await zk.call(client.set_async, paths.cursor(shard), encode_offset(end, cursor.epoch), cursor.version)
+    except BadVersionError:
+        return False
+    return True
+
+
+async def list_claims(client: KazooClient, paths: SubscriberPaths, shard: int) -> list[str]:
+    try:
+        return sorted(await zk.call(client.get_children_async, paths.claims(shard)))
+    except NoNodeError:
+        return []
+
+
+async def read_claim(client: KazooClient, paths: SubscriberPaths, shard: int, name: str) -> ClaimRecord | None:
+    try:
+        data, stat = await zk.call(client.get_async, f"{paths.claims(shard)}/{name}")
+    except NoNodeError:
+        return None
+    return parse_claim(shard, name, data, stat.version)
+
+
+async def rewrite(
+    client: KazooClient, paths: SubscriberPaths, record: ClaimRecord, member: str, until_ms: int
+) -> ClaimRecord | None:
+    """Renew (same member), release (until 0) or take over (another member) a claim, if it is
+    still at the version `record` was read at; None if it changed or is gone."""
+    updated = replace(record, member=member, until_ms=until_ms)
+    try:
+        stat = await zk.call(client.set_async, f"{paths.claims(record.shard)}/{record.name}", updated.data(),
+                             record.version)
+    except (BadVersionError, NoNodeError):
+        return None
+    return replace(updated, version=stat.version)
+
+
+async def still_held(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord) -> bool:
+    stat = await zk.call(client.exists_async, f"{paths.claims(record.shard)}/{record.name}")
+    return stat is not None and stat.version == record.version
+
+
+async def delete_claim(client: KazooClient, paths: SubscriberPaths, shard: int, name: str) -> None:
+    try:
+        await zk.call(client.delete_async, f"{paths.claims(shard)}/{name}")
+    except NoNodeError:
+        pass
+
+
+async def complete(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord) -> tuple[Completion, int]:
+    """Delete a finished claim and move the offset as far as the open claims allow.
+
+    Returns the outcome and the offset written (or read, when moot)."""
+    while True:
+        data, offset_stat = await zk.call(client.get_async, paths.offset(record.shard))
+        offset, epoch = decode_offset(data)
+        if epoch != record.epoch:
+            if await still_held(client, paths, record):
+                await delete_claim(client, paths, record.shard, record.name)
+            return Completion.MOOT, offset
+        cursor = await read_cursor(client, paths, record.shard)
+        names = await list_claims(client, paths, record.shard)
+        starts = [int(n.partition("-")[2]) for n in names if n != record.name and n.startswith(f"{epoch}-")]
+        bound = cursor.next if cursor is not None and cursor.epoch == epoch else record.end
+        target = max(offset, min([*starts, bound]))
+        transaction = client.transaction()
+        transaction.delete(f"{paths.claims(record.shard)}/{record.name}", record.version)
+        transaction.set_data(paths.offset(record.shard), encode_offset(target, epoch), offset_stat.version)
+        results = await zk.call(transaction.commit_async)
+        claim_result, offset_result = results
+        if isinstance(claim_result, (BadVersionError, NoNodeError)):
+            return Completion.LOST, offset
+        if isinstance(offset_result, BadVersionError):
+            continue  # another completion or a seek came first: read again
+        _raise_failure(results, "completing a claim")
+        return Completion.DONE, target
+
+
+def _raise_failure(results: list[object], what: str) -> None:
+    failures = [r for r in results if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
+    if failures:
+        raise BackendUnavailable(f"ZooKeeper refused {what}: {failures[0]!r}")

@@ -1,0 +1,78 @@
+"""Ordered keys: the next message of a key is delivered only once the one before it is done.
+
+Pure logic, no I/O. One KeyLocks per shard per member holds, for each key, the positions of
+its messages that this member has loaded and not finished (acked or dead-lettered); a message
+may be handed out only when it is the first of them. A nacked or expired message keeps its
+place, so the messages after it wait for it.
+
+In shared delivery, earlier messages of a key may sit in a range another member holds.
+Ranges carry the hashes of their keys (casque.engine.claims), so `foreign(batch)` answers the
+key hashes of other members' open ranges below `batch`, or None when one of them is not
+known yet; then nothing keyed is handed out until it is. A hash collision only holds a
+message back longer than needed; it never lets one through early.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections.abc import Callable, Iterable
+
+from casque.engine.messages import Position
+
+# Key hashes of other members' open ranges below a batch; None while one of them is unknown.
+ForeignKeys = Callable[[int], Iterable[frozenset[int]] | None]
+
+
+def key_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big")
+
+
+class KeyLocks:
+    def __init__(self, foreign: ForeignKeys | None = None, on_release: Callable[[], None] = lambda: None) -> None:
+        self._foreign = foreign
+        self._on_release = on_release
+        # key -> heap of (batch, seq) loaded here and not done; finished ones are dropped lazily.
+        self._pending: dict[str, list[tuple[int, int]]] = {}
+        self._finished: dict[str, set[tuple[int, int]]] = {}
+
+    def add(self, key: str | None, position: Position) -> None:
+        if key is None:
+            return
+        heapq.heappush(self._pending.setdefault(key, []), (position.batch, position.seq))
+
+    def release(self, key: str | None, position: Position) -> None:
+        """The message is done here (acked, dead-lettered) or no longer ours (its range went elsewhere)."""
+        if key is None or key not in self._pending:
+            return
+        self._finished.setdefault(key, set()).add((position.batch, position.seq))
+        self._first(key)
+        self._on_release()
+
+    def may_deliver(self, key: str | None, position: Position) -> bool:
+        if key is None:
+            return True
+        if self._first(key) != (position.batch, position.seq):
+            return False
+        if self._foreign is None:
+            return True
+        ranges = self._foreign(position.batch)
+        if ranges is None:
+            return False
+        wanted = key_hash(key)
+        return not any(wanted in keys for keys in ranges)
+
+    def _first(self, key: str) -> tuple[int, int] | None:
+        heap = self._pending.get(key)
+        finished = self._finished.get(key, set())
+        while heap and heap[0] in finished:
+            finished.discard(heapq.heappop(heap))
+        if not heap:
+            self._pending.pop(key, None)
+            self._finished.pop(key, None)
+            return None
+        return heap[0]
+
+    @property
+    def keys_held(self) -> int:
+        return len(self._pending)

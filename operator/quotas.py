@@ -1,0 +1,107 @@
+"""Quotas: limits per namespace on queues, shards x priorities and retention.
+
+Each shard of each priority level is a log of its own (a head, offsets, leases and a
+partition range per subscriber), so shards x priorities is what a namespace's queues cost
+the backends; retention is how much they keep. The defaults come from the operator's
+settings (CASQUE_QUOTA_*); a Namespace's annotations override them for
+that namespace, and only cluster administrators may change a Namespace. `violations` is the
+pure rule; the reconcile applies it to the queues that exist in the backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from casque.errors import InvalidSpec
+from casque.specs import QueueSpec, format_duration, parse_duration
+
+QUOTA_PREFIX = "quota.casque.io/"
+MAX_QUEUES = f"{QUOTA_PREFIX}max-queues"
+MAX_LOGS = f"{QUOTA_PREFIX}max-shard-priorities"
+MAX_RETENTION = f"{QUOTA_PREFIX}max-retention"
+
+
+
+class QuotaSettings(BaseSettings):
+    """The installation's default limits per namespace, from CASQUE_QUOTA_*; unset: no limit."""
+
+    model_config = SettingsConfigDict(env_prefix="CASQUE_QUOTA_")
+
+    max_queues: int | None = Field(default=None, ge=0)
+    max_shard_priorities: int | None = Field(default=None, ge=0)
+    # Seconds, or 90s/15m/12h/7d as in a Queue's spec.
+    max_retention: str | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_queues: int | None = None
+    max_shard_priorities: int | None = None
+    max_retention_seconds: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in (self.max_queues, self.max_shard_priorities, self.max_retention_seconds))
+
+
+def limits_for(defaults: QuotaSettings, annotations: Mapping[str, str] | None) -> Limits:
+    """The namespace's limits: its annotations where it has them, the defaults elsewhere.
+    An annotation that is empty lifts that limit for the namespace."""
+    given = dict(annotations or {})
+
+    def number(key: str, default: int | None) -> int | None:
+        if key not in given:
+            return default
+        text = given[key].strip()
+        if not text:
+            return None
+        if not text.isdigit():
+            raise InvalidSpec(f"Namespace annotation {key}: {text!r} is not a whole number")
+        return int(text)
+
+    def seconds(key: str, default: str | None) -> int | None:
+        text = given.get(key, default)
+        if text is None or not text.strip():
+            return None
+        try:
+            return parse_duration(text.strip())
+        except ValueError as error:
+            raise InvalidSpec(f"quota {key}: {error}") from error
+
+    return Limits(
+        max_queues=number(MAX_QUEUES, defaults.max_queues),
+        max_shard_priorities=number(MAX_LOGS, defaults.max_shard_priorities),
+        max_retention_seconds=seconds(MAX_RETENTION, defaults.max_retention),
+    )
+
+
+def violations(limits: Limits, others: Sequence[QueueSpec], current: QueueSpec | None, wanted: QueueSpec) -> list[str]:
+    """Why `wanted` does not fit the namespace's limits, beside the namespace's other queues.
+
+    Only growth is refused: a queue already over a limit that was lowered later keeps
+    working and may change in any way that does not grow past the limit further, so that
+    lowering a quota never breaks what runs.
+    """
+    problems = []
+    if limits.max_queues is not None and current is None and len(others) + 1 > limits.max_queues:
+        problems.append(f"the namespace may have {limits.max_queues} queues and has {len(others)} already")
+    logs = wanted.shards * wanted.priorities
+    grows = current is None or logs > current.shards * current.priorities
+    if limits.max_shard_priorities is not None and grows:
+        used = sum(other.shards * other.priorities for other in others)
+        if used + logs > limits.max_shard_priorities:
+            problems.append(
+                f"shards x priorities would reach {used + logs} in the namespace ({used} in its other queues, "
+                f"{wanted.shards} x {wanted.priorities} here); its limit is {limits.max_shard_priorities}"
+            )
+    longer = current is None or wanted.retention_seconds > current.retention_seconds
+    if limits.max_retention_seconds is not None and longer and wanted.retention_seconds > limits.max_retention_seconds:
+        problems.append(
+            f"retention {format_duration(wanted.retention_seconds)} is longer than the namespace's limit of "
+            f"{format_duration(limits.max_retention_seconds)}"
+        )
+    return problems

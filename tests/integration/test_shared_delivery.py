@@ -1,0 +1,333 @@
+"""Shared delivery (`delivery: shared`), engine-level, on a real Cassandra and ZooKeeper.
+
+More members than shards all receive; ranges are claimed, never delivered by two members at
+once; a member that vanishes without releasing has its range taken over after the claim's
+time; a member that lost its range can neither complete it nor have an ack answered; the
+offset moves over the completed prefix only; a seek replays in a new epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from casque.engine import catalog, claims
+from casque.engine.consumer import Consumer
+from casque.engine.messages import Delivery, OutgoingMessage
+from casque.engine.offsets import SeekTarget, seek
+from casque.engine.publisher import Publisher
+from casque.errors import CasqueError, LeaseLost, StaleReceipt
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+from casque.znodes import decode_offset
+
+QUEUE = QueueRef("default", "shared")
+SUBSCRIBER = "pool"
+
+
+async def until(what: str, condition: Callable[[], bool], limit_s: float = 60) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def setup(store: Store, shards: int, visibility: int = 30) -> QueueSpec:
+    spec = QueueSpec(shards=shards, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=visibility, delivery="shared"))
+    return spec
+
+
+async def publish(store: Store, count: int, prefix: str, per_call: int = 10) -> set[str]:
+    """`count` messages, `per_call` to a publish call (a batch each on a one-shard queue)."""
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    ids: set[str] = set()
+    for start in range(0, count, per_call):
+        results = await publisher.publish([OutgoingMessage(f"{prefix}-{i}".encode(), key=f"k{i % 7}")
+                                           for i in range(start, min(count, start + per_call))])
+        ids |= {r.message_id for r in results}
+    await publisher.flush_heads()
+    return ids
+
+
+@pytest.fixture
+async def consumers() -> AsyncIterator[list[Consumer]]:
+    started: list[Consumer] = []
+    yield started
+    for consumer in started:
+        await consumer.stop()
+
+
+async def start(consumers: list[Consumer], store: Store) -> Consumer:
+    consumer = Consumer(store, QUEUE, SUBSCRIBER)
+    consumers.append(consumer)
+    await consumer.start()
+    return consumer
+
+
+def offsets_of(store: Store, shards: list[int]) -> dict[int, int]:
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    return {s: decode_offset(store.zk.get(paths.offset(s))[0])[0] for s in shards}
+
+
+def heads_of(store: Store, shards: list[int]) -> dict[int, int]:
+    return {s: catalog.read_int(store, store.paths(QUEUE).head(s)) for s in shards}
+
+
+def open_claims(store: Store, shards: list[int]) -> list[str]:
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    found = []
+    for shard in shards:
+        if store.zk.exists(paths.claims(shard)):
+            found.extend(f"{shard}/{n}" for n in store.zk.get_children(paths.claims(shard)))
+    return found
+
+
+async def work(consumer: Consumer, received: dict[str, list[Consumer]], stop: asyncio.Event,
+               acked: set[str]) -> None:
+    """Receive and ack as an app would, recording who got what."""
+    while not stop.is_set():
+        got = await consumer.receive(max_messages=20, wait=0.5)
+        for d in got:
+            received.setdefault(d.message.message_id, []).append(consumer)
+        if got:
+            results = await consumer.ack_many([d.receipt for d in got])
+            for d, result in zip(got, results):
+                if result is True:
+                    acked.add(d.message.message_id)
+                elif result is not False:
+                    assert isinstance(result, CasqueError), result
+
+
+async def test_more_members_than_shards_all_receive_and_each_message_is_acked_once(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    spec = setup(store, shards=1)
+    group = [await start(consumers, store) for _ in range(4)]
+    published = await publish(store, 2000, "m", per_call=100)
+    received: dict[str, list[Consumer]] = {}
+    acked: set[str] = set()
+    stop = asyncio.Event()
+    workers = [asyncio.create_task(work(c, received, stop, acked)) for c in group]
+    await until("every message acked", lambda: published <= acked)
+    stop.set()
+    await asyncio.gather(*workers)
+    assert set(received) == published
+    doubles = {m: len(cs) for m, cs in received.items() if len(cs) > 1}
+    assert not doubles, f"delivered twice while nothing failed: {list(doubles.items())[:3]}"
+    assert all(any(c in cs for cs in received.values()) for c in group), "a member of the pool received nothing"
+    shards = spec.log_shards()
+    await until("the offset past every batch",
+                lambda: offsets_of(store, shards) == {s: h + 1 for s, h in heads_of(store, shards).items()})
+    assert open_claims(store, shards) == []
+    writes = sum(c._sharing.zk_writes for c in group if c._sharing is not None)
+    assert writes <= 2 * 2000 // 100 + 10 * len(group), f"{writes} ZooKeeper writes for 20 batches"
+
+
+async def test_a_vanished_members_range_is_taken_over_after_its_claim_and_its_acks_are_refused(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    spec = setup(store, shards=1, visibility=2)
+    first = await start(consumers, store)
+    published = await publish(store, 30, "m", per_call=30)
+    held = await first.receive(max_messages=30, wait=10)
+    assert len(held) == 30
+    # The first member stops renewing, as a paused or dead one would: its claim lapses.
+    assert first._sharing is not None
+    first._sharing._stopped = True
+    for task in first._sharing._tasks:
+        task.cancel()
+    second = await start(consumers, store)
+    redelivered: list[Delivery] = []
+    deadline = time.monotonic() + 60
+    while {d.message.message_id for d in redelivered} != published:
+        assert time.monotonic() < deadline, "the lapsed range was not taken over"
+        redelivered.extend(await second.receive(max_messages=30, wait=1))
+    assert all(d.delivery_count == 2 for d in redelivered), "the delivery count did not survive the takeover"
+    # The first member's acks come after the takeover: refused, never answered as done.
+    results = await first.ack_many([d.receipt for d in held])
+    assert not any(r is True for r in results), results
+    assert all(isinstance(r, (LeaseLost, StaleReceipt)) for r in results), results
+    assert all(r is True for r in await second.ack_many([d.receipt for d in redelivered]))
+    shards = spec.log_shards()
+    await until("the offset past the range", lambda: offsets_of(store, shards)[0] == heads_of(store, shards)[0] + 1)
+
+
+async def test_a_member_that_lost_its_range_early_can_neither_ack_nor_complete_it(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    spec = setup(store, shards=1, visibility=30)
+    first = await start(consumers, store)
+    published = await publish(store, 30, "m", per_call=30)
+    held = await first.receive(max_messages=30, wait=10)
+    assert len(held) == 30
+    # A member whose clock runs ahead sees the claim as lapsed long before its holder does:
+    # here the claim's time is set to the past, and a second member takes the range over
+    # while the first member's deliveries are still in flight by its own clock.
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    (name,) = store.zk.get_children(paths.claims(0))
+    record = await claims.read_claim(store.zk, paths, 0, name)
+    assert record is not None
+    assert await claims.rewrite(store.zk, paths, record, record.member, 0) is not None
+    second = await start(consumers, store)
+    redelivered: list[Delivery] = []
+    deadline = time.monotonic() + 60
+    while {d.message.message_id for d in redelivered} != published:
+        assert time.monotonic() < deadline, "the range was not taken over"
+        redelivered.extend(await second.receive(max_messages=30, wait=1))
+    # Part of the range (ack rows, then the claim's version checked) and then the rest (the
+    # range's completion, a multi that checks the claim's version): both refused.
+    partly = await first.ack_many([d.receipt for d in held[:10]])
+    assert all(isinstance(r, (LeaseLost, StaleReceipt)) for r in partly), partly
+    rest = await first.ack_many([d.receipt for d in held[10:]])
+    assert all(isinstance(r, (LeaseLost, StaleReceipt)) for r in rest), rest
+    assert all(r is True for r in await second.ack_many([d.receipt for d in redelivered]))
+    shards = spec.log_shards()
+    await until("the offset past the range", lambda: offsets_of(store, shards)[0] == heads_of(store, shards)[0] + 1)
+
+
+async def test_the_offset_waits_for_the_lowest_open_range(store: Store, consumers: list[Consumer]) -> None:
+    spec = setup(store, shards=1)
+    slow, fast = await start(consumers, store), await start(consumers, store)
+    await publish(store, 600, "m", per_call=100)
+    low = await slow.receive(max_messages=10, wait=10)  # claims the first range
+    assert low and low[0].message.position.batch == 1
+    later: list[Delivery] = []
+    while len(later) < 300:
+        got = await fast.receive(max_messages=50, wait=2)
+        assert got, "the second member found nothing beyond the first member's range"
+        later.extend(got)
+        assert all(r is True for r in await fast.ack_many([d.receipt for d in got]))
+    shards = spec.log_shards()
+    assert offsets_of(store, shards)[0] == 1, "the offset passed a range with unacked messages"
+    rest = low + [d for d in await slow.receive(max_messages=500, wait=2)]
+    assert all(r is True for r in await slow.ack_many([d.receipt for d in rest]))
+    await until("the offset past the completed prefix", lambda: offsets_of(store, shards)[0] > 3)
+
+
+async def test_a_seek_replays_through_the_pool_in_a_new_epoch(store: Store, consumers: list[Consumer]) -> None:
+    spec = setup(store, shards=2)
+    group = [await start(consumers, store) for _ in range(3)]
+    published = await publish(store, 400, "m", per_call=40)
+    received: dict[str, list[Consumer]] = {}
+    acked: set[str] = set()
+    stop = asyncio.Event()
+    workers = [asyncio.create_task(work(c, received, stop, acked)) for c in group]
+    await until("every message acked", lambda: published <= acked)
+    await asyncio.to_thread(seek, store, QUEUE, SUBSCRIBER, SeekTarget("earliest"))
+    received.clear()
+    acked.clear()
+    await until("every message acked again after the seek", lambda: published <= acked)
+    stop.set()
+    await asyncio.gather(*workers)
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    cursors = [await claims.read_cursor(store.zk, paths, s) for s in spec.log_shards()]
+    assert all(c is not None and c.epoch == 1 for c in cursors), cursors
+
+
+async def test_ordered_keys_deliver_the_next_message_of_a_key_only_after_the_previous_is_acked(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="shared",
+        ordered_keys=True))
+    group = [await start(consumers, store) for _ in range(3)]
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    order: dict[str, list[str]] = {}
+    for start_at in range(0, 300, 30):  # ten batches, four keys spread over all of them
+        results = await publisher.publish([OutgoingMessage(f"m{i}".encode(), key=f"k{i % 4}")
+                                           for i in range(start_at, start_at + 30)])
+        for r, i in zip(results, range(start_at, start_at + 30)):
+            order.setdefault(f"k{i % 4}", []).append(r.message_id)
+    await publisher.flush_heads()
+    published = {m for ids in order.values() for m in ids}
+    # Per message: when its first delivery was answered, and when its ack was sent.
+    delivered_at: dict[str, float] = {}
+    ack_sent_at: dict[str, float] = {}
+    receivers: dict[str, str] = {}
+    stop = asyncio.Event()
+
+    async def ordered_worker(consumer: Consumer) -> None:
+        while not stop.is_set():
+            got = await consumer.receive(max_messages=10, wait=0.5)
+            answered = time.monotonic()
+            for d in got:
+                delivered_at.setdefault(d.message.message_id, answered)
+                receivers[d.message.message_id] = consumer.member_id
+            await asyncio.sleep(0.01)  # the app's work
+            if got:
+                ack_sent = time.monotonic()
+                for d, result in zip(got, await consumer.ack_many([d.receipt for d in got])):
+                    if result is True:
+                        ack_sent_at[d.message.message_id] = ack_sent
+
+    workers = [asyncio.create_task(ordered_worker(c)) for c in group]
+    await until("every message acked", lambda: published <= set(ack_sent_at), limit_s=120)
+    stop.set()
+    await asyncio.gather(*workers)
+    for key, ids in order.items():
+        for earlier, later in zip(ids, ids[1:]):
+            assert delivered_at[later] > ack_sent_at[earlier], (
+                f"{key}: {later} was delivered before {earlier} was acked")
+    assert len(set(receivers.values())) > 1, "one member received everything: nothing was shared"
+
+
+async def test_a_poison_message_goes_to_the_dead_letter_queue_and_its_range_completes(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    dead_letters = QueueRef(QUEUE.namespace, "shared-dlq")
+    catalog.apply_queue(store, dead_letters, spec)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="shared",
+        max_deliveries=2, dead_letter_queue=dead_letters.name))
+    first, second = await start(consumers, store), await start(consumers, store)
+    published = await publish(store, 20, "m", per_call=20)
+    poison: str | None = None
+    acked: set[str] = set()
+    shards = spec.log_shards()
+    deadline = time.monotonic() + 60
+    # The app keeps asking (a receive is what finds a message over its max deliveries).
+    while offsets_of(store, shards)[0] <= heads_of(store, shards)[0]:
+        assert time.monotonic() < deadline, f"{len(acked)} acked, poison {poison}"
+        for consumer in (first, second):
+            for d in await consumer.receive(max_messages=20, wait=0.2):
+                if poison is None:
+                    poison = d.message.message_id
+                if d.message.message_id == poison:
+                    await consumer.nack(d.receipt, error="cannot parse")
+                elif await consumer.ack(d.receipt):
+                    acked.add(d.message.message_id)
+    assert poison is not None and acked == published - {poison}
+    head = catalog.read_int(store, store.paths(dead_letters).head(0))
+    assert head == 1, "the poison message did not reach the dead-letter queue"
+
+
+async def test_an_app_that_never_acks_does_not_make_its_member_load_the_whole_backlog(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    from casque.engine.sharing import CLAIM_MESSAGES, MAX_LOADED_MESSAGES
+
+    setup(store, shards=1, visibility=300)
+    member = await start(consumers, store)
+    await publish(store, MAX_LOADED_MESSAGES + 2000, "m", per_call=100)
+    held = 0
+    deadline = time.monotonic() + 120
+    while held < MAX_LOADED_MESSAGES:
+        assert time.monotonic() < deadline, f"only {held} received"
+        held += len(await member.receive(max_messages=100, wait=2))
+    sharing = member._sharing
+    assert sharing is not None
+    sharing.demand()
+    assert not sharing._may_claim(), "the member would claim more while holding its limit"
+    loaded = sum(r.state.loaded_messages for r in sharing.sources())
+    assert loaded < MAX_LOADED_MESSAGES + CLAIM_MESSAGES, loaded

@@ -1,0 +1,127 @@
+"""Shared delivery under faults, through the sidecar HTTP API, with sidecar processes.
+
+Eight sidecars share a two-shard queue (`delivery: shared`): every one of them receives,
+and after kill -9 or a pause of a member past its claims, a history checker
+(tests.fixtures.history) finds every acknowledged publish delivered and acked, nothing
+delivered again after an ack answered `acked`, and no ack of a superseded delivery answered
+`acked`; every live member is back in the group and ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from casque.engine import catalog
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+from tests.fixtures.group import Group, until
+from tests.fixtures.history import check
+from tests.fixtures.sidecars import SidecarProcess, StartSidecar
+
+QUEUE = QueueRef("default", "pool")
+SUBSCRIBER = "workers"
+# Short visibility, so that a dead member's claims come back within seconds.
+VISIBILITY = 4
+
+
+def create(store: Store, shards: int) -> QueueSpec:
+    spec = QueueSpec(shards=shards, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=VISIBILITY, delivery="shared"))
+    return spec
+
+
+@pytest.fixture
+async def group(store: Store, start_sidecar: StartSidecar) -> AsyncIterator[Group]:
+    running = Group(start_sidecar, store, QUEUE, SUBSCRIBER)
+    yield running
+    await running.stop()
+
+
+def _has_delivered(group: Group, sidecar: SidecarProcess) -> Callable[[], Awaitable[bool]]:
+    member = group.members[sidecar]
+
+    async def condition() -> bool:
+        return any(d.member == member for d in group.history.deliveries)
+
+    return condition
+
+
+def _receivers(group: Group) -> set[str]:
+    return {d.member for d in group.history.deliveries}
+
+
+async def test_eight_members_on_two_shards_all_receive_and_a_killed_one_loses_nothing(
+    store: Store, group: Group
+) -> None:
+    create(store, shards=2)
+    members = await group.add(8)
+    await group.whole(None)
+    rounds = 0
+    while not {group.members[s] for s in members} <= _receivers(group):
+        # Claims are sized to reach every member: a few rounds of 400 messages suffice even
+        # when some sidecars are slow to start asking (a loaded machine).
+        assert rounds < 10, f"members that never received: {set(group.members.values()) - _receivers(group)}"
+        await group.publish(400, f"warm{rounds}")
+        await group.drained()
+        rounds += 1
+    victim = members[0]
+    publishing = asyncio.create_task(group.publish(800, "load"))
+    await until("the victim to have work in hand", _has_delivered(group, victim))
+    victim.kill()  # its claims stay until their time runs out; the others take them over then
+    await group.add(1)
+    await publishing
+    await group.whole(None)
+    await group.drained()
+    verdict = check(group.history)
+    assert verdict.ok, str(verdict)
+
+
+async def test_a_member_paused_past_its_claims_has_its_acks_refused_and_serves_again(
+    store: Store, group: Group
+) -> None:
+    create(store, shards=2)
+    members = await group.add(4)
+    await group.whole(None)
+    sleeper = members[0]
+    publishing = asyncio.create_task(group.publish(600, "load"))
+    await until("the sleeper to have work in hand", _has_delivered(group, sleeper))
+    sleeper.pause()
+    await publishing
+    await group.drained()  # the others took its ranges over once their time ran out
+    sleeper.resume()
+    await group.whole(None)
+    after = await group.publish(400, "after")
+    await group.drained()
+    assert any(d.member == group.members[sleeper] and d.message_id in after for d in group.history.deliveries), (
+        "the resumed member received nothing")
+    verdict = check(group.history)
+    assert verdict.ok, str(verdict)
+
+
+async def test_switching_a_live_group_from_leased_to_shared_delivery_loses_nothing(
+    store: Store, group: Group
+) -> None:
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    leased = SubscriberSpec(queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=VISIBILITY)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, leased)
+    await group.add(3)
+    await group.whole(spec.log_shards())
+    await group.publish(300, "leased")
+    await group.drained()
+    publishing = asyncio.create_task(group.publish(600, "switching"))
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, leased.model_copy(update={"delivery": "shared"}))
+    await publishing
+    await group.whole(None)
+    await group.drained()
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    assert all(store.zk.exists(paths.cursor(s)) for s in spec.log_shards()), "the members did not switch"
+    assert not await asyncio.to_thread(group.lease_holders), "a member still holds a shard lease"
+    verdict = check(group.history)
+    assert verdict.ok, str(verdict)

@@ -1,0 +1,84 @@
+"""Ordered keys: a keyed message waits for the one before it, here and in other members' ranges."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from casque.engine.keylocks import KeyLocks, key_hash
+from casque.engine.messages import Position, StoredMessage
+from casque.engine.shard_state import ShardState
+
+
+def message(batch: int, seq: int, key: str | None) -> StoredMessage:
+    return StoredMessage(position=Position(0, batch, seq), message_id=f"{batch}-{seq}",
+                         published_at=datetime.now(timezone.utc), payload=b"x", key=key)
+
+
+def taken_ids(state: ShardState, limit: int = 10, now: float = 0.0) -> list[str]:
+    return [h.entry.message.message_id for h in state.take(limit, now, 30.0, 0.0)]
+
+
+def test_the_next_message_of_a_key_waits_until_the_one_before_it_is_acked() -> None:
+    state = ShardState(shard=0, offset=1, locks=KeyLocks())
+    state.add_batch(1, [message(1, 0, "a"), message(1, 1, "b"), message(1, 2, "a"), message(1, 3, None)])
+    first = state.take(10, 0.0, 30.0, 0.0)
+    assert [h.entry.message.message_id for h in first] == ["1-0", "1-1", "1-3"]
+    assert taken_ids(state) == []  # 1-2 waits for 1-0
+    state.ack(Position(0, 1, 0), first[0].nonce)
+    assert taken_ids(state) == ["1-2"]
+
+
+def test_a_nacked_message_keeps_its_place_and_the_next_of_its_key_waits() -> None:
+    state = ShardState(shard=0, offset=1, locks=KeyLocks())
+    state.add_batch(1, [message(1, 0, "a"), message(1, 1, "a")])
+    (handout,) = state.take(10, 0.0, 30.0, 0.0)
+    state.nack(Position(0, 1, 0), handout.nonce, delay=0.0, now=0.0)
+    assert taken_ids(state) == ["1-0"]  # redelivered first; 1-1 still waits
+
+
+def test_an_expired_visibility_does_not_let_the_next_message_through() -> None:
+    state = ShardState(shard=0, offset=1, locks=KeyLocks())
+    state.add_batch(1, [message(1, 0, "a"), message(1, 1, "a")])
+    assert taken_ids(state) == ["1-0"]
+    assert taken_ids(state, now=31.0) == ["1-0"]
+
+
+def test_a_dead_lettered_message_frees_its_key() -> None:
+    state = ShardState(shard=0, offset=1, locks=KeyLocks())
+    state.add_batch(1, [message(1, 0, "a"), message(1, 1, "a")])
+    assert taken_ids(state) == ["1-0"]
+    state.dead_letter(Position(0, 1, 0))
+    assert taken_ids(state) == ["1-1"]
+
+
+def test_ranges_of_one_member_share_the_lock_of_a_key() -> None:
+    locks = KeyLocks()
+    low, high = ShardState(shard=0, offset=1, locks=locks), ShardState(shard=0, offset=2, locks=locks)
+    low.add_batch(1, [message(1, 0, "a")])
+    high.add_batch(2, [message(2, 0, "a"), message(2, 1, "b")])
+    assert taken_ids(high) == ["2-1"]
+    (handout,) = low.take(10, 0.0, 30.0, 0.0)
+    low.ack(Position(0, 1, 0), handout.nonce)
+    assert taken_ids(high) == ["2-0"]
+
+
+def test_a_key_in_another_members_lower_range_waits_and_an_unknown_range_holds_every_key() -> None:
+    foreign: list[frozenset[int]] | None = [frozenset({key_hash("a")})]
+    locks = KeyLocks(foreign=lambda batch: foreign if batch > 1 else [])
+    state = ShardState(shard=0, offset=2, locks=locks)
+    state.add_batch(2, [message(2, 0, "a"), message(2, 1, "b"), message(2, 2, None)])
+    assert taken_ids(state) == ["2-1", "2-2"]
+    foreign = None
+    assert taken_ids(state) == []
+    foreign = []
+    assert taken_ids(state) == ["2-0"]
+
+
+def test_a_dropped_range_releases_its_keys() -> None:
+    locks = KeyLocks()
+    dropped, kept = ShardState(shard=0, offset=1, locks=locks), ShardState(shard=0, offset=2, locks=locks)
+    dropped.add_batch(1, [message(1, 0, "a")])
+    kept.add_batch(2, [message(2, 0, "a")])
+    assert taken_ids(kept) == []
+    dropped.release_keys()
+    assert taken_ids(kept) == ["2-0"]
