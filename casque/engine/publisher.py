@@ -41,12 +41,15 @@ from casque.engine.delayed import (
 from casque.engine.heads import HeadAdvancer
 from casque.engine.idempotency import IdempotencyGuard, IdRecord, claim_deadline, recorded
 from casque.engine.messages import OutgoingMessage, Published
-from casque.errors import BackendUnavailable, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
+from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
 from casque.specs import QueueSpec, QueueState, log_shard
 from casque.store import Store
 
 log = logging.getLogger(__name__)
+
+# What a delayed row's check against the mover's cursor may meet, and retry later.
+_CHECK_FAILURES = (CasqueError, asyncio.TimeoutError, KazooException)
 
 MAX_BATCH_MESSAGES = 1000
 # A preferred shard with this many messages waiting behind a write in flight spills over.
@@ -430,26 +433,29 @@ class Publisher:
         landed, so the row is moved now, with the mover's client id for it (both moves store
         one message). Otherwise every pass that reads it starts after it landed.
 
-        Without an answer from ZooKeeper the publish still succeeds (the row is stored), and
-        the check is retried apart until it is answered."""
-        assert self._cursor_reads is not None
+        If ZooKeeper does not answer, or the move fails, the publish still succeeds (the row
+        is stored, and a retry would find it recorded), and the check is retried apart until
+        it is done."""
         try:
-            cursor = await self._cursor_reads.read()
-        except (BackendUnavailable, asyncio.TimeoutError, KazooException) as error:
-            log.warning("queue %s: the delayed-message mover's cursor is unreadable (%s); checked later", self.queue,
-                        error)
-            self.in_background(self._move_if_passed_later(message_id, due, message))
-            return
+            await self._check_and_move(message_id, due, message)
+        except _CHECK_FAILURES as error:
+            log.warning("queue %s: delayed message %s not checked against the mover's cursor (%s); retrying",
+                        self.queue, message_id, error)
+            self.in_background(self._check_and_move_later(message_id, due, message))
+
+    async def _check_and_move(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
+        assert self._cursor_reads is not None
+        cursor = await self._cursor_reads.read()
         if cursor is not None and cursor.until >= due:
             await self._move_now(message_id, message)
 
-    async def _move_if_passed_later(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
+    async def _check_and_move_later(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
         while True:
             await asyncio.sleep(IMMEDIATE_SECONDS)
             try:
-                await self._move_if_passed(message_id, due, message)
+                await self._check_and_move(message_id, due, message)
                 return
-            except (BackendUnavailable, asyncio.TimeoutError, KazooException):
+            except _CHECK_FAILURES:
                 continue
 
     async def _move_now(self, message_id: str, message: OutgoingMessage) -> None:
