@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,17 @@ MAX_RETENTION_SECONDS = 10 * 365 * 86400
 TWCS_TARGET_WINDOWS = 24
 
 ACKS_TABLE = "acks"
-PUBLISH_IDS_TABLE = "publish_ids"
+# Client message ids of idempotent publishes, a queue's ids spread over CLIENT_ID_BUCKETS
+# partitions: one group commit's ids are checked with one read and recorded with one
+# write per partition, not one per id.
+CLIENT_IDS_TABLE = "client_ids"
+CLIENT_ID_BUCKETS = 16
+# A row per writer id (per group commit): where its claims start and until when, written
+# with the intents of its ids, and the batch it won, which completes all of them.
+PUBLISH_WRITERS_TABLE = "publish_writers"
+# The table of one partition per id that CLIENT_IDS_TABLE replaces. Installations made
+# before it keep it; sidecars look there for ids they miss until it is dropped.
+LEGACY_PUBLISH_IDS_TABLE = "publish_ids"
 DELAYED_TABLE = "delayed"
 COUNTERS_TABLE = "counters"
 # Delayed messages are grouped in partitions of this many seconds of due time.
@@ -97,6 +108,12 @@ class QueueRef:
 
 def bucket_of(batch: int, batches_per_bucket: int = BATCHES_PER_BUCKET) -> int:
     return batch // batches_per_bucket
+
+
+def client_id_bucket(client_id: str) -> int:
+    """The partition of CLIENT_IDS_TABLE (within its queue) that holds a client id: crc32,
+    not Python's hash, so every process agrees."""
+    return zlib.crc32(client_id.encode()) % CLIENT_ID_BUCKETS
 
 
 def validate_retention(seconds: int) -> int:
@@ -229,20 +246,36 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     PRIMARY KEY ((queue), name)
 )""",
         # Client message ids of recent publishes, for idempotent publish; rows expire
-        # after the deduplication window. Written first as an intent (writer, since_batch,
-        # claim_deadline: where and by whom the batch will be claimed, and until when), then
-        # completed with the position (batch_no, seq) once the batch is written.
-        f"""CREATE TABLE IF NOT EXISTS {keyspace}.{PUBLISH_IDS_TABLE} (
+        # after the deduplication window. Written as an intent before the claim (writer, and
+        # seq: the message's place in its batch; the writer's row in publish_writers says
+        # where and until when it claims), and completed by the writer's row once the batch
+        # is written (or here, with batch_no, by a retry that settled it). A queue's ids share CLIENT_ID_BUCKETS partitions
+        # (`client_id_bucket`), so a group commit reads and writes a few partitions however
+        # many ids it carries; at 5,000 ids/s and a 600 s window a partition holds about
+        # 190,000 rows (~30 MB).
+        f"""CREATE TABLE IF NOT EXISTS {keyspace}.{CLIENT_IDS_TABLE} (
     queue text,
+    bucket int,
     client_id text,
     message_id text,
     shard int,
     batch_no bigint,
     seq int,
     writer text,
+    PRIMARY KEY ((queue, bucket), client_id)
+) WITH gc_grace_seconds = {GC_GRACE_SECONDS}
+  AND compaction = {_compaction(86400)}""",
+        # A writer id (one per group commit): written with its intents, where its claims
+        # start and until when they may be sent; once written, the batch it won. Lives as
+        # long as its ids.
+        f"""CREATE TABLE IF NOT EXISTS {keyspace}.{PUBLISH_WRITERS_TABLE} (
+    queue text,
+    writer text,
+    shard int,
     since_batch bigint,
     claim_deadline timestamp,
-    PRIMARY KEY ((queue, client_id))
+    batch_no bigint,
+    PRIMARY KEY ((queue, writer))
 ) WITH gc_grace_seconds = {GC_GRACE_SECONDS}
   AND compaction = {_compaction(86400)}""",
     ]
@@ -257,11 +290,12 @@ class TableOptions:
     compaction: dict[str, str] | None = None
 
 
-# Columns added to shared tables after their first release: (table, column, type).
+# Columns added to shared tables after their first release: (table, column, type). A table
+# an installation does not have (a legacy one) gets none.
 ADDED_COLUMNS = [
-    (PUBLISH_IDS_TABLE, "writer", "text"),
-    (PUBLISH_IDS_TABLE, "since_batch", "bigint"),
-    (PUBLISH_IDS_TABLE, "claim_deadline", "timestamp"),
+    (LEGACY_PUBLISH_IDS_TABLE, "writer", "text"),
+    (LEGACY_PUBLISH_IDS_TABLE, "since_batch", "bigint"),
+    (LEGACY_PUBLISH_IDS_TABLE, "claim_deadline", "timestamp"),
 ]
 
 
@@ -276,8 +310,9 @@ def ensure_keyspace(session: Any, keyspace: str, replication_cql: str) -> None:
             "SELECT table_name, column_name FROM system_schema.columns WHERE keyspace_name = %s", (keyspace,)
         )
     }
+    tables = {table for table, _ in existing}
     for table, column, kind in ADDED_COLUMNS:
-        if (table, column) not in existing:
+        if table in tables and (table, column) not in existing:
             session.execute(f"ALTER TABLE {keyspace}.{table} ADD {column} {kind}")
 
 
@@ -310,6 +345,13 @@ def read_table_options(session: Any, keyspace: str, queue: QueueRef) -> TableOpt
     return TableOptions(
         exists=True, default_time_to_live=int(row.default_time_to_live), compaction=dict(row.compaction)
     )
+
+
+def has_table(session: Any, keyspace: str, table: str) -> bool:
+    row = session.execute(
+        "SELECT table_name FROM system_schema.tables WHERE keyspace_name = %s AND table_name = %s", (keyspace, table)
+    ).one()
+    return row is not None
 
 
 def count_queue_tables(session: Any, keyspace: str) -> int:

@@ -6,7 +6,6 @@ functions of (wanted spec, current state). Applying the same spec twice changes 
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -14,6 +13,7 @@ from datetime import datetime, timezone
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError, RolledBackError
 
 from casque.engine import positions
+from casque.engine.delayed import Cursor
 from casque.errors import BackendUnavailable, InvalidChange, InvalidSpec, QueueNotFound, SubscriberNotFound
 from casque.schema import (
     QueueRef,
@@ -161,7 +161,7 @@ def _create_queue_znodes(store: Store, queue: QueueRef, spec: QueueSpec) -> None
     store.zk.create(paths.base, b"", makepath=True)
     store.zk.create(paths.subscribers, b"")
     # The delayed-message mover starts from the queue's creation (see casque.engine.delayed).
-    store.zk.create(paths.mover, json.dumps({"until": state.created_at.isoformat()}).encode())
+    store.zk.create(paths.mover, Cursor(state.created_at, state.created_at).encode())
     for shard in spec.log_shards():
         store.zk.create(paths.head(shard), b"0", makepath=True)
     store.zk.set(paths.base, state.model_dump_json().encode())

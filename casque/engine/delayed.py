@@ -8,14 +8,26 @@ for the queue's retention (as long as the row can be read again), so a row moved
 mover that died between publishing and recording its progress, and a successor that rescans
 it however much later) is stored once.
 
-The mover records in its znode the time up to which everything due has been moved (the
-cursor), and rescans behind it for rows written late: the last RECENT_LOOKBACK on every
-pass, the whole LOOKBACK every FULL_RESCAN_SECONDS. It publishes each row once while it
-leads. A publisher whose clock is far behind the mover's could write a row older than the
-lookback; publishers therefore publish a message directly into the log when its due time is
-not well inside it. Lateness is bounded by the mover's pass interval plus the clock skew
-between the publisher and the mover (plus FULL_RESCAN_SECONDS for a row written more than
-RECENT_LOOKBACK late); nothing due is lost while the skew stays below the lookback.
+Each due row is read once. The mover remembers, per due bucket, the highest (due time,
+message id) it has read, and a pass reads only the rows after it that are due. Rows land
+behind that mark only when written late (a publisher's clock behind the mover's, a slow
+write), and those are the writer's to move. The cursor in the mover's znode says how far
+the mover has gone:
+
+- `until`: written *before* a pass reads, so a pass reading rows due up to it may have run.
+  A publisher reads it (fresh) after its row is written, before it answers: if `until` has
+  reached the row's due time, the pass that should have moved it may have read before the
+  row landed, so the publisher moves the row itself, with the same client id the mover
+  uses (the id makes the two moves one). Otherwise every pass that covers the row starts
+  reading after it landed, and reads it.
+- `moved`: every row due up to it that a pass could read has been moved. A new leader
+  (after a failover, or this one re-elected) starts from it, its marks being gone: only
+  the rows of the pass the last leader had under way are read twice.
+
+So in steady state a row is read once by the mover (`rows_read` / `offered`), and a row
+moved twice (a mover and its writer, a failover) is stored once. Lateness is bounded by the
+mover's pass interval (plus a write's duration for a row its writer moves), whatever the
+publishers' clocks.
 """
 
 from __future__ import annotations
@@ -24,7 +36,6 @@ import asyncio
 import json
 import logging
 import math
-import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -51,20 +62,31 @@ ELECTION_WAIT_SECONDS = 5.0
 IMMEDIATE_SECONDS = 1.0
 # The mover wakes at least this often (sooner when a message is due sooner).
 PASS_SECONDS = 1.0
-# A pass re-reads this far behind its cursor, for rows written late (lagging clocks, slow
-# writes): RECENT_LOOKBACK on every pass, LOOKBACK every FULL_RESCAN_SECONDS.
-LOOKBACK = timedelta(minutes=2)
-RECENT_LOOKBACK = timedelta(seconds=10)
-FULL_RESCAN_SECONDS = 15.0
-# Publishers treat a due time less than this after the start of the mover's rescan window
-# (cursor - LOOKBACK) as due now.
-CURSOR_MARGIN = timedelta(seconds=30)
+# What a cursor written by an earlier version (`until` alone, with rescans of this much
+# behind it) guarantees was moved.
+LEGACY_LOOKBACK = timedelta(minutes=2)
+# Rows one pass reads at most (a backlog after an outage is moved in passes of this many).
+PASS_ROWS = 1000
+# A writer's fresh read of the cursor gives up after this long (and is retried apart).
+CURSOR_READ_SECONDS = 5.0
 # A mover whose queue was deleted looks for it again this often.
 ABSENT_QUEUE_RECHECK_SECONDS = 5.0
 
 
 def due_bucket(moment: datetime) -> int:
     return math.floor(moment.timestamp() / DELAY_BUCKET_SECONDS)
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """How far the mover has gone (see the module): a pass reading rows due up to `until`
+    may have run; every row due up to `moved` has been moved."""
+
+    until: datetime
+    moved: datetime
+
+    def encode(self) -> bytes:
+        return json.dumps({"until": self.until.isoformat(), "moved": self.moved.isoformat()}).encode()
 
 
 @dataclass(frozen=True)
@@ -85,13 +107,16 @@ class DelayedStore:
             f"INSERT INTO {table} (queue, due_bucket, due_at, message_id, published_at, key, attributes, payload, "
             "content_type, priority, ttl_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ?"
         )
+        # The rows of a bucket after a (due time, message id) mark, due by a time, in key order.
         self._select = store.session.prepare(
-            f"SELECT * FROM {table} WHERE queue = ? AND due_bucket = ? AND due_at > ? AND due_at <= ?"
+            f"SELECT * FROM {table} WHERE queue = ? AND due_bucket = ? AND (due_at, message_id) > (?, ?) "
+            "AND (due_at) <= (?) LIMIT ?"
         )
         self._next = store.session.prepare(
             f"SELECT due_at FROM {table} WHERE queue = ? AND due_bucket = ? AND due_at > ? LIMIT 1"
         )
         self.counters = QueueCounters(store, queue_key)
+        self.rows_read = 0
 
     async def insert(self, message_id: str, due_at: datetime, message: OutgoingMessage) -> None:
         now = datetime.now(timezone.utc)
@@ -104,25 +129,22 @@ class DelayedStore:
         await cql.execute(self._store.session, self._insert, [UNSET_VALUE if v is None else v for v in values])
         await self.counters.add(DELAYED_IN, 1)
 
-    async def due_between(self, after: datetime, until: datetime) -> list[DueMessage]:
-        found: list[DueMessage] = []
-        for bucket in range(due_bucket(after), due_bucket(until) + 1):
-            rows = await cql.execute(self._store.session, self._select, (self._queue, bucket, after, until))
-            for row in rows:
-                found.append(
-                    DueMessage(
-                        row.message_id,
-                        row.due_at.replace(tzinfo=timezone.utc),
-                        OutgoingMessage(
-                            payload=row.payload or b"", key=row.key, attributes=dict(row.attributes or {}),
-                            content_type=row.content_type, priority=row.priority or 0,
-                            ttl_seconds=row.ttl_seconds, client_id=moved_client_id(row.message_id),
-                            # A due row can be read again until it expires, after its retention.
-                            client_id_window_seconds=self._retention,
-                        ),
-                    )
-                )
-        return found
+    async def due_after(self, bucket: int, mark: tuple[datetime, str], until: datetime, limit: int) -> list[DueMessage]:
+        """Up to `limit` rows of `bucket` after `mark` (due time, message id) and due by
+        `until`, in key order."""
+        rows = await cql.fetch_all(self._store.session, self._select, (self._queue, bucket, *mark, until, limit))
+        self.rows_read += len(rows)
+        return [
+            DueMessage(
+                row.message_id,
+                row.due_at.replace(tzinfo=timezone.utc),
+                moved_message(row.message_id, OutgoingMessage(
+                    payload=row.payload or b"", key=row.key, attributes=dict(row.attributes or {}),
+                    content_type=row.content_type, priority=row.priority or 0, ttl_seconds=row.ttl_seconds,
+                ), self._retention),
+            )
+            for row in rows
+        ]
 
     async def next_due(self, after: datetime) -> datetime | None:
         row = (await cql.execute(self._store.session, self._next, (self._queue, due_bucket(after), after))).one()
@@ -135,10 +157,67 @@ def moved_client_id(message_id: str) -> str:
     return f"{MOVED_PREFIX}{message_id}"
 
 
-def read_cursor(data: bytes | None) -> datetime | None:
+def moved_message(message_id: str, message: OutgoingMessage, retention_seconds: int) -> OutgoingMessage:
+    """A delayed message as its move publishes it: due now, under its move's client id."""
+    return OutgoingMessage(
+        payload=message.payload, key=message.key, attributes=message.attributes, content_type=message.content_type,
+        priority=message.priority, ttl_seconds=message.ttl_seconds, client_id=moved_client_id(message_id),
+        # A due row can be read again until it expires, after its retention.
+        client_id_window_seconds=retention_seconds,
+    )
+
+
+def read_cursor(data: bytes | None) -> Cursor | None:
     if not data:
         return None
-    return datetime.fromisoformat(json.loads(data)["until"])
+    fields = json.loads(data)
+    until = datetime.fromisoformat(fields["until"])
+    if "moved" not in fields:
+        # Written by an earlier version, whose mover rescanned LEGACY_LOOKBACK behind it.
+        return Cursor(until, until - LEGACY_LOOKBACK)
+    return Cursor(until, datetime.fromisoformat(fields["moved"]))
+
+
+class CursorReads:
+    """Fresh reads of the mover's cursor, for writers of delayed rows: each caller gets a
+    read that started after it asked (a ZooKeeper sync first, since a server may lag the
+    leader), and callers that ask while a read runs share the next one."""
+
+    def __init__(self, store: Store, path: str) -> None:
+        self._zk = store.zk
+        self._path = path
+        self._next: asyncio.Future[Cursor | None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def read(self) -> Cursor | None:
+        """The cursor as of now; None if the queue has none (it was deleted)."""
+        loop = asyncio.get_running_loop()
+        if self._next is None:
+            self._next = loop.create_future()
+            if self._task is None or self._task.done():
+                self._task = loop.create_task(self._run())
+        return await asyncio.shield(self._next)
+
+    async def _run(self) -> None:
+        while self._next is not None:
+            waiting, self._next = self._next, None
+            try:
+                cursor = await asyncio.wait_for(self._read(), CURSOR_READ_SECONDS)
+            except BaseException as error:
+                waiting.set_exception(error)
+                waiting.exception()  # retrieved here: the callers re-raise it themselves
+                if isinstance(error, asyncio.CancelledError):
+                    raise
+            else:
+                waiting.set_result(cursor)
+
+    async def _read(self) -> Cursor | None:
+        try:
+            await zk.call(self._zk.sync_async, self._path)
+            data, _ = await zk.call(self._zk.get_async, self._path)
+        except NoNodeError:
+            return None
+        return read_cursor(data)
 
 
 class DelayMover:
@@ -146,7 +225,7 @@ class DelayMover:
 
     Connection states: on SUSPENDED or LOST the mover stops at once (another contender may
     be elected); it contends again when connected. Stopping mid-pass is safe: moved rows
-    are idempotent and the cursor only moves after a pass.
+    are idempotent, and `moved` in the cursor only passes a pass's rows in the next pass.
     """
 
     def __init__(self, store: Store, queue: QueueRef, publish: Any, identifier: str) -> None:
@@ -165,6 +244,8 @@ class DelayMover:
         self.passes = 0
         # Rows handed to `publish` (a row is handed once while one mover leads).
         self.offered = 0
+        # Rows the due reads returned: about `offered` in steady state (each row read once).
+        self.rows_read = 0
         # Elections this mover waited out without winning (another sidecar leads).
         self.contentions = 0
 
@@ -242,35 +323,46 @@ class DelayMover:
             self._store, state.shared_key(self._queue), state.spec.retention_seconds
         )
         cursor = await self._read_cursor()
-        # Rows moved while this mover leads (message id -> due time), for as long as a
-        # rescan can read them again: each is published once, not on every pass.
-        moved: dict[str, datetime] = {}
-        full_rescan_at = float("-inf")
+        until, moved = cursor.until, cursor.moved
+        # Per due bucket, the highest (due time, message id) read while this mover leads;
+        # below `lower`, buckets without a mark hold nothing more to read.
+        marks: dict[int, tuple[datetime, str]] = {}
+        lower = moved
         while True:
             # A queue deleted and created again took this election's znodes with it: the
             # new incarnation elects its own mover, which starts from its creation.
             if (await self._read_state()).incarnation != state.incarnation:
                 raise QueueNotFound(f"queue {self._queue} was re-created; contending for its new incarnation")
             now = datetime.now(timezone.utc)
-            # Rows land behind the cursor only when written late (a lagging clock, a slow
-            # write): the recent past is read on every pass, the whole lookback now and then.
-            behind = RECENT_LOOKBACK
-            if time.monotonic() >= full_rescan_at:
-                behind, full_rescan_at = LOOKBACK, time.monotonic() + FULL_RESCAN_SECONDS
-            due = [d for d in await delayed.due_between(cursor - behind, now) if d.message_id not in moved]
+            # Before reading: a row that lands after the reads below, due by `now`, is moved
+            # by its writer, which reads `until` after its write. `until` never goes back
+            # (a previous leader's clock may have run ahead of ours and read further).
+            until = max(now, until)
+            await zk.call(self._store.zk.set_async, self._path, Cursor(until, moved).encode())
+            due: list[DueMessage] = []
+            for bucket in range(due_bucket(lower), due_bucket(now) + 1):
+                rows = await delayed.due_after(bucket, marks.get(bucket, (lower, "")), now, PASS_ROWS - len(due))
+                if rows:
+                    marks[bucket] = (rows[-1].due_at, rows[-1].message_id)
+                due.extend(rows)
+                if len(due) >= PASS_ROWS:
+                    break
+            self.rows_read += len(due)
             if due:
                 self.offered += len(due)
                 results = await self._publish(state, [(d.message_id, d.message) for d in due])
-                moved.update((d.message_id, d.due_at) for d in due)
                 fresh = sum(1 for r in results if not r.duplicate)
                 if fresh:
                     self.moved += fresh
                     await delayed.counters.add(DELAYED_OUT, fresh)
-            for message_id in [i for i, at in moved.items() if at <= now - LOOKBACK]:
-                del moved[message_id]
-            cursor = now
-            await zk.call(self._store.zk.set_async, self._path, json.dumps({"until": now.isoformat()}).encode())
             self.passes += 1
+            if len(due) >= PASS_ROWS:
+                # A backlog: everything before the last row read is moved; go on at once.
+                moved = lower = max(moved, due[-1].due_at - timedelta(milliseconds=1))
+                marks = {b: m for b, m in marks.items() if b >= due_bucket(lower)}
+                continue
+            moved = lower = now
+            marks = {b: m for b, m in marks.items() if b >= due_bucket(now)}
             upcoming = await delayed.next_due(now)
             pause = PASS_SECONDS
             if upcoming is not None:
@@ -295,13 +387,14 @@ class DelayMover:
             raise QueueNotFound(f"queue {self._queue} does not exist")
         return QueueState.model_validate_json(data)
 
-    async def _read_cursor(self) -> datetime:
+    async def _read_cursor(self) -> Cursor:
         try:
             data, _ = await zk.call(self._store.zk.get_async, self._path)
         except NoNodeError:
             data = b""
         cursor = read_cursor(data)
         if cursor is None:
-            # First mover of this queue: anything older than the lookback was published directly.
-            cursor = datetime.now(timezone.utc)
+            # No cursor (a queue made before movers kept one): nothing was delayed before now.
+            now = datetime.now(timezone.utc)
+            cursor = Cursor(now, now)
         return cursor

@@ -2,13 +2,16 @@
 
 Within one sidecar (the app's retries reach its own localhost sidecar) concurrent publishes
 of one id wait for the first, and recent ids are remembered in memory. Across sidecars and
-restarts, ids are found in the `publish_ids` table, whose rows expire after the window.
+restarts, ids are found in the `client_ids` table, whose rows expire after the window. A
+queue's ids are spread over a few partitions there (`casque.schema.client_id_bucket`), so a
+group commit checks and records all its ids with a few requests, however many there are.
 
 A crash must not let a retry publish an id twice, so the link from id to batch is recorded
-before the batch exists, not after: the shard writer records an intent (the id, its message
-id, the shard, the writer id its claims carry, the first batch it will try, and a claim
-deadline) and only then claims. It never sends a claim after CLAIM_SECONDS of the deadline's
-window have passed. After the batch is written, the row is completed with the position.
+before the batch exists, not after: the shard writer records an intent per id (its message
+id, the shard, its seq in the batch, the writer id its claims carry) and the writer's row
+(the first batch it will try, and a claim deadline), and only then claims. It never sends a
+claim after CLAIM_SECONDS of the deadline's window have passed. After the batch is written,
+the batch number on the writer's row completes the intents of all its ids.
 
 A retry that finds only an intent settles it: it reads the shard's headers at SERIAL from
 the intent's first batch on, looking for the intent's writer. Found: the publish happened,
@@ -18,7 +21,9 @@ machines' clocks) has passed; then the writer never will, and the retry publishe
 after taking the id over with one conditional write (`take_over`, the intent's writer as
 the condition): a client that gave up waiting and retried through another sidecar leaves
 two retries settling one intent, and only one of them may publish. The other finds the
-new intent (a settle re-reads the row while it waits) and settles that one.
+new intent (a settle re-reads the row while it waits) and settles that one. An intent whose
+writer has no row was never claimed (claims start once both are written): it is taken over
+at once.
 
 What this does not cover: two first attempts of one id at two sidecars at the same instant,
 neither seeing the other's intent (a client retries after a timeout, by which time the first
@@ -30,22 +35,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from cassandra import InvalidRequest
 from cassandra.query import BatchStatement, BatchType, PreparedStatement
 
 from casque.backends import cql
 from casque.engine.batches import Log
 from casque.engine.messages import OutgoingMessage, Published
-from casque.schema import PUBLISH_IDS_TABLE
+from casque.schema import (
+    CLIENT_IDS_TABLE,
+    LEGACY_PUBLISH_IDS_TABLE,
+    PUBLISH_WRITERS_TABLE,
+    client_id_bucket,
+    has_table,
+)
 from casque.store import Store
 
 DEFAULT_WINDOW_SECONDS = 600
 # Recent ids kept in memory per queue, bounded by count and by an estimate of their bytes:
 # ids may be 256 characters, and the sidecar's container has 256 MiB. A forgotten id is
-# still found in `publish_ids`, at the cost of a read.
+# still found in Cassandra, at the cost of a read.
 REMEMBERED_IDS = 50_000
 REMEMBERED_BYTES = 8 * 1024 * 1024
 # What one remembered id costs beyond its strings: the dict slot, the Published, the ints.
@@ -56,20 +69,66 @@ DEADLINE_SECONDS = 30.0
 CLAIM_SECONDS = 15.0
 # How far apart two sidecars' clocks may be for a retry to trust an intent's deadline.
 CLOCK_SKEW_SECONDS = 5.0
-# Ids read per request, and rows written per unlogged batch (a row is ~100 bytes).
-LOOKUP_CHUNK = 100
-WRITE_CHUNK = 40
+# Ids named per read of one bucket partition, and rows per write to one: a group commit
+# (at most 1,000 messages) needs one of each per bucket. A single-partition batch is one
+# mutation, which Cassandra neither warns about nor refuses for its size (only batches
+# spanning partitions are checked), far below the commit log's mutation limit here.
+LOOKUP_CHUNK = 1000
+WRITE_CHUNK = 1000
+# The legacy table has a partition per id: ids read per request there (see LegacyIds).
+LEGACY_LOOKUP_CHUNK = 100
 # A retry looks for an intent's batch again this often while the deadline has not passed.
 RESOLVE_POLL_SECONDS = 0.25
 
+_COLUMNS = "client_id, message_id, shard, batch_no, seq, writer, TTL(writer) AS intent_ttl"
+_LEGACY_COLUMNS = f"{_COLUMNS}, since_batch, claim_deadline"
+
+
+@dataclass(frozen=True)
+class IdRecord:
+    """What Cassandra holds for a client id: an intent, completed with a position once written."""
+
+    client_id: str
+    message_id: str
+    shard: int
+    batch_no: int | None
+    seq: int | None
+    writer: str | None
+    since_batch: int | None
+    claim_deadline: datetime | None
+    # Seconds left to the intent (None: no intent, a row written only with its position).
+    intent_ttl: int | None
+    # Found in the legacy table (an installation's ids from before CLIENT_IDS_TABLE).
+    legacy: bool = False
+
+
+def _record(row: Any) -> IdRecord:
+    """A `client_ids` row; an intent's claim facts are on its writer's row (`_with_writer`)."""
+    return IdRecord(row.client_id, row.message_id, row.shard, row.batch_no, row.seq, row.writer, None, None,
+                    row.intent_ttl)
+
+
+def _legacy_record(row: Any) -> IdRecord:
+    return IdRecord(row.client_id, row.message_id, row.shard, row.batch_no, row.seq, row.writer, row.since_batch,
+                    row.claim_deadline, row.intent_ttl, legacy=True)
+
+
+def _with_writer(record: IdRecord, writer: Any) -> IdRecord:
+    """An intent with its writer's claim facts, and the batch the writer won if it did."""
+    return replace(record, since_batch=writer.since_batch, claim_deadline=writer.claim_deadline,
+                   batch_no=record.batch_no if writer.batch_no is None else writer.batch_no)
+
 
 class IdempotencyGuard:
-    """Ids of one queue: exact within this process, and in `publish_ids` for everyone.
+    """Ids of one queue: exact within this process, and in `client_ids` for everyone.
 
-    The shard writer checks the ids of a whole batch with one read per LOOKUP_CHUNK ids
-    (`lookup`), records their intents and later their positions with one unlogged batch per
-    WRITE_CHUNK (`record_intents`, `record_positions`): about 60 requests for 1,000 ids
-    instead of 2,000.
+    A queue's ids live in CLIENT_ID_BUCKETS partitions, so the shard writer checks the ids
+    of a whole batch with one read per bucket its ids fall in (`lookup`) and records their
+    intents with one single-partition unlogged batch per bucket (`record_intents`); an
+    intent names its writer and its seq, so one row for the writer (`record_won`) completes
+    them all once the batch is written. At most 2 x CLIENT_ID_BUCKETS + 1 requests, each
+    touching one partition, for a batch of 1,000 ids, where a partition per id cost 3,000
+    partition operations.
     """
 
     def __init__(self, store: Store, queue_key: str, log: Log, window_seconds: int | None = None) -> None:
@@ -78,30 +137,52 @@ class IdempotencyGuard:
         self._queue = queue_key
         self._window = int(window_seconds or DEFAULT_WINDOW_SECONDS)
         self._log = log
-        table = f"{store.keyspace}.{PUBLISH_IDS_TABLE}"
+        table = f"{store.keyspace}.{CLIENT_IDS_TABLE}"
         self._select = store.session.prepare(
-            "SELECT client_id, message_id, shard, batch_no, seq, writer, since_batch, claim_deadline, "
-            f"TTL(writer) AS intent_ttl FROM {table} "
-            "WHERE queue = ? AND client_id IN ?"
+            f"SELECT {_COLUMNS} FROM {table} WHERE queue = ? AND bucket = ? AND client_id IN ?"
         )
         self._insert = store.session.prepare(
-            f"INSERT INTO {table} (queue, client_id, message_id, shard, batch_no, seq) "
-            "VALUES (?, ?, ?, ?, ?, ?) USING TTL ?"
-        )
-        self._insert_intent = store.session.prepare(
-            f"INSERT INTO {table} (queue, client_id, message_id, shard, writer, since_batch, claim_deadline) "
+            f"INSERT INTO {table} (queue, bucket, client_id, message_id, shard, batch_no, seq) "
             "VALUES (?, ?, ?, ?, ?, ?, ?) USING TTL ?"
+        )
+        # An id's intent: the facts shared by the whole batch (where its claims start, until
+        # when they may be sent) are on the writer's row, written with the intents.
+        self._insert_intent = store.session.prepare(
+            f"INSERT INTO {table} (queue, bucket, client_id, message_id, shard, seq, writer) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?) USING TTL ?"
+        )
+        writers = f"{store.keyspace}.{PUBLISH_WRITERS_TABLE}"
+        self._insert_writer = store.session.prepare(
+            f"INSERT INTO {writers} (queue, writer, shard, since_batch, claim_deadline) VALUES (?, ?, ?, ?, ?) "
+            "USING TTL ?"
+        )
+        self._insert_won = store.session.prepare(
+            f"INSERT INTO {writers} (queue, writer, batch_no) VALUES (?, ?, ?) USING TTL ?"
+        )
+        self._select_writers = store.session.prepare(
+            f"SELECT writer, since_batch, claim_deadline, batch_no FROM {writers} WHERE queue = ? AND writer IN ?"
         )
         # A retry that found an intent never claimed takes the id over only if nobody else
         # did meanwhile: two retries at two sidecars would otherwise both publish it.
         self._take_over = store.session.prepare(
-            f"UPDATE {table} USING TTL ? SET message_id = ?, shard = ?, writer = ?, since_batch = ?, "
-            "claim_deadline = ? WHERE queue = ? AND client_id = ? IF writer = ? AND batch_no = null"
+            f"UPDATE {table} USING TTL ? SET message_id = ?, shard = ?, seq = 0, writer = ? "
+            "WHERE queue = ? AND bucket = ? AND client_id = ? IF writer = ? AND batch_no = null"
         )
-        self._take_over.serial_consistency_level = log.serial_consistency
+        # The same for an intent found in the legacy table: the first retry to move it here wins.
+        self._take_over_legacy = store.session.prepare(
+            f"INSERT INTO {table} (queue, bucket, client_id, message_id, shard, seq, writer) "
+            "VALUES (?, ?, ?, ?, ?, 0, ?) IF NOT EXISTS USING TTL ?"
+        )
         self._consistency = log.consistency
-        for statement in (self._select, self._insert, self._insert_intent, self._take_over):
+        for statement in (self._select, self._insert, self._insert_intent, self._insert_writer, self._insert_won,
+                          self._select_writers, self._take_over, self._take_over_legacy):
             statement.consistency_level = self._consistency
+        for statement in (self._take_over, self._take_over_legacy):
+            statement.serial_consistency_level = log.serial_consistency
+        self._legacy = (
+            LegacyIds(store, queue_key, self._consistency)
+            if has_table(store.session, store.keyspace, LEGACY_PUBLISH_IDS_TABLE) else None
+        )
         self._recent = RecentIds()
         self._inflight: dict[str, asyncio.Future[Published]] = {}
         self.resolved_intents = 0
@@ -130,68 +211,120 @@ class IdempotencyGuard:
         finally:
             del self._inflight[client_id]
 
-    async def lookup(self, client_ids: Sequence[str]) -> dict[str, Any]:
-        """The `publish_ids` rows of these ids, by client id (a read per LOOKUP_CHUNK ids, at once)."""
-        chunks = [list(client_ids[i:i + LOOKUP_CHUNK]) for i in range(0, len(client_ids), LOOKUP_CHUNK)]
-        self.statements += len(chunks)
+    async def lookup(self, client_ids: Sequence[str]) -> dict[str, IdRecord]:
+        """The records of these ids, by client id: one read per bucket partition they fall
+        in, all at once (and, on an installation that still has the legacy table, one more
+        look there for the ids not found)."""
+        reads = [
+            (bucket, ids[i:i + LOOKUP_CHUNK])
+            for bucket, ids in _by_bucket(dict.fromkeys(client_ids)).items()
+            for i in range(0, len(ids), LOOKUP_CHUNK)
+        ]
+        self.statements += len(reads)
         pages = await asyncio.gather(
-            *(cql.fetch_all(self._store.session, self._select, (self._queue, chunk)) for chunk in chunks))
-        return {row.client_id: row for rows in pages for row in rows}
+            *(cql.fetch_all(self._store.session, self._select, (self._queue, bucket, chunk)) for bucket, chunk in reads))
+        found = {row.client_id: _record(row) for rows in pages for row in rows}
+        # Intents (a retry: rare) get their writers' rows: where the claims started and
+        # until when they could be sent, and the batch won if the writer recorded it. An
+        # intent without one was never claimed: its writer claims only once both are written.
+        intents = [r for r in found.values() if r.batch_no is None and r.writer is not None]
+        if intents:
+            self.statements += 1
+            writers = {row.writer: row for row in await cql.fetch_all(
+                self._store.session, self._select_writers, (self._queue, list({r.writer for r in intents})))}
+            found.update([(r.client_id, _with_writer(r, writers[r.writer])) for r in intents if r.writer in writers])
+        if self._legacy is not None:
+            missing = [c for c in client_ids if c not in found]
+            if missing:
+                self.statements += -(-len(missing) // LEGACY_LOOKUP_CHUNK)
+                try:
+                    found.update(await self._legacy.lookup(missing))
+                except InvalidRequest:
+                    # Dropped since this guard started (see LegacyIds): nothing left to honour.
+                    self._legacy = None
+        return found
 
     async def earlier(self, client_id: str) -> Published | None:
         """The publish of an id made before (settling an intent), or None."""
-        row = (await self.lookup([client_id])).get(client_id)
-        return None if row is None else await self.settle(row)
+        record = (await self.lookup([client_id])).get(client_id)
+        return None if record is None else await self.settle(record)
 
     async def record_intents(
-        self, intents: Sequence[tuple[OutgoingMessage, str]], shard: int, writer: str, since_batch: int,
+        self, intents: Sequence[tuple[OutgoingMessage, str, int]], shard: int, writer: str, since_batch: int,
         deadline: datetime,
     ) -> None:
-        """Before a claim: (message, message id) of each message of the batch that has a client id."""
-        await self._write_rows(self._insert_intent, [
-            (self._queue, message.client_id, message_id, shard, writer, since_batch, deadline, self._ttl(message))
-            for message, message_id in intents
-        ])
+        """Before a claim: (message, message id, seq in the batch) of each message of the batch
+        that has a client id, and the writer's row, all at once."""
+        rows = [
+            (self._queue, client_id_bucket(message.client_id), message.client_id, message_id, shard, seq, writer,
+             self._ttl(message))
+            for message, message_id, seq in intents if message.client_id
+        ]
+        if rows:
+            await asyncio.gather(
+                self._write_writer(writer, shard, since_batch, deadline, max(row[-1] for row in rows)),
+                self._write_rows(self._insert_intent, rows))
+
+    async def _write_writer(self, writer: str, shard: int, since_batch: int, deadline: datetime, ttl: int) -> None:
+        self.statements += 1
+        await cql.execute(self._store.session, self._insert_writer, (self._queue, writer, shard, since_batch, deadline,
+                                                                     ttl))
+
+    async def record_won(self, messages: Sequence[OutgoingMessage], writer: str, shard: int, batch: int) -> None:
+        """After a write: the batch `writer` won, which completes the intents of its ids
+        (`messages`, those with a client id), for as long as the longest of them lives."""
+        self.statements += 1
+        ttl = max(self._ttl(m) for m in messages)
+        await cql.execute(self._store.session, self._insert_won, (self._queue, writer, batch, ttl))
 
     async def record_positions(self, published: Sequence[tuple[OutgoingMessage, Published]]) -> None:
-        """After a write: where each id's message is (one write for the lot)."""
+        """Where each id's message is, on a row of its own (one write per bucket partition):
+        for publishes that are not group commits (a delayed message's insert)."""
         await self._write_rows(self._insert, [
-            (self._queue, message.client_id, result.message_id, result.shard, result.batch, result.seq,
-             self._ttl(message))
-            for message, result in published
+            (self._queue, client_id_bucket(message.client_id), message.client_id, result.message_id, result.shard,
+             result.batch, result.seq, self._ttl(message))
+            for message, result in published if message.client_id
         ])
 
     async def take_over(
-        self, row: Any, message: OutgoingMessage, message_id: str, shard: int, writer: str, since_batch: int,
-        deadline: datetime,
+        self, record: IdRecord, message: OutgoingMessage, message_id: str, shard: int, writer: str,
+        since_batch: int, deadline: datetime,
     ) -> bool:
         """Replace an intent whose writer never claimed (`settle` said so) with ours, unless
         another retry replaced it first (or it was completed): one conditional write, on
         this rare path only."""
+        assert message.client_id is not None
+        # The new writer's row first: whoever sees the new intent finds its claim facts.
+        await self._write_writer(writer, shard, since_batch, deadline, self._ttl(message))
         self.statements += 1
-        result = await cql.execute(self._store.session, self._take_over, (
-            self._ttl(message), message_id, shard, writer, since_batch, deadline, self._queue, message.client_id,
-            row.writer))
+        bucket = client_id_bucket(message.client_id)
+        if record.legacy:
+            result = await cql.execute(self._store.session, self._take_over_legacy, (
+                self._queue, bucket, message.client_id, message_id, shard, writer, self._ttl(message)))
+        else:
+            result = await cql.execute(self._store.session, self._take_over, (
+                self._ttl(message), message_id, shard, writer, self._queue, bucket, message.client_id,
+                record.writer))
         return bool(result.was_applied)
 
     def _ttl(self, message: OutgoingMessage) -> int:
         return max(self._window, message.client_id_window_seconds or 0)
 
     async def _write_rows(self, statement: PreparedStatement, rows: Sequence[tuple[Any, ...]]) -> None:
-        """Rows of many partitions in unlogged batches of WRITE_CHUNK, sent at once: one
-        request per chunk instead of one per row, each small enough for Cassandra's batch
-        size warning (5 KiB by default)."""
+        """Rows (queue, bucket, ...) in one unlogged batch per bucket partition (per
+        WRITE_CHUNK of its rows), sent at once: one mutation per partition, not per row."""
         batches = []
-        for start in range(0, len(rows), WRITE_CHUNK):
-            batch = BatchStatement(batch_type=BatchType.UNLOGGED, consistency_level=self._consistency)
-            for row in rows[start:start + WRITE_CHUNK]:
-                batch.add(statement, row)
-            batches.append(batch)
+        for bucket_rows in _by_bucket_rows(rows).values():
+            for start in range(0, len(bucket_rows), WRITE_CHUNK):
+                batch = BatchStatement(batch_type=BatchType.UNLOGGED, consistency_level=self._consistency)
+                for row in bucket_rows[start:start + WRITE_CHUNK]:
+                    batch.add(statement, row)
+                batches.append(batch)
         self.statements += len(batches)
         await asyncio.gather(*(cql.execute(self._store.session, b) for b in batches))
 
-    async def settle(self, row: Any) -> Published | None:
-        """The publish a row records: its position, or its intent's, settled (see the module)."""
+    async def settle(self, row: IdRecord) -> Published | None:
+        """The publish a record holds: its position, or its intent's, settled (see the module)."""
         if row.batch_no is not None:
             return recorded(row)
         if row.writer is None or row.since_batch is None or row.claim_deadline is None:
@@ -199,16 +332,18 @@ class IdempotencyGuard:
         self.resolved_intents += 1
         give_up = row.claim_deadline.replace(tzinfo=timezone.utc) + timedelta(seconds=CLOCK_SKEW_SECONDS)
         batch = int(row.since_batch)
+        shard = row.shard
         while True:
-            header = await self._log.read_header(row.shard, batch, serial=True)
+            header = await self._log.read_header(shard, batch, serial=True)
             if header is not None:
                 if header.writer == row.writer:
-                    seq = await self._seq_of(row.shard, batch, row.message_id)
-                    found = Published(row.message_id, row.shard, batch, seq)
+                    seq = row.seq if row.seq is not None else await self._seq_of(shard, batch, row.message_id)
+                    found = Published(row.message_id, shard, batch, seq)
                     # The completed row lives as long as the intent was to.
                     ttl = max(1, int(row.intent_ttl or self._window))
                     await self._write_rows(self._insert, [
-                        (self._queue, row.client_id, found.message_id, found.shard, found.batch, found.seq, ttl)])
+                        (self._queue, client_id_bucket(row.client_id), row.client_id, found.message_id, found.shard,
+                         found.batch, found.seq, ttl)])
                     return _as_duplicate(found)
                 batch += 1
                 continue
@@ -259,9 +394,46 @@ def _cost(client_id: str, result: Published) -> int:
     return len(client_id) + len(result.message_id) + REMEMBERED_OVERHEAD_BYTES
 
 
-def recorded(row: Any) -> Published:
-    """The first publish of an id, from its completed `publish_ids` row."""
+def recorded(row: IdRecord) -> Published:
+    """The first publish of an id, from its completed record."""
+    assert row.batch_no is not None and row.seq is not None
     return _as_duplicate(Published(row.message_id, row.shard, row.batch_no, row.seq))
+
+
+def _by_bucket(client_ids: Iterable[str]) -> dict[int, list[str]]:
+    grouped: dict[int, list[str]] = {}
+    for client_id in client_ids:
+        grouped.setdefault(client_id_bucket(client_id), []).append(client_id)
+    return grouped
+
+
+def _by_bucket_rows(rows: Iterable[tuple[Any, ...]]) -> dict[int, list[tuple[Any, ...]]]:
+    grouped: dict[int, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        grouped.setdefault(row[1], []).append(row)
+    return grouped
+
+
+class LegacyIds:
+    """Reads of the table of one partition per id that installations made before
+    CLIENT_IDS_TABLE still have: what an earlier version recorded there is honoured until an
+    operator drops the table (once every sidecar runs this version and the longest window,
+    the longest queue retention, has passed)."""
+
+    def __init__(self, store: Store, queue_key: str, consistency: int) -> None:
+        self._store = store
+        self._queue = queue_key
+        self._select = store.session.prepare(
+            f"SELECT {_LEGACY_COLUMNS} FROM {store.keyspace}.{LEGACY_PUBLISH_IDS_TABLE} "
+            "WHERE queue = ? AND client_id IN ?"
+        )
+        self._select.consistency_level = consistency
+
+    async def lookup(self, client_ids: Sequence[str]) -> dict[str, IdRecord]:
+        chunks = [list(client_ids[i:i + LEGACY_LOOKUP_CHUNK]) for i in range(0, len(client_ids), LEGACY_LOOKUP_CHUNK)]
+        pages = await asyncio.gather(
+            *(cql.fetch_all(self._store.session, self._select, (self._queue, chunk)) for chunk in chunks))
+        return {row.client_id: _legacy_record(row) for rows in pages for row in rows}
 
 
 def claim_deadline() -> tuple[datetime, float]:

@@ -24,27 +24,32 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from kazoo.exceptions import KazooException
 from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
 from casque.engine.batches import Claim, Header, Log, new_writer_id
+from casque.engine.counters import DELAYED_OUT
 from casque.engine.delayed import (
-    CURSOR_MARGIN,
     IMMEDIATE_SECONDS,
-    LOOKBACK,
     MOVED_PREFIX,
+    CursorReads,
     DelayedStore,
+    moved_message,
     read_cursor,
 )
 from casque.engine.heads import HeadAdvancer
-from casque.engine.idempotency import IdempotencyGuard, claim_deadline, recorded
+from casque.engine.idempotency import IdempotencyGuard, IdRecord, claim_deadline, recorded
 from casque.engine.messages import OutgoingMessage, Published
-from casque.errors import BackendUnavailable, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
+from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
 from casque.specs import QueueSpec, QueueState, log_shard
 from casque.store import Store
 
 log = logging.getLogger(__name__)
+
+# What a delayed row's check against the mover's cursor may meet, and retry later.
+_CHECK_FAILURES = (CasqueError, asyncio.TimeoutError, KazooException)
 
 MAX_BATCH_MESSAGES = 1000
 # A preferred shard with this many messages waiting behind a write in flight spills over.
@@ -109,11 +114,15 @@ class ShardWriter:
                     items = await self._unpublished(items)
                     if not items:
                         continue
-                    batch = await self._write(items)
+                    batch, writer = await self._write(items)
                     results = [Published(item.message_id, self.shard, batch, seq) for seq, item in enumerate(items)]
-                    # Positions recorded before the answer; if this fails, the intents lead a retry here.
-                    await self._publisher.idempotency.record_positions(
-                        [(i.message, r) for i, r in zip(items, results) if i.message.client_id])
+                    with_ids = [item.message for item in items if item.message.client_id]
+                    if with_ids:
+                        # Only spares a retry the serial reads that settle an intent (the
+                        # intents lead it here without it), so it does not hold up the answer
+                        # or the next batch.
+                        self._publisher.in_background(
+                            self._publisher.idempotency.record_won(with_ids, writer, self.shard, batch))
                 except BaseException as error:
                     self._last_batch = None  # knowledge of the shard is unsure: resync before the next claim
                     for item in items:
@@ -148,7 +157,7 @@ class ShardWriter:
                 self._publisher.in_background(self._settle_apart(item, row))
         return fresh
 
-    async def _settle_apart(self, item: _Pending, row: Any) -> None:
+    async def _settle_apart(self, item: _Pending, row: IdRecord) -> None:
         try:
             outcome = await self._settle_or_take_over(item, row)
         except BaseException as error:
@@ -160,7 +169,7 @@ class ShardWriter:
         else:
             self.submit(item)
 
-    async def _settle_or_take_over(self, item: _Pending, row: Any) -> Published | None:
+    async def _settle_or_take_over(self, item: _Pending, row: IdRecord) -> Published | None:
         """The earlier publish of the item's id; or None once the item may be published: it
         took the id over (its own batch, its intent recorded) or the id's row expired."""
         guard = self._publisher.idempotency
@@ -179,11 +188,12 @@ class ShardWriter:
             if await guard.take_over(row, item.message, item.message_id, self.shard, writer, since, deadline):
                 item.checked, item.taken_over = True, (writer, claims_until)
                 return None
-            row = (await guard.lookup([client_id])).get(client_id)
-            if row is None:
+            fresh = (await guard.lookup([client_id])).get(client_id)
+            if fresh is None:
                 return None  # expired meanwhile: published as a first attempt
-            if row.batch_no is not None:
-                return recorded(row)
+            if fresh.batch_no is not None:
+                return recorded(fresh)
+            row = fresh
 
     def _take(self) -> list[_Pending]:
         items = [self.pending.popleft()]
@@ -215,14 +225,15 @@ class ShardWriter:
             if header is not None and header.total_messages is not None and header.total_bytes is not None:
                 self._totals = (header.total_messages, header.total_bytes)
 
-    async def _write(self, items: list[_Pending]) -> int:
+    async def _write(self, items: list[_Pending]) -> tuple[int, str]:
+        """The batch the items were written in, and the writer id that won it."""
         publisher = self._publisher
         counters = publisher.counters
         conflicts = 0
         # One writer id for every claim attempt of these items: an intent names it, and a
         # retry of one of their ids finds the batch by it.
         writer = new_writer_id(publisher.publisher_id)
-        intents = [(item.message, item.message_id) for item in items if item.message.client_id]
+        intents = [(item.message, item.message_id, seq) for seq, item in enumerate(items) if item.message.client_id]
         claims_until: float | None = None
         if items[0].taken_over is not None:  # alone in its batch, its intent recorded already
             (writer, claims_until), intents = items[0].taken_over, []
@@ -258,7 +269,7 @@ class ShardWriter:
                 counters.batches += 1
                 counters.messages += len(items)
                 self.heads.advance(batch)
-                return batch
+                return batch, writer
             counters.conflicts += 1
             conflicts += 1
 
@@ -334,7 +345,11 @@ class Publisher:
     def __post_init__(self) -> None:
         self.log = Log(self.store, self.queue, self.spec.consistency)
         self._delayed: DelayedStore | None = None
+        self._cursor_reads: CursorReads | None = None
+        # The mover's `until` as its znode's watch last told.
         self._mover_cursor: datetime | None = None
+        # Delayed rows this publisher moved itself, the mover having passed them (see _move_if_passed).
+        self.delayed_moves = 0
         self.counters = PublisherCounters()
         self._writers = {shard: ShardWriter(self, shard) for shard in self.spec.log_shards()}
         self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
@@ -396,6 +411,7 @@ class Publisher:
             result = Published(message_id, -1, -1, -1, deliver_at=due)
             if message.client_id:
                 await self.idempotency.record_positions([(message, result)])
+            await self._move_if_passed(message_id, due, message)
             return result
         future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
         self._writers[self._choose_shard(message)].submit(_Pending(message_id, message, future))
@@ -406,15 +422,52 @@ class Publisher:
         now = datetime.now(timezone.utc)
         if (due - now).total_seconds() <= IMMEDIATE_SECONDS:
             return False
-        # The mover rescans LOOKBACK behind its cursor, so a row due before that would never
-        # be moved (our clock lags the mover's): such a message is due now. CURSOR_MARGIN
-        # covers the cursor moving on while this row is being written.
+        # The mover has read up to its cursor (our clock may lag its): a row due before that
+        # is due now. (Its watch may lag too; `_move_if_passed` settles what it missed.)
         cursor = self._mover_cursor
-        return cursor is None or due > cursor - LOOKBACK + CURSOR_MARGIN
+        return cursor is None or due > cursor
+
+    async def _move_if_passed(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
+        """After a delayed row is written, before the publish is answered: if the mover has
+        started a pass that reads rows due by `due`, that pass may have read before the row
+        landed, so the row is moved now, with the mover's client id for it (both moves store
+        one message). Otherwise every pass that reads it starts after it landed.
+
+        If ZooKeeper does not answer, or the move fails, the publish still succeeds (the row
+        is stored, and a retry would find it recorded), and the check is retried apart until
+        it is done."""
+        try:
+            await self._check_and_move(message_id, due, message)
+        except _CHECK_FAILURES as error:
+            log.warning("queue %s: delayed message %s not checked against the mover's cursor (%s); retrying",
+                        self.queue, message_id, error)
+            self.in_background(self._check_and_move_later(message_id, due, message))
+
+    async def _check_and_move(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
+        assert self._cursor_reads is not None
+        cursor = await self._cursor_reads.read()
+        if cursor is not None and cursor.until >= due:
+            await self._move_now(message_id, message)
+
+    async def _check_and_move_later(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
+        while True:
+            await asyncio.sleep(IMMEDIATE_SECONDS)
+            try:
+                await self._check_and_move(message_id, due, message)
+                return
+            except _CHECK_FAILURES:
+                continue
+
+    async def _move_now(self, message_id: str, message: OutgoingMessage) -> None:
+        self.delayed_moves += 1
+        (moved,) = await self.publish([moved_message(message_id, message, self.spec.retention_seconds)], [message_id])
+        if not moved.duplicate:
+            await self._delayed_store().counters.add(DELAYED_OUT, 1)
 
     def _delayed_store(self) -> DelayedStore:
         if self._delayed is None:
             self._delayed = DelayedStore(self.store, self.state.shared_key(self.queue), self.spec.retention_seconds)
+            self._cursor_reads = CursorReads(self.store, self.store.paths(self.queue).mover)
             loop = asyncio.get_running_loop()
             DataWatch(self.store.zk, self.store.paths(self.queue).mover,
                       zk.watch_in_loop(loop, self._cursor_changed, lambda: True))
@@ -422,9 +475,10 @@ class Publisher:
 
     def _cursor_changed(self, data: bytes | None, *_: object) -> None:
         try:
-            self._mover_cursor = read_cursor(data)
+            cursor = read_cursor(data)
         except (ValueError, KeyError):
-            self._mover_cursor = None
+            cursor = None
+        self._mover_cursor = None if cursor is None else cursor.until
 
     def _choose_shard(self, message: OutgoingMessage) -> int:
         """The log shard for a message: within its priority level, by key or by load."""

@@ -10,7 +10,7 @@ rerun add nothing, in two ways:
   row) and leaves out the messages already there. This holds for as long as the target
   retains them, and also covers a run that crashed after writing a batch but before
   recording its ids.
-- The Publisher's idempotency (the publish_ids table) covers the rest: a message published
+- The Publisher's idempotency (the client_ids table) covers the rest: a message published
   by a concurrent run, or during this one.
 
 Order: messages of one source shard are published in (batch, seq) order, and a keyed

@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from math import ceil
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ from casque.engine.batches import Claim, Header, Log
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
 from casque.errors import BackendUnavailable, MessageTooLarge, PublishOutcomeUnknown, WriteOutcomeUnknown
-from casque.schema import QueueRef
+from casque.schema import CLIENT_ID_BUCKETS, LEGACY_PUBLISH_IDS_TABLE, QueueRef, client_id_bucket, ensure_keyspace
 from casque.specs import QueueSpec
 from casque.store import Store
 
@@ -145,7 +145,8 @@ async def until(what: str, condition: Callable[[], bool], limit_s: float = 30.0)
 def intent_of(store: Store, client_id: str) -> str | None:
     queue_key = catalog.read_queue(store, QUEUE).shared_key(QUEUE)
     row = store.session.execute(
-        f"SELECT writer FROM {store.keyspace}.publish_ids WHERE queue = %s AND client_id = %s", (queue_key, client_id)
+        f"SELECT writer FROM {store.keyspace}.client_ids WHERE queue = %s AND bucket = %s AND client_id = %s",
+        (queue_key, client_id_bucket(client_id), client_id)
     ).one()
     return None if row is None else row.writer
 
@@ -166,12 +167,12 @@ async def test_a_retry_after_a_crash_between_the_batch_and_its_id_record_finds_t
     catalog.apply_queue(store, QUEUE, spec)
     crashing = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
 
-    async def dies_before_recording(published: object) -> None:
+    async def dies_before_recording(*args: object) -> None:
         raise Crash()
 
-    monkeypatch.setattr(crashing.idempotency, "record_positions", dies_before_recording)
-    with pytest.raises(Crash):
-        await crashing.publish([OutgoingMessage(b"pay", client_id="order-9")])
+    # The batch is written and the publish answered, but the writer's row never lands.
+    monkeypatch.setattr(crashing.idempotency, "record_won", dies_before_recording)
+    await crashing.publish([OutgoingMessage(b"pay", client_id="order-9")])
     monkeypatch.undo()
     (written,) = copies_of(store, "order-9")  # the batch made it
 
@@ -267,12 +268,18 @@ async def test_ids_cost_a_few_statements_per_batch_not_two_per_message(store: St
     messages = [OutgoingMessage(f"m{i}".encode(), client_id=f"id-{i}") for i in range(500)]
     results = await publisher.publish(messages)
     assert len({r.message_id for r in results}) == 500 and not any(r.duplicate for r in results)
-    # Per batch: a read per 100 ids, a write of intents and one of positions per 40 ids.
-    per_batch = ceil(500 / idempotency.LOOKUP_CHUNK) + 2 * ceil(500 / idempotency.WRITE_CHUNK)
+    # Per batch: a read and a write of intents per bucket partition, and the writer's row
+    # written with the intents and again (in the background) with the batch it won.
+    buckets = len({client_id_bucket(m.client_id or "") for m in messages})
     assert publisher.counters.batches == 1
-    assert publisher.idempotency.statements == per_batch < 500 * 2 / 10
-    again = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish(messages)
+    await until("the writer's row", lambda: publisher.idempotency.statements == 2 * buckets + 2)
+    assert 2 * buckets + 2 <= 2 * CLIENT_ID_BUCKETS + 2
+    # Another sidecar finds every id with a read per bucket and one read of the writer's row.
+    other = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    again = await other.publish(messages)
     assert [r.message_id for r in again] == [r.message_id for r in results] and all(r.duplicate for r in again)
+    assert [(r.shard, r.batch, r.seq) for r in again] == [(r.shard, r.batch, r.seq) for r in results]
+    assert other.idempotency.statements == buckets + 1 and other.counters.batches == 0
 
 
 async def test_a_claim_of_unknown_outcome_is_settled_before_the_publish_is_answered(
@@ -355,3 +362,68 @@ async def test_oversize_message_rejects_the_whole_request(store: Store) -> None:
     with pytest.raises(MessageTooLarge):
         await publisher.publish([OutgoingMessage(b"ok"), OutgoingMessage(b"x" * 2000)])
     assert catalog.read_int(store, store.paths(QUEUE).head(0)) == 0
+
+
+async def test_ids_an_earlier_version_recorded_in_its_table_are_honoured(store: Store) -> None:
+    """An installation made before `client_ids` has `publish_ids`, a partition per id: what
+    sidecars of the earlier version recorded there (a position, or an intent whose writer
+    died before claiming) still decides a retry through a sidecar of this version."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    legacy = f"{store.keyspace}.{LEGACY_PUBLISH_IDS_TABLE}"
+    # The table as its first release made it; the installation step adds the later columns.
+    store.session.execute(f"CREATE TABLE {legacy} (queue text, client_id text, message_id text, shard int, "
+                          "batch_no bigint, seq int, PRIMARY KEY ((queue, client_id)))")
+    ensure_keyspace(store.session, store.keyspace, store.replication_cql)
+    key = catalog.read_queue(store, QUEUE).shared_key(QUEUE)
+    store.session.execute(f"INSERT INTO {legacy} (queue, client_id, message_id, shard, batch_no, seq) "
+                          "VALUES (%s, 'old-done', 'm-old', 0, 7, 3) USING TTL 600", (key,))
+    store.session.execute(
+        f"INSERT INTO {legacy} (queue, client_id, message_id, shard, writer, since_batch, claim_deadline) "
+        "VALUES (%s, 'old-intent', 'm-dead', 0, 'dead-writer', 1, %s) USING TTL 600",
+        (key, datetime.now(timezone.utc) - timedelta(seconds=60)))
+
+    (done,) = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish(
+        [OutgoingMessage(b"x", client_id="old-done")])
+    assert done.duplicate and (done.message_id, done.shard, done.batch, done.seq) == ("m-old", 0, 7, 3)
+    # The dead writer's intent: two retries at two sidecars, one publish.
+    retries = [Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)) for _ in range(2)]
+    (one,), (two,) = await asyncio.gather(
+        *(r.publish([OutgoingMessage(b"y", client_id="old-intent")]) for r in retries))
+    assert (one.shard, one.batch, one.seq) == (two.shard, two.batch, two.seq)
+    assert [one.duplicate, two.duplicate].count(False) == 1
+    assert copies_of(store, "old-intent") == [(one.shard, one.batch, one.seq)]
+    assert copies_of(store, "old-done") == []
+    # Once the operator drops the old table, sidecars that still look there stop looking.
+    store.session.execute(f"DROP TABLE {legacy}")
+    (fresh,) = await retries[0].publish([OutgoingMessage(b"z", client_id="new-1")])
+    assert not fresh.duplicate and copies_of(store, "new-1") == [(fresh.shard, fresh.batch, fresh.seq)]
+
+
+async def test_an_intent_whose_writers_row_never_landed_is_taken_over_without_waiting(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The intents of a batch land but its writer's row does not (the process dies between
+    them): claims start only once both are written, so a retry publishes at once, once."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    crashing = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+
+    async def dies_before_the_writers_row(*args: object) -> None:
+        raise Crash()
+
+    monkeypatch.setattr(crashing.idempotency, "_write_writer", dies_before_the_writers_row)
+    with pytest.raises(Crash):
+        await crashing.publish([OutgoingMessage(b"pay", client_id="order-13")])
+    await until("the intent", lambda: intent_of(store, "order-13") is not None)
+    assert copies_of(store, "order-13") == []
+    retries = [Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)) for _ in range(2)]
+    (one,), (two,) = await asyncio.gather(
+        *(r.publish([OutgoingMessage(b"pay", client_id="order-13")]) for r in retries))
+    assert (one.shard, one.batch, one.seq) == (two.shard, two.batch, two.seq)
+    assert [one.duplicate, two.duplicate].count(False) == 1
+    # The one that published never waited on the dead intent's claims (nobody could claim);
+    # the other settled the intent of the one that published.
+    publishing = retries[0] if not one.duplicate else retries[1]
+    assert publishing.idempotency.resolved_intents == 0
+    assert copies_of(store, "order-13") == [(one.shard, one.batch, one.seq)]

@@ -74,10 +74,10 @@ async def test_higher_priorities_first_without_starving_lower(store: Store, cons
 
 
 def id_lifetimes(store: Store, queue: QueueRef, prefix: str) -> list[int]:
-    """Seconds left to the `publish_ids` rows of `queue` whose client id starts with `prefix`."""
+    """Seconds left to the `client_ids` rows of `queue` whose client id starts with `prefix`."""
     key = catalog.read_queue(store, queue).shared_key(queue)
     rows = store.session.execute(
-        f"SELECT client_id, TTL(message_id) AS left FROM {store.keyspace}.publish_ids WHERE queue = %s ALLOW FILTERING",
+        f"SELECT client_id, TTL(message_id) AS left FROM {store.keyspace}.client_ids WHERE queue = %s ALLOW FILTERING",
         (key,))
     return [row.left for row in rows if row.client_id.startswith(prefix)]
 

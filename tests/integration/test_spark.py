@@ -31,7 +31,7 @@ from casque.engine import catalog
 from casque.engine.acks import ACK, AckEvent, AckLog
 from casque.engine.batches import Log
 from casque.engine.messages import OutgoingMessage
-from casque.schema import PUBLISH_IDS_TABLE, QueueRef
+from casque.schema import CLIENT_IDS_TABLE, PUBLISH_WRITERS_TABLE, QueueRef
 from casque.spark import export, readers, replay, stats
 from casque.spark.ranges import parse_range, resolve
 from casque.spark.session import SparkOptions, build_session
@@ -389,7 +389,8 @@ def test_replay_delivers_the_range_exactly_once_and_a_rerun_adds_nothing(
     assert len(_target_messages(cql, store)) == len(selected)
 
     # Even once the publish ids have expired (here: removed), the target's own rows tell.
-    cql.execute(f"TRUNCATE {store.keyspace}.{PUBLISH_IDS_TABLE}")
+    for table in (CLIENT_IDS_TABLE, PUBLISH_WRITERS_TABLE):
+        cql.execute(f"TRUNCATE {store.keyspace}.{table}")
     widened = resolve(store, SOURCE, parse_range(None))
     third = asyncio.run(replay.replay(spark, store, widened, TARGET))
     assert third.already_there == len(selected)

@@ -11,7 +11,7 @@ from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
-from casque.schema import ACKS_TABLE, PUBLISH_IDS_TABLE, QueueRef
+from casque.schema import ACKS_TABLE, CLIENT_IDS_TABLE, PUBLISH_WRITERS_TABLE, QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from tests.fixtures.stack import Backends
@@ -61,7 +61,7 @@ async def test_publish_consume_nack_leaves_no_tombstones(backends: Backends, sto
     node = backends.stack.cassandra_nodes()[0]
     await asyncio.to_thread(node.nodetool, "flush", store.keyspace)
     checked = 0
-    for table in (QUEUE.messages_table, ACKS_TABLE, PUBLISH_IDS_TABLE):
+    for table in (QUEUE.messages_table, ACKS_TABLE, CLIENT_IDS_TABLE, PUBLISH_WRITERS_TABLE):
         files = node.sstables(store.keyspace, table)
         assert files, f"no sstable for {table}"
         for data_file in files:
