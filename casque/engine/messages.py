@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import os
 import struct
 import threading
@@ -77,9 +78,10 @@ class OutgoingMessage:
     # Delayed delivery: not delivered before this time (UTC). None: the queue's default delay.
     deliver_at: datetime | None = None
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
-        """Bytes counted against the queue's max message size."""
+        """Bytes counted against the queue's max message size (computed once: validation,
+        batching and the claim each ask for it)."""
         return (
             len(self.payload)
             + len((self.key or "").encode())
