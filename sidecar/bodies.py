@@ -69,6 +69,18 @@ async def read_limited(request: web.Request, settings: SidecarSettings) -> bytes
     limit = settings.max_request_bytes
     chunks: list[bytes] = []
     size = 0
+    content = request.content
+    if content.is_eof():
+        # The whole body came with the headers, as small requests do: nothing is left to
+        # wait for, so no timer is armed and no chunk iterator made (they cost more than
+        # the read itself). Whatever arrived still counts against the limit.
+        first = content.read_nowait(-1)
+        if len(first) > limit:
+            raise RequestTooLarge(f"the body passed {limit} bytes, the most this sidecar takes per request")
+        if content.at_eof():
+            return first
+        chunks.append(first)
+        size = len(first)
     try:
         async with asyncio.timeout(settings.body_timeout_seconds):
             async for chunk in request.content.iter_chunked(CHUNK_BYTES):

@@ -90,6 +90,9 @@ class SidecarMetrics:
 
 def metrics_middleware(metrics: SidecarMetrics) -> Middleware:
     """Counts and times every request under its operation (the route name, i.e. the operationId)."""
+    # The labelled children, looked up once: labels() takes a lock and builds its key on
+    # every call. Operations are the routes' names and statuses a handful, so it stays small.
+    children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -106,8 +109,12 @@ def metrics_middleware(metrics: SidecarMetrics) -> Middleware:
             try:
                 route = request.match_info.route
                 operation = (route.name if route is not None else None) or "unmatched"
-                metrics.requests.labels(operation, str(status)).inc()
-                metrics.latency.labels(operation).observe(time.perf_counter() - started)
+                child = children.get((operation, status))
+                if child is None:
+                    child = children[(operation, status)] = (
+                        metrics.requests.labels(operation, str(status)), metrics.latency.labels(operation))
+                child[0].inc()
+                child[1].observe(time.perf_counter() - started)
             except Exception:
                 log.exception("recording request metrics failed")
 

@@ -13,7 +13,6 @@ exist or have expired, and a reader that does not find N knows nobody has it yet
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -22,7 +21,7 @@ from typing import Any
 from cassandra.query import UNSET_VALUE, BatchStatement, BatchType, PreparedStatement
 
 from casque.backends import cql
-from casque.engine.messages import OutgoingMessage, Position, StoredMessage
+from casque.engine.messages import OutgoingMessage, Position, StoredMessage, random_uuid
 from casque.schema import HEADER_SEQ, QueueRef, bucket_of
 from casque.store import Store
 
@@ -215,7 +214,7 @@ def _unset_nulls(values: Sequence[Any]) -> tuple[Any, ...]:
 def new_writer_id(publisher_id: str) -> str:
     """A unique id for the claims of one batch of messages: after a timeout, the header tells
     whether it was ours, and a retry of a publish finds its batch by it."""
-    return f"{publisher_id}/{uuid.uuid4().hex[:12]}"
+    return f"{publisher_id}/{random_uuid().hex[:12]}"
 
 
 def _utc(moment: datetime) -> datetime:

@@ -40,7 +40,7 @@ from casque.engine.delayed import (
 )
 from casque.engine.heads import HeadAdvancer
 from casque.engine.idempotency import IdempotencyGuard, IdRecord, claim_deadline, recorded
-from casque.engine.messages import OutgoingMessage, Published
+from casque.engine.messages import OutgoingMessage, Published, random_uuid
 from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
 from casque.specs import QueueSpec, QueueState, log_shard
@@ -385,7 +385,7 @@ class Publisher:
         """
         for message in messages:
             self.validate(message)
-        ids = list(message_ids) if message_ids is not None else [str(uuid.uuid4()) for _ in messages]
+        ids = list(message_ids) if message_ids is not None else [str(random_uuid()) for _ in messages]
         if len(messages) == 1:
             # The common one-message call: awaited in this task, not wrapped in a task of its
             # own by gather (a task and a gathering future cost about as much as the rest of

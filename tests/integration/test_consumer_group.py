@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from kazoo.client import KazooClient, KazooState
 
-from casque.engine import catalog, offsets
+from casque.engine import catalog, consumer as consumer_module, offsets
 from casque.engine.batches import Log
 from casque.engine.consumer import Consumer
 from casque.engine.messages import Delivery, OutgoingMessage
@@ -337,6 +337,42 @@ async def test_batches_expired_below_the_offset_are_skipped_and_the_offset_moves
     await until("the offset passed the head", lambda: catalog.read_offset(
         store, store.paths(QUEUE).subscriber("workers"), 0) == head + 1)
     assert consumer.counters.expired_skipped == first_fresh - 1
+
+
+async def test_retention_expiring_under_a_live_consumer_is_skipped_and_the_consumer_stays_ready(
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A live consumer that is behind: its memory budget is one message, held in flight, so
+    # it reads nothing further while old batches are written and expire under it.
+    monkeypatch.setattr(consumer_module, "PREFETCH_MESSAGES", 1)
+    spec = setup(store, shards=1)
+    consumer = await start(consumers, store)
+    keeper = await publish(store, spec, ["keeper"])
+    (held,) = await take(consumer, 1)
+    assert {held.message.message_id} == keeper and held.message.position.batch == 1
+    table = store.table(QUEUE)
+    store.session.execute(f"ALTER TABLE {table} WITH default_time_to_live = 2")
+    try:
+        for i in range(3):
+            await publish(store, spec, [f"old-{i}"])  # a batch each
+    finally:
+        store.session.execute(f"ALTER TABLE {table} WITH default_time_to_live = 3600")
+    fresh = await publish(store, spec, [f"new-{i}" for i in range(3)])
+    head = catalog.read_int(store, store.paths(QUEUE).head(0))
+    old_batches = range(2, 5)  # the keeper is batch 1, the fresh ones follow the old ones
+    await until("the old batches expired", lambda: all(_expired(store, b) for b in old_batches))
+    assert (await consumer.health())[0]
+
+    # Room again: the reader finds the old batches gone and goes on with the fresh ones.
+    assert await consumer.ack_many([held.receipt]) == [True]
+    got = await drain_all(consumer, fresh)
+    assert {d.message.message_id for d in got} == fresh
+    assert consumer.counters.expired_skipped == 3
+    await until("the offset passed the head", lambda: catalog.read_offset(
+        store, store.paths(QUEUE).subscriber("workers"), 0) == head + 1)
+    healthy, why = await consumer.health()
+    assert healthy, why
+    assert consumer.readers[0].problem == ""
 
 
 def _expired(store: Store, batch: int) -> bool:

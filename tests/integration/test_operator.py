@@ -36,7 +36,7 @@ from casque.schema import QueueRef, drop_messages_table_ddl, read_table_options
 from casque.store import Store
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
 from tests.fixtures.stack import Backends
-from tests.fixtures.waiting import free_port, wait_for
+from tests.fixtures.waiting import free_port, refused_port, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -590,12 +590,13 @@ def test_backend_outage_is_reported_and_retried(
 ) -> None:
     api = client.CustomObjectsApi(kube_client)
     ns = kube_namespace
-    nowhere = {**backend.env, "CASQUE_CASSANDRA_PORT": str(free_port())}
-    broken = operators(env=nowhere)
-    create(api, ns, queue("orders", shards=1, retention="1h"))
-    failed = wait_ready(api, ns, QUEUES, "orders", status="False", reason="BackendUnavailable")
-    assert "Cassandra" in ready_of(failed)["message"]
-    assert broken.stop() == 0
+    with refused_port() as port:  # held until the broken operator has stopped: nothing answers there
+        nowhere = {**backend.env, "CASQUE_CASSANDRA_PORT": str(port)}
+        broken = operators(env=nowhere)
+        create(api, ns, queue("orders", shards=1, retention="1h"))
+        failed = wait_ready(api, ns, QUEUES, "orders", status="False", reason="BackendUnavailable")
+        assert "Cassandra" in ready_of(failed)["message"]
+        assert broken.stop() == 0
 
     operators()  # with the backends back, the resume applies the spec
     wait_ready(api, ns, QUEUES, "orders")

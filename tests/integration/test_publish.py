@@ -101,7 +101,12 @@ async def test_a_linger_lets_a_publish_wait_for_the_next_one_to_share_its_batch(
     async def first_then_second(linger: float) -> tuple[Published, Published]:
         publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE), linger=linger)
         first = asyncio.ensure_future(publisher.publish([OutgoingMessage(b"first")]))
-        for _ in range(3):  # the first publish reaches its shard writer, which starts on it
+        writer = publisher._writers[0]
+        # The first publish reaches its shard writer, which starts on it: it takes it into a
+        # batch at once, or lingers with it.
+        deadline = time.monotonic() + 30
+        while not (writer.busy and (linger > 0 or not writer.pending)):
+            assert time.monotonic() < deadline, "the first publish never reached its shard writer"
             await asyncio.sleep(0)
         assert not first.done()
         (second,) = await publisher.publish([OutgoingMessage(b"second")])

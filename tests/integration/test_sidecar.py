@@ -287,6 +287,37 @@ async def test_batch_settles_report_each_receipt(store: Store, make_sidecar: Mak
     assert [r["error"]["code"] for r in extended["results"]] == ["stale_receipt", "stale_receipt"]
 
 
+async def test_keyed_messages_keep_their_order_through_the_api(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, shards=3)
+    client = await make_sidecar()
+    keys = [f"customer-{k}" for k in range(6)]
+    rounds = 8
+
+    async def publish_in_order(key: str) -> list[dict[str, Any]]:
+        """One app thread per key: each publish answered before the next is sent, alternating
+        the one-message and the batch forms; the keys' publishes interleave."""
+        results = []
+        for n in range(rounds):
+            if n % 2:
+                results.append(await call(client, f"{BASE}/messages", {"data": f"{key}/{n}", "partitionkey": key}))
+            else:
+                (result,) = (await call(client, f"{BASE}/messages/batch", {
+                    "messages": [{"data": f"{key}/{n}", "partitionkey": key}]}))["results"]
+                results.append(result)
+        return results
+
+    published = dict(zip(keys, await asyncio.gather(*(publish_in_order(k) for k in keys))))
+    got = await receive_all(client, len(keys) * rounds)
+    assert len(got) == len(keys) * rounds
+    for key in keys:
+        mine = [m for m in got if m["partitionkey"] == key]
+        # Delivered in publish order, which is their order in the log, all in the key's shard.
+        assert [m["data"] for m in mine] == [f"{key}/{n}" for n in range(rounds)]
+        positions = [(m["shard"], m["batch"], m["seq"]) for m in mine]
+        assert positions == sorted(positions) and len({shard for shard, _, _ in positions}) == 1
+        assert [m["id"] for m in mine] == [r["messageId"] for r in published[key]]
+
+
 async def test_seek_replays_and_skips(store: Store, make_sidecar: MakeSidecar) -> None:
     create_queue(store, shards=2)
     client = await make_sidecar()
