@@ -127,9 +127,9 @@ def valid_tracestate(value: str | None) -> str | None:
     return value.strip() or None
 
 
-def _no_nul(value: str) -> str:
+def _no_nul(value: str | None) -> str | None:
     # dedup_key joins source and id with NUL: with NUL refused in both, the join is unambiguous.
-    if "\x00" in value:
+    if value is not None and "\x00" in value:
         raise ValueError("must not contain NUL characters")
     return value
 

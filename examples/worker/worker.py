@@ -21,8 +21,10 @@ async def bill(message: Message) -> None:
     order = message.data
     if not isinstance(order, dict) or "order" not in order:
         raise ValueError(f"not an order: {order!r}")
-    # Delivery is at-least-once: a real biller would charge idempotently, keyed by message.id.
-    print(f"billed order {order['order']} (message {message.id}, delivery {message.delivery_count})", flush=True)
+    # Delivery is at-least-once: a real biller would charge idempotently, keyed by the message's
+    # id (casque's message_id, or the producer's own id).
+    print(f"billed order {order['order']} (message {message.message_id}, delivery {message.delivery_count})",
+          flush=True)
 
 
 async def main() -> None:

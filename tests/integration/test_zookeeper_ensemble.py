@@ -65,7 +65,7 @@ def victim(ensemble: ZooKeeperEnsemble, role: str) -> ZooKeeperServer:
 async def test_a_killed_ensemble_member_costs_no_session_and_no_acknowledged_message(
     store: Store, group: Group, ensemble: ZooKeeperEnsemble, role: str
 ) -> None:
-    spec = create(store, shards=4)
+    spec = create(group, shards=4)
     sidecars = await group.add(2)
     await group.whole(spec.log_shards())
     members = {sidecar: group.members[sidecar] for sidecar in sidecars}

@@ -113,3 +113,9 @@ def test_json_log_lines_parse_and_name_the_request() -> None:
     assert lines[0]["path"] == "/v1" and lines[0]["when"].startswith("2030-01-01")
     assert "RuntimeError: boom" in lines[1]["exception"] and lines[2]["level"] == "WARNING"
     assert isinstance(JsonFormatter().format(logging.makeLogRecord({"msg": "x"})), str)
+
+
+def test_an_explicit_null_source_or_id_is_the_same_as_none() -> None:
+    """A null `source` or `id` is accepted like an absent one (it reached the NUL check once: a 500)."""
+    message = PublishMessage.model_validate_json('{"data": 1, "source": null, "id": null}', strict=True)
+    assert message.source is None and message.id is None
