@@ -36,7 +36,7 @@ from casque.schema import QueueRef, drop_messages_table_ddl, read_table_options
 from casque.store import Store
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
 from tests.fixtures.stack import Backends
-from tests.fixtures.waiting import free_port, refused_port, wait_for
+from tests.fixtures.waiting import refused_port, reserved_port, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -124,7 +124,7 @@ class Operator:
     """One `casque operator run` subprocess serving one namespace."""
 
     def __init__(self, env: dict[str, str], namespace: str, log: Path, *args: str) -> None:
-        self.port = free_port()
+        self.port = reserved_port()
         self.log_path = log
         command = [
             sys.executable, "-m", "casque.cli", "operator", "run",
