@@ -17,6 +17,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -451,7 +452,8 @@ async def test_subscriber_status_follows_the_log(
     api = client.CustomObjectsApi(kube_client)
     ns = kube_namespace
     ref = QueueRef(ns, "orders")
-    operators()
+    metrics_port = reserved_port()
+    operators("--metrics-port", str(metrics_port))
 
     # A Subscriber applied before its Queue waits for it, and says so.
     create(api, ns, subscriber("billing", queue="orders", startPosition="earliest", deadLetterQueue="orders-dlq"))
@@ -482,6 +484,25 @@ async def test_subscriber_status_follows_the_log(
     queue_status = (get(api, ns, QUEUES, "orders") or {})["status"]
     assert queue_status["publishedMessages"] == 7 and queue_status["subscribers"] == 1
     assert queue_status["oldestPendingTime"] == status["oldestPendingTime"]
+
+    # The same figures on the operator's metrics port, for Prometheus and autoscalers.
+    labels = f'namespace="{ns}",queue="orders",subscriber="billing"'
+    lag_line = f"casque_subscriber_lag_messages{{{labels}}} 7.0"
+    scraped = wait_for("the lag on the metrics port",
+                       lambda: text if (text := _scrape(metrics_port)) and lag_line in text else None)
+    assert f"casque_subscriber_lag_batches{{{labels}}} {float(status['lagBatches'])}" in scraped
+    oldest = datetime.fromisoformat(status["oldestPendingTime"].replace("Z", "+00:00")).timestamp()
+    oldest_series = f"casque_subscriber_oldest_pending_timestamp_seconds{{{labels}}}"
+    (line,) = [x for x in scraped.splitlines() if x.startswith(oldest_series)]
+    assert float(line.split()[-1]) == oldest
+
+
+def _scrape(port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+    except OSError:
+        return None
 
 
 def test_kubectl_get_shows_the_printer_columns(
