@@ -63,6 +63,8 @@ TMP_VOLUME = "casque-sidecar-tmp"
 # a lighter module, does not import).
 ZOOKEEPER_SECRET = "casque-zookeeper"
 DEFAULT_PORT = 8717  # the sidecar's own default (casque.sidecar.config); the operator may not import it
+DEFAULT_METRICS_PORT = 9718
+METRICS_PORT_NAME = "casque-metrics"
 LOCALHOST = "127.0.0.1"
 # The keys read from the Secrets the annotations name. Distinct, so one Secret may hold both.
 TOKEN_KEY = "token"
@@ -100,13 +102,16 @@ class InjectionSettings(BaseSettings):
     credentials_secret: str | None = Field(default=None, pattern=_SECRET_NAME.pattern)
     username_key: str = "username"
     password_key: str = "password"
+    # The sidecar serves /metrics alone on this port of the pod's address, for Prometheus
+    # (a PodMonitor, helm metrics.podMonitor); the queue API stays on 127.0.0.1. None: off.
+    metrics_port: int | None = Field(default=DEFAULT_METRICS_PORT, ge=1, le=65535)
     cpu_request: str = Field(default="50m", pattern=_QUANTITY)
     memory_request: str = Field(default="128Mi", pattern=_QUANTITY)
     # No CPU limit by default: throttling a sidecar delays every publish and ack of its app.
     cpu_limit: str | None = Field(default=None, pattern=_QUANTITY)
     memory_limit: str | None = Field(default="256Mi", pattern=_QUANTITY)
 
-    @field_validator("credentials_secret", "cpu_limit", "memory_limit", mode="before")
+    @field_validator("credentials_secret", "cpu_limit", "memory_limit", "metrics_port", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         # The chart sets every variable; an empty one means "none" (no Secret, no limit).
@@ -212,6 +217,11 @@ def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings
                     f"container {container.get('name')!r} uses port {request.port}, the sidecar's; "
                     f"choose another with the annotation {PORT}"
                 )
+            if settings.metrics_port is not None and port.get("containerPort") == settings.metrics_port:
+                raise InvalidInjection(
+                    f"container {container.get('name')!r} uses port {settings.metrics_port}, the sidecar's "
+                    f"metrics port; the operator's CASQUE_INJECTION_METRICS_PORT (helm sidecar.metricsPort) moves it"
+                )
     if spec.get("hostNetwork") and request.token_secret is None:
         # With the node's network the sidecar's 127.0.0.1 is the node's: every process and
         # every hostNetwork pod of the node could publish, receive and seek as this app.
@@ -270,6 +280,8 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
         {"name": "CASQUE_SIDECAR_PORT", "value": str(request.port)},
         {"name": "CASQUE_SIDECAR_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
+    if settings.metrics_port is not None:
+        env.append({"name": "CASQUE_SIDECAR_METRICS_PORT", "value": str(settings.metrics_port)})
     if request.queue is not None:
         env.append({"name": "CASQUE_SIDECAR_QUEUE", "value": request.queue})
     if request.subscribers:
@@ -320,6 +332,8 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
         "imagePullPolicy": settings.image_pull_policy,
         "args": ["sidecar"],
         "env": env,
+        **({"ports": [{"name": METRICS_PORT_NAME, "containerPort": settings.metrics_port, "protocol": "TCP"}]}
+           if settings.metrics_port is not None else {}),
         "resources": {"requests": requests, **({"limits": limits} if limits else {})},
         # The sidecar listens on 127.0.0.1 only, which the kubelet's HTTP probes cannot reach
         # (they dial the Pod's IP), so the probes run inside the container.

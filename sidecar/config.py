@@ -48,6 +48,11 @@ class SidecarSettings(BaseSettings):
     # Localhost only by default: the API has no transport security, and the app is in the same pod.
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = DEFAULT_PORT
+    # /metrics alone on this port of `metrics_host` (the pod's address by default), for
+    # Prometheus, which cannot reach 127.0.0.1 inside the pod. Unset: /metrics is served on
+    # the API port only.
+    metrics_port: Annotated[int | None, Field(ge=0, le=65535)] = None
+    metrics_host: str = "0.0.0.0"
     namespace: Annotated[str, Field(pattern=NAME_PATTERN.pattern)] = "default"
     # The queue whose subscribers this sidecar consumes for. Publishing works to any queue
     # of the namespace, so a publish-only sidecar needs neither.

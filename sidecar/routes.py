@@ -273,10 +273,15 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    service = request.app[RUNTIME].service
+    return await metrics_of(request.app)
+
+
+async def metrics_of(app: web.Application) -> web.Response:
+    """The sidecar app's metrics, for its own /metrics and for the separate metrics port."""
+    service = app[RUNTIME].service
     if service is not None:
         await service.refresh_gauges()
-    body = generate_latest(request.app[METRICS].registry)
+    body = generate_latest(app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

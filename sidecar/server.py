@@ -23,6 +23,7 @@ from casque.config import Settings
 from casque.logs import LogFormat
 from casque.sidecar.app import RUNTIME, create_app
 from casque.sidecar.config import SidecarSettings
+from casque.sidecar.routes import metrics_of
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ async def serve(
 ) -> None:
     app = create_app(settings, backends)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=CLOSE_TIMEOUT_SECONDS, access_log=None)
+    scrape_runner: web.AppRunner | None = None
     await runner.setup()  # quick: the backends are connected in the background (runtime.py)
     try:
         site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
@@ -46,6 +48,8 @@ async def serve(
             sockets = runner.addresses
             if sockets:
                 address = f"http://{settings.host}:{sockets[0][1]}"
+        if settings.metrics_port is not None:  # first: once the API is said to listen, both do
+            scrape_runner = await _serve_metrics(app, settings.metrics_host, settings.metrics_port)
         log.info("casque sidecar listening on %s", address)
         if on_listening is not None:
             on_listening(address)
@@ -55,8 +59,26 @@ async def serve(
         if service is not None:
             await service.drain()
     finally:
+        if scrape_runner is not None:
+            await scrape_runner.cleanup()
         await runner.cleanup()
     log.info("stopped")
+
+
+async def _serve_metrics(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """/metrics of `app`, alone, on `host`:`port` (0: any free port, logged)."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return await metrics_of(app)
+
+    scrape = web.Application()
+    scrape.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(scrape, handle_signals=False, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    shown = f"[{host}]" if ":" in host else host
+    log.info("casque sidecar metrics on http://%s:%s/metrics", shown, runner.addresses[0][1])
+    return runner
 
 
 async def _until_signalled() -> None:

@@ -164,8 +164,9 @@ def stand_in_crds(api: client.ApiextensionsV1Api, group: str, kinds: list[str]) 
 
 @pytest.fixture(scope="module")
 def service_monitor_crd(kube_client: client.ApiClient) -> Iterator[None]:  # noqa: F811
-    """The Prometheus Operator's ServiceMonitor, for the chart's ServiceMonitor toggle."""
-    yield from stand_in_crds(client.ApiextensionsV1Api(kube_client), "monitoring.coreos.com", ["ServiceMonitor"])
+    """The Prometheus Operator's ServiceMonitor and PodMonitor, for the chart's toggles."""
+    yield from stand_in_crds(client.ApiextensionsV1Api(kube_client), "monitoring.coreos.com",
+                             ["ServiceMonitor", "PodMonitor"])
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +231,7 @@ NON_DEFAULT: dict[str, Any] = {
         "image": {"tag": "0.1.0-rc1"},
         "nativeSidecar": False,
         "credentialsSecret": "casque-cassandra",
+        "metricsPort": 9800,
         "resources": {"requests": {"cpu": "100m", "memory": "96Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}},
     },
     "injection": {
@@ -238,7 +240,8 @@ NON_DEFAULT: dict[str, Any] = {
         "namespaceSelector": {"matchLabels": {"casque.io/injection": "enabled"}},
         "objectSelector": {"matchExpressions": [{"key": "casque.io/skip", "operator": "DoesNotExist"}]},
     },
-    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+                "podMonitor": {"enabled": True, "interval": "15s"}},
     "networkPolicy": {
         "enabled": True,
         "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
@@ -284,6 +287,7 @@ def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
         ({"operator": {"ports": {"webhook": 70000}}}, "webhook"),
         ({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}, "enabled"),
         ({"networkPolicy": {"apiServer": {"ports": []}}}, "ports"),
+        ({"sidecar": {"metricsPort": 0}}, "metricsPort"),
         ({"networkPolicy": {"backends": {"cassandra": {"podSelector": None}}}}, "podSelector"),
     ],
 )
@@ -481,6 +485,12 @@ def test_non_default_values_are_accepted_by_the_api_server(
     assert webhook["objectSelector"] == NON_DEFAULT["injection"]["objectSelector"]
     monitor = one(documents, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    # Every injected sidecar, in every namespace, on the port the webhook names.
+    sidecars = one(documents, "PodMonitor")["spec"]
+    assert sidecars["selector"]["matchLabels"] == {injection.SIDECAR_LABEL: injection.SIDECAR_LABEL_VALUE}
+    assert sidecars["namespaceSelector"] == {"any": True}
+    assert sidecars["podMetricsEndpoints"][0]["port"] == injection.METRICS_PORT_NAME
+    assert sidecars["podMetricsEndpoints"][0]["interval"] == "15s"
     assert one(documents, "PodDisruptionBudget")["spec"]["maxUnavailable"] == "50%"
 
     container = operator_container(documents)
@@ -567,10 +577,11 @@ def test_the_operator_reads_every_setting_the_chart_gives_it(
         assert backends.cassandra_contact_points == ["cassandra-0.cassandra", "cassandra-1.cassandra"]
         assert backends.replication.strategy == "SimpleStrategy" and backends.zookeeper_root == "/shop/casque"
         assert sidecar.native_sidecar is False and sidecar.cpu_limit == "1" and sidecar.credentials_secret
+        assert sidecar.metrics_port == 9800
     else:
         assert backends.replication.datacenters == {"datacenter1": 3}
         assert sidecar.native_sidecar and sidecar.cpu_limit is None and sidecar.memory_limit == "256Mi"
-        assert sidecar.image == "casque/sidecar:0.1.0"
+        assert sidecar.image == "casque/sidecar:0.1.0" and sidecar.metrics_port == injection.DEFAULT_METRICS_PORT
 
 
 def test_the_examples_are_accepted_by_the_api_server(

@@ -118,6 +118,35 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 # schemathesis draws some values with `random` inside its strategies; that is its business.
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
+async def test_prometheus_scrapes_the_metrics_port_which_serves_nothing_else(
+    store: Store, start_sidecar: Callable[..., SidecarProcess]
+) -> None:
+    create_queue(store)
+    # On loopback here; in a pod the default 0.0.0.0 lets Prometheus reach the pod's address.
+    sidecar = await asyncio.to_thread(start_sidecar, "--queue", QUEUE, "--subscriber", SUBSCRIBER, env={
+        "CASQUE_SIDECAR_METRICS_PORT": "0", "CASQUE_SIDECAR_METRICS_HOST": "127.0.0.1"})
+    async with AsyncClient(sidecar.url, queue=QUEUE, subscriber=SUBSCRIBER) as client:
+        await client.publish_batch([{"data": i} for i in range(3)])
+        received = []
+        while len(received) < 3:
+            received.extend(await client.receive(max=3, wait=5))
+        await client.ack_batch([m.receipt for m in received])
+    metrics = sidecar.metrics_url()
+    assert metrics != f"{sidecar.url}/metrics"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(metrics) as answer:
+            assert answer.status == 200 and answer.content_type == "text/plain"
+            text = await answer.text()
+        for line in (f'casque_sidecar_published_messages_total{{queue="{QUEUE}"}} 3.0',
+                     f'casque_sidecar_acked_messages_total{{queue="{QUEUE}",subscriber="{SUBSCRIBER}"}} 3.0',
+                     f'casque_sidecar_leased_shards{{subscriber="{SUBSCRIBER}"}} 2.0'):
+            assert line in text, line
+        # Only /metrics: the queue API stays on the loopback port alone.
+        base = metrics.removesuffix("/metrics")
+        async with http.post(f"{base}/v1/queues/{QUEUE}/messages", json={"data": "x"}) as answer:
+            assert answer.status == 404
+
+
 def test_fuzzing_the_api_from_its_openapi_document_finds_no_5xx(
     store: Store, start_sidecar: Callable[..., SidecarProcess]
 ) -> None:

@@ -224,6 +224,23 @@ def test_an_injected_pod_carries_the_label_the_backends_admit() -> None:
     }
 
 
+def test_the_sidecar_serves_metrics_on_a_named_port_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    document = pod({"casque.io/inject": "true", "casque.io/queue": "orders"})
+    sidecar = container(injected(document), injection.SIDECAR_NAME)
+    assert sidecar["ports"] == [{"name": "casque-metrics", "containerPort": 9718, "protocol": "TCP"}]
+    assert env_of(sidecar)["CASQUE_SIDECAR_METRICS_PORT"] == "9718"
+    monkeypatch.setenv("CASQUE_INJECTION_METRICS_PORT", "")  # the chart's sidecar.metricsPort: null
+    sidecar = container(injected(document, InjectionSettings()), injection.SIDECAR_NAME)
+    assert "ports" not in sidecar and "CASQUE_SIDECAR_METRICS_PORT" not in env_of(sidecar)
+
+
+def test_an_app_port_that_is_the_metrics_port_is_refused() -> None:
+    document = pod({"casque.io/inject": "true", "casque.io/queue": "orders"},
+                   containers=[{"name": "web", "image": "example/app:1", "ports": [{"containerPort": 9718}]}])
+    with pytest.raises(InvalidInjection, match="9718, the sidecar's metrics port"):
+        plan(document, InjectionSettings(), Settings())
+
+
 def test_a_pod_is_never_injected_twice() -> None:
     once = injected(pod(ORDERS))
     assert plan(once, InjectionSettings(), Settings()) == []
