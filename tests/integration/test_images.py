@@ -52,8 +52,8 @@ class Containers:
     """Containers started in the foreground (`podman run --rm`), their output in a file each;
     removed at the end whatever became of them."""
 
-    def __init__(self, images: Images, tmp_path: Path) -> None:
-        self.images = images
+    def __init__(self, built: Images, tmp_path: Path) -> None:
+        self.images = built
         self.tmp_path = tmp_path
         self.names: list[str] = []
         self.processes: list[subprocess.Popen[bytes]] = []
