@@ -14,6 +14,11 @@
 #    The root filesystem is kept as a tarball under ${CASQUE_CACHE:-~/.cache/casque}/images,
 #    named by a hash of everything that goes into it; the image carries that hash as a label
 #    and is imported again only when it differs.
+# 4. The locked wheels the Dockerfiles install (requirements/build.lock and runtime.lock),
+#    downloaded once with their hashes checked into images/wheels/<hash of the locks>/, beside
+#    a pip.conf that points pip at them and at no index. The image tests mount that folder
+#    as /etc/xdg/pip into their builds and build with no network at all: nothing is fetched
+#    at test time, and a build step that wanted anything outside the locks would fail.
 #
 #   bash scripts/install-podman.sh           # what is missing
 #   bash scripts/install-podman.sh --force   # the base tarball and image anew
@@ -26,13 +31,13 @@ PACKAGES="python3.11,python3-venv,ca-certificates"
 BASE_IMAGE="localhost/casque-base:bookworm"
 # Bump when the recipe below changes, to force a new tarball.
 RECIPE_REV="1"
-CACHE_DIR="${CASQUE_CACHE:-$HOME/.cache/casque}/images"
+CACHE_DIR="${CASQUE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/casque}/images"
 
 FORCE=0
 for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "install-podman: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -152,5 +157,20 @@ if [ "$FORCE" = 1 ] || [ "$have" != "$key" ]; then
     --change 'CMD ["python3"]' \
     "$tarball" "$BASE_IMAGE" >/dev/null
   log "imported $BASE_IMAGE ($key)"
+fi
+# ---- 4. the locked wheels, for builds without a network ------------------------------------
+python=${PYTHON:-.venv/bin/python}
+locks=(requirements/build.lock requirements/runtime.lock)
+wheels="$CACHE_DIR/wheels/$(cat "${locks[@]}" | sha256sum | cut -c1-16)"
+if [ ! -f "$wheels/pip.conf" ]; then
+  rm -rf "$wheels.partial"
+  # The images' Python, whatever the host's: only wheels, for CPython 3.11 on this platform.
+  "$python" -m pip download -q --require-hashes --no-deps --only-binary=:all: --python-version 3.11 \
+    --dest "$wheels.partial" "${locks[@]/#/-r}"
+  printf '[global]\nno-index = true\nfind-links = /etc/xdg/pip\n' >"$wheels.partial/pip.conf"
+  rm -rf "$wheels"
+  mv "$wheels.partial" "$wheels"
+  find "$CACHE_DIR/wheels" -mindepth 1 -maxdepth 1 ! -name "$(basename "$wheels")" -exec rm -rf {} +
+  log "locked wheels in $wheels"
 fi
 echo "podman $(podman --version | cut -d' ' -f3) (runtime $(podman info --format '{{.Host.OCIRuntime.Name}}')), base $BASE_IMAGE ($key)"

@@ -98,7 +98,7 @@ def env_options(env: dict[str, str]) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize("which", ["sidecar", "operator"])
-def test_the_image_runs_as_its_user_and_cannot_write_outside_tmp(images: Images, which: str) -> None:  # noqa: F811
+def test_the_image_runs_as_its_user_without_pip_and_cannot_write_outside_tmp(images: Images, which: str) -> None:  # noqa: F811
     image = getattr(images, which)
     config = podman("image", "inspect", "--format", "{{.Config.User}}", image).stdout.strip()
     assert config == f"{IMAGE_USER}:{IMAGE_USER}"
@@ -114,6 +114,8 @@ def test_the_image_runs_as_its_user_and_cannot_write_outside_tmp(images: Images,
         "        print('refused', path, error.errno)\n"
         "import casque, casque.sidecar.server, casque.operator.main, casque_client\n"
         "print('imports', casque.__file__)\n"
+        "import importlib.util\n"
+        "print('pip', importlib.util.find_spec('pip') is not None, os.path.exists('/opt/casque/bin/pip'))\n"
     )
     name = f"casque-test-{images.session}-probe-{which}"
     run = hardened(image, name)
@@ -126,6 +128,7 @@ def test_the_image_runs_as_its_user_and_cannot_write_outside_tmp(images: Images,
     # EROFS (30): the root filesystem is read-only; nothing but /tmp takes a write.
     assert lines[1:3] == ["refused /opt/casque/x 30", "refused /x 30"]
     assert lines[3].startswith("imports /opt/casque/lib/python3.11/site-packages/casque/")
+    assert lines[4] == "pip False False"  # casque's virtualenv carries no installer
 
 
 # --- the sidecar's container serves the API -------------------------------------------------
