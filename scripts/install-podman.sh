@@ -160,6 +160,7 @@ if [ "$FORCE" = 1 ] || [ "$have" != "$key" ]; then
 fi
 # ---- 4. the locked wheels, for builds without a network ------------------------------------
 python=${PYTHON:-.venv/bin/python}
+[ -x "$python" ] || python=python3
 locks=(requirements/build.lock requirements/runtime.lock)
 wheels="$CACHE_DIR/wheels/$(cat "${locks[@]}" | sha256sum | cut -c1-16)"
 if [ ! -f "$wheels/pip.conf" ]; then
