@@ -55,6 +55,9 @@ PUBLISH_SCOPE = f"{ANNOTATION_PREFIX}publish-scope"
 SUBSCRIBE_SCOPE = f"{ANNOTATION_PREFIX}subscribe-scope"
 
 SIDECAR_NAME = "casque-sidecar"
+# On every pod that gets the sidecar: the backends' NetworkPolicies admit pods by it.
+SIDECAR_LABEL = f"{ANNOTATION_PREFIX}sidecar"
+SIDECAR_LABEL_VALUE = "injected"
 TMP_VOLUME = "casque-sidecar-tmp"
 # Written into each namespace by the operator (casque.operator.tenancy, which the webhook,
 # a lighter module, does not import).
@@ -220,6 +223,11 @@ def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings
         raise InvalidInjection(f"the volume name {TMP_VOLUME!r} is the sidecar's; rename the Pod's volume")
 
     patch: list[dict[str, Any]] = []
+    labels = (pod.get("metadata") or {}).get("labels")
+    if labels:
+        patch.append(_add(f"/metadata/labels/{_pointer(SIDECAR_LABEL)}", SIDECAR_LABEL_VALUE))
+    else:
+        patch.append(_add("/metadata/labels", {SIDECAR_LABEL: SIDECAR_LABEL_VALUE}))
     # The app's containers learn where the sidecar is; casque's clients read these variables.
     for index, container in enumerate(containers):
         defined = {env.get("name") for env in container.get("env") or []}
@@ -373,6 +381,11 @@ def outcome(answer: Mapping[str, Any]) -> str:
 
 def _annotations(pod: Mapping[str, Any]) -> Mapping[str, str]:
     return (pod.get("metadata") or {}).get("annotations") or {}
+
+
+def _pointer(key: str) -> str:
+    """`key` as one segment of a JSON Pointer (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def _add(path: str, value: Any) -> dict[str, Any]:

@@ -33,9 +33,13 @@ OLDEST_PENDING = Gauge("casque_subscriber_oldest_pending_timestamp_seconds",
 _exported: dict[tuple[str, str], str] = {}
 
 
-def observe_subscriber(namespace: str, name: str, status: Mapping[str, Any]) -> None:
-    """Set the subscriber's gauges from a status patch (figures absent or null are left as they are)."""
-    queue = status.get("queue")
+def observe_subscriber(namespace: str, name: str, status: Mapping[str, Any], patch: Mapping[str, Any]) -> None:
+    """Set the subscriber's gauges from its `status` with this pass's merge `patch` applied.
+
+    A patch holds only what changed (a new lag, but not the unchanged queue name), so the
+    gauges are set from both. Figures absent or null are left as they are."""
+    figures = {**status, **patch}
+    queue = figures.get("queue")
     if not isinstance(queue, str):
         return
     previous = _exported.get((namespace, name))
@@ -43,11 +47,11 @@ def observe_subscriber(namespace: str, name: str, status: Mapping[str, Any]) -> 
         forget_subscriber(namespace, name)
     _exported[(namespace, name)] = queue
     for key, gauge in SUBSCRIBER_GAUGES.items():
-        value = status.get(key)
+        value = figures.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             gauge.labels(namespace, queue, name).set(value)
-    if "oldestPendingTime" in status:
-        oldest = status["oldestPendingTime"]
+    if "oldestPendingTime" in figures:
+        oldest = figures["oldestPendingTime"]
         try:
             stamp = datetime.fromisoformat(oldest.replace("Z", "+00:00")).timestamp() if oldest else 0.0
         except (AttributeError, ValueError):

@@ -1,9 +1,11 @@
 """Prometheus metrics of one sidecar: requests, messages, latency, lag, in-flight and leases.
 
 Each app has its own registry, so several sidecars in one process (tests) do not mix.
-Counters move as requests are handled; the gauges that need the backends (lag, oldest
-unacked message) are refreshed when /metrics is scraped. Recording a metric must never
-fail a request: the middleware keeps its own failures to the log.
+Counters move as requests are handled; the gauges of this sidecar's consumers (in flight,
+leases, unread shards) are refreshed when /metrics is scraped. Subscriber-wide figures (lag,
+oldest pending message) are the operator's to export, once for every sidecar
+(operator/metrics.py): a scrape reads no messages or offsets. Recording a metric must
+never fail a request: the middleware keeps its own failures to the log.
 """
 
 from __future__ import annotations
@@ -73,18 +75,6 @@ class SidecarMetrics:
             "casque_sidecar_unread_shards",
             "Shards due to this sidecar that it does not read now (lease not held, or reading or committing fails).",
             ["subscriber"], registry=r,
-        )
-        self.lag_messages = Gauge(
-            "casque_subscriber_lag_messages", "Messages published after the subscriber's offset.", ["subscriber"],
-            registry=r,
-        )
-        self.lag_batches = Gauge(
-            "casque_subscriber_lag_batches", "Batches from the subscriber's offset to the head.", ["subscriber"],
-            registry=r,
-        )
-        self.oldest_unacked = Gauge(
-            "casque_subscriber_oldest_unacked_seconds", "Age of the oldest message not yet done.", ["subscriber"],
-            registry=r,
         )
 
 

@@ -7,7 +7,8 @@ from the same table, so the two cannot drift apart.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -184,19 +185,27 @@ def _results(
     return reply(ReceiptResults(results=results))
 
 
+@contextlib.contextmanager
+def _settle_span(request: web.Request, operation: str, receipts: int) -> Iterator[None]:
+    """A consumer span around settling `receipts` deliveries (ack, nack, extend), when tracing."""
+    tracing = request.app[TRACING]
+    if tracing is None:
+        yield
+        return
+    queue, subscriber = request.match_info["queue"], request.match_info["subscriber"]
+    with tracing.span(f"{operation} {queue}/{subscriber}", "consumer", _trace_header(request), attributes={
+        "messaging.system": "casque", "messaging.operation.type": "settle", "messaging.operation.name": operation,
+        "messaging.destination.name": queue, "messaging.consumer.group.name": subscriber,
+        "messaging.batch.message_count": receipts,
+    }):
+        yield
+
+
 async def ack(request: web.Request) -> web.Response:
     body = await parse(request, AckRequest)
     queue, subscriber = request.match_info["queue"], request.match_info["subscriber"]
-    tracing = request.app[TRACING]
-    if tracing is None:
+    with _settle_span(request, "ack", len(body.all)):
         outcomes = await _service(request).ack(queue, subscriber, body.all)
-    else:
-        with tracing.span(f"ack {queue}/{subscriber}", "consumer", _trace_header(request), attributes={
-            "messaging.system": "casque", "messaging.operation.type": "settle",
-            "messaging.destination.name": queue, "messaging.consumer.group.name": subscriber,
-            "messaging.batch.message_count": len(body.all),
-        }):
-            outcomes = await _service(request).ack(queue, subscriber, body.all)
     return _results(
         body.all, outcomes, body.single,
         lambda r, newly: ReceiptResult(receipt=r, status="acked" if newly else "already_acked"),
@@ -205,17 +214,19 @@ async def ack(request: web.Request) -> web.Response:
 
 async def nack(request: web.Request) -> web.Response:
     body = await parse(request, NackRequest)
-    outcomes = await _service(request).nack(
-        request.match_info["queue"], request.match_info["subscriber"], body.all, body.delay, body.error
-    )
+    with _settle_span(request, "nack", len(body.all)):
+        outcomes = await _service(request).nack(
+            request.match_info["queue"], request.match_info["subscriber"], body.all, body.delay, body.error
+        )
     return _results(body.all, outcomes, body.single, lambda r, _: ReceiptResult(receipt=r, status="nacked"))
 
 
 async def extend_visibility(request: web.Request) -> web.Response:
     body = await parse(request, ExtendRequest)
-    outcomes = await _service(request).extend(
-        request.match_info["queue"], request.match_info["subscriber"], body.all, body.visibility
-    )
+    with _settle_span(request, "extend", len(body.all)):
+        outcomes = await _service(request).extend(
+            request.match_info["queue"], request.match_info["subscriber"], body.all, body.visibility
+        )
 
     def extended(receipt: str, until: object) -> ReceiptResult:
         assert isinstance(until, float)

@@ -65,7 +65,6 @@ T = TypeVar("T")
 _UNAVAILABLE = BACKEND_FAILURES
 # A consumer that cannot start yet (its queue or subscriber not created, a backend down) is retried.
 _NOT_STARTED: tuple[type[BaseException], ...] = (QueueNotFound, SubscriberNotFound, BackendUnavailable, *_UNAVAILABLE)
-_LAG_UNKNOWN: tuple[type[BaseException], ...] = (CasqueError, TimeoutError, *_UNAVAILABLE)
 # A long poll checks for shutdown this often, so a stopping sidecar answers its waiting
 # receives at once instead of after their full wait.
 POLL_SLICE_SECONDS = 1.0
@@ -74,7 +73,6 @@ START_RETRY_MAX_SECONDS = 5.0
 # Accepted publishes get this long to finish their writes during shutdown; the driver's
 # own request timeout (10 s) ends each write well before.
 WRITE_DRAIN_SECONDS = 30.0
-STATS_TIMEOUT_SECONDS = 5.0
 
 
 def member_name() -> str:
@@ -456,7 +454,7 @@ class QueueService:
         return ready, checks
 
     async def refresh_gauges(self) -> None:
-        """The gauges that need the backends, read when /metrics is scraped."""
+        """The gauges of this sidecar's consumers, read when /metrics is scraped."""
         metrics = self.metrics
         for name, subscription in self.subscriptions.items():
             consumer = subscription.consumer
@@ -468,20 +466,6 @@ class QueueService:
                 metrics.unread_shards.labels(name).set((await consumer.shard_status()).unread)
             except (BackendUnavailable, NoNodeError):
                 pass
-        if self.queue is None:
-            return
-        for name in self.subscriptions:
-            try:
-                stats = await asyncio.wait_for(
-                    subscriber_stats(self.store, self.queue, name), STATS_TIMEOUT_SECONDS
-                )
-            except _LAG_UNKNOWN as error:
-                log.info("lag of %s not refreshed: %s", name, error)
-                continue
-            if stats.lag_messages is not None:
-                metrics.lag_messages.labels(name).set(stats.lag_messages)
-            metrics.lag_batches.labels(name).set(stats.lag_batches)
-            metrics.oldest_unacked.labels(name).set(stats.oldest_unacked_age_seconds or 0.0)
 
 
 async def _each(receipts: Sequence[str], action: Callable[[str], Awaitable[T]]) -> list[T | CasqueError]:

@@ -161,6 +161,7 @@ def stats(
 ) -> None:
     """Per-minute rates, sizes, shard balance, ack latency and lag; Parquet, JSON and a report."""
     _require_spark()
+    from casque.spark.progress import stage_progress
     from casque.spark.stats import compute
 
     ref = _queue(namespace, queue)
@@ -170,7 +171,7 @@ def stats(
     target = out_dir or Path(f"casque-stats-{ref.namespace}-{ref.name}-{stamp}")
     store, resolved = _resolve(settings, ref, spec)
     try:
-        with _session(settings, master, conf, connector) as spark:
+        with _session(settings, master, conf, connector) as spark, stage_progress(spark, err, f"stats of {ref}"):
             result = compute(spark, store, resolved, target, overwrite=overwrite)
     finally:
         store.close()
@@ -210,6 +211,7 @@ def export(
     """Write a range's messages, byte for byte, as Parquet or JSON lines (payload in base64)."""
     _require_spark()
     from casque.spark.export import FORMATS, export as run_export
+    from casque.spark.progress import stage_progress
 
     if fmt not in FORMATS:
         raise SparkJobError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
@@ -218,7 +220,7 @@ def export(
     settings = backend_settings(cassandra, zookeeper, keyspace)
     store, resolved = _resolve(settings, ref, spec)
     try:
-        with _session(settings, master, conf, connector) as spark:
+        with _session(settings, master, conf, connector) as spark, stage_progress(spark, err, f"export of {ref}"):
             result = run_export(spark, store.keyspace, resolved, fmt, out_dir, overwrite=overwrite)
     finally:
         store.close()
@@ -244,7 +246,8 @@ def replay(
 ) -> None:
     """Re-publish a range into another queue through the publish path; a rerun adds nothing."""
     _require_spark()
-    from casque.spark.replay import replay as run_replay, rich_progress
+    from casque.spark.progress import rich_progress
+    from casque.spark.replay import replay as run_replay
 
     ref = _queue(namespace, queue)
     target = _queue(namespace, into)

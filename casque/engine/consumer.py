@@ -151,6 +151,8 @@ class ShardReader:
         self._version = record.version
         self._head = 0
         self._wake = asyncio.Event()
+        # Read all there is and waiting for the head watch (or the slow recheck) to wake it.
+        self.caught_up = False
         self._marks: dict[int, dict[int, BatchMarks]] = {}
         self._stopped = False
         # Handing the shard over: no new deliveries from it; acks of those in flight still taken.
@@ -257,10 +259,13 @@ class ShardReader:
             backoff.reset()
             if progressed:
                 continue
+            self.caught_up = True
             try:
                 await asyncio.wait_for(self._wake.wait(), CAUGHT_UP_RECHECK_SECONDS)
             except TimeoutError:
                 pass
+            finally:
+                self.caught_up = False
 
     async def _fetch_once(self) -> bool:
         """Load the next batches if there is room; True if something changed."""
@@ -490,6 +495,8 @@ class Consumer:
         self.readers: dict[int, ShardReader] = {}
         self.prefetch_blocked = False
         self._available = asyncio.Event()
+        # Receives waiting for a message to become available (long polls).
+        self.waiting_receives = 0
         self._rotation = 0
         # Deliveries served by each priority level while lower levels had messages ready.
         self._served: dict[int, int] = {}
@@ -761,10 +768,13 @@ class Consumer:
             due = [t for r in self.sources() if (t := r.state.next_due()) is not None]
             if due:
                 remaining = min(remaining, max(0.0, min(due) - now) + 0.001)
+            self.waiting_receives += 1
             try:
                 await asyncio.wait_for(self._available.wait(), remaining)
             except TimeoutError:
                 pass
+            finally:
+                self.waiting_receives -= 1
 
     def _take(self, max_messages: int, visibility: float, budget: ByteBudget | None = None) -> list[Delivery]:
         """Deliveries from the leased shards: higher priority levels first, with every

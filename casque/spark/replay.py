@@ -25,11 +25,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from casque.engine import catalog
 from casque.engine.messages import OutgoingMessage
@@ -38,23 +36,17 @@ from casque.errors import CasqueError
 from casque.schema import QueueRef
 from casque.spark import readers
 from casque.spark.errors import SparkJobError
+from casque.spark.progress import Progress
 from casque.spark.ranges import ResolvedRange
 from casque.specs import priority_of
 from casque.store import Store
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
-    from rich.console import Console
 
 # Messages handed to the Publisher at once; it groups them into batches per shard.
 CHUNK = 500
 CLIENT_ID_PREFIX = "replay:"
-
-
-class Progress(Protocol):
-    def start(self, total: int) -> None: ...
-
-    def advance(self, count: int) -> None: ...
 
 
 @dataclass
@@ -199,32 +191,3 @@ async def replay(spark: SparkSession, store: Store, resolved: ResolvedRange, tar
     finally:
         pending.unpersist()
     return result
-
-
-@contextmanager
-def rich_progress(console: Console, description: str) -> Iterator[Progress]:
-    """A progress bar on `console` for a replay (messages published of those pending)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress as Bar,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    bar = Bar(TextColumn(f"[bold]{description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-              TimeRemainingColumn(), console=console, transient=False)
-
-    class _Adapter:
-        task: Any = None
-
-        def start(self, total: int) -> None:
-            self.task = bar.add_task("replay", total=total)
-
-        def advance(self, count: int) -> None:
-            if self.task is not None:
-                bar.advance(self.task, count)
-
-    with bar:
-        yield _Adapter()

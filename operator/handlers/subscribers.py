@@ -17,7 +17,7 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
         context, body, lambda: reconcile.reconcile_subscriber(context.stores, resource, datetime.now(timezone.utc))
     )
     report(body, patch, outcome, logger)
-    metrics.observe_subscriber(resource.namespace, resource.name, outcome.status)
+    metrics.observe_subscriber(resource.namespace, resource.name, resource.status or {}, outcome.status)
     if outcome.failure is not None:
         raise to_kopf(outcome.failure)
 
@@ -28,7 +28,7 @@ async def refresh(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, 
         context, body, lambda: reconcile.refresh_subscriber(context.stores, resource, datetime.now(timezone.utc))
     )
     report(body, patch, outcome, logger, timer=True)
-    metrics.observe_subscriber(resource.namespace, resource.name, outcome.status)
+    metrics.observe_subscriber(resource.namespace, resource.name, resource.status or {}, outcome.status)
 
 
 async def delete(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from casque.engine import catalog
+from casque.engine import catalog, consumer as consumer_module
 from casque.engine.consumer import Consumer
 from casque.engine.leases import assign
 from casque.engine.messages import Delivery, OutgoingMessage
@@ -100,14 +100,18 @@ async def test_two_subscribers_each_see_everything(store: Store, started: list[C
         assert {d.message.message_id for d in await drain(consumer, 120)} == published
 
 
-async def test_long_poll_wakes_on_publish(store: Store, started: list[Consumer]) -> None:
+async def test_long_poll_wakes_on_publish(
+    store: Store, started: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The slow recheck of a caught-up shard is out of reach: only the head watch can wake it.
+    monkeypatch.setattr(consumer_module, "CAUGHT_UP_RECHECK_SECONDS", 3600.0)
     spec = await setup_queue(store, shards=1, subscribers=["waiter"], start="latest")
     consumer = Consumer(store, QUEUE, "waiter")
     started.append(consumer)
     await consumer.start()
-    await wait_for(lambda: consumer.held_shards == {0})
-    receiving = asyncio.create_task(consumer.receive(max_messages=1, wait=30))
-    await asyncio.sleep(0)  # let the receive start waiting
+    await wait_for(lambda: consumer.held_shards == {0} and consumer.readers[0].caught_up)
+    receiving = asyncio.create_task(consumer.receive(max_messages=1, wait=120))
+    await wait_for(lambda: consumer.waiting_receives == 1)
     published = await publish_many(store, spec, 1)
     deliveries = await receiving
     assert {d.message.message_id for d in deliveries} == published

@@ -35,7 +35,7 @@ from casque.operator import injection
 from casque.operator.context import OperatorOptions
 from casque.operator.quotas import QuotaSettings
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
-from tests.fixtures.waiting import free_port, wait_for
+from tests.fixtures.waiting import reserved_port, wait_for
 from tests.unit.test_dockerfiles import cli_call
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,36 +129,49 @@ def casque_crds(tools: Tools, kube_client: client.ApiClient) -> None:  # noqa: F
         wait_for(f"CRD {name} to be Established", lambda name=name: established(api, name))
 
 
+def stand_in_crds(api: client.ApiextensionsV1Api, group: str, kinds: list[str]) -> Iterator[None]:
+    """Stand-ins for another project's CRDs (the kinds only, any content), so that the API
+    server accepts the chart's optional objects of those kinds."""
+    created: list[str] = []
+    for kind in kinds:
+        plural = f"{kind.lower()}s"
+        name = f"{plural}.{group}"
+        body = {
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": name},
+            "spec": {
+                "group": group,
+                "scope": "Namespaced",
+                "names": {"plural": plural, "singular": kind.lower(), "kind": kind},
+                "versions": [{
+                    "name": "v1", "served": True, "storage": True,
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                }],
+            },
+        }  # fmt: skip
+        try:
+            api.create_custom_resource_definition(body)
+            created.append(name)
+        except ApiException as error:
+            if error.status != 409:
+                raise
+        wait_for(f"CRD {name} to be Established", lambda: established(api, name))
+    yield
+    for name in created:
+        api.delete_custom_resource_definition(name)
+
+
 @pytest.fixture(scope="module")
 def service_monitor_crd(kube_client: client.ApiClient) -> Iterator[None]:  # noqa: F811
-    """A stand-in for the Prometheus Operator's CRD (the kind only), for the ServiceMonitor toggle."""
-    api = client.ApiextensionsV1Api(kube_client)
-    name = "servicemonitors.monitoring.coreos.com"
-    body = {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": name},
-        "spec": {
-            "group": "monitoring.coreos.com",
-            "scope": "Namespaced",
-            "names": {"plural": "servicemonitors", "singular": "servicemonitor", "kind": "ServiceMonitor"},
-            "versions": [{
-                "name": "v1", "served": True, "storage": True,
-                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-            }],
-        },
-    }  # fmt: skip
-    created = False
-    try:
-        api.create_custom_resource_definition(body)
-        created = True
-    except ApiException as error:
-        if error.status != 409:
-            raise
-    wait_for(f"CRD {name} to be Established", lambda: established(api, name))
-    yield
-    if created:
-        api.delete_custom_resource_definition(name)
+    """The Prometheus Operator's ServiceMonitor, for the chart's ServiceMonitor toggle."""
+    yield from stand_in_crds(client.ApiextensionsV1Api(kube_client), "monitoring.coreos.com", ["ServiceMonitor"])
+
+
+@pytest.fixture(scope="module")
+def cert_manager_crds(kube_client: client.ApiClient) -> Iterator[None]:  # noqa: F811
+    """cert-manager's Issuer and Certificate, for the webhook's certManager mode."""
+    yield from stand_in_crds(client.ApiextensionsV1Api(kube_client), "cert-manager.io", ["Issuer", "Certificate"])
 
 
 @pytest.fixture
@@ -226,6 +239,12 @@ NON_DEFAULT: dict[str, Any] = {
         "objectSelector": {"matchExpressions": [{"key": "casque.io/skip", "operator": "DoesNotExist"}]},
     },
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+    "networkPolicy": {
+        "enabled": True,
+        "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+        "apiServer": {"to": [{"ipBlock": {"cidr": "10.96.0.1/32"}}]},
+        "backends": {"enabled": True, "additionalFrom": [{"podSelector": {"matchLabels": {"spark-role": "executor"}}}]},
+    },
 }
 
 MINIMAL: dict[str, Any] = {
@@ -264,6 +283,8 @@ def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
         ({"sidecar": {"resources": {"requests": {"memory": "lots"}}}}, "memory"),
         ({"operator": {"ports": {"webhook": 70000}}}, "webhook"),
         ({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}, "enabled"),
+        ({"networkPolicy": {"apiServer": {"ports": []}}}, "ports"),
+        ({"networkPolicy": {"backends": {"cassandra": {"podSelector": None}}}}, "podSelector"),
     ],
 )
 def test_values_that_break_the_schema_fail_before_anything_is_made(
@@ -325,6 +346,41 @@ def test_an_install_tells_the_user_what_to_do_next(
     assert "casque.io/inject: \"true\"" in notes and "examples/app-deployment.yaml" in notes
     assert "WARNING: Cassandra needs credentials, but sidecar.credentialsSecret is empty" in notes
     assert "kubectl apply -f crds/" in notes
+
+
+@pytest.mark.parametrize("issuer", [None, {"name": "platform-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}],
+                         ids=["own-ca", "cluster-issuer"])
+def test_cert_manager_mode_renders_the_same_objects_every_time(
+    tools: Tools, kube_namespace: str, casque_crds: None, cert_manager_crds: None,  # noqa: F811
+    issuer: dict[str, str] | None,
+) -> None:
+    """With GitOps, `helm template` runs on every sync: nothing random may be in its output."""
+    values = {"injection": {"tls": {"mode": "certManager", "certManager": {"issuerRef": issuer or {}}}}}
+    manifest = tools.template(kube_namespace, values, release="casque").stdout
+    assert tools.template(kube_namespace, values, release="casque").stdout == manifest
+    out = tools.dry_run(manifest)
+    documents = [d for d in yaml.safe_load_all(manifest) if d]
+    assert out.count("(server dry run)") == len(documents), out
+    assert not of_kind(documents, "Secret")  # cert-manager writes the webhook's Secret
+    certificates = {c["metadata"]["name"]: c["spec"] for c in of_kind(documents, "Certificate")}
+    serving = certificates["casque-webhook"]
+    service = f"casque-webhook.{kube_namespace}.svc"
+    assert serving["dnsNames"] == [service, f"{service}.cluster.local"]
+    volumes = one(documents, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "webhook-tls", "secret": {"secretName": serving["secretName"]}} in volumes
+    configuration = one(documents, "MutatingWebhookConfiguration")
+    assert configuration["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": f"{kube_namespace}/casque-webhook"
+    }
+    assert "caBundle" not in configuration["webhooks"][0]["clientConfig"]
+    if issuer:
+        assert set(certificates) == {"casque-webhook"} and not of_kind(documents, "Issuer")
+        assert serving["issuerRef"] == issuer
+    else:  # a CA of the release's own: a self-signed root, and an issuer signing with it
+        assert certificates["casque-webhook-ca"]["isCA"]
+        assert serving["issuerRef"]["name"] == "casque-webhook-ca"
+        issuers = {i["metadata"]["name"] for i in of_kind(documents, "Issuer")}
+        assert issuers == {"casque-webhook-selfsigned", "casque-webhook-ca"}
 
 
 def test_an_upgrade_keeps_the_webhook_certificate(
@@ -399,6 +455,10 @@ def test_non_default_values_are_accepted_by_the_api_server(
             **NON_DEFAULT["injection"],
             "tls": {"mode": "secret", "existingSecret": "casque-webhook-tls", "caBundle": kube_cluster.ca_bundle},
         },
+        "networkPolicy": {
+            **NON_DEFAULT["networkPolicy"],
+            "backends": {**NON_DEFAULT["networkPolicy"]["backends"], "namespace": other_namespace},
+        },
     }
     manifest = tools.template(kube_namespace, values).stdout
     out = tools.dry_run(manifest)
@@ -436,6 +496,29 @@ def test_non_default_values_are_accepted_by_the_api_server(
     pod = one(documents, "Deployment")["spec"]["template"]
     assert pod["metadata"]["annotations"]["example.com/team"] == "platform"
     assert "checksum/cassandra-credentials" in pod["metadata"]["annotations"]
+
+    # NetworkPolicies: the operator takes only its own ports and reaches only DNS, the API
+    # server and the backends' client ports; the backends admit the operator and sidecars.
+    policies = {p["metadata"]["name"].rsplit("-", 1)[1]: p for p in of_kind(documents, "NetworkPolicy")}
+    assert set(policies) == {"operator", "cassandra", "zookeeper"}
+    operator_policy = policies["operator"]
+    assert operator_policy["spec"]["podSelector"] == one(documents, "Deployment")["spec"]["selector"]
+    assert {p["port"] for rule in operator_policy["spec"]["ingress"] for p in rule["ports"]} == {8080, 9443, 9090}
+    (metrics_rule,) = [r for r in operator_policy["spec"]["ingress"] if r["ports"][0]["port"] == 9090]
+    assert metrics_rule["from"] == NON_DEFAULT["networkPolicy"]["metricsFrom"]
+    egress = {p["port"]: rule.get("to") for rule in operator_policy["spec"]["egress"] for p in rule["ports"]}
+    assert set(egress) == {53, 443, 6443, 9142, 2181} and egress[443] == [{"ipBlock": {"cidr": "10.96.0.1/32"}}]
+    for backend, port in (("cassandra", 9142), ("zookeeper", 2181)):
+        policy = policies[backend]
+        assert policy["metadata"]["namespace"] == other_namespace
+        clients, peers = policy["spec"]["ingress"]
+        assert [p["port"] for p in clients["ports"]] == [port]
+        sidecars = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"casque.io/sidecar": "injected"}}}
+        assert sidecars in clients["from"]
+        assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": kube_namespace}},
+                "podSelector": operator_policy["spec"]["podSelector"]} in clients["from"]
+        assert {"podSelector": {"matchLabels": {"spark-role": "executor"}}} in clients["from"]
+        assert "ports" not in peers and peers["from"] == [{"podSelector": policy["spec"]["podSelector"]}]
 
 
 def test_minimal_values_are_accepted_by_the_api_server(
@@ -552,7 +635,7 @@ class WebhookOperator:
     """`casque operator run` with the webhook on 127.0.0.1, serving one namespace."""
 
     def __init__(self, cluster: KubeCluster, namespace: str, log: Path, *election: str) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port = reserved_port(), reserved_port()
         cert, key = cluster.issue_serving_cert(f"webhook-{uuid.uuid4().hex[:6]}", ["127.0.0.1"])
         self.ca = str(cluster.ca_cert_path)
         env = {
@@ -704,6 +787,7 @@ def test_the_api_server_has_the_webhook_add_the_sidecar_to_annotated_pods(
         "CASQUE_SIDECAR_SUBSCRIBERS": "billing",
     }  # fmt: skip
     assert {"name": injection.TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}} in pod["spec"]["volumes"]
+    assert pod["metadata"]["labels"][injection.SIDECAR_LABEL] == injection.SIDECAR_LABEL_VALUE
     assert 'casque_operator_admission_reviews_total{outcome="injected"}' in webhook.metrics()
 
 

@@ -159,6 +159,39 @@ async def test_with_an_exporter_the_sidecars_spans_join_the_publishers_trace(
     assert {TRACE_ID, started_here} <= linked  # each receive links the trace of what it handed out
 
 
+async def test_every_settlement_is_a_span_of_the_message_trace(
+    store: Store, aiohttp_client: Any, aiohttp_server: Any
+) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    publisher, consumer, _ = await sidecars(store, aiohttp_client, aiohttp_server, tracing=Tracing(provider))
+    answer = await publisher.post(f"/v1/queues/{QUEUE}/messages", json={"data": 1, "traceparent": TRACEPARENT})
+    assert answer.status == 200, await answer.text()
+    subscriber = f"/v1/queues/{QUEUE}/subscribers/{PULL}"
+    # The app settles in the message's trace: it sends the message's traceparent along.
+    for operation, body in (("extend", {"visibility": 60}), ("nack", {})):
+        message = None
+        while message is None:
+            got = await consumer.post(f"{subscriber}/receive", json={"max": 1, "wait": 1})
+            assert got.status == 200, await got.text()
+            message = next(iter((await got.json())["messages"]), None)
+        settled = await consumer.post(f"{subscriber}/{operation}", json={"receipt": message["receipt"], **body},
+                                      headers={"traceparent": message["traceparent"]})
+        assert settled.status == 200, await settled.text()
+    await receive_one(consumer)  # redelivered after the nack, and acked
+
+    spans = [s for s in exporter.get_finished_spans()
+             if s.context is not None and f"{s.context.trace_id:032x}" == TRACE_ID]
+    settles = {s.name: s for s in spans if s.attributes and s.attributes.get("messaging.operation.type") == "settle"}
+    assert set(settles) == {f"{op} {QUEUE}/{PULL}" for op in ("extend", "nack", "ack")}, settles
+    for name, span in settles.items():
+        assert span.attributes is not None
+        assert span.attributes["messaging.operation.name"] == name.split()[0]
+        assert span.attributes["messaging.batch.message_count"] == 1
+        assert span.parent is not None and f"{span.parent.span_id:016x}" == TRACEPARENT.split("-")[2]
+
+
 async def test_cloudevents_sdk_events_in_every_mode_are_accepted_and_received_events_parse(
     store: Store, aiohttp_client: Any, aiohttp_server: Any
 ) -> None:

@@ -17,6 +17,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from casque.schema import QueueRef, drop_messages_table_ddl, read_table_options
 from casque.store import Store
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
 from tests.fixtures.stack import Backends
-from tests.fixtures.waiting import free_port, refused_port, wait_for
+from tests.fixtures.waiting import refused_port, reserved_port, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -124,7 +125,7 @@ class Operator:
     """One `casque operator run` subprocess serving one namespace."""
 
     def __init__(self, env: dict[str, str], namespace: str, log: Path, *args: str) -> None:
-        self.port = free_port()
+        self.port = reserved_port()
         self.log_path = log
         command = [
             sys.executable, "-m", "casque.cli", "operator", "run",
@@ -451,7 +452,8 @@ async def test_subscriber_status_follows_the_log(
     api = client.CustomObjectsApi(kube_client)
     ns = kube_namespace
     ref = QueueRef(ns, "orders")
-    operators()
+    metrics_port = reserved_port()
+    operators("--metrics-port", str(metrics_port))
 
     # A Subscriber applied before its Queue waits for it, and says so.
     create(api, ns, subscriber("billing", queue="orders", startPosition="earliest", deadLetterQueue="orders-dlq"))
@@ -482,6 +484,25 @@ async def test_subscriber_status_follows_the_log(
     queue_status = (get(api, ns, QUEUES, "orders") or {})["status"]
     assert queue_status["publishedMessages"] == 7 and queue_status["subscribers"] == 1
     assert queue_status["oldestPendingTime"] == status["oldestPendingTime"]
+
+    # The same figures on the operator's metrics port, for Prometheus and autoscalers.
+    labels = f'namespace="{ns}",queue="orders",subscriber="billing"'
+    lag_line = f"casque_subscriber_lag_messages{{{labels}}} 7.0"
+    scraped = wait_for("the lag on the metrics port",
+                       lambda: text if (text := _scrape(metrics_port)) and lag_line in text else None)
+    assert f"casque_subscriber_lag_batches{{{labels}}} {float(status['lagBatches'])}" in scraped
+    oldest = datetime.fromisoformat(status["oldestPendingTime"].replace("Z", "+00:00")).timestamp()
+    oldest_series = f"casque_subscriber_oldest_pending_timestamp_seconds{{{labels}}}"
+    (line,) = [x for x in scraped.splitlines() if x.startswith(oldest_series)]
+    assert float(line.split()[-1]) == oldest
+
+
+def _scrape(port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+    except OSError:
+        return None
 
 
 def test_kubectl_get_shows_the_printer_columns(

@@ -423,11 +423,13 @@ def test_cli_commands(spark: Any, store: Store, history: History, env: dict[str,
     until = (history.start + timedelta(minutes=2)).isoformat().replace("+00:00", "Z")
     done = run("stats", "--queue", SOURCE.name, "--since", start, "--until", until, "--out", str(tmp_path / "s"))
     assert "report:" in done.output and (tmp_path / "s" / "report.html").exists()
+    assert f"stats of {SOURCE} (Spark tasks)" in done.stderr  # the progress bar, beside the output
     in_window = sum(1 for m in history.messages if m.published_at < history.start + timedelta(minutes=2))
     assert json.loads((tmp_path / "s" / "summary.json").read_text())["messages"] == in_window
 
-    run("export", "--queue", SOURCE.name, "--from", start, "--to", until, "--format", "jsonl",
-        "--out", str(tmp_path / "e"))
+    exported = run("export", "--queue", SOURCE.name, "--from", start, "--to", until, "--format", "jsonl",
+                   "--out", str(tmp_path / "e"))
+    assert f"export of {SOURCE} (Spark tasks)" in exported.stderr
     assert json.loads((tmp_path / "e" / "manifest.json").read_text())["messages"] == in_window
     # The output directory is never overwritten silently.
     refused = run("export", "--queue", SOURCE.name, "--format", "jsonl", "--out", str(tmp_path / "e"), code=1)

@@ -214,6 +214,16 @@ def test_app_settings_already_present_are_kept() -> None:
     assert env_of(container(result, "helper"))["CASQUE_SIDECAR_URL"] == "http://elsewhere"
 
 
+def test_an_injected_pod_carries_the_label_the_backends_admit() -> None:
+    bare = injected(pod({"casque.io/inject": "true", "casque.io/queue": "orders"}))
+    assert bare["metadata"]["labels"] == {injection.SIDECAR_LABEL: injection.SIDECAR_LABEL_VALUE}
+    labelled = pod({"casque.io/inject": "true", "casque.io/queue": "orders"})
+    labelled["metadata"]["labels"] = {"app": "billing"}
+    assert injected(labelled)["metadata"]["labels"] == {
+        "app": "billing", injection.SIDECAR_LABEL: injection.SIDECAR_LABEL_VALUE
+    }
+
+
 def test_a_pod_is_never_injected_twice() -> None:
     once = injected(pod(ORDERS))
     assert plan(once, InjectionSettings(), Settings()) == []
@@ -344,6 +354,7 @@ def test_the_manual_example_is_what_the_webhook_injects() -> None:
     )
     result = apply_patch(document, plan(document, settings, backends))
     assert result["spec"] == manual["spec"]["template"]["spec"]
+    assert result["metadata"]["labels"] == manual["spec"]["template"]["metadata"]["labels"]
     assert "annotations" not in manual["spec"]["template"]["metadata"]
     assert {k: v for k, v in automatic.items() if k != "spec"} == {k: v for k, v in manual.items() if k != "spec"}
 

@@ -57,7 +57,7 @@ app.kubernetes.io/component: operator
 {{- default (include "casque.fullname" .) .Values.operator.leaderElection.leaseName -}}
 {{- end -}}
 
-{{/* The Secret holding the Cassandra username and password, if any. */}}
+{{/* The Secret holding the operator's ZooKeeper identity, if any. */}}
 {{- define "casque.zookeeperSecret" -}}
 {{- if .Values.zookeeper.auth.existingSecret -}}
 {{- .Values.zookeeper.auth.existingSecret -}}
@@ -66,6 +66,18 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/* The client ports of zookeeper.connect (host:port[,host:port...][/chroot]), as a JSON list. */}}
+{{- define "casque.zookeeperPorts" -}}
+{{- $ports := list }}
+{{- range splitList "," (first (splitList "/" .Values.zookeeper.connect)) }}
+{{- $parts := splitList ":" (trim .) }}
+{{- $port := ternary (last $parts) "2181" (gt (len $parts) 1) | int }}
+{{- $ports = append $ports $port }}
+{{- end }}
+{{- $ports | uniq | toJson }}
+{{- end }}
+
+{{/* The Secret holding the Cassandra username and password, if any. */}}
 {{- define "casque.cassandraSecret" -}}
 {{- if .Values.cassandra.auth.existingSecret -}}
 {{- .Values.cassandra.auth.existingSecret -}}
