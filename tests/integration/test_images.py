@@ -26,7 +26,7 @@ from tests.fixtures.images import Images, hardened, images, podman, remove_conta
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace  # noqa: F401
 from tests.fixtures.sidecars import SidecarProcess
 from tests.fixtures.stack import Backends
-from tests.fixtures.waiting import free_port, wait_for
+from tests.fixtures.waiting import reserved_port, wait_for
 from tests.integration.test_operator import (  # noqa: F401
     Backend,
     _remaining,
@@ -193,7 +193,7 @@ def operator_container(
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_bytes(kube_cluster.kubeconfig_path.read_bytes())
     kubeconfig.chmod(0o644)
-    port = free_port()
+    port = reserved_port()
     env = {k: v for k, v in backend.env.items() if k.startswith("CASQUE_")}
     env["KUBECONFIG"] = "/etc/casque/kubeconfig"
     started: list[subprocess.Popen[bytes]] = []
