@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Installs everything casque needs on a fresh Debian machine, idempotently and cached:
 # Java 17 and Maven (apt, only if missing), a virtualenv in .venv with the project and its
-# pinned dependencies, the app client in client/ included (pip, skipped when the
-# pyproject.toml files are unchanged), and the Cassandra and
-# ZooKeeper jars (Maven Central, cached under ~/.cache/casque).
+# pinned dependencies from requirements/dev.lock, every file checked against the lock's hashes
+# (the images install requirements/runtime.lock, whose pins dev.lock keeps), then the project
+# and the app client in client/ as editable installs (pip, skipped when the locks and the
+# pyproject.toml files are unchanged), and the Cassandra and ZooKeeper jars (Maven Central,
+# cached under ~/.cache/casque).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,11 +24,15 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 stamp=.venv/.casque-installed
-want="$(cat pyproject.toml client/pyproject.toml | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml client/pyproject.toml requirements/dev.lock | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  # casque requires casque-client, which is not on an index: the local one satisfies it.
-  .venv/bin/python -m pip install -q -e ./client -e '.[dev]'
+  # --no-deps: the lock holds the whole closure (scripts/lock.sh writes it from pyproject.toml).
+  .venv/bin/python -m pip install -q --require-hashes --no-deps -r requirements/dev.lock
+  # casque requires casque-client, which is not on an index: the local one satisfies it. Both
+  # are built with the locked setuptools, nothing fetched; `pip check` proves the lock whole.
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e ./client -e .
+  .venv/bin/python -m pip check
   echo "$want" > "$stamp"
 fi
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Command 2 of the README: install everything, then run the whole test suite against real
 # servers that the tests start themselves (Cassandra, ZooKeeper and a ZooKeeper ensemble,
-# kube-apiserver with etcd, Spark in local mode and as a standalone master and worker).
+# kube-apiserver with etcd, Spark in local mode and as a standalone master and worker), and
+# the operator's and the sidecar's images built and run with podman.
 #
 # CASQUE_TEST_STRESS=1 runs the suite with a CPU hog beside it (one busy process per core),
 # as on a machine shared with other work: a test that fails only then is still a bug.
@@ -10,6 +11,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 bash scripts/install-kube-tools.sh
 bash scripts/install-spark.sh
+bash scripts/install-podman.sh
 if [ "${CASQUE_TEST_STRESS:-0}" = "1" ]; then
   hogs=()
   for _ in $(seq "$(nproc)"); do

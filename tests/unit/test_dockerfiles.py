@@ -1,9 +1,10 @@
 """Dockerfile.operator and Dockerfile.sidecar: hadolint-clean and in step with pyproject.toml.
 
-No Docker engine runs here, so the images are checked by reading them: they install the
-project's own wheels, casque's and the app client's (built here from exactly what they copy),
-with the pinned dependencies casque declares, on the Python the project requires, as a non-root user writing only to /tmp, and
-start `casque` with a command line that the CLI accepts.
+These check the images by reading them (tests/integration/test_images.py builds and runs
+them): they install the locked dependencies with their hashes, then the project's own wheels,
+casque's and the app client's (built here from exactly what they copy), on the Python the
+project requires, pinned by digest, as a non-root user writing only to /tmp, and start
+`casque` with a command line that the CLI accepts.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 CLIENT_PYPROJECT = tomllib.loads((ROOT / "client" / "pyproject.toml").read_text())
 DOCKERFILES = {"operator": ROOT / "Dockerfile.operator", "sidecar": ROOT / "Dockerfile.sidecar"}
-BASE_IMAGE = re.compile(r"^python:(\d+)\.(\d+)\.(\d+)-slim-bookworm$")
+BASE_IMAGE = re.compile(r"^python:(\d+)\.(\d+)\.(\d+)-slim-bookworm@sha256:[0-9a-f]{64}$")
 WHEEL_GLOB = "/wheels/*.whl"
+LOCKS = ("requirements/build.lock", "requirements/runtime.lock")
+BUILD_PIP = ["/opt/build/bin/python", "-m", "pip"]
+INTO_THE_IMAGE = [*BUILD_PIP, "--python", "/opt/casque/bin/python"]
 # casque requires the app client, a distribution of its own in client/ that is on no index.
 CLIENT = "client"
 
@@ -76,8 +80,21 @@ def stages(path: Path) -> list[list[Instruction]]:
     for instruction in parse(path):
         if instruction.name == "FROM":
             result.append([])
-        result[-1].append(instruction)
+        if result:
+            result[-1].append(instruction)
     return result
+
+
+def global_args(path: Path) -> dict[str, str]:
+    """The ARGs before the first FROM, which FROM lines may use: name -> default."""
+    args: dict[str, str] = {}
+    for instruction in parse(path):
+        if instruction.name == "FROM":
+            break
+        assert instruction.name == "ARG", instruction
+        name, _, default = instruction.args.partition("=")
+        args[name] = default
+    return args
 
 
 def only(stage: list[Instruction], name: str) -> Instruction:
@@ -148,34 +165,59 @@ def test_hadolint_finds_nothing() -> None:
 
 
 @pytest.mark.parametrize("image", DOCKERFILES)
-def test_two_stages_on_one_pinned_slim_python_the_project_supports(image: str) -> None:
+def test_two_stages_on_one_base_by_default_a_pinned_slim_python_the_project_supports(image: str) -> None:
     build, runtime = stages(DOCKERFILES[image])
     build_from, runtime_from = only(build, "FROM").args.split(), only(runtime, "FROM").args.split()
     assert build_from[1:] == ["AS", "build"] and len(runtime_from) == 1
     # The runtime stage runs the build stage's virtualenv, whose interpreter links point into
-    # the base image: both stages must be the same image.
-    assert build_from[0] == runtime_from[0]
-    match = BASE_IMAGE.match(runtime_from[0])
-    assert match, f"{runtime_from[0]} is not a python:X.Y.Z-slim-bookworm tag"
+    # the base image: both stages must be the same image, the one the build argument names.
+    assert build_from[0] == runtime_from[0] == "${BASE_IMAGE}"
+    default = global_args(DOCKERFILES[image])["BASE_IMAGE"]
+    match = BASE_IMAGE.match(default)
+    assert match, f"{default} is not a python:X.Y.Z-slim-bookworm tag pinned by digest"
     python = ".".join(match.groups())
     assert python in SpecifierSet(PYPROJECT["project"]["requires-python"])
     assert ".".join(match.groups()[:2]) == PYPROJECT["tool"]["mypy"]["python_version"]
+    assert default == global_args(DOCKERFILES["operator"])["BASE_IMAGE"]
 
 
 @pytest.mark.parametrize("image", DOCKERFILES)
-def test_the_image_installs_the_project_wheels_and_nothing_else(image: str) -> None:
+def test_only_python3_is_assumed_of_the_base(image: str) -> None:
+    """Debian's python3.11 (the registry-less test base) has no `python` name: only `python3`,
+    and the virtualenvs' own interpreters, are called."""
     build, runtime = stages(DOCKERFILES[image])
-    pips = [c for c in shell_commands(build) if c[:3] == ["python", "-m", "pip"]]
-    wheel = [c for c in pips if "wheel" in c]
-    install = [c for c in pips if "install" in c]
-    assert len(wheel) == 1 and len(install) == 1, pips
-    # The project's own wheels, without their dependencies, from the copied sources ...
-    assert "--no-deps" in wheel[0] and [a for a in wheel[0][4:] if not a.startswith("-")] == ["/wheels", ".", f"./{CLIENT}"]
-    # ... installed with the dependencies it declares: no extras, no extra packages, no sdists.
-    arguments = install[0][install[0].index("install") + 1 :]
-    assert [a for a in arguments if not a.startswith("-")] == [WHEEL_GLOB]
-    assert "--only-binary=:all:" in arguments
-    assert not any(c[:2] == ["pip", "install"] or "requirements" in " ".join(c) for c in shell_commands(runtime))
+    for command in shell_commands(build) + shell_commands(runtime):
+        assert command[0] != "python" and command[0] != "pip", command
+    assert healthcheck(runtime)[0] == "python3"
+
+
+@pytest.mark.parametrize("image", DOCKERFILES)
+def test_the_image_installs_the_locks_with_hashes_then_the_project_wheels(image: str) -> None:
+    build, runtime = stages(DOCKERFILES[image])
+    commands = shell_commands(build)
+    copies = [i.args.split() for i in build if i.name == "COPY"]
+    # The locks come in before the sources, so their layer survives a change of code.
+    assert copies[0] == [*LOCKS, "./requirements/"]
+    venvs = [c for c in commands if c[:3] == ["python3", "-m", "venv"]]
+    assert venvs == [["python3", "-m", "venv", "/opt/build"], ["python3", "-m", "venv", "--without-pip", "/opt/casque"]]
+    locked = [c for c in commands if "-r" in c]
+    assert [c[c.index("-r") + 1] for c in locked] == ["requirements/build.lock", "requirements/runtime.lock"]
+    assert locked[0][: len(BUILD_PIP) + 1] == [*BUILD_PIP, "install"]
+    assert locked[1][: len(INTO_THE_IMAGE) + 1] == [*INTO_THE_IMAGE, "install"]
+    for command in locked:
+        assert {"--require-hashes", "--no-deps", "--only-binary=:all:"} <= set(command), command
+    # The project's own wheels, without their dependencies, from the copied sources, with the
+    # locked build backend (no build isolation: nothing unlocked is fetched) ...
+    (wheel,) = [c for c in commands if c[: len(BUILD_PIP) + 1] == [*BUILD_PIP, "wheel"]]
+    assert {"--no-deps", "--no-build-isolation"} <= set(wheel)
+    assert [a for a in wheel[len(BUILD_PIP) + 1 :] if not a.startswith("-")] == ["/wheels", ".", f"./{CLIENT}"]
+    # ... installed without dependencies (the lock gave them), then checked whole.
+    installs = [c for c in commands if c[: len(INTO_THE_IMAGE) + 1] == [*INTO_THE_IMAGE, "install"] and "-r" not in c]
+    assert len(installs) == 1 and "--no-deps" in installs[0]
+    assert [a for a in installs[0][len(INTO_THE_IMAGE) + 1 :] if not a.startswith("-")] == [WHEEL_GLOB]
+    assert [*INTO_THE_IMAGE, "check"] in commands
+    # Nothing installs anything in the runtime stage: it copies the virtualenv.
+    assert not any("pip" in c or "requirements" in " ".join(c) for c in shell_commands(runtime))
 
 
 @pytest.mark.parametrize("image", DOCKERFILES)
@@ -189,7 +231,7 @@ def copied_sources(path: Path) -> set[str]:
     for instruction in build:
         if instruction.name == "COPY":
             *names, _ = instruction.args.split()
-            sources.update(name.rstrip("/") for name in names)
+            sources.update(name.rstrip("/") for name in names if name not in LOCKS)
     return sources
 
 
@@ -286,7 +328,7 @@ def test_the_sidecar_image_exposes_and_checks_the_sidecars_port() -> None:
     env = env_of(runtime)
     assert env["CASQUE_SIDECAR_PORT"] == str(DEFAULT_PORT) and env["CASQUE_SIDECAR_HOST"] == "127.0.0.1"
     check = healthcheck(runtime)
-    assert check[:2] == ["python", "-c"]
+    assert check[:2] == ["python3", "-c"]
     assert "http://127.0.0.1:%s/healthz" in check[2] and "CASQUE_SIDECAR_PORT" in check[2]
     assert f"'{DEFAULT_PORT}'" in check[2]
 
@@ -301,7 +343,7 @@ def test_the_operator_image_exposes_its_ports_and_checks_its_liveness_endpoint()
     assert exposed == set(chart["operator"]["ports"].values())
     assert liveness.port == chart["operator"]["ports"]["liveness"]
     check = healthcheck(runtime)
-    assert check[:2] == ["python", "-c"]
+    assert check[:2] == ["python3", "-c"]
     assert f"http://127.0.0.1:{liveness.port}{liveness.path}" in check[2]
 
 
