@@ -2,7 +2,7 @@
 
     python bench/scale_model.py [--messages 20000] [--size 1024] [--shards 4] [--runs 1]
         [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
-        [--ring] [--write-docs docs/scaling.md]
+        [--ring] [--write-docs docs/scaling.md] [--from-json results.json]
 
 Measures, on the Cassandra and ZooKeeper at --cassandra/--zookeeper (local processes: their
 CPU time is read from /proc), in a keyspace of its own:
@@ -50,7 +50,7 @@ from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import MAX_BATCH_MESSAGES, Publisher
 from casque.schema import BATCHES_PER_BUCKET, MAX_BATCH_BYTES, TWCS_TARGET_WINDOWS, QueueRef
-from casque.specs import QueueSpec, SubscriberSpec
+from casque.specs import MAX_SHARDS, QueueSpec, SubscriberSpec
 from casque.store import Store
 
 from benchlib import Figure, arguments, drop_scratch, parse, pipeline, report
@@ -101,6 +101,10 @@ FIGURES = [
     Figure("check_batch", "  its average batch", "msgs"),
     Figure("check_1_claim_ms", "  its claim round trip", "ms"),
     Figure("check_1_busy", "  cores busy (of the host's)", "x"),
+    Figure("ring_claim_cpu_ms", "3-node ring, RF 3: Cassandra CPU per claim, all nodes", "ms"),
+    Figure("ring_write_cpu_per_1000", "  per 1,000 msgs written, per message", "ms"),
+    Figure("ring_read_cpu_per_1000", "  per 1,000 msgs received+acked", "ms"),
+    Figure("ring_write_vs_naive", "  writing, against 3x the one-node cost", "x"),
     Figure("check_3_free_cores", "check, 3 nodes: cores free of other load", "x"),
     Figure("check_3_predicted", "check, 3 nodes on the same cores: predicted publish", "msgs/s"),
     Figure("check_3_measured", "  measured", "msgs/s"),
@@ -108,8 +112,7 @@ FIGURES = [
     Figure("check_3_batch", "  its average batch", "msgs"),
     Figure("check_3_claim_ms", "  its claim round trip", "ms"),
     Figure("check_3_busy", "  cores busy (of the host's)", "x"),
-    Figure("check_3_cassandra_per_1000", "  Cassandra CPU per 1,000 msgs, all nodes", "ms"),
-    Figure("check_3_predicted_cassandra_per_1000", "  predicted: 3 replicas' claims and rows", "ms"),
+    Figure("check_3_naive_predicted", "  predicted from 3x the one-node cost instead", "msgs/s"),
 ]
 
 
@@ -365,10 +368,9 @@ async def measure(args: argparse.Namespace) -> dict[str, float]:
     }
     costs["large_publish_rate"] = large.rate
     costs["consume_rate"] = consume.rate
-    costs["check_1_predicted"] = host_prediction(costs, check.batch, replicas=1, cores=free_cores(check))
+    costs["check_1_predicted"] = host_prediction(costs, check.batch, per_claim, per_message, free_cores(check))
     costs["check_1_claim_ms"] = 1000 * check.shards * check.usage["seconds"] / max(1, check.batches)
-    costs["check_1_busy"] = sum(check.usage[k] for k in ("cassandra", "zookeeper", "client", "others")) / \
-        check.usage["seconds"]
+    costs["check_1_busy"] = busy(check)
     costs["check_1_measured"] = check.rate
     costs["check_1_free_cores"] = free_cores(check)
     costs["check_1_ratio"] = check.rate / costs["check_1_predicted"]
@@ -392,52 +394,85 @@ def free_cores(phase: Phase) -> float:
     return max(0.1, cores - phase.usage["others"] / phase.usage["seconds"])
 
 
-def host_prediction(costs: dict[str, float], batch: float, replicas: int, cores: float | None = None) -> float:
+def write_costs(costs: dict[str, float], replicas: int) -> tuple[float, float]:
+    """Cassandra CPU seconds (all replicas) per claim and per message written at `replicas`
+    replicas: as measured on the three-node ring when it ran, else the one-node costs times
+    the replicas (which the ring shows to be far too low: see docs/scaling.md)."""
+    if replicas >= REPLICATION and "ring_claim_cpu_ms" in costs:
+        return costs["ring_claim_cpu_ms"] / 1000, costs["ring_write_cpu_per_1000"] / 1e6
+    return replicas * costs["claim_cpu_ms"] / 1000, replicas * costs["write_cpu_per_1000"] / 1e6
+
+
+def read_cost(costs: dict[str, float], replicas: int) -> float:
+    """Cassandra CPU seconds (all replicas) per message received and acked."""
+    if replicas >= REPLICATION and "ring_read_cpu_per_1000" in costs:
+        return costs["ring_read_cpu_per_1000"] / 1e6
+    return (replicas // 2 + 1) * costs["read_cpu_per_1000"] / 1e6
+
+
+def host_prediction(costs: dict[str, float], batch: float, claim: float, message: float, cores: float) -> float:
     """Publish msgs/s of this host, where every process shares its cores: the CPU of all of
-    them per message, with Cassandra's work done on `replicas` replicas; and no more than one
-    core of the (single-threaded) client can give."""
-    cores = cores or os.cpu_count() or 1
-    cassandra = replicas * (costs["claim_cpu_ms"] / 1000 / batch + costs["write_cpu_per_1000"] / 1e6)
+    them per message (Cassandra's `claim` per batch and `message` per message, on all its
+    nodes); and no more than the one core the (single-threaded) client can use allows."""
+    cassandra = claim / batch + message
     client = costs["client_claim_ms"] / 1000 / batch + costs["client_write_per_1000"] / 1e6
     zookeeper = costs["zk_publish_cpu_per_1000"] / 1e6
     return min(cores / (cassandra + client + zookeeper), 1 / client)
 
 
 async def ring_check(args: argparse.Namespace, costs: dict[str, float]) -> None:
-    """Start a three-node ring on RING_PORTS, publish at LOCAL_QUORUM with RF 3 as the 1-node
-    check did, and compare with the prediction for three replicas on this host's cores."""
+    """Start a three-node ring on RING_PORTS and measure what replication costs there (RF 3,
+    LOCAL_QUORUM: claims and rows at two batch sizes, receive+ack), then check the model at a
+    third batch size against a prediction for three nodes on this host's cores."""
     root = Path(tempfile.mkdtemp(prefix="casque-scale-ring-"))
     stack = Stack(root=root, nodes=3, ports=RING_PORTS, heap_mb=768, cluster_name="casque-scale")
     print("scale_model: starting a three-node ring ...", file=sys.stderr, flush=True)
     stack.up()
+    payload = os.urandom(args.size)
     try:
         cassandra = f"127.0.0.1:{RING_PORTS.native}"
         store, settings = open_store(cassandra, stack.zookeeper_hosts, "LOCAL_QUORUM", 3)
         meter = Meter([pid for pid, _ in cassandra_nodes(RING_PORTS.native)], [], stack.zookeeper_hosts)
         try:
-            queue, warmup = QueueRef("default", "ring"), QueueRef("default", "ring-warmup")
-            for q in (queue, warmup):
-                catalog.apply_queue(store, q, QueueSpec(shards=args.shards, retention_seconds=3600))
+            warmup, large_q, small_q, check_q = (QueueRef("default", f"ring-{name}")
+                                                 for name in ("warmup", "large", "small", "check"))
+            for queue in (warmup, large_q, small_q, check_q):
+                catalog.apply_queue(store, queue, QueueSpec(shards=args.shards, retention_seconds=3600))
+            catalog.apply_subscriber(store, large_q, "model",
+                                     SubscriberSpec(queue=large_q.name, start_position="earliest"))
             # Fresh JVMs: the JIT compiles the write path first, as on the one-node stack.
-            await publish_phase(store, warmup, meter, args.messages // 2, 100, 32, os.urandom(args.size))
-            phase, _ = await publish_phase(store, queue, meter, args.messages // 2, 10, 64, os.urandom(args.size))
+            await publish_phase(store, warmup, meter, args.messages // 2, 100, 32, payload)
+            large, _ = await publish_phase(store, large_q, meter, args.messages // 2, 100, 32, payload)
+            small, _ = await publish_phase(store, small_q, meter, args.messages // 4, 10, 64, payload)
+            consume = await consume_phase(store, large_q, meter, large.messages)
+            check, _ = await publish_phase(store, check_q, meter, args.messages // 10, 1, 64, payload)
         finally:
             drop_scratch(store, settings)
             store.close()
     finally:
         stack.down()
         shutil.rmtree(root, ignore_errors=True)
-    costs["check_3_predicted"] = host_prediction(costs, phase.batch, replicas=3, cores=free_cores(phase))
-    costs["check_3_measured"] = phase.rate
-    costs["check_3_free_cores"] = free_cores(phase)
-    costs["check_3_ratio"] = phase.rate / costs["check_3_predicted"]
-    costs["check_3_batch"] = phase.batch
-    costs["check_3_cassandra_per_1000"] = phase.per_message("cassandra") * 1e6
-    costs["check_3_predicted_cassandra_per_1000"] = 3 * (costs["claim_cpu_ms"] / phase.batch
-                                                         + costs["write_cpu_per_1000"] / 1000) * 1000
-    costs["check_3_claim_ms"] = 1000 * phase.shards * phase.usage["seconds"] / max(1, phase.batches)
-    costs["check_3_busy"] = sum(phase.usage[k] for k in ("cassandra", "zookeeper", "client", "others")) / \
-        phase.usage["seconds"]
+    claim, message = split_costs(large, small, "cassandra")
+    naive_claim, naive_message = 3 * costs["claim_cpu_ms"] / 1000, 3 * costs["write_cpu_per_1000"] / 1e6
+    costs.update({
+        "ring_claim_cpu_ms": claim * 1000,
+        "ring_write_cpu_per_1000": message * 1e6,
+        "ring_read_cpu_per_1000": consume.per_message("cassandra") * 1e6,
+        "ring_write_vs_naive": (claim / large.batch + message) / (naive_claim / large.batch + naive_message),
+        "check_3_free_cores": free_cores(check),
+        "check_3_predicted": host_prediction(costs, check.batch, claim, message, free_cores(check)),
+        "check_3_naive_predicted": host_prediction(costs, check.batch, naive_claim, naive_message, free_cores(check)),
+        "check_3_measured": check.rate,
+        "check_3_batch": check.batch,
+        "check_3_claim_ms": 1000 * check.shards * check.usage["seconds"] / max(1, check.batches),
+        "check_3_busy": busy(check),
+    })
+    costs["check_3_ratio"] = check.rate / costs["check_3_predicted"]
+
+
+def busy(phase: Phase) -> float:
+    """Cores the host was busy during `phase`, on average."""
+    return sum(phase.usage[k] for k in ("cassandra", "zookeeper", "client", "others")) / phase.usage["seconds"]
 
 
 # --- the model ----------------------------------------------------------------------------
@@ -457,9 +492,8 @@ def cpu_per_message(costs: dict[str, float], nodes: int, batch: float) -> float:
     """Cluster Cassandra CPU seconds per message: written on every replica (claim and rows),
     read and acked once per subscriber at a quorum of the replicas."""
     replicas = replicas_for(nodes)
-    write = replicas * (costs["claim_cpu_ms"] / 1000 / batch + costs["write_cpu_per_1000"] / 1e6)
-    read = SUBSCRIBERS * (replicas // 2 + 1) * costs["read_cpu_per_1000"] / 1e6
-    return write + read
+    claim, message = write_costs(costs, replicas)
+    return claim / batch + message + SUBSCRIBERS * read_cost(costs, replicas)
 
 
 def shards_for(rate: float, costs: dict[str, float]) -> int:
@@ -548,15 +582,18 @@ def render_tables(costs: dict[str, float], by_nodes: list[dict[str, Any]], by_ra
               "storage per day | bucket partition | runs out first |",
               "| ---: | --- | ---: | ---: | --- | ---: | ---: | --- |"]
     for row in by_rate:
+        # One queue has at most MAX_SHARDS shards: past that, the load takes several queues.
+        shards = f"{row['shards']}" + (f" (>{MAX_SHARDS}: several queues)" if row["shards"] > MAX_SHARDS else "")
         lines.append(
-            f"| {row['rate']:,} | {row['nodes']} ({row['nodes_cpu']}, {row['nodes_disk']}) | {row['shards']} | "
+            f"| {row['rate']:,} | {row['nodes']} ({row['nodes_cpu']}, {row['nodes_disk']}) | {shards} | "
             f"{number(row['batch'])} | {number(row['zk_writes_s'])} ({row['zk_share']:.0%}) | "
             f"{row['storage_tb_day']:.2f} TB | {number(row['partition_mb'])} MB | {row['first']} |")
     return "\n".join(lines) + "\n"
 
 
 def render_inputs(costs: dict[str, float]) -> str:
-    rows = [(f.label.strip(), costs[f.key], f.unit) for f in FIGURES if f.key in costs]
+    rows = [(("&emsp;" if f.label.startswith(" ") else "") + f.label.strip(), costs[f.key], f.unit)
+            for f in FIGURES if f.key in costs]
     lines = ["| input | value | unit |", "| --- | ---: | --- |"]
     lines += [f"| {label} | {number(value)} | {unit} |" for label, value, unit in rows]
     return "\n".join(lines) + "\n"
@@ -580,14 +617,20 @@ async def main() -> None:
     parser.add_argument("--ring", action="store_true",
                         help="also check the model on a three-node ring it starts (minutes; not with --smoke)")
     parser.add_argument("--write-docs", type=Path, metavar="FILE", help="rewrite the tables of FILE (docs/scaling.md)")
+    parser.add_argument("--from-json", type=Path, metavar="FILE",
+                        help="measure nothing: the inputs of an earlier --json run (to re-render the tables)")
     args = parse(parser, smoke_messages=600)
     args.runs = 1  # one measurement: the model's inputs are costs, not rates to take a median of
-    costs = await measure(args)
-    if args.ring and not args.smoke:
-        await ring_check(args, costs)
-    context = {"messages": args.messages, "size": args.size, "shards": args.shards, "cores": os.cpu_count(),
-               "machine": f"{platform.machine()} {platform.processor() or platform.node()}".strip(),
-               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
+    if args.from_json is not None:
+        earlier = json.loads(args.from_json.read_text())
+        costs, context = earlier["model"]["inputs"], earlier["context"]
+    else:
+        costs = await measure(args)
+        if args.ring and not args.smoke:
+            await ring_check(args, costs)
+        context = {"messages": args.messages, "size": args.size, "shards": args.shards, "cores": os.cpu_count(),
+                   "machine": f"{platform.machine()} {platform.processor() or platform.node()}".strip(),
+                   "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
     if args.write_docs is not None:
         write_docs(args.write_docs, costs, context)
         print(f"scale_model: updated {args.write_docs}", file=sys.stderr)
