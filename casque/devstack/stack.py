@@ -212,6 +212,7 @@ class Stack:
             return
         _require_free(node.address, node.native_port, "Cassandra CQL")
         _require_free(node.address, node.storage_port, "Cassandra storage")
+        _wait_bindable(node.address, node.storage_port, "Cassandra storage")
         _require_free("127.0.0.1", node.jmx_port, "Cassandra JMX")
         report(f"starting Cassandra on {node.address}:{node.native_port}")
         node.start()
@@ -232,3 +233,22 @@ def _require_free(address: str, port: int, what: str) -> None:
             raise StackError(
                 f"{what} port {address}:{port} is already in use by a process this stack did not start"
             )
+
+
+def _wait_bindable(address: str, port: int, what: str, timeout: float = 90.0) -> None:
+    """Wait until a listening socket can bind `address:port`.
+
+    Cassandra binds its storage port without SO_REUSEADDR, so a connection of a node
+    stopped moments ago, left in TIME_WAIT on that port (for up to a minute), makes the
+    next start fail with "in use by another process" although nothing listens there.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, port))
+                return
+            except OSError as error:
+                if time.monotonic() > deadline:
+                    raise StackError(f"{what} port {address}:{port} cannot be bound after {timeout:.0f}s: {error}") from error
+        time.sleep(1.0)

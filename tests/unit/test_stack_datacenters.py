@@ -1,14 +1,16 @@
 """The local stack's datacenter layouts, without starting a server: which node is in which
-datacenter, what each node's snitch configuration says, and what `stack.json` keeps."""
+datacenter, what each node's snitch configuration says, and what `stack.json` keeps; and
+the wait for a storage port a stopped node left in TIME_WAIT."""
 
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
 
-from casque.devstack.stack import Stack, datacenter_names
+from casque.devstack.stack import Stack, _wait_bindable, datacenter_names
 from casque.errors import StackError
 
 
@@ -62,3 +64,12 @@ def test_the_datacenters_survive_a_reload_and_old_state_files_mean_one(tmp_path:
     assert "datacenters" not in json.loads(one.state_file.read_text())  # a one-DC file as before
     loaded = Stack.load(tmp_path / "one")
     assert loaded == one and loaded is not None and loaded.datacenters == 1
+
+
+def test_a_node_waits_for_its_storage_port_to_be_bindable_and_says_why_it_gave_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        with pytest.raises(StackError, match=f"127.0.0.1:{port} cannot be bound"):
+            _wait_bindable("127.0.0.1", port, "Cassandra storage", timeout=0)
+    _wait_bindable("127.0.0.1", port, "Cassandra storage", timeout=0)  # released: returns at once
