@@ -15,6 +15,7 @@ from tests.fixtures.sidecars import start_sidecar  # noqa: F401
 from tests.fixtures.stack import (  # noqa: F401
     backends,
     cql,
+    dc_ring,
     ensemble_zk_hosts,
     keyspace,
     new_store,
@@ -27,7 +28,7 @@ from tests.fixtures.stack import (  # noqa: F401
 
 INTEGRATION = Path(__file__).parent / "integration"
 # Fixtures that start a server (directly or through the fixtures they depend on).
-SERVER_FIXTURES = frozenset({"backends", "ring", "kube_cluster", "zookeeper_ensemble"})
+SERVER_FIXTURES = frozenset({"backends", "ring", "dc_ring", "kube_cluster", "zookeeper_ensemble"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -35,5 +36,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         uses = set(getattr(item, "fixturenames", ()))
         if item.path.is_relative_to(INTEGRATION) or uses & SERVER_FIXTURES:
             item.add_marker(pytest.mark.integration)
-        if "ring" in uses:
+        if uses & {"ring", "dc_ring"}:
             item.add_marker(pytest.mark.ring)

@@ -14,7 +14,7 @@ from casque.cli.exits import ExitCode
 from casque.cli.output import MACHINE, TableOutput, check, dumps
 from casque.devstack import artifacts
 from casque.devstack.paths import state_dir
-from casque.devstack.stack import Stack, StackPorts
+from casque.devstack.stack import MAX_DATACENTERS, MAX_NODES, Stack, StackPorts
 from casque.errors import StackError
 
 app = typer.Typer(help="Run a local Cassandra and ZooKeeper for development and tests.", no_args_is_help=True)
@@ -42,7 +42,11 @@ def install() -> None:
 
 @app.command()
 def up(
-    nodes: Annotated[int | None, typer.Option(min=1, max=3, help="Cassandra nodes: 1, or 3 for a ring on 127.0.0.1-3.")] = None,
+    nodes: Annotated[int | None, typer.Option(
+        min=1, max=MAX_NODES, help="Cassandra nodes: 1, or a ring on 127.0.0.1-N (3 for a quorum in one datacenter).")] = None,
+    datacenters: Annotated[int | None, typer.Option(
+        min=1, max=MAX_DATACENTERS,
+        help="Datacenters: 1, or 2 (dc1 and dc2, the nodes split between them, GossipingPropertyFileSnitch).")] = None,
     heap_mb: Annotated[int | None, typer.Option(min=512, help="Heap of each Cassandra node, in MiB.")] = None,
     cql_port: Annotated[int | None, typer.Option(help="CQL port (default 9042).")] = None,
     storage_port: Annotated[int | None, typer.Option(help="Cassandra inter-node port (default 7000).")] = None,
@@ -58,6 +62,9 @@ def up(
     state: StateOption = None,
 ) -> None:
     """Start ZooKeeper and Cassandra (or find them running) and wait until both answer.
+
+    With --datacenters 2 the nodes are split between datacenters dc1 and dc2 (`--nodes 2
+    --datacenters 2`: one each), for keyspaces with NetworkTopologyStrategy.
 
     With --zookeeper-nodes 3 ZooKeeper is an ensemble of three servers on 127.0.0.1, each
     with its own data directory, and the connect string printed lists all three.
@@ -80,11 +87,15 @@ def up(
         # An even ensemble tolerates no more failures than the odd one below it, and a
         # two-member one tolerates none: refuse it rather than start something misleading.
         raise StackError(f"--zookeeper-nodes {ensemble}: an ensemble needs an odd number of servers (1, 3 or 5)")
-    node_count = nodes or (recorded.nodes if recorded else 1)
+    dc_count = datacenters or (recorded.datacenters if recorded else 1)
+    node_count = nodes or (recorded.nodes if recorded else dc_count)
     heap = heap_mb or (recorded.heap_mb if recorded and recorded.nodes == node_count else (1536 if node_count == 1 else 1024))
-    stack = Stack(root=root, nodes=node_count, ports=ports, heap_mb=heap, zookeeper_nodes=ensemble)
+    stack = Stack(root=root, nodes=node_count, ports=ports, heap_mb=heap, zookeeper_nodes=ensemble,
+                  datacenters=dc_count)
     stack.up(report=lambda line: console.print(f"[dim]{line}[/dim]"))
-    console.print(f"Cassandra: {', '.join(f'{a}:{stack.ports.native}' for a in stack.contact_points)} (CQL)")
+    console.print("Cassandra: " + ", ".join(
+        f"{node.address}:{node.native_port}" + (f" ({node.datacenter})" if node.datacenter else "")
+        for node in stack.cassandra_nodes()) + " (CQL)")
     console.print(f"ZooKeeper: {stack.zookeeper_hosts}")
     console.print(f"State and logs: {root}")
 
@@ -96,14 +107,15 @@ def status(state: StateOption = None, output: TableOutput = "table") -> None:
     stack = _recorded(state or state_dir())
     services = stack.status()
     if output in MACHINE:
-        typer.echo(dumps([{"service": s.name, "address": s.address, "running": s.running,
+        typer.echo(dumps([{"service": s.name, "address": s.address, "datacenter": s.datacenter, "running": s.running,
                            "pid": s.pid if s.running else None, "log": str(s.log)} for s in services], output))
         if not all(s.running for s in services):
             raise typer.Exit(ExitCode.BACKEND_UNAVAILABLE)
         return
-    table = Table("service", "address", "pid", "log")
+    table = Table("service", "address", "datacenter", "pid", "log")
     for service in stack.status():
-        table.add_row(service.name, service.address, str(service.pid) if service.running else "[red]stopped[/red]", str(service.log))
+        table.add_row(service.name, service.address, service.datacenter or "",
+                      str(service.pid) if service.running else "[red]stopped[/red]", str(service.log))
     console.print(table)
     if not all(s.running for s in stack.status()):
         # A stopped service is an unavailable backend (casque/cli/exits.py).

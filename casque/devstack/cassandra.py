@@ -3,6 +3,10 @@
 Sized for a small machine (2 cores): a 1-2 GiB heap, few compaction and I/O threads, and
 loopback addresses only. A ring of N nodes uses 127.0.0.1..N on the same ports, which Linux
 accepts because the whole 127.0.0.0/8 range is loopback.
+
+A node with a `datacenter` uses GossipingPropertyFileSnitch and announces that datacenter
+(and rack1) from its cassandra-rackdc.properties; without one, SimpleSnitch, whose single
+datacenter is called datacenter1.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ class CassandraNode:
     seeds: str = "127.0.0.1"
     cluster_name: str = "casque-dev"
     heap_mb: int = 1536
+    datacenter: str | None = None
+
+    @property
+    def snitch(self) -> str:
+        return "SimpleSnitch" if self.datacenter is None else "GossipingPropertyFileSnitch"
 
     @property
     def log_path(self) -> Path:
@@ -91,7 +100,7 @@ rpc_address: {self.address}
 storage_port: {self.storage_port}
 native_transport_port: {self.native_port}
 start_native_transport: true
-endpoint_snitch: SimpleSnitch
+endpoint_snitch: {self.snitch}
 # A fresh local ring has no data to stream, so joining nodes skip bootstrap.
 auto_bootstrap: false
 authenticator: AllowAllAuthenticator
@@ -109,6 +118,10 @@ materialized_views_enabled: false
 paxos_variant: v2
 """
 
+    def render_rackdc(self) -> str:
+        """cassandra-rackdc.properties: where GossipingPropertyFileSnitch says this node is."""
+        return f"dc={self.datacenter}\nrack=rack1\n"
+
     def render_logback(self) -> str:
         return f"""<configuration>
   <appender name="FILE" class="ch.qos.logback.core.FileAppender">
@@ -124,6 +137,8 @@ paxos_variant: v2
             (self.directory / sub).mkdir(parents=True, exist_ok=True)
         (self.directory / "cassandra.yaml").write_text(self.render_yaml())
         (self.directory / "logback.xml").write_text(self.render_logback())
+        if self.datacenter is not None:
+            (self.directory / "cassandra-rackdc.properties").write_text(self.render_rackdc())
 
     def java_command(self) -> list[str]:
         d = self.directory.resolve()
@@ -136,6 +151,7 @@ paxos_variant: v2
             f"-javaagent:{CASSANDRA.jar('jamm')}",
             *JAVA17_MODULE_FLAGS,
             f"-Dcassandra.config=file://{d}/cassandra.yaml",
+            *self._snitch_flags(),
             f"-Dcassandra.storagedir={d}",
             f"-Dcassandra.logdir={d}/logs",
             f"-Dlogback.configurationFile={d}/logback.xml",
@@ -147,6 +163,12 @@ paxos_variant: v2
             "-cp", CASSANDRA.classpath(),
             "org.apache.cassandra.service.CassandraDaemon",
         ]
+
+    def _snitch_flags(self) -> list[str]:
+        if self.datacenter is None:
+            return []
+        # GossipingPropertyFileSnitch looks for its file on the classpath unless told where.
+        return [f"-Dcassandra-rackdc.properties=file://{self.directory.resolve()}/cassandra-rackdc.properties"]
 
     def start(self) -> int:
         self.write_config()

@@ -5,6 +5,10 @@ owned by one state directory.
 and `down` stops exactly the processes whose pid files and owner markers say are ours.
 The layout (node counts, ports) is saved in `stack.json` so that `status`, `logs` and
 `down` act on what `up` really started.
+
+A stack of two datacenters splits its nodes into dc1 (the first half, rounded up) and dc2,
+each node telling the others its datacenter through GossipingPropertyFileSnitch; a stack of
+one keeps SimpleSnitch (and the single datacenter `datacenter1` that it names).
 """
 
 from __future__ import annotations
@@ -35,12 +39,35 @@ class StackPorts:
     zookeeper_election: int = 3888
 
 
+# Nodes live on 127.0.0.1..MAX_NODES; node N's JMX port is the stack's + 100 * (N - 1).
+MAX_NODES = 4
+MAX_DATACENTERS = 2
+
+
+def datacenter_names(nodes: int, datacenters: int) -> list[str | None]:
+    """The datacenter of each of `nodes` nodes (None: one datacenter, SimpleSnitch).
+
+    Contiguous halves, the first one the larger, so node 1 (the seed) is in dc1 and each
+    datacenter has at least one node."""
+    if not 1 <= datacenters <= MAX_DATACENTERS:
+        raise StackError(f"{datacenters} datacenters: the local stack runs 1 or {MAX_DATACENTERS}")
+    if not 1 <= nodes <= MAX_NODES:
+        raise StackError(f"{nodes} Cassandra nodes: the local stack runs 1 to {MAX_NODES}")
+    if datacenters == 1:
+        return [None] * nodes
+    if nodes < datacenters:
+        raise StackError(f"{nodes} Cassandra nodes cannot fill {datacenters} datacenters")
+    first = (nodes + datacenters - 1) // datacenters
+    return [f"dc{1 if i < first else 2}" for i in range(nodes)]
+
+
 @dataclass(frozen=True)
 class ServiceStatus:
     name: str
     address: str
     pid: int | None
     log: Path
+    datacenter: str | None = None
 
     @property
     def running(self) -> bool:
@@ -55,6 +82,7 @@ class Stack:
     heap_mb: int = 1536
     cluster_name: str = "casque-dev"
     zookeeper_nodes: int = 1
+    datacenters: int = 1
 
     @property
     def state_file(self) -> Path:
@@ -79,8 +107,9 @@ class Stack:
                 seeds="127.0.0.1",
                 cluster_name=self.cluster_name,
                 heap_mb=self.heap_mb,
+                datacenter=datacenter,
             )
-            for i in range(1, self.nodes + 1)
+            for i, datacenter in enumerate(datacenter_names(self.nodes, self.datacenters), start=1)
         ]
 
     def zookeeper(self) -> ZooKeeperEnsemble:
@@ -102,24 +131,27 @@ class Stack:
             heap_mb=int(saved["heap_mb"]),
             cluster_name=str(saved["cluster_name"]),
             zookeeper_nodes=int(saved.get("zookeeper_nodes", 1)),
+            # Stacks recorded before datacenters existed ran one.
+            datacenters=int(saved.get("datacenters", 1)),
         )
 
     def _save(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.state_file.write_text(
-            json.dumps(
-                {"nodes": self.nodes, "ports": asdict(self.ports), "heap_mb": self.heap_mb,
-                 "cluster_name": self.cluster_name, "zookeeper_nodes": self.zookeeper_nodes},
-                indent=2,
-            )
-        )
+        saved: dict[str, object] = {
+            "nodes": self.nodes, "ports": asdict(self.ports), "heap_mb": self.heap_mb,
+            "cluster_name": self.cluster_name, "zookeeper_nodes": self.zookeeper_nodes,
+        }
+        if self.datacenters != 1:
+            saved["datacenters"] = self.datacenters
+        self.state_file.write_text(json.dumps(saved, indent=2))
 
     def status(self) -> list[ServiceStatus]:
         services = [ServiceStatus(zk.name, zk.connect_string, zk.pid(), zk.log_path)
                     for zk in self.zookeeper().members()]
         for i, node in enumerate(self.cassandra_nodes(), start=1):
             services.append(
-                ServiceStatus(f"cassandra-{i}", f"{node.address}:{node.native_port}", node.pid(), node.log_path)
+                ServiceStatus(f"cassandra-{i}", f"{node.address}:{node.native_port}", node.pid(), node.log_path,
+                              node.datacenter or "datacenter1")
             )
         return services
 
@@ -180,6 +212,7 @@ class Stack:
             return
         _require_free(node.address, node.native_port, "Cassandra CQL")
         _require_free(node.address, node.storage_port, "Cassandra storage")
+        _wait_bindable(node.address, node.storage_port, "Cassandra storage")
         _require_free("127.0.0.1", node.jmx_port, "Cassandra JMX")
         report(f"starting Cassandra on {node.address}:{node.native_port}")
         node.start()
@@ -200,3 +233,22 @@ def _require_free(address: str, port: int, what: str) -> None:
             raise StackError(
                 f"{what} port {address}:{port} is already in use by a process this stack did not start"
             )
+
+
+def _wait_bindable(address: str, port: int, what: str, timeout: float = 90.0) -> None:
+    """Wait until a listening socket can bind `address:port`.
+
+    Cassandra binds its storage port without SO_REUSEADDR, so a connection of a node
+    stopped moments ago, left in TIME_WAIT on that port (for up to a minute), makes the
+    next start fail with "in use by another process" although nothing listens there.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, port))
+                return
+            except OSError as error:
+                if time.monotonic() > deadline:
+                    raise StackError(f"{what} port {address}:{port} cannot be bound after {timeout:.0f}s: {error}") from error
+        time.sleep(1.0)
