@@ -102,7 +102,9 @@ def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
         conf["spark.cassandra.connection.localDC"] = settings.cassandra_local_dc
     if settings.cassandra_username:
         conf["spark.cassandra.auth.username"] = settings.cassandra_username
-        conf["spark.cassandra.auth.password"] = settings.cassandra_password or ""
+        # Spark redacts settings whose names contain "password" from its UI and event logs.
+        password = settings.cassandra_password.get_secret_value() if settings.cassandra_password else ""
+        conf["spark.cassandra.auth.password"] = password
     if options.master is not None and on_this_machine(options.master):
         # The jobs run no Python on executors (every step is Spark SQL, planned in the JVM),
         # so executors need the connector jars alone, which the driver serves them through
