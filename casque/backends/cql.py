@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 from cassandra import (
+    AuthenticationFailed,
     ConsistencyLevel,
     CoordinationFailure,
     OperationTimedOut,
@@ -35,7 +36,7 @@ from cassandra.query import Statement
 
 from casque.backends.tls import client_context, probe
 from casque.config import Settings
-from casque.errors import BackendUnavailable, TlsRefused, WriteOutcomeUnknown
+from casque.errors import AccessDenied, BackendUnavailable, TlsRefused, WriteOutcomeUnknown
 
 # Protocol v5's CAS_WRITE_UNKNOWN error code (the driver has no class for it).
 CAS_WRITE_UNKNOWN = 0x1700
@@ -128,6 +129,11 @@ def connect(settings: Settings) -> tuple[Cluster, Session]:
         session = cluster.connect()
     except NoHostAvailable as error:
         cluster.shutdown()
+        if error.errors and all(isinstance(e, AuthenticationFailed) for e in error.errors.values()):
+            raise AccessDenied(
+                f"Cassandra refused user {settings.cassandra_username!r}: wrong credentials, "
+                "or the server does not authenticate with passwords"
+            ) from error
         refused = _tls_refusal(settings)
         if refused is not None:
             raise TlsRefused(refused) from error

@@ -61,7 +61,7 @@ def probe(context: ssl.SSLContext, host: str, port: int, server_hostname: str | 
     except OSError as error:
         # A server that closes the connection at the first bytes of a handshake: it speaks
         # plaintext on this port, or refuses TLS from this client.
-        return f"the handshake was cut off ({type(error).__name__}): the port may not speak TLS"
+        return f"the handshake was cut off ({type(error).__name__}): the server does not speak TLS on this port"
     finally:
         raw.close()
 
@@ -70,6 +70,9 @@ def _reason(error: ssl.SSLError) -> str:
     if isinstance(error, ssl.SSLCertVerificationError):
         return f"the server's certificate was not accepted: {error.verify_message}"
     reason = error.reason or str(error)
+    if isinstance(error, ssl.SSLEOFError):
+        # A plaintext server reads the handshake as a malformed request and hangs up.
+        return f"the server closed the connection during the handshake ({reason}): it does not speak TLS on this port"
     if reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE"):
         return f"the server does not speak TLS on this port ({reason})"
     if "CERTIFICATE_REQUIRED" in reason or "HANDSHAKE_FAILURE" in reason or "BAD_CERTIFICATE" in reason:
