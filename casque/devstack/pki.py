@@ -1,4 +1,5 @@
-"""Test certificates for the local servers: a CA, certificates it signs, and Java keystores.
+"""Test certificates for the local servers: a CA, certificates it signs, and Java key stores
+(which the Spark jobs make from PEM files too: the Cassandra connector reads no PEM).
 
 Made with the `openssl` command line tool (and the JDK's `keytool` for Java trust stores),
 so nothing beyond what the local stack needs already is required. The keys are P-256 and
@@ -103,26 +104,30 @@ class JavaStores:
     password: str
 
 
+def pkcs12_keystore(crt: Path, key: Path, path: Path, password: str, alias: str = "casque") -> Path:
+    """A PKCS12 key store at `path` with a PEM certificate and its key."""
+    path.unlink(missing_ok=True)
+    _run("openssl", "pkcs12", "-export", "-in", str(crt), "-inkey", str(key), "-name", alias,
+         "-out", str(path), "-passout", f"pass:{password}", cwd=path.parent)
+    path.chmod(0o600)
+    return path
+
+
+def pkcs12_truststore(ca_crt: Path, path: Path, password: str) -> Path:
+    """A PKCS12 trust store at `path` with the PEM CA certificate(s) of `ca_crt`."""
+    path.unlink(missing_ok=True)
+    # openssl's PKCS12 files carry no mark that Java takes for a trusted certificate (before
+    # OpenSSL 3.2's -jdktrust), so the trust store comes from the JDK's keytool.
+    _run("keytool", "-importcert", "-noprompt", "-alias", "casque-ca", "-file", str(ca_crt),
+         "-keystore", str(path), "-storetype", "PKCS12", "-storepass", password, cwd=path.parent)
+    path.chmod(0o600)
+    return path
+
+
 def java_stores(pki: Path, ca_crt: Path, crt: Path, key: Path, name: str) -> JavaStores:
     password = secrets.token_hex(16)
-    keystore, truststore = pki / f"{name}-keystore.p12", pki / f"{name}-truststore.p12"
-    for path in (keystore, truststore):
-        path.unlink(missing_ok=True)
-    _run(
-        "openssl", "pkcs12", "-export", "-in", crt.name, "-inkey", key.name, "-name", name,
-        "-out", keystore.name, "-passout", f"pass:{password}",
-        cwd=pki,
-    )
-    # openssl's PKCS12 files carry no mark that Java takes for a trusted certificate (before
-    # OpenSSL 3.2's -jdktrust), so the trust store comes from keytool.
-    _run(
-        "keytool", "-importcert", "-noprompt", "-alias", "casque-ca", "-file", ca_crt.name,
-        "-keystore", truststore.name, "-storetype", "PKCS12", "-storepass", password,
-        cwd=pki,
-    )
-    for path in (keystore, truststore):
-        path.chmod(0o600)
-    return JavaStores(keystore, truststore, password)
+    return JavaStores(pkcs12_keystore(crt, key, pki / f"{name}-keystore.p12", password, name),
+                      pkcs12_truststore(ca_crt, pki / f"{name}-truststore.p12", password), password)
 
 
 @dataclass(frozen=True)

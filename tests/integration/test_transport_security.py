@@ -7,6 +7,10 @@ Every test has a keyspace and a ZooKeeper chroot of its own, reached over TLS.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -205,3 +209,22 @@ async def test_a_sidecar_with_tls_settings_publishes_and_receives(
         received = (await answer.json())["messages"]
     assert [m["messageid"] for m in received] == [message_id]
     assert received[0]["data"] == {"amount": 42}
+
+
+@pytest.mark.spark
+async def test_a_spark_job_reads_over_tls_with_a_password(
+    secure_stack: Stack, store: Store, settings: Settings, tmp_path: Path
+) -> None:
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    for i in range(5):
+        await publisher.publish([OutgoingMessage(f"s{i}".encode())])
+    await publisher.flush_heads()
+    # Its own process: a Python process holds one Spark JVM, and this one needs the TLS options.
+    env = {**os.environ, **secure_stack.client_env(), "CASQUE_KEYSPACE": settings.keyspace,
+           "CASQUE_ZOOKEEPER_HOSTS": settings.zookeeper_hosts, "CASQUE_CONSISTENCY": "ONE"}
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "casque.cli", "spark", "stats", "--queue", QUEUE.name,
+                         "--out", str(tmp_path / "stats")],
+        env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "stats" / "summary.json").read_text())["messages"] == 5
