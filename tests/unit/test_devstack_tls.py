@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from casque.cli.main import app
 from casque.devstack.stack import Stack, StackPorts
 from casque.devstack.zookeeper import ZooKeeperEnsemble
 from casque.errors import StackError
@@ -73,3 +75,12 @@ def test_the_stack_records_its_security_and_its_clients_settings(stack: Stack) -
     assert env["CASQUE_CASSANDRA_USERNAME"] == "cassandra"
     plain = Stack(stack.root / "plain")
     assert not any("TLS" in name or "USERNAME" in name for name in plain.client_env())
+
+
+def test_dev_up_refuses_tls_options_it_cannot_honour_before_starting_anything(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for args, words in ((["--tls-client-auth"], "--tls-client-auth needs --tls"),
+                        (["--tls", "--zookeeper-nodes", "3"], "standalone ZooKeeper")):
+        result = runner.invoke(app, ["dev", "up", "--state-dir", str(tmp_path), *args])
+        assert result.exit_code != 0 and words in result.output + result.stderr, (args, result.output)
+    assert not (tmp_path / "stack.json").exists()
