@@ -214,7 +214,7 @@ NON_DEFAULT: dict[str, Any] = {
         "tls": {"enabled": True, "secret": "cassandra-tls", "clientCertificate": True,
                 "serverHostname": "cassandra.shop.svc"},
     },
-    "zookeeper": {"connect": "zk-0.zk:2281,zk-1.zk:2281", "root": "/shop/casque",
+    "zookeeper": {"connect": "zk-0.zk:2181,zk-1.zk:2181", "root": "/shop/casque",
                   "auth": {"username": "casque", "password": "z" * 32},
                   "tls": {"enabled": True, "secret": "zookeeper-tls"}},
     "quotas": {"maxQueues": 20, "maxShardPriorities": 64, "maxRetention": "14d"},
