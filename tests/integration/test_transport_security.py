@@ -165,6 +165,12 @@ def test_a_server_certificate_for_another_name_is_refused(settings: Settings) ->
     # ...and the check is what refuses it.
     unchecked = without(renamed, verify_hostname=False)
     Store.open(settings.model_copy(update={"cassandra_tls": unchecked})).close()
+    # "127.1" is 127.0.0.1 to the resolver, but not a name the certificate carries.
+    elsewhere = settings.zookeeper_hosts.replace("127.0.0.1:", "127.1:")
+    error = refusal(settings.model_copy(update={"zookeeper_hosts": elsewhere}))
+    assert isinstance(error, TlsRefused) and "mismatch" in str(error).lower(), error
+    Store.open(settings.model_copy(update={"zookeeper_hosts": elsewhere, "zookeeper_tls": without(
+        settings.zookeeper_tls, verify_hostname=False)})).close()
 
 
 def test_plaintext_to_a_tls_port_fails(settings: Settings) -> None:
