@@ -1,5 +1,6 @@
 """TLS and passwords on a real stack: Cassandra with client encryption and PasswordAuthenticator,
-ZooKeeper on a TLS port, both requiring client certificates (the `secure_stack` fixture).
+ZooKeeper on a TLS port with digest ACLs, both requiring client certificates (the
+`secure_stack` fixture).
 
 Every test has a keyspace and a ZooKeeper chroot of its own, reached over TLS.
 """
@@ -23,6 +24,8 @@ from aiohttp.test_utils import TestClient
 from kazoo.client import KazooClient
 from pydantic import SecretStr
 
+from casque.backends import zk
+from casque.backends.zkacl import Identity, format_acl, installation_policy, namespace_identity
 from casque.config import CassandraTlsSettings, Settings, ZooKeeperTlsSettings
 from casque.devstack.pki import make_ca
 from casque.devstack.stack import Stack
@@ -234,3 +237,29 @@ async def test_a_spark_job_reads_over_tls_with_a_password(
         env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "stats" / "summary.json").read_text())["messages"] == 5
+
+
+def test_digest_acls_keep_namespaces_apart_over_tls(settings: Settings) -> None:
+    installation = Identity("casque", "installation-password-for-tls-tests-0123456789")
+
+    def as_identity(identity: Identity, acl: str | None = None) -> Settings:
+        return settings.model_copy(update={"zookeeper_username": identity.username,
+                                           "zookeeper_password": SecretStr(identity.password), "zookeeper_acl": acl})
+
+    def as_namespace(namespace: str) -> Settings:
+        acl = installation_policy(settings.zookeeper_root, [installation]).descendant_acl(namespace)
+        return as_identity(namespace_identity(installation, namespace), format_acl(acl))
+
+    operator = Store.open(as_identity(installation))
+    try:
+        ensure_installation(operator)
+        catalog.apply_queue(operator, QUEUE, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+        own = zk.connect(as_namespace(QUEUE.namespace), namespace=QUEUE.namespace)
+        own.stop()
+        own.close()
+        with pytest.raises(AccessDenied, match="another namespace"):
+            zk.connect(as_namespace("team-b"), namespace=QUEUE.namespace)
+    finally:
+        # Only the installation may delete what it protects (the chroot's own cleanup may not).
+        operator.zk.delete(settings.zookeeper_root, recursive=True)
+        operator.close()
