@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -32,6 +33,43 @@ class ReplicationSettings(BaseSettings):
         return f"{{'class': 'NetworkTopologyStrategy', {dcs}}}"
 
 
+class TlsSettings(BaseSettings):
+    """TLS to one backend. Off by default. On, the server's certificate must chain to
+    `ca_file` (or to the system's CAs without one) and, unless `verify_hostname` is turned
+    off, name the host the client dialled. `cert_file` and `key_file` (PEM) are the client's
+    own certificate, for servers that require one (mutual TLS)."""
+
+    enabled: bool = False
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    verify_hostname: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TlsSettings:
+        prefix = self.model_config.get("env_prefix", "")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError(f"{prefix}CERT_FILE and {prefix}KEY_FILE go together")
+        files = (self.ca_file, self.cert_file, self.key_file)
+        if not self.enabled and any(f is not None for f in files):
+            # Files without TLS would connect in plaintext while looking configured.
+            raise ValueError(f"{prefix}CA_FILE, CERT_FILE and KEY_FILE need {prefix}ENABLED=true")
+        return self
+
+
+class CassandraTlsSettings(TlsSettings):
+    model_config = SettingsConfigDict(env_prefix="CASQUE_CASSANDRA_TLS_")
+
+    # The name every node's certificate carries (a Service's DNS name, say). Unset, the
+    # driver checks each node's certificate against the address it connects to (contact
+    # points and peers alike are IP addresses to the driver), so certificates need IP SANs.
+    server_hostname: str | None = None
+
+
+class ZooKeeperTlsSettings(TlsSettings):
+    model_config = SettingsConfigDict(env_prefix="CASQUE_ZOOKEEPER_TLS_")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CASQUE_")
 
@@ -39,7 +77,8 @@ class Settings(BaseSettings):
     cassandra_contact_points: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["127.0.0.1"])
     cassandra_port: int = 9042
     cassandra_username: str | None = None
-    cassandra_password: str | None = None
+    # A secret: never in a log line, a repr or an error message.
+    cassandra_password: SecretStr | None = None
     cassandra_local_dc: str | None = None
     keyspace: str = Field(default="casque", pattern=r"^[a-z][a-z0-9_]{0,47}$")
     consistency: Consistency = "LOCAL_QUORUM"
@@ -63,6 +102,8 @@ class Settings(BaseSettings):
     # writes it into the namespace's Secret next to the credentials).
     zookeeper_acl: str | None = None
     replication: ReplicationSettings = Field(default_factory=ReplicationSettings)
+    cassandra_tls: CassandraTlsSettings = Field(default_factory=CassandraTlsSettings)
+    zookeeper_tls: ZooKeeperTlsSettings = Field(default_factory=ZooKeeperTlsSettings)
 
     @model_validator(mode="after")
     def _zookeeper_credentials_paired(self) -> Settings:

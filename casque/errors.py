@@ -87,3 +87,18 @@ class QuotaExceeded(CasqueError):
     """A queue would take its namespace past a limit set by the platform team."""
 
     code = "quota_exceeded"
+
+
+class InvalidSettings(CasqueError):
+    """The process's own settings cannot work: e.g. a TLS file that does not exist or does
+    not hold what its setting says."""
+
+    code = "invalid_settings"
+
+
+class TlsRefused(CasqueError):
+    """A TLS handshake with a backend failed: a certificate the other side does not trust
+    (a missing or wrong CA, a name that does not match, no client certificate where one is
+    required) or one side speaking plaintext. Retrying cannot help until the settings change."""
+
+    code = "tls_refused"

@@ -59,6 +59,13 @@ SIDECAR_NAME = "casque-sidecar"
 SIDECAR_LABEL = f"{ANNOTATION_PREFIX}sidecar"
 SIDECAR_LABEL_VALUE = "injected"
 TMP_VOLUME = "casque-sidecar-tmp"
+# Where the operator (the chart's Deployment) and every sidecar mount a backend's TLS Secret,
+# `<TLS_MOUNT>/cassandra` and `<TLS_MOUNT>/zookeeper`, and the Secret's keys: the ones
+# cert-manager writes.
+TLS_MOUNT = "/etc/casque/tls"
+TLS_CA_KEY = "ca.crt"
+TLS_CERT_KEY = "tls.crt"
+TLS_KEY_KEY = "tls.key"
 # Written into each namespace by the operator (casque.operator.tenancy, which the webhook,
 # a lighter module, does not import).
 ZOOKEEPER_SECRET = "casque-zookeeper"
@@ -105,13 +112,19 @@ class InjectionSettings(BaseSettings):
     # The sidecar serves /metrics alone on this port of the pod's address, for Prometheus
     # (a PodMonitor, helm metrics.podMonitor); the queue API stays on 127.0.0.1. None: off.
     metrics_port: int | None = Field(default=DEFAULT_METRICS_PORT, ge=1, le=65535)
+    # Secrets, present in every app namespace like the credentials Secret, with a backend's
+    # CA (ca.crt) and, for mutual TLS, the client's certificate and key (tls.crt, tls.key).
+    # Used when the operator's own settings turn that backend's TLS on.
+    cassandra_tls_secret: str | None = Field(default=None, pattern=_SECRET_NAME.pattern)
+    zookeeper_tls_secret: str | None = Field(default=None, pattern=_SECRET_NAME.pattern)
     cpu_request: str = Field(default="50m", pattern=_QUANTITY)
     memory_request: str = Field(default="128Mi", pattern=_QUANTITY)
     # No CPU limit by default: throttling a sidecar delays every publish and ack of its app.
     cpu_limit: str | None = Field(default=None, pattern=_QUANTITY)
     memory_limit: str | None = Field(default="256Mi", pattern=_QUANTITY)
 
-    @field_validator("credentials_secret", "cpu_limit", "memory_limit", "metrics_port", mode="before")
+    @field_validator("credentials_secret", "cassandra_tls_secret", "zookeeper_tls_secret", "cpu_limit",
+                     "memory_limit", "metrics_port", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         # The chart sets every variable; an empty one means "none" (no Secret, no limit).
@@ -229,8 +242,10 @@ def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings
             f"the pod uses hostNetwork, so its sidecar would answer every process on the node; "
             f"give it a token with the annotation {TOKEN_SECRET}, or run the pod without hostNetwork"
         )
-    if any(volume.get("name") == TMP_VOLUME for volume in spec.get("volumes") or []):
-        raise InvalidInjection(f"the volume name {TMP_VOLUME!r} is the sidecar's; rename the Pod's volume")
+    tls = tls_volumes(settings, backends)
+    for volume in spec.get("volumes") or []:
+        if volume.get("name") in (TMP_VOLUME, *(v["name"] for v in tls)):
+            raise InvalidInjection(f"the volume name {volume.get('name')!r} is the sidecar's; rename the Pod's volume")
 
     patch: list[dict[str, Any]] = []
     labels = (pod.get("metadata") or {}).get("labels")
@@ -248,8 +263,11 @@ def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings
             patch += [_add(f"/spec/containers/{index}/env/-", env) for env in missing]
         else:
             patch.append(_add(f"/spec/containers/{index}/env", missing))
-    volume = {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}}
-    patch.append(_add("/spec/volumes/-", volume) if spec.get("volumes") else _add("/spec/volumes", [volume]))
+    volumes = [{"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}}, *tls]
+    if spec.get("volumes"):
+        patch += [_add("/spec/volumes/-", volume) for volume in volumes]
+    else:
+        patch.append(_add("/spec/volumes", volumes))
     sidecar = sidecar_container(request, settings, backends)
     if settings.native_sidecar:
         # First among the init containers, so that later ones may use the queue too.
@@ -324,6 +342,7 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
             _secret_env("CASQUE_CASSANDRA_USERNAME", settings.credentials_secret, settings.username_key),
             _secret_env("CASQUE_CASSANDRA_PASSWORD", settings.credentials_secret, settings.password_key),
         ]
+    env += tls_env(settings, backends)
     requests = {"cpu": settings.cpu_request, "memory": settings.memory_request}
     limits = {k: v for k, v in (("cpu", settings.cpu_limit), ("memory", settings.memory_limit)) if v is not None}
     container: dict[str, Any] = {
@@ -349,11 +368,61 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
             "capabilities": {"drop": ["ALL"]},
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "volumeMounts": [{"name": TMP_VOLUME, "mountPath": "/tmp"}],
+        "volumeMounts": [
+            {"name": TMP_VOLUME, "mountPath": "/tmp"},
+            *({"name": volume["name"], "mountPath": f"{TLS_MOUNT}/{backend}", "readOnly": True}
+              for backend, volume in zip(_tls_backends(settings, backends), tls_volumes(settings, backends))),
+        ],
     }
     if settings.native_sidecar:
         container["restartPolicy"] = "Always"
     return container
+
+
+def _tls_backends(settings: InjectionSettings, backends: Settings) -> list[str]:
+    """The backends whose TLS Secret the sidecar mounts: those the operator reaches over TLS
+    with a Secret for sidecars."""
+    secrets = {"cassandra": settings.cassandra_tls_secret, "zookeeper": settings.zookeeper_tls_secret}
+    enabled = {"cassandra": backends.cassandra_tls.enabled, "zookeeper": backends.zookeeper_tls.enabled}
+    return [backend for backend in ("cassandra", "zookeeper") if enabled[backend] and secrets[backend]]
+
+
+def tls_volumes(settings: InjectionSettings, backends: Settings) -> list[dict[str, Any]]:
+    secrets = {"cassandra": settings.cassandra_tls_secret, "zookeeper": settings.zookeeper_tls_secret}
+    # Read-only, and readable by others than root: the files belong to root (the app's Pod
+    # need not set an fsGroup), the sidecar runs as its own user, and only the sidecar
+    # container mounts the volume.
+    return [{"name": f"casque-sidecar-{backend}-tls",
+             "secret": {"secretName": secrets[backend], "defaultMode": 0o444}}
+            for backend in _tls_backends(settings, backends)]
+
+
+def tls_env(settings: InjectionSettings, backends: Settings) -> list[dict[str, Any]]:
+    """The sidecar's TLS settings: the operator's own (TLS on or off, hostname checks), with
+    the files from the Secret mounted in the Pod."""
+    env: list[dict[str, Any]] = []
+    mounted = _tls_backends(settings, backends)
+    for backend, tls in (("cassandra", backends.cassandra_tls), ("zookeeper", backends.zookeeper_tls)):
+        if not tls.enabled:
+            continue
+        prefix = f"CASQUE_{backend.upper()}_TLS_"
+        if backend not in mounted and (tls.ca_file is not None or tls.cert_file is not None):
+            # The sidecar would trust other CAs than the operator, or lack its certificate.
+            raise InvalidInjection(
+                f"the operator reaches {backend} with TLS files, but sidecars have no Secret to read "
+                f"them from: set CASQUE_INJECTION_{backend.upper()}_TLS_SECRET ({backend}.tls.secret in the chart)"
+            )
+        env += [{"name": f"{prefix}ENABLED", "value": "true"},
+                {"name": f"{prefix}VERIFY_HOSTNAME", "value": str(tls.verify_hostname).lower()}]
+        directory = f"{TLS_MOUNT}/{backend}"
+        if tls.ca_file is not None:
+            env.append({"name": f"{prefix}CA_FILE", "value": f"{directory}/{TLS_CA_KEY}"})
+        if tls.cert_file is not None:
+            env += [{"name": f"{prefix}CERT_FILE", "value": f"{directory}/{TLS_CERT_KEY}"},
+                    {"name": f"{prefix}KEY_FILE", "value": f"{directory}/{TLS_KEY_KEY}"}]
+    if backends.cassandra_tls.enabled and backends.cassandra_tls.server_hostname:
+        env.append({"name": "CASQUE_CASSANDRA_TLS_SERVER_HOSTNAME", "value": backends.cassandra_tls.server_hostname})
+    return env
 
 
 def probe_command(port: int, path: str) -> list[str]:

@@ -24,7 +24,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from casque.config import Settings
-from casque.errors import AccessDenied
+from casque.errors import AccessDenied, TlsRefused
 from casque.sidecar import bodies
 from casque.sidecar.auth import bearer_middleware
 from casque.sidecar.config import SidecarSettings
@@ -128,10 +128,11 @@ async def _connect(app: web.Application, lent: Store | None) -> None:
     while store is None:
         try:
             store = await _open_store(app[BACKENDS], app[SETTINGS].namespace)
-        except AccessDenied as error:
-            # Wrong credentials do not heal by themselves, but a rotated Secret mounted anew
-            # does not restart the process either: say why loudly, and keep trying slowly.
-            runtime.problem = f"ZooKeeper refused the sidecar's credentials: {error}"
+        except (AccessDenied, TlsRefused) as error:
+            # Wrong credentials or certificates do not heal by themselves, but a rotated
+            # Secret mounted anew does not restart the process either: say why loudly, and
+            # keep trying slowly.
+            runtime.problem = f"a backend refused the sidecar's credentials: {error}"
             log.error("%s; retrying in %.1fs", runtime.problem, CONNECT_RETRY_MAX_SECONDS)
             await asyncio.sleep(CONNECT_RETRY_MAX_SECONDS)
         except Exception as error:  # any failure to connect is worth another try; the log says which

@@ -20,6 +20,7 @@ from tests.fixtures.stack import (  # noqa: F401
     keyspace,
     new_store,
     ring,
+    secure_stack,
     store,
     zk,
     zk_hosts,
@@ -28,7 +29,7 @@ from tests.fixtures.stack import (  # noqa: F401
 
 INTEGRATION = Path(__file__).parent / "integration"
 # Fixtures that start a server (directly or through the fixtures they depend on).
-SERVER_FIXTURES = frozenset({"backends", "ring", "dc_ring", "kube_cluster", "zookeeper_ensemble"})
+SERVER_FIXTURES = frozenset({"backends", "ring", "dc_ring", "kube_cluster", "zookeeper_ensemble", "secure_stack"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

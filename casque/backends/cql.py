@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 from cassandra import (
+    AuthenticationFailed,
     ConsistencyLevel,
     CoordinationFailure,
     OperationTimedOut,
@@ -33,8 +34,9 @@ from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
 from cassandra.protocol import ErrorMessage, IsBootstrappingErrorMessage, OverloadedErrorMessage
 from cassandra.query import Statement
 
+from casque.backends.tls import client_context, probe
 from casque.config import Settings
-from casque.errors import BackendUnavailable, WriteOutcomeUnknown
+from casque.errors import AccessDenied, BackendUnavailable, TlsRefused, WriteOutcomeUnknown
 
 # Protocol v5's CAS_WRITE_UNKNOWN error code (the driver has no class for it).
 CAS_WRITE_UNKNOWN = 0x1700
@@ -92,10 +94,23 @@ def keyspace_datacenters(session: Session, keyspace: str) -> int:
     return replicated_datacenters(replication, (host.datacenter for host in session.cluster.metadata.all_hosts()))
 
 
+def tls_options(settings: Settings) -> dict[str, Any]:
+    """The Cluster's TLS arguments (none when TLS is off)."""
+    tls = settings.cassandra_tls
+    if not tls.enabled:
+        return {}
+    options: dict[str, Any] = {"ssl_context": client_context(tls, "Cassandra")}
+    if tls.server_hostname is not None:
+        # Without it the driver checks each node's certificate against that node's address.
+        options["ssl_options"] = {"server_hostname": tls.server_hostname}
+    return options
+
+
 def connect(settings: Settings) -> tuple[Cluster, Session]:
     auth = None
     if settings.cassandra_username:
-        auth = PlainTextAuthProvider(settings.cassandra_username, settings.cassandra_password or "")
+        password = settings.cassandra_password.get_secret_value() if settings.cassandra_password else ""
+        auth = PlainTextAuthProvider(settings.cassandra_username, password)
     profile = ExecutionProfile(
         load_balancing_policy=TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=settings.cassandra_local_dc)),
         consistency_level=consistency(settings.consistency),
@@ -108,13 +123,34 @@ def connect(settings: Settings) -> tuple[Cluster, Session]:
         execution_profiles={EXEC_PROFILE_DEFAULT: profile},
         protocol_version=5,
         sockopts=SOCKET_OPTIONS,
+        **tls_options(settings),
     )
     try:
         session = cluster.connect()
     except NoHostAvailable as error:
         cluster.shutdown()
+        if error.errors and all(isinstance(e, AuthenticationFailed) for e in error.errors.values()):
+            raise AccessDenied(
+                f"Cassandra refused user {settings.cassandra_username!r}: wrong credentials, "
+                "or the server does not authenticate with passwords"
+            ) from error
+        refused = _tls_refusal(settings)
+        if refused is not None:
+            raise TlsRefused(refused) from error
         raise BackendUnavailable(f"Cassandra at {settings.cassandra_contact_points} is unreachable: {error}") from error
     return cluster, session
+
+
+def _tls_refusal(settings: Settings) -> str | None:
+    """Why TLS failed, if that is why no host was available: the driver reports a refused
+    handshake as one more unavailable host (and a plaintext client to a TLS port as a
+    connection cut short), so one handshake is repeated to tell."""
+    tls = settings.cassandra_tls
+    if not tls.enabled:
+        return None
+    host = settings.cassandra_contact_points[0]
+    reason = probe(client_context(tls, "Cassandra"), host, settings.cassandra_port, tls.server_hostname)
+    return None if reason is None else f"Cassandra at {host}:{settings.cassandra_port}: {reason}"
 
 
 async def execute(session: Session, statement: str | Statement, params: Sequence[Any] | None = None) -> Any:

@@ -15,9 +15,10 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, OperationTimeoutError, SessionExpiredError
 from kazoo.handlers.threading import KazooTimeoutError
 
+from casque.backends.tls import client_context, probe
 from casque.backends.zkacl import AclClient, Identity, installation_policy, namespace_policy, parse_acl
 from casque.config import Settings
-from casque.errors import AccessDenied, BackendUnavailable, InvalidSpec
+from casque.errors import AccessDenied, BackendUnavailable, InvalidSpec, TlsRefused
 
 T = TypeVar("T")
 RETRYABLE = (ConnectionLoss, OperationTimeoutError, SessionExpiredError, KazooTimeoutError)
@@ -43,24 +44,28 @@ def connect(
     timeout = timeout or settings.zookeeper_session_timeout_seconds
     hosts = hosts or settings.zookeeper_hosts
     own = identities(settings)
+    options = tls_options(settings)
     client: KazooClient
     if not own:
-        client = KazooClient(hosts=hosts, timeout=timeout)
+        client = KazooClient(hosts=hosts, timeout=timeout, **options)
     elif namespace is not None and settings.zookeeper_acl is not None:
         try:
             acl = parse_acl(settings.zookeeper_acl)
         except ValueError as error:
             raise InvalidSpec(f"CASQUE_ZOOKEEPER_ACL: {error}") from error
         client = AclClient(namespace_policy(settings.zookeeper_root, acl), hosts=hosts, timeout=timeout,
-                           auth_data=[i.auth for i in own])
+                           auth_data=[i.auth for i in own], **options)
     else:
         # The installation identity (a sidecar run with it too: it computes the same ACLs).
         policy = installation_policy(settings.zookeeper_root, own)
-        client = AclClient(policy, hosts=hosts, timeout=timeout, auth_data=[i.auth for i in own])
+        client = AclClient(policy, hosts=hosts, timeout=timeout, auth_data=[i.auth for i in own], **options)
     try:
         client.start(timeout=timeout)
     except KazooTimeoutError as error:
         client.close()
+        refused = _tls_refusal(settings, hosts)
+        if refused is not None:
+            raise TlsRefused(refused) from error
         raise BackendUnavailable(f"ZooKeeper at {settings.zookeeper_hosts} is unreachable") from error
     if own and namespace is not None:
         try:
@@ -72,6 +77,39 @@ def connect(
             client.close()
             raise
     return client
+
+
+def tls_options(settings: Settings) -> dict[str, Any]:
+    """KazooClient's TLS arguments (none when TLS is off)."""
+    tls = settings.zookeeper_tls
+    if not tls.enabled:
+        return {}
+    # kazoo builds its context per connection from these; building one here first checks
+    # the files once, with an error that names the setting.
+    client_context(tls, "ZooKeeper")
+    return {
+        "use_ssl": True,
+        "ca": str(tls.ca_file) if tls.ca_file else None,
+        "certfile": str(tls.cert_file) if tls.cert_file else None,
+        "keyfile": str(tls.key_file) if tls.key_file else None,
+        "verify_certs": True,
+        "check_hostname": tls.verify_hostname,
+    }
+
+
+def _tls_refusal(settings: Settings, hosts: str) -> str | None:
+    """Why TLS failed, if that is why the client never connected: kazoo retries a refused
+    handshake like a lost connection until its start times out."""
+    tls = settings.zookeeper_tls
+    if not tls.enabled:
+        return None
+    context = client_context(tls, "ZooKeeper")
+    for server in hosts.split("/", 1)[0].split(","):
+        host, _, port = server.strip().rpartition(":")
+        reason = probe(context, host.strip("[]"), int(port or 2181))
+        if reason is not None:
+            return f"ZooKeeper at {server.strip()}: {reason}"
+    return None
 
 
 def _check_installation(client: KazooClient, settings: Settings) -> None:

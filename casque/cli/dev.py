@@ -59,12 +59,22 @@ def up(
         help="Ensemble quorum port of member 1 (default 2888); member N uses +N-1.")] = None,
     zookeeper_election_port: Annotated[int | None, typer.Option(
         help="Ensemble election port of member 1 (default 3888); member N uses +N-1.")] = None,
+    tls: Annotated[bool | None, typer.Option(
+        "--tls/--no-tls", help="TLS: CQL over TLS only, ZooKeeper on a TLS port (client port + 100), "
+        "with a CA and certificates made in <state-dir>/tls.")] = None,
+    tls_client_auth: Annotated[bool | None, typer.Option(
+        "--tls-client-auth/--no-tls-client-auth",
+        help="With --tls: both servers require a client certificate of the stack's CA (mutual TLS).")] = None,
+    auth: Annotated[bool | None, typer.Option(
+        "--auth/--no-auth", help="Cassandra with PasswordAuthenticator (superuser cassandra/cassandra).")] = None,
     state: StateOption = None,
 ) -> None:
     """Start ZooKeeper and Cassandra (or find them running) and wait until both answer.
 
     With --datacenters 2 the nodes are split between datacenters dc1 and dc2 (`--nodes 2
     --datacenters 2`: one each), for keyspaces with NetworkTopologyStrategy.
+
+    With --tls (and --auth) it prints the CASQUE_* settings that reach the stack.
 
     With --zookeeper-nodes 3 ZooKeeper is an ensemble of three servers on 127.0.0.1, each
     with its own data directory, and the connect string printed lists all three.
@@ -90,14 +100,25 @@ def up(
     dc_count = datacenters or (recorded.datacenters if recorded else 1)
     node_count = nodes or (recorded.nodes if recorded else dc_count)
     heap = heap_mb or (recorded.heap_mb if recorded and recorded.nodes == node_count else (1536 if node_count == 1 else 1024))
+    secure = tls if tls is not None else (recorded.tls if recorded else False)
+    client_auth = tls_client_auth if tls_client_auth is not None else (recorded.client_auth if recorded else False)
+    password_auth = auth if auth is not None else (recorded.password_auth if recorded else False)
+    if client_auth and not secure:
+        raise StackError("--tls-client-auth needs --tls")
+    if secure and ensemble != 1:
+        raise StackError("--tls runs with a standalone ZooKeeper (--zookeeper-nodes 1)")
     stack = Stack(root=root, nodes=node_count, ports=ports, heap_mb=heap, zookeeper_nodes=ensemble,
-                  datacenters=dc_count)
+                  datacenters=dc_count, tls=secure, client_auth=client_auth, password_auth=password_auth)
     stack.up(report=lambda line: console.print(f"[dim]{line}[/dim]"))
     console.print("Cassandra: " + ", ".join(
         f"{node.address}:{node.native_port}" + (f" ({node.datacenter})" if node.datacenter else "")
-        for node in stack.cassandra_nodes()) + " (CQL)")
-    console.print(f"ZooKeeper: {stack.zookeeper_hosts}")
+        for node in stack.cassandra_nodes()) + (" (CQL over TLS)" if secure else " (CQL)"))
+    console.print(f"ZooKeeper: {stack.zookeeper_hosts}" + (f", TLS on {stack.zookeeper_tls_hosts}" if secure else ""))
     console.print(f"State and logs: {root}")
+    if secure or password_auth:
+        console.print("Settings for clients of this stack:")
+        for name, value in stack.client_env().items():
+            typer.echo(f"export {name}={value}")
 
 
 @app.command()

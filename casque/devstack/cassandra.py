@@ -7,6 +7,10 @@ accepts because the whole 127.0.0.0/8 range is loopback.
 A node with a `datacenter` uses GossipingPropertyFileSnitch and announces that datacenter
 (and rack1) from its cassandra-rackdc.properties; without one, SimpleSnitch, whose single
 datacenter is called datacenter1.
+
+With `pki` the CQL port speaks TLS only (client_encryption_options, PKCS12 stores), and with
+`require_client_auth` it refuses clients without a certificate the stack's CA signed. With
+`password_auth` it runs PasswordAuthenticator, whose superuser is cassandra/cassandra.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from casque.devstack import processes
 from casque.devstack.artifacts import CASSANDRA
+from casque.devstack.pki import LocalPki
 from casque.errors import StackError
 
 # Java 17 module openings that Cassandra 5.0 needs (the same list its own launcher passes).
@@ -51,6 +57,10 @@ JAVA17_MODULE_FLAGS = [
 ]
 
 
+# PasswordAuthenticator's default superuser. For the local stack only.
+DEFAULT_SUPERUSER = ("cassandra", "cassandra")
+
+
 @dataclass(frozen=True)
 class CassandraNode:
     """Where one node lives and listens."""
@@ -64,6 +74,9 @@ class CassandraNode:
     cluster_name: str = "casque-dev"
     heap_mb: int = 1536
     datacenter: str | None = None
+    pki: LocalPki | None = None
+    require_client_auth: bool = False
+    password_auth: bool = False
 
     @property
     def snitch(self) -> str:
@@ -103,7 +116,7 @@ start_native_transport: true
 endpoint_snitch: {self.snitch}
 # A fresh local ring has no data to stream, so joining nodes skip bootstrap.
 auto_bootstrap: false
-authenticator: AllowAllAuthenticator
+authenticator: {"PasswordAuthenticator" if self.password_auth else "AllowAllAuthenticator"}
 authorizer: AllowAllAuthorizer
 concurrent_reads: 8
 concurrent_writes: 16
@@ -116,6 +129,21 @@ materialized_views_enabled: false
 # Paxos v2 needs about half the round trips of v1 for a conditional write; casque claims
 # every batch with one.
 paxos_variant: v2
+{self._render_client_encryption()}"""
+
+    def _render_client_encryption(self) -> str:
+        if self.pki is None:
+            return ""
+        stores = self.pki.stores
+        return f"""client_encryption_options:
+  enabled: true
+  optional: false
+  keystore: {stores.keystore.resolve()}
+  keystore_password: "{stores.password}"
+  truststore: {stores.truststore.resolve()}
+  truststore_password: "{stores.password}"
+  store_type: PKCS12
+  require_client_auth: {str(self.require_client_auth).lower()}
 """
 
     def render_rackdc(self) -> str:
@@ -160,6 +188,8 @@ paxos_variant: v2
             # A single node, or a ring of fresh nodes, has nothing to wait for.
             "-Dcassandra.skip_wait_for_gossip_to_settle=0",
             "-Dcassandra.ring_delay_ms=1000",
+            # PasswordAuthenticator creates its default superuser this long after startup.
+            "-Dcassandra.superuser_setup_delay_ms=0",
             "-cp", CASSANDRA.classpath(),
             "org.apache.cassandra.service.CassandraDaemon",
         ]
@@ -207,7 +237,7 @@ paxos_variant: v2
         only_this = ExecutionProfile(load_balancing_policy=WhiteListRoundRobinPolicy([self.address]))
         cluster = Cluster(
             [self.address], port=self.native_port, connect_timeout=5,
-            execution_profiles={EXEC_PROFILE_DEFAULT: only_this},
+            execution_profiles={EXEC_PROFILE_DEFAULT: only_this}, **self.client_options(),
         )
         try:
             session = cluster.connect()
@@ -217,6 +247,18 @@ paxos_variant: v2
             return False
         finally:
             cluster.shutdown()
+
+    def client_options(self) -> dict[str, Any]:
+        """What a driver Cluster needs to reach this node: TLS with the stack's CA (and its
+        client certificate), the default superuser's credentials."""
+        options: dict[str, Any] = {}
+        if self.pki is not None:
+            options["ssl_context"] = self.pki.client_context()
+        if self.password_auth:
+            from cassandra.auth import PlainTextAuthProvider
+
+            options["auth_provider"] = PlainTextAuthProvider(*DEFAULT_SUPERUSER)
+        return options
 
     def run_tool(self, main_class: str, *args: str, timeout: float = 120.0) -> str:
         """Run one of Cassandra's command line tools (nodetool, sstabledump, ...) against this node."""

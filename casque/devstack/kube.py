@@ -10,7 +10,8 @@ Binaries come from ``scripts/install-kube-tools.sh`` and are looked up in
     with start_kube_api(tmp_path) as cluster:
         subprocess.run(["kubectl", "--kubeconfig", str(cluster.kubeconfig_path), "get", "ns"])
 
-Certificates and the service-account key are made with the ``openssl`` command line tool.
+Certificates and the service-account key are made with the ``openssl`` command line tool
+(casque.devstack.pki).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+
+from casque.devstack.pki import issue_cert, make_ca, openssl
 
 __all__ = [
     "INSTALL_SCRIPT",
@@ -100,82 +103,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    exe = shutil.which("openssl")
-    if exe is None:
-        raise KubeStartError("the `openssl` command is needed to make test certificates")
-    proc = subprocess.run(
-        [exe, *args], cwd=cwd, capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        raise KubeStartError(f"openssl {' '.join(args)} failed:\n{proc.stderr}")
-
-
-def _make_ca(pki: Path) -> tuple[Path, Path]:
-    ca_crt, ca_key = pki / "ca.crt", pki / "ca.key"
-    _openssl(
-        "req", "-x509", "-new", "-nodes",
-        "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-        "-keyout", ca_key.name, "-out", ca_crt.name,
-        "-days", "365", "-subj", "/CN=casque-test-ca",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
-        cwd=pki,
-    )
-    return ca_crt, ca_key
-
-
-def _issue_serving_cert(
-    pki: Path, ca_crt: Path, ca_key: Path, name: str, hosts: Sequence[str]
-) -> tuple[Path, Path]:
-    """Sign a TLS serving certificate for ``hosts`` (DNS names and/or IPs) with the CA."""
-    crt, key, csr, ext = (pki / f"{name}{s}" for s in (".crt", ".key", ".csr", ".ext"))
-    sans = ",".join(
-        f"IP:{h}" if _is_ip(h) else f"DNS:{h}" for h in dict.fromkeys(hosts)
-    )
-    ext.write_text(
-        "basicConstraints=critical,CA:FALSE\n"
-        "keyUsage=critical,digitalSignature\n"
-        "extendedKeyUsage=serverAuth\n"
-        f"subjectAltName={sans}\n"
-        "subjectKeyIdentifier=hash\n"
-        "authorityKeyIdentifier=keyid\n"
-    )
-    _openssl(
-        "req", "-new", "-nodes",
-        "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-        "-keyout", key.name, "-out", csr.name, "-subj", f"/CN={name}",
-        cwd=pki,
-    )
-    _openssl(
-        "x509", "-req", "-in", csr.name, "-CA", str(ca_crt), "-CAkey", str(ca_key),
-        "-set_serial", str(secrets.randbits(63)), "-days", "365",
-        "-extfile", ext.name, "-out", crt.name,
-        cwd=pki,
-    )
-    csr.unlink()
-    ext.unlink()
-    return crt, key
-
-
-def _is_ip(host: str) -> bool:
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            socket.inet_pton(family, host)
-        except OSError:
-            continue
-        return True
-    return False
-
-
 def _make_service_account_key(pki: Path) -> tuple[Path, Path]:
     key, pub = pki / "sa.key", pki / "sa.pub"
-    _openssl(
+    openssl(
         "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
         "-out", key.name,
         cwd=pki,
     )
-    _openssl("pkey", "-in", key.name, "-pubout", "-out", pub.name, cwd=pki)
+    openssl("pkey", "-in", key.name, "-pubout", "-out", pub.name, cwd=pki)
     return key, pub
 
 
@@ -258,7 +193,7 @@ class KubeCluster:
     def issue_serving_cert(self, name: str, hosts: Sequence[str]) -> tuple[Path, Path]:
         """Sign a serving cert/key pair with the cluster CA, e.g. for an admission webhook
         listening on 127.0.0.1 (use :attr:`ca_bundle` as the webhook's ``caBundle``)."""
-        return _issue_serving_cert(
+        return issue_cert(
             self.ca_cert_path.parent, self.ca_cert_path, self.ca_key_path, name, hosts
         )
 
@@ -371,8 +306,8 @@ def start_kube_api(
 
     pki = workdir / "pki"
     pki.mkdir(exist_ok=True)
-    ca_crt, ca_key = _make_ca(pki)
-    serving_crt, serving_key = _issue_serving_cert(
+    ca_crt, ca_key = make_ca(pki)
+    serving_crt, serving_key = issue_cert(
         pki, ca_crt, ca_key, "apiserver",
         ["127.0.0.1", "localhost", _KUBERNETES_SERVICE_IP, "kubernetes",
          "kubernetes.default", "kubernetes.default.svc",

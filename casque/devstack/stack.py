@@ -9,6 +9,11 @@ The layout (node counts, ports) is saved in `stack.json` so that `status`, `logs
 A stack of two datacenters splits its nodes into dc1 (the first half, rounded up) and dc2,
 each node telling the others its datacenter through GossipingPropertyFileSnitch; a stack of
 one keeps SimpleSnitch (and the single datacenter `datacenter1` that it names).
+
+A stack with `tls` makes a CA and certificates in `root/tls` (casque.devstack.pki) and
+serves CQL over TLS only, and ZooKeeper on a TLS port next to its plaintext one; with
+`client_auth` both require a client certificate of that CA. With `password_auth` Cassandra
+runs PasswordAuthenticator. `client_env` gives the CASQUE_* settings that reach the stack.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from casque.devstack import artifacts
-from casque.devstack.cassandra import CassandraNode
+from casque.devstack.cassandra import DEFAULT_SUPERUSER, CassandraNode
+from casque.devstack.pki import LocalPki
 from casque.devstack.zookeeper import ZooKeeperEnsemble
 from casque.errors import StackError
 
@@ -83,10 +89,42 @@ class Stack:
     cluster_name: str = "casque-dev"
     zookeeper_nodes: int = 1
     datacenters: int = 1
+    tls: bool = False
+    client_auth: bool = False
+    password_auth: bool = False
 
     @property
     def state_file(self) -> Path:
         return self.root / "stack.json"
+
+    @property
+    def pki(self) -> LocalPki | None:
+        return LocalPki(self.root / "tls") if self.tls else None
+
+    @property
+    def zookeeper_tls_hosts(self) -> str | None:
+        """The connect string of ZooKeeper's TLS port (None without TLS)."""
+        return self.zookeeper().members()[0].secure_connect_string
+
+    def client_env(self) -> dict[str, str]:
+        """The CASQUE_* settings of a client of this stack: TLS with the stack's CA (and
+        client certificate), the default superuser's credentials."""
+        env = {
+            "CASQUE_CASSANDRA_CONTACT_POINTS": ",".join(self.contact_points),
+            "CASQUE_CASSANDRA_PORT": str(self.ports.native),
+            "CASQUE_ZOOKEEPER_HOSTS": self.zookeeper_tls_hosts or self.zookeeper_hosts,
+        }
+        pki = self.pki
+        if pki is not None:
+            for backend in ("CASSANDRA", "ZOOKEEPER"):
+                env[f"CASQUE_{backend}_TLS_ENABLED"] = "true"
+                env[f"CASQUE_{backend}_TLS_CA_FILE"] = str(pki.ca_crt)
+                if self.client_auth:
+                    env[f"CASQUE_{backend}_TLS_CERT_FILE"] = str(pki.client_crt)
+                    env[f"CASQUE_{backend}_TLS_KEY_FILE"] = str(pki.client_key)
+        if self.password_auth:
+            env["CASQUE_CASSANDRA_USERNAME"], env["CASQUE_CASSANDRA_PASSWORD"] = DEFAULT_SUPERUSER
+        return env
 
     @property
     def contact_points(self) -> list[str]:
@@ -108,6 +146,9 @@ class Stack:
                 cluster_name=self.cluster_name,
                 heap_mb=self.heap_mb,
                 datacenter=datacenter,
+                pki=self.pki,
+                require_client_auth=self.client_auth,
+                password_auth=self.password_auth,
             )
             for i, datacenter in enumerate(datacenter_names(self.nodes, self.datacenters), start=1)
         ]
@@ -115,7 +156,8 @@ class Stack:
     def zookeeper(self) -> ZooKeeperEnsemble:
         return ZooKeeperEnsemble(root=self.root, size=self.zookeeper_nodes, client_port=self.ports.zookeeper,
                                  quorum_port=self.ports.zookeeper_quorum,
-                                 election_port=self.ports.zookeeper_election)
+                                 election_port=self.ports.zookeeper_election,
+                                 pki=self.pki, require_client_auth=self.client_auth)
 
     @classmethod
     def load(cls, root: Path) -> Stack | None:
@@ -133,6 +175,9 @@ class Stack:
             zookeeper_nodes=int(saved.get("zookeeper_nodes", 1)),
             # Stacks recorded before datacenters existed ran one.
             datacenters=int(saved.get("datacenters", 1)),
+            tls=bool(saved.get("tls", False)),
+            client_auth=bool(saved.get("client_auth", False)),
+            password_auth=bool(saved.get("password_auth", False)),
         )
 
     def _save(self) -> None:
@@ -140,6 +185,7 @@ class Stack:
         saved: dict[str, object] = {
             "nodes": self.nodes, "ports": asdict(self.ports), "heap_mb": self.heap_mb,
             "cluster_name": self.cluster_name, "zookeeper_nodes": self.zookeeper_nodes,
+            "tls": self.tls, "client_auth": self.client_auth, "password_auth": self.password_auth,
         }
         if self.datacenters != 1:
             saved["datacenters"] = self.datacenters
@@ -166,6 +212,10 @@ class Stack:
         report("resolving Cassandra and ZooKeeper from Maven Central (cached after the first run)")
         artifacts.ensure_all()
         self._save()
+        pki = self.pki
+        if pki is not None:
+            report(f"TLS certificates in {pki.directory}")
+            pki.ensure(self.contact_points)
         try:
             self._start_all(report)
         except BaseException:

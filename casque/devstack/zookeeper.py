@@ -9,6 +9,11 @@ on `client_port + N - 1`, for its followers (when it leads) on `quorum_port + N 
 leader election on `election_port + N - 1`. Each has a data directory of its own with its
 `myid`. The four-letter words `srvr` and `mntr` are enabled so that anyone (the fault tests
 first) can ask a member whether it leads, follows, or serves nothing (no quorum).
+
+A standalone server with `pki` also listens for TLS clients on `client_port +
+SECURE_PORT_OFFSET` (ZooKeeper's secure client port needs its Netty connection factory),
+refusing clients without a certificate of the stack's CA when `require_client_auth`. The
+plaintext port stays open on the loopback address for the stack's own checks.
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from casque.devstack import processes
 from casque.devstack.artifacts import ZOOKEEPER
+from casque.devstack.pki import LocalPki
 from casque.errors import StackError
 
 # What a member answers to `srvr` while it serves: its role in the ensemble.
 SERVING_MODES = frozenset({"leader", "follower", "standalone"})
+# The TLS client port is this far above the plaintext one: 2281 next to 2181.
+SECURE_PORT_OFFSET = 100
 
 
 @dataclass(frozen=True)
@@ -38,10 +47,20 @@ class ZooKeeperServer:
     myid: int | None = None
     peers: tuple[str, ...] = ()
     name: str = "zookeeper"
+    pki: LocalPki | None = None
+    require_client_auth: bool = False
 
     @property
     def connect_string(self) -> str:
         return f"{self.address}:{self.client_port}"
+
+    @property
+    def secure_port(self) -> int | None:
+        return None if self.pki is None else self.client_port + SECURE_PORT_OFFSET
+
+    @property
+    def secure_connect_string(self) -> str | None:
+        return None if self.secure_port is None else f"{self.address}:{self.secure_port}"
 
     @property
     def log_path(self) -> Path:
@@ -50,6 +69,8 @@ class ZooKeeperServer:
     def ports(self) -> list[tuple[int, str]]:
         """The ports this server listens on, with what each is for."""
         own = [(self.client_port, "ZooKeeper client")]
+        if self.secure_port is not None:
+            own.append((self.secure_port, "ZooKeeper TLS client"))
         if self.myid is not None:
             # server.N=address:quorum:election
             _, _, spec = self.peers[self.myid - 1].partition("=")
@@ -73,6 +94,7 @@ class ZooKeeperServer:
             "4lw.commands.whitelist=ruok,srvr,stat,mntr\n"
             "autopurge.snapRetainCount=3\nautopurge.purgeInterval=1\n"
             f"{ensemble}"
+            f"{self._render_tls()}"
         )
         (self.directory / "logback.xml").write_text(
             f"""<configuration>
@@ -83,6 +105,23 @@ class ZooKeeperServer:
   <root level="INFO"><appender-ref ref="FILE"/></root>
 </configuration>
 """
+        )
+
+    def _render_tls(self) -> str:
+        if self.pki is None:
+            return ""
+        stores = self.pki.stores
+        password = self.pki.password_file.resolve()
+        # zoo.cfg keys that ZooKeeper does not know itself become `zookeeper.`-prefixed
+        # system properties, which is where its X509 code reads the ssl.* settings.
+        return (
+            f"secureClientPort={self.secure_port}\nsecureClientPortAddress={self.address}\n"
+            "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory\n"
+            f"ssl.keyStore.location={stores.keystore.resolve()}\nssl.keyStore.type=PKCS12\n"
+            f"ssl.keyStore.passwordPath={password}\n"
+            f"ssl.trustStore.location={stores.truststore.resolve()}\nssl.trustStore.type=PKCS12\n"
+            f"ssl.trustStore.passwordPath={password}\n"
+            f"ssl.clientAuth={'need' if self.require_client_auth else 'none'}\n"
         )
 
     def start(self) -> int:
@@ -160,10 +199,16 @@ class ZooKeeperEnsemble:
     quorum_port: int = 2888
     election_port: int = 3888
     heap_mb: int = 256
+    # TLS (a secure client port) on a standalone server only.
+    pki: LocalPki | None = None
+    require_client_auth: bool = False
 
     def members(self) -> list[ZooKeeperServer]:
         if self.size == 1:
-            return [ZooKeeperServer(self.root / "zookeeper", self.address, self.client_port, self.heap_mb)]
+            return [ZooKeeperServer(self.root / "zookeeper", self.address, self.client_port, self.heap_mb,
+                                    pki=self.pki, require_client_auth=self.require_client_auth)]
+        if self.pki is not None:
+            raise StackError("the local stack runs TLS on a standalone ZooKeeper only")
         peers = tuple(
             f"server.{n}={self.address}:{self.quorum_port + n - 1}:{self.election_port + n - 1}"
             for n in range(1, self.size + 1)
@@ -206,9 +251,7 @@ class ZooKeeperEnsemble:
 
     def wait_ready(self, timeout: float = 90.0) -> None:
         """Wait until every member serves (an ensemble has elected a leader) and a client
-        session on the whole connect string can read."""
-        from kazoo.client import KazooClient
-
+        session on the whole connect string (and on the TLS port, if any) can read."""
         # kazoo logs every refused connection; while waiting for startup those are expected.
         logging.getLogger("kazoo.client").setLevel(logging.CRITICAL)
         deadline = time.monotonic() + timeout
@@ -219,19 +262,40 @@ class ZooKeeperEnsemble:
             if not self.serving():
                 time.sleep(0.2)
                 continue
-            client = KazooClient(hosts=self.connect_string, timeout=5.0)
-            try:
-                client.start(timeout=2.0)
-                client.get_children("/")
+            if all(self._client_reads(hosts, tls) for hosts, tls in self._client_ports()):
                 return
-            except Exception:  # any failure here only means "not ready yet"
-                time.sleep(0.3)
-            finally:
-                client.stop()
-                client.close()
+            time.sleep(0.3)
         waiting = [m for m in self.members() if m.mode() not in SERVING_MODES]
         raise StackError((waiting or self.members())[0].failure(
             f"did not serve within {timeout:.0f}s (modes {self.modes()})"))
+
+    def _client_ports(self) -> list[tuple[str, bool]]:
+        ports = [(self.connect_string, False)]
+        secure = self.members()[0].secure_connect_string
+        if secure is not None:
+            ports.append((secure, True))
+        return ports
+
+    def client_options(self) -> dict[str, Any]:
+        """KazooClient's arguments for the secure port: the stack's CA and client certificate."""
+        if self.pki is None:
+            return {}
+        return {"use_ssl": True, "ca": str(self.pki.ca_crt), "certfile": str(self.pki.client_crt),
+                "keyfile": str(self.pki.client_key), "check_hostname": True}
+
+    def _client_reads(self, hosts: str, tls: bool) -> bool:
+        from kazoo.client import KazooClient
+
+        client = KazooClient(hosts=hosts, timeout=5.0, **(self.client_options() if tls else {}))
+        try:
+            client.start(timeout=2.0)
+            client.get_children("/")
+            return True
+        except Exception:  # any failure here only means "not ready yet"
+            return False
+        finally:
+            client.stop()
+            client.close()
 
     def stop(self) -> list[ZooKeeperServer]:
         """Stop every member; the ones that were running."""

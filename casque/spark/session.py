@@ -12,14 +12,20 @@ one, and the options below take effect only when the first session starts.
 
 from __future__ import annotations
 
+import atexit
 import os
+import secrets
+import shutil
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from casque.config import Settings
+from casque.config import CassandraTlsSettings, Settings
+from casque.devstack.pki import pkcs12_keystore, pkcs12_truststore
+from casque.errors import StackError
 from casque.spark import jars
 from casque.spark.errors import SparkUnavailable
 
@@ -102,7 +108,11 @@ def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
         conf["spark.cassandra.connection.localDC"] = settings.cassandra_local_dc
     if settings.cassandra_username:
         conf["spark.cassandra.auth.username"] = settings.cassandra_username
-        conf["spark.cassandra.auth.password"] = settings.cassandra_password or ""
+        # Spark redacts settings whose names contain "password" from its UI and event logs.
+        password = settings.cassandra_password.get_secret_value() if settings.cassandra_password else ""
+        conf["spark.cassandra.auth.password"] = password
+    if settings.cassandra_tls.enabled:
+        conf.update(tls_conf(settings.cassandra_tls))
     if options.master is not None and on_this_machine(options.master):
         # The jobs run no Python on executors (every step is Spark SQL, planned in the JVM),
         # so executors need the connector jars alone, which the driver serves them through
@@ -124,6 +134,46 @@ def spark_conf(settings: Settings, options: SparkOptions) -> dict[str, str]:
         # spark-submit's own --jars or --packages instead.
         conf.update(_connector_conf(options.connector))
     conf.update(options.conf)
+    return conf
+
+
+# Forward-secret AEAD suites only: TLS 1.3's, then TLS 1.2's with ECDHE.
+TLS_SUITES = (
+    "TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA20_POLY1305_SHA256",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256", "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384",
+    "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256", "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384",
+)
+
+
+def tls_conf(tls: CassandraTlsSettings) -> dict[str, str]:
+    """The connector's TLS settings for casque's PEM files. The connector reads Java key
+    stores only, so the CA and the client's certificate and key are copied into PKCS12 stores
+    in a private directory that lives as long as this process. Executors on other machines
+    need the stores at the same paths: give them the spark.cassandra.connection.ssl.*
+    settings of their own through SparkOptions.conf, which wins over these."""
+    conf = {"spark.cassandra.connection.ssl.enabled": "true",
+            # The connector's default suites are two RSA key-exchange suites of TLS 1.0 days,
+            # which a node with an EC certificate, or a TLS 1.3-only one, refuses.
+            "spark.cassandra.connection.ssl.enabledAlgorithms": ",".join(TLS_SUITES)}
+    if tls.ca_file is None and tls.cert_file is None:
+        return conf  # the JVM's own trusted CAs
+    directory = Path(tempfile.mkdtemp(prefix="casque-spark-tls-"))  # mode 0700
+    atexit.register(shutil.rmtree, directory, True)
+    password = secrets.token_hex(16)
+    try:
+        if tls.ca_file is not None:
+            pkcs12_truststore(tls.ca_file, directory / "truststore.p12", password)
+            conf |= {"spark.cassandra.connection.ssl.trustStore.path": str(directory / "truststore.p12"),
+                     "spark.cassandra.connection.ssl.trustStore.password": password,
+                     "spark.cassandra.connection.ssl.trustStore.type": "PKCS12"}
+        if tls.cert_file is not None and tls.key_file is not None:
+            pkcs12_keystore(tls.cert_file, tls.key_file, directory / "keystore.p12", password)
+            conf |= {"spark.cassandra.connection.ssl.clientAuth.enabled": "true",
+                     "spark.cassandra.connection.ssl.keyStore.path": str(directory / "keystore.p12"),
+                     "spark.cassandra.connection.ssl.keyStore.password": password,
+                     "spark.cassandra.connection.ssl.keyStore.type": "PKCS12"}
+    except StackError as error:
+        raise SparkUnavailable(f"the Cassandra TLS files could not be made into Java key stores: {error}") from error
     return conf
 
 

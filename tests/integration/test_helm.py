@@ -29,7 +29,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from casque.config import ReplicationSettings, Settings
+from casque.config import CassandraTlsSettings, ReplicationSettings, Settings, ZooKeeperTlsSettings
 from casque.devstack.kube import KubeCluster
 from casque.operator import injection
 from casque.operator.context import OperatorOptions
@@ -211,9 +211,12 @@ NON_DEFAULT: dict[str, Any] = {
         "consistency": "QUORUM",
         "replication": {"strategy": "SimpleStrategy", "factor": 1},
         "auth": {"username": "casque", "password": "s3cret"},
+        "tls": {"enabled": True, "secret": "cassandra-tls", "clientCertificate": True,
+                "serverHostname": "cassandra.shop.svc"},
     },
     "zookeeper": {"connect": "zk-0.zk:2181,zk-1.zk:2181", "root": "/shop/casque",
-                  "auth": {"username": "casque", "password": "z" * 32}},
+                  "auth": {"username": "casque", "password": "z" * 32},
+                  "tls": {"enabled": True, "secret": "zookeeper-tls"}},
     "quotas": {"maxQueues": 20, "maxShardPriorities": 64, "maxRetention": "14d"},
     "operator": {
         "image": {"digest": "sha256:" + "ab" * 32},
@@ -280,6 +283,8 @@ def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
         ({"cassandra": {"replication": {"datacenters": None}}}, "datacenters"),
         ({"cassandra": {"auth": {"username": "casque"}}}, "password"),
         ({"zookeeper": {"connect": "zookeeper"}}, "connect"),
+        ({"cassandra": {"tls": {"enabled": True, "clientCertificate": True}}}, "secret"),  # whose certificate?
+        ({"zookeeper": {"tls": {"enabled": True, "verifyHostnames": False}}}, "verifyHostnames"),
         ({"zookeeper": {"root": "casque"}}, "root"),
         ({"injection": {"failurePolicy": "Maybe"}}, "failurePolicy"),
         ({"injection": {"tls": {"mode": "secret"}}}, "existingSecret"),
@@ -559,7 +564,8 @@ def test_the_operator_reads_every_setting_the_chart_gives_it(
     for prefix, settings in (
         ("CASQUE_", Settings), ("CASQUE_REPLICATION_", ReplicationSettings),
         ("CASQUE_OPERATOR_", OperatorOptions), ("CASQUE_INJECTION_", injection.InjectionSettings),
-        ("CASQUE_QUOTA_", QuotaSettings),
+        ("CASQUE_QUOTA_", QuotaSettings), ("CASQUE_CASSANDRA_TLS_", CassandraTlsSettings),
+        ("CASQUE_ZOOKEEPER_TLS_", ZooKeeperTlsSettings),
     ):  # fmt: skip
         known |= {f"{prefix}{field.upper()}" for field in settings.model_fields}
     assert names <= known, names - known
@@ -578,6 +584,18 @@ def test_the_operator_reads_every_setting_the_chart_gives_it(
         assert backends.replication.strategy == "SimpleStrategy" and backends.zookeeper_root == "/shop/casque"
         assert sidecar.native_sidecar is False and sidecar.cpu_limit == "1" and sidecar.credentials_secret
         assert sidecar.metrics_port == 9800
+        # TLS files where the Deployment mounts each backend's Secret; sidecars mount their
+        # namespace's copy of the same Secret.
+        assert backends.cassandra_tls == CassandraTlsSettings(
+            enabled=True, ca_file=Path("/etc/casque/tls/cassandra/ca.crt"),
+            cert_file=Path("/etc/casque/tls/cassandra/tls.crt"), key_file=Path("/etc/casque/tls/cassandra/tls.key"),
+            server_hostname="cassandra.shop.svc")
+        assert backends.zookeeper_tls == ZooKeeperTlsSettings(enabled=True, ca_file=Path("/etc/casque/tls/zookeeper/ca.crt"))
+        assert (sidecar.cassandra_tls_secret, sidecar.zookeeper_tls_secret) == ("cassandra-tls", "zookeeper-tls")
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in one(tools.render("casque", values), "Deployment")["spec"]["template"]["spec"]["volumes"]}
+        for backend in ("cassandra", "zookeeper"):
+            assert volumes[mounts[f"/etc/casque/tls/{backend}"]]["secret"]["secretName"] == f"{backend}-tls"
     else:
         assert backends.replication.datacenters == {"datacenter1": 3}
         assert sidecar.native_sidecar and sidecar.cpu_limit is None and sidecar.memory_limit == "256Mi"

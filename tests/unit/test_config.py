@@ -19,3 +19,25 @@ def test_replication_maps() -> None:
 def test_bad_keyspace_name_is_refused() -> None:
     with pytest.raises(ValueError):
         Settings(keyspace="Bad-Name")
+
+
+def test_tls_is_off_unless_enabled_and_checks_hostnames_when_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not Settings().cassandra_tls.enabled and not Settings().zookeeper_tls.enabled
+    monkeypatch.setenv("CASQUE_CASSANDRA_TLS_ENABLED", "true")
+    monkeypatch.setenv("CASQUE_CASSANDRA_TLS_CA_FILE", "/etc/casque/cassandra/ca.crt")
+    monkeypatch.setenv("CASQUE_ZOOKEEPER_TLS_ENABLED", "true")
+    settings = Settings()
+    assert settings.cassandra_tls.enabled and settings.cassandra_tls.verify_hostname
+    assert str(settings.cassandra_tls.ca_file) == "/etc/casque/cassandra/ca.crt"
+    assert settings.zookeeper_tls.enabled and settings.zookeeper_tls.verify_hostname
+    assert settings.zookeeper_tls.ca_file is None  # the system's CAs
+
+
+def test_tls_files_without_tls_or_a_certificate_without_its_key_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CASQUE_ZOOKEEPER_TLS_CA_FILE", "/ca.crt")
+    with pytest.raises(ValueError, match="CASQUE_ZOOKEEPER_TLS_ENABLED"):
+        Settings()
+    monkeypatch.setenv("CASQUE_ZOOKEEPER_TLS_ENABLED", "true")
+    monkeypatch.setenv("CASQUE_ZOOKEEPER_TLS_CERT_FILE", "/client.crt")
+    with pytest.raises(ValueError, match="CASQUE_ZOOKEEPER_TLS_KEY_FILE"):
+        Settings()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from casque.config import Settings
+from casque.config import CassandraTlsSettings, Settings, ZooKeeperTlsSettings
 from casque.operator import injection
 from casque.operator.injection import InjectionSettings, InvalidInjection, plan, review
 from casque.sidecar.config import DEFAULT_PORT, SidecarSettings
@@ -135,6 +135,54 @@ def test_the_sidecar_uses_the_operators_backends_and_the_credentials_secret() ->
     assert env["CASQUE_ZOOKEEPER_ROOT"] == "/q"
     assert env["CASQUE_CASSANDRA_USERNAME"] == {"secretKeyRef": {"name": "cassandra-creds", "key": "user"}}
     assert env["CASQUE_CASSANDRA_PASSWORD"] == {"secretKeyRef": {"name": "cassandra-creds", "key": "pass"}}
+
+
+def tls_backends(**cassandra: Any) -> Settings:
+    return Settings(
+        cassandra_tls=CassandraTlsSettings(enabled=True, ca_file=Path("/etc/ops/ca.crt"), cert_file=Path("/etc/ops/tls.crt"),
+                                           key_file=Path("/etc/ops/tls.key"), **cassandra),
+        zookeeper_tls=ZooKeeperTlsSettings(enabled=True, verify_hostname=False),
+    )
+
+
+def test_with_tls_the_sidecar_mounts_the_namespaces_tls_secret_and_reads_its_files(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = InjectionSettings(cassandra_tls_secret="cassandra-tls", zookeeper_tls_secret="zookeeper-tls")
+    backends = tls_backends(server_hostname="cassandra.db.svc")
+    document = pod(ORDERS, volumes=[{"name": "data", "emptyDir": {}}])
+    patched = apply_patch(document, plan(document, settings, backends))
+    sidecar = container(patched, injection.SIDECAR_NAME)
+    volumes = {v["name"]: v for v in patched["spec"]["volumes"]}
+    assert volumes["casque-sidecar-cassandra-tls"]["secret"]["secretName"] == "cassandra-tls"
+    assert volumes["casque-sidecar-zookeeper-tls"]["secret"]["secretName"] == "zookeeper-tls"
+    mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    assert mounts["casque-sidecar-cassandra-tls"] == "/etc/casque/tls/cassandra"
+    assert mounts["casque-sidecar-zookeeper-tls"] == "/etc/casque/tls/zookeeper"
+    # The app's containers get neither the volume nor the settings.
+    assert "volumeMounts" not in container(patched, "app")
+    assert not any("TLS" in name for name in env_of(container(patched, "app")))
+    # What the sidecar reads back: the operator's TLS settings, with the files of its mount.
+    for name, value in env_of(sidecar).items():
+        if name.startswith("CASQUE_") and isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    read = Settings()
+    assert read.cassandra_tls == CassandraTlsSettings(
+        enabled=True, ca_file=Path("/etc/casque/tls/cassandra/ca.crt"),
+        cert_file=Path("/etc/casque/tls/cassandra/tls.crt"), key_file=Path("/etc/casque/tls/cassandra/tls.key"),
+        server_hostname="cassandra.db.svc")
+    # No files in the operator's ZooKeeper settings: the system's CAs, no hostname check, as its.
+    assert read.zookeeper_tls == ZooKeeperTlsSettings(enabled=True, verify_hostname=False)
+
+
+def test_tls_files_without_a_secret_for_sidecars_refuse_the_pod() -> None:
+    document = pod(ORDERS)
+    with pytest.raises(InvalidInjection, match="CASQUE_INJECTION_CASSANDRA_TLS_SECRET"):
+        plan(document, InjectionSettings(), tls_backends())
+    # Without TLS no Secret is mounted, even when one is named.
+    plain = apply_patch(document, plan(document, InjectionSettings(cassandra_tls_secret="cassandra-tls"), Settings()))
+    assert [v["name"] for v in plain["spec"]["volumes"]] == [injection.TMP_VOLUME]
+    assert not any("TLS" in name for name in env_of(container(plain, injection.SIDECAR_NAME)))
 
 
 def test_with_zookeeper_authentication_the_sidecar_gets_its_namespaces_identity_only() -> None:

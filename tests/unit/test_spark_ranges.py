@@ -6,12 +6,15 @@ No backends and no Spark session: these run in milliseconds (marked `spark`, so 
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 
-from casque.config import Settings
+from casque.config import CassandraTlsSettings, Settings
+from casque.devstack.pki import issue_cert, make_ca
 from casque.engine.messages import OutgoingMessage
 from casque.schema import QueueRef
 from casque.spark.errors import InvalidRange
@@ -160,6 +163,27 @@ def test_session_settings() -> None:
     assert here["spark.driver.host"] == "127.0.0.1" and "spark.ui.enabled" not in here
     assert not on_this_machine("spark://127.0.0.1:7077,m:7077") and not on_this_machine("k8s://https://k:6443")
     assert on_this_machine("spark://localhost:7077,127.0.0.1:7078")
+
+
+def test_session_settings_with_tls_make_java_stores_of_the_pem_files(tmp_path: Path) -> None:
+    ca, ca_key = make_ca(tmp_path)
+    crt, key = issue_cert(tmp_path, ca, ca_key, "client", client=True)
+    tls = CassandraTlsSettings(enabled=True, ca_file=ca, cert_file=crt, key_file=key)
+    conf = spark_conf(Settings(cassandra_tls=tls, cassandra_username="app", cassandra_password="pw"),  # type: ignore[arg-type]
+                      SparkOptions(connector="packages"))
+    prefix = "spark.cassandra.connection.ssl."
+    assert conf[f"{prefix}enabled"] == "true" and conf[f"{prefix}clientAuth.enabled"] == "true"
+    assert conf["spark.cassandra.auth.password"] == "pw"
+    for store, holds in (("trustStore", "trustedCertEntry"), ("keyStore", "PrivateKeyEntry")):
+        assert conf[f"{prefix}{store}.type"] == "PKCS12"
+        listing = subprocess.run(["keytool", "-list", "-keystore", conf[f"{prefix}{store}.path"],
+                                  "-storepass", conf[f"{prefix}{store}.password"]],
+                                 capture_output=True, text=True, check=True).stdout
+        assert holds in listing, listing
+    # The system's CAs: TLS on, no stores.
+    plain = spark_conf(Settings(cassandra_tls=CassandraTlsSettings(enabled=True)), SparkOptions(connector="packages"))
+    assert plain[f"{prefix}enabled"] == "true" and not any(k.startswith(f"{prefix}trustStore") for k in plain)
+    assert not any(k.startswith(prefix) for k in spark_conf(Settings(), SparkOptions(connector="packages")))
 
 
 def test_session_settings_under_spark_submit(monkeypatch: pytest.MonkeyPatch) -> None:

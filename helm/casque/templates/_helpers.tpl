@@ -119,3 +119,32 @@ app.kubernetes.io/component: operator
   verbs: [get, create, patch, delete]
 {{- end }}
 {{- end -}}
+
+{{/*
+The operator's TLS settings for one backend: (list "cassandra"|"zookeeper" .Values.<backend>.tls).
+The files are the backend's Secret mounted at /etc/casque/tls/<backend> (operator/injection.py
+mounts the namespace's copy at the same place in sidecars).
+*/}}
+{{- define "casque.tlsEnv" -}}
+{{- $backend := index . 0 }}
+{{- $tls := index . 1 }}
+{{- $prefix := printf "CASQUE_%s_TLS_" (upper $backend) }}
+- name: {{ $prefix }}ENABLED
+  value: "true"
+- name: {{ $prefix }}VERIFY_HOSTNAME
+  value: {{ $tls.verifyHostname | quote }}
+{{- if $tls.secret }}
+- name: {{ $prefix }}CA_FILE
+  value: /etc/casque/tls/{{ $backend }}/ca.crt
+{{- end }}
+{{- if $tls.clientCertificate }}
+- name: {{ $prefix }}CERT_FILE
+  value: /etc/casque/tls/{{ $backend }}/tls.crt
+- name: {{ $prefix }}KEY_FILE
+  value: /etc/casque/tls/{{ $backend }}/tls.key
+{{- end }}
+{{- with $tls.serverHostname }}
+- name: {{ $prefix }}SERVER_HOSTNAME
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
