@@ -142,14 +142,7 @@ async def test_the_sidecar_container_serves_the_queue(
                                               max_message_bytes=4096))
     catalog.apply_subscriber(store, ref, SUBSCRIBER, SubscriberSpec(
         queue=QUEUE, start_position="earliest", visibility_timeout_seconds=30))
-    env = {
-        "CASQUE_CASSANDRA_CONTACT_POINTS": ",".join(backends.contact_points),
-        "CASQUE_CASSANDRA_PORT": str(backends.cql_port),
-        "CASQUE_KEYSPACE": keyspace,
-        "CASQUE_ZOOKEEPER_HOSTS": zk_hosts,
-        "CASQUE_ZOOKEEPER_ROOT": store.zk_root,
-        "CASQUE_CONSISTENCY": "ONE",
-    }
+    env = backends.client_env(keyspace, zk_hosts, store.zk_root)
     # Port 0: the sidecar binds a free port and logs its address, which SidecarProcess reads.
     process, log, _ = containers.start(
         containers.images.sidecar, "sidecar", "--port", "0", "--queue", QUEUE, "--subscriber", SUBSCRIBER,

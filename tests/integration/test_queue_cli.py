@@ -41,14 +41,7 @@ def env(store: Store, backends: Backends, keyspace: str, zk_hosts: str) -> dict[
     catalog.apply_queue(store, REF, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE"))
     for name in ("reader", "other"):
         catalog.apply_subscriber(store, REF, name, SubscriberSpec(queue=QUEUE, start_position="earliest"))
-    return {
-        "CASQUE_CASSANDRA_CONTACT_POINTS": ",".join(backends.contact_points),
-        "CASQUE_CASSANDRA_PORT": str(backends.cql_port),
-        "CASQUE_KEYSPACE": keyspace,
-        "CASQUE_ZOOKEEPER_HOSTS": zk_hosts,
-        "CASQUE_ZOOKEEPER_ROOT": store.zk_root,
-        "CASQUE_CONSISTENCY": "ONE",
-    }
+    return backends.client_env(keyspace, zk_hosts, store.zk_root)
 
 
 @pytest.fixture

@@ -27,14 +27,7 @@ def env(store: Store, backends: Backends, keyspace: str, zk_hosts: str) -> dict[
                                                                         consistency="ONE"))
     catalog.apply_subscriber(store, REF, "billing", SubscriberSpec(queue="orders", start_position="earliest",
                                                                    visibility_timeout_seconds=45))
-    return {
-        "CASQUE_CASSANDRA_CONTACT_POINTS": ",".join(backends.contact_points),
-        "CASQUE_CASSANDRA_PORT": str(backends.cql_port),
-        "CASQUE_KEYSPACE": keyspace,
-        "CASQUE_ZOOKEEPER_HOSTS": zk_hosts,
-        "CASQUE_ZOOKEEPER_ROOT": store.zk_root,
-        "CASQUE_CONSISTENCY": "ONE",
-    }
+    return backends.client_env(keyspace, zk_hosts, store.zk_root)
 
 
 def run(env: dict[str, str], *args: str, code: int = 0) -> Result:

@@ -401,14 +401,7 @@ def test_replay_delivers_the_range_exactly_once_and_a_rerun_adds_nothing(
 # --- the CLI -------------------------------------------------------------------------------------
 @pytest.fixture
 def env(store: Store, backends: Backends, keyspace: str, zk_hosts: str) -> dict[str, str]:
-    return {
-        "CASQUE_CASSANDRA_CONTACT_POINTS": ",".join(backends.contact_points),
-        "CASQUE_CASSANDRA_PORT": str(backends.cql_port),
-        "CASQUE_KEYSPACE": keyspace,
-        "CASQUE_ZOOKEEPER_HOSTS": zk_hosts,
-        "CASQUE_ZOOKEEPER_ROOT": store.zk_root,
-        "CASQUE_CONSISTENCY": "ONE",
-    }
+    return backends.client_env(keyspace, zk_hosts, store.zk_root)
 
 
 def test_cli_commands(spark: Any, store: Store, history: History, env: dict[str, str], tmp_path: Path) -> None:

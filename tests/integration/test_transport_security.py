@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
-from kazoo.client import KazooClient
 from pydantic import SecretStr
 
 from casque.backends import zk
@@ -40,6 +39,7 @@ from casque.sidecar.app import create_app
 from casque.sidecar.config import SidecarSettings
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from tests.fixtures.stack import chroot_on
 
 QUEUE = QueueRef("default", "payments")
 SUBSCRIBER = "ledger"
@@ -67,16 +67,8 @@ def secure_zk_hosts(secure_stack: Stack) -> Iterator[str]:
     """The TLS connect string with a chroot of its own."""
     hosts = secure_stack.zookeeper_tls_hosts
     assert hosts is not None
-    chroot = f"/t-{uuid.uuid4().hex[:16]}"
-    admin = KazooClient(hosts=hosts, **secure_stack.zookeeper().client_options())
-    admin.start(timeout=15)
-    admin.ensure_path(chroot)
-    try:
-        yield f"{hosts}{chroot}"
-    finally:
-        admin.delete(chroot, recursive=True)
-        admin.stop()
-        admin.close()
+    with chroot_on(hosts, **secure_stack.zookeeper().client_options()) as chrooted:
+        yield chrooted
 
 
 @pytest.fixture
