@@ -34,7 +34,7 @@ from casque.devstack.kube import KubeCluster
 from casque.operator import injection
 from casque.operator.context import OperatorOptions
 from casque.operator.quotas import QuotaSettings
-from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
+from tests.fixtures.kube import kube_tool
 from tests.fixtures.waiting import reserved_port, wait_for
 from tests.unit.test_dockerfiles import cli_call
 

@@ -19,13 +19,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from casque.devstack.kube import KubeCluster, start_kube_api
-from tests.fixtures.kube import (  # noqa: F401
-    kube_client,
-    kube_cluster,
-    kube_namespace,
-    kube_tool,
-    require_kube_tools,
-)
+from tests.fixtures.kube import kube_tool, require_kube_tools
 
 GROUP = "harness.casque.io"
 VERSION = "v1alpha1"

@@ -35,7 +35,7 @@ from casque.operator.reconcile import QUOTA_RETRY_SECONDS
 from casque.operator.resources import FINALIZER, GROUP, QUEUES, SUBSCRIBERS, VERSION
 from casque.schema import QueueRef, drop_messages_table_ddl, read_table_options
 from casque.store import Store
-from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace, kube_tool  # noqa: F401
+from tests.fixtures.kube import kube_tool
 from tests.fixtures.stack import Backends
 from tests.fixtures.waiting import refused_port, reserved_port, wait_for
 
