@@ -86,6 +86,14 @@ async def sidecars(store: Store, aiohttp_client: Any, aiohttp_server: Any,
     return publisher, consumer, target
 
 
+def in_memory_tracing() -> tuple[InMemorySpanExporter, Tracing]:
+    """Sidecar tracing whose spans are kept in memory, for the test to read."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter, Tracing(provider)
+
+
 async def receive_one(client: Client) -> dict[str, Any]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -122,10 +130,8 @@ async def test_the_publishers_trace_context_comes_back_on_receive_and_push(
 async def test_with_an_exporter_the_sidecars_spans_join_the_publishers_trace(
     store: Store, aiohttp_client: Any, aiohttp_server: Any
 ) -> None:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    publisher, consumer, target = await sidecars(store, aiohttp_client, aiohttp_server, tracing=Tracing(provider))
+    exporter, tracing = in_memory_tracing()
+    publisher, consumer, target = await sidecars(store, aiohttp_client, aiohttp_server, tracing=tracing)
 
     # The trace context as an event attribute (structured mode), not a header this time.
     answer = await publisher.post(f"/v1/queues/{QUEUE}/messages", json={"data": 1, "traceparent": TRACEPARENT})
@@ -162,10 +168,8 @@ async def test_with_an_exporter_the_sidecars_spans_join_the_publishers_trace(
 async def test_every_settlement_is_a_span_of_the_message_trace(
     store: Store, aiohttp_client: Any, aiohttp_server: Any
 ) -> None:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    publisher, consumer, _ = await sidecars(store, aiohttp_client, aiohttp_server, tracing=Tracing(provider))
+    exporter, tracing = in_memory_tracing()
+    publisher, consumer, _ = await sidecars(store, aiohttp_client, aiohttp_server, tracing=tracing)
     answer = await publisher.post(f"/v1/queues/{QUEUE}/messages", json={"data": 1, "traceparent": TRACEPARENT})
     assert answer.status == 200, await answer.text()
     subscriber = f"/v1/queues/{QUEUE}/subscribers/{PULL}"
