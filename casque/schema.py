@@ -267,7 +267,8 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
   AND compaction = {_compaction(86400)}""",
         # A writer id (one per group commit): written with its intents, where its claims
         # start and until when they may be sent; once written, the batch it won. Lives as
-        # long as its ids.
+        # long as its ids. A writer that took an id over names the writers it replaced whose
+        # last claim may still land on its first batch (`replaces`).
         f"""CREATE TABLE IF NOT EXISTS {keyspace}.{PUBLISH_WRITERS_TABLE} (
     queue text,
     writer text,
@@ -275,6 +276,7 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     since_batch bigint,
     claim_deadline timestamp,
     batch_no bigint,
+    replaces set<text>,
     PRIMARY KEY ((queue, writer))
 ) WITH gc_grace_seconds = {GC_GRACE_SECONDS}
   AND compaction = {_compaction(86400)}""",
@@ -296,6 +298,7 @@ ADDED_COLUMNS = [
     (LEGACY_PUBLISH_IDS_TABLE, "writer", "text"),
     (LEGACY_PUBLISH_IDS_TABLE, "since_batch", "bigint"),
     (LEGACY_PUBLISH_IDS_TABLE, "claim_deadline", "timestamp"),
+    (PUBLISH_WRITERS_TABLE, "replaces", "set<text>"),
 ]
 
 

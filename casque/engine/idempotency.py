@@ -16,18 +16,28 @@ the batch number on the writer's row completes the intents of all its ids.
 A retry that finds only an intent settles it: it reads the shard's headers at SERIAL from
 the intent's first batch on, looking for the intent's writer. Found: the publish happened,
 and its position is the answer. A batch nobody has claimed yet: the writer may still claim
-it, so the retry looks again until the deadline (plus CLOCK_SKEW_SECONDS for the two
-machines' clocks) has passed; then the writer never will, and the retry publishes anew,
-after taking the id over with one conditional write (`take_over`, the intent's writer as
-the condition): a client that gave up waiting and retried through another sidecar leaves
-two retries settling one intent, and only one of them may publish. The other finds the
-new intent (a settle re-reads the row while it waits) and settles that one. An intent whose
-writer has no row was never claimed (claims start once both are written): it is taken over
-at once.
+it, so the retry looks again until the writer can send no more claims: CLAIM_SECONDS after
+the retry first saw the intent (the writer's window started before the intent was written),
+or the intent's deadline plus CLOCK_SKEW_SECONDS, whichever comes first. Then the retry
+publishes anew, after taking the id over with one conditional write (`take_over`, the
+intent's writer as the condition): a client that gave up waiting and retried through
+another sidecar leaves two retries settling one intent, and only one of them may publish.
+The other finds the new intent (a settle re-reads the row while it waits) and settles that
+one.
 
-What this does not cover: two first attempts of one id at two sidecars at the same instant,
-neither seeing the other's intent (a client retries after a timeout, by which time the first
-attempt has recorded its intent).
+A claim sent inside the window may still land after it: its process was stopped (SIGSTOP,
+a long pause) after checking the window, or a coordinator holds its Paxos round. Batches
+are claimed in order, so that claim is for the first batch the retry found unclaimed
+(`Unclaimed.fence_batch`) or for one already taken. The retry therefore claims exactly that
+batch first, on the intent's shard, and that claim is the fence: whoever wins it, the late
+claim loses. If the late claim won, the retry answers its position. The new intent's writer
+row names the writers it replaced (`replaces`), so a later retry that finds one of them on
+that first batch knows the id was published there.
+
+An intent whose writer has no row yet is waited for the same way: its writer claims only
+once the row is written, so a row still missing after the window means no claim was sent,
+and the retry takes the id over without a fence.
+
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from cassandra import InvalidRequest
-from cassandra.query import BatchStatement, BatchType, PreparedStatement
+from cassandra.query import UNSET_VALUE, BatchStatement, BatchType, PreparedStatement
 
 from casque.backends import cql
 from casque.engine.batches import Log
@@ -100,6 +110,22 @@ class IdRecord:
     intent_ttl: int | None
     # Found in the legacy table (an installation's ids from before CLIENT_IDS_TABLE).
     legacy: bool = False
+    # Writers this intent's writer took the id over from that may have won `since_batch`.
+    replaces: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Unclaimed:
+    """An intent its writer can no longer claim a batch for: the id may be published anew.
+
+    `fence_batch`: the first batch the writer had not won when its window ended; a claim of
+    its sent before may still land there, so the new publish claims that batch first (None:
+    the writer never claimed at all). `replaces`: the writers whose late claim could win it.
+    """
+
+    shard: int
+    fence_batch: int | None
+    replaces: frozenset[str] = frozenset()
 
 
 def _record(row: Any) -> IdRecord:
@@ -116,7 +142,8 @@ def _legacy_record(row: Any) -> IdRecord:
 def _with_writer(record: IdRecord, writer: Any) -> IdRecord:
     """An intent with its writer's claim facts, and the batch the writer won if it did."""
     return replace(record, since_batch=writer.since_batch, claim_deadline=writer.claim_deadline,
-                   batch_no=record.batch_no if writer.batch_no is None else writer.batch_no)
+                   batch_no=record.batch_no if writer.batch_no is None else writer.batch_no,
+                   replaces=frozenset(writer.replaces or ()))
 
 
 class IdempotencyGuard:
@@ -153,14 +180,15 @@ class IdempotencyGuard:
         )
         writers = f"{store.keyspace}.{PUBLISH_WRITERS_TABLE}"
         self._insert_writer = store.session.prepare(
-            f"INSERT INTO {writers} (queue, writer, shard, since_batch, claim_deadline) VALUES (?, ?, ?, ?, ?) "
-            "USING TTL ?"
+            f"INSERT INTO {writers} (queue, writer, shard, since_batch, claim_deadline, replaces) "
+            "VALUES (?, ?, ?, ?, ?, ?) USING TTL ?"
         )
         self._insert_won = store.session.prepare(
             f"INSERT INTO {writers} (queue, writer, batch_no) VALUES (?, ?, ?) USING TTL ?"
         )
         self._select_writers = store.session.prepare(
-            f"SELECT writer, since_batch, claim_deadline, batch_no FROM {writers} WHERE queue = ? AND writer IN ?"
+            f"SELECT writer, since_batch, claim_deadline, batch_no, replaces FROM {writers} "
+            "WHERE queue = ? AND writer IN ?"
         )
         # A retry that found an intent never claimed takes the id over only if nobody else
         # did meanwhile: two retries at two sidecars would otherwise both publish it.
@@ -247,7 +275,10 @@ class IdempotencyGuard:
     async def earlier(self, client_id: str) -> Published | None:
         """The publish of an id made before (settling an intent), or None."""
         record = (await self.lookup([client_id])).get(client_id)
-        return None if record is None else await self.settle(record)
+        if record is None:
+            return None
+        outcome = await self.settle(record)
+        return outcome if isinstance(outcome, Published) else None
 
     async def record_intents(
         self, intents: Sequence[tuple[OutgoingMessage, str, int]], shard: int, writer: str, since_batch: int,
@@ -265,10 +296,11 @@ class IdempotencyGuard:
                 self._write_writer(writer, shard, since_batch, deadline, max(row[-1] for row in rows)),
                 self._write_rows(self._insert_intent, rows))
 
-    async def _write_writer(self, writer: str, shard: int, since_batch: int, deadline: datetime, ttl: int) -> None:
+    async def _write_writer(self, writer: str, shard: int, since_batch: int, deadline: datetime, ttl: int,
+                            replaces: frozenset[str] = frozenset()) -> None:
         self.statements += 1
-        await cql.execute(self._store.session, self._insert_writer, (self._queue, writer, shard, since_batch, deadline,
-                                                                     ttl))
+        await cql.execute(self._store.session, self._insert_writer, (
+            self._queue, writer, shard, since_batch, deadline, set(replaces) or UNSET_VALUE, ttl))
 
     async def record_won(self, messages: Sequence[OutgoingMessage], writer: str, shard: int, batch: int) -> None:
         """After a write: the batch `writer` won, which completes the intents of its ids
@@ -287,25 +319,38 @@ class IdempotencyGuard:
         ])
 
     async def take_over(
-        self, record: IdRecord, message: OutgoingMessage, message_id: str, shard: int, writer: str,
-        since_batch: int, deadline: datetime,
+        self, record: IdRecord, message: OutgoingMessage, shard: int, writer: str, since_batch: int,
+        deadline: datetime, replaces: frozenset[str] = frozenset(),
     ) -> bool:
-        """Replace an intent whose writer never claimed (`settle` said so) with ours, unless
-        another retry replaced it first (or it was completed): one conditional write, on
-        this rare path only."""
+        """Replace an intent whose writer can claim no more (`settle` said so) with ours,
+        unless another retry replaced it first (or it was completed): one conditional write,
+        on this rare path only. The message keeps the intent's message id, so whichever of
+        the replaced and the new writer wins, the id names the one message stored."""
         assert message.client_id is not None
         # The new writer's row first: whoever sees the new intent finds its claim facts.
-        await self._write_writer(writer, shard, since_batch, deadline, self._ttl(message))
+        await self._write_writer(writer, shard, since_batch, deadline, self._ttl(message), replaces)
         self.statements += 1
         bucket = client_id_bucket(message.client_id)
         if record.legacy:
             result = await cql.execute(self._store.session, self._take_over_legacy, (
-                self._queue, bucket, message.client_id, message_id, shard, writer, self._ttl(message)))
+                self._queue, bucket, message.client_id, record.message_id, shard, writer, self._ttl(message)))
         else:
             result = await cql.execute(self._store.session, self._take_over, (
-                self._ttl(message), message_id, shard, writer, self._queue, bucket, message.client_id,
+                self._ttl(message), record.message_id, shard, writer, self._queue, bucket, message.client_id,
                 record.writer))
         return bool(result.was_applied)
+
+    async def complete(self, client_id: str, message_id: str, shard: int, batch: int, seq: int | None,
+                       ttl: int | None = None) -> Published:
+        """Record where an id's message was found (its seq read from the batch if unknown),
+        for as long as its intent was to live, and answer that publish."""
+        if seq is None:
+            seq = await self._seq_of(shard, batch, message_id)
+        found = Published(message_id, shard, batch, seq)
+        await self._write_rows(self._insert, [
+            (self._queue, client_id_bucket(client_id), client_id, message_id, shard, batch, seq,
+             max(1, int(ttl or self._window)))])
+        return _as_duplicate(found)
 
     def _ttl(self, message: OutgoingMessage) -> int:
         return max(self._window, message.client_id_window_seconds or 0)
@@ -323,38 +368,44 @@ class IdempotencyGuard:
         self.statements += len(batches)
         await asyncio.gather(*(cql.execute(self._store.session, b) for b in batches))
 
-    async def settle(self, row: IdRecord) -> Published | None:
+    async def settle(self, row: IdRecord) -> Published | Unclaimed:
         """The publish a record holds: its position, or its intent's, settled (see the module)."""
         if row.batch_no is not None:
             return recorded(row)
-        if row.writer is None or row.since_batch is None or row.claim_deadline is None:
-            return None
+        if row.writer is None:
+            return Unclaimed(row.shard, None)
         self.resolved_intents += 1
-        give_up = row.claim_deadline.replace(tzinfo=timezone.utc) + timedelta(seconds=CLOCK_SKEW_SECONDS)
-        batch = int(row.since_batch)
-        shard = row.shard
+        # The intent was written after its writer's claim window opened, and we see it now.
+        window_over = time.monotonic() + CLAIM_SECONDS
+        batch = row.since_batch
         while True:
-            header = await self._log.read_header(shard, batch, serial=True)
-            if header is not None:
-                if header.writer == row.writer:
-                    seq = row.seq if row.seq is not None else await self._seq_of(shard, batch, row.message_id)
-                    found = Published(row.message_id, shard, batch, seq)
-                    # The completed row lives as long as the intent was to.
-                    ttl = max(1, int(row.intent_ttl or self._window))
-                    await self._write_rows(self._insert, [
-                        (self._queue, client_id_bucket(row.client_id), row.client_id, found.message_id, found.shard,
-                         found.batch, found.seq, ttl)])
-                    return _as_duplicate(found)
-                batch += 1
-                continue
-            # Nobody holds `batch` yet: the intent's writer may still claim it, until its deadline.
-            if datetime.now(timezone.utc) > give_up:
-                return None
+            if row.since_batch is not None and batch is not None:
+                header = await self._log.read_header(row.shard, batch, serial=True)
+                if header is not None:
+                    if header.writer == row.writer:
+                        return await self.complete(row.client_id, row.message_id, row.shard, batch, row.seq,
+                                                   row.intent_ttl)
+                    if header.writer in row.replaces and batch == row.since_batch:
+                        # A replaced writer's late claim won our first batch: its message is the one.
+                        return await self.complete(row.client_id, row.message_id, row.shard, batch, None,
+                                                   row.intent_ttl)
+                    batch += 1
+                    continue
+            if _window_over(row, window_over):
+                if batch is None:
+                    return Unclaimed(row.shard, None)
+                replaced = row.replaces if batch == row.since_batch else frozenset()
+                return Unclaimed(row.shard, batch, replaced | {row.writer})
             await asyncio.sleep(RESOLVE_POLL_SECONDS)
-            # Another retry may have taken the id over (a new writer) or completed it.
+            # Another retry may have taken the id over (a new writer) or completed it; the
+            # writer's row may have appeared.
             fresh = (await self.lookup([row.client_id])).get(row.client_id)
-            if fresh is not None and (fresh.batch_no is not None or fresh.writer != row.writer):
+            if fresh is None:
+                return Unclaimed(row.shard, None)  # expired: a window past any claim
+            if fresh.batch_no is not None or fresh.writer != row.writer:
                 return await self.settle(fresh)
+            if row.since_batch is None and fresh.since_batch is not None:
+                row, batch = fresh, fresh.since_batch
 
     async def _seq_of(self, shard: int, batch: int, message_id: str) -> int:
         (found, *_) = await self._log.read_from(shard, batch)
@@ -434,6 +485,17 @@ class LegacyIds:
         pages = await asyncio.gather(
             *(cql.fetch_all(self._store.session, self._select, (self._queue, chunk)) for chunk in chunks))
         return {row.client_id: _legacy_record(row) for rows in pages for row in rows}
+
+
+def _window_over(row: IdRecord, window_over: float) -> bool:
+    """Whether the intent's writer can send no more claims: our own window has run, or the
+    intent's deadline has passed on the wall clock (allowing for skew between machines)."""
+    if time.monotonic() > window_over:
+        return True
+    if row.claim_deadline is None:
+        return False
+    give_up = row.claim_deadline.replace(tzinfo=timezone.utc) + timedelta(seconds=CLOCK_SKEW_SECONDS)
+    return datetime.now(timezone.utc) > give_up
 
 
 def claim_deadline() -> tuple[datetime, float]:

@@ -70,9 +70,20 @@ class _Pending:
     future: asyncio.Future[Published]
     # Its client id is known not to be published (checked, or an intent settled): no check again.
     checked: bool = False
-    # Set when this publish took its id over from an intent never claimed: its intent is
-    # recorded already, under this writer id; its claims end at `claims_until` (monotonic).
-    taken_over: tuple[str, float] | None = None
+    # Set when this publish took its id over from an intent whose writer can claim no more.
+    taken_over: TakeOver | None = None
+
+
+@dataclass
+class TakeOver:
+    """A publish that took its id over: its intent is recorded already, under `writer`, whose
+    claims end at `claims_until` (monotonic). Its first claim is for `fence_batch` (if any),
+    where a late claim of one of the `replaces` writers may land instead (see idempotency)."""
+
+    writer: str
+    claims_until: float
+    fence_batch: int | None
+    replaces: frozenset[str]
 
 
 @dataclass
@@ -114,7 +125,11 @@ class ShardWriter:
                     items = await self._unpublished(items)
                     if not items:
                         continue
-                    batch, writer = await self._write(items)
+                    written = await self._write(items)
+                    if isinstance(written, Published):
+                        items[0].future.set_result(written)  # a replaced writer's claim won the fence
+                        continue
+                    batch, writer = written
                     results = [Published(item.message_id, self.shard, batch, seq) for seq, item in enumerate(items)]
                     with_ids = [item.message for item in items if item.message.client_id]
                     if with_ids:
@@ -164,36 +179,44 @@ class ShardWriter:
             if not item.future.done():
                 item.future.set_exception(error)
             raise
-        if outcome is not None:
+        if isinstance(outcome, Published):
             item.future.set_result(outcome)
         else:
-            self.submit(item)
+            outcome.submit(item)
 
-    async def _settle_or_take_over(self, item: _Pending, row: IdRecord) -> Published | None:
-        """The earlier publish of the item's id; or None once the item may be published: it
-        took the id over (its own batch, its intent recorded) or the id's row expired."""
+    async def _settle_or_take_over(self, item: _Pending, row: IdRecord) -> Published | ShardWriter:
+        """The earlier publish of the item's id; or the shard writer to publish it with, once
+        it may be published: it took the id over (its intent recorded), or the id expired."""
         guard = self._publisher.idempotency
         client_id = item.message.client_id
         assert client_id is not None
         while True:
-            earlier = await guard.settle(row)
-            if earlier is not None:
-                return earlier
-            # The intent's writer never claimed. Take the id over, unless another retry
-            # (another sidecar) did first: then settle that one's intent.
+            outcome = await guard.settle(row)
+            if isinstance(outcome, Published):
+                return outcome
+            # The intent's writer can claim no more. Take the id over, unless another retry
+            # (another sidecar) did first: then settle that one's intent. A late claim of the
+            # writer can only land on the fence batch of the intent's shard: the publish
+            # claims that batch first (see idempotency).
+            target = self if outcome.fence_batch is None else self._publisher.writer_of(outcome.shard)
             writer = new_writer_id(self._publisher.publisher_id)
-            # Never above the batch this item gets: the last batch known, else the watermark.
-            since = (self._last_batch if self._last_batch is not None else await self._read_head()) + 1
+            since = outcome.fence_batch if outcome.fence_batch is not None else await target.next_batch()
             deadline, claims_until = claim_deadline()
-            if await guard.take_over(row, item.message, item.message_id, self.shard, writer, since, deadline):
-                item.checked, item.taken_over = True, (writer, claims_until)
-                return None
+            if await guard.take_over(row, item.message, target.shard, writer, since, deadline, outcome.replaces):
+                item.message_id = row.message_id
+                item.checked = True
+                item.taken_over = TakeOver(writer, claims_until, outcome.fence_batch, outcome.replaces)
+                return target
             fresh = (await guard.lookup([client_id])).get(client_id)
             if fresh is None:
-                return None  # expired meanwhile: published as a first attempt
+                return self  # expired meanwhile: published as a first attempt
             if fresh.batch_no is not None:
                 return recorded(fresh)
             row = fresh
+
+    async def next_batch(self) -> int:
+        """The batch this writer claims next, as far as it knows: never above the one it gets."""
+        return (self._last_batch if self._last_batch is not None else await self._read_head()) + 1
 
     def _take(self) -> list[_Pending]:
         items = [self.pending.popleft()]
@@ -225,8 +248,9 @@ class ShardWriter:
             if header is not None and header.total_messages is not None and header.total_bytes is not None:
                 self._totals = (header.total_messages, header.total_bytes)
 
-    async def _write(self, items: list[_Pending]) -> tuple[int, str]:
-        """The batch the items were written in, and the writer id that won it."""
+    async def _write(self, items: list[_Pending]) -> tuple[int, str] | Published:
+        """The batch the items were written in, and the writer id that won it; or, for a
+        publish that took its id over, the replaced writer's publish if that won the fence."""
         publisher = self._publisher
         counters = publisher.counters
         conflicts = 0
@@ -235,8 +259,13 @@ class ShardWriter:
         writer = new_writer_id(publisher.publisher_id)
         intents = [(item.message, item.message_id, seq) for seq, item in enumerate(items) if item.message.client_id]
         claims_until: float | None = None
-        if items[0].taken_over is not None:  # alone in its batch, its intent recorded already
-            (writer, claims_until), intents = items[0].taken_over, []
+        taken_over = items[0].taken_over
+        if taken_over is not None:  # alone in its batch, its intent recorded already
+            writer, claims_until, intents = taken_over.writer, taken_over.claims_until, []
+            if taken_over.fence_batch is not None:
+                fenced = await self._claim_fence(items, taken_over)
+                if fenced is not None:
+                    return fenced
         while True:
             if self._last_batch is None or conflicts >= RESYNC_AFTER_CONFLICTS:
                 previous = self._last_batch
@@ -252,19 +281,10 @@ class ShardWriter:
             if intents and claims_until is None:
                 deadline, claims_until = claim_deadline()
                 await publisher.idempotency.record_intents(intents, self.shard, writer, batch, deadline)
-            elif claims_until is not None and time.monotonic() > claims_until:
-                # Past this, a retry of these ids may decide they were never published: no
-                # claim may be sent any more.
-                raise BackendUnavailable(f"shard {self.shard}: no batch won within the claim window; retry")
-            claim = await self._claim(batch, items, writer)
+            _check_window(self.shard, claims_until)
+            claim = await self._claim(batch, items, writer, self._totals)
             counters.cassandra_writes += 1
-            header = claim.header
-            self._last_batch = batch
-            self._totals = (
-                (header.total_messages, header.total_bytes)
-                if header is not None and header.total_messages is not None and header.total_bytes is not None
-                else None
-            )
+            self._learn(batch, claim)
             if claim.applied:
                 counters.batches += 1
                 counters.messages += len(items)
@@ -272,6 +292,50 @@ class ShardWriter:
                 return batch, writer
             counters.conflicts += 1
             conflicts += 1
+
+    async def _claim_fence(self, items: list[_Pending], taken_over: TakeOver) -> tuple[int, str] | Published | None:
+        """A taken-over publish's first claim, for its fence batch (whatever this writer knows
+        of later batches): won, lost to a replaced writer (whose publish is the answer), or
+        lost to anyone else (None: the replaced writers can no longer land; go on as usual)."""
+        assert taken_over.fence_batch is not None
+        batch = taken_over.fence_batch
+        _check_window(self.shard, taken_over.claims_until)
+        totals = await self._totals_before(batch)
+        claim = await self._claim(batch, items, taken_over.writer, totals)
+        self._publisher.counters.cassandra_writes += 1
+        if self._last_batch is None or batch > self._last_batch:
+            self._learn(batch, claim)
+        if claim.applied:
+            self._publisher.counters.batches += 1
+            self._publisher.counters.messages += 1
+            self.heads.advance(batch)
+            return batch, taken_over.writer
+        self._publisher.counters.conflicts += 1
+        if claim.header is not None and claim.header.writer in taken_over.replaces:
+            item = items[0]
+            assert item.message.client_id is not None
+            return await self._publisher.idempotency.complete(
+                item.message.client_id, item.message_id, self.shard, batch, None)
+        return None
+
+    def _learn(self, batch: int, claim: Claim) -> None:
+        """What a claim (won or lost) tells of the shard: its batch exists, with these totals."""
+        header = claim.header
+        self._last_batch = batch
+        self._totals = (
+            (header.total_messages, header.total_bytes)
+            if header is not None and header.total_messages is not None and header.total_bytes is not None
+            else None
+        )
+
+    async def _totals_before(self, batch: int) -> tuple[int, int] | None:
+        """The running totals as of the batch before `batch`, from its header read at SERIAL."""
+        if batch <= 1:
+            return (0, 0)
+        header = await self._publisher.log.read_header(self.shard, batch - 1, serial=True)
+        if header is None or header.total_messages is None or header.total_bytes is None:
+            return None
+        return (header.total_messages, header.total_bytes)
 
     async def _recover_totals(self, batch: int) -> None:
         """The running totals as of `batch` (known to exist), from its header read at SERIAL.
@@ -288,11 +352,11 @@ class ShardWriter:
         if header is not None and header.total_messages is not None and header.total_bytes is not None:
             self._totals = (header.total_messages, header.total_bytes)
 
-    async def _claim(self, batch: int, items: list[_Pending], writer: str) -> Claim:
+    async def _claim(self, batch: int, items: list[_Pending], writer: str, totals: tuple[int, int] | None) -> Claim:
         log_ = self._publisher.log
         payload = [(item.message_id, item.message) for item in items]
         try:
-            return await log_.claim(self.shard, batch, payload, writer, self._totals)
+            return await log_.claim(self.shard, batch, payload, writer, totals)
         except BackendUnavailable as error:
             # A failed conditional write (a timeout, CAS_WRITE_UNKNOWN, a lost connection) may
             # still have been applied. A serial read settles the Paxos round, so afterwards
@@ -320,6 +384,13 @@ class ShardWriter:
                     ) from error
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, SETTLE_RETRY_MAX_SECONDS)
+
+
+def _check_window(shard: int, claims_until: float | None) -> None:
+    """Refuse to send a claim after the window its intents allow: past it, a retry of these
+    ids may decide they were never published. Checked right before every claim."""
+    if claims_until is not None and time.monotonic() > claims_until:
+        raise BackendUnavailable(f"shard {shard}: no batch won within the claim window; retry")
 
 
 async def _zk_get(store: Store, path: str) -> tuple[bytes, object]:
@@ -490,6 +561,14 @@ class Publisher:
             return preferred.shard
         lane = [self._writers[log_shard(level, s)] for s in range(self.spec.shards)]
         return min(lane, key=lambda w: (w.busy, len(w.pending))).shard
+
+    def writer_of(self, shard: int) -> ShardWriter:
+        """The writer of a log shard; one this publisher's spec does not know yet (the queue
+        grew since it started) is made on first use."""
+        writer = self._writers.get(shard)
+        if writer is None:
+            writer = self._writers[shard] = ShardWriter(self, shard)
+        return writer
 
     def in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

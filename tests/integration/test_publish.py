@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -405,13 +406,15 @@ async def test_ids_an_earlier_version_recorded_in_its_table_are_honoured(store: 
     assert not fresh.duplicate and copies_of(store, "new-1") == [(fresh.shard, fresh.batch, fresh.seq)]
 
 
-async def test_an_intent_whose_writers_row_never_landed_is_taken_over_without_waiting(
+async def test_an_intent_whose_writers_row_never_landed_is_taken_over_once_its_window_passed(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The intents of a batch land but its writer's row does not (the process dies between
-    them): claims start only once both are written, so a retry publishes at once, once."""
+    them): claims start only once both are written, so once the claim window has passed a
+    retry publishes, once."""
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
+    monkeypatch.setattr(idempotency, "CLAIM_SECONDS", 0.5)
     crashing = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
 
     async def dies_before_the_writers_row(*args: object) -> None:
@@ -427,8 +430,134 @@ async def test_an_intent_whose_writers_row_never_landed_is_taken_over_without_wa
         *(r.publish([OutgoingMessage(b"pay", client_id="order-13")]) for r in retries))
     assert (one.shard, one.batch, one.seq) == (two.shard, two.batch, two.seq)
     assert [one.duplicate, two.duplicate].count(False) == 1
-    # The one that published never waited on the dead intent's claims (nobody could claim);
-    # the other settled the intent of the one that published.
-    publishing = retries[0] if not one.duplicate else retries[1]
-    assert publishing.idempotency.resolved_intents == 0
     assert copies_of(store, "order-13") == [(one.shard, one.batch, one.seq)]
+
+
+def publisher_id_preferring(shard: int, shards: int) -> str:
+    """A publisher id whose preferred shard (unkeyed messages) is `shard`."""
+    return next(f"p{n}" for n in range(1000) if zlib.crc32(f"p{n}".encode()) % shards == shard)
+
+
+class PausedClaims:
+    """Claims of chosen publishers held where a stopped process (SIGSTOP, a long pause) would
+    hold them: past the claim window's check, not yet sent to Cassandra."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.held: dict[int, tuple[asyncio.Event, asyncio.Event]] = {}
+        claim = Log.claim
+
+        async def held_claim(log: Log, *args: Any, **kwargs: Any) -> Claim:
+            events = self.held.get(id(log))
+            if events is not None:
+                waiting, resume = events
+                waiting.set()
+                await resume.wait()
+            return await claim(log, *args, **kwargs)
+
+        monkeypatch.setattr(Log, "claim", held_claim)
+
+    def hold(self, publisher: Publisher) -> tuple[asyncio.Event, asyncio.Event]:
+        """(set once a claim is held, set to let it go)."""
+        events = self.held[id(publisher.log)] = (asyncio.Event(), asyncio.Event())
+        return events
+
+
+@pytest.fixture
+def short_claim_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Long enough that a loaded machine still gets from the intent to the claim within it.
+    monkeypatch.setattr(idempotency, "CLAIM_SECONDS", 3.0)
+    monkeypatch.setattr(idempotency, "DEADLINE_SECONDS", 6.0)
+    monkeypatch.setattr(idempotency, "CLOCK_SKEW_SECONDS", 0.5)
+
+
+async def test_a_claim_sent_late_by_a_paused_first_attempt_loses_to_the_retrys_fence(
+    store: Store, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
+) -> None:
+    """The first attempt checks its claim window, then its process stops before the claim
+    leaves. The client retries through a sidecar that prefers another shard; the window
+    passes and the retry publishes. When the first attempt resumes, its claim goes out:
+    it must not land the message a second time."""
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    state = catalog.read_queue(store, QUEUE)
+    paused = Publisher(store, QUEUE, state, publisher_id=publisher_id_preferring(0, 2))
+    retry = Publisher(store, QUEUE, state, publisher_id=publisher_id_preferring(1, 2))
+    claims = PausedClaims(monkeypatch)
+    claiming, resume = claims.hold(paused)
+    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id="order-14")]))
+    await asyncio.wait_for(claiming.wait(), 60)
+    (second,) = await retry.publish([OutgoingMessage(b"pay", client_id="order-14")])
+    assert not second.duplicate and retry.idempotency.resolved_intents == 1
+    resume.set()
+    with pytest.raises(BackendUnavailable):  # its claim lost; past its window it sends no other
+        await first
+    assert copies_of(store, "order-14") == [(second.shard, second.batch, second.seq)]
+    # The client's next retry, back at the first sidecar, gets the one publish.
+    (third,) = await paused.publish([OutgoingMessage(b"pay", client_id="order-14")])
+    assert third.duplicate and (third.message_id, third.shard, third.batch, third.seq) == (
+        second.message_id, second.shard, second.batch, second.seq)
+
+
+async def test_a_late_claim_that_wins_the_fence_is_the_publish_every_retry_answers(
+    store: Store, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
+) -> None:
+    """As above, but the first attempt's late claim reaches Cassandra before the retry's own
+    claim: the retry answers the first attempt's position. Its sidecar dies before recording
+    that; a third retry still finds it, through the writers the retry's intent replaced."""
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    state = catalog.read_queue(store, QUEUE)
+    paused = Publisher(store, QUEUE, state, publisher_id=publisher_id_preferring(0, 2))
+    retry = Publisher(store, QUEUE, state, publisher_id=publisher_id_preferring(1, 2))
+    claims = PausedClaims(monkeypatch)
+    first_claiming, first_resume = claims.hold(paused)
+    retry_claiming, retry_resume = claims.hold(retry)
+    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id="order-15")]))
+    await asyncio.wait_for(first_claiming.wait(), 60)
+
+    async def dies_before_recording(*args: object, **kwargs: object) -> Published:
+        raise Crash()
+
+    monkeypatch.setattr(retry.idempotency, "complete", dies_before_recording)
+    second = asyncio.create_task(retry.publish([OutgoingMessage(b"pay", client_id="order-15")]))
+    await asyncio.wait_for(retry_claiming.wait(), 60)  # the id taken over, its fence claim about to go
+    first_resume.set()
+    (one,) = await first
+    assert not one.duplicate
+    retry_resume.set()
+    with pytest.raises(Crash):
+        await second
+    assert copies_of(store, "order-15") == [(one.shard, one.batch, one.seq)]
+    (third,) = await Publisher(store, QUEUE, state).publish([OutgoingMessage(b"pay", client_id="order-15")])
+    assert third.duplicate and (third.message_id, third.shard, third.batch, third.seq) == (
+        one.message_id, one.shard, one.batch, one.seq)
+    assert copies_of(store, "order-15") == [(one.shard, one.batch, one.seq)]
+
+
+async def test_a_writers_row_landing_late_lets_no_claim_out_after_the_retry_published(
+    store: Store, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
+) -> None:
+    """The first attempt's intents land, its process stops before its writer's row does.
+    The retry waits out the claim window, sees no row, and publishes; then the row lands
+    and the first attempt resumes: it must send no claim."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    state = catalog.read_queue(store, QUEUE)
+    paused = Publisher(store, QUEUE, state)
+    write_writer = paused.idempotency._write_writer
+    resume = asyncio.Event()
+
+    async def stopped_before_the_writers_row(*args: Any, **kwargs: Any) -> None:
+        await resume.wait()
+        await write_writer(*args, **kwargs)
+
+    monkeypatch.setattr(paused.idempotency, "_write_writer", stopped_before_the_writers_row)
+    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id="order-16")]))
+    await until("the intent", lambda: intent_of(store, "order-16") is not None)
+    retry = Publisher(store, QUEUE, state)
+    (second,) = await retry.publish([OutgoingMessage(b"pay", client_id="order-16")])
+    assert not second.duplicate and retry.idempotency.resolved_intents == 1
+    resume.set()
+    with pytest.raises(BackendUnavailable):
+        await first
+    assert copies_of(store, "order-16") == [(second.shard, second.batch, second.seq)]
