@@ -8,6 +8,7 @@ import logging
 from datetime import datetime, timezone
 
 import pytest
+from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
 from casque.engine.messages import Delivery, Position, StoredMessage
@@ -15,6 +16,7 @@ from casque.logs import REQUEST_ID, JsonFormatter, configure
 from casque.schema import QueueRef
 from casque.sidecar.errors import InvalidRequest
 from casque.sidecar.events import binary_event, is_batch, is_binary
+from casque.sidecar.logs import request_id_of
 from casque.sidecar.models import PublishMessage, dedup_key, envelope, valid_traceparent, valid_tracestate
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -119,3 +121,12 @@ def test_an_explicit_null_source_or_id_is_the_same_as_none() -> None:
     """A null `source` or `id` is accepted like an absent one (it reached the NUL check once: a 500)."""
     message = PublishMessage.model_validate_json('{"data": 1, "source": null, "id": null}', strict=True)
     assert message.source is None and message.id is None
+
+
+def test_request_ids_made_by_the_sidecar_differ_and_a_callers_plain_id_is_kept() -> None:
+    made = {request_id_of(make_mocked_request("GET", "/healthz")) for _ in range(1000)}
+    assert len(made) == 1000
+    given = make_mocked_request("GET", "/healthz", headers={"X-Request-Id": "req-7"})
+    assert request_id_of(given) == "req-7"
+    hostile = make_mocked_request("GET", "/healthz", headers={"X-Request-Id": "a\u2028b"})
+    assert request_id_of(hostile) != "a\u2028b"
