@@ -71,7 +71,9 @@ TLS_KEY_KEY = "tls.key"
 # a lighter module, does not import).
 ZOOKEEPER_SECRET = "casque-zookeeper"
 # With Cassandra keyspace isolation: the namespace's role (`username`, `password`) and `keyspace`.
-CASSANDRA_SECRET = "casque-cassandra"
+# Not `casque-cassandra`, the name the docs give the shared credentials Secret of
+# installations without isolation: the operator must never overwrite a Secret of the user's.
+CASSANDRA_SECRET = "casque-cassandra-role"
 DEFAULT_PORT = 8717  # the sidecar's own default (casque.sidecar.config); the operator may not import it
 DEFAULT_METRICS_PORT = 9718
 METRICS_PORT_NAME = "casque-metrics"

@@ -4,7 +4,7 @@ With ZooKeeper credentials in the operator's settings, the first Queue of a
 namespace gets the namespace a Secret `casque-zookeeper` holding the namespace's digest
 identity (casque.backends.zkacl) and the ACL its sidecars put on what they create. With
 Cassandra keyspace isolation (`CASQUE_CASSANDRA_ISOLATION=keyspace`), a Secret
-`casque-cassandra` holds the namespace's Cassandra role and keyspace (casque.tenancy).
+`casque-cassandra-role` holds the namespace's Cassandra role and keyspace (casque.tenancy).
 The injected sidecar reads those Secrets, so a pod holds its own namespace's credentials
 and never the installation's. The Secrets are derived from the operator's settings, so they
 are simply written again (never read back) when they differ, e.g. after a password rotation.

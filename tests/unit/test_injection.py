@@ -346,7 +346,7 @@ def test_with_keyspace_isolation_the_sidecar_gets_its_namespaces_keyspace_and_ro
     env = env_of(container(patched, injection.SIDECAR_NAME))
     assert env["CASQUE_KEYSPACE"] == "casque_shop"  # the AdmissionReview's namespace
     for variable, key in (("USERNAME", "username"), ("PASSWORD", "password")):
-        assert env[f"CASQUE_CASSANDRA_{variable}"] == {"secretKeyRef": {"name": "casque-cassandra", "key": key}}
+        assert env[f"CASQUE_CASSANDRA_{variable}"] == {"secretKeyRef": {"name": "casque-cassandra-role", "key": key}}
     # Neither the installation's password nor the shared Secret, nor the setting itself:
     # the sidecar knows one keyspace.
     assert installation_password not in json.dumps(patched) and "cassandra-shared" not in json.dumps(patched)

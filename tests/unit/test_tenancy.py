@@ -90,7 +90,7 @@ def test_the_cassandra_secret_holds_the_namespaces_role_and_keyspace_never_the_i
                         cassandra_password=SecretStr(PASSWORD))
     secret = cassandra_secret(settings, "shop")
     assert secret is not None and secret["metadata"] == {
-        "name": "casque-cassandra", "namespace": "shop", "labels": {"app.kubernetes.io/managed-by": "casque-operator"}}
+        "name": "casque-cassandra-role", "namespace": "shop", "labels": {"app.kubernetes.io/managed-by": "casque-operator"}}
     data = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
     role = namespace_role("casque", PASSWORD, "shop")
     assert data == {"username": role.username, "password": role.password, "keyspace": role.keyspace}
