@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,9 +22,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from cassandra import Unauthorized
 from cassandra.cluster import Session
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 from pydantic import SecretStr
 
 from casque.config import Settings
+from casque.devstack.kube import KubeCluster
 from casque.devstack.stack import Stack
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
@@ -31,6 +36,7 @@ from casque.engine.publisher import Publisher
 from casque.errors import AccessDenied
 from casque.operator import reconcile, tenancy
 from casque.operator.injection import sidecar_keyspace
+from casque.operator.resources import GROUP, QUEUES, VERSION
 from casque.schema import ACKS_TABLE, CLIENT_IDS_TABLE, COUNTERS_TABLE, DELAYED_TABLE, QueueRef
 from casque.sidecar.app import create_app
 from casque.sidecar.config import SidecarSettings
@@ -38,6 +44,7 @@ from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from tests.fixtures.stack import chroot_on
 from tests.fixtures.waiting import wait_for
+from tests.integration.test_operator import Operator, casque_crds, create, delete, get, queue, wait_ready  # noqa: F401
 from tests.integration.test_transport_security import secure_settings
 
 pytestmark = pytest.mark.integration
@@ -219,3 +226,90 @@ async def test_the_installation_still_sees_every_namespace_and_a_dropped_role_ca
         return False
 
     wait_for("the dropped role to be refused", refused_now, timeout=60)
+
+
+# --- the operator on a real API server ----------------------------------------------------------
+
+
+@pytest.fixture
+def operator_env(secure_stack: Stack, installation: Settings, kube_cluster: KubeCluster) -> dict[str, str]:
+    """`casque operator run`'s environment: the installation's settings, as the chart gives them."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CASQUE_")},
+        **secure_stack.client_env(),
+        "KUBECONFIG": str(kube_cluster.kubeconfig_path),
+        "CASQUE_KEYSPACE": installation.keyspace,
+        "CASQUE_ZOOKEEPER_HOSTS": installation.zookeeper_hosts,
+        "CASQUE_CONSISTENCY": "ONE",
+        "CASQUE_CASSANDRA_ISOLATION": "keyspace",
+    }
+
+
+def secret_data(core: client.CoreV1Api, namespace: str) -> dict[str, str] | None:
+    try:
+        secret = core.read_namespaced_secret(tenancy.CASSANDRA_SECRET, namespace)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return {key: base64.b64decode(value).decode() for key, value in (secret.data or {}).items()}
+
+
+def test_the_operator_gives_a_namespace_its_role_with_the_first_queue_and_takes_it_with_the_last(
+    operator_env: dict[str, str],
+    installation: Settings,
+    kube_client: client.ApiClient,
+    kube_namespace: str,
+    casque_crds: None,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    api, core, ns = client.CustomObjectsApi(kube_client), client.CoreV1Api(kube_client), kube_namespace
+    role = tenancy.cassandra_role(installation, ns)
+    assert role is not None
+    running = Operator(operator_env, ns, tmp_path / "operator.log")
+    try:
+        create(api, ns, queue("orders", deletionPolicy="Delete", consistency="ONE"))
+        create(api, ns, queue("audit", deletionPolicy="Delete", consistency="ONE"))
+        wait_ready(api, ns, QUEUES, "orders")
+        wait_ready(api, ns, QUEUES, "audit")
+        data = secret_data(core, ns)
+        assert data == {"username": role.username, "password": role.password, "keyspace": role.keyspace}
+        assert installation.cassandra_password is not None
+        assert installation.cassandra_password.get_secret_value() not in str(data)
+
+        # The Secret's role works on the namespace's queue, in the namespace's keyspace.
+        own = installation.model_copy(update={
+            "keyspace": data["keyspace"], "cassandra_isolation": "none", "cassandra_username": data["username"],
+            "cassandra_password": SecretStr(data["password"])})
+        sidecar = Store.open(own, namespace=ns)
+        try:
+            assert asyncio.run(publish(sidecar, QueueRef(ns, "orders"), 2))
+            refused(sidecar.session, f"SELECT * FROM {installation.keyspace}.{ACKS_TABLE}")
+        finally:
+            sidecar.close()
+
+        # One Queue deleted: the other still needs the role. The last one: Secret and role go.
+        delete(api, ns, QUEUES, "orders")
+        wait_for("orders to be gone", lambda: get(api, ns, QUEUES, "orders") is None)
+        assert secret_data(core, ns) == data
+        delete(api, ns, QUEUES, "audit")
+        wait_for("the namespace's Secret to be deleted with its last Queue", lambda: secret_data(core, ns) is None)
+
+        # Cassandra caches credentials for a while (credentials_validity): wait for the refusal.
+        def role_refused() -> bool:
+            try:
+                Store.open(own, namespace=ns).close()
+            except AccessDenied:
+                return True
+            return False
+
+        wait_for("the namespace's role to be dropped", role_refused, timeout=60)
+    finally:
+        for name in ("orders", "audit"):
+            delete(api, ns, QUEUES, name)
+        try:
+            wait_for("the test's Queues to be deleted", lambda: not api.list_namespaced_custom_object(
+                GROUP, VERSION, ns, QUEUES)["items"], timeout=120)
+        finally:
+            running.stop()
+            print(f"--- operator log\n{running.log()[-6000:]}")
