@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import re
+from typing import Any, cast
 
 import pytest
 from pydantic import SecretStr
@@ -14,8 +15,9 @@ from casque.config import Settings
 from casque.errors import InvalidSpec
 from casque.operator.quotas import MAX_LOGS, MAX_QUEUES, MAX_RETENTION, Limits, QuotaSettings, limits_for, violations
 from casque.operator.tenancy import cassandra_secret, zookeeper_secret
-from casque.schema import NAME_PATTERN
+from casque.schema import NAME_PATTERN, QueueRef
 from casque.specs import QueueSpec
+from casque.store import Store
 from casque.tenancy import MAX_KEYSPACE_LENGTH, namespace_keyspace, namespace_role
 
 PASSWORD = "i" * 40
@@ -127,3 +129,29 @@ def test_namespace_annotations_override_the_defaults() -> None:
     for bad in ({MAX_QUEUES: "many"}, {MAX_RETENTION: "forever"}):
         with pytest.raises(InvalidSpec):
             limits_for(defaults, bad)
+
+
+def _store(isolation: bool) -> Store:
+    # No connections: only the naming is under test.
+    return Store(session=cast(Any, None), zk=cast(Any, None), keyspace="casque", zk_root="/casque",
+                 replication_cql="", isolation=isolation)
+
+
+def test_an_isolated_store_finds_each_queue_in_its_namespaces_keyspace() -> None:
+    store = _store(isolation=True)
+    orders = QueueRef("team-a", "orders")
+    assert store.table(orders) == f"casque_team_a.{orders.messages_table}"
+    assert store.keyspace_of("team-b") == "casque_team_b"
+    view = store.for_namespace("team-a")
+    assert (view.keyspace, view.isolation, view.table(orders)) == ("casque_team_a", False, store.table(orders))
+    assert view.namespace_view_keyspace("counters") == "casque_team_a"
+    # Code that knows a queue only by its shared-table key must be handed a namespace's view.
+    with pytest.raises(RuntimeError, match="for_namespace"):
+        store.namespace_view_keyspace("counters")
+
+
+def test_without_isolation_every_namespace_uses_the_installation_keyspace() -> None:
+    store = _store(isolation=False)
+    assert store.keyspace_of("team-a") == store.keyspace_of("team-b") == "casque"
+    assert store.for_namespace("team-a") is store
+    assert store.table(QueueRef("team-a", "orders")).startswith("casque.m_orders_")
