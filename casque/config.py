@@ -10,8 +10,13 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # e.g. `openssl rand -base64 32` gives 44.
 MIN_ZOOKEEPER_PASSWORD = 32
+# With a keyspace per namespace, the installation keyspace prefixes the namespaces' (casque.tenancy).
+MAX_ISOLATED_KEYSPACE = 24
 
 Consistency = Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM", "EACH_QUORUM", "ALL"]
+# `none`: every namespace's tables in the installation keyspace, one Cassandra role for all.
+# `keyspace`: a keyspace and a role per namespace (casque.tenancy).
+CassandraIsolation = Literal["none", "keyspace"]
 
 
 class ReplicationSettings(BaseSettings):
@@ -80,6 +85,10 @@ class Settings(BaseSettings):
     # A secret: never in a log line, a repr or an error message.
     cassandra_password: SecretStr | None = None
     cassandra_local_dc: str | None = None
+    # The operator's and the CLI's setting (they hold the installation's credentials and
+    # reach every namespace). A sidecar never sets it: it is given its namespace's keyspace
+    # as CASQUE_KEYSPACE and its namespace's role.
+    cassandra_isolation: CassandraIsolation = "none"
     keyspace: str = Field(default="casque", pattern=r"^[a-z][a-z0-9_]{0,47}$")
     consistency: Consistency = "LOCAL_QUORUM"
     zookeeper_hosts: str = "127.0.0.1:2181"
@@ -116,6 +125,13 @@ class Settings(BaseSettings):
             # Secret): only a long random password keeps it from being guessed offline.
             if secret is not None and len(secret.get_secret_value()) < MIN_ZOOKEEPER_PASSWORD:
                 raise ValueError(f"CASQUE_ZOOKEEPER_{name} must be at least {MIN_ZOOKEEPER_PASSWORD} characters")
+        if self.cassandra_isolation == "keyspace" and self.cassandra_password is None:
+            # Each namespace's role password is derived from it (casque.tenancy).
+            raise ValueError("CASQUE_CASSANDRA_ISOLATION=keyspace needs CASQUE_CASSANDRA_USERNAME and _PASSWORD")
+        if self.cassandra_isolation == "keyspace" and len(self.keyspace) > MAX_ISOLATED_KEYSPACE:
+            # It prefixes every namespace's keyspace, which Cassandra limits to 48 characters.
+            raise ValueError(f"CASQUE_KEYSPACE must be at most {MAX_ISOLATED_KEYSPACE} characters "
+                             "with CASQUE_CASSANDRA_ISOLATION=keyspace")
         return self
 
     @field_validator("cassandra_contact_points", mode="before")

@@ -283,6 +283,23 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     ]
 
 
+def namespace_role_cql(role: str, password: str, keyspace: str) -> list[tuple[str, tuple[str, ...]]]:
+    """A namespace's role (keyspace isolation, casque.tenancy): created if absent, its
+    password set, and rights to read and write rows of `keyspace` only. No CREATE, ALTER,
+    DROP or AUTHORIZE: the operator alone changes the schema and the grants. Statements with
+    their values (the password is bound, never spliced into the text)."""
+    return [
+        (f'CREATE ROLE IF NOT EXISTS "{role}" WITH PASSWORD = %s AND LOGIN = true', (password,)),
+        (f'ALTER ROLE "{role}" WITH PASSWORD = %s', (password,)),
+        (f'GRANT SELECT ON KEYSPACE {keyspace} TO "{role}"', ()),
+        (f'GRANT MODIFY ON KEYSPACE {keyspace} TO "{role}"', ()),
+    ]
+
+
+def drop_role_cql(role: str) -> str:
+    return f'DROP ROLE IF EXISTS "{role}"'
+
+
 @dataclass(frozen=True)
 class TableOptions:
     """What Cassandra reports of a messages table, to compare with the wanted state."""

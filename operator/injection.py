@@ -41,6 +41,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from casque.config import Settings
 from casque.errors import InvalidSpec
 from casque.schema import NAME_PATTERN
+from casque.tenancy import namespace_keyspace
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ TLS_KEY_KEY = "tls.key"
 # Written into each namespace by the operator (casque.operator.tenancy, which the webhook,
 # a lighter module, does not import).
 ZOOKEEPER_SECRET = "casque-zookeeper"
+# With Cassandra keyspace isolation: the namespace's role (`username`, `password`) and `keyspace`.
+# Not `casque-cassandra`, the name the docs give the shared credentials Secret of
+# installations without isolation: the operator must never overwrite a Secret of the user's.
+CASSANDRA_SECRET = "casque-cassandra-role"
 DEFAULT_PORT = 8717  # the sidecar's own default (casque.sidecar.config); the operator may not import it
 DEFAULT_METRICS_PORT = 9718
 METRICS_PORT_NAME = "casque-metrics"
@@ -213,14 +218,17 @@ def _names(annotations: Mapping[str, str], key: str) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(n.strip() for n in (annotations[key] or "").split(",") if n.strip()))
 
 
-def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings) -> list[dict[str, Any]]:
+def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings,
+         namespace: str | None = None) -> list[dict[str, Any]]:
     """The JSON Patch that adds the sidecar to `pod`; empty if it did not ask or already has one.
+    `namespace`: the Pod's (the AdmissionReview's; a Pod being created may not name it).
 
     Raises InvalidInjection when the annotations cannot be honoured.
     """
     if not wants_sidecar(pod) or has_sidecar(pod):
         return []
     request = parse_request(_annotations(pod))
+    namespace = namespace or (pod.get("metadata") or {}).get("namespace")
     spec = pod.get("spec") or {}
     containers: list[Mapping[str, Any]] = list(spec.get("containers") or [])
     for container in [*containers, *(spec.get("initContainers") or [])]:
@@ -268,7 +276,7 @@ def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings
         patch += [_add("/spec/volumes/-", volume) for volume in volumes]
     else:
         patch.append(_add("/spec/volumes", volumes))
-    sidecar = sidecar_container(request, settings, backends)
+    sidecar = sidecar_container(request, settings, backends, namespace)
     if settings.native_sidecar:
         # First among the init containers, so that later ones may use the queue too.
         if spec.get("initContainers"):
@@ -291,7 +299,8 @@ def app_env(request: SidecarRequest) -> list[dict[str, Any]]:
     return env
 
 
-def sidecar_container(request: SidecarRequest, settings: InjectionSettings, backends: Settings) -> dict[str, Any]:
+def sidecar_container(request: SidecarRequest, settings: InjectionSettings, backends: Settings,
+                      namespace: str | None = None) -> dict[str, Any]:
     """The sidecar's container spec; docs/deploy.md shows it written out by hand."""
     env: list[dict[str, Any]] = [
         {"name": "CASQUE_SIDECAR_HOST", "value": LOCALHOST},
@@ -323,7 +332,7 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
     if backends.cassandra_local_dc:
         env.append({"name": "CASQUE_CASSANDRA_LOCAL_DC", "value": backends.cassandra_local_dc})
     env += [
-        {"name": "CASQUE_KEYSPACE", "value": backends.keyspace},
+        {"name": "CASQUE_KEYSPACE", "value": sidecar_keyspace(backends, namespace)},
         {"name": "CASQUE_CONSISTENCY", "value": backends.consistency},
         {"name": "CASQUE_ZOOKEEPER_HOSTS", "value": backends.zookeeper_hosts},
         {"name": "CASQUE_ZOOKEEPER_ROOT", "value": backends.zookeeper_root},
@@ -336,7 +345,14 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
             _secret_env("CASQUE_ZOOKEEPER_PASSWORD", ZOOKEEPER_SECRET, "password"),
             _secret_env("CASQUE_ZOOKEEPER_ACL", ZOOKEEPER_SECRET, "acl"),
         ]
-    if settings.credentials_secret is not None:
+    if backends.cassandra_isolation == "keyspace":
+        # The namespace's own role, from the Secret the operator writes with the namespace's
+        # first Queue (casque.operator.tenancy); never the operator's, nor a shared one.
+        env += [
+            _secret_env("CASQUE_CASSANDRA_USERNAME", CASSANDRA_SECRET, "username"),
+            _secret_env("CASQUE_CASSANDRA_PASSWORD", CASSANDRA_SECRET, "password"),
+        ]
+    elif settings.credentials_secret is not None:
         # A Pod can only refer to Secrets of its own namespace: each app namespace holds a copy.
         env += [
             _secret_env("CASQUE_CASSANDRA_USERNAME", settings.credentials_secret, settings.username_key),
@@ -377,6 +393,18 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
     if settings.native_sidecar:
         container["restartPolicy"] = "Always"
     return container
+
+
+def sidecar_keyspace(backends: Settings, namespace: str | None) -> str:
+    """The keyspace the sidecar works in: its namespace's with keyspace isolation, else the installation's."""
+    if backends.cassandra_isolation != "keyspace":
+        return backends.keyspace
+    if not namespace:
+        raise InvalidInjection("the pod's namespace is unknown, so its keyspace is too (keyspace isolation is on)")
+    try:
+        return namespace_keyspace(backends.keyspace, namespace)
+    except InvalidSpec as error:
+        raise InvalidInjection(str(error)) from error
 
 
 def _tls_backends(settings: InjectionSettings, backends: Settings) -> list[str]:
@@ -441,7 +469,7 @@ def review(admission: Mapping[str, Any], settings: InjectionSettings, backends: 
     pod = request.get("object") or {}
     if request.get("operation") == "CREATE" and pod.get("kind", "Pod") == "Pod":
         try:
-            patch = plan(pod, settings, backends)
+            patch = plan(pod, settings, backends, request.get("namespace"))
         except InvalidInjection as error:
             response.update(allowed=False, status={"code": 422, "reason": "Invalid", "message": str(error)})
         else:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Literal, ParamSpec, TypeVar
 
+from cassandra import Unauthorized
 from kazoo.exceptions import NoNodeError
 from pydantic import ValidationError
 
@@ -30,6 +31,7 @@ from casque.engine import catalog, stats as engine_stats
 from casque.engine.catalog import Changes
 from casque.engine.stats import SubscriberStats
 from casque.errors import (
+    AccessDenied,
     BackendUnavailable,
     CasqueError,
     InvalidChange,
@@ -43,6 +45,7 @@ from casque.operator.quotas import Limits, violations
 from casque.schema import QueueRef, read_table_options, validate_name
 from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState, format_duration
 from casque.store import Store
+from casque.tenancy import NamespaceRole
 
 # Something that hands out the Store, opening it on first use. Flows that may not need the
 # backends at all (deleting a Queue whose policy is Retain) call it only when they must.
@@ -129,6 +132,28 @@ def open_store(settings: Settings) -> Store:
             store.close()
             raise
     return store
+
+
+def prepare_namespace_cassandra(stores: StoreSource, namespace: str, role: NamespaceRole) -> None:
+    """Keyspace isolation: the namespace's keyspace with its shared tables, and its role
+    (blocking). Before the namespace's Secret names the role, so no sidecar is handed a
+    login that does not exist yet."""
+    with backend_errors():
+        store = stores()
+        try:
+            catalog.ensure_namespace_keyspace(store, namespace)
+            catalog.ensure_namespace_role(store, role)
+        except Unauthorized as error:
+            raise AccessDenied(
+                f"the operator's Cassandra role may not prepare namespace {namespace} (it needs CREATE and "
+                f"AUTHORIZE on all keyspaces and CREATE on all roles, or superuser): {error}"
+            ) from error
+
+
+def forget_namespace_cassandra(stores: StoreSource, role: NamespaceRole) -> None:
+    """The namespace's last Queue is gone: its role goes, its keyspace stays (blocking)."""
+    with backend_errors():
+        catalog.drop_namespace_role(stores(), role)
 
 
 # --- Specs --------------------------------------------------------------------------------
@@ -253,7 +278,7 @@ async def _subscriber_stats(store: Store, ref: QueueRef, name: str) -> Subscribe
 def _observe_queue(store: Store, ref: QueueRef) -> QueueObservation:
     with backend_errors():
         stored = _stored_queue(store, ref)
-        table = read_table_options(store.session, store.keyspace, ref)
+        table = read_table_options(store.session, store.keyspace_of(ref.namespace), ref)
         heads = _read_heads(store, ref)
         offsets = {
             name: _read_offsets(store, ref, name)

@@ -1,11 +1,13 @@
-"""A namespace's ZooKeeper identity, handed to it in a Secret.
+"""A namespace's backend identities, handed to it in Secrets.
 
 With ZooKeeper credentials in the operator's settings, the first Queue of a
 namespace gets the namespace a Secret `casque-zookeeper` holding the namespace's digest
-identity (casque.backends.zkacl) and the ACL its sidecars put on what they create. The
-injected sidecar reads that Secret, so a pod holds its own namespace's credentials and never
-the installation's. The Secret is derived from the operator's settings, so it is simply
-written again (never read back) when it differs, e.g. after a password rotation.
+identity (casque.backends.zkacl) and the ACL its sidecars put on what they create. With
+Cassandra keyspace isolation (`CASQUE_CASSANDRA_ISOLATION=keyspace`), a Secret
+`casque-cassandra-role` holds the namespace's Cassandra role and keyspace (casque.tenancy).
+The injected sidecar reads those Secrets, so a pod holds its own namespace's credentials
+and never the installation's. The Secrets are derived from the operator's settings, so they
+are simply written again (never read back) when they differ, e.g. after a password rotation.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ from kubernetes.client.exceptions import ApiException
 from casque.backends import zk
 from casque.backends.zkacl import format_acl, installation_policy, namespace_identity
 from casque.config import Settings
-from casque.operator.injection import ZOOKEEPER_SECRET as ZOOKEEPER_SECRET  # one name, where the webhook reads it
+from casque.operator.injection import (  # one name each, where the webhook reads them
+    CASSANDRA_SECRET as CASSANDRA_SECRET,
+    ZOOKEEPER_SECRET as ZOOKEEPER_SECRET,
+)
+from casque.tenancy import NamespaceRole, namespace_role
 
-USERNAME_KEY, PASSWORD_KEY, ACL_KEY = "username", "password", "acl"
+USERNAME_KEY, PASSWORD_KEY, ACL_KEY, KEYSPACE_KEY = "username", "password", "acl", "keyspace"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "casque-operator"}
 
 
@@ -34,21 +40,51 @@ def zookeeper_secret(settings: Settings, namespace: str) -> dict[str, Any] | Non
     # While a rotation is under way the ACL names the previous password's identities too, so
     # sidecars started now create znodes that the operator can still reach on either side.
     acl = installation_policy(settings.zookeeper_root, installation).descendant_acl(namespace)
+    return _secret(ZOOKEEPER_SECRET, namespace, {
+        USERNAME_KEY: identity.username, PASSWORD_KEY: identity.password, ACL_KEY: format_acl(acl)})
+
+
+def cassandra_role(settings: Settings, namespace: str) -> NamespaceRole | None:
+    """`namespace`'s Cassandra role; None without keyspace isolation."""
+    if settings.cassandra_isolation != "keyspace" or settings.cassandra_password is None:
+        return None
+    return namespace_role(settings.keyspace, settings.cassandra_password.get_secret_value(), namespace)
+
+
+def cassandra_secret(settings: Settings, namespace: str) -> dict[str, Any] | None:
+    """The Secret with `namespace`'s Cassandra role; None without keyspace isolation."""
+    role = cassandra_role(settings, namespace)
+    if role is None:
+        return None
+    return _secret(CASSANDRA_SECRET, namespace, {
+        USERNAME_KEY: role.username, PASSWORD_KEY: role.password, KEYSPACE_KEY: role.keyspace})
+
+
+def _secret(name: str, namespace: str, values: dict[str, str]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": {"name": ZOOKEEPER_SECRET, "namespace": namespace, "labels": dict(MANAGED_BY)},
-        "data": {key: base64.b64encode(value.encode()).decode() for key, value in (
-            (USERNAME_KEY, identity.username), (PASSWORD_KEY, identity.password), (ACL_KEY, format_acl(acl)))},
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(MANAGED_BY)},
+        "data": {key: base64.b64encode(value.encode()).decode() for key, value in values.items()},
     }
 
 
 def apply_zookeeper_secret(api: client.ApiClient, settings: Settings, namespace: str) -> bool:
-    """Create or correct the namespace's Secret (blocking). True if it was written."""
-    wanted = zookeeper_secret(settings, namespace)
+    """Create or correct the namespace's ZooKeeper Secret (blocking). True if it was written."""
+    return apply_secret(api, zookeeper_secret(settings, namespace))
+
+
+def apply_cassandra_secret(api: client.ApiClient, settings: Settings, namespace: str) -> bool:
+    """Create or correct the namespace's Cassandra Secret (blocking). True if it was written."""
+    return apply_secret(api, cassandra_secret(settings, namespace))
+
+
+def apply_secret(api: client.ApiClient, wanted: dict[str, Any] | None) -> bool:
+    """Create or correct a Secret (blocking); None wants none. True if it was written."""
     if wanted is None:
         return False
+    name, namespace = wanted["metadata"]["name"], wanted["metadata"]["namespace"]
     core = client.CoreV1Api(api)
     try:
         core.create_namespaced_secret(namespace, wanted)  # type: ignore[arg-type]  # the client takes a dict too
@@ -57,17 +93,26 @@ def apply_zookeeper_secret(api: client.ApiClient, settings: Settings, namespace:
         # 409: it exists (written for another Queue, maybe by a reconcile running now).
         if error.status != 409:
             raise
-    current = core.read_namespaced_secret(ZOOKEEPER_SECRET, namespace)
+    current = core.read_namespaced_secret(name, namespace)
     if (current.data or {}) == wanted["data"]:
         return False
-    core.patch_namespaced_secret(ZOOKEEPER_SECRET, namespace, {"data": wanted["data"]})
+    core.patch_namespaced_secret(name, namespace, {"data": wanted["data"]})
     return True
 
 
 def delete_zookeeper_secret(api: client.ApiClient, namespace: str) -> bool:
-    """Remove the namespace's Secret (its last Queue is gone). True if there was one."""
+    """Remove the namespace's ZooKeeper Secret (its last Queue is gone). True if there was one."""
+    return delete_secret(api, ZOOKEEPER_SECRET, namespace)
+
+
+def delete_cassandra_secret(api: client.ApiClient, namespace: str) -> bool:
+    """Remove the namespace's Cassandra Secret (its last Queue is gone). True if there was one."""
+    return delete_secret(api, CASSANDRA_SECRET, namespace)
+
+
+def delete_secret(api: client.ApiClient, name: str, namespace: str) -> bool:
     try:
-        client.CoreV1Api(api).delete_namespaced_secret(ZOOKEEPER_SECRET, namespace)
+        client.CoreV1Api(api).delete_namespaced_secret(name, namespace)
     except ApiException as error:
         if error.status == 404:
             return False

@@ -98,10 +98,12 @@ def _readable_errors() -> Iterator[None]:
 
 
 @asynccontextmanager
-async def opened(settings: Settings) -> AsyncIterator[Store]:
+async def opened(settings: Settings, namespace: str | None = None) -> AsyncIterator[Store]:
+    """The backends of `settings`; with `namespace`, as that namespace's sidecar sees them
+    (its own keyspace, with keyspace isolation)."""
     store = await asyncio.to_thread(Store.open, settings)
     try:
-        yield store
+        yield store if namespace is None else store.for_namespace(namespace)
     finally:
         await asyncio.to_thread(store.close)
 
@@ -266,7 +268,7 @@ def publish(
 
 
 async def _publish(settings: Settings, ref: QueueRef, messages: list[OutgoingMessage], output: str = "text") -> None:
-    async with opened(settings) as store:
+    async with opened(settings, ref.namespace) as store:
         state = await asyncio.to_thread(catalog.read_queue, store, ref)
         publisher = Publisher(store, ref, state)
         for message in messages:
@@ -362,7 +364,7 @@ def consume(
 async def _consume(
     settings: Settings, ref: QueueRef, subscriber: str, limit: int | None, idle: float, ack: bool, output: str
 ) -> None:
-    async with opened(settings) as store, _interruptible() as stop:
+    async with opened(settings, ref.namespace) as store, _interruptible() as stop:
         consumer = Consumer(store, ref, subscriber)
         await consumer.start()
         done = 0
@@ -416,7 +418,7 @@ def tail(
 async def _tail(
     settings: Settings, ref: QueueRef, last: int, limit: int | None, follow: bool, output: str
 ) -> None:
-    async with opened(settings) as store, _interruptible() as stop:
+    async with opened(settings, ref.namespace) as store, _interruptible() as stop:
         state = await asyncio.to_thread(catalog.read_queue, store, ref)
         log = Log(store, ref, state.spec.consistency)
         paths = store.paths(ref)
@@ -491,7 +493,7 @@ async def _sample(store: Store, ref: QueueRef, names: list[str] | None) -> tuple
 async def _stats(
     settings: Settings, ref: QueueRef, names: list[str] | None, watch: bool, interval: float, output: str
 ) -> None:
-    async with opened(settings) as store:
+    async with opened(settings, ref.namespace) as store:
         sample = await _sample(store, ref, names)
         if output in MACHINE:
             typer.echo(dumps(_stats_json(*sample), output))
@@ -602,7 +604,7 @@ def _shard_batches(items: list[str]) -> dict[int, int]:
 
 
 async def _seek(settings: Settings, ref: QueueRef, subscriber: str, target: SeekTarget) -> dict[int, int]:
-    async with opened(settings) as store:
+    async with opened(settings, ref.namespace) as store:
         if target.batches:
             shards = (await asyncio.to_thread(catalog.read_queue, store, ref)).spec.log_shards()
             outside = [s for s in target.batches if s not in shards]
@@ -639,8 +641,9 @@ def redrive(
         return moment.replace(tzinfo=timezone.utc)
 
     async def run() -> RedriveResult:
-        async with opened(settings) as store:
-            return await redrive_dead_letters(store, _queue(namespace, dead_letter_queue), utc(since), utc(until), limit)
+        dead_letters = _queue(namespace, dead_letter_queue)
+        async with opened(settings, dead_letters.namespace) as store:
+            return await redrive_dead_letters(store, dead_letters, utc(since), utc(until), limit)
 
     result = asyncio.run(run())
     if output in MACHINE:

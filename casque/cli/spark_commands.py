@@ -221,7 +221,7 @@ def export(
     store, resolved = _resolve(settings, ref, spec)
     try:
         with _session(settings, master, conf, connector) as spark, stage_progress(spark, err, f"export of {ref}"):
-            result = run_export(spark, store.keyspace, resolved, fmt, out_dir, overwrite=overwrite)
+            result = run_export(spark, store.keyspace_of(ref.namespace), resolved, fmt, out_dir, overwrite=overwrite)
     finally:
         store.close()
     shards = ", ".join(f"{shard}: {count:,}" for shard, count in sorted(result.per_shard.items())) or "none"

@@ -10,7 +10,8 @@ datacenter is called datacenter1.
 
 With `pki` the CQL port speaks TLS only (client_encryption_options, PKCS12 stores), and with
 `require_client_auth` it refuses clients without a certificate the stack's CA signed. With
-`password_auth` it runs PasswordAuthenticator, whose superuser is cassandra/cassandra.
+`password_auth` it runs PasswordAuthenticator, whose superuser is cassandra/cassandra, and
+CassandraAuthorizer, so that grants are enforced (keyspace isolation).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ endpoint_snitch: {self.snitch}
 # A fresh local ring has no data to stream, so joining nodes skip bootstrap.
 auto_bootstrap: false
 authenticator: {"PasswordAuthenticator" if self.password_auth else "AllowAllAuthenticator"}
-authorizer: AllowAllAuthorizer
+# With passwords, grants are checked too: a namespace's role reaches its own keyspace only.
+authorizer: {"CassandraAuthorizer" if self.password_auth else "AllowAllAuthorizer"}
 concurrent_reads: 8
 concurrent_writes: 16
 concurrent_counter_writes: 4

@@ -46,7 +46,7 @@ class AckLog:
         self._store = store
         self._queue = queue.key
         self._subscriber = subscriber_key
-        table = f"{store.keyspace}.{ACKS_TABLE}"
+        table = f"{store.keyspace_of(queue.namespace)}.{ACKS_TABLE}"
         self._insert_outcome = store.session.prepare(
             f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, entry, outcome, seqs) "
             f"VALUES (?, ?, ?, ?, ?, ?, now(), ?, ?) USING TTL {int(retention_seconds)}"

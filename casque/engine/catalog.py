@@ -19,12 +19,15 @@ from casque.schema import (
     QueueRef,
     count_queue_tables,
     drop_messages_table_ddl,
+    drop_role_cql,
     ensure_keyspace,
     ensure_queue_table,
+    namespace_role_cql,
     validate_name,
 )
 from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState
 from casque.store import Store
+from casque.tenancy import NamespaceRole
 from casque.znodes import SubscriberPaths, decode_offset, queues_root
 
 # Cassandra's memory use grows with the number of tables; warn well before it hurts.
@@ -49,6 +52,31 @@ def ensure_installation(store: Store) -> None:
     """The keyspace, the shared tables and the root znodes."""
     ensure_keyspace(store.session, store.keyspace, store.replication_cql)
     store.zk.ensure_path(f"{store.zk_root}/queues")
+
+
+def ensure_namespace_keyspace(store: Store, namespace: str) -> None:
+    """With keyspace isolation, the namespace's keyspace and its shared tables, replicated
+    like the installation's. Without, nothing: the namespace uses the installation's."""
+    if store.isolation:
+        ensure_keyspace(store.session, store.keyspace_of(namespace), store.replication_cql)
+
+
+def ensure_namespace_role(store: Store, role: NamespaceRole) -> None:
+    """The namespace's login role, with its current password, allowed to read and write
+    its keyspace and nothing else (its keyspace must exist: `ensure_namespace_keyspace`).
+
+    The password is set on every call: it is derived from the installation's, which may
+    have been rotated since the role was made. Connections already open stay authenticated.
+    """
+    for statement, values in namespace_role_cql(role.username, role.password, role.keyspace):
+        store.session.execute(statement, values)
+
+
+def drop_namespace_role(store: Store, role: NamespaceRole) -> None:
+    """The namespace's last Queue is gone: nobody may log in as it. Its keyspace stays
+    (retained queues keep their tables), reachable again by the same role once a Queue
+    recreates it."""
+    store.session.execute(drop_role_cql(role.username))
 
 
 def secure_znodes(store: Store, namespace: str | None = None) -> int:
@@ -107,6 +135,8 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     # Shared tables first: an installation upgraded to a version with new shared tables
     # gets them with the first apply (every statement is IF NOT EXISTS).
     ensure_installation(store)
+    ensure_namespace_keyspace(store, queue.namespace)
+    keyspace = store.keyspace_of(queue.namespace)
     changes = Changes()
     paths = store.paths(queue)
     try:
@@ -121,7 +151,7 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
         raise InvalidChange(
             f"queue {queue} has {current.spec.priorities} priority levels; levels can be added, never removed"
         )
-    if ensure_queue_table(store.session, store.keyspace, queue, spec.retention_seconds):
+    if ensure_queue_table(store.session, keyspace, queue, spec.retention_seconds):
         changes.actions.append(
             f"table {queue.messages_table} {'created' if current is None else 'retention set'}"
             f" ({spec.retention_seconds}s)"
@@ -139,10 +169,10 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     for name in list_subscribers(store, queue):
         for shard in spec.log_shards():
             _create_if_absent(store, paths.subscriber(name).offset(shard), b"1")
-    tables = count_queue_tables(store.session, store.keyspace)
+    tables = count_queue_tables(store.session, keyspace)
     if tables >= TABLE_COUNT_WARNING:
         changes.warnings.append(
-            f"keyspace {store.keyspace} holds {tables} queue tables; Cassandra slows down past a few hundred"
+            f"keyspace {keyspace} holds {tables} queue tables; Cassandra slows down past a few hundred"
         )
     return changes
 
@@ -182,7 +212,7 @@ def delete_queue(store: Store, queue: QueueRef, policy: str) -> Changes:
         store.zk.set(base, b"")
     except NoNodeError:
         pass
-    store.session.execute(drop_messages_table_ddl(store.keyspace, queue))
+    store.session.execute(drop_messages_table_ddl(store.keyspace_of(queue.namespace), queue))
     _delete_tree(store, base, f"queue {queue}")
     changes.actions.append(f"dropped table {queue.messages_table} and removed znodes")
     return changes

@@ -524,14 +524,15 @@ class Consumer:
         self.log = Log(self.store, self.queue, spec.consistency)
         self.acks = AckLog(self.store, self.queue, self.subscriber_state.ack_key(self.subscriber),
                            spec.retention_seconds)
-        self._queue_counters = QueueCounters(self.store, self.queue_state.shared_key(self.queue))
+        self._queue_counters = QueueCounters(self.store.for_namespace(self.queue.namespace), self.queue_state.shared_key(self.queue))
         self.paths = self.store.paths(self.queue).subscriber(self.subscriber)
         subscriber_spec = self.subscriber_state.spec
         if subscriber_spec.dead_letter_queue and subscriber_spec.max_deliveries:
             # Without a dead-letter queue, redelivery is unlimited: nothing is ever dropped.
             dead_letter_queue = QueueRef(self.queue.namespace, subscriber_spec.dead_letter_queue)
             dlq_state = await asyncio.to_thread(catalog.read_queue, self.store, dead_letter_queue)
-            self._dead_letters = Publisher(self.store, dead_letter_queue, dlq_state)
+            self._dead_letters = Publisher(self.store.for_namespace(dead_letter_queue.namespace), dead_letter_queue,
+                                           dlq_state)
             self._max_deliveries = subscriber_spec.max_deliveries
         shared = subscriber_spec.delivery == "shared"
         # In shared delivery the leases only keep the member registered (no shard is leased).

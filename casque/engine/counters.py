@@ -20,7 +20,7 @@ class QueueCounters:
         """`queue_key`: the queue's incarnation key (`QueueState.shared_key`)."""
         self._store = store
         self._queue = queue_key
-        table = f"{store.keyspace}.{COUNTERS_TABLE}"
+        table = f"{store.namespace_view_keyspace('queue counters')}.{COUNTERS_TABLE}"
         self._add = store.session.prepare(f"UPDATE {table} SET value = value + ? WHERE queue = ? AND name = ?")
         self._read = store.session.prepare(f"SELECT name, value FROM {table} WHERE queue = ?")
 

@@ -116,7 +116,7 @@ async def redrive(
             if ref == dead_letter_queue:
                 raise InvalidSpec("a dead letter names its own queue as its source")
             source_state = await asyncio.to_thread(catalog.read_queue, store, ref)
-            publishers[source] = await asyncio.to_thread(Publisher, store, ref, source_state)
+            publishers[source] = await asyncio.to_thread(Publisher, store.for_namespace(ref.namespace), ref, source_state)
         return publishers[source]
 
     marks = RedriveMarks(store, dead_letter_queue)

@@ -102,7 +102,7 @@ class DelayedStore:
         self._store = store
         self._queue = queue_key
         self._retention = retention_seconds
-        table = f"{store.keyspace}.{DELAYED_TABLE}"
+        table = f"{store.namespace_view_keyspace('delayed messages')}.{DELAYED_TABLE}"
         self._insert = store.session.prepare(
             f"INSERT INTO {table} (queue, due_bucket, due_at, message_id, published_at, key, attributes, payload, "
             "content_type, priority, ttl_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ?"
@@ -320,7 +320,7 @@ class DelayMover:
     async def _lead(self) -> None:
         state = await self._read_state()
         self.delayed = delayed = DelayedStore(
-            self._store, state.shared_key(self._queue), state.spec.retention_seconds
+            self._store.for_namespace(self._queue.namespace), state.shared_key(self._queue), state.spec.retention_seconds
         )
         cursor = await self._read_cursor()
         until, moved = cursor.until, cursor.moved

@@ -130,7 +130,7 @@ async def _counts(store: Store, queue: QueueRef, state: QueueState) -> dict[str,
     """The queue's durable counters; none in an installation set up before they existed
     (the next apply of any queue creates the table)."""
     try:
-        return await QueueCounters(store, state.shared_key(queue)).read()
+        return await QueueCounters(store.for_namespace(queue.namespace), state.shared_key(queue)).read()
     except InvalidRequest:
         return {}
 

@@ -77,8 +77,11 @@ def client_id(source: QueueRef, shard: int, batch: int, seq: int) -> str:
     return f"{client_id_prefix(source)}{shard}:{batch}:{seq}"
 
 
-def pending_frame(spark: SparkSession, keyspace: str, resolved: ResolvedRange, target: QueueRef) -> DataFrame:
-    """The range's messages whose replay is not in the target yet, in log order."""
+def pending_frame(spark: SparkSession, keyspace: str, resolved: ResolvedRange, target: QueueRef,
+                  target_keyspace: str | None = None) -> DataFrame:
+    """The range's messages whose replay is not in the target yet, in log order.
+    `target_keyspace`: the target queue's, when not `keyspace` (another namespace's, with
+    keyspace isolation)."""
     from pyspark.sql import functions as F
 
     prefix = client_id_prefix(resolved.queue)
@@ -93,7 +96,7 @@ def pending_frame(spark: SparkSession, keyspace: str, resolved: ResolvedRange, t
     # No index on client_id: this reads the target's client id column whole (one column,
     # no payloads), which is what makes a rerun safe after the publish-id window.
     there = (
-        readers.table(spark, keyspace, target.messages_table)
+        readers.table(spark, target_keyspace or keyspace, target.messages_table)
         .select("client_id")
         .where(F.col("client_id").startswith(prefix))
         .distinct()
@@ -148,16 +151,17 @@ async def replay(spark: SparkSession, store: Store, resolved: ResolvedRange, tar
         raise SparkJobError(f"cannot replay {target} into itself")
     target_state = await asyncio.to_thread(catalog.read_queue, store, target)  # QueueNotFound if absent
     result = ReplayResult(str(resolved.queue), str(target))
-    selected_frame = readers.messages(spark, store.keyspace, resolved, ["shard", "batch_no", "seq"])
+    keyspace = store.keyspace_of(resolved.queue.namespace)
+    selected_frame = readers.messages(spark, keyspace, resolved, ["shard", "batch_no", "seq"])
     result.selected = await asyncio.to_thread(selected_frame.count)
-    pending = pending_frame(spark, store.keyspace, resolved, target)
+    pending = pending_frame(spark, keyspace, resolved, target, store.keyspace_of(target.namespace))
     pending.persist()
     try:
         total = await asyncio.to_thread(pending.count)
         result.already_there = result.selected - total
         if progress is not None:
             progress.start(total)
-        publisher = Publisher(store, target, target_state)
+        publisher = Publisher(store.for_namespace(target.namespace), target, target_state)
         rows = pending.toLocalIterator(prefetchPartitions=True)
 
         def next_chunk() -> list[Any]:

@@ -124,7 +124,7 @@ def compute(spark: SparkSession, store: Store, resolved: ResolvedRange, out: Pat
 
     prepare_out(out, overwrite)
     rows = readers.range_rows(
-        spark, store.keyspace, resolved, ["published_at", "payload", "key", "attributes", "message_count"]
+        spark, store.keyspace_of(resolved.queue.namespace), resolved, ["published_at", "payload", "key", "attributes", "message_count"]
     ).select(
         "shard", "batch_no", "seq", "published_at", "message_count",
         readers.message_size().alias("size"),
@@ -271,7 +271,7 @@ def _latency(spark: SparkSession, store: Store, resolved: ResolvedRange, message
         for name in subscribers
     }
     acked = (
-        readers.acks(spark, store.keyspace, resolved, epochs)
+        readers.acks(spark, store.keyspace_of(resolved.queue.namespace), resolved, epochs)
         .where(F.col("outcome") == "ack")
         .select("subscriber", "shard", "batch_no", F.explode("seqs").alias("seq"),
                 readers.timeuuid_time("entry").alias("acked_at"))

@@ -1,8 +1,9 @@
 """Queue handlers: reconcile on create, update and resume; refresh on a timer; delete by policy.
 
 Before a Queue is reconciled its namespace gets its ZooKeeper identity (a Secret, when
-ZooKeeper authentication is configured) and its quotas are read from the Namespace; after
-the namespace's last Queue is deleted the Secret goes too.
+ZooKeeper authentication is configured), its Cassandra keyspace, role and Secret (with
+keyspace isolation), and its quotas are read from the Namespace; after the namespace's last
+Queue is deleted the Secrets and the role go too (the keyspace stays, with retained data).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import kopf
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from casque.errors import InvalidSpec
+from casque.errors import CasqueError, InvalidSpec
 from casque.operator import reconcile, tenancy
 from casque.operator.context import OperatorContext
 from casque.operator.handlers.common import report, resource_of, run_locked, to_kopf
@@ -38,11 +39,22 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
             ):
                 kopf.info(body, reason="Applied", message=f"Secret {tenancy.ZOOKEEPER_SECRET} written "
                           "(the namespace's ZooKeeper identity)")
+            role = tenancy.cassandra_role(context.stores.settings, resource.namespace)
+            if role is not None:
+                # The role before the Secret that names it.
+                await asyncio.to_thread(reconcile.prepare_namespace_cassandra, context.stores, resource.namespace, role)
+                if await asyncio.to_thread(
+                    tenancy.apply_cassandra_secret, context.kube_api(), context.stores.settings, resource.namespace
+                ):
+                    kopf.info(body, reason="Applied", message=f"Secret {tenancy.CASSANDRA_SECRET} written "
+                              f"(the namespace's Cassandra role, keyspace {role.keyspace})")
         except InvalidSpec as error:  # a malformed quota annotation on the Namespace
             return reconcile.failed(resource, Failure("InvalidQuota", str(error), reconcile.QUOTA_RETRY_SECONDS, error), now)
         except ApiException as error:
             message = f"preparing namespace {resource.namespace}: Kubernetes API answered {error.status} {error.reason}"
             return reconcile.failed(resource, Failure("NamespaceNotPrepared", message, NAMESPACE_RETRY_SECONDS, error), now)
+        except CasqueError as error:  # the namespace's keyspace or role could not be made
+            return reconcile.failed(resource, reconcile.classify(error), now)
         return await reconcile.reconcile_queue(context.stores, resource, now, limits)
 
     outcome = await run_locked(context, body, flow)
@@ -72,23 +84,44 @@ async def delete(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, l
     report(body, patch, outcome, logger)
     if outcome.failure is not None:
         raise to_kopf(outcome.failure)
-    if context.stores.settings.zookeeper_username is not None:
+    settings = context.stores.settings
+    if settings.zookeeper_username is not None or settings.cassandra_isolation == "keyspace":
         await asyncio.to_thread(forget_namespace, context, resource.namespace, resource.name, logger)
     context.forget(body.metadata.uid)
 
 
 def forget_namespace(context: OperatorContext, namespace: str, deleted: str, logger: kopf.Logger) -> None:
-    """Remove the namespace's identity once its last Queue is gone (blocking). A Queue created
-    meanwhile writes it again. Its znodes keep their ACLs: a retained queue found again later
-    is reachable with the same identity, which is derived, not stored."""
+    """Remove the namespace's identities once its last Queue is gone (blocking). A Queue
+    created meanwhile writes them again. Its znodes keep their ACLs and its keyspace its
+    tables: a retained queue found again later is reachable with the same identities, which
+    are derived, not stored."""
     try:
-        queues = cast(dict[str, Any], client.CustomObjectsApi(context.kube_api()).list_namespaced_custom_object(
-            GROUP, VERSION, namespace, QUEUES))
-        if any(item["metadata"]["name"] != deleted for item in queues.get("items", [])):
+        if _other_queues(context, namespace, deleted):
             return
         if tenancy.delete_zookeeper_secret(context.kube_api(), namespace):
             logger.info("namespace %s has no Queue left: Secret %s deleted", namespace, tenancy.ZOOKEEPER_SECRET)
+        role = tenancy.cassandra_role(context.stores.settings, namespace)
+        if role is None:
+            return
+        if tenancy.delete_cassandra_secret(context.kube_api(), namespace):
+            logger.info("namespace %s has no Queue left: Secret %s deleted", namespace, tenancy.CASSANDRA_SECRET)
+        reconcile.forget_namespace_cassandra(context.stores, role)
+        logger.info("namespace %s has no Queue left: Cassandra role %s dropped, keyspace %s kept",
+                    namespace, role.username, role.keyspace)
+        if _other_queues(context, namespace, deleted):
+            # A Queue created while the role went: its apply may have run before the drop.
+            reconcile.prepare_namespace_cassandra(context.stores, namespace, role)
+            tenancy.apply_cassandra_secret(context.kube_api(), context.stores.settings, namespace)
     except ApiException as error:
-        # The Secret left behind names an identity that reaches only this namespace's znodes.
-        logger.warning("could not remove Secret %s of namespace %s: %s %s",
-                       tenancy.ZOOKEEPER_SECRET, namespace, error.status, error.reason)
+        # A Secret left behind names an identity that reaches only this namespace's data.
+        logger.warning("could not remove the Secrets of namespace %s: %s %s", namespace, error.status, error.reason)
+    except CasqueError as error:
+        # The role stays: it reaches only this namespace's keyspace. The next deletion of a
+        # last Queue in the namespace tries again.
+        logger.warning("could not drop the Cassandra role of namespace %s: %s", namespace, error)
+
+
+def _other_queues(context: OperatorContext, namespace: str, deleted: str) -> bool:
+    queues = cast(dict[str, Any], client.CustomObjectsApi(context.kube_api()).list_namespaced_custom_object(
+        GROUP, VERSION, namespace, QUEUES))
+    return any(item["metadata"]["name"] != deleted for item in queues.get("items", []))

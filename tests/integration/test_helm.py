@@ -280,6 +280,7 @@ def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
         ({"cassandra": {"consistency": "TWO"}}, "consistency"),
         ({"cassandra": {"contactPoints": []}}, "contactPoints"),
         ({"cassandra": {"keyspace": "Shop-Queues"}}, "keyspace"),
+        ({"cassandra": {"isolation": "row"}}, "isolation"),
         ({"cassandra": {"replication": {"datacenters": None}}}, "datacenters"),
         ({"cassandra": {"auth": {"username": "casque"}}}, "password"),
         ({"zookeeper": {"connect": "zookeeper"}}, "connect"),
@@ -304,6 +305,19 @@ def test_values_that_break_the_schema_fail_before_anything_is_made(
     assert SCHEMA_ERROR in result.stderr and field in result.stderr, result.stderr
     lint = tools.run(tools.helm, "lint", str(CHART), "--values", tools.values_file(values), check=False)
     assert lint.returncode != 0
+
+
+def test_keyspace_isolation_needs_the_operators_cassandra_credentials_and_a_short_keyspace(tools: Tools) -> None:
+    for values, problem in (
+        ({"cassandra": {"isolation": "keyspace"}}, "needs cassandra.auth"),
+        ({"cassandra": {"isolation": "keyspace", "keyspace": "k" * 25, "auth": {"existingSecret": "c"}}}, "at most 24"),
+    ):
+        result = tools.template("casque", values, check=False)
+        assert result.returncode != 0 and problem in result.stderr, result.stderr
+    container = operator_container(tools.render("casque", {"cassandra": {"isolation": "keyspace",
+                                                                         "auth": {"existingSecret": "c"}}}))
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["CASQUE_CASSANDRA_ISOLATION"] == "keyspace"
 
 
 def test_the_charts_crds_are_the_crds_directory(tools: Tools, tmp_path: Path) -> None:
@@ -624,7 +638,8 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
     release = f"r{uuid.uuid4().hex[:6]}"
     show = ["--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml"]
     zookeeper_auth = {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}}}
-    for values in (None, {"operator": {"watchNamespaces": [other_namespace]}}, zookeeper_auth):
+    isolation = {"cassandra": {"isolation": "keyspace", "auth": {"username": "casque", "password": "c" * 32}}}
+    for values in (None, {"operator": {"watchNamespaces": [other_namespace]}}, zookeeper_auth, isolation):
         manifest = tools.template(kube_namespace, values, *show, release=release).stdout
         tools.run(*tools.kubectl, "apply", "-f", "-", input=manifest)
         try:
@@ -642,7 +657,7 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
             # ... and no more.
             assert not can("update", "leases.coordination.k8s.io/someone-elses")
             assert not can("delete", "queues.casque.io", served) and not can("create", "subscribers.casque.io", served)
-            if values is zookeeper_auth:  # each namespace's ZooKeeper identity, a Secret the operator writes
+            if values in (zookeeper_auth, isolation):  # each namespace's identities, Secrets the operator writes
                 for verb in ("get", "create", "patch", "delete"):
                     assert can(verb, "secrets", served)
                 assert not can("list", "secrets", served)

@@ -336,6 +336,34 @@ def test_a_volume_named_like_the_sidecars_is_refused() -> None:
 # --- the AdmissionReview --------------------------------------------------------------------
 
 
+def test_with_keyspace_isolation_the_sidecar_gets_its_namespaces_keyspace_and_role_only() -> None:
+    installation_password = "c" * 40
+    backends = Settings(cassandra_isolation="keyspace", cassandra_username="casque",
+                        cassandra_password=installation_password, keyspace="casque")  # type: ignore[arg-type]
+    shared = InjectionSettings(credentials_secret="cassandra-shared")
+    answer = review(admission(pod(ORDERS)), shared, backends)["response"]
+    patched = apply_patch(pod(ORDERS), json.loads(base64.b64decode(answer["patch"])))
+    env = env_of(container(patched, injection.SIDECAR_NAME))
+    assert env["CASQUE_KEYSPACE"] == "casque_shop"  # the AdmissionReview's namespace
+    for variable, key in (("USERNAME", "username"), ("PASSWORD", "password")):
+        assert env[f"CASQUE_CASSANDRA_{variable}"] == {"secretKeyRef": {"name": "casque-cassandra-role", "key": key}}
+    # Neither the installation's password nor the shared Secret, nor the setting itself:
+    # the sidecar knows one keyspace.
+    assert installation_password not in json.dumps(patched) and "cassandra-shared" not in json.dumps(patched)
+    assert "CASQUE_CASSANDRA_ISOLATION" not in env
+    # Without isolation, the installation's keyspace and the shared Secret, as before.
+    plain = env_of(container(injected(pod(ORDERS), shared), injection.SIDECAR_NAME))
+    assert plain["CASQUE_KEYSPACE"] == "casque"
+    assert plain["CASQUE_CASSANDRA_USERNAME"] == {"secretKeyRef": {"name": "cassandra-shared", "key": "username"}}
+
+
+def test_with_keyspace_isolation_a_pod_of_no_known_namespace_is_refused() -> None:
+    backends = Settings(cassandra_isolation="keyspace", cassandra_username="casque",
+                        cassandra_password="c" * 40)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInjection, match="namespace is unknown"):
+        plan(pod(ORDERS), InjectionSettings(), backends)
+
+
 def admission(document: dict[str, Any], operation: str = "CREATE") -> dict[str, Any]:
     return {
         "apiVersion": "admission.k8s.io/v1",

@@ -1,8 +1,11 @@
-"""The operator's per-namespace rules, pure: the namespace's ZooKeeper Secret and quotas."""
+"""The operator's per-namespace rules, pure: the namespace's Secrets, Cassandra keyspace and
+role names, and quotas."""
 
 from __future__ import annotations
 
 import base64
+import re
+from typing import Any, cast
 
 import pytest
 from pydantic import SecretStr
@@ -11,8 +14,11 @@ from casque.backends.zkacl import Identity, namespace_identity, parse_acl
 from casque.config import Settings
 from casque.errors import InvalidSpec
 from casque.operator.quotas import MAX_LOGS, MAX_QUEUES, MAX_RETENTION, Limits, QuotaSettings, limits_for, violations
-from casque.operator.tenancy import zookeeper_secret
+from casque.operator.tenancy import cassandra_secret, zookeeper_secret
+from casque.schema import NAME_PATTERN, QueueRef
 from casque.specs import QueueSpec
+from casque.store import Store
+from casque.tenancy import MAX_KEYSPACE_LENGTH, namespace_keyspace, namespace_role
 
 PASSWORD = "i" * 40
 
@@ -33,6 +39,63 @@ def test_the_secret_holds_the_namespaces_identity_and_acl_never_the_installation
     expected = namespace_identity(Identity("casque", PASSWORD), "shop")
     assert (data["username"], data["password"]) == (expected.username, expected.password)
     assert {entry.id for entry in parse_acl(data["acl"])} == {Identity("casque", PASSWORD).acl_id, expected.acl_id}
+    assert PASSWORD not in str(secret)
+
+
+# Cassandra's own rule for keyspace names (unquoted, as casque writes them).
+KEYSPACE_NAME = re.compile(rf"^[a-z][a-z0-9_]{{0,{MAX_KEYSPACE_LENGTH - 1}}}$")
+
+
+def test_a_namespaces_keyspace_is_the_installations_with_the_namespace_readable() -> None:
+    assert namespace_keyspace("casque", "team-a") == "casque_team_a"
+    assert namespace_keyspace("casque", "team-a") == namespace_keyspace("casque", "team-a")
+    assert namespace_keyspace("other", "team-a") == "other_team_a"
+
+
+@pytest.mark.parametrize("installation", ["casque", "c", "x" * 24])
+def test_keyspace_names_are_valid_and_distinct_for_any_namespaces(installation: str) -> None:
+    longest = "n" * 63
+    names = ["a", "a-b", "a--b", "ab", "team-1", longest, longest[:-1] + "m", "a" * 40, "a" * 41,
+             # A short namespace that ends like a long one's hash cannot take its keyspace.
+             namespace_keyspace(installation, longest)[len(installation) + 1:].replace("_", "-")]
+    keyspaces = [namespace_keyspace(installation, name) for name in names if NAME_PATTERN.match(name)]
+    assert all(KEYSPACE_NAME.match(keyspace) for keyspace in keyspaces), keyspaces
+    assert len(set(keyspaces)) == len(keyspaces), keyspaces
+    assert namespace_keyspace(installation, longest).startswith(f"{installation}_nnn")
+
+
+def test_a_namespace_keyspace_refuses_what_cassandra_could_not_name() -> None:
+    with pytest.raises(InvalidSpec, match="at most 24|longer than 24"):
+        namespace_keyspace("k" * 25, "shop")
+    with pytest.raises(InvalidSpec, match="DNS label"):
+        namespace_keyspace("casque", "Shop_1")
+    with pytest.raises(ValueError, match="at most 24"):
+        Settings(cassandra_isolation="keyspace", keyspace="k" * 25, cassandra_username="casque",
+                 cassandra_password=SecretStr("p" * 40))
+    with pytest.raises(ValueError, match="needs CASQUE_CASSANDRA_USERNAME and _PASSWORD"):
+        Settings(cassandra_isolation="keyspace")
+
+
+def test_a_namespaces_role_password_is_derived_from_the_installations_and_differs_per_namespace() -> None:
+    shop = namespace_role("casque", PASSWORD, "shop")
+    assert shop == namespace_role("casque", PASSWORD, "shop")  # the operator recomputes it
+    assert shop.username == shop.keyspace == "casque_shop"
+    assert shop.password != namespace_role("casque", PASSWORD, "shoe").password
+    assert shop.password != namespace_role("casque", "j" * 40, "shop").password  # rotates with the installation's
+    assert len(shop.password) >= 40 and PASSWORD not in shop.password
+    assert shop.password not in repr(shop)
+
+
+def test_the_cassandra_secret_holds_the_namespaces_role_and_keyspace_never_the_installations() -> None:
+    assert cassandra_secret(Settings(), "shop") is None
+    settings = Settings(cassandra_isolation="keyspace", cassandra_username="cassandra",
+                        cassandra_password=SecretStr(PASSWORD))
+    secret = cassandra_secret(settings, "shop")
+    assert secret is not None and secret["metadata"] == {
+        "name": "casque-cassandra-role", "namespace": "shop", "labels": {"app.kubernetes.io/managed-by": "casque-operator"}}
+    data = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+    role = namespace_role("casque", PASSWORD, "shop")
+    assert data == {"username": role.username, "password": role.password, "keyspace": role.keyspace}
     assert PASSWORD not in str(secret)
 
 
@@ -66,3 +129,29 @@ def test_namespace_annotations_override_the_defaults() -> None:
     for bad in ({MAX_QUEUES: "many"}, {MAX_RETENTION: "forever"}):
         with pytest.raises(InvalidSpec):
             limits_for(defaults, bad)
+
+
+def _store(isolation: bool) -> Store:
+    # No connections: only the naming is under test.
+    return Store(session=cast(Any, None), zk=cast(Any, None), keyspace="casque", zk_root="/casque",
+                 replication_cql="", isolation=isolation)
+
+
+def test_an_isolated_store_finds_each_queue_in_its_namespaces_keyspace() -> None:
+    store = _store(isolation=True)
+    orders = QueueRef("team-a", "orders")
+    assert store.table(orders) == f"casque_team_a.{orders.messages_table}"
+    assert store.keyspace_of("team-b") == "casque_team_b"
+    view = store.for_namespace("team-a")
+    assert (view.keyspace, view.isolation, view.table(orders)) == ("casque_team_a", False, store.table(orders))
+    assert view.namespace_view_keyspace("counters") == "casque_team_a"
+    # Code that knows a queue only by its shared-table key must be handed a namespace's view.
+    with pytest.raises(RuntimeError, match="for_namespace"):
+        store.namespace_view_keyspace("counters")
+
+
+def test_without_isolation_every_namespace_uses_the_installation_keyspace() -> None:
+    store = _store(isolation=False)
+    assert store.keyspace_of("team-a") == store.keyspace_of("team-b") == "casque"
+    assert store.for_namespace("team-a") is store
+    assert store.table(QueueRef("team-a", "orders")).startswith("casque.m_orders_")

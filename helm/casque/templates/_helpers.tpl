@@ -112,8 +112,9 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
-{{- if include "casque.zookeeperSecret" . }}
-# Each namespace's ZooKeeper identity, written with its first Queue, deleted after its last.
+{{- if or (include "casque.zookeeperSecret" .) (eq .Values.cassandra.isolation "keyspace") }}
+# Each namespace's ZooKeeper identity and Cassandra role, written with its first Queue,
+# deleted after its last.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, create, patch, delete]

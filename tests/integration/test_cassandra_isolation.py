@@ -1,0 +1,315 @@
+"""A keyspace and a role per namespace (CASQUE_CASSANDRA_ISOLATION=keyspace) on a real
+Cassandra with PasswordAuthenticator and CassandraAuthorizer (the `secure_stack` fixture).
+
+The installation (the operator's settings: the superuser) prepares two namespaces as the
+operator does; each namespace's sidecar then connects with what the operator and the
+webhook hand it (the Secret's role, its keyspace as CASQUE_KEYSPACE) and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+from cassandra import Unauthorized
+from cassandra.cluster import Session
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from pydantic import SecretStr
+
+from casque.config import Settings
+from casque.devstack.kube import KubeCluster
+from casque.devstack.stack import Stack
+from casque.engine import catalog
+from casque.engine.consumer import Consumer
+from casque.engine.messages import OutgoingMessage
+from casque.engine.publisher import Publisher
+from casque.errors import AccessDenied
+from casque.operator import reconcile, tenancy
+from casque.operator.injection import sidecar_keyspace
+from casque.operator.resources import GROUP, QUEUES, VERSION
+from casque.schema import ACKS_TABLE, CLIENT_IDS_TABLE, COUNTERS_TABLE, DELAYED_TABLE, QueueRef
+from casque.sidecar.app import create_app
+from casque.sidecar.config import SidecarSettings
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+from tests.fixtures.stack import chroot_on
+from tests.fixtures.waiting import wait_for
+from tests.integration.test_operator import Operator, casque_crds, create, delete, get, queue, wait_ready  # noqa: F401
+from tests.integration.test_transport_security import secure_settings
+
+pytestmark = pytest.mark.integration
+
+A, B = "team-a", "team-b"
+SUBSCRIBER = "ledger"
+SPEC = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+Client = TestClient[web.Request, web.Application]
+
+
+@pytest.fixture
+def installation(secure_stack: Stack) -> Iterator[Settings]:
+    """The operator's settings, with a keyspace (and so namespace keyspaces) and a ZooKeeper
+    chroot of this test's own; both namespaces' keyspaces and roles dropped afterwards."""
+    hosts = secure_stack.zookeeper_tls_hosts
+    assert hosts is not None
+    keyspace = f"i{uuid.uuid4().hex[:12]}"
+    with chroot_on(hosts, **secure_stack.zookeeper().client_options()) as chrooted:
+        settings = secure_settings(secure_stack, keyspace, chrooted, cassandra_isolation="keyspace")
+        yield settings
+        admin = Store.open(settings)
+        try:
+            for namespace in (A, B):
+                role = tenancy.cassandra_role(settings, namespace)
+                assert role is not None
+                catalog.drop_namespace_role(admin, role)
+                admin.session.execute(f"DROP KEYSPACE IF EXISTS {role.keyspace}")
+            admin.session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+        finally:
+            admin.close()
+
+
+@pytest.fixture
+def operator(installation: Settings) -> Iterator[Store]:
+    """The installation's Store, after the operator's work for a Queue `orders` with a
+    Subscriber in each namespace: keyspace, role, tables, znodes."""
+    store = reconcile.open_store(installation)
+    try:
+        for namespace in (A, B):
+            role = tenancy.cassandra_role(installation, namespace)
+            assert role is not None
+            reconcile.prepare_namespace_cassandra(lambda: store, namespace, role)
+            queue = QueueRef(namespace, "orders")
+            catalog.apply_queue(store, queue, SPEC)
+            catalog.apply_subscriber(store, queue, SUBSCRIBER, SubscriberSpec(queue="orders", start_position="earliest"))
+        yield store
+    finally:
+        store.close()
+
+
+def sidecar_settings(installation: Settings, namespace: str) -> Settings:
+    """What the webhook and the namespace's Secret give its sidecar: the namespace's keyspace
+    and role, and no isolation setting (it knows one keyspace)."""
+    secret = tenancy.cassandra_secret(installation, namespace)
+    assert secret is not None
+    data = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+    return installation.model_copy(update={
+        "keyspace": sidecar_keyspace(installation, namespace), "cassandra_isolation": "none",
+        "cassandra_username": data["username"], "cassandra_password": SecretStr(data["password"])})
+
+
+def refused(session: Session, statement: str) -> str:
+    with pytest.raises(Unauthorized) as error:
+        session.execute(statement)
+    return str(error.value)
+
+
+async def publish(store: Store, queue: QueueRef, count: int) -> set[str]:
+    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
+    results = await asyncio.gather(*(publisher.publish([OutgoingMessage(f"{queue.namespace}-{i}".encode())])
+                                     for i in range(count)))
+    await publisher.flush_heads()
+    return {result[0].message_id for result in results}
+
+
+async def consume(store: Store, queue: QueueRef, expected: set[str]) -> set[str]:
+    consumer = Consumer(store, queue, SUBSCRIBER)
+    await consumer.start()
+    got: set[str] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while got != expected and time.monotonic() < deadline:
+            batch = await consumer.receive(max_messages=50, wait=1.0)
+            await asyncio.gather(*(consumer.ack(d.receipt) for d in batch))
+            got |= {d.message.message_id for d in batch}
+    finally:
+        await consumer.stop()
+    return got
+
+
+async def test_a_namespaces_role_reaches_its_own_keyspace_only(operator: Store, installation: Settings) -> None:
+    a_keyspace, b_keyspace = operator.keyspace_of(A), operator.keyspace_of(B)
+    assert a_keyspace != b_keyspace != installation.keyspace
+    # Each namespace's queue table and shared tables live in its own keyspace.
+    assert operator.table(QueueRef(B, "orders")).startswith(f"{b_keyspace}.")
+    sidecar_b = Store.open(sidecar_settings(installation, B), namespace=B)
+    try:
+        b_rows = await publish(sidecar_b, QueueRef(B, "orders"), 3)
+    finally:
+        sidecar_b.close()
+
+    sidecar_a = Store.open(sidecar_settings(installation, A), namespace=A)
+    try:
+        # A's sidecar does everything on A's queue: publish, consume, ack (counters and acks).
+        mine = QueueRef(A, "orders")
+        published = await publish(sidecar_a, mine, 5)
+        assert await consume(sidecar_a, mine, published) == published
+
+        # ...and nothing on B's: not its messages, nor its shared tables, nor the installation's.
+        session = sidecar_a.session
+        b_table = QueueRef(B, "orders").messages_table
+        assert b_keyspace in refused(session, f"SELECT * FROM {b_keyspace}.{b_table}")
+        refused(session, f"INSERT INTO {b_keyspace}.{b_table} (shard, bucket, batch_no, seq, message_id) "
+                         "VALUES (0, 0, 99, 0, 'forged')")
+        for table in (ACKS_TABLE, DELAYED_TABLE, COUNTERS_TABLE, CLIENT_IDS_TABLE):
+            refused(session, f"SELECT * FROM {b_keyspace}.{table}")
+            refused(session, f"SELECT * FROM {installation.keyspace}.{table}")
+        refused(session, f"UPDATE {b_keyspace}.{COUNTERS_TABLE} SET value = value + 1 "
+                         "WHERE queue = 'team-b/orders' AND name = 'forged'")
+        # Within its own keyspace it reads and writes rows, but changes neither schema nor grants.
+        refused(session, f"DROP TABLE {a_keyspace}.{mine.messages_table}")
+        refused(session, f"CREATE TABLE {a_keyspace}.extra (k int PRIMARY KEY)")
+        refused(session, f'GRANT SELECT ON KEYSPACE {b_keyspace} TO "{a_keyspace}"')
+    finally:
+        sidecar_a.close()
+    # B's rows are untouched, as the installation sees them.
+    rows = operator.session.execute(f"SELECT message_id FROM {operator.table(QueueRef(B, 'orders'))}")
+    assert {row.message_id for row in rows} - {None} == b_rows
+
+
+async def test_a_namespaces_sidecar_serves_its_queue_with_what_the_webhook_gives_it(
+    operator: Store, installation: Settings, aiohttp_client: Any
+) -> None:
+    client: Client = await aiohttp_client(create_app(
+        SidecarSettings(namespace=A, queue="orders", subscribers=[SUBSCRIBER], drain_seconds=0.5),
+        sidecar_settings(installation, A), None))
+    deadline = time.monotonic() + 60
+    while (await client.get("/readyz")).status != 200:
+        assert time.monotonic() < deadline, await (await client.get("/readyz")).text()
+        await asyncio.sleep(0.1)
+    published = await client.post("/v1/queues/orders/messages", json={"data": {"amount": 7}})
+    assert published.status == 200, await published.text()
+    received: list[dict[str, Any]] = []
+    while not received:
+        assert time.monotonic() < deadline, "the message never arrived"
+        answer = await client.post(f"/v1/queues/orders/subscribers/{SUBSCRIBER}/receive", json={"max": 10, "wait": 1})
+        assert answer.status == 200, await answer.text()
+        received = (await answer.json())["messages"]
+    assert [m["data"] for m in received] == [{"amount": 7}]
+    # The message is in A's keyspace, not the installation's.
+    assert operator.session.execute(f"SELECT count(*) FROM {operator.table(QueueRef(A, 'orders'))}").one()[0] > 0
+
+
+async def test_the_installation_still_sees_every_namespace_and_a_dropped_role_cannot_log_in(
+    operator: Store, installation: Settings
+) -> None:
+    # The operator's reads go to each namespace's keyspace (its status refresh, figures included).
+    sidecar_b = Store.open(sidecar_settings(installation, B), namespace=B)
+    try:
+        await publish(sidecar_b, QueueRef(B, "orders"), 4)
+    finally:
+        sidecar_b.close()
+    for namespace in (A, B):
+        seen = await reconcile.observe_queue(operator, QueueRef(namespace, "orders"))
+        assert reconcile.queue_drift(SPEC, seen) == [], namespace
+        assert seen.stats.published_messages == (4 if namespace == B else 0), namespace
+    role = tenancy.cassandra_role(installation, A)
+    assert role is not None
+    catalog.drop_namespace_role(operator, role)
+    # The keyspace stays, with its tables.
+    assert operator.session.execute(
+        "SELECT keyspace_name FROM system_schema.keyspaces WHERE keyspace_name = %s", (role.keyspace,)).one()
+    # Cassandra caches credentials for a while (credentials_validity): wait for the refusal.
+    def refused_now() -> bool:
+        try:
+            Store.open(sidecar_settings(installation, A), namespace=A).close()
+        except AccessDenied:
+            return True
+        return False
+
+    wait_for("the dropped role to be refused", refused_now, timeout=60)
+
+
+# --- the operator on a real API server ----------------------------------------------------------
+
+
+@pytest.fixture
+def operator_env(secure_stack: Stack, installation: Settings, kube_cluster: KubeCluster) -> dict[str, str]:
+    """`casque operator run`'s environment: the installation's settings, as the chart gives them."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CASQUE_")},
+        **secure_stack.client_env(),
+        "KUBECONFIG": str(kube_cluster.kubeconfig_path),
+        "CASQUE_KEYSPACE": installation.keyspace,
+        "CASQUE_ZOOKEEPER_HOSTS": installation.zookeeper_hosts,
+        "CASQUE_CONSISTENCY": "ONE",
+        "CASQUE_CASSANDRA_ISOLATION": "keyspace",
+    }
+
+
+def secret_data(core: client.CoreV1Api, namespace: str) -> dict[str, str] | None:
+    try:
+        secret = core.read_namespaced_secret(tenancy.CASSANDRA_SECRET, namespace)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return {key: base64.b64decode(value).decode() for key, value in (secret.data or {}).items()}
+
+
+def test_the_operator_gives_a_namespace_its_role_with_the_first_queue_and_takes_it_with_the_last(
+    operator_env: dict[str, str],
+    installation: Settings,
+    kube_client: client.ApiClient,
+    kube_namespace: str,
+    casque_crds: None,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    api, core, ns = client.CustomObjectsApi(kube_client), client.CoreV1Api(kube_client), kube_namespace
+    role = tenancy.cassandra_role(installation, ns)
+    assert role is not None
+    running = Operator(operator_env, ns, tmp_path / "operator.log")
+    try:
+        create(api, ns, queue("orders", deletionPolicy="Delete", consistency="ONE"))
+        create(api, ns, queue("audit", deletionPolicy="Delete", consistency="ONE"))
+        wait_ready(api, ns, QUEUES, "orders")
+        wait_ready(api, ns, QUEUES, "audit")
+        data = secret_data(core, ns)
+        assert data == {"username": role.username, "password": role.password, "keyspace": role.keyspace}
+        assert installation.cassandra_password is not None
+        assert installation.cassandra_password.get_secret_value() not in str(data)
+
+        # The Secret's role works on the namespace's queue, in the namespace's keyspace.
+        own = installation.model_copy(update={
+            "keyspace": data["keyspace"], "cassandra_isolation": "none", "cassandra_username": data["username"],
+            "cassandra_password": SecretStr(data["password"])})
+        sidecar = Store.open(own, namespace=ns)
+        try:
+            assert asyncio.run(publish(sidecar, QueueRef(ns, "orders"), 2))
+            refused(sidecar.session, f"SELECT * FROM {installation.keyspace}.{ACKS_TABLE}")
+        finally:
+            sidecar.close()
+
+        # One Queue deleted: the other still needs the role. The last one: Secret and role go.
+        delete(api, ns, QUEUES, "orders")
+        wait_for("orders to be gone", lambda: get(api, ns, QUEUES, "orders") is None)
+        assert secret_data(core, ns) == data
+        delete(api, ns, QUEUES, "audit")
+        wait_for("the namespace's Secret to be deleted with its last Queue", lambda: secret_data(core, ns) is None)
+
+        # Cassandra caches credentials for a while (credentials_validity): wait for the refusal.
+        def role_refused() -> bool:
+            try:
+                Store.open(own, namespace=ns).close()
+            except AccessDenied:
+                return True
+            return False
+
+        wait_for("the namespace's role to be dropped", role_refused, timeout=60)
+    finally:
+        for name in ("orders", "audit"):
+            delete(api, ns, QUEUES, name)
+        try:
+            wait_for("the test's Queues to be deleted", lambda: not api.list_namespaced_custom_object(
+                GROUP, VERSION, ns, QUEUES)["items"], timeout=120)
+        finally:
+            running.stop()
+            print(f"--- operator log\n{running.log()[-6000:]}")
