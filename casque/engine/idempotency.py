@@ -164,7 +164,9 @@ class IdempotencyGuard:
         self._queue = queue_key
         self._window = int(window_seconds or DEFAULT_WINDOW_SECONDS)
         self._log = log
-        table = f"{store.keyspace}.{CLIENT_IDS_TABLE}"
+        # The shared tables of the queue's namespace (its own keyspace under isolation).
+        keyspace = store.keyspace_of(log.queue.namespace)
+        table = f"{keyspace}.{CLIENT_IDS_TABLE}"
         self._select = store.session.prepare(
             f"SELECT {_COLUMNS} FROM {table} WHERE queue = ? AND bucket = ? AND client_id IN ?"
         )
@@ -178,7 +180,7 @@ class IdempotencyGuard:
             f"INSERT INTO {table} (queue, bucket, client_id, message_id, shard, seq, writer) "
             "VALUES (?, ?, ?, ?, ?, ?, ?) USING TTL ?"
         )
-        writers = f"{store.keyspace}.{PUBLISH_WRITERS_TABLE}"
+        writers = f"{keyspace}.{PUBLISH_WRITERS_TABLE}"
         self._insert_writer = store.session.prepare(
             f"INSERT INTO {writers} (queue, writer, shard, since_batch, claim_deadline, replaces) "
             "VALUES (?, ?, ?, ?, ?, ?) USING TTL ?"
@@ -208,8 +210,8 @@ class IdempotencyGuard:
         for statement in (self._take_over, self._take_over_legacy):
             statement.serial_consistency_level = log.serial_consistency
         self._legacy = (
-            LegacyIds(store, queue_key, self._consistency)
-            if has_table(store.session, store.keyspace, LEGACY_PUBLISH_IDS_TABLE) else None
+            LegacyIds(store, keyspace, queue_key, self._consistency)
+            if has_table(store.session, keyspace, LEGACY_PUBLISH_IDS_TABLE) else None
         )
         self._recent = RecentIds()
         self._inflight: dict[str, asyncio.Future[Published]] = {}
@@ -471,11 +473,11 @@ class LegacyIds:
     operator drops the table (once every sidecar runs this version and the longest window,
     the longest queue retention, has passed)."""
 
-    def __init__(self, store: Store, queue_key: str, consistency: int) -> None:
+    def __init__(self, store: Store, keyspace: str, queue_key: str, consistency: int) -> None:
         self._store = store
         self._queue = queue_key
         self._select = store.session.prepare(
-            f"SELECT {_LEGACY_COLUMNS} FROM {store.keyspace}.{LEGACY_PUBLISH_IDS_TABLE} "
+            f"SELECT {_LEGACY_COLUMNS} FROM {keyspace}.{LEGACY_PUBLISH_IDS_TABLE} "
             "WHERE queue = ? AND client_id IN ?"
         )
         self._select.consistency_level = consistency

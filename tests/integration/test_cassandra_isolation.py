@@ -228,6 +228,22 @@ async def test_the_installation_still_sees_every_namespace_and_a_dropped_role_ca
     wait_for("the dropped role to be refused", refused_now, timeout=60)
 
 
+async def test_ids_published_through_the_installations_store_land_in_the_namespaces_keyspace(
+    operator: Store,
+) -> None:
+    """Idempotent publish through the installation's Store (the operator's, or a CLI's)
+    records its ids with the queue's namespace, where that namespace's retries look."""
+    queue = QueueRef(A, "orders")
+    publisher = Publisher(operator, queue, catalog.read_queue(operator, queue))
+    (first,) = await publisher.publish([OutgoingMessage(b"pay", client_id="order-1")])
+    again = Publisher(operator, queue, catalog.read_queue(operator, queue))
+    (second,) = await again.publish([OutgoingMessage(b"pay", client_id="order-1")])
+    assert second.duplicate and second.message_id == first.message_id
+    found = operator.session.execute(f"SELECT client_id FROM {operator.keyspace_of(A)}.{CLIENT_IDS_TABLE}")
+    assert [row.client_id for row in found] == ["order-1"]
+    assert not list(operator.session.execute(f"SELECT client_id FROM {operator.keyspace}.{CLIENT_IDS_TABLE}"))
+
+
 # --- the operator on a real API server ----------------------------------------------------------
 
 
