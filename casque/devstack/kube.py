@@ -292,8 +292,17 @@ def start_kube_api(
     timeout: float = 90.0,
     extra_apiserver_args: Sequence[str] = (),
     attempts: int = 3,
+    address: str = "127.0.0.1",
+    for_node: bool = False,
 ) -> KubeCluster:
-    """Start etcd and kube-apiserver on free 127.0.0.1 ports, wait for ``/readyz``.
+    """Start etcd and kube-apiserver on free ports, wait for ``/readyz``.
+
+    The API server listens on ``address`` (etcd always on 127.0.0.1). ``for_node`` makes it
+    serve a node's pods as a cluster does (casque.devstack.node): ``address`` must then be one
+    that pods reach, as the ``kubernetes`` Service's endpoint; the ServiceAccount admission
+    plugin gives pods their tokens; webhooks are called on their Service's endpoints (the
+    pods' addresses, which the host routes to) rather than on the Service's cluster IP; and
+    the API server reaches kubelets on their node addresses with a client certificate.
 
     All state (etcd data, certificates, token file, kubeconfig, logs) lives under
     ``workdir``. Ports are picked free but may be taken by someone else before the servers
@@ -309,11 +318,30 @@ def start_kube_api(
     ca_crt, ca_key = make_ca(pki)
     serving_crt, serving_key = issue_cert(
         pki, ca_crt, ca_key, "apiserver",
-        ["127.0.0.1", "localhost", _KUBERNETES_SERVICE_IP, "kubernetes",
+        [address, "127.0.0.1", "localhost", _KUBERNETES_SERVICE_IP, "kubernetes",
          "kubernetes.default", "kubernetes.default.svc",
          "kubernetes.default.svc.cluster.local"],
     )
     sa_key, sa_pub = _make_service_account_key(pki)
+    node_args: list[str] = []
+    if for_node:
+        kubelet_crt, kubelet_key = issue_cert(pki, ca_crt, ca_key, "apiserver-kubelet-client", client=True)
+        node_args = [
+            "--endpoint-reconciler-type=lease",
+            "--enable-aggregator-routing=true",
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={kubelet_crt}",
+            f"--kubelet-client-key={kubelet_key}",
+        ]
+    else:
+        node_args = [
+            # No controller-manager creates the "default" ServiceAccount in namespaces,
+            # so this admission plugin would reject every Pod.
+            "--disable-admission-plugins=ServiceAccount",
+            # The "kubernetes" Service's Endpoints may not point at a loopback address,
+            # so the default lease reconciler would log an error every few seconds.
+            "--endpoint-reconciler-type=none",
+        ]
     token = secrets.token_urlsafe(32)
     token_file = pki / "tokens.csv"
     token_file.write_text(f'{token},{ADMIN_USER},{ADMIN_USER},"{ADMIN_GROUP}"\n')
@@ -325,7 +353,7 @@ def start_kube_api(
             return _start_once(
                 workdir, etcd_bin, apiserver_bin, attempt,
                 ca_crt, ca_key, serving_crt, serving_key, sa_key, sa_pub,
-                token, token_file, timeout, extra_apiserver_args,
+                token, token_file, timeout, [*node_args, *extra_apiserver_args], address,
             )
         except KubeStartError as err:
             last_error = err
@@ -350,11 +378,12 @@ def _start_once(
     token_file: Path,
     timeout: float,
     extra_apiserver_args: Sequence[str],
+    address: str,
 ) -> KubeCluster:
     etcd_client_port, etcd_peer_port, secure_port = _free_port(), _free_port(), _free_port()
     etcd_url = f"http://127.0.0.1:{etcd_client_port}"
     etcd_peer_url = f"http://127.0.0.1:{etcd_peer_port}"
-    server_url = f"https://127.0.0.1:{secure_port}"
+    server_url = f"https://{address}:{secure_port}"
     etcd_data = workdir / "etcd-data"
     if etcd_data.exists():
         shutil.rmtree(etcd_data)
@@ -391,8 +420,8 @@ def _start_once(
             [
                 str(apiserver_bin),
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={address}",
+                f"--advertise-address={address}",
                 f"--secure-port={secure_port}",
                 f"--cert-dir={workdir / 'apiserver-certs'}",
                 f"--tls-cert-file={serving_crt}",
@@ -404,12 +433,6 @@ def _start_once(
                 f"--service-account-key-file={sa_pub}",
                 f"--service-account-signing-key-file={sa_key}",
                 "--allow-privileged=true",
-                # No controller-manager creates the "default" ServiceAccount in namespaces,
-                # so this admission plugin would reject every Pod.
-                "--disable-admission-plugins=ServiceAccount",
-                # The "kubernetes" Service's Endpoints may not point at a loopback address,
-                # so the default lease reconciler would log an error every few seconds.
-                "--endpoint-reconciler-type=none",
                 "--profiling=false",
                 *extra_apiserver_args,
             ],
