@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import fcntl
 import json
-import shlex
 import os
+import shlex
 import shutil
 import subprocess
 import time
