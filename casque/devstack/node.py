@@ -107,6 +107,18 @@ def _iptables_chains(command: str) -> dict[str, set[str]]:
     return chains
 
 
+def rules_into(listing: Sequence[str], chains: set[str]) -> list[list[str]]:
+    """The rules of an ``iptables -S`` listing, outside `chains`, that name one of them (as
+    ``-D`` takes them: the chain, then the rule)."""
+    rules = []
+    for line in listing:
+        # shlex: comments are quoted and hold spaces ("kubernetes service portals").
+        words = shlex.split(line)
+        if words[:1] == ["-A"] and words[1] not in chains and any(w in chains for w in words[2:]):
+            rules.append(words[1:])
+    return rules
+
+
 def _remove_new_chains(command: str, before: dict[str, set[str]]) -> None:
     """Delete the chains that are not in `before`, and first every rule that jumps to them."""
     for table in IPTABLES_TABLES:
@@ -115,10 +127,8 @@ def _remove_new_chains(command: str, before: dict[str, set[str]]) -> None:
         new = {line.split()[1] for line in lines if line.startswith("-N ")} - before.get(table, set())
         if not new:
             continue
-        for line in lines:
-            words = shlex.split(line)
-            if words[:1] == ["-A"] and words[1] not in new and any(w in new for w in words[2:]):
-                subprocess.run([command, "-w", "-t", table, "-D", *words[1:]], capture_output=True, check=False)
+        for rule in rules_into(lines, new):
+            subprocess.run([command, "-w", "-t", table, "-D", *rule], capture_output=True, check=False)
         for chain in new:
             subprocess.run([command, "-w", "-t", table, "-F", chain], capture_output=True, check=False)
         for chain in new:

@@ -173,6 +173,10 @@ def test_the_chart_runs_the_operator_and_the_example_app_publishes_and_receives_
     system, shop = f"casque-{suffix}", f"shop-{suffix}"
     keyspace, zk_root = keyspace_and_root
     kubeconfig = ["--kubeconfig", str(node_cluster.kubeconfig_path)]
+    # Other test sessions' servers on 127.0.0.1 must keep working while the node runs: nothing
+    # of the node's drops traffic to the loopback network (the kubelet's KUBE-FIREWALL would).
+    rules = subprocess.run(["iptables-save"], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [r for r in rules if r.startswith("-A KUBE") and "127.0.0.0/8" in r and "DROP" in r] == []
     try:
         # --wait: the operator's Deployment Available, i.e. its pod Ready on the node (its image,
         # its service-account token, the API server through the kubernetes Service).
