@@ -3,6 +3,8 @@
 There is no kubelet, scheduler or controller-manager, so objects are stored and validated
 (CRDs, CEL rules, RBAC, admission webhooks) but Pods never run and no controller reconciles
 anything. That is enough to test an operator's API interactions against a real server.
+``for_node=True`` starts it ready for casque.devstack.node, which adds a node and the
+controllers.
 
 Binaries come from ``scripts/install-kube-tools.sh`` and are looked up in
 ``$CASQUE_KUBE_BIN`` or else ``${CASQUE_CACHE:-~/.cache/casque}/kube/bin``.
