@@ -99,7 +99,7 @@ def kube_binary(name: str) -> Path:
     return path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -123,7 +123,7 @@ def _die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     # PR_SET_PDEATHSIG fires when the *thread* that forked exits, so only use it from the
     # main thread (pytest fixtures run there); elsewhere rely on stop()/atexit.
     preexec = (
@@ -141,7 +141,7 @@ def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def _terminate(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
+def terminate(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
     if proc is None or proc.poll() is not None:
         return
     proc.terminate()
@@ -152,7 +152,7 @@ def _terminate(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
         proc.wait()
 
 
-def _log_tail(path: Path, lines: int = 30) -> str:
+def log_tail(path: Path, lines: int = 30) -> str:
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -205,8 +205,8 @@ class KubeCluster:
 
     def stop(self, timeout: float = 15.0) -> None:
         """Terminate kube-apiserver, then etcd, and wait for both (SIGKILL after ``timeout``)."""
-        _terminate(self._apiserver, timeout)
-        _terminate(self._etcd, timeout)
+        terminate(self._apiserver, timeout)
+        terminate(self._etcd, timeout)
 
     def __enter__(self) -> KubeCluster:
         return self
@@ -233,7 +233,7 @@ def _wait_until(
             if proc.poll() is not None:
                 raise KubeStartError(
                     f"{name} exited with code {proc.returncode} while waiting for {what}; "
-                    f"log: {log}\n{_log_tail(log)}"
+                    f"log: {log}\n{log_tail(log)}"
                 )
         if ready():
             return
@@ -241,7 +241,7 @@ def _wait_until(
             logs = ", ".join(str(log) for _, _, log in procs)
             raise KubeStartError(
                 f"timed out after {timeout:.0f}s waiting for {what}; logs: {logs}\n"
-                f"{_log_tail(procs[-1][2])}"
+                f"{log_tail(procs[-1][2])}"
             )
         time.sleep(delay)
         delay = min(delay * 1.5, 0.5)
@@ -382,7 +382,7 @@ def _start_once(
     extra_apiserver_args: Sequence[str],
     address: str,
 ) -> KubeCluster:
-    etcd_client_port, etcd_peer_port, secure_port = _free_port(), _free_port(), _free_port()
+    etcd_client_port, etcd_peer_port, secure_port = free_port(), free_port(), free_port()
     etcd_url = f"http://127.0.0.1:{etcd_client_port}"
     etcd_peer_url = f"http://127.0.0.1:{etcd_peer_port}"
     server_url = f"https://{address}:{secure_port}"
@@ -393,7 +393,7 @@ def _start_once(
     apiserver_log = workdir / f"kube-apiserver.{attempt}.log"
     deadline = time.monotonic() + timeout
 
-    etcd = _spawn(
+    etcd = spawn(
         [
             str(etcd_bin),
             "--name=casque-test",
@@ -418,7 +418,7 @@ def _start_once(
             [("etcd", etcd, etcd_log)],
             max(deadline - time.monotonic(), 1.0),
         )
-        apiserver = _spawn(
+        apiserver = spawn(
             [
                 str(apiserver_bin),
                 f"--etcd-servers={etcd_url}",
@@ -448,8 +448,8 @@ def _start_once(
             max(deadline - time.monotonic(), 1.0),
         )
     except BaseException:
-        _terminate(apiserver, 10.0)
-        _terminate(etcd, 10.0)
+        terminate(apiserver, 10.0)
+        terminate(etcd, 10.0)
         raise
 
     kubeconfig = workdir / "kubeconfig"

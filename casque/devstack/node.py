@@ -47,11 +47,11 @@ from typing import IO
 from casque.devstack.kube import (
     KubeCluster,
     KubeStartError,
-    _free_port,
-    _log_tail,
-    _spawn,
-    _terminate,
+    free_port,
     kube_binary,
+    log_tail,
+    spawn,
+    terminate,
 )
 
 __all__ = ["INSTALL_SCRIPT", "NODE_NAME", "KubeNode", "host_address", "missing_node_tools", "start_node"]
@@ -389,7 +389,7 @@ class KubeNode:
     def _stop(self, name: str, timeout: float = 20.0) -> None:
         for each, process, _ in self.processes:
             if each == name:
-                _terminate(process, timeout)
+                terminate(process, timeout)
 
     def stop(self, drain: Callable[[], None] | None = None) -> list[str]:
         """Stop the node and undo its host changes; what is left, one line each.
@@ -441,7 +441,7 @@ def _wait_for(what: str, ready: Callable[[], bool], node: KubeNode, timeout: flo
         for name, process, log in node.processes:
             if process.poll() is not None:
                 raise KubeStartError(f"{name} exited with code {process.returncode} while waiting for {what}; "
-                                     f"log: {log}\n{_log_tail(log)}")
+                                     f"log: {log}\n{log_tail(log)}")
         if time.monotonic() > deadline:
             raise KubeStartError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.2)
@@ -496,41 +496,41 @@ def _start(node: KubeNode, sandbox_image: str, sandbox_archive: Callable[[KubeNo
         # The kubelet wants its cgroup root to exist in every hierarchy.
         (hierarchy / CGROUP_ROOT).mkdir(exist_ok=True)
 
-    def spawn(name: str, argv: Sequence[str]) -> None:
-        node.processes.append((name, _spawn(list(argv), node.log(name)), node.log(name)))
+    def start(name: str, argv: Sequence[str]) -> None:
+        node.processes.append((name, spawn(list(argv), node.log(name)), node.log(name)))
 
-    spawn("containerd", ["containerd", "--config", str(directory / "containerd.toml")])
+    start("containerd", ["containerd", "--config", str(directory / "containerd.toml")])
     _wait_for("containerd", lambda: subprocess.run(node.ctr("version"), capture_output=True).returncode == 0,
               node, 30)
     sandbox_archive(node)
 
     kubeconfig = str(cluster.kubeconfig_path)
-    (directory / "kubelet.json").write_text(kubelet_config(directory, address, _free_port(), cluster.ca_cert_path))
-    spawn("kubelet", [
+    (directory / "kubelet.json").write_text(kubelet_config(directory, address, free_port(), cluster.ca_cert_path))
+    start("kubelet", [
         str(kube_binary("kubelet")), f"--config={directory / 'kubelet.json'}", f"--kubeconfig={kubeconfig}",
         f"--root-dir={directory / 'kubelet'}", f"--cert-dir={directory / 'kubelet-pki'}",
         f"--hostname-override={NODE_NAME}", f"--node-ip={address}",
         f"--volume-plugin-dir={directory / 'volume-plugins'}",
         f"--pod-infra-container-image={sandbox_image}", "--v=1",
     ])
-    spawn("kube-proxy", [
+    start("kube-proxy", [
         str(kube_binary("kube-proxy")), f"--kubeconfig={kubeconfig}", f"--hostname-override={NODE_NAME}",
         "--proxy-mode=iptables", f"--cluster-cidr={POD_SUBNET}", f"--nodeport-addresses={address}/32",
         # Leave the host's sysctls alone: no route_localnet for NodePorts on 127.0.0.1 (and so
         # no rule dropping outside traffic to 127.0.0.0/8), no conntrack table sizes.
         "--iptables-localhost-nodeports=false", "--conntrack-max-per-core=0",
         "--conntrack-tcp-timeout-established=0s", "--conntrack-tcp-timeout-close-wait=0s",
-        f"--metrics-bind-address=127.0.0.1:{_free_port()}", f"--healthz-bind-address=127.0.0.1:{_free_port()}",
+        f"--metrics-bind-address=127.0.0.1:{free_port()}", f"--healthz-bind-address=127.0.0.1:{free_port()}",
     ])
-    spawn("kube-scheduler", [
+    start("kube-scheduler", [
         str(kube_binary("kube-scheduler")), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
-        "--bind-address=127.0.0.1", f"--secure-port={_free_port()}",
+        "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
         f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
     ])
     pki = cluster.ca_cert_path.parent
-    spawn("kube-controller-manager", [
+    start("kube-controller-manager", [
         str(kube_binary("kube-controller-manager")), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
-        "--bind-address=127.0.0.1", f"--secure-port={_free_port()}",
+        "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
         f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
         f"--root-ca-file={cluster.ca_cert_path}", f"--service-account-private-key-file={pki / 'sa.key'}",
         "--use-service-account-credentials=false", "--controllers=*,-nodeipam,-cloud-node-lifecycle",
