@@ -425,14 +425,20 @@ class KubeNode:
             subprocess.run(self.ctr("containers", "delete", container), capture_output=True, check=False)
 
 
-def _take_host_lock() -> IO[bytes]:
+def _take_host_lock(timeout: float) -> IO[bytes]:
+    """The machine's node lock; another session's node is waited out for up to `timeout`."""
     lock = open(HOST_LOCK, "wb")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise KubeStartError(f"another test session runs a node on this machine ({HOST_LOCK} is held)") from None
-    return lock
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                lock.close()
+                raise KubeStartError(f"another test session has run a node on this machine for {timeout:.0f}s "
+                                     f"({HOST_LOCK} is held)") from None
+            time.sleep(1.0)
 
 
 def _wait_for(what: str, ready: Callable[[], bool], node: KubeNode, timeout: float) -> None:
@@ -463,6 +469,7 @@ def start_node(
     sandbox_image: str,
     sandbox_archive: Callable[[KubeNode], None],
     timeout: float = 120.0,
+    lock_timeout: float = 900.0,
 ) -> KubeNode:
     """Start containerd, the kubelet and the controllers for `cluster`, wait until the node is
     Ready. `sandbox_archive` puts `sandbox_image` into the node's containerd (it runs after
@@ -471,7 +478,7 @@ def start_node(
         raise KubeStartError(f"{', '.join(missing)} missing; run `bash {INSTALL_SCRIPT}`")
     directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    lock = _take_host_lock()
+    lock = _take_host_lock(lock_timeout)
     try:
         baseline = HostBaseline.record()
     except BaseException:
