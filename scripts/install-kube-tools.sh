@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install kube-apiserver, kubectl, etcd and helm for casque's Kubernetes tests.
+# Install kube-apiserver, kubectl, etcd and helm for casque's Kubernetes tests, and the node's
+# kubelet, kube-scheduler, kube-controller-manager and kube-proxy (tests/integration/test_node.py).
 #
 # Everything is built from source with the Go toolchain, fetching code only from
 # the Go module proxy, so it works on machines that can reach package registries
@@ -8,7 +9,8 @@
 #   bash scripts/install-kube-tools.sh            # build what is missing
 #   bash scripts/install-kube-tools.sh --force    # rebuild everything
 #
-# Output:  ${CASQUE_CACHE:-$HOME/.cache/casque}/kube/bin/{kube-apiserver,kubectl,etcd,helm}
+# Output:  ${CASQUE_CACHE:-$HOME/.cache/casque}/kube/bin/{kube-apiserver,kubectl,etcd,helm,
+#          kubelet,kube-scheduler,kube-controller-manager,kube-proxy}
 # Each binary has a stamp file (bin/.stamps/<tool>) recording the pinned version
 # and build recipe; when every stamp matches, the script exits immediately.
 # The Go module and build caches (GOMODCACHE, GOCACHE) are left at their
@@ -16,7 +18,11 @@
 set -euo pipefail
 
 # ---- pinned versions -------------------------------------------------------
-KUBE_VERSION="v1.32.13"   # k8s.io/kubernetes (kube-apiserver, kubectl)
+KUBE_VERSION="v1.32.13"   # k8s.io/kubernetes (kube-apiserver, kubectl, the node's tools)
+# The module proxy refuses k8s.io/endpointslice at the staging version ("403 Forbidden: This
+# module version is not available"); kube-controller-manager and kube-proxy import it, and the
+# previous patch release of that module is what they get instead.
+ENDPOINTSLICE_VERSION="v0.32.12"
 ETCD_VERSION="v3.5.35"    # go.etcd.io/etcd/server/v3 (kube 1.32 wants etcd >= 3.5.11)
 HELM_VERSION="v3.22.0"    # helm.sh/helm/v3
 # Bump when the build recipe (flags, layout) changes, to force a rebuild.
@@ -28,20 +34,21 @@ KUBE_DIR="${CACHE_ROOT}/kube"
 BIN_DIR="${KUBE_DIR}/bin"
 STAMP_DIR="${BIN_DIR}/.stamps"
 SRC_DIR="${KUBE_DIR}/src"
-TOOLS=(kube-apiserver kubectl etcd helm)
+KUBE_TOOLS=(kube-apiserver kubectl kubelet kube-scheduler kube-controller-manager kube-proxy)
+TOOLS=("${KUBE_TOOLS[@]}" etcd helm)
 
 FORCE=0
 for arg in "$@"; do
   case "${arg}" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "install-kube-tools: unknown argument: ${arg}" >&2; exit 2 ;;
   esac
 done
 
 tool_version() {
   case "$1" in
-    kube-apiserver|kubectl) echo "${KUBE_VERSION}" ;;
+    kube-*|kubectl|kubelet) echo "${KUBE_VERSION}" ;;
     etcd) echo "${ETCD_VERSION}" ;;
     helm) echo "${HELM_VERSION}" ;;
   esac
@@ -157,7 +164,7 @@ check_version() {
   want="$(tool_version "${name}")"
   case "${name}" in
     etcd) out="$("${BIN_DIR}/etcd" --version)"; want="etcd Version: ${want#v}" ;;
-    kube-apiserver) out="$("${BIN_DIR}/kube-apiserver" --version)" ;;
+    kube-*|kubelet) out="$("${BIN_DIR}/${name}" --version)" ;;
     kubectl) out="$("${BIN_DIR}/kubectl" version --client)" ;;
     helm) out="$("${BIN_DIR}/helm" version --short)" ;;
   esac
@@ -218,8 +225,12 @@ EOF
   log "etcd built in $(elapsed "${t0}")"
 fi
 
-# ---- kube-apiserver, kubectl ------------------------------------------------
-if wants kube-apiserver || wants kubectl; then
+# ---- kube-apiserver, kubectl and the node's tools ------------------------------
+kube_todo=()
+for t in "${KUBE_TOOLS[@]}"; do
+  wants "${t}" && kube_todo+=("${t}")
+done
+if [[ ${#kube_todo[@]} -gt 0 ]]; then
   t0="$(date +%s)"
   kube_src="$(module_dir "k8s.io/kubernetes@${KUBE_VERSION}")"
   staging_version="v0.${KUBE_VERSION#v1.}"   # v1.32.13 -> v0.32.13
@@ -230,15 +241,17 @@ if wants kube-apiserver || wants kubectl; then
     log "found no staging replacements in ${kube_src}/go.mod"
     exit 1
   fi
-  pkgs=()
-  wants kube-apiserver && pkgs+=("k8s.io/kubernetes/cmd/kube-apiserver")
-  wants kubectl && pkgs+=("k8s.io/kubernetes/cmd/kubectl")
+  pkgs=("${kube_todo[@]/#/k8s.io/kubernetes/cmd/}")
   {
     echo "require k8s.io/kubernetes ${KUBE_VERSION}"
     echo
     echo "replace ("
     for m in "${staging[@]}"; do
-      echo "	${m} => ${m} ${staging_version}"
+      if [[ "${m}" == k8s.io/endpointslice ]]; then
+        echo "	${m} => ${m} ${ENDPOINTSLICE_VERSION}"
+      else
+        echo "	${m} => ${m} ${staging_version}"
+      fi
     done
     echo ")"
   } | write_module "${SRC_DIR}/kubernetes" "$(go_directive "${kube_src}")"

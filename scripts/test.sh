@@ -2,7 +2,8 @@
 # Command 2 of the README: install everything, then run the whole test suite against real
 # servers that the tests start themselves (Cassandra, ZooKeeper and a ZooKeeper ensemble,
 # kube-apiserver with etcd, Spark in local mode and as a standalone master and worker), and
-# the operator's and the sidecar's images built and run with podman.
+# the operator's and the sidecar's images built and run with podman, and on a kubelet node
+# (containerd from scripts/install-node.sh) with the chart and the example app.
 #
 # CASQUE_TEST_STRESS=1 runs the suite with a CPU hog beside it (one busy process per core),
 # as on a machine shared with other work: a test that fails only then is still a bug.
@@ -12,6 +13,7 @@ bash scripts/install.sh
 bash scripts/install-kube-tools.sh
 bash scripts/install-spark.sh
 bash scripts/install-podman.sh
+bash scripts/install-node.sh
 if [ "${CASQUE_TEST_STRESS:-0}" = "1" ]; then
   hogs=()
   for _ in $(seq "$(nproc)"); do

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.images import images  # noqa: F401
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace  # noqa: F401
+from tests.fixtures.node import kube_node, node_address, node_cluster, node_images, node_stack  # noqa: F401
 from tests.fixtures.sidecars import start_sidecar  # noqa: F401
 from tests.fixtures.stack import (  # noqa: F401
     backends,
@@ -30,7 +32,8 @@ from tests.fixtures.stack import (  # noqa: F401
 
 INTEGRATION = Path(__file__).parent / "integration"
 # Fixtures that start a server (directly or through the fixtures they depend on).
-SERVER_FIXTURES = frozenset({"backends", "ring", "dc_ring", "kube_cluster", "zookeeper_ensemble", "secure_stack"})
+SERVER_FIXTURES = frozenset({"backends", "ring", "dc_ring", "kube_cluster", "zookeeper_ensemble", "secure_stack",
+                             "node_stack", "node_cluster", "kube_node"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

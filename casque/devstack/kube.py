@@ -3,6 +3,8 @@
 There is no kubelet, scheduler or controller-manager, so objects are stored and validated
 (CRDs, CEL rules, RBAC, admission webhooks) but Pods never run and no controller reconciles
 anything. That is enough to test an operator's API interactions against a real server.
+``for_node=True`` starts it ready for casque.devstack.node, which adds a node and the
+controllers.
 
 Binaries come from ``scripts/install-kube-tools.sh`` and are looked up in
 ``$CASQUE_KUBE_BIN`` or else ``${CASQUE_CACHE:-~/.cache/casque}/kube/bin``.
@@ -97,7 +99,7 @@ def kube_binary(name: str) -> Path:
     return path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -121,7 +123,7 @@ def _die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     # PR_SET_PDEATHSIG fires when the *thread* that forked exits, so only use it from the
     # main thread (pytest fixtures run there); elsewhere rely on stop()/atexit.
     preexec = (
@@ -139,7 +141,7 @@ def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def _terminate(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
+def terminate(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
     if proc is None or proc.poll() is not None:
         return
     proc.terminate()
@@ -150,7 +152,7 @@ def _terminate(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
         proc.wait()
 
 
-def _log_tail(path: Path, lines: int = 30) -> str:
+def log_tail(path: Path, lines: int = 30) -> str:
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -203,8 +205,8 @@ class KubeCluster:
 
     def stop(self, timeout: float = 15.0) -> None:
         """Terminate kube-apiserver, then etcd, and wait for both (SIGKILL after ``timeout``)."""
-        _terminate(self._apiserver, timeout)
-        _terminate(self._etcd, timeout)
+        terminate(self._apiserver, timeout)
+        terminate(self._etcd, timeout)
 
     def __enter__(self) -> KubeCluster:
         return self
@@ -231,7 +233,7 @@ def _wait_until(
             if proc.poll() is not None:
                 raise KubeStartError(
                     f"{name} exited with code {proc.returncode} while waiting for {what}; "
-                    f"log: {log}\n{_log_tail(log)}"
+                    f"log: {log}\n{log_tail(log)}"
                 )
         if ready():
             return
@@ -239,7 +241,7 @@ def _wait_until(
             logs = ", ".join(str(log) for _, _, log in procs)
             raise KubeStartError(
                 f"timed out after {timeout:.0f}s waiting for {what}; logs: {logs}\n"
-                f"{_log_tail(procs[-1][2])}"
+                f"{log_tail(procs[-1][2])}"
             )
         time.sleep(delay)
         delay = min(delay * 1.5, 0.5)
@@ -292,8 +294,17 @@ def start_kube_api(
     timeout: float = 90.0,
     extra_apiserver_args: Sequence[str] = (),
     attempts: int = 3,
+    address: str = "127.0.0.1",
+    for_node: bool = False,
 ) -> KubeCluster:
-    """Start etcd and kube-apiserver on free 127.0.0.1 ports, wait for ``/readyz``.
+    """Start etcd and kube-apiserver on free ports, wait for ``/readyz``.
+
+    The API server listens on ``address`` (etcd always on 127.0.0.1). ``for_node`` makes it
+    serve a node's pods as a cluster does (casque.devstack.node): ``address`` must then be one
+    that pods reach, as the ``kubernetes`` Service's endpoint; the ServiceAccount admission
+    plugin gives pods their tokens; webhooks are called on their Service's endpoints (the
+    pods' addresses, which the host routes to) rather than on the Service's cluster IP; and
+    the API server reaches kubelets on their node addresses with a client certificate.
 
     All state (etcd data, certificates, token file, kubeconfig, logs) lives under
     ``workdir``. Ports are picked free but may be taken by someone else before the servers
@@ -309,11 +320,30 @@ def start_kube_api(
     ca_crt, ca_key = make_ca(pki)
     serving_crt, serving_key = issue_cert(
         pki, ca_crt, ca_key, "apiserver",
-        ["127.0.0.1", "localhost", _KUBERNETES_SERVICE_IP, "kubernetes",
+        [address, "127.0.0.1", "localhost", _KUBERNETES_SERVICE_IP, "kubernetes",
          "kubernetes.default", "kubernetes.default.svc",
          "kubernetes.default.svc.cluster.local"],
     )
     sa_key, sa_pub = _make_service_account_key(pki)
+    node_args: list[str] = []
+    if for_node:
+        kubelet_crt, kubelet_key = issue_cert(pki, ca_crt, ca_key, "apiserver-kubelet-client", client=True)
+        node_args = [
+            "--endpoint-reconciler-type=lease",
+            "--enable-aggregator-routing=true",
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={kubelet_crt}",
+            f"--kubelet-client-key={kubelet_key}",
+        ]
+    else:
+        node_args = [
+            # No controller-manager creates the "default" ServiceAccount in namespaces,
+            # so this admission plugin would reject every Pod.
+            "--disable-admission-plugins=ServiceAccount",
+            # The "kubernetes" Service's Endpoints may not point at a loopback address,
+            # so the default lease reconciler would log an error every few seconds.
+            "--endpoint-reconciler-type=none",
+        ]
     token = secrets.token_urlsafe(32)
     token_file = pki / "tokens.csv"
     token_file.write_text(f'{token},{ADMIN_USER},{ADMIN_USER},"{ADMIN_GROUP}"\n')
@@ -325,7 +355,7 @@ def start_kube_api(
             return _start_once(
                 workdir, etcd_bin, apiserver_bin, attempt,
                 ca_crt, ca_key, serving_crt, serving_key, sa_key, sa_pub,
-                token, token_file, timeout, extra_apiserver_args,
+                token, token_file, timeout, [*node_args, *extra_apiserver_args], address,
             )
         except KubeStartError as err:
             last_error = err
@@ -350,11 +380,12 @@ def _start_once(
     token_file: Path,
     timeout: float,
     extra_apiserver_args: Sequence[str],
+    address: str,
 ) -> KubeCluster:
-    etcd_client_port, etcd_peer_port, secure_port = _free_port(), _free_port(), _free_port()
+    etcd_client_port, etcd_peer_port, secure_port = free_port(), free_port(), free_port()
     etcd_url = f"http://127.0.0.1:{etcd_client_port}"
     etcd_peer_url = f"http://127.0.0.1:{etcd_peer_port}"
-    server_url = f"https://127.0.0.1:{secure_port}"
+    server_url = f"https://{address}:{secure_port}"
     etcd_data = workdir / "etcd-data"
     if etcd_data.exists():
         shutil.rmtree(etcd_data)
@@ -362,7 +393,7 @@ def _start_once(
     apiserver_log = workdir / f"kube-apiserver.{attempt}.log"
     deadline = time.monotonic() + timeout
 
-    etcd = _spawn(
+    etcd = spawn(
         [
             str(etcd_bin),
             "--name=casque-test",
@@ -387,12 +418,12 @@ def _start_once(
             [("etcd", etcd, etcd_log)],
             max(deadline - time.monotonic(), 1.0),
         )
-        apiserver = _spawn(
+        apiserver = spawn(
             [
                 str(apiserver_bin),
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={address}",
+                f"--advertise-address={address}",
                 f"--secure-port={secure_port}",
                 f"--cert-dir={workdir / 'apiserver-certs'}",
                 f"--tls-cert-file={serving_crt}",
@@ -404,12 +435,6 @@ def _start_once(
                 f"--service-account-key-file={sa_pub}",
                 f"--service-account-signing-key-file={sa_key}",
                 "--allow-privileged=true",
-                # No controller-manager creates the "default" ServiceAccount in namespaces,
-                # so this admission plugin would reject every Pod.
-                "--disable-admission-plugins=ServiceAccount",
-                # The "kubernetes" Service's Endpoints may not point at a loopback address,
-                # so the default lease reconciler would log an error every few seconds.
-                "--endpoint-reconciler-type=none",
                 "--profiling=false",
                 *extra_apiserver_args,
             ],
@@ -423,8 +448,8 @@ def _start_once(
             max(deadline - time.monotonic(), 1.0),
         )
     except BaseException:
-        _terminate(apiserver, 10.0)
-        _terminate(etcd, 10.0)
+        terminate(apiserver, 10.0)
+        terminate(etcd, 10.0)
         raise
 
     kubeconfig = workdir / "kubeconfig"

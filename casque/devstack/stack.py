@@ -92,6 +92,9 @@ class Stack:
     tls: bool = False
     client_auth: bool = False
     password_auth: bool = False
+    # A one-node stack on another address than the loopback's, e.g. the host's own, where
+    # pods on a node of this machine reach it (127.0.0.1 in a pod is the pod's loopback).
+    address: str | None = None
 
     @property
     def state_file(self) -> Path:
@@ -135,14 +138,16 @@ class Stack:
         return self.zookeeper().connect_string
 
     def cassandra_nodes(self) -> list[CassandraNode]:
+        if self.address is not None and self.nodes != 1:
+            raise StackError(f"a stack on {self.address} runs one Cassandra node, not {self.nodes}")
         return [
             CassandraNode(
                 directory=self.root / f"cassandra-{i}",
-                address=f"127.0.0.{i}",
+                address=self.address or f"127.0.0.{i}",
                 native_port=self.ports.native,
                 storage_port=self.ports.storage,
                 jmx_port=self.ports.jmx + 100 * (i - 1),
-                seeds="127.0.0.1",
+                seeds=self.address or "127.0.0.1",
                 cluster_name=self.cluster_name,
                 heap_mb=self.heap_mb,
                 datacenter=datacenter,
@@ -154,7 +159,8 @@ class Stack:
         ]
 
     def zookeeper(self) -> ZooKeeperEnsemble:
-        return ZooKeeperEnsemble(root=self.root, size=self.zookeeper_nodes, client_port=self.ports.zookeeper,
+        return ZooKeeperEnsemble(root=self.root, size=self.zookeeper_nodes, address=self.address or "127.0.0.1",
+                                 client_port=self.ports.zookeeper,
                                  quorum_port=self.ports.zookeeper_quorum,
                                  election_port=self.ports.zookeeper_election,
                                  pki=self.pki, require_client_auth=self.client_auth)
@@ -178,6 +184,7 @@ class Stack:
             tls=bool(saved.get("tls", False)),
             client_auth=bool(saved.get("client_auth", False)),
             password_auth=bool(saved.get("password_auth", False)),
+            address=saved.get("address"),
         )
 
     def _save(self) -> None:
@@ -189,6 +196,8 @@ class Stack:
         }
         if self.datacenters != 1:
             saved["datacenters"] = self.datacenters
+        if self.address is not None:
+            saved["address"] = self.address
         self.state_file.write_text(json.dumps(saved, indent=2))
 
     def status(self) -> list[ServiceStatus]:

@@ -22,7 +22,7 @@ from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from casque_client import AsyncClient
-from tests.fixtures.images import Images, hardened, images, podman, remove_container  # noqa: F401
+from tests.fixtures.images import Images, hardened, podman, remove_container
 from tests.fixtures.sidecars import SidecarProcess
 from tests.fixtures.stack import Backends
 from tests.fixtures.waiting import reserved_port, wait_for

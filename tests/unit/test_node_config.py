@@ -1,0 +1,67 @@
+"""The test node's configuration and host bookkeeping (casque.devstack.node), without starting
+anything; and the stack on the host's address that its pods reach."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from casque.devstack.node import BRIDGE, CGROUP_ROOT, cni_config, containerd_config, kubelet_config, rules_into
+from casque.devstack.stack import Stack
+from casque.errors import StackError
+
+
+def test_containerd_keeps_to_its_own_directory_and_restricts_oom_scores(tmp_path: Path) -> None:
+    config = tomllib.loads(containerd_config(tmp_path, "localhost/pause:1"))
+    cri = config["plugins"]["io.containerd.grpc.v1.cri"]
+    assert cri["restrict_oom_score_adj"] is True
+    assert cri["sandbox_image"] == "localhost/pause:1"
+    assert cri["cni"]["conf_dir"] == str(tmp_path / "cni")
+    runc = cri["containerd"]["runtimes"]["runc"]["options"]
+    assert runc["SystemdCgroup"] is False
+    for path in (config["root"], config["state"], config["grpc"]["address"], runc["Root"]):
+        assert Path(path).is_relative_to(tmp_path)
+
+
+def test_the_pods_network_adds_no_nat_rules(tmp_path: Path) -> None:
+    (bridge,) = json.loads(cni_config(tmp_path))["plugins"]
+    assert (bridge["type"], bridge["bridge"], bridge["ipMasq"]) == ("bridge", BRIDGE, False)
+    assert bridge["ipam"]["dataDir"] == str(tmp_path / "cni-ipam")
+
+
+def test_the_kubelet_makes_no_iptables_chains_and_keeps_its_cgroups_under_one_root(tmp_path: Path) -> None:
+    config = json.loads(kubelet_config(tmp_path, "192.0.2.2", 10250, tmp_path / "ca.crt"))
+    assert config["makeIPTablesUtilChains"] is False
+    assert config["cgroupRoot"] == f"/{CGROUP_ROOT}"
+    assert config["oomScoreAdj"] == 0
+    assert config["authentication"]["anonymous"]["enabled"] is False
+
+
+def test_the_rules_that_jump_to_new_chains_are_found_with_their_quoted_comments() -> None:
+    listing = [
+        "-P OUTPUT ACCEPT",
+        "-N KUBE-SERVICES",
+        "-N NETAVARK_FORWARD",
+        '-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES',
+        "-A FORWARD -j NETAVARK_FORWARD",
+        "-A KUBE-SERVICES -j RETURN",
+    ]
+    assert rules_into(listing, {"KUBE-SERVICES"}) == [
+        ["OUTPUT", "-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"]]
+
+
+def test_a_stack_on_the_hosts_address_puts_cassandra_and_zookeeper_there(tmp_path: Path) -> None:
+    stack = Stack(tmp_path, address="192.0.2.2")
+    (node,) = stack.cassandra_nodes()
+    assert (node.address, node.seeds) == ("192.0.2.2", "192.0.2.2")
+    assert stack.zookeeper_hosts == f"192.0.2.2:{stack.ports.zookeeper}"
+    stack._save()
+    assert Stack.load(tmp_path) == stack
+
+
+def test_a_stack_on_one_address_runs_one_node(tmp_path: Path) -> None:
+    with pytest.raises(StackError):
+        Stack(tmp_path, nodes=2, address="192.0.2.2").cassandra_nodes()
