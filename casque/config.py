@@ -110,6 +110,10 @@ class Settings(BaseSettings):
     # A sidecar's only: the ACL of everything it creates, `scheme:id:perms,...` (the operator
     # writes it into the namespace's Secret next to the credentials).
     zookeeper_acl: str | None = None
+    # The installation identity's only (operator, CLI): log in over SASL DIGEST-MD5 with the
+    # username and password above, a user of the servers' JAAS `Server` section, instead of
+    # digest; its ACL entries are then `sasl:<username>`. Namespaces' identities stay digest.
+    zookeeper_sasl: bool = False
     replication: ReplicationSettings = Field(default_factory=ReplicationSettings)
     cassandra_tls: CassandraTlsSettings = Field(default_factory=CassandraTlsSettings)
     zookeeper_tls: ZooKeeperTlsSettings = Field(default_factory=ZooKeeperTlsSettings)
@@ -120,9 +124,18 @@ class Settings(BaseSettings):
             raise ValueError("CASQUE_ZOOKEEPER_USERNAME and CASQUE_ZOOKEEPER_PASSWORD go together")
         if self.zookeeper_previous_password is not None and self.zookeeper_password is None:
             raise ValueError("CASQUE_ZOOKEEPER_PREVIOUS_PASSWORD needs CASQUE_ZOOKEEPER_PASSWORD")
+        if self.zookeeper_sasl and self.zookeeper_password is None:
+            raise ValueError("CASQUE_ZOOKEEPER_SASL=true needs CASQUE_ZOOKEEPER_USERNAME and _PASSWORD "
+                             "(the SASL DIGEST-MD5 user of the ZooKeeper servers' JAAS file)")
+        if self.zookeeper_sasl and self.zookeeper_acl is not None:
+            # A namespace's credentials (those come with an ACL) are digest: the servers' JAAS
+            # file knows the installation's user only.
+            raise ValueError("CASQUE_ZOOKEEPER_SASL is for the installation identity; a namespace's "
+                             "credentials (with CASQUE_ZOOKEEPER_ACL) log in with digest: unset CASQUE_ZOOKEEPER_SASL")
         for name, secret in (("PASSWORD", self.zookeeper_password), ("PREVIOUS_PASSWORD", self.zookeeper_previous_password)):
             # The SHA-1 digest of user:password is in every ACL (and so in every namespace's
-            # Secret): only a long random password keeps it from being guessed offline.
+            # Secret), and every namespace's password is an HMAC keyed with it (SASL too):
+            # only a long random password keeps it from being guessed offline.
             if secret is not None and len(secret.get_secret_value()) < MIN_ZOOKEEPER_PASSWORD:
                 raise ValueError(f"CASQUE_ZOOKEEPER_{name} must be at least {MIN_ZOOKEEPER_PASSWORD} characters")
         if self.cassandra_isolation == "keyspace" and self.cassandra_password is None:

@@ -8,15 +8,25 @@ handle ZooKeeper and Cassandra outages the same way.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any, TypeVar
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
 
-from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, OperationTimeoutError, SessionExpiredError
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import (
+    AuthFailedError,
+    ConnectionLoss,
+    NoAuthError,
+    NoNodeError,
+    OperationTimeoutError,
+    SessionExpiredError,
+)
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.states import KeeperState
 
 from casque.backends.tls import client_context, probe
-from casque.backends.zkacl import AclClient, Identity, installation_policy, namespace_policy, parse_acl
+from casque.backends.zkacl import AclClient, Identity, Scheme, installation_policy, namespace_policy, parse_acl
 from casque.config import Settings
 from casque.errors import AccessDenied, BackendUnavailable, InvalidSpec, TlsRefused
 
@@ -25,12 +35,27 @@ RETRYABLE = (ConnectionLoss, OperationTimeoutError, SessionExpiredError, KazooTi
 
 
 def identities(settings: Settings) -> list[Identity]:
-    """The digest identities of `settings`: none without credentials; the current one, and
-    the previous one while a rotation is under way."""
+    """The identities of `settings` (digest, or SASL with CASQUE_ZOOKEEPER_SASL): none without
+    credentials; the current one, and the previous one while a rotation is under way."""
     if settings.zookeeper_username is None or settings.zookeeper_password is None:
         return []
     passwords = [settings.zookeeper_password, settings.zookeeper_previous_password]
-    return [Identity(settings.zookeeper_username, p.get_secret_value()) for p in passwords if p is not None]
+    scheme: Scheme = "sasl" if settings.zookeeper_sasl else "digest"
+    return [Identity(settings.zookeeper_username, p.get_secret_value(), scheme) for p in passwords if p is not None]
+
+
+def login_options(own: Sequence[Identity]) -> dict[str, Any]:
+    """KazooClient's authentication arguments for `own` (the current identity first).
+
+    Digest credentials are all sent on every connect (ZooKeeper accepts any digest; the ACLs
+    decide). A SASL login is one exchange with one password, the current one: the servers'
+    JAAS file holds one per user.
+    """
+    if not own:
+        return {}
+    if own[0].scheme == "sasl":
+        return {"sasl_options": own[0].sasl_options}
+    return {"auth_data": [identity.auth for identity in own]}
 
 
 def connect(
@@ -44,7 +69,7 @@ def connect(
     timeout = timeout or settings.zookeeper_session_timeout_seconds
     hosts = hosts or settings.zookeeper_hosts
     own = identities(settings)
-    options = tls_options(settings)
+    options = {**tls_options(settings), **login_options(own)}
     client: KazooClient
     if not own:
         client = KazooClient(hosts=hosts, timeout=timeout, **options)
@@ -53,20 +78,32 @@ def connect(
             acl = parse_acl(settings.zookeeper_acl)
         except ValueError as error:
             raise InvalidSpec(f"CASQUE_ZOOKEEPER_ACL: {error}") from error
-        client = AclClient(namespace_policy(settings.zookeeper_root, acl), hosts=hosts, timeout=timeout,
-                           auth_data=[i.auth for i in own], **options)
+        client = AclClient(namespace_policy(settings.zookeeper_root, acl), hosts=hosts, timeout=timeout, **options)
     else:
         # The installation identity (a sidecar run with it too: it computes the same ACLs).
         policy = installation_policy(settings.zookeeper_root, own)
-        client = AclClient(policy, hosts=hosts, timeout=timeout, auth_data=[i.auth for i in own], **options)
+        client = AclClient(policy, hosts=hosts, timeout=timeout, **options)
     try:
-        client.start(timeout=timeout)
+        outcome = start(client, timeout)
     except KazooTimeoutError as error:
         client.close()
         refused = _tls_refusal(settings, hosts)
         if refused is not None:
             raise TlsRefused(refused) from error
         raise BackendUnavailable(f"ZooKeeper at {settings.zookeeper_hosts} is unreachable") from error
+    if outcome != "in":
+        client.close()
+        login = f"the SASL DIGEST-MD5 login of user {settings.zookeeper_username!r}"
+        if not settings.zookeeper_sasl:
+            raise BackendUnavailable(f"ZooKeeper at {settings.zookeeper_hosts} took the connection but did not "
+                                     f"answer within {timeout:g}s")
+        if outcome == "login refused":
+            raise AccessDenied(f"ZooKeeper at {settings.zookeeper_hosts} refused {login}: a wrong password, or a "
+                               "user missing from the `Server` section of the servers' JAAS file")
+        raise BackendUnavailable(
+            f"ZooKeeper at {settings.zookeeper_hosts} took the connection but did not answer {login} within "
+            f"{timeout:g}s: servers without SASL set up (a JAAS file with a `Server` section, authProvider.sasl) "
+            "never answer it (docs/security.md)")
     if own and namespace is not None:
         try:
             if settings.zookeeper_acl is None:
@@ -77,6 +114,57 @@ def connect(
             client.close()
             raise
     return client
+
+
+# How a start ended (an unreachable ensemble raises instead): the session is usable; the
+# servers refused the SASL login; or a server took the connection but did not answer (with
+# SASL: the login; a server without SASL set up logs an error and stays silent).
+StartOutcome = Literal["in", "login refused", "unanswered"]
+
+
+def start(client: KazooClient, timeout: float) -> StartOutcome:
+    """Start `client` and wait until its session is usable: connected and, with SASL, logged
+    in. KazooTimeoutError (the client stopped) when no server took the connection in time.
+
+    Not kazoo's `start`: kazoo reports a session CONNECTED before its SASL exchange, and a
+    refused login then ends the session (AUTH_FAILED, never retried) and drops the requests
+    queued meanwhile without answering them, so a first call could wait forever. Here the
+    answer to a first request (sent only after the login) or the session's loss, whichever
+    comes first, settles it.
+    """
+    reached, settled = threading.Event(), threading.Event()
+    refused = threading.Event()
+
+    def on_state(state: str) -> bool:
+        if state == KazooState.CONNECTED:
+            reached.set()
+        elif state == KazooState.LOST:
+            # Called in the same step that set the session's state, so this is the reason.
+            if client.client_state == KeeperState.AUTH_FAILED:
+                refused.set()
+            reached.set()
+            settled.set()
+        return False
+
+    deadline = time.monotonic() + timeout
+    client.add_listener(on_state)
+    answered = None
+    try:
+        client.start_async()
+        if reached.wait(timeout) and not settled.is_set():
+            answered = client.exists_async("/")
+            answered.rawlink(lambda _: settled.set())
+            settled.wait(max(0.0, deadline - time.monotonic()))
+    finally:
+        client.remove_listener(on_state)
+    if answered is not None and answered.successful():
+        return "in"
+    client.stop()
+    if refused.is_set():
+        return "login refused"
+    if reached.is_set():
+        return "unanswered"
+    raise KazooTimeoutError("Connection time-out")
 
 
 def tls_options(settings: Settings) -> dict[str, Any]:
@@ -170,6 +258,10 @@ async def call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise BackendUnavailable(f"ZooKeeper: {type(error).__name__}") from error
     except NoAuthError as error:
         raise AccessDenied(f"ZooKeeper refused this identity the operation on {_path_of(args)}") from error
+    except AuthFailedError as error:
+        # The session's SASL login was refused on a reconnect (a password changed on the
+        # servers): kazoo ends such a session for good, so only a new client gets back in.
+        raise AccessDenied("ZooKeeper refused this client's login; it must reconnect with valid credentials") from error
 
 
 def _path_of(args: tuple[Any, ...]) -> str:

@@ -1,13 +1,18 @@
-"""Who may touch which znode: ZooKeeper digest identities and the ACL every create carries.
+"""Who may touch which znode: ZooKeeper identities and the ACL every create carries.
 
-Two kinds of identity authenticate to ZooKeeper (digest scheme, `user:password`):
+Two kinds of identity authenticate to ZooKeeper:
 
 - the installation identity (the operator, `casque apply`, an administrator's CLI), from
-  the settings. It holds every permission on every znode of the installation.
-- one identity per Kubernetes namespace, for that namespace's sidecars. Its name is
-  `<installation user>.<namespace>` and its password is derived from the installation's
-  (HMAC-SHA256 of the namespace), so the operator can recreate it from its own settings at
-  any time and needs to store nothing; the operator hands it to the namespace in a Secret.
+  the settings. It holds every permission on every znode of the installation. It logs in
+  with the digest scheme (`user:password`, ACL entries `digest:<user>:<SHA-1 hash>`) or, with
+  `CASQUE_ZOOKEEPER_SASL=true`, over SASL DIGEST-MD5 against a user of the servers' JAAS
+  file (ACL entries `sasl:<user>`, which name no password).
+- one identity per Kubernetes namespace, for that namespace's sidecars, always digest. Its
+  name is `<installation user>.<namespace>` and its password is derived from the
+  installation's (HMAC-SHA256 of the namespace), so the operator can recreate it from its
+  own settings at any time and needs to store nothing; the operator hands it to the
+  namespace in a Secret. (SASL DIGEST-MD5 users are fixed in the servers' JAAS file, read
+  at their start, so the operator could not create one per namespace.)
 
 The ACLs, by path (ZooKeeper checks only the ACL of the znode an operation names, and a
 create or delete the ACL of the parent, never the ancestors'):
@@ -43,7 +48,7 @@ import hashlib
 import hmac
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.security import ACL, Id, Permissions, make_digest_acl_credential
@@ -53,26 +58,45 @@ NAMESPACE_PERMS = Permissions.READ | Permissions.WRITE | Permissions.CREATE | Pe
 DERIVATION_CONTEXT = b"casque zookeeper namespace identity\x00"
 
 
+# How an identity logs in, and so the scheme of its ACL entries.
+Scheme = Literal["digest", "sasl"]
+SASL_MECHANISM = "DIGEST-MD5"
+
+
 @dataclass(frozen=True)
 class Identity:
-    """A digest identity. `repr` never shows the password."""
+    """A ZooKeeper identity, digest unless `scheme` says SASL. `repr` never shows the password."""
 
     username: str
     password: str = field(repr=False)
+    scheme: Scheme = "digest"
 
     @property
     def auth(self) -> tuple[str, str]:
-        """The (scheme, credential) pair for kazoo's `auth_data`."""
+        """The (scheme, credential) pair for kazoo's `auth_data` (a digest identity's)."""
+        if self.scheme != "digest":
+            raise ValueError(f"a {self.scheme} identity logs in with sasl_options, not auth_data")
         return ("digest", f"{self.username}:{self.password}")
 
     @property
+    def sasl_options(self) -> dict[str, str]:
+        """kazoo's `sasl_options` for a SASL identity (handed to pure-sasl)."""
+        if self.scheme != "sasl":
+            raise ValueError("a digest identity logs in with auth_data, not sasl_options")
+        return {"mechanism": SASL_MECHANISM, "username": self.username, "password": self.password}
+
+    @property
     def acl_id(self) -> Id:
-        """What ZooKeeper stores in an ACL for this identity: the user and a SHA-1 of user:password."""
+        """What ZooKeeper stores in an ACL for this identity: for digest the user and a SHA-1
+        of user:password; for SASL the user alone (the password is the servers' JAAS file's)."""
+        if self.scheme == "sasl":
+            return Id("sasl", self.username)
         return Id("digest", make_digest_acl_credential(self.username, self.password))
 
 
 def namespace_identity(installation: Identity, namespace: str) -> Identity:
-    """The identity of `namespace`'s sidecars, derived from the installation's.
+    """The digest identity of `namespace`'s sidecars, derived from the installation's
+    (whether that one logs in with digest or SASL).
 
     A keyed hash rather than a random password stored somewhere: the operator (and
     `casque apply`) can compute every namespace's ACL from its settings alone, and rotating
@@ -135,7 +159,8 @@ def installation_policy(root: str, identities: Sequence[Identity]) -> AclPolicy:
     `identities` are the installation's current identity and, while it is being rotated,
     the previous one; each brings its namespaces' identities into the ACLs.
     """
-    admins = tuple(ACL(Permissions.ALL, identity.acl_id) for identity in identities)
+    # With SASL both passwords' identities have one ACL entry (`sasl:<user>`): once is enough.
+    admins = tuple(dict.fromkeys(ACL(Permissions.ALL, identity.acl_id) for identity in identities))
 
     def namespace_acl(namespace: str) -> list[ACL]:
         readers = [ACL(Permissions.READ, namespace_identity(i, namespace).acl_id) for i in identities]

@@ -67,6 +67,10 @@ def up(
         help="With --tls: both servers require a client certificate of the stack's CA (mutual TLS).")] = None,
     auth: Annotated[bool | None, typer.Option(
         "--auth/--no-auth", help="Cassandra with PasswordAuthenticator (superuser cassandra/cassandra).")] = None,
+    zookeeper_sasl: Annotated[bool | None, typer.Option(
+        "--zookeeper-sasl/--no-zookeeper-sasl",
+        help="ZooKeeper takes SASL DIGEST-MD5 logins of the installation user 'casque' (a JAAS file with "
+        "a password made in the state directory); the settings printed log in with it.")] = None,
     state: StateOption = None,
 ) -> None:
     """Start ZooKeeper and Cassandra (or find them running) and wait until both answer.
@@ -74,7 +78,7 @@ def up(
     With --datacenters 2 the nodes are split between datacenters dc1 and dc2 (`--nodes 2
     --datacenters 2`: one each), for keyspaces with NetworkTopologyStrategy.
 
-    With --tls (and --auth) it prints the CASQUE_* settings that reach the stack.
+    With --tls, --auth or --zookeeper-sasl it prints the CASQUE_* settings that reach the stack.
 
     With --zookeeper-nodes 3 ZooKeeper is an ensemble of three servers on 127.0.0.1, each
     with its own data directory, and the connect string printed lists all three.
@@ -103,19 +107,22 @@ def up(
     secure = tls if tls is not None else (recorded.tls if recorded else False)
     client_auth = tls_client_auth if tls_client_auth is not None else (recorded.client_auth if recorded else False)
     password_auth = auth if auth is not None else (recorded.password_auth if recorded else False)
+    sasl = zookeeper_sasl if zookeeper_sasl is not None else (recorded.zookeeper_sasl if recorded else False)
     if client_auth and not secure:
         raise StackError("--tls-client-auth needs --tls")
     if secure and ensemble != 1:
         raise StackError("--tls runs with a standalone ZooKeeper (--zookeeper-nodes 1)")
     stack = Stack(root=root, nodes=node_count, ports=ports, heap_mb=heap, zookeeper_nodes=ensemble,
-                  datacenters=dc_count, tls=secure, client_auth=client_auth, password_auth=password_auth)
+                  datacenters=dc_count, tls=secure, client_auth=client_auth, password_auth=password_auth,
+                  zookeeper_sasl=sasl)
     stack.up(report=lambda line: console.print(f"[dim]{line}[/dim]"))
     console.print("Cassandra: " + ", ".join(
         f"{node.address}:{node.native_port}" + (f" ({node.datacenter})" if node.datacenter else "")
         for node in stack.cassandra_nodes()) + (" (CQL over TLS)" if secure else " (CQL)"))
-    console.print(f"ZooKeeper: {stack.zookeeper_hosts}" + (f", TLS on {stack.zookeeper_tls_hosts}" if secure else ""))
+    console.print(f"ZooKeeper: {stack.zookeeper_hosts}" + (f", TLS on {stack.zookeeper_tls_hosts}" if secure else "")
+                  + (" (SASL DIGEST-MD5 logins)" if sasl else ""))
     console.print(f"State and logs: {root}")
-    if secure or password_auth:
+    if secure or password_auth or sasl:
         console.print("Settings for clients of this stack:")
         for name, value in stack.client_env().items():
             typer.echo(f"export {name}={value}")

@@ -13,7 +13,9 @@ one keeps SimpleSnitch (and the single datacenter `datacenter1` that it names).
 A stack with `tls` makes a CA and certificates in `root/tls` (casque.devstack.pki) and
 serves CQL over TLS only, and ZooKeeper on a TLS port next to its plaintext one; with
 `client_auth` both require a client certificate of that CA. With `password_auth` Cassandra
-runs PasswordAuthenticator. `client_env` gives the CASQUE_* settings that reach the stack.
+runs PasswordAuthenticator. With `zookeeper_sasl` ZooKeeper also takes SASL DIGEST-MD5
+logins of the installation user, whose password is made in `root` on first use
+(casque.devstack.zookeeper). `client_env` gives the CASQUE_* settings that reach the stack.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 from casque.devstack import artifacts
 from casque.devstack.cassandra import DEFAULT_SUPERUSER, CassandraNode
 from casque.devstack.pki import LocalPki
-from casque.devstack.zookeeper import ZooKeeperEnsemble
+from casque.devstack.zookeeper import SaslLogin, ZooKeeperEnsemble
 from casque.errors import StackError
 
 Report = Callable[[str], None]
@@ -95,6 +97,7 @@ class Stack:
     # A one-node stack on another address than the loopback's, e.g. the host's own, where
     # pods on a node of this machine reach it (127.0.0.1 in a pod is the pod's loopback).
     address: str | None = None
+    zookeeper_sasl: bool = False
 
     @property
     def state_file(self) -> Path:
@@ -103,6 +106,11 @@ class Stack:
     @property
     def pki(self) -> LocalPki | None:
         return LocalPki(self.root / "tls") if self.tls else None
+
+    @property
+    def zookeeper_sasl_login(self) -> SaslLogin | None:
+        """The installation user that ZooKeeper logs in over SASL (None without SASL)."""
+        return SaslLogin(self.root / "zookeeper-sasl.password") if self.zookeeper_sasl else None
 
     @property
     def zookeeper_tls_hosts(self) -> str | None:
@@ -127,6 +135,11 @@ class Stack:
                     env[f"CASQUE_{backend}_TLS_KEY_FILE"] = str(pki.client_key)
         if self.password_auth:
             env["CASQUE_CASSANDRA_USERNAME"], env["CASQUE_CASSANDRA_PASSWORD"] = DEFAULT_SUPERUSER
+        sasl = self.zookeeper_sasl_login
+        if sasl is not None:
+            env["CASQUE_ZOOKEEPER_SASL"] = "true"
+            env["CASQUE_ZOOKEEPER_USERNAME"] = sasl.username
+            env["CASQUE_ZOOKEEPER_PASSWORD"] = sasl.password()
         return env
 
     @property
@@ -163,7 +176,8 @@ class Stack:
                                  client_port=self.ports.zookeeper,
                                  quorum_port=self.ports.zookeeper_quorum,
                                  election_port=self.ports.zookeeper_election,
-                                 pki=self.pki, require_client_auth=self.client_auth)
+                                 pki=self.pki, require_client_auth=self.client_auth,
+                                 sasl=self.zookeeper_sasl_login)
 
     @classmethod
     def load(cls, root: Path) -> Stack | None:
@@ -185,6 +199,7 @@ class Stack:
             client_auth=bool(saved.get("client_auth", False)),
             password_auth=bool(saved.get("password_auth", False)),
             address=saved.get("address"),
+            zookeeper_sasl=bool(saved.get("zookeeper_sasl", False)),
         )
 
     def _save(self) -> None:
@@ -193,6 +208,7 @@ class Stack:
             "nodes": self.nodes, "ports": asdict(self.ports), "heap_mb": self.heap_mb,
             "cluster_name": self.cluster_name, "zookeeper_nodes": self.zookeeper_nodes,
             "tls": self.tls, "client_auth": self.client_auth, "password_auth": self.password_auth,
+            "zookeeper_sasl": self.zookeeper_sasl,
         }
         if self.datacenters != 1:
             saved["datacenters"] = self.datacenters
@@ -225,6 +241,10 @@ class Stack:
         if pki is not None:
             report(f"TLS certificates in {pki.directory}")
             pki.ensure(self.contact_points)
+        sasl = self.zookeeper_sasl_login
+        if sasl is not None:
+            report(f"ZooKeeper SASL user {sasl.username!r}, its password in {sasl.password_file}")
+            sasl.ensure()
         try:
             self._start_all(report)
         except BaseException:

@@ -14,11 +14,20 @@ A standalone server with `pki` also listens for TLS clients on `client_port +
 SECURE_PORT_OFFSET` (ZooKeeper's secure client port needs its Netty connection factory),
 refusing clients without a certificate of the stack's CA when `require_client_auth`. The
 plaintext port stays open on the loopback address for the stack's own checks.
+
+With `sasl` every server also takes SASL DIGEST-MD5 logins of one user, the installation's:
+a JAAS file (`jaas.conf`, mode 0600, for it holds the password) whose `Server` section lists
+the user for ZooKeeper's DigestLoginModule, given to the JVM with
+`-Djava.security.auth.login.config`, and `authProvider.sasl` in zoo.cfg, without which the
+server would log the user in but refuse every `sasl:` ACL entry. Digest logins keep working
+next to it (the namespaces' identities are digest).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import socket
 import time
 from dataclasses import dataclass
@@ -34,6 +43,41 @@ from casque.errors import StackError
 SERVING_MODES = frozenset({"leader", "follower", "standalone"})
 # The TLS client port is this far above the plaintext one: 2281 next to 2181.
 SECURE_PORT_OFFSET = 100
+# The installation's user in the servers' JAAS file (CASQUE_ZOOKEEPER_USERNAME with SASL).
+SASL_USER = "casque"
+SASL_PROVIDER = "org.apache.zookeeper.server.auth.SASLAuthenticationProvider"
+DIGEST_LOGIN_MODULE = "org.apache.zookeeper.server.auth.DigestLoginModule"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file that holds a secret, readable by its owner only from its first byte."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(text)
+    path.chmod(0o600)  # an existing file keeps its mode through O_CREAT
+
+
+@dataclass(frozen=True)
+class SaslLogin:
+    """The SASL user that the stack's ZooKeeper servers know: its password is made on first
+    use and kept in `password_file` (mode 0600), so a restarted stack keeps it."""
+
+    password_file: Path
+    username: str = SASL_USER
+
+    def ensure(self) -> None:
+        if not self.password_file.exists():
+            write_private(self.password_file, secrets.token_urlsafe(32) + "\n")
+
+    def password(self) -> str:
+        return self.password_file.read_text().strip()
+
+    def jaas_config(self) -> str:
+        """The JAAS file of a server: the `Server` section ZooKeeper reads SASL users from."""
+        # Passwords from token_urlsafe need no escaping inside the quotes.
+        return (f"Server {{\n  {DIGEST_LOGIN_MODULE} required\n"
+                f'  user_{self.username}="{self.password()}";\n}};\n')
 
 
 @dataclass(frozen=True)
@@ -49,10 +93,15 @@ class ZooKeeperServer:
     name: str = "zookeeper"
     pki: LocalPki | None = None
     require_client_auth: bool = False
+    sasl: SaslLogin | None = None
 
     @property
     def connect_string(self) -> str:
         return f"{self.address}:{self.client_port}"
+
+    @property
+    def jaas_path(self) -> Path:
+        return self.directory / "jaas.conf"
 
     @property
     def secure_port(self) -> int | None:
@@ -95,7 +144,10 @@ class ZooKeeperServer:
             "autopurge.snapRetainCount=3\nautopurge.purgeInterval=1\n"
             f"{ensemble}"
             f"{self._render_tls()}"
+            + (f"authProvider.sasl={SASL_PROVIDER}\n" if self.sasl is not None else "")
         )
+        if self.sasl is not None:
+            write_private(self.jaas_path, self.sasl.jaas_config())
         (self.directory / "logback.xml").write_text(
             f"""<configuration>
   <appender name="FILE" class="ch.qos.logback.core.FileAppender">
@@ -139,6 +191,7 @@ class ZooKeeperServer:
                 f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m",
                 f"-Dlogback.configurationFile={d}/logback.xml",
                 "-Dzookeeper.admin.enableServer=false",
+                *([f"-Djava.security.auth.login.config={self.jaas_path.resolve()}"] if self.sasl else []),
                 "-cp", ZOOKEEPER.classpath(),
                 main,
                 f"{d}/zoo.cfg",
@@ -202,11 +255,13 @@ class ZooKeeperEnsemble:
     # TLS (a secure client port) on a standalone server only.
     pki: LocalPki | None = None
     require_client_auth: bool = False
+    # SASL logins on every member.
+    sasl: SaslLogin | None = None
 
     def members(self) -> list[ZooKeeperServer]:
         if self.size == 1:
             return [ZooKeeperServer(self.root / "zookeeper", self.address, self.client_port, self.heap_mb,
-                                    pki=self.pki, require_client_auth=self.require_client_auth)]
+                                    pki=self.pki, require_client_auth=self.require_client_auth, sasl=self.sasl)]
         if self.pki is not None:
             raise StackError("the local stack runs TLS on a standalone ZooKeeper only")
         peers = tuple(
@@ -215,7 +270,7 @@ class ZooKeeperEnsemble:
         )
         return [
             ZooKeeperServer(self.root / f"zookeeper-{n}", self.address, self.client_port + n - 1, self.heap_mb,
-                            myid=n, peers=peers, name=f"zookeeper-{n}")
+                            myid=n, peers=peers, name=f"zookeeper-{n}", sasl=self.sasl)
             for n in range(1, self.size + 1)
         ]
 
