@@ -183,6 +183,10 @@ class ShardReader:
         self._wake = asyncio.Event()
         # Read all there is and waiting for the head watch (or the slow recheck) to wake it.
         self.caught_up = False
+        # Holding as much as the prefetch allows: freed space wakes the reader. Otherwise it
+        # waits for the head to move: an ack never makes new batches exist, and waking a
+        # caught-up reader on every ack cost an empty Cassandra read per shard per ack call.
+        self._full = False
         self._marks: dict[int, dict[int, BatchMarks]] = {}
         self._stopped = False
         # Handing the shard over: no new deliveries from it; acks of those in flight still taken.
@@ -223,7 +227,8 @@ class ShardReader:
         self._wake.set()
 
     def space_freed(self) -> None:
-        self._wake.set()
+        if self._full:
+            self._wake.set()
         consumer = self.consumer
         if consumer.prefetch_blocked and consumer.loaded_bytes() < CONSUMER_PREFETCH_BYTES:
             consumer.prefetch_blocked = False
@@ -300,12 +305,14 @@ class ShardReader:
     async def _fetch_once(self) -> bool:
         """Load the next batches if there is room; True if something changed."""
         state = self.state
+        self._full = True
         if state.loaded_messages >= PREFETCH_MESSAGES or state.loaded_bytes >= PREFETCH_BYTES:
             return False
         consumer = self.consumer
         if consumer.loaded_bytes() >= CONSUMER_PREFETCH_BYTES:
             consumer.prefetch_blocked = True  # space_freed anywhere wakes this reader again
             return False
+        self._full = False
         first = state.next_batch
         batches = await consumer.log.read_from(self.shard, first)
         consumer.counters.batch_reads += 1
