@@ -94,21 +94,23 @@ def durability_plan(newly: list[_Acked]) -> tuple[list[_Acked], dict[Source, lis
     waiting, per source, for an offset write (or a range's completion) past their batch.
 
     An ack in an incomplete batch needs its row. One in a complete batch is covered by the
-    next offset write, but if the call writes a row into its partition anyway, it goes into
-    that row at no extra statement: then it waits for the Cassandra write and the lease
-    check after it, not for a ZooKeeper write as well. The offset still moves, coalesced,
-    in the background.
+    next offset write, but if the call writes a row of the same source into its partition
+    anyway, it goes into that row at no extra statement: then it waits for the Cassandra
+    write and the lease check after it, not for a ZooKeeper write as well. The offset still
+    moves, coalesced, in the background. Only the same source: a claimed range that is
+    complete has no row of its own, and its completion deletes the claim that the lease
+    check after a row would look for.
     """
     rows: list[_Acked] = []
     complete: list[_Acked] = []
     for item in newly:
         _, reader, event = item
         (complete if reader.completes(event.batch) else rows).append(item)
-    written = {(e.epoch, e.shard, bucket_of(e.batch)) for _, _, e in rows}
+    written = {(r, e.epoch, e.shard, bucket_of(e.batch)) for _, r, e in rows}
     covering: dict[Source, list[_Acked]] = {}
     for item in complete:
         _, reader, e = item
-        if (e.epoch, e.shard, bucket_of(e.batch)) in written:
+        if (reader, e.epoch, e.shard, bucket_of(e.batch)) in written:
             rows.append(item)
         else:
             covering.setdefault(reader, []).append(item)

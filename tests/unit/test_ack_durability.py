@@ -54,3 +54,12 @@ def test_only_the_same_partition_counts() -> None:
     assert sorted(i for i, _, _ in rows) == [1, 2]
     assert [i for i, _, _ in covering[cast(Any, first)]] == [0]
     assert [i for i, _, _ in covering[cast(Any, second)]] == [3]
+
+
+def test_only_the_same_source_counts() -> None:
+    # Two claimed ranges of one shard share a partition; a complete range's acks wait for
+    # its completion, which deletes the claim a lease check after a row would look for.
+    complete, open_range = Source(0, offset=5), Source(0, offset=5)
+    rows, covering = durability_plan([acked(0, complete, 4), acked(1, open_range, 5)])
+    assert [i for i, _, _ in rows] == [1]
+    assert [i for i, _, _ in covering[cast(Any, complete)]] == [0]
