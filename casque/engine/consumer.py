@@ -1016,6 +1016,8 @@ class Consumer:
         as_rows, covering = durability_plan(newly)
 
         async def by_rows(items: list[_Acked]) -> None:
+            if not items:
+                return
             await self.acks.record_many([e for _, _, e in items])
             readers = list({r for _, r, _ in items})
             leased = await asyncio.gather(*(r.still_leased() for r in readers))
@@ -1046,8 +1048,7 @@ class Consumer:
 
         # The two ways run side by side: an ack row and the lease check after it need not
         # wait for an offset write in ZooKeeper, nor the other way round.
-        outcomes = await asyncio.gather(by_rows(as_rows) if as_rows else asyncio.sleep(0), by_offsets(),
-                                        return_exceptions=True)
+        outcomes = await asyncio.gather(by_rows(as_rows), by_offsets(), return_exceptions=True)
         failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if failure is not None:
             raise failure
