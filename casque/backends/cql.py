@@ -181,12 +181,20 @@ async def pages(
     session: Session, statement: str | Statement, params: Sequence[Any] | None = None
 ) -> AsyncIterator[list[Any]]:
     """The pages of a query, each fetched without blocking the loop, the next one only when
-    asked for: a reader that has enough stops, and the rest is never sent."""
+    asked for: a reader that has enough stops, and the rest is never sent.
+
+    A `fetch_size` the caller sets on the statement between pages applies from the next
+    page on: a reader that learns the size of its rows from the first page can ask for
+    fewer, larger pages after it.
+    """
     result = await execute(session, statement, params)
     yield list(result.current_rows)
     while result.has_more_pages:
         response = result.response_future
         response.clear_callbacks()  # see fetch_all
+        wanted = getattr(statement, "fetch_size", None)
+        if wanted and response.message.fetch_size != wanted:
+            response.message.fetch_size = wanted  # the request the driver sends again for each page
         response.start_fetching_next_page()
         result = await _result(response)
         yield list(result.current_rows)

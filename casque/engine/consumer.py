@@ -85,6 +85,38 @@ HANDOFF_SECONDS = 5.0
 REPORT_INTERVAL_SECONDS = 5.0
 
 
+# A newly done message: its index in the call's results, where it came from, its ack event.
+_Acked = tuple[int, Source, AckEvent]
+
+
+def durability_plan(newly: list[_Acked]) -> tuple[list[_Acked], dict[Source, list[_Acked]]]:
+    """Split an ack call's newly done messages into those made durable by ack rows and those
+    waiting, per source, for an offset write (or a range's completion) past their batch.
+
+    An ack in an incomplete batch needs its row. One in a complete batch is covered by the
+    next offset write, but if the call writes a row of the same source into its partition
+    anyway, it goes into that row at no extra statement: then it waits for the Cassandra
+    write and the lease check after it, not for a ZooKeeper write as well. The offset still
+    moves, coalesced, in the background. Only the same source: a claimed range that is
+    complete has no row of its own, and its completion deletes the claim that the lease
+    check after a row would look for.
+    """
+    rows: list[_Acked] = []
+    complete: list[_Acked] = []
+    for item in newly:
+        _, reader, event = item
+        (complete if reader.completes(event.batch) else rows).append(item)
+    written = {(r, e.epoch, e.shard, bucket_of(e.batch)) for _, r, e in rows}
+    covering: dict[Source, list[_Acked]] = {}
+    for item in complete:
+        _, reader, e = item
+        if (reader, e.epoch, e.shard, bucket_of(e.batch)) in written:
+            rows.append(item)
+        else:
+            covering.setdefault(reader, []).append(item)
+    return rows, covering
+
+
 class ConsumerStopped(CasqueError):
     code = "consumer_stopped"
 
@@ -153,6 +185,10 @@ class ShardReader:
         self._wake = asyncio.Event()
         # Read all there is and waiting for the head watch (or the slow recheck) to wake it.
         self.caught_up = False
+        # Holding as much as the prefetch allows: freed space wakes the reader. Otherwise it
+        # waits for the head to move: an ack never makes new batches exist, and waking a
+        # caught-up reader on every ack cost an empty Cassandra read per shard per ack call.
+        self._full = False
         self._marks: dict[int, dict[int, BatchMarks]] = {}
         self._stopped = False
         # Handing the shard over: no new deliveries from it; acks of those in flight still taken.
@@ -193,7 +229,8 @@ class ShardReader:
         self._wake.set()
 
     def space_freed(self) -> None:
-        self._wake.set()
+        if self._full:
+            self._wake.set()
         consumer = self.consumer
         if consumer.prefetch_blocked and consumer.loaded_bytes() < CONSUMER_PREFETCH_BYTES:
             consumer.prefetch_blocked = False
@@ -270,12 +307,14 @@ class ShardReader:
     async def _fetch_once(self) -> bool:
         """Load the next batches if there is room; True if something changed."""
         state = self.state
+        self._full = True
         if state.loaded_messages >= PREFETCH_MESSAGES or state.loaded_bytes >= PREFETCH_BYTES:
             return False
         consumer = self.consumer
         if consumer.loaded_bytes() >= CONSUMER_PREFETCH_BYTES:
             consumer.prefetch_blocked = True  # space_freed anywhere wakes this reader again
             return False
+        self._full = False
         first = state.next_batch
         batches = await consumer.log.read_from(self.shard, first)
         consumer.counters.batch_reads += 1
@@ -908,17 +947,17 @@ class Consumer:
 
     async def _record_deliveries(self, deliveries: list[Delivery]) -> None:
         """Write every delivery's count; if that fails, put the messages back and raise."""
-        writes: list[asyncio.Future[None]] = []
+        events: list[AckEvent] = []
         for d in deliveries:
-            reader = self._source_for(d.message.position)
+            p = d.message.position
+            reader = self._source_for(p)
             if reader is not None:
-                p = d.message.position
-                writes.append(self.acks.record(AckEvent(reader.epoch, p.shard, p.batch, p.seq,
-                                                        deliveries=d.delivery_count)))
-        outcomes = await asyncio.gather(*writes, return_exceptions=True)
-        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
-        if failure is None:
+                events.append(AckEvent(reader.epoch, p.shard, p.batch, p.seq, deliveries=d.delivery_count))
+        try:
+            await self.acks.record_many(events)
             return
+        except Exception as error:  # every driver error: the deliveries are undone below
+            failure = error
         for d in deliveries:
             position, nonce = decode_receipt(d.receipt)
             reader = self._source_for(position)
@@ -953,9 +992,10 @@ class Consumer:
         its batch (the batch is complete: one fenced ZooKeeper write covers all of its acks)
         or its ack row is written and the shard's lease is confirmed still ours afterwards
         (a new holder reads the ack rows only after it takes the lease, so it sees the row).
+        Which of the two, `durability_plan` decides.
         """
         results: list[bool | CasqueError] = []
-        newly: list[tuple[int, Source, AckEvent]] = []
+        newly: list[_Acked] = []
         for receipt in receipts:
             try:
                 reader, position, nonce = self._reader_for(receipt)
@@ -974,27 +1014,13 @@ class Consumer:
         for reader in {r for _, r, _ in newly}:
             reader.schedule_commit()
             reader.space_freed()
-        as_rows: list[tuple[int, Source, AckEvent]] = []
-        covering: dict[Source, list[tuple[int, Source, AckEvent]]] = {}
-        for item in newly:
-            _, reader, event = item
-            if reader.completes(event.batch):
-                covering.setdefault(reader, []).append(item)
-            else:
-                as_rows.append(item)
-        waits = {reader: reader.covering(max(e.batch for _, _, e in items)) for reader, items in covering.items()}
-        outcomes = await asyncio.gather(*waits.values(), return_exceptions=True)
-        for (reader, items), outcome in zip(covering.items(), outcomes):
-            if isinstance(outcome, BackendUnavailable):
-                as_rows.extend(items)  # ZooKeeper is away: make those acks durable as rows instead
-            elif isinstance(outcome, CasqueError):
-                for index, _, _ in items:
-                    results[index] = outcome
-            elif isinstance(outcome, BaseException):
-                raise outcome
-        if as_rows:
-            await asyncio.gather(*(self.acks.record(e) for _, _, e in as_rows))
-            readers = {r for _, r, _ in as_rows}
+        as_rows, covering = durability_plan(newly)
+
+        async def by_rows(items: list[_Acked]) -> None:
+            if not items:
+                return
+            await self.acks.record_many([e for _, _, e in items])
+            readers = list({r for _, r, _ in items})
             leased = await asyncio.gather(*(r.still_leased() for r in readers))
             for reader, ok in zip(readers, leased):
                 if ok:
@@ -1002,9 +1028,31 @@ class Consumer:
                 what = "its batches" if isinstance(reader, ClaimReader) else "shard"
                 lost = LeaseLost(f"{what} {reader.shard} moved to another member before the ack was recorded; "
                                  "the message may be delivered again")
-                for index, r, _ in as_rows:
+                for index, r, _ in items:
                     if r is reader:
                         results[index] = lost
+
+        async def by_offsets() -> None:
+            waits = [reader.covering(max(e.batch for _, _, e in items)) for reader, items in covering.items()]
+            outcomes = await asyncio.gather(*waits, return_exceptions=True)
+            fallback: list[_Acked] = []
+            for items, outcome in zip(covering.values(), outcomes):
+                if isinstance(outcome, BackendUnavailable):
+                    fallback.extend(items)  # ZooKeeper is away: make those acks durable as rows instead
+                elif isinstance(outcome, CasqueError):
+                    for index, _, _ in items:
+                        results[index] = outcome
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+            if fallback:
+                await by_rows(fallback)
+
+        # The two ways run side by side: an ack row and the lease check after it need not
+        # wait for an offset write in ZooKeeper, nor the other way round.
+        outcomes = await asyncio.gather(by_rows(as_rows), by_offsets(), return_exceptions=True)
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failure is not None:
+            raise failure
         return results
 
     async def nack(self, receipt: str, delay: float = 0.0, error: str | None = None) -> None:

@@ -31,6 +31,8 @@ from casque.errors import BackendUnavailable
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from tests.fixtures.group import assert_sound
+from tests.fixtures.history import Ack, Delivery, History
 from tests.fixtures.sidecars import StartSidecar
 from tests.fixtures.stack import Backends
 
@@ -274,3 +276,63 @@ async def test_publishes_cut_by_a_sidecar_killed_mid_write_land_once(
     twice = {i: places for i, places in stored.items() if len(places) > 1}
     assert not twice, f"{len(twice)} ids stored twice, e.g. {list(twice.items())[:2]}"
     assert {i: places[0] for i, places in stored.items()} == answered
+
+
+async def test_acks_answered_before_a_kill_are_never_delivered_again(
+    backends: Backends, store: Store, zk_hosts: str
+) -> None:
+    """A consumer killed with SIGKILL the instant an ack call is answered loses none of those
+    acks: whether an ack was made durable by an ack row or by an offset write, nothing it
+    answered `acked` reaches the next member (checked by the history checker)."""
+    queue = QueueRef("default", "ackdie")  # tests.integration.ack_then_die consumes it
+    catalog.apply_queue(store, queue, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, queue, "workers", SubscriberSpec(
+        queue=queue.name, start_position="earliest", visibility_timeout_seconds=60))
+    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
+    history = History()
+    # Batches of 37. Ack calls of 37 first, one whole batch each: made durable by the offset
+    # write alone. Then calls of 100: each completes some batches (riding in the row the call
+    # writes anyway, or by the offset) and leaves one open (made durable by its ack row).
+    for n in range(40):
+        results = await publisher.publish([OutgoingMessage(f"m{n}-{i}".encode()) for i in range(37)])
+        answered = History.now()
+        history.published.update((r.message_id, answered) for r in results)
+    await publisher.flush_heads()
+
+    cassandra = f"{backends.contact_points[0]}:{backends.cql_port}"
+    for ack_calls, per_call in ((2, 37), (5, 37), (1, 100), (3, 100)):
+        victim = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "tests.integration.ack_then_die", store.keyspace, cassandra, zk_hosts,
+             str(ack_calls), str(per_call)],
+            capture_output=True, text=True, cwd=ROOT, timeout=300,
+        )
+        assert victim.returncode == -signal.SIGKILL, victim.stderr[-2000:]
+        lines = [json.loads(line) for line in victim.stdout.splitlines() if line.strip()]
+        member = lines[0]["member"]
+        for line in lines[1:]:
+            if line["kind"] == "delivery":
+                history.deliveries.append(Delivery(line["id"], line["receipt"], member, line["count"],
+                                                   line["sent"], line["answered"]))
+            else:
+                history.acks.append(Ack(line["id"], line["receipt"], line["outcome"], line["sent"], line["answered"]))
+        assert sum(1 for line in lines if line.get("outcome") == "acked") >= per_call * (ack_calls - 1)
+
+    consumer = Consumer(store, queue, "workers")
+    await consumer.start()
+    try:
+        while not set(history.published) <= history.settled_ids():
+            sent = History.now()
+            deliveries = await consumer.receive(max_messages=100, wait=30)
+            answered = History.now()
+            assert deliveries, "the last victim's leases were never freed"
+            history.deliveries.extend(Delivery(d.message.message_id, d.receipt, consumer.member_id, d.delivery_count,
+                                               sent, answered) for d in deliveries)
+            sent = History.now()
+            results = await consumer.ack_many([d.receipt for d in deliveries])
+            answered = History.now()
+            history.acks.extend(Ack(d.message.message_id, d.receipt, "acked" if r is True else "already_acked",
+                                    sent, answered) for d, r in zip(deliveries, results) if isinstance(r, bool))
+    finally:
+        await consumer.stop()
+    assert_sound(history)
