@@ -129,7 +129,10 @@ def connect(settings: Settings) -> tuple[Cluster, Session]:
         session = cluster.connect()
     except NoHostAvailable as error:
         cluster.shutdown()
-        if error.errors and all(isinstance(e, AuthenticationFailed) for e in error.errors.values()):
+        # A dict of each host's error; a list of hosts when the session's pools failed after
+        # the control connection was made (no reasons then: taken as unavailable, retryable).
+        reasons = error.errors if isinstance(error.errors, dict) else {}
+        if reasons and all(isinstance(e, AuthenticationFailed) for e in reasons.values()):
             raise AccessDenied(
                 f"Cassandra refused user {settings.cassandra_username!r}: wrong credentials, "
                 "or the server does not authenticate with passwords"
