@@ -26,7 +26,7 @@ from casque.engine.publisher import Publisher
 from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from tests.fixtures.group import Group, assert_sound, has_delivered, until
+from tests.fixtures.group import Group, assert_sound, load_until_holding, until
 from tests.fixtures.history import History, Seek
 from tests.fixtures.sidecars import StartSidecar
 
@@ -101,8 +101,7 @@ async def test_a_member_killed_with_sigkill_loses_nothing_and_its_replacement_jo
     await group.whole(spec.log_shards())
     # Published through every sidecar, the victim too: a publish it had written but not
     # answered is retried elsewhere with the same ids, and must not land twice (a phantom).
-    publishing = asyncio.create_task(group.publish(600, "load"))
-    await until("the victim to have work in hand", has_delivered(group, victim))
+    publishing = await load_until_holding(group, victim, 600, "load")
     victim.kill()  # no drain, no release: its leases go with its session
     await group.add(1)
     await publishing
@@ -119,8 +118,7 @@ async def test_a_rolling_restart_redelivers_only_what_the_leaving_members_held(
     await group.whole(spec.log_shards())
     held_at_leave = 0
     for index, leaving in enumerate(originals):
-        publishing = asyncio.create_task(group.publish(200, f"wave{index}"))
-        await until("the leaving member to have work in hand", has_delivered(group, leaving))
+        publishing = await load_until_holding(group, leaving, 200, f"wave{index}-")
         held_at_leave += _unacked(group.history, group.members[leaving])
         assert await asyncio.to_thread(leaving.terminate) == 0  # drains, releases its leases
         await group.add(1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -19,9 +19,9 @@ from casque.engine import catalog
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from tests.fixtures.group import Group, until
+from tests.fixtures.group import Group, load_until_holding
 from tests.fixtures.history import check
-from tests.fixtures.sidecars import SidecarProcess, StartSidecar
+from tests.fixtures.sidecars import StartSidecar
 
 QUEUE = QueueRef("default", "pool")
 SUBSCRIBER = "workers"
@@ -44,15 +44,6 @@ async def group(store: Store, start_sidecar: StartSidecar) -> AsyncIterator[Grou
     await running.stop()
 
 
-def _has_delivered(group: Group, sidecar: SidecarProcess) -> Callable[[], Awaitable[bool]]:
-    member = group.members[sidecar]
-
-    async def condition() -> bool:
-        return any(d.member == member for d in group.history.deliveries)
-
-    return condition
-
-
 def _receivers(group: Group) -> set[str]:
     return {d.member for d in group.history.deliveries}
 
@@ -72,8 +63,7 @@ async def test_eight_members_on_two_shards_all_receive_and_a_killed_one_loses_no
         await group.drained()
         rounds += 1
     victim = members[0]
-    publishing = asyncio.create_task(group.publish(800, "load"))
-    await until("the victim to have work in hand", _has_delivered(group, victim))
+    publishing = await load_until_holding(group, victim, 800, "load")
     victim.kill()  # its claims stay until their time runs out; the others take them over then
     await group.add(1)
     await publishing
@@ -90,22 +80,9 @@ async def test_a_member_paused_past_its_claims_has_its_acks_refused_and_serves_a
     members = await group.add(4)
     await group.whole(None)
     sleeper = members[0]
-    has_work = _has_delivered(group, sleeper)
-    # Rounds of load until the sleeper has taken some: on a loaded machine a sidecar may
-    # start asking only after the others have drained a whole round. Published through every
-    # member, the sleeper too: a publish the pause cuts in two is retried elsewhere, and its
-    # late claim, sent on the resume, must not store its messages twice.
-    for round_ in range(10):
-        publishing = asyncio.create_task(group.publish(300, f"load{round_}"))
-
-        async def worked_or_published() -> bool:
-            return await has_work() or publishing.done()
-
-        await until("the sleeper to have work in hand, or the round to be published", worked_or_published)
-        if await has_work():
-            break
-        await publishing
-    assert await has_work(), "the sleeper never received in 10 rounds"
+    # Published through every member, the sleeper too: a publish the pause cuts in two is
+    # retried elsewhere, and its late claim, sent on the resume, must not store its messages twice.
+    publishing = await load_until_holding(group, sleeper, 300, "load")
     sleeper.pause()
     await publishing
     await group.drained()  # the others took its ranges over once their time ran out
