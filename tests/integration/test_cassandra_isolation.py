@@ -107,6 +107,21 @@ def sidecar_settings(installation: Settings, namespace: str) -> Settings:
         "cassandra_username": data["username"], "cassandra_password": SecretStr(data["password"])})
 
 
+def wait_until_login_refused(settings: Settings, namespace: str) -> None:
+    """Wait for a dropped role's login to be refused: Cassandra caches credentials for a
+    while (credentials_validity)."""
+    def refused_now() -> bool:
+        try:
+            Store.open(settings, namespace=namespace).close()
+        except AccessDenied:
+            return True
+        except BackendUnavailable:
+            return False  # refused by a pool but not the control connection: no reason given, try again
+        return False
+
+    wait_for(f"{namespace}'s dropped role to be refused", refused_now, timeout=60)
+
+
 def refused(session: Session, statement: str) -> str:
     with pytest.raises(Unauthorized) as error:
         session.execute(statement)
@@ -218,17 +233,7 @@ async def test_the_installation_still_sees_every_namespace_and_a_dropped_role_ca
     # The keyspace stays, with its tables.
     assert operator.session.execute(
         "SELECT keyspace_name FROM system_schema.keyspaces WHERE keyspace_name = %s", (role.keyspace,)).one()
-    # Cassandra caches credentials for a while (credentials_validity): wait for the refusal.
-    def refused_now() -> bool:
-        try:
-            Store.open(sidecar_settings(installation, A), namespace=A).close()
-        except AccessDenied:
-            return True
-        except BackendUnavailable:
-            return False  # refused by a pool but not the control connection: no reason given, try again
-        return False
-
-    wait_for("the dropped role to be refused", refused_now, timeout=60)
+    wait_until_login_refused(sidecar_settings(installation, A), A)
 
 
 async def test_ids_published_through_the_installations_store_land_in_the_namespaces_keyspace(
@@ -315,17 +320,7 @@ def test_the_operator_gives_a_namespace_its_role_with_the_first_queue_and_takes_
         delete(api, ns, QUEUES, "audit")
         wait_for("the namespace's Secret to be deleted with its last Queue", lambda: secret_data(core, ns) is None)
 
-        # Cassandra caches credentials for a while (credentials_validity): wait for the refusal.
-        def role_refused() -> bool:
-            try:
-                Store.open(own, namespace=ns).close()
-            except AccessDenied:
-                return True
-            except BackendUnavailable:
-                return False  # refused by a pool but not the control connection: no reason given, try again
-            return False
-
-        wait_for("the namespace's role to be dropped", role_refused, timeout=60)
+        wait_until_login_refused(own, ns)
     finally:
         for name in ("orders", "audit"):
             delete(api, ns, QUEUES, name)

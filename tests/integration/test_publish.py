@@ -438,6 +438,14 @@ def publisher_id_preferring(shard: int, shards: int) -> str:
     return next(f"p{n}" for n in range(1000) if zlib.crc32(f"p{n}".encode()) % shards == shard)
 
 
+def publishers_preferring_two_shards(store: Store) -> tuple[Publisher, Publisher]:
+    """Two publishers (sidecars) of a two-shard queue, preferring shard 0 and shard 1."""
+    catalog.apply_queue(store, QUEUE, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE"))
+    state = catalog.read_queue(store, QUEUE)
+    return (Publisher(store, QUEUE, state, publisher_id=publisher_id_preferring(0, 2)),
+            Publisher(store, QUEUE, state, publisher_id=publisher_id_preferring(1, 2)))
+
+
 class PausedClaims:
     """Claims of chosen publishers held where a stopped process (SIGSTOP, a long pause) would
     hold them: past the claim window's check, not yet sent to Cassandra."""
@@ -477,11 +485,7 @@ async def test_a_claim_sent_late_by_a_paused_first_attempt_loses_to_the_retrys_f
     leaves. The client retries through a sidecar that prefers another shard; the window
     passes and the retry publishes. When the first attempt resumes, its claim goes out:
     it must not land the message a second time."""
-    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
-    catalog.apply_queue(store, QUEUE, spec)
-    state = catalog.read_queue(store, QUEUE)
-    paused = Publisher(store, QUEUE, state, publisher_id=publisher_id_preferring(0, 2))
-    retry = Publisher(store, QUEUE, state, publisher_id=publisher_id_preferring(1, 2))
+    paused, retry = publishers_preferring_two_shards(store)
     claims = PausedClaims(monkeypatch)
     claiming, resume = claims.hold(paused)
     first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id="order-14")]))
@@ -504,11 +508,7 @@ async def test_a_late_claim_that_wins_the_fence_is_the_publish_every_retry_answe
     """As above, but the first attempt's late claim reaches Cassandra before the retry's own
     claim: the retry answers the first attempt's position. Its sidecar dies before recording
     that; a third retry still finds it, through the writers the retry's intent replaced."""
-    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
-    catalog.apply_queue(store, QUEUE, spec)
-    state = catalog.read_queue(store, QUEUE)
-    paused = Publisher(store, QUEUE, state, publisher_id=publisher_id_preferring(0, 2))
-    retry = Publisher(store, QUEUE, state, publisher_id=publisher_id_preferring(1, 2))
+    paused, retry = publishers_preferring_two_shards(store)
     claims = PausedClaims(monkeypatch)
     first_claiming, first_resume = claims.hold(paused)
     retry_claiming, retry_resume = claims.hold(retry)
@@ -528,7 +528,7 @@ async def test_a_late_claim_that_wins_the_fence_is_the_publish_every_retry_answe
     with pytest.raises(Crash):
         await second
     assert copies_of(store, "order-15") == [(one.shard, one.batch, one.seq)]
-    (third,) = await Publisher(store, QUEUE, state).publish([OutgoingMessage(b"pay", client_id="order-15")])
+    (third,) = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([OutgoingMessage(b"pay", client_id="order-15")])
     assert third.duplicate and (third.message_id, third.shard, third.batch, third.seq) == (
         one.message_id, one.shard, one.batch, one.seq)
     assert copies_of(store, "order-15") == [(one.shard, one.batch, one.seq)]
