@@ -232,21 +232,33 @@ paxos_variant: v2
                 pass
         except OSError:
             return False
+        return self._query_alone("SELECT release_version FROM system.local") is not None
+
+    def driver_peers(self) -> set[str]:
+        """The other nodes this node describes well enough for a driver to use them: a driver
+        whose control connection lands here drops a peer whose row lacks its host id,
+        datacenter, rack, address or tokens, which a node that just joined may not have yet."""
+        rows = self._query_alone("SELECT host_id, data_center, rack, native_address, tokens FROM system.peers_v2")
+        return {
+            str(row.native_address) for row in rows or []
+            if row.host_id and row.data_center and row.rack and row.native_address and row.tokens
+        }
+
+    def _query_alone(self, query: str) -> list[Any] | None:
+        """The rows of `query` asked of this node only (in a ring, "ready" is per node);
+        None when it does not answer (any failure here only means "not ready yet")."""
         from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
         from cassandra.policies import WhiteListRoundRobinPolicy
 
-        # Only this node: in a ring, "ready" is per node.
         only_this = ExecutionProfile(load_balancing_policy=WhiteListRoundRobinPolicy([self.address]))
         cluster = Cluster(
             [self.address], port=self.native_port, connect_timeout=5,
             execution_profiles={EXEC_PROFILE_DEFAULT: only_this}, **self.client_options(),
         )
         try:
-            session = cluster.connect()
-            session.execute("SELECT release_version FROM system.local")
-            return True
-        except Exception:  # any failure here only means "not ready yet"
-            return False
+            return list(cluster.connect().execute(query))
+        except Exception:
+            return None
         finally:
             cluster.shutdown()
 

@@ -275,16 +275,26 @@ class Stack:
             self._wait_ring_normal(seed)
 
     def _wait_ring_normal(self, seed: CassandraNode, timeout: float = 180.0) -> None:
-        """A node answers CQL before the others see it as Up/Normal; wait until all do."""
+        """A node answers CQL before the others see it as Up/Normal, and before every node
+        describes it fully to drivers (a driver told of it by such a node ignores it); wait
+        until both hold."""
         deadline = time.monotonic() + timeout
+        nodes = self.cassandra_nodes()
         while True:
             status = seed.nodetool("status")
             normal = sum(1 for line in status.splitlines() if line.startswith("UN "))
             if normal == self.nodes:
-                return
+                break
             if time.monotonic() > deadline:
                 raise StackError(f"only {normal} of {self.nodes} Cassandra nodes are Up/Normal after {timeout:.0f}s")
             time.sleep(1.0)
+        for node in nodes:
+            others = {other.address for other in nodes if other is not node}
+            while (missing := others - node.driver_peers()):
+                if time.monotonic() > deadline:
+                    raise StackError(f"Cassandra {node.address} does not describe {sorted(missing)} to drivers "
+                                     f"after {timeout:.0f}s")
+                time.sleep(0.5)
 
     def _start_node(self, node: CassandraNode, report: Report) -> None:
         if node.pid() is not None:

@@ -30,6 +30,7 @@ from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from tests.fixtures.history import Ack, Delivery, History, check
 from tests.fixtures.stack import chroot_on
+from tests.fixtures.waiting import wait_for
 
 QUEUE = QueueRef("default", "two-dcs")
 SPEC = QueueSpec(shards=1, retention_seconds=3600, consistency="LOCAL_QUORUM")
@@ -58,7 +59,7 @@ def dc_stores(dc_ring: Stack, dc_zk_hosts: str) -> Iterator[dict[str, Store]]:
                 cassandra_local_dc=dc, keyspace=keyspace, zookeeper_hosts=dc_zk_hosts,
                 replication=ReplicationSettings(strategy="NetworkTopologyStrategy", datacenters={"dc1": 1, "dc2": 1}),
             )
-            stores[dc] = Store.open(settings)
+            stores[dc] = wait_for(f"a Store on {dc}'s node", lambda: _opened(settings))
         catalog.ensure_installation(stores["dc1"])
         yield stores
     finally:
@@ -66,6 +67,15 @@ def dc_stores(dc_ring: Stack, dc_zk_hosts: str) -> Iterator[dict[str, Store]]:
             next(iter(stores.values())).session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
         for store in stores.values():
             store.close()
+
+
+def _opened(settings: Settings) -> Store | None:
+    """A Store on `settings`, or None while the driver finds no node of the local datacenter
+    it may use (retried, as the sidecar retries its start)."""
+    try:
+        return Store.open(settings)
+    except BackendUnavailable:
+        return None
 
 
 async def publish_stream(publisher: Publisher, ids: list[str], history: History) -> dict[str, tuple[int, int, int]]:
