@@ -82,7 +82,7 @@ async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
     if b"content-length" in headers:
         return status, await reader.readexactly(int(headers[b"content-length"])), keep
     if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
             chunk = await reader.readexactly(size + 2)  # the chunk and its CRLF
