@@ -9,7 +9,8 @@ app. Reports, each figure the median of `--runs` runs:
 - the limits: plain unlogged batches of the same rows at the batch sizes the engine's group
   commit reached for each publish form;
 - publish msgs/s, one message per call and 100 per call, and receive+ack msgs/s, each for
-  the engine in-process and over HTTP, with the HTTP/engine and HTTP/limit ratios;
+  the engine in-process and over HTTP, with the HTTP/engine and HTTP/limit ratios
+  (the HTTP calls through keepalive.py's lean client, so that the figures are the sidecar's);
 - latency p50/p99 of each hop, one call at a time: an HTTP round trip alone (/healthz),
   publish and ack in-process and over HTTP (the difference is what the sidecar adds), and
   publish-to-receive over HTTP with a long-polling receiver.
@@ -51,6 +52,7 @@ from benchlib import (
     scratch_settings,
     sidecar_url,
 )
+from keepalive import KeepAliveClient
 
 SINGLE_WINDOW = 64  # single-message publishes in flight (many app threads or tasks)
 BATCH_WINDOW = 16  # 100-message publishes in flight
@@ -136,13 +138,13 @@ async def http_rates(url: str, queue: str, subscriber: str, count: int, payload:
     base = f"/v1/queues/{queue}"
     sub = f"{base}/subscribers/{subscriber}"
     body = {"data": payload, "datacontenttype": "text/plain"}
-    connector = aiohttp.TCPConnector(limit=SINGLE_WINDOW + RECEIVERS)
-    async with aiohttp.ClientSession(url, connector=connector) as http:
+    # A lean keep-alive client (keepalive.py): the figure is the sidecar's, not the client's.
+    async with KeepAliveClient(url, limit=SINGLE_WINDOW + RECEIVERS) as http:
         async def post(path: str, json: Any) -> Any:
-            async with http.post(path, json=json) as answer:
-                if answer.status != 200:
-                    raise SystemExit(f"{path}: HTTP {answer.status}: {await answer.text()}")
-                return await answer.json()
+            status, answer = await http.post(path, json)
+            if status != 200:
+                raise SystemExit(f"{path}: HTTP {status}: {answer}")
+            return answer
 
         single = count / await pipeline(count, SINGLE_WINDOW, lambda i: post(f"{base}/messages", body))
         calls = max(1, count // BATCH)
@@ -167,8 +169,7 @@ async def http_rates(url: str, queue: str, subscriber: str, count: int, payload:
         hop, publish_latency, ack_latency = [], [], []
         for _ in range(probes):
             started = time.perf_counter()
-            async with http.get("/healthz") as answer:
-                await answer.read()
+            await http.get("/healthz")
             hop.append(time.perf_counter() - started)
             started = time.perf_counter()
             await post(f"{base}/messages", body)

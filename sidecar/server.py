@@ -16,6 +16,7 @@ import logging
 import signal
 from collections.abc import Callable
 
+import uvloop
 from aiohttp import web
 
 from casque import logs
@@ -100,4 +101,8 @@ def run(settings: SidecarSettings, backends: Settings | None = None, log_format:
     # The drivers log every reconnect attempt at INFO; the sidecar's own lines matter more here.
     for noisy in ("cassandra", "kazoo"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    asyncio.run(serve(settings, backends))
+    # uvloop: its socket transports and thread-safe wake-ups (every Cassandra and ZooKeeper
+    # reply reaches the loop through one) cost less than the standard loop's; here it took
+    # about a tenth off the sidecar's CPU per one-message publish.
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(settings, backends))
