@@ -1,8 +1,8 @@
 """The benchmarks' HTTP client: JSON requests over a pool of keep-alive HTTP/1.1 connections.
 
 The sidecar benchmark measures the sidecar, but its client shares the machine's cores with
-it and with Cassandra. aiohttp's client spent about 110 us of CPU per one-message publish
-here, against some 40 us for this one, and that CPU came out of what the sidecar and
+it and with Cassandra. aiohttp's client spent about 110 µs of CPU per one-message publish
+here, against some 40 µs for this one, and that CPU came out of what the sidecar and
 Cassandra could use. This client does only what the benchmark needs: a request written in
 one piece, a response read by its Content-Length (or chunks), the connection kept unless
 the server says `Connection: close`. Every response is read in full and its status and JSON
