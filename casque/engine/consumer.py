@@ -117,6 +117,16 @@ def durability_plan(newly: list[_Acked]) -> tuple[list[_Acked], dict[Source, lis
     return rows, covering
 
 
+def _seek_overtook(reader: Source) -> StaleReceipt:
+    """The answer to an ack of a delivery whose shard a seek moved before this member applied it.
+
+    A seek is answered once its transaction is in ZooKeeper; members learn of it through a
+    watch, later, and until then deliver from the old epoch. Such a delivery is one the seek
+    replays (or skips), so its ack must not be answered `acked`: the message may come again.
+    """
+    return StaleReceipt(f"a seek moved shard {reader.shard} after this delivery; it is replayed from the new position")
+
+
 class ConsumerStopped(CasqueError):
     code = "consumer_stopped"
 
@@ -399,12 +409,12 @@ class ShardReader:
             self._waiter_added.set()
         return future
 
-    def _settle_waiters(self, error: BaseException | None = None, everyone: bool = False) -> None:
+    def _settle_waiters(self, error: BaseException | None = None) -> None:
         still: list[tuple[int, asyncio.Future[None]]] = []
         for batch, future in self._waiting_for_offset:
             if future.done():
                 continue
-            if batch < self._committed or (everyone and error is None):
+            if batch < self._committed:
                 future.set_result(None)
             elif error is not None:
                 future.set_exception(error)
@@ -473,8 +483,9 @@ class ShardReader:
         record = await offsets.read_offset(consumer.store.zk, consumer.paths, self.shard)
         if record.epoch != self.epoch:
             self._fenced = True
-            # The acks waiting here are moot: the seek replays or skips their range.
-            self._settle_waiters(everyone=True)
+            # The acks waiting here came after the seek: it replays or skips their range, so
+            # they are stale, not acked (a replayed message comes again).
+            self._settle_waiters(StaleReceipt(f"a seek moved shard {self.shard} before the ack was recorded"))
             consumer.resync()
             return True
         self._version = record.version
@@ -1048,12 +1059,24 @@ class Consumer:
                 await by_rows(fallback)
 
         # The two ways run side by side: an ack row and the lease check after it need not
-        # wait for an offset write in ZooKeeper, nor the other way round.
-        outcomes = await asyncio.gather(by_rows(as_rows), by_offsets(), return_exceptions=True)
+        # wait for an offset write in ZooKeeper, nor the other way round. The epochs are read
+        # alongside (see _seek_overtook).
+        outcomes = await asyncio.gather(
+            by_rows(as_rows), by_offsets(), self._epochs_now({r.shard for _, r, _ in newly}), return_exceptions=True)
         failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if failure is not None:
             raise failure
+        epochs = outcomes[2]
+        assert isinstance(epochs, dict)
+        for index, reader, _ in newly:
+            if results[index] is True and epochs[reader.shard] != reader.epoch:
+                results[index] = _seek_overtook(reader)
         return results
+
+    async def _epochs_now(self, shards: set[int]) -> dict[int, int]:
+        """Each shard's seek epoch as its offset znode tells it now."""
+        records = await asyncio.gather(*(offsets.read_offset(self.store.zk, self.paths, s) for s in shards))
+        return {shard: record.epoch for shard, record in zip(shards, records)}
 
     async def nack(self, receipt: str, delay: float = 0.0, error: str | None = None) -> None:
         """Make a delivery visible again after `delay` seconds; `error` is kept for its history."""

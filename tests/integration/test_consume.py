@@ -211,3 +211,35 @@ async def test_stats_report_published_lag_and_in_flight(store: Store, started: l
         await reader.commit()
     after = await subscriber_stats(store, QUEUE, "counted")
     assert after.lag_messages == 0 and after.lag_batches == 0 and after.oldest_unacked_age_seconds is None
+
+
+@pytest.mark.parametrize("acked", ["one of its batch", "its whole batch"])
+async def test_an_ack_between_a_seek_and_the_member_noticing_it_is_stale(
+    store: Store, started: list[Consumer], acked: str
+) -> None:
+    """A seek is answered once its transaction is in ZooKeeper; members learn of it through a
+    watch, later. A delivery acked in between is one the seek replays, so its ack must not be
+    answered `acked` (the message comes again): it is stale, as the API says of receipts a seek
+    made old. One of a batch's messages is made durable by an ack row, a whole batch by an
+    offset write: both ways."""
+    await setup_queue(store, shards=1, subscribers=["late"])
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    results = await publisher.publish([OutgoingMessage(f"s{i}".encode()) for i in range(3)])
+    await publisher.flush_heads()
+    assert len({r.batch for r in results}) == 1
+    consumer = Consumer(store, QUEUE, "late")
+    started.append(consumer)
+    await consumer.start()
+    delivered = await drain(consumer, 3, ack=False)
+    assert len(delivered) == 3
+
+    consumer.resync = lambda: None  # type: ignore[method-assign]  # the seek's watch is late here
+    await asyncio.to_thread(seek, store, QUEUE, "late", SeekTarget("earliest"))
+    chosen = delivered[:1] if acked == "one of its batch" else delivered
+    answers = await consumer.ack_many([d.receipt for d in chosen])
+    assert all(isinstance(a, StaleReceipt) for a in answers), answers
+
+    del consumer.resync  # the watch arrives
+    consumer.resync()
+    replayed = await drain(consumer, 3)
+    assert Counter(d.message.message_id for d in replayed) == Counter(r.message_id for r in results)

@@ -331,3 +331,39 @@ async def test_an_app_that_never_acks_does_not_make_its_member_load_the_whole_ba
     assert not sharing._may_claim(), "the member would claim more while holding its limit"
     loaded = sum(r.state.loaded_messages for r in sharing.sources())
     assert loaded < MAX_LOADED_MESSAGES + CLAIM_MESSAGES, loaded
+
+
+@pytest.mark.parametrize("acked", ["one of its range", "its whole range"])
+async def test_an_ack_between_a_seek_and_the_member_noticing_it_is_stale(
+    store: Store, consumers: list[Consumer], acked: str
+) -> None:
+    """As with leases: a delivery made from a range of the old epoch after a seek was answered
+    (this member's watch comes later) is replayed, so its ack is stale, whether an ack row or
+    the range's completion would make it durable."""
+    setup(store, shards=1)
+    published = await publish(store, 3, "s", per_call=3)
+    consumer = await start(consumers, store)
+    delivered: list[Delivery] = []
+
+    async def received_all() -> bool:
+        delivered.extend(await consumer.receive(max_messages=3, wait=0.5))
+        return len(delivered) == 3
+
+    deadline = time.monotonic() + 60
+    while not await received_all():
+        assert time.monotonic() < deadline, "timed out waiting for the three messages"
+
+    consumer.resync = lambda: None  # type: ignore[method-assign]  # the seek's watch is late here
+    await asyncio.to_thread(seek, store, QUEUE, SUBSCRIBER, SeekTarget("earliest"))
+    chosen = delivered[:1] if acked == "one of its range" else delivered
+    answers = await consumer.ack_many([d.receipt for d in chosen])
+    assert all(isinstance(a, StaleReceipt) for a in answers), answers
+
+    del consumer.resync  # the watch arrives
+    consumer.resync()
+    replayed: set[str] = set()
+    stop = asyncio.Event()
+    worker = asyncio.create_task(work(consumer, {}, stop, replayed))
+    await until("every message acked after the seek", lambda: published <= replayed)
+    stop.set()
+    await worker
