@@ -239,7 +239,7 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
     await consumer.stop()
     p50, p99 = percentiles(latencies)
 
-    zk_ops = publisher.zookeeper_operations() + consumer.counters.offset_commits
+    zk_ops = publisher.zookeeper_operations() + consumer.counters.offset_commits + consumer.counters.lease_checks
     cassandra_ops = counters.cassandra_writes + consumer.counters.batch_reads + consumer.acks.statements
     return {
         "raw_insert_rows_per_s": raw_insert,
