@@ -1,7 +1,7 @@
 """Engine benchmark: publish and receive+ack against limits measured on the same node, in one run.
 
     python bench/bench_engine.py [--messages 20000] [--size 1024] [--shards 4] [--runs 3]
-        [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
+        [--only receive] [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 Runs on the local stack (`casque dev up`) in a keyspace of its own, dropped at the end.
 Reports, for the same rows on the same node, each figure the median of `--runs` runs:
@@ -14,6 +14,10 @@ Reports, for the same rows on the same node, each figure the median of `--runs` 
 - the cost of the conditional claim against a plain batch of the same rows;
 - publish-to-receive latency p50/p99 at a moderate rate with a consumer waiting;
 - ZooKeeper and Cassandra round trips per 1,000 messages.
+
+`--only receive` publishes the same messages and writes the rows of the paged read, then
+measures receive+ack against that read and nothing else (the publish limits, ids, claim
+cost and latency are left out): quicker, for work on the consumer.
 """
 
 from __future__ import annotations
@@ -134,6 +138,32 @@ async def paged_read_rate(store: Store, table: str, count: int) -> float:
     return read / (time.perf_counter() - started)
 
 
+async def paged_read_rate_of_new_rows(store: Store, table: str, count: int, payload: bytes) -> float:
+    """The paged read's rows/s, after writing its rows (as the full run's raw inserts do)."""
+    await asyncio.to_thread(raw_insert_rate, store, table, count, payload, WINDOW)
+    return await paged_read_rate(store, table, count)
+
+
+async def receive_rate(store: Store, queue: QueueRef, total: int, consumer: Consumer | None = None) -> float:
+    """Engine receive + ack of the `total` messages published: msgs/s. The consumer is left
+    started when passed in (the latency probe uses it next), stopped otherwise."""
+    own = consumer is None
+    consumer = consumer or Consumer(store, queue, "bench")
+    await consumer.start()
+    received = 0
+    started = time.perf_counter()
+    while received < total:
+        deliveries = await consumer.receive(max_messages=256, wait=5)
+        if not deliveries:
+            raise SystemExit("consumer stalled")
+        await consumer.ack_many([d.receipt for d in deliveries])
+        received += len(deliveries)
+    rate = total / (time.perf_counter() - started)
+    if own:
+        await consumer.stop()
+    return rate
+
+
 async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str, float]:
     """One run on queues of its own: every figure, ratios against limits of this run."""
     queue = QueueRef("default", f"bench-{run}")
@@ -158,6 +188,12 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
     avg_batch = (counters.messages - before[0]) / max(1, counters.batches - before[1])
     total = half + calls * 100
 
+    table = store.table(queue)
+    if args.only == "receive":
+        raw_read = await paged_read_rate_of_new_rows(store, table, total, payload)
+        consume_rate = await receive_rate(store, queue, total)
+        return {"raw_read_rows_per_s": raw_read, "consume": consume_rate, "consume_ratio": consume_rate / raw_read}
+
     # The same batch calls with a client id on every message (idempotent publish), on a
     # queue of their own: the id checks, intents and positions are what they add.
     with_ids = QueueRef("default", f"bench-ids-{run}")
@@ -172,7 +208,6 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
     ids_statements = id_publisher.idempotency.statements + id_publisher.counters.cassandra_writes
 
     # The limits, on the same table (shards the engine does not use).
-    table = store.table(queue)
     raw_insert = await asyncio.to_thread(raw_insert_rate, store, table, total, payload, WINDOW)
     plain_single = await plain_batch_rate(store, table, half, payload, max(1, round(single_batch)), shard_base=500)
     plain_batched = await plain_batch_rate(store, table, total, payload, max(1, round(avg_batch)), shard_base=800)
@@ -180,18 +215,8 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
                              max(5, min(50, total // (4 * max(1, round(avg_batch))))))
     raw_read = await paged_read_rate(store, table, total)
 
-    # Engine receive + ack of everything just published.
     consumer = Consumer(store, queue, "bench")
-    await consumer.start()
-    received = 0
-    started = time.perf_counter()
-    while received < total:
-        deliveries = await consumer.receive(max_messages=256, wait=5)
-        if not deliveries:
-            raise SystemExit("consumer stalled")
-        await consumer.ack_many([d.receipt for d in deliveries])
-        received += len(deliveries)
-    consume_rate = total / (time.perf_counter() - started)
+    consume_rate = await receive_rate(store, queue, total, consumer)
 
     # Latency: publish at a moderate rate while the consumer long-polls. Each probe
     # carries its send time, so the receiver needs nothing from the sender.
@@ -214,7 +239,7 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
     await consumer.stop()
     p50, p99 = percentiles(latencies)
 
-    zk_ops = publisher.zookeeper_operations() + consumer.counters.offset_commits
+    zk_ops = publisher.zookeeper_operations() + consumer.counters.offset_commits + consumer.counters.lease_checks
     cassandra_ops = counters.cassandra_writes + consumer.counters.batch_reads + consumer.acks.statements
     return {
         "raw_insert_rows_per_s": raw_insert,
@@ -246,7 +271,9 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
 
 
 async def main() -> None:
-    args = parse(arguments(__doc__.splitlines()[0], 20000, 1024), smoke_messages=600)
+    parser = arguments(__doc__.splitlines()[0], 20000, 1024)
+    parser.add_argument("--only", choices=["receive"], help="measure only receive+ack against the paged read")
+    args = parse(parser, smoke_messages=600)
     settings = scratch_settings(args.cassandra, args.zookeeper)
     store = Store.open(settings)
     try:

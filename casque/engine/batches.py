@@ -156,10 +156,14 @@ class Log:
         cut = False
         read = self._read_from.bind((shard, bucket_of(first_batch), first_batch))
         read.fetch_size = page_rows(self._row_bytes.get(shard))
+        # The rows of a batch share its publish time: converted once per batch, not per row.
+        published: tuple[Any, datetime] | None = None
         async for page in cql.pages(self.store.session, read):
             for row in page:
                 count += 1
-                size += len(row.payload or b"")
+                payload = row.payload
+                if payload:
+                    size += len(payload)
                 if row.seq == HEADER_SEQ:
                     if open_batch is not None:
                         batches.append(Batch(*open_batch))
@@ -167,7 +171,10 @@ class Log:
                     assert header is not None  # from a row
                     open_batch = (header, [])
                 elif open_batch is not None and open_batch[0].batch == row.batch_no:
-                    open_batch[1].append(_message_from_row(shard, row))
+                    raw = row.published_at
+                    if published is None or published[0] != raw:
+                        published = (raw, _utc(raw))
+                    open_batch[1].append(_message_from_row(shard, row, published[1]))
                 # else: rows of a batch whose header lies before the read (cannot happen when
                 # reading from its start)
             if size >= READ_BYTES:
@@ -198,16 +205,18 @@ def page_rows(mean_row_bytes: float | None) -> int:
     return max(MIN_PAGE_ROWS, min(MAX_PAGE_ROWS, int(READ_PAGE_BYTES / max(mean_row_bytes, 1.0))))
 
 
-def _message_from_row(shard: int, row: Any) -> StoredMessage:
+def _message_from_row(shard: int, row: Any, published_at: datetime) -> StoredMessage:
+    attributes = row.attributes
+    expires_at = row.expires_at
     return StoredMessage(
-        position=Position(shard, row.batch_no, row.seq),
-        message_id=row.message_id,
-        published_at=_utc(row.published_at),
-        payload=row.payload or b"",
-        key=row.key,
-        attributes=dict(row.attributes or {}),
-        content_type=row.content_type,
-        expires_at=_utc(row.expires_at) if row.expires_at else None,
+        Position(shard, row.batch_no, row.seq),
+        row.message_id,
+        published_at,
+        row.payload or b"",
+        row.key,
+        dict(attributes) if attributes else {},
+        row.content_type,
+        _utc(expires_at) if expires_at else None,
     )
 
 

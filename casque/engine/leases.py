@@ -25,6 +25,16 @@ quarter timeout). The server cannot expire a session sooner than a full timeout 
 heard from it, so the margin absorbs clock-rate differences and a server that negotiated
 the timeout down to half of what was asked.
 
+Proof of a lease without asking: the fence of a shard moves only when a member creates the
+shard's lease znode (the same multi), and that create fails while our lease exists. Our
+lease is ephemeral: it exists while the session that created it lives, until we delete it
+(the release, after our reader stopped) or the subscriber's deletion removes the tree. So
+`surely_held` answers "our acquisition is still the shard's latest" locally when the shard
+is held under that acquisition, not being released, and the session that created the lease
+is the one the last answered heartbeat confirmed, within the trust window above. An ack
+written as a row needs exactly that after its write (the next holder reads the rows only
+after it acquires); outside the window, or in doubt, the caller asks ZooKeeper instead.
+
 Connection states: SUSPENDED keeps the leases (the session may still be alive) but the
 consumer stops handing out messages until CONNECTED again. LOST means the session expired
 and ZooKeeper removed our ephemeral znodes, so another member may already hold our shards:
@@ -124,10 +134,16 @@ class ShardLeases:
         self._lost = False
         self._retry_delay = RETRY_MIN_SECONDS
         self._fences_known: set[int] = set()
+        # Shards being handed over and released.
+        self._releasing: set[int] = set()
         self.last_error = ""
         self._on_trusted = on_trusted
-        # Monotonic time at which the last request that ZooKeeper answered for our session was sent.
+        # Monotonic time at which the last request that ZooKeeper answered for our session was
+        # sent, and that session's id.
         self._confirmed_at = float("-inf")
+        self._confirmed_session: int | None = None
+        # The session in which each held shard's lease znode was created (None: not known).
+        self._sessions: dict[int, int | None] = {}
         self._beat_now = asyncio.Event()
         self._heartbeat: asyncio.Task[None] | None = None
         # kazoo keeps the timeout it asked for in milliseconds; the server may lower it.
@@ -148,6 +164,25 @@ class ShardLeases:
         self._beat_now.set()  # find out at once rather than at the next heartbeat
         return False
 
+    def surely_held(self, shard: int, fence: int) -> bool:
+        """Whether our lease on `shard`, acquired with `fence`, provably still exists on the
+        server now, so the fence is still ours (see "Proof of a lease" above). False means
+        "not known", not "lost": the caller then asks ZooKeeper."""
+        session = self._sessions.get(shard)
+        return (
+            self.held.get(shard) == fence
+            and shard not in self._releasing
+            and not self._lost
+            and self.connected
+            and session is not None
+            and session == self._confirmed_session
+            and time.monotonic() < self._confirmed_at + self.session_seconds / 2
+        )
+
+    def _session_id(self) -> int | None:
+        client_id = self._client.client_id
+        return int(client_id[0]) if client_id else None
+
     async def _heartbeat_loop(self) -> None:
         while not self._stopping:
             sent = time.monotonic()
@@ -157,7 +192,9 @@ class ShardLeases:
                 stat = None
             if stat is not None and stat.ephemeralOwner == self._client.client_id[0]:
                 was = self.trusted
-                self._confirmed_at = max(self._confirmed_at, sent)
+                if sent >= self._confirmed_at:
+                    self._confirmed_at = sent
+                    self._confirmed_session = int(stat.ephemeralOwner)
                 if not was:
                     self._on_trusted()
             self._beat_now.clear()
@@ -198,6 +235,7 @@ class ShardLeases:
 
     def forget(self, shard: int) -> None:
         """The shard's fence moved under us: someone else holds it. Drop it without touching ZooKeeper."""
+        self._sessions.pop(shard, None)
         if self.held.pop(shard, None) is not None:
             self._wanted.set()
 
@@ -252,6 +290,7 @@ class ShardLeases:
             # Our ephemeral znodes are gone: forget every shard without touching ZooKeeper.
             self._lost = False
             self.held.clear()
+            self._sessions.clear()
             await self._on_lost()
         if not self.connected or self._client.state != KazooState.CONNECTED:
             return False  # the CONNECTED transition sets _wanted again
@@ -303,9 +342,14 @@ class ShardLeases:
         transaction = self._client.transaction()
         transaction.create(self._paths.lease(shard), self.member_id.encode(), ephemeral=True)
         transaction.set_data(self._paths.fence(shard), self.member_id.encode())
+        before = self._session_id()
         results = await zk.call(transaction.commit_async)
         created, fence = results
         if not isinstance(created, Exception) and not isinstance(fence, Exception):
+            # The multi ran in the session current when it was sent and answered; if the
+            # client changed sessions meanwhile, which one is not known (never proven held).
+            after = self._session_id()
+            self._sessions[shard] = before if before == after else None
             return int(fence.version)
         cause = next(r for r in results if isinstance(r, Exception) and not isinstance(r, RolledBackError))
         if isinstance(cause, NoNodeError):
@@ -321,11 +365,18 @@ class ShardLeases:
         if data.decode() == self.member_id and stat.ephemeralOwner == self._client.client_id[0]:
             # Our own multi whose reply was lost: nobody can have bumped the fence since.
             _, fence_stat = await zk.call(self._client.get_async, self._paths.fence(shard))
+            self._sessions[shard] = int(stat.ephemeralOwner)
             return int(fence_stat.version)
         return None
 
     async def _release(self, shard: int) -> None:
-        await self._on_released(shard)
+        # From the hand-over on, an ack of this shard asks ZooKeeper: the lease is about to go.
+        self._releasing.add(shard)
+        try:
+            await self._on_released(shard)
+        finally:
+            self._releasing.discard(shard)
+        self._sessions.pop(shard, None)
         fence = self.held.pop(shard, None)
         if fence is not None:
             await self._delete_lease(shard, fence)

@@ -133,17 +133,29 @@ class ShardState:
         done = done or set()
         deliveries = deliveries or {}
         loaded = LoadedBatch({}, 0)
+        entries = loaded.entries
+        locks = self.locks
+        # Every heap entry is of a batch below next_batch, so below this one: appending this
+        # batch's positions in rising seq order (as read) keeps the list a heap.
+        ready = self._ready
+        size = 0
+        top = -1
         for message in messages:
             seq = message.position.seq
             if seq in done:
                 loaded.done.add(seq)
                 continue
-            loaded.entries[seq] = Entry(message, deliveries=deliveries.get(seq, 0))
-            if self.locks is not None:
-                self.locks.add(message.key, message.position)
-            loaded.remaining += 1
-            self._loaded_bytes += message.size
-            heapq.heappush(self._ready, (batch, seq))
+            entries[seq] = Entry(message, State.READY, deliveries.get(seq, 0))
+            if locks is not None:
+                locks.add(message.key, message.position)
+            size += len(message.payload)
+            if seq > top:
+                ready.append((batch, seq))
+                top = seq
+            else:
+                heapq.heappush(ready, (batch, seq))
+        loaded.remaining = len(entries)
+        self._loaded_bytes += size
         self._loaded_messages += loaded.remaining
         if loaded.remaining == 0:
             loaded.done.clear()

@@ -121,6 +121,11 @@ class ClaimReader:
         """Whether an ack in `batch` is made durable by the range's completion (the whole range is done)."""
         return self.complete
 
+    def proves_rows_locally(self) -> bool:
+        """Never: the check after a range's ack row reads its claim (and a complete range's
+        completion deletes it), so a complete range's acks wait for the completion."""
+        return False
+
     def covering(self, batch: int) -> asyncio.Future[None]:
         """Done once the range's completion is written; fails if it cannot be (taken over, unavailable)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()

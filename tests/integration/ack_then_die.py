@@ -1,7 +1,9 @@
 """A consumer process for fault tests: receives and acks, and kills itself with SIGKILL the
 moment its ACK_CALLS-th ack call has been answered.
 
-Usage: python -m tests.integration.ack_then_die KEYSPACE CQL_HOST:PORT ZK_HOSTS ACK_CALLS MAX
+Usage: python -m tests.integration.ack_then_die KEYSPACE CQL_HOST:PORT ZK_HOSTS ACK_CALLS MAX [offsets]
+With `offsets`, acks of complete batches wait for the offset write even while the lease is
+proven locally (where they would go to rows), so that both ways are killed mid-flight.
 Prints one JSON line per delivery and per ack result, with the times (the monotonic clock,
 which the test process shares) the call was sent and answered, flushed before the kill:
 everything after an answered ack is then what a crash at that instant leaves behind.
@@ -20,7 +22,7 @@ from kazoo.client import KazooClient
 
 from casque.backends import cql
 from casque.config import Settings
-from casque.engine.consumer import Consumer
+from casque.engine.consumer import Consumer, ShardReader
 from casque.schema import QueueRef
 from casque.store import Store
 
@@ -68,4 +70,6 @@ async def main(keyspace: str, cassandra: str, zk_hosts: str, ack_calls: int, bat
 
 if __name__ == "__main__":
     keyspace, cassandra, zk_hosts, ack_calls, batch = sys.argv[1:6]
+    if sys.argv[6:7] == ["offsets"]:
+        ShardReader.proves_rows_locally = lambda self: False  # type: ignore[method-assign]
     asyncio.run(main(keyspace, cassandra, zk_hosts, int(ack_calls), int(batch)))

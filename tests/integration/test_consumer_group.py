@@ -132,17 +132,57 @@ async def test_a_stale_holder_can_neither_commit_nor_delete_the_new_holders_leas
     assert store.zk.get(paths.lease(0))[0] == b"new"  # the new holder's lease is still there
 
 
-async def test_an_ack_after_the_lease_moved_is_refused_not_answered_acked(
+def take_over(store: Store, shard: int) -> None:
+    """Another member acquires `shard` as it would once the holder's session expired: the
+    server removed the holder's ephemeral lease, and the new lease and the fence bump go in
+    one multi."""
+    paths = store.paths(QUEUE).subscriber("workers")
+    store.zk.delete(paths.lease(shard))
+    transaction = store.zk.transaction()
+    transaction.create(paths.lease(shard), b"someone-else")
+    transaction.set_data(paths.fence(shard), b"someone-else")
+    assert all(not isinstance(r, Exception) for r in transaction.commit())
+
+
+async def test_an_ack_row_is_answered_without_asking_zookeeper_while_the_lease_is_proven(
     store: Store, consumers: list[Consumer]
 ) -> None:
     spec = setup(store, shards=1)
     await publish(store, spec, ["first", "second"], together=True)
     consumer = await start(consumers, store)
     first, _second = await take(consumer, 2)
-    # Another member acquires the shard (the fence moves) before this ack is recorded.
-    store.zk.set(store.paths(QUEUE).subscriber("workers").fence(0), b"someone-else")
-    (result,) = await consumer.ack_many([first.receipt])
-    assert isinstance(result, CasqueError) and result.code == "lease_lost"
+    assert await consumer.ack_many([first.receipt]) == [True]  # the batch is not complete: an ack row
+    assert (consumer.counters.lease_proofs, consumer.counters.lease_checks) == (1, 0)
+
+
+async def test_an_ack_after_a_pause_past_the_session_is_refused_not_answered_acked(
+    store: Store, new_store: Callable[[], Store], consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease check after an ack row may be answered without ZooKeeper only while the
+    session is known alive. A member whose heartbeats went unanswered past half a session
+    (a pause) still believes it holds its shard, its client still says CONNECTED, and the
+    server may have expired the session and another member taken the shard and read the
+    ack rows already: its ack must not be answered as done."""
+    spec = setup(store, shards=1)
+    await publish(store, spec, ["first", "second"], together=True)
+    member_store = new_store()
+    member = await start(consumers, member_store, "paused")
+    await until("the member holds shard 0", lambda: member.held_shards == {0})
+    first, _second = await take(member, 2)
+    assert member._leases is not None
+    session = member._leases.session_seconds
+    cut_at = time.monotonic()
+    silence = Unanswered(member_store.zk, monkeypatch)
+    await until("half a session of silence", lambda: time.monotonic() > cut_at + session / 2)
+    take_over(store, 0)
+    assert member_store.zk.state == KazooState.CONNECTED and member.held_shards == {0}
+    ack = asyncio.ensure_future(member.ack_many([first.receipt]))
+    # A wrong proof answers the ack at once; a right one asks ZooKeeper, which answers late.
+    await until("the ack answered or the lease check asked", lambda: ack.done() or member.counters.lease_checks == 1)
+    silence.answer_again()
+    (result,) = await ack
+    assert isinstance(result, CasqueError) and result.code == "lease_lost", f"answered {result!r} after the takeover"
+    assert member.counters.lease_proofs == 0
 
 
 async def test_a_seek_of_one_shard_leaves_the_others_deliveries_alone(

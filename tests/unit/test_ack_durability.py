@@ -12,12 +12,16 @@ from casque.schema import bucket_of
 class Source:
     """A shard whose batches below `offset` are complete."""
 
-    def __init__(self, shard: int, offset: int) -> None:
+    def __init__(self, shard: int, offset: int, proven: bool = False) -> None:
         self.shard = shard
         self.offset = offset
+        self.proven = proven
 
     def completes(self, batch: int) -> bool:
         return batch < self.offset
+
+    def proves_rows_locally(self) -> bool:
+        return self.proven
 
 
 def acked(index: int, source: Source, batch: int, seq: int = 0) -> Any:
@@ -63,3 +67,11 @@ def test_only_the_same_source_counts() -> None:
     rows, covering = durability_plan([acked(0, complete, 4), acked(1, open_range, 5)])
     assert [i for i, _, _ in rows] == [1]
     assert [i for i, _, _ in covering[cast(Any, complete)]] == [0]
+
+
+def test_a_shard_whose_lease_is_proven_locally_writes_rows_for_complete_batches_too() -> None:
+    # Its lease check costs no round trip: one row is quicker than waiting for an offset write.
+    proven, unproven = Source(0, offset=5, proven=True), Source(1, offset=5)
+    rows, covering = durability_plan([acked(0, proven, 3), acked(1, unproven, 3)])
+    assert [i for i, _, _ in rows] == [0]
+    assert list(covering) == [cast(Any, unproven)]
