@@ -9,8 +9,13 @@ group commit checks and records all its ids with a few requests, however many th
 A crash must not let a retry publish an id twice, so the link from id to batch is recorded
 before the batch exists, not after: the shard writer records an intent per id (its message
 id, the shard, its seq in the batch, the writer id its claims carry) and the writer's row
-(the first batch it will try, and a claim deadline), and only then claims. It never sends a
-claim after CLAIM_SECONDS of the deadline's window have passed. After the batch is written,
+(the first batch it will try, and a claim deadline), and only then claims. The window opens
+when it checks the ids, before the read: it writes no intent and sends no claim once
+CLAIM_SECONDS of it have passed, since by then a retry through another sidecar may have
+found the ids unpublished too and published them (an attempt stopped between its check and
+its intents must not overwrite that retry's record). A retry through another sidecar sent
+while the first attempt is still inside its window can race it; an app's retries reach its
+own sidecar, which makes them wait for the first. After the batch is written,
 the batch number on the writer's row completes the intents of all its ids.
 
 A retry that finds only an intent settles it: it reads the shard's headers at SERIAL from

@@ -72,6 +72,8 @@ class _Pending:
     checked: bool = False
     # Set when this publish took its id over from an intent whose writer can claim no more.
     taken_over: TakeOver | None = None
+    # The claim window its id check opened: (wall-clock deadline, monotonic end of claims).
+    window: tuple[datetime, float] | None = None
 
 
 @dataclass
@@ -160,11 +162,16 @@ class ShardWriter:
         if not ids:
             return items
         guard = self._publisher.idempotency
+        # "Not published" holds only until a retry elsewhere finds the same and publishes: the
+        # window opens before the check, so intents and claims after it are never sent.
+        window = claim_deadline()
         rows = await guard.lookup(ids)
         fresh: list[_Pending] = []
         for item in items:
             row = None if item.checked or not item.message.client_id else rows.get(item.message.client_id)
             if row is None:
+                if item.message.client_id and not item.checked:
+                    item.window = window
                 fresh.append(item)
             elif row.batch_no is not None:
                 item.future.set_result(recorded(row))
@@ -279,7 +286,10 @@ class ShardWriter:
                 await self._recover_totals(self._last_batch)
             batch = self._last_batch + 1
             if intents and claims_until is None:
-                deadline, claims_until = claim_deadline()
+                deadline, claims_until = min((i.window for i in items if i.window is not None), key=lambda w: w[1])
+                # Past the window a retry may have published these ids: its record must not be
+                # overwritten by our intents.
+                _check_window(self.shard, claims_until)
                 await publisher.idempotency.record_intents(intents, self.shard, writer, batch, deadline)
             _check_window(self.shard, claims_until)
             claim = await self._claim(batch, items, writer, self._totals)

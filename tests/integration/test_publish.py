@@ -561,3 +561,42 @@ async def test_a_writers_row_landing_late_lets_no_claim_out_after_the_retry_publ
     with pytest.raises(BackendUnavailable):
         await first
     assert copies_of(store, "order-16") == [(second.shard, second.batch, second.seq)]
+
+
+async def test_a_first_attempt_stopped_after_its_id_check_sends_nothing_once_its_window_passed(
+    store: Store, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
+) -> None:
+    """The first attempt finds its id unpublished, then its process stops before it records
+    an intent. The client gives up on it and retries through another sidecar, which finds
+    nothing either and publishes. When the first attempt resumes, the window that its check
+    opened is over: it must write no intent over the retry's record and send no claim."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    state = catalog.read_queue(store, QUEUE)
+    paused = Publisher(store, QUEUE, state)
+    lookup = paused.idempotency.lookup
+    checked, resume = asyncio.Event(), asyncio.Event()
+    stopped_at: list[float] = []
+
+    async def stopped_after_the_check(client_ids: Any) -> Any:
+        found = await lookup(client_ids)
+        stopped_at.append(time.monotonic())
+        checked.set()
+        await resume.wait()
+        return found
+
+    monkeypatch.setattr(paused.idempotency, "lookup", stopped_after_the_check)
+    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id="order-17")]))
+    await asyncio.wait_for(checked.wait(), 60)
+    (second,) = await Publisher(store, QUEUE, state).publish([OutgoingMessage(b"pay", client_id="order-17")])
+    assert not second.duplicate
+    await until("the first attempt's claim window over",
+                lambda: time.monotonic() > stopped_at[0] + idempotency.CLAIM_SECONDS)
+    resume.set()
+    with pytest.raises(BackendUnavailable):
+        await first
+    monkeypatch.setattr(paused.idempotency, "lookup", lookup)
+    assert copies_of(store, "order-17") == [(second.shard, second.batch, second.seq)]
+    (third,) = await paused.publish([OutgoingMessage(b"pay", client_id="order-17")])
+    assert third.duplicate and (third.message_id, third.batch, third.seq) == (
+        second.message_id, second.batch, second.seq)
