@@ -27,8 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 # Cassandra cannot listen on port 0, so the ports come from a slot held (locked) for this
 # session, apart from the test stack's and the ring's: a stack left behind by an interrupted
 # run, or another session's, cannot get in the way, and nothing else picks these ports.
-DEV_PORTS = StackPorts(native=39042, storage=37000, jmx=37199, zookeeper=32181,
-                       zookeeper_quorum=32881, zookeeper_election=32981)
+# Below the ephemeral range (see tests/fixtures/stack.py), and apart from every other slot's.
+DEV_PORTS = StackPorts(native=13042, storage=10000, jmx=10199, zookeeper=8181,
+                       zookeeper_quorum=8881, zookeeper_election=8981)
 ZOOKEEPERS = 3
 
 pytestmark = pytest.mark.integration
