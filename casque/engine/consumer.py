@@ -406,7 +406,7 @@ class ShardReader:
     def proves_rows_locally(self) -> bool:
         """Whether the lease check after an ack row would be answered without ZooKeeper now:
         then a row is the quicker way to make any ack durable, complete batch or not."""
-        leases = self.consumer._leases
+        leases = self.consumer.leases
         return not self._fenced and leases is not None and leases.surely_held(self.shard, self.fence)
 
     def covering(self, batch: int) -> asyncio.Future[None]:
@@ -501,7 +501,7 @@ class ShardReader:
             self._fenced = True
             # The acks waiting here came after the seek: it replays or skips their range, so
             # they are stale, not acked (a replayed message comes again).
-            self._settle_waiters(StaleReceipt(f"a seek moved shard {self.shard} before the ack was recorded"))
+            self._settle_waiters(_seek_overtook(self))
             consumer.resync()
             return True
         self._version = record.version
@@ -518,8 +518,7 @@ class ShardReader:
         if self._fenced:
             return False
         counters = self.consumer.counters
-        leases = self.consumer._leases
-        if leases is not None and leases.surely_held(self.shard, self.fence):
+        if self.proves_rows_locally():
             counters.lease_proofs += 1
             return True
         counters.lease_checks += 1
@@ -661,6 +660,11 @@ class Consumer:
         if self._sharing is not None:
             return {source.shard for source in self._sharing.sources()}
         return set(self.readers)
+
+    @property
+    def leases(self) -> ShardLeases | None:
+        """The shard leases of leased delivery (None in shared delivery, or before start)."""
+        return self._leases
 
     def group_members(self) -> list[str]:
         """The live members of this consumer's group, as last seen."""

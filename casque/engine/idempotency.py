@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -223,28 +223,33 @@ class IdempotencyGuard:
         self.resolved_intents = 0
         self.statements = 0
 
-    async def publish_once(self, client_id: str, publish: Callable[[], Awaitable[Published]]) -> Published:
-        """Within this process: one publish per id at a time, and recent ids answered from memory.
-        `publish` does the durable check (the shard writer's `lookup`)."""
+    def earlier_here(self, client_id: str) -> asyncio.Future[Published] | None:
+        """Within this process, at once: the first result of a recent id, or the publish of it
+        under way, as a duplicate; None if neither (the publish goes on to the durable check,
+        the shard writer's `lookup`, and is `track`ed)."""
         known = self._recent.get(client_id)
+        loop = asyncio.get_running_loop()
         if known is not None:
-            return _as_duplicate(known)
+            answer = loop.create_future()
+            answer.set_result(_as_duplicate(known))
+            return answer
         running = self._inflight.get(client_id)
         if running is not None:
-            return _as_duplicate(await asyncio.shield(running))
-        future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
-        self._inflight[client_id] = future
-        try:
-            result = await publish()
-            self._remember(client_id, result)
-            future.set_result(result)
-            return result
-        except BaseException as error:
-            future.set_exception(error)
-            future.exception()  # retrieved here: waiters re-raise it themselves
-            raise
-        finally:
-            del self._inflight[client_id]
+            return loop.create_task(_duplicate_of(running))
+        return None
+
+    def track(self, client_id: str, publication: asyncio.Future[Published]) -> None:
+        """`publication` is this process's publish of `client_id`: until it ends, publishes of
+        the id wait for it (`earlier_here`), and its result is remembered."""
+        self._inflight[client_id] = publication
+
+        def ended(done: asyncio.Future[Published]) -> None:
+            if self._inflight.get(client_id) is done:
+                del self._inflight[client_id]
+            if not done.cancelled() and done.exception() is None:
+                self._remember(client_id, done.result())
+
+        publication.add_done_callback(ended)
 
     async def lookup(self, client_ids: Sequence[str]) -> dict[str, IdRecord]:
         """The records of these ids, by client id: one read per bucket partition they fall
@@ -510,6 +515,11 @@ def claim_deadline() -> tuple[datetime, float]:
     which its writer sends no more claims."""
     return (datetime.now(timezone.utc) + timedelta(seconds=DEADLINE_SECONDS),
             time.monotonic() + CLAIM_SECONDS)
+
+
+async def _duplicate_of(running: asyncio.Future[Published]) -> Published:
+    # Shielded: a waiter given up (cancelled) must not cancel the publish it waits for.
+    return _as_duplicate(await asyncio.shield(running))
 
 
 def _as_duplicate(result: Published) -> Published:

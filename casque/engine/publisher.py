@@ -468,16 +468,33 @@ class Publisher:
             self.validate(message)
         ids = list(message_ids) if message_ids is not None else [str(random_uuid()) for _ in messages]
         if len(messages) == 1:
-            # The common one-message call: awaited in this task, not wrapped in a task of its
-            # own by gather (a task and a gathering future cost about as much as the rest of
-            # the call's own work); cancellation reaches the message's future the same way.
-            return [await self._publish_one(messages[0], ids[0])]
-        return list(await asyncio.gather(*(self._publish_one(m, i) for m, i in zip(messages, ids))))
+            # The common one-message call: awaited in this task, without a gathering future.
+            return [await self._start(messages[0], ids[0])]
+        return list(await asyncio.gather(*(self._start(m, i) for m, i in zip(messages, ids))))
 
-    async def _publish_one(self, message: OutgoingMessage, message_id: str) -> Published:
-        if message.client_id is None:
-            return await self._route(message, message_id)
-        return await self.idempotency.publish_once(message.client_id, lambda: self._route(message, message_id))
+    def _start(self, message: OutgoingMessage, message_id: str) -> asyncio.Future[Published]:
+        """Start publishing one message: the future of its result. A message for the log is
+        handed to its shard writer at once, with a future and no task of its own: a task per
+        message cost as much as the rest of a batch call's work on it. One that may wait in
+        the delayed table (its own or the queue's delay) takes the coroutine path, in a task."""
+        guard = self.idempotency
+        client_id = message.client_id
+        if client_id is not None:
+            earlier = guard.earlier_here(client_id)
+            if earlier is not None:
+                return earlier
+        loop = asyncio.get_running_loop()
+        publication: asyncio.Future[Published]
+        if message.deliver_at is not None or (
+            self.spec.default_delay_seconds and not (client_id or "").startswith(MOVED_PREFIX)
+        ):
+            publication = loop.create_task(self._route(message, message_id))
+        else:
+            publication = loop.create_future()
+            self._writers[self._choose_shard(message)].submit(_Pending(message_id, message, publication))
+        if client_id is not None:
+            guard.track(client_id, publication)
+        return publication
 
     async def _route(self, message: OutgoingMessage, message_id: str) -> Published:
         due = message.deliver_at

@@ -8,7 +8,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -139,6 +139,31 @@ async def test_idempotent_publish_returns_the_first_result(store: Store) -> None
     await publisher.flush_heads()  # publish does not wait for the head; reading up to it does
     stored = await read_all(store, spec)
     assert sum(len(ids) for batches in stored.values() for ids in batches.values()) == 1
+
+
+async def test_one_call_with_an_id_twice_stores_it_once_and_answers_both(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = QueueSpec(shards=2, retention_seconds=3600)
+    catalog.apply_queue(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    first, again, plain = await publisher.publish([
+        OutgoingMessage(b"a", client_id="order-2"), OutgoingMessage(b"a", client_id="order-2"), OutgoingMessage(b"b"),
+    ])
+    assert again.duplicate and not first.duplicate and not plain.duplicate
+    assert (again.message_id, again.shard, again.batch, again.seq) == (first.message_id, first.shard, first.batch,
+                                                                        first.seq)
+    # Remembered once the call ended: the next publish of the id is answered without a lookup.
+    async def no_lookup(client_ids: object) -> NoReturn:
+        raise AssertionError(f"looked up {client_ids} in Cassandra")
+
+    monkeypatch.setattr(publisher.idempotency, "lookup", no_lookup)
+    (later,) = await publisher.publish([OutgoingMessage(b"a", client_id="order-2")])
+    assert later.duplicate and later.message_id == first.message_id
+    await publisher.flush_heads()
+    stored = await read_all(store, spec)
+    assert sorted(i for batches in stored.values() for ids in batches.values() for i in ids) == sorted(
+        [first.message_id, plain.message_id])
 
 
 async def until(what: str, condition: Callable[[], bool], limit_s: float = 30.0) -> None:
