@@ -5,8 +5,9 @@
 
 Runs each benchmark as its own process with `--json` (a benchmark's driver threads, Spark JVM
 and sidecar never outlive it), keeps each JSON document in `--out`, and renders one Markdown
-section from them. With `--readme` the section replaces what lies between the README's
-`<!-- bench:begin -->` and `<!-- bench:end -->` lines. A failing benchmark does not stop the
+section from them. With `--readme` their tables replace those between the README's
+`<!-- bench:begin -->` and `<!-- bench:end -->` lines; the tables of benchmarks not run
+(`--only`) stay as they were. A failing benchmark does not stop the
 others; the exit code is 1 if any failed. `scripts/bench.sh` runs this on the local stack.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -64,28 +66,44 @@ def run(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any] | None
     return document
 
 
-def render(results: dict[str, dict[str, Any]]) -> str:
-    """The README section: one table per benchmark, each figure its median and (min-max)."""
-    lines = []
+def render(results: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The README's table of each benchmark, by name, each figure its median and (min-max)."""
+    tables = {}
     for name, document in results.items():
         context = ", ".join(f"{key} {value}" for key, value in document["context"].items())
         runs = document["runs"]
-        lines += ["", f"**{name}** (`bench/{BENCHMARKS[name]}`; {context}; median of {runs} runs, (min-max))", "",
-                  "| figure | value | unit |", "| --- | --- | --- |"]
+        lines = [f"**{name}** (`bench/{BENCHMARKS[name]}`; {context}; median of {runs} runs, (min-max))", "",
+                 "| figure | value | unit |", "| --- | --- | --- |"]
         for figure in document["figures"].values():
             label = figure["label"]
             indent = "&emsp;" if label.startswith(" ") else ""
             lines.append(f"| {indent}{label.strip()} | {cell(figure, figure['unit'])} | {figure['unit']} |")
-    return "\n".join(lines).lstrip("\n") + "\n"
+        tables[name] = "\n".join(lines) + "\n"
+    return tables
 
 
-def update_readme(readme: Path, section: str) -> None:
+def merge_section(section: str, tables: dict[str, str]) -> str:
+    """The README section with `tables` in place of those benchmarks' tables, and the tables
+    of benchmarks not run this time kept as they were (`--only` updates only what it ran)."""
+    kept = {
+        match.group(1): match.group(0).strip("\n") + "\n"
+        for match in re.finditer(r"(?ms)^\*\*(\w+)\*\* \(.*?(?=^\*\*\w+\*\* \(|\Z)", section)
+    }
+    merged = {**kept, **tables}
+    return "\n".join(merged[name] for name in sorted(merged, key=_order))
+
+
+def _order(name: str) -> tuple[int, str]:
+    return (list(BENCHMARKS).index(name), name) if name in BENCHMARKS else (len(BENCHMARKS), name)
+
+
+def update_readme(readme: Path, tables: dict[str, str]) -> None:
     text = readme.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{readme} has no {BEGIN} ... {END} section to update")
     head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{BEGIN}\n{section}{END}{tail}")
+    section, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{BEGIN}\n{merge_section(section, tables)}{END}{tail}")
 
 
 def main() -> None:
@@ -107,7 +125,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     results = {name: document for name in names if (document := run(name, args, out)) is not None}
-    section = render(results)
+    tables = render(results)
+    section = "\n".join(tables.values())
     (out / "README-section.md").write_text(section)
     print(section)
     print(f"bench/all: results in {out}", file=sys.stderr)
@@ -115,7 +134,7 @@ def main() -> None:
     if failed:
         raise SystemExit(f"bench/all: failed: {', '.join(failed)} (README not updated)")
     if args.readme is not None:
-        update_readme(args.readme, section)
+        update_readme(args.readme, tables)
         print(f"bench/all: updated {args.readme}", file=sys.stderr)
 
 
