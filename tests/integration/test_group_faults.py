@@ -67,10 +67,11 @@ async def test_a_member_paused_past_its_session_rejoins_and_takes_its_share_back
     await group.whole(spec.log_shards())
     if group.delivery == "leased":
         assert group.members[first] in set((await asyncio.to_thread(group.lease_holders)).values())
-    after = await group.publish(300, "after")
+    # Leased, it holds shards again and gets the first round's share. Shared, it claims
+    # ranges as the others do, and on a loaded machine they may claim a whole round first:
+    # rounds go on until it delivers (at most 10, or the test fails).
+    await (await load_until_holding(group, first, 300, "after", since=len(group.history.deliveries)))
     await group.drained()
-    assert any(d.member == group.members[first] for d in group.history.deliveries
-               if d.message_id in after), "the rejoined member received nothing"
     assert_sound(group.history)
 
 
