@@ -228,14 +228,13 @@ class IdempotencyGuard:
         under way, as a duplicate; None if neither (the publish goes on to the durable check,
         the shard writer's `lookup`, and is `track`ed)."""
         known = self._recent.get(client_id)
-        loop = asyncio.get_running_loop()
         if known is not None:
-            answer = loop.create_future()
+            answer = asyncio.get_running_loop().create_future()
             answer.set_result(_as_duplicate(known))
             return answer
         running = self._inflight.get(client_id)
         if running is not None:
-            return loop.create_task(_duplicate_of(running))
+            return asyncio.get_running_loop().create_task(_duplicate_of(running))
         return None
 
     def track(self, client_id: str, publication: asyncio.Future[Published]) -> None:

@@ -475,32 +475,39 @@ class Publisher:
     def _start(self, message: OutgoingMessage, message_id: str) -> asyncio.Future[Published]:
         """Start publishing one message: the future of its result. A message for the log is
         handed to its shard writer at once, with a future and no task of its own: a task per
-        message cost as much as the rest of a batch call's work on it. One that may wait in
-        the delayed table (its own or the queue's delay) takes the coroutine path, in a task."""
+        message cost as much as the rest of a batch call's work on it. One with a delivery time
+        (its own or the queue's delay) takes the coroutine path, in a task."""
         guard = self.idempotency
         client_id = message.client_id
         if client_id is not None:
             earlier = guard.earlier_here(client_id)
             if earlier is not None:
                 return earlier
-        loop = asyncio.get_running_loop()
-        publication: asyncio.Future[Published]
-        if message.deliver_at is not None or (
-            self.spec.default_delay_seconds and not (client_id or "").startswith(MOVED_PREFIX)
-        ):
-            publication = loop.create_task(self._route(message, message_id))
-        else:
-            publication = loop.create_future()
-            self._writers[self._choose_shard(message)].submit(_Pending(message_id, message, publication))
+        due = self._due(message)
+        publication = (self._to_log(message, message_id) if due is None
+                       else asyncio.get_running_loop().create_task(self._route(message, message_id, due)))
         if client_id is not None:
             guard.track(client_id, publication)
         return publication
 
-    async def _route(self, message: OutgoingMessage, message_id: str) -> Published:
-        due = message.deliver_at
-        if due is None and self.spec.default_delay_seconds and not (message.client_id or "").startswith(MOVED_PREFIX):
-            due = datetime.now(timezone.utc) + timedelta(seconds=self.spec.default_delay_seconds)
-        if due is not None and self._is_later(due):
+    def _due(self, message: OutgoingMessage) -> datetime | None:
+        """When a message is to be delivered: its own time, or the queue's default delay from
+        now (not for a delayed message being moved into the log); None: at once."""
+        if message.deliver_at is not None:
+            return message.deliver_at
+        if self.spec.default_delay_seconds and not (message.client_id or "").startswith(MOVED_PREFIX):
+            return datetime.now(timezone.utc) + timedelta(seconds=self.spec.default_delay_seconds)
+        return None
+
+    def _to_log(self, message: OutgoingMessage, message_id: str) -> asyncio.Future[Published]:
+        """Hand a message to its shard's writer: the future of where it was written."""
+        future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
+        self._writers[self._choose_shard(message)].submit(_Pending(message_id, message, future))
+        return future
+
+    async def _route(self, message: OutgoingMessage, message_id: str, due: datetime) -> Published:
+        """A message with a delivery time: into the delayed table, or into the log if due already."""
+        if self._is_later(due):
             if message.client_id:
                 earlier = await self.idempotency.earlier(message.client_id)
                 if earlier is not None:
@@ -511,9 +518,7 @@ class Publisher:
                 await self.idempotency.record_positions([(message, result)])
             await self._move_if_passed(message_id, due, message)
             return result
-        future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
-        self._writers[self._choose_shard(message)].submit(_Pending(message_id, message, future))
-        return await future
+        return await self._to_log(message, message_id)
 
     def _is_later(self, due: datetime) -> bool:
         """Whether a message due at `due` waits in the delayed table (else: straight into the log)."""
