@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ from cassandra.cluster import (
 )
 from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
 from cassandra.protocol import ErrorMessage, IsBootstrappingErrorMessage, OverloadedErrorMessage
-from cassandra.query import Statement
+from cassandra.query import Statement, tuple_factory
 
 from casque.backends.tls import client_context, probe
 from casque.config import Settings
@@ -156,9 +157,33 @@ def _tls_refusal(settings: Settings) -> str | None:
     return None if reason is None else f"Cassandra at {host}:{settings.cassandra_port}: {reason}"
 
 
-async def execute(session: Session, statement: str | Statement, params: Sequence[Any] | None = None) -> Any:
-    """Run a statement without blocking the loop; returns the driver's ResultSet."""
-    return await _result(session.execute_async(statement, params))
+# Each session's default execution profile with rows as plain tuples (see `tuple_rows`).
+_TUPLE_ROWS: weakref.WeakKeyDictionary[Session, ExecutionProfile] = weakref.WeakKeyDictionary()
+
+
+def tuple_rows(session: Session) -> ExecutionProfile:
+    """The session's default execution profile, but with rows as plain tuples in the order
+    the query names its columns.
+
+    For the reads of every message (a consumer's log reads): named tuples cost a class
+    built per page and a Python-level constructor call per row, on the driver's I/O thread,
+    which holds the GIL the event loop needs. A shallow copy shares the default profile's
+    load-balancing policy, so it needs no registering with the cluster.
+    """
+    profile = _TUPLE_ROWS.get(session)
+    if profile is None:
+        profile = _TUPLE_ROWS[session] = session.execution_profile_clone_update(
+            EXEC_PROFILE_DEFAULT, row_factory=tuple_factory)
+    return profile
+
+
+async def execute(
+    session: Session, statement: str | Statement, params: Sequence[Any] | None = None,
+    profile: str | ExecutionProfile = EXEC_PROFILE_DEFAULT,
+) -> Any:
+    """Run a statement without blocking the loop; returns the driver's ResultSet.
+    `profile`: an execution profile's name, or one such as `tuple_rows(session)`."""
+    return await _result(session.execute_async(statement, params, execution_profile=profile))
 
 
 async def fetch_all(session: Session, statement: str | Statement, params: Sequence[Any] | None = None) -> list[Any]:
@@ -181,7 +206,8 @@ async def fetch_all(session: Session, statement: str | Statement, params: Sequen
 
 
 async def pages(
-    session: Session, statement: str | Statement, params: Sequence[Any] | None = None
+    session: Session, statement: str | Statement, params: Sequence[Any] | None = None,
+    profile: str | ExecutionProfile = EXEC_PROFILE_DEFAULT,
 ) -> AsyncIterator[list[Any]]:
     """The pages of a query, each fetched without blocking the loop, the next one only when
     asked for: a reader that has enough stops, and the rest is never sent.
@@ -190,7 +216,7 @@ async def pages(
     page on: a reader that learns the size of its rows from the first page can ask for
     fewer, larger pages after it.
     """
-    result = await execute(session, statement, params)
+    result = await execute(session, statement, params, profile)
     yield list(result.current_rows)
     while result.has_more_pages:
         response = result.response_future

@@ -38,6 +38,11 @@ READ_PAGE_BYTES = 512 * 1024
 FIRST_PAGE_ROWS = 50
 MIN_PAGE_ROWS, MAX_PAGE_ROWS = 10, 1000
 
+# What a read of the log selects, rows coming as plain tuples in this order (cql.tuple_rows):
+# a message row's columns, then a header row's.
+_READ_COLUMNS = ("batch_no, seq, message_id, published_at, key, attributes, payload, content_type, expires_at, "
+                 "writer, message_count, total_messages, total_bytes")
+
 
 @dataclass(frozen=True)
 class Header:
@@ -93,7 +98,7 @@ class Log:
         self._read_header_serial = prepare(self._read_header.query_string)
         self._read_header_serial.consistency_level = self.serial_consistency
         self._read_from = prepare(
-            f"SELECT * FROM {table} WHERE shard = ? AND bucket = ? AND batch_no >= ? LIMIT {READ_ROWS}"
+            f"SELECT {_READ_COLUMNS} FROM {table} WHERE shard = ? AND bucket = ? AND batch_no >= ? LIMIT {READ_ROWS}"
         )
         self._read_from.consistency_level = self.consistency
         # Mean payload bytes of the rows of each shard's last read (see page_rows).
@@ -158,23 +163,21 @@ class Log:
         read.fetch_size = page_rows(self._row_bytes.get(shard))
         # The rows of a batch share its publish time: converted once per batch, not per row.
         published: tuple[Any, datetime] | None = None
-        async for page in cql.pages(self.store.session, read):
+        async for page in cql.pages(self.store.session, read, profile=cql.tuple_rows(self.store.session)):
             for row in page:
                 count += 1
-                payload = row.payload
+                batch_no, seq, payload = row[0], row[1], row[6]
                 if payload:
                     size += len(payload)
-                if row.seq == HEADER_SEQ:
+                if seq == HEADER_SEQ:
                     if open_batch is not None:
                         batches.append(Batch(*open_batch))
-                    header = _header_from_row(row.batch_no, row)
-                    assert header is not None  # from a row
-                    open_batch = (header, [])
-                elif open_batch is not None and open_batch[0].batch == row.batch_no:
-                    raw = row.published_at
+                    open_batch = (_header_from_tuple(row), [])
+                elif open_batch is not None and open_batch[0].batch == batch_no:
+                    raw = row[3]
                     if published is None or published[0] != raw:
                         published = (raw, _utc(raw))
-                    open_batch[1].append(_message_from_row(shard, row, published[1]))
+                    open_batch[1].append(_message_from_tuple(shard, row, published[1]))
                 # else: rows of a batch whose header lies before the read (cannot happen when
                 # reading from its start)
             if size >= READ_BYTES:
@@ -205,18 +208,31 @@ def page_rows(mean_row_bytes: float | None) -> int:
     return max(MIN_PAGE_ROWS, min(MAX_PAGE_ROWS, int(READ_PAGE_BYTES / max(mean_row_bytes, 1.0))))
 
 
-def _message_from_row(shard: int, row: Any, published_at: datetime) -> StoredMessage:
-    attributes = row.attributes
-    expires_at = row.expires_at
+def _message_from_tuple(shard: int, row: tuple[Any, ...], published_at: datetime) -> StoredMessage:
+    """A message from a row of `_READ_COLUMNS`."""
+    batch_no, seq, message_id, _, key, attributes, payload, content_type, expires_at = row[:9]
     return StoredMessage(
-        Position(shard, row.batch_no, row.seq),
-        row.message_id,
+        Position(shard, batch_no, seq),
+        message_id,
         published_at,
-        row.payload or b"",
-        row.key,
+        payload or b"",
+        key,
         dict(attributes) if attributes else {},
-        row.content_type,
+        content_type,
         _utc(expires_at) if expires_at else None,
+    )
+
+
+def _header_from_tuple(row: tuple[Any, ...]) -> Header:
+    """A header from a row of `_READ_COLUMNS`."""
+    published = row[3]
+    return Header(
+        batch=row[0],
+        published_at=_utc(published) if published else None,
+        writer=row[9],
+        message_count=row[10] or 0,
+        total_messages=row[11],
+        total_bytes=row[12],
     )
 
 

@@ -188,10 +188,13 @@ class Backoff:
 
 
 class ShardReader:
-    def __init__(self, consumer: Consumer, shard: int, record: OffsetRecord, fence: int) -> None:
+    def __init__(self, consumer: Consumer, shard: int, record: OffsetRecord, fence: int, seek_mark: int) -> None:
+        """`seek_mark`: the subscriber's seek mark read before `record` (offsets.read_seek_mark)."""
         self.consumer = consumer
         self.shard = shard
         self.epoch = record.epoch
+        # While the seek mark is still this, no seek has moved the shard from `epoch`.
+        self.seek_mark: int | None = seek_mark
         self.fence = fence
         ordered = consumer.subscriber_state.spec.ordered_keys
         self.state = ShardState(shard=shard, offset=record.offset,
@@ -691,8 +694,9 @@ class Consumer:
 
     # --- lease callbacks -------------------------------------------------------------------
     async def _acquired(self, shard: int, fence: int) -> None:
+        mark = await offsets.read_seek_mark(self.store.zk, self.paths)
         record = await offsets.read_offset(self.store.zk, self.paths, shard)
-        reader = ShardReader(self, shard, record, fence)
+        reader = ShardReader(self, shard, record, fence, mark)
         self.readers[shard] = reader
         reader.start()
 
@@ -751,15 +755,19 @@ class Consumer:
             await self._sharing.resync()
             self.notify()
             return
+        mark = await offsets.read_seek_mark(self.store.zk, self.paths)
         for shard, reader in sorted(self.readers.items()):
             record = await offsets.read_offset(self.store.zk, self.paths, shard)
-            if record.epoch == reader.epoch or not reader.current:
+            if record.epoch == reader.epoch:
+                reader.seek_mark = mark  # read after the mark, and unmoved: current as of it
+                continue
+            if not reader.current:
                 continue
             await reader.stop(flush=False)
             fence = self._leases.held.get(shard) if self._leases is not None else None
             if self.readers.get(shard) is not reader or fence != reader.fence:
                 continue  # released or lost meanwhile: the lease callbacks own the shard now
-            fresh = ShardReader(self, shard, record, reader.fence)
+            fresh = ShardReader(self, shard, record, reader.fence, mark)
             self.readers[shard] = fresh
             fresh.start()
             self.counters.seeks_applied += 1
@@ -1089,24 +1097,44 @@ class Consumer:
                 await by_rows(fallback)
 
         # The two ways run side by side: an ack row and the lease check after it need not
-        # wait for an offset write in ZooKeeper, nor the other way round. The epochs are read
-        # alongside (see _seek_overtook).
+        # wait for an offset write in ZooKeeper, nor the other way round. Seeks are looked
+        # for alongside (see _seek_overtook).
         outcomes = await asyncio.gather(
-            by_rows(as_rows), by_offsets(), self._epochs_now({r.shard for _, r, _ in newly}), return_exceptions=True)
+            by_rows(as_rows), by_offsets(), self._moved_by_seeks({r for _, r, _ in newly}), return_exceptions=True)
         failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if failure is not None:
             raise failure
-        epochs = outcomes[2]
-        assert isinstance(epochs, dict)
+        moved = outcomes[2]
+        assert isinstance(moved, set)
         for index, reader, _ in newly:
-            if results[index] is True and epochs[reader.shard] != reader.epoch:
+            if results[index] is True and reader in moved:
                 results[index] = _seek_overtook(reader)
         return results
 
-    async def _epochs_now(self, shards: set[int]) -> dict[int, int]:
-        """Each shard's seek epoch as its offset znode tells it now."""
-        records = await asyncio.gather(*(offsets.read_offset(self.store.zk, self.paths, s) for s in shards))
-        return {shard: record.epoch for shard, record in zip(shards, records)}
+    async def _moved_by_seeks(self, sources: set[Source]) -> set[Source]:
+        """The sources whose shard a seek has moved to another epoch than theirs, as ZooKeeper tells it now.
+
+        One read of the seek mark answers for every source whose epoch was read after a
+        mark that is still current; only the others read their shard's offset znode (a
+        claimed range, or a reader after a seek it has not checked against yet).
+        """
+        zk_client = self.store.zk
+
+        async def epochs(shards: set[int]) -> dict[int, int]:
+            records = await asyncio.gather(*(offsets.read_offset(zk_client, self.paths, s) for s in shards))
+            return {shard: record.epoch for shard, record in zip(shards, records)}
+
+        marked = {s for s in sources if s.seek_mark is not None}
+        epoch_of: dict[int, int] = {}
+        if marked:
+            mark, epoch_of = await asyncio.gather(offsets.read_seek_mark(zk_client, self.paths),
+                                                  epochs({s.shard for s in sources - marked}))
+            unsure = {s.shard for s in marked if s.seek_mark != mark}
+            if unsure:
+                epoch_of.update(await epochs(unsure))
+        elif sources:
+            epoch_of = await epochs({s.shard for s in sources})
+        return {s for s in sources if s.shard in epoch_of and epoch_of[s.shard] != s.epoch}
 
     async def nack(self, receipt: str, delay: float = 0.0, error: str | None = None) -> None:
         """Make a delivery visible again after `delay` seconds; `error` is kept for its history."""

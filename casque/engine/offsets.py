@@ -70,6 +70,18 @@ def read_epoch(client: KazooClient, paths: SubscriberPaths) -> tuple[int, int]:
     return int(json.loads(data or b"{}").get("epoch", 0)), stat.version
 
 
+async def read_seek_mark(client: KazooClient, paths: SubscriberPaths) -> int:
+    """Which seek is the subscriber's latest: its record's last-modified zxid (0 before any seek).
+
+    Every seek writes this record in the transaction that moves its shards, so two equal
+    marks, read in order by one session, mean no seek happened in between: an epoch read
+    after the first mark is still the shard's epoch at the second. One read answers that
+    for every shard at once.
+    """
+    stat = await zk.call(client.exists_async, paths.seek)
+    return 0 if stat is None else int(stat.mzxid)
+
+
 async def read_offset(client: KazooClient, paths: SubscriberPaths, shard: int) -> OffsetRecord:
     data, stat = await zk.call(client.get_async, paths.offset(shard))
     offset, epoch = decode_offset(data)

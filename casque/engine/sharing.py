@@ -78,6 +78,9 @@ class ClaimReader:
         self.record = record
         self.shard = record.shard
         self.epoch = record.epoch
+        # The epoch comes from the claim, not from an offset read after a seek mark: each ack
+        # reads the shard's offset znode to tell whether a seek moved it (Consumer._moved_by_seeks).
+        self.seek_mark: int | None = None
         self.state = ShardState(shard=record.shard, offset=record.start, locks=sharing.locks_for(record.shard))
         self.problem = ""
         self.last_handout = time.monotonic()

@@ -8,17 +8,19 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+from kazoo.client import KazooClient
 
-from casque.engine import catalog, consumer as consumer_module
+from casque.engine import catalog, consumer as consumer_module, offsets
 from casque.engine.consumer import Consumer
 from casque.engine.leases import assign
 from casque.engine.messages import Delivery, OutgoingMessage
-from casque.engine.offsets import SeekTarget, seek
+from casque.engine.offsets import OffsetRecord, SeekTarget, seek
 from casque.engine.publisher import Publisher
 from casque.errors import StaleReceipt
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from casque.znodes import SubscriberPaths
 
 QUEUE = QueueRef("default", "work")
 
@@ -243,3 +245,42 @@ async def test_an_ack_between_a_seek_and_the_member_noticing_it_is_stale(
     consumer.resync()
     replayed = await drain(consumer, 3)
     assert Counter(d.message.message_id for d in replayed) == Counter(r.message_id for r in results)
+
+
+async def test_an_ack_call_looks_for_seeks_with_one_read_whatever_its_shards(
+    store: Store, started: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a seek moved the shards of an ack call's deliveries is told by one read of the
+    subscriber's seek mark, not by one offset read per shard; after a seek of one shard, too,
+    once the member has applied it, and the other shards' acks are still answered."""
+    spec = await setup_queue(store, shards=4, subscribers=["marks"])
+    await publish_many(store, spec, 60)
+    consumer = Consumer(store, QUEUE, "marks")
+    started.append(consumer)
+    await consumer.start()
+    delivered = await drain(consumer, 60, ack=False)
+    by_shard: dict[int, list[Delivery]] = {}
+    for d in delivered:
+        by_shard.setdefault(d.message.position.shard, []).append(d)
+    assert len(by_shard) >= 3, by_shard.keys()
+    offset_reads: list[int] = []
+    read_offset = offsets.read_offset
+
+    async def counted(client: KazooClient, paths: SubscriberPaths, shard: int) -> OffsetRecord:
+        offset_reads.append(shard)
+        return await read_offset(client, paths, shard)
+
+    monkeypatch.setattr(offsets, "read_offset", counted)
+    first = [ds[0] for ds in by_shard.values()]
+    assert await consumer.ack_many([d.receipt for d in first]) == [True] * len(first)
+    assert offset_reads == [], "an ack call read offsets to look for seeks"
+
+    moved, *others = sorted(by_shard)
+    offset = consumer.readers[moved].state.offset
+    await asyncio.to_thread(seek, store, QUEUE, "marks", SeekTarget("batch", batches={moved: offset}))
+    mark = (await asyncio.to_thread(store.zk.exists, consumer.paths.seek)).mzxid
+    await wait_for(lambda: all(r.seek_mark == mark for r in consumer.readers.values()))
+    offset_reads.clear()
+    rest = [d for shard in others for d in by_shard[shard][1:]]
+    assert await consumer.ack_many([d.receipt for d in rest]) == [True] * len(rest)
+    assert offset_reads == [], "an ack call after an applied seek read offsets to look for seeks"
