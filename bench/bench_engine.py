@@ -17,7 +17,9 @@ Reports, for the same rows on the same node, each figure the median of `--runs` 
 
 `--only receive` publishes the same messages and writes the rows of the paged read, then
 measures receive+ack against that read and nothing else (the publish limits, ids, claim
-cost and latency are left out): quicker, for work on the consumer.
+cost and latency are left out): quicker, for work on the consumer. `--only ids` measures
+the 100-msg/call publish without ids, with client ids and with producer sequences against
+plain batches of that size, and nothing else.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import asyncio
 import os
 import statistics
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 from cassandra.cluster import Session
@@ -37,6 +40,7 @@ from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
+from casque.engine.sequences import producer_key
 from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
@@ -72,6 +76,10 @@ FIGURES = [
     Figure("publish_ids_vs_plain_publish", "  ratio of the same publish without ids", "x"),
     Figure("ids_statements", "  Cassandra statements per 1,000 messages", ""),
     Figure("ids_statements_for_ids", "  of them for the ids", ""),
+    Figure("publish_sequences", "publish 100 msgs/call, producer sequences (one producer)", "msgs/s"),
+    Figure("publish_sequences_ratio", "  ratio of plain batches (100-msg/call size)", "x"),
+    Figure("publish_sequences_vs_plain_publish", "  ratio of the same publish without ids", "x"),
+    Figure("sequences_statements_for_ids", "  Cassandra statements per 1,000 messages for the keys", ""),
     Figure("conditional_batch_ms", "conditional claim, batch of the 100-msg/call size", "ms"),
     Figure("plain_batch_ms", "plain batch of the same rows", "ms"),
     Figure("claim_ratio", "  conditional / plain", "x"),
@@ -164,6 +172,17 @@ async def receive_rate(store: Store, queue: QueueRef, total: int, consumer: Cons
     return rate
 
 
+async def keyed_publish_rate(
+    store: Store, queue: QueueRef, spec: QueueSpec, calls: int, messages: Callable[[int], list[OutgoingMessage]],
+) -> tuple[float, Publisher]:
+    """Msgs/s of `calls` 100-message calls (32 in flight) on a queue of their own, and its publisher."""
+    catalog.apply_queue(store, queue, spec)
+    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
+    rate = calls * 100 / await pipeline(calls, 32, lambda i: publisher.publish(messages(i)))
+    await publisher.flush_heads()
+    return rate, publisher
+
+
 async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str, float]:
     """One run on queues of its own: every figure, ratios against limits of this run."""
     queue = QueueRef("default", f"bench-{run}")
@@ -195,17 +214,29 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
         return {"raw_read_rows_per_s": raw_read, "consume": consume_rate, "consume_ratio": consume_rate / raw_read}
 
     # The same batch calls with a client id on every message (idempotent publish), on a
-    # queue of their own: the id checks, intents and positions are what they add.
-    with_ids = QueueRef("default", f"bench-ids-{run}")
-    catalog.apply_queue(store, with_ids, spec)
-    id_publisher = Publisher(store, with_ids, catalog.read_queue(store, with_ids))
-
-    async def publish_with_ids(i: int) -> None:
-        await id_publisher.publish([OutgoingMessage(payload, client_id=f"c{i}-{n}") for n in range(100)])
-
-    ids_rate = calls * 100 / await pipeline(calls, 32, publish_with_ids)
-    await id_publisher.flush_heads()
-    ids_statements = id_publisher.idempotency.statements + id_publisher.counters.cassandra_writes
+    # queue of their own: the id checks, intents and positions are what they add...
+    ids_rate, ids_publisher = await keyed_publish_rate(
+        store, QueueRef("default", f"bench-ids-{run}"), spec, calls,
+        lambda i: [OutgoingMessage(payload, client_id=f"c{i}-{n}") for n in range(100)])
+    ids_statements = ids_publisher.idempotency.statements + ids_publisher.counters.cassandra_writes
+    # ...and with producer sequences: one producer numbering its messages, as the app client does.
+    sequences_rate, sequences_publisher = await keyed_publish_rate(
+        store, QueueRef("default", f"bench-seqs-{run}"), spec, calls,
+        lambda i: [OutgoingMessage(payload, client_id=producer_key(f"bench-{run}", i * 100 + n)) for n in range(100)])
+    keyed = {
+        "publish_ids": ids_rate,
+        "publish_ids_vs_plain_publish": ids_rate / batched_rate,
+        "ids_statements": ids_statements * 1000 / (calls * 100),
+        "ids_statements_for_ids": ids_publisher.idempotency.statements * 1000 / (calls * 100),
+        "publish_sequences": sequences_rate,
+        "publish_sequences_vs_plain_publish": sequences_rate / batched_rate,
+        "sequences_statements_for_ids": sequences_publisher.idempotency.statements * 1000 / (calls * 100),
+    }
+    if args.only == "ids":
+        plain = await plain_batch_rate(store, table, total, payload, max(1, round(avg_batch)), shard_base=800)
+        return {**keyed, "plain_batch_rows_per_s": plain, "publish_batched": batched_rate,
+                "publish_batched_batch": avg_batch, "publish_batched_ratio": batched_rate / plain,
+                "publish_ids_ratio": ids_rate / plain, "publish_sequences_ratio": sequences_rate / plain}
 
     # The limits, on the same table (shards the engine does not use).
     raw_insert = await asyncio.to_thread(raw_insert_rate, store, table, total, payload, WINDOW)
@@ -251,11 +282,9 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
         "publish_batched": batched_rate,
         "publish_batched_batch": avg_batch,
         "publish_batched_ratio": batched_rate / plain_batched,
-        "publish_ids": ids_rate,
+        **keyed,
         "publish_ids_ratio": ids_rate / plain_batched,
-        "publish_ids_vs_plain_publish": ids_rate / batched_rate,
-        "ids_statements": ids_statements * 1000 / (calls * 100),
-        "ids_statements_for_ids": id_publisher.idempotency.statements * 1000 / (calls * 100),
+        "publish_sequences_ratio": sequences_rate / plain_batched,
         **claim,
         "claim_ratio": claim["conditional_batch_ms"] / claim["plain_batch_ms"],
         "raw_read_rows_per_s": raw_read,
@@ -272,7 +301,8 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
 
 async def main() -> None:
     parser = arguments(__doc__.splitlines()[0], 20000, 1024)
-    parser.add_argument("--only", choices=["receive"], help="measure only receive+ack against the paged read")
+    parser.add_argument("--only", choices=["receive", "ids"],
+                        help="receive: only receive+ack against the paged read; ids: only the keyed publishes")
     args = parse(parser, smoke_messages=600)
     settings = scratch_settings(args.cassandra, args.zookeeper)
     store = Store.open(settings)

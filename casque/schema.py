@@ -55,6 +55,9 @@ PUBLISH_WRITERS_TABLE = "publish_writers"
 # The table of one partition per id that CLIENT_IDS_TABLE replaces. Installations made
 # before it keep it; sidecars look there for ids they miss until it is dropped.
 LEGACY_PUBLISH_IDS_TABLE = "publish_ids"
+# Producer keys (a producer id and a sequence number per message): one row per block of a
+# producer's sequences and group commit, instead of one per id (casque.engine.sequences).
+PRODUCER_SEQS_TABLE = "producer_seqs"
 DELAYED_TABLE = "delayed"
 COUNTERS_TABLE = "counters"
 # Delayed messages are grouped in partitions of this many seconds of due time.
@@ -263,6 +266,27 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     seq int,
     writer text,
     PRIMARY KEY ((queue, bucket), client_id)
+) WITH gc_grace_seconds = {GC_GRACE_SECONDS}
+  AND compaction = {_compaction(86400)}""",
+        # Intents of producer keys, a row per run of consecutive sequences that one writer's
+        # batch carries within a block of SEQUENCE_BLOCK sequences of a producer: each
+        # sequence's message id and seq in the batch (or, with batch_no, the position of a
+        # message that waited in the delayed table). Clustered by the run's last sequence, so
+        # a read of a run of sequences skips the rows before it and filters the rest within
+        # its one partition. Rows expire after the deduplication window; a block's partition
+        # never holds more than its sequences.
+        f"""CREATE TABLE IF NOT EXISTS {keyspace}.{PRODUCER_SEQS_TABLE} (
+    queue text,
+    producer text,
+    block bigint,
+    last_seq bigint,
+    writer text,
+    first_seq bigint,
+    shard int,
+    batch_no bigint,
+    message_ids frozen<list<text>>,
+    batch_seqs frozen<list<int>>,
+    PRIMARY KEY ((queue, producer, block), last_seq, writer)
 ) WITH gc_grace_seconds = {GC_GRACE_SECONDS}
   AND compaction = {_compaction(86400)}""",
         # A writer id (one per group commit): written with its intents, where its claims

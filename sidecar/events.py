@@ -29,7 +29,8 @@ SPECVERSION_HEADER = "ce-specversion"
 # Binary-mode headers and the event attributes they carry; a `ce-` header not listed is
 # refused, as an unknown field is in a JSON body.
 _BINARY_ATTRIBUTES = (
-    "id", "source", "type", "subject", "time", "dataschema", "partitionkey", "traceparent", "tracestate",
+    "id", "source", "type", "subject", "time", "dataschema", "partitionkey", "producerid", "producerseq",
+    "traceparent", "tracestate",
 )
 
 

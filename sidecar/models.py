@@ -52,6 +52,7 @@ from casque.engine.messages import (
     Published,
     reserved_client_id,
 )
+from casque.engine.sequences import MAX_SEQUENCE, producer_key
 from casque.engine.stats import QueueStats, SubscriberStats
 from casque.schema import MAX_RETENTION_SECONDS, QueueRef
 from casque.specs import MAX_PRIORITIES, priority_of
@@ -252,6 +253,15 @@ class PublishMessage(Body):
     partitionkey: Annotated[Text | None, Field(min_length=1, max_length=1024)] = Field(
         default=None, description="Messages with one key go to one shard, in publish order."
     )
+    producerid: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] = Field(
+        default=None, description="With `producerseq`, the idempotency key instead of (`source`, `id`): a "
+        "producer that numbers its messages (an id it makes once, a number per message) is deduplicated a block "
+        "of numbers at a time, far cheaper than one id at a time. The pair is kept for 10 minutes like an id.",
+    )
+    producerseq: Annotated[int | None, Field(ge=0, le=MAX_SEQUENCE)] = Field(
+        default=None, description="The message's number within its producer (`producerid`); a retry sends the "
+        "same number. Numbers counting up from 0 cost least.",
+    )
     attributes: Annotated[dict[AttributeName, Text], Field(max_length=MAX_ATTRIBUTES)] = Field(default_factory=dict)
     ttl: Annotated[int | None, Field(ge=1, le=MAX_RETENTION_SECONDS)] = Field(
         default=None, description="Seconds after publish when the message is no longer delivered."
@@ -293,6 +303,8 @@ class PublishMessage(Body):
                              "casque's own")
         if self.delay is not None and self.deliver_at is not None:
             raise ValueError("give either delay or deliverAt, not both")
+        if (self.producerid is None) != (self.producerseq is None):
+            raise ValueError("give producerid and producerseq together, or neither")
         return self
 
     def outgoing(self, now: datetime | None = None) -> OutgoingMessage:
@@ -331,7 +343,8 @@ class PublishMessage(Body):
             key=self.partitionkey,
             attributes=attributes,
             content_type=content_type,
-            client_id=dedup_key(self.source, self.id),
+            client_id=(dedup_key(self.source, self.id) if self.producerid is None or self.producerseq is None
+                       else producer_key(self.producerid, self.producerseq)),
             ttl_seconds=self.ttl,
             priority=self.priority,
             deliver_at=deliver_at,

@@ -33,7 +33,7 @@ from cassandra.cluster import (
 )
 from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
 from cassandra.protocol import ErrorMessage, IsBootstrappingErrorMessage, OverloadedErrorMessage
-from cassandra.query import Statement, tuple_factory
+from cassandra.query import UNSET_VALUE, BatchStatement, BoundStatement, PreparedStatement, Statement, tuple_factory
 
 from casque.backends.tls import client_context, probe
 from casque.config import Settings
@@ -175,6 +175,40 @@ def tuple_rows(session: Session) -> ExecutionProfile:
         profile = _TUPLE_ROWS[session] = session.execution_profile_clone_update(
             EXEC_PROFILE_DEFAULT, row_factory=tuple_factory)
     return profile
+
+
+class BatchRows:
+    """Rows of one prepared statement added to batches, their values serialized here.
+
+    `BatchStatement.add(prepared, values)` binds each row through a new BoundStatement and,
+    per value, a column descriptor for column encryption (which casque does not use): about
+    as much work as the row's own serialization. A group commit adds up to 1,000 rows, so
+    here the row's values go through the same column serializers directly, and values
+    shared by every row of a batch (`shared`) are serialized once per batch. None is left
+    unset, as `casque.engine.batches` binds it (a bound null would write a tombstone).
+    """
+
+    def __init__(self, prepared: PreparedStatement) -> None:
+        assert prepared.column_encryption_policy is None, "encrypted columns are serialized by the driver only"
+        self._version = prepared.protocol_version
+        self._serializers = [column.type.serialize for column in prepared.column_metadata]
+        # One BoundStatement stands for every row: add() keeps the row's value list, which
+        # is new for each row, and reads nothing else of it once the batch has a routing key.
+        self._row = BoundStatement(prepared)
+
+    def shared(self, values: Sequence[Any]) -> list[Any]:
+        """The first len(values) columns, serialized once for the rows of one batch."""
+        return [UNSET_VALUE if v is None else serialize(v, self._version)
+                for serialize, v in zip(self._serializers, values)]
+
+    def add(self, batch: BatchStatement, shared: list[Any], values: Sequence[Any]) -> None:
+        """Add a row: `shared` (from `shared()`) for its first columns, `values` for the rest.
+        The batch must have a routing key already (its first statement added as usual)."""
+        version = self._version
+        encoded = shared + [UNSET_VALUE if v is None else serialize(v, version)
+                            for serialize, v in zip(self._serializers[len(shared):], values)]
+        self._row.values = encoded
+        batch.add(self._row)
 
 
 async def execute(

@@ -82,14 +82,15 @@ class Log:
             f"INSERT INTO {table} (shard, bucket, batch_no, seq, published_at, writer, message_count, "
             "total_messages, total_bytes) VALUES (?, ?, ?, -1, ?, ?, ?, ?, ?) IF NOT EXISTS"
         )
-        columns = ("shard, bucket, batch_no, seq, message_id, published_at, key, attributes, payload, "
+        # The columns every row of a batch shares come first (see cql.BatchRows).
+        columns = ("shard, bucket, batch_no, published_at, seq, message_id, key, attributes, payload, "
                    "content_type, client_id, expires_at")
-        self._insert_message = prepare(
+        self._message_rows = cql.BatchRows(prepare(
             f"INSERT INTO {table} ({columns}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-        )
-        self._insert_message_ttl = prepare(
+        ))
+        self._message_rows_ttl = cql.BatchRows(prepare(
             f"INSERT INTO {table} ({columns}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ?"
-        )
+        ))
         self._read_header = prepare(
             f"SELECT batch_no, published_at, writer, message_count, total_messages, total_bytes FROM {table} "
             "WHERE shard = ? AND bucket = ? AND batch_no = ? AND seq = -1"
@@ -128,17 +129,18 @@ class Log:
             self._insert_header,
             _unset_nulls((shard, bucket, batch, published_at, writer, len(messages), total_messages, total_bytes)),
         )
+        rows, rows_ttl = self._message_rows, self._message_rows_ttl
+        shared = rows.shared((shard, bucket, batch, published_at))
         for seq, (message_id, message) in enumerate(messages):
-            values: list[Any] = [
-                shard, bucket, batch, seq, message_id, published_at, message.key,
-                dict(message.attributes) or None, message.payload, message.content_type,
-                message.client_id, None,
-            ]
             if message.ttl_seconds:
-                values[-1] = published_at + timedelta(seconds=message.ttl_seconds)
-                statement.add(self._insert_message_ttl, _unset_nulls((*values, message.ttl_seconds)))
+                rows_ttl.add(statement, shared, (
+                    seq, message_id, message.key, dict(message.attributes) or None, message.payload,
+                    message.content_type, message.client_id, published_at + timedelta(seconds=message.ttl_seconds),
+                    message.ttl_seconds))
             else:
-                statement.add(self._insert_message, _unset_nulls(values))
+                rows.add(statement, shared, (
+                    seq, message_id, message.key, dict(message.attributes) or None, message.payload,
+                    message.content_type, message.client_id, None))
         result = await cql.execute(self.store.session, statement)
         if result.was_applied:
             return Claim(True, Header(batch, published_at, writer, len(messages), total_messages, total_bytes))

@@ -61,9 +61,18 @@ from cassandra.query import UNSET_VALUE, BatchStatement, BatchType, PreparedStat
 from casque.backends import cql
 from casque.engine.batches import Log
 from casque.engine.messages import OutgoingMessage, Published
+from casque.engine.sequences import (
+    PRODUCER_KEY_PREFIX,
+    BlockEntry,
+    BlockRecord,
+    Sequenced,
+    SequenceBlocks,
+    parse_producer_key,
+)
 from casque.schema import (
     CLIENT_IDS_TABLE,
     LEGACY_PUBLISH_IDS_TABLE,
+    PRODUCER_SEQS_TABLE,
     PUBLISH_WRITERS_TABLE,
     client_id_bucket,
     has_table,
@@ -113,8 +122,9 @@ class IdRecord:
     claim_deadline: datetime | None
     # Seconds left to the intent (None: no intent, a row written only with its position).
     intent_ttl: int | None
-    # Found in the legacy table (an installation's ids from before CLIENT_IDS_TABLE).
-    legacy: bool = False
+    # False: found outside `client_ids` (the legacy table, or a producer key's block row),
+    # so a take-over inserts the id's row there rather than replacing it.
+    in_client_ids: bool = True
     # Writers this intent's writer took the id over from that may have won `since_batch`.
     replaces: frozenset[str] = frozenset()
 
@@ -141,7 +151,12 @@ def _record(row: Any) -> IdRecord:
 
 def _legacy_record(row: Any) -> IdRecord:
     return IdRecord(row.client_id, row.message_id, row.shard, row.batch_no, row.seq, row.writer, row.since_batch,
-                    row.claim_deadline, row.intent_ttl, legacy=True)
+                    row.claim_deadline, row.intent_ttl, in_client_ids=False)
+
+
+def _block_record(entry: BlockEntry) -> IdRecord:
+    return IdRecord(entry.key, entry.message_id, entry.shard, entry.batch_no, entry.seq, entry.writer, None, None,
+                    entry.ttl, in_client_ids=False)
 
 
 def _with_writer(record: IdRecord, writer: Any) -> IdRecord:
@@ -218,10 +233,26 @@ class IdempotencyGuard:
             LegacyIds(store, keyspace, queue_key, self._consistency)
             if has_table(store.session, keyspace, LEGACY_PUBLISH_IDS_TABLE) else None
         )
+        # The operator creates the table with its first reconcile after an upgrade; a sidecar
+        # that starts before then keeps producer keys in `client_ids`, as plain ids (correct,
+        # at an id's cost). It looks for the table again when it restarts.
+        self._blocks = (
+            SequenceBlocks(store, keyspace, queue_key, self._consistency)
+            if has_table(store.session, keyspace, PRODUCER_SEQS_TABLE) else None
+        )
         self._recent = RecentIds()
         self._inflight: dict[str, asyncio.Future[Published]] = {}
         self.resolved_intents = 0
-        self.statements = 0
+        self._statements = 0
+
+    @property
+    def statements(self) -> int:
+        """Cassandra statements sent for ids so far (each touches one partition)."""
+        return self._statements + (self._blocks.statements if self._blocks is not None else 0)
+
+    def _sequenced(self, client_id: str) -> Sequenced | None:
+        """The producer and number of a producer key kept in blocks; None for any other id."""
+        return parse_producer_key(client_id) if self._blocks is not None else None
 
     def earlier_here(self, client_id: str) -> asyncio.Future[Published] | None:
         """Within this process, at once: the first result of a recent id, or the publish of it
@@ -245,43 +276,63 @@ class IdempotencyGuard:
         def ended(done: asyncio.Future[Published]) -> None:
             if self._inflight.get(client_id) is done:
                 del self._inflight[client_id]
-            if not done.cancelled() and done.exception() is None:
+            # A producer key is not kept in memory: it is found again at the cost of one read
+            # of its block, and a producer's keys would crowd out the client ids.
+            if not done.cancelled() and done.exception() is None and not client_id.startswith(PRODUCER_KEY_PREFIX):
                 self._remember(client_id, done.result())
 
         publication.add_done_callback(ended)
 
     async def lookup(self, client_ids: Sequence[str]) -> dict[str, IdRecord]:
-        """The records of these ids, by client id: one read per bucket partition they fall
-        in, all at once (and, on an installation that still has the legacy table, one more
-        look there for the ids not found)."""
-        reads = [
-            (bucket, ids[i:i + LOOKUP_CHUNK])
-            for bucket, ids in _by_bucket(dict.fromkeys(client_ids)).items()
-            for i in range(0, len(ids), LOOKUP_CHUNK)
-        ]
-        self.statements += len(reads)
-        pages = await asyncio.gather(
-            *(cql.fetch_all(self._store.session, self._select, (self._queue, bucket, chunk)) for bucket, chunk in reads))
-        found = {row.client_id: _record(row) for rows in pages for row in rows}
-        # Intents (a retry: rare) get their writers' rows: where the claims started and
-        # until when they could be sent, and the batch won if the writer recorded it. An
-        # intent without one was never claimed: its writer claims only once both are written.
+        """The records of these ids, by client id: one read per bucket partition the client
+        ids fall in and one per block the producer keys fall in, all at once (and, on an
+        installation that still has the legacy table, one more look there for the client ids
+        not found). A producer key found in its block is looked up in `client_ids` too: a
+        retry that settled it or took it over wrote there."""
+        plain: list[str] = []
+        sequenced: list[Sequenced] = []
+        for client_id in dict.fromkeys(client_ids):
+            parsed = self._sequenced(client_id)
+            if parsed is None:
+                plain.append(client_id)
+            else:
+                sequenced.append(parsed)
+        found, blocks = await asyncio.gather(self._read_listed(plain), self._read_blocks(sequenced))
+        if blocks:
+            found.update(await self._read_listed(list(blocks)))
+            for key, entry in blocks.items():
+                found.setdefault(key, _block_record(entry))
         intents = [r for r in found.values() if r.batch_no is None and r.writer is not None]
         if intents:
-            self.statements += 1
+            self._statements += 1
             writers = {row.writer: row for row in await cql.fetch_all(
                 self._store.session, self._select_writers, (self._queue, list({r.writer for r in intents})))}
             found.update([(r.client_id, _with_writer(r, writers[r.writer])) for r in intents if r.writer in writers])
         if self._legacy is not None:
-            missing = [c for c in client_ids if c not in found]
+            missing = [c for c in plain if c not in found]
             if missing:
-                self.statements += -(-len(missing) // LEGACY_LOOKUP_CHUNK)
+                self._statements += -(-len(missing) // LEGACY_LOOKUP_CHUNK)
                 try:
                     found.update(await self._legacy.lookup(missing))
                 except InvalidRequest:
                     # Dropped since this guard started (see LegacyIds): nothing left to honour.
                     self._legacy = None
         return found
+
+    async def _read_listed(self, client_ids: Sequence[str]) -> dict[str, IdRecord]:
+        """The `client_ids` rows of these ids: one read per bucket partition they fall in."""
+        reads = [
+            (bucket, ids[i:i + LOOKUP_CHUNK])
+            for bucket, ids in _by_bucket(client_ids).items()
+            for i in range(0, len(ids), LOOKUP_CHUNK)
+        ]
+        self._statements += len(reads)
+        pages = await asyncio.gather(
+            *(cql.fetch_all(self._store.session, self._select, (self._queue, bucket, chunk)) for bucket, chunk in reads))
+        return {row.client_id: _record(row) for rows in pages for row in rows}
+
+    async def _read_blocks(self, keys: Sequence[Sequenced]) -> dict[str, BlockEntry]:
+        return await self._blocks.lookup(keys) if keys and self._blocks is not None else {}
 
     async def earlier(self, client_id: str) -> Published | None:
         """The publish of an id made before (settling an intent), or None."""
@@ -297,37 +348,60 @@ class IdempotencyGuard:
     ) -> None:
         """Before a claim: (message, message id, seq in the batch) of each message of the batch
         that has a client id, and the writer's row, all at once."""
-        rows = [
-            (self._queue, client_id_bucket(message.client_id), message.client_id, message_id, shard, seq, writer,
-             self._ttl(message))
-            for message, message_id, seq in intents if message.client_id
-        ]
-        if rows:
+        rows = []
+        sequenced = []
+        ttl = 0
+        for message, message_id, seq in intents:
+            if not message.client_id:
+                continue
+            ttl = max(ttl, self._ttl(message))
+            parsed = self._sequenced(message.client_id)
+            if parsed is None:
+                rows.append((self._queue, client_id_bucket(message.client_id), message.client_id, message_id, shard,
+                             seq, writer, self._ttl(message)))
+            else:
+                sequenced.append(BlockRecord(parsed, message_id, shard, seq))
+        if rows or sequenced:
             await asyncio.gather(
-                self._write_writer(writer, shard, since_batch, deadline, max(row[-1] for row in rows)),
-                self._write_rows(self._insert_intent, rows))
+                self._write_writer(writer, shard, since_batch, deadline, ttl),
+                self._write_rows(self._insert_intent, rows),
+                self._write_blocks(sequenced, writer, ttl))
+
+    async def _write_blocks(self, records: Sequence[BlockRecord], writer: str, ttl: int,
+                            batch_no: int | None = None) -> None:
+        if records and self._blocks is not None:
+            await self._blocks.record(records, writer, ttl, batch_no)
 
     async def _write_writer(self, writer: str, shard: int, since_batch: int, deadline: datetime, ttl: int,
                             replaces: frozenset[str] = frozenset()) -> None:
-        self.statements += 1
+        self._statements += 1
         await cql.execute(self._store.session, self._insert_writer, (
             self._queue, writer, shard, since_batch, deadline, set(replaces) or UNSET_VALUE, ttl))
 
     async def record_won(self, messages: Sequence[OutgoingMessage], writer: str, shard: int, batch: int) -> None:
         """After a write: the batch `writer` won, which completes the intents of its ids
         (`messages`, those with a client id), for as long as the longest of them lives."""
-        self.statements += 1
+        self._statements += 1
         ttl = max(self._ttl(m) for m in messages)
         await cql.execute(self._store.session, self._insert_won, (self._queue, writer, batch, ttl))
 
     async def record_positions(self, published: Sequence[tuple[OutgoingMessage, Published]]) -> None:
-        """Where each id's message is, on a row of its own (one write per bucket partition):
-        for publishes that are not group commits (a delayed message's insert)."""
-        await self._write_rows(self._insert, [
-            (self._queue, client_id_bucket(message.client_id), message.client_id, result.message_id, result.shard,
-             result.batch, result.seq, self._ttl(message))
-            for message, result in published if message.client_id
-        ])
+        """Where each id's message is, on a row of its own (one write per bucket partition,
+        and a block row per producer key): for publishes that are not group commits (a
+        delayed message's insert)."""
+        rows = []
+        for message, result in published:
+            if not message.client_id:
+                continue
+            parsed = self._sequenced(message.client_id)
+            if parsed is None:
+                rows.append((self._queue, client_id_bucket(message.client_id), message.client_id, result.message_id,
+                             result.shard, result.batch, result.seq, self._ttl(message)))
+            else:
+                # Its own writer name: the row is a position, and no writer row names it.
+                await self._write_blocks([BlockRecord(parsed, result.message_id, result.shard, result.seq)],
+                                         f"at:{result.message_id}", self._ttl(message), result.batch)
+        await self._write_rows(self._insert, rows)
 
     async def take_over(
         self, record: IdRecord, message: OutgoingMessage, shard: int, writer: str, since_batch: int,
@@ -340,9 +414,9 @@ class IdempotencyGuard:
         assert message.client_id is not None
         # The new writer's row first: whoever sees the new intent finds its claim facts.
         await self._write_writer(writer, shard, since_batch, deadline, self._ttl(message), replaces)
-        self.statements += 1
+        self._statements += 1
         bucket = client_id_bucket(message.client_id)
-        if record.legacy:
+        if not record.in_client_ids:
             result = await cql.execute(self._store.session, self._take_over_legacy, (
                 self._queue, bucket, message.client_id, record.message_id, shard, writer, self._ttl(message)))
         else:
@@ -369,6 +443,8 @@ class IdempotencyGuard:
     async def _write_rows(self, statement: PreparedStatement, rows: Sequence[tuple[Any, ...]]) -> None:
         """Rows (queue, bucket, ...) in one unlogged batch per bucket partition (per
         WRITE_CHUNK of its rows), sent at once: one mutation per partition, not per row."""
+        if not rows:
+            return
         batches = []
         for bucket_rows in _by_bucket_rows(rows).values():
             for start in range(0, len(bucket_rows), WRITE_CHUNK):
@@ -376,7 +452,7 @@ class IdempotencyGuard:
                 for row in bucket_rows[start:start + WRITE_CHUNK]:
                     batch.add(statement, row)
                 batches.append(batch)
-        self.statements += len(batches)
+        self._statements += len(batches)
         await asyncio.gather(*(cql.execute(self._store.session, b) for b in batches))
 
     async def settle(self, row: IdRecord) -> Published | Unclaimed:

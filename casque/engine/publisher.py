@@ -470,9 +470,13 @@ class Publisher:
         if len(messages) == 1:
             # The common one-message call: awaited in this task, without a gathering future.
             return [await self._start(messages[0], ids[0])]
-        return list(await asyncio.gather(*(self._start(m, i) for m, i in zip(messages, ids))))
+        # The call's messages without a key go to one shard per priority level, chosen once:
+        # they share a batch, and a producer's numbered keys stay in runs (see sequences).
+        chosen: dict[int, int] = {}
+        return list(await asyncio.gather(*(self._start(m, i, chosen) for m, i in zip(messages, ids))))
 
-    def _start(self, message: OutgoingMessage, message_id: str) -> asyncio.Future[Published]:
+    def _start(self, message: OutgoingMessage, message_id: str,
+               chosen: dict[int, int] | None = None) -> asyncio.Future[Published]:
         """Start publishing one message: the future of its result. A message for the log is
         handed to its shard writer at once, with a future and no task of its own: a task per
         message cost as much as the rest of a batch call's work on it. One with a delivery time
@@ -484,7 +488,7 @@ class Publisher:
             if earlier is not None:
                 return earlier
         due = self._due(message)
-        publication = (self._to_log(message, message_id) if due is None
+        publication = (self._to_log(message, message_id, chosen) if due is None
                        else asyncio.get_running_loop().create_task(self._route(message, message_id, due)))
         if client_id is not None:
             guard.track(client_id, publication)
@@ -499,10 +503,11 @@ class Publisher:
             return datetime.now(timezone.utc) + timedelta(seconds=self.spec.default_delay_seconds)
         return None
 
-    def _to_log(self, message: OutgoingMessage, message_id: str) -> asyncio.Future[Published]:
+    def _to_log(self, message: OutgoingMessage, message_id: str,
+                chosen: dict[int, int] | None = None) -> asyncio.Future[Published]:
         """Hand a message to its shard's writer: the future of where it was written."""
         future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
-        self._writers[self._choose_shard(message)].submit(_Pending(message_id, message, future))
+        self._writers[self._choose_shard(message, chosen)].submit(_Pending(message_id, message, future))
         return future
 
     async def _route(self, message: OutgoingMessage, message_id: str, due: datetime) -> Published:
@@ -583,11 +588,22 @@ class Publisher:
             cursor = None
         self._mover_cursor = None if cursor is None else cursor.until
 
-    def _choose_shard(self, message: OutgoingMessage) -> int:
-        """The log shard for a message: within its priority level, by key or by load."""
+    def _choose_shard(self, message: OutgoingMessage, chosen: dict[int, int] | None = None) -> int:
+        """The log shard for a message: within its priority level, by key or by load. Without
+        a key, the shard `chosen` for its level holds if one was, else it is chosen and kept
+        there: the unkeyed messages of one call go to one shard."""
         level = message.priority
         if message.key is not None:
             return log_shard(level, zlib.crc32(message.key.encode()) % self.spec.shards)
+        if chosen is not None:
+            shard = chosen.get(level)
+            if shard is None:
+                shard = chosen[level] = self._least_busy(level)
+            return shard
+        return self._least_busy(level)
+
+    def _least_busy(self, level: int) -> int:
+        """This publisher's preferred shard of a level unless it has a backlog; then the least busy."""
         preferred = self._writers[log_shard(level, self._preferred)]
         if not preferred.busy or len(preferred.pending) < SPILL_BACKLOG:
             return preferred.shard

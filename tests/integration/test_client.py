@@ -133,7 +133,10 @@ async def test_a_retried_publish_after_a_lost_answer_is_written_once(sidecar_url
     server = await aiohttp_server(proxy)
     async with AsyncClient(str(server.make_url("")), queue=QUEUE, retry=FAST) as client:
         result = await client.publish({"send": "once"})
-    assert len(forwarded) == 2 and forwarded[0]["id"] == forwarded[1]["id"]  # the same id both times
+    # The same key both times: the client's producer id and the message's number.
+    assert len(forwarded) == 2 and "id" not in forwarded[0]
+    assert (forwarded[0]["producerid"], forwarded[0]["producerseq"]) == (forwarded[1]["producerid"],
+                                                                         forwarded[1]["producerseq"])
     assert result.duplicate  # the sidecar recognised the retry
     async with AsyncClient(sidecar_url, queue=QUEUE, retry=FAST) as client:
         assert (await client.queue_stats())["publishedMessages"] == 1

@@ -17,11 +17,29 @@ from casque.engine.batches import Claim, Header, Log
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
 from casque.errors import BackendUnavailable, MessageTooLarge, PublishOutcomeUnknown, WriteOutcomeUnknown
-from casque.schema import CLIENT_ID_BUCKETS, LEGACY_PUBLISH_IDS_TABLE, QueueRef, client_id_bucket, ensure_keyspace
+from casque.engine.sequences import SEQUENCE_BLOCK, parse_producer_key, producer_key
+from casque.schema import (
+    CLIENT_ID_BUCKETS,
+    LEGACY_PUBLISH_IDS_TABLE,
+    PRODUCER_SEQS_TABLE,
+    QueueRef,
+    client_id_bucket,
+    ensure_keyspace,
+)
 from casque.specs import QueueSpec
 from casque.store import Store
 
 QUEUE = QueueRef("default", "pub")
+Key = Callable[[str], str]
+
+
+@pytest.fixture(params=["client id", "producer sequence"])
+def key(request: pytest.FixtureRequest) -> Key:
+    """The idempotency key a test's name stands for ("order-9"): as a client id, or as a
+    producer's numbered message ("order" producer, number 9), whose intents live in blocks."""
+    if request.param == "client id":
+        return lambda name: name
+    return lambda name: producer_key(f"producer-{name.rsplit('-', 1)[0]}", int(name.rsplit("-", 1)[1]))
 
 
 async def read_shard(log: Log, shard: int, head: int) -> dict[int, list[str]]:
@@ -122,19 +140,19 @@ async def test_a_linger_lets_a_publish_wait_for_the_next_one_to_share_its_batch(
     assert first.batch == second.batch and (first.seq, second.seq) == (0, 1)
 
 
-async def test_idempotent_publish_returns_the_first_result(store: Store) -> None:
+async def test_idempotent_publish_returns_the_first_result(store: Store, key: Key) -> None:
     spec = QueueSpec(shards=2, retention_seconds=3600)
     catalog.apply_queue(store, QUEUE, spec)
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     first, second = await asyncio.gather(
-        publisher.publish([OutgoingMessage(b"a", client_id="order-1")]),
-        publisher.publish([OutgoingMessage(b"a", client_id="order-1")]),
+        publisher.publish([OutgoingMessage(b"a", client_id=key("order-1"))]),
+        publisher.publish([OutgoingMessage(b"a", client_id=key("order-1"))]),
     )
     assert first[0].message_id == second[0].message_id
     assert [first[0].duplicate, second[0].duplicate].count(True) == 1
     # Another publisher (another sidecar, or after a restart) finds it in Cassandra.
     other = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
-    (third,) = await other.publish([OutgoingMessage(b"a", client_id="order-1")])
+    (third,) = await other.publish([OutgoingMessage(b"a", client_id=key("order-1"))])
     assert third.duplicate and third.message_id == first[0].message_id
     await publisher.flush_heads()  # publish does not wait for the head; reading up to it does
     stored = await read_all(store, spec)
@@ -142,23 +160,25 @@ async def test_idempotent_publish_returns_the_first_result(store: Store) -> None
 
 
 async def test_one_call_with_an_id_twice_stores_it_once_and_answers_both(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = QueueSpec(shards=2, retention_seconds=3600)
     catalog.apply_queue(store, QUEUE, spec)
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     first, again, plain = await publisher.publish([
-        OutgoingMessage(b"a", client_id="order-2"), OutgoingMessage(b"a", client_id="order-2"), OutgoingMessage(b"b"),
+        OutgoingMessage(b"a", client_id=key("order-2")), OutgoingMessage(b"a", client_id=key("order-2")), OutgoingMessage(b"b"),
     ])
     assert again.duplicate and not first.duplicate and not plain.duplicate
     assert (again.message_id, again.shard, again.batch, again.seq) == (first.message_id, first.shard, first.batch,
                                                                         first.seq)
-    # Remembered once the call ended: the next publish of the id is answered without a lookup.
-    async def no_lookup(client_ids: object) -> NoReturn:
-        raise AssertionError(f"looked up {client_ids} in Cassandra")
+    if parse_producer_key(key("order-2")) is None:
+        # Remembered once the call ended: the next publish of the id is answered without a lookup.
+        async def no_lookup(client_ids: object) -> NoReturn:
+            raise AssertionError(f"looked up {client_ids} in Cassandra")
 
-    monkeypatch.setattr(publisher.idempotency, "lookup", no_lookup)
-    (later,) = await publisher.publish([OutgoingMessage(b"a", client_id="order-2")])
+        monkeypatch.setattr(publisher.idempotency, "lookup", no_lookup)
+    # (A producer key is not kept in memory: it is found again by one read of its block.)
+    (later,) = await publisher.publish([OutgoingMessage(b"a", client_id=key("order-2"))])
     assert later.duplicate and later.message_id == first.message_id
     await publisher.flush_heads()
     stored = await read_all(store, spec)
@@ -175,6 +195,13 @@ async def until(what: str, condition: Callable[[], bool], limit_s: float = 30.0)
 
 def intent_of(store: Store, client_id: str) -> str | None:
     queue_key = catalog.read_queue(store, QUEUE).shared_key(QUEUE)
+    numbered = parse_producer_key(client_id)
+    if numbered is not None:
+        block = numbered.sequence // SEQUENCE_BLOCK
+        rows = store.session.execute(
+            f"SELECT writer, first_seq, last_seq FROM {store.keyspace}.{PRODUCER_SEQS_TABLE} "
+            "WHERE queue = %s AND producer = %s AND block = %s", (queue_key, numbered.producer, block))
+        return next((r.writer for r in rows if r.first_seq <= numbered.sequence <= r.last_seq), None)
     row = store.session.execute(
         f"SELECT writer FROM {store.keyspace}.client_ids WHERE queue = %s AND bucket = %s AND client_id = %s",
         (queue_key, client_id_bucket(client_id), client_id)
@@ -192,7 +219,7 @@ def copies_of(store: Store, client_id: str) -> list[tuple[int, int, int]]:
 
 
 async def test_a_retry_after_a_crash_between_the_batch_and_its_id_record_finds_the_batch(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
@@ -203,19 +230,19 @@ async def test_a_retry_after_a_crash_between_the_batch_and_its_id_record_finds_t
 
     # The batch is written and the publish answered, but the writer's row never lands.
     monkeypatch.setattr(crashing.idempotency, "record_won", dies_before_recording)
-    await crashing.publish([OutgoingMessage(b"pay", client_id="order-9")])
+    await crashing.publish([OutgoingMessage(b"pay", client_id=key("order-9"))])
     monkeypatch.undo()
-    (written,) = copies_of(store, "order-9")  # the batch made it
+    (written,) = copies_of(store, key("order-9"))  # the batch made it
 
     retry = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))  # the client retries through another sidecar
-    (result,) = await retry.publish([OutgoingMessage(b"pay", client_id="order-9")])
+    (result,) = await retry.publish([OutgoingMessage(b"pay", client_id=key("order-9"))])
     assert result.duplicate and (result.shard, result.batch, result.seq) == written
-    assert copies_of(store, "order-9") == [written]
+    assert copies_of(store, key("order-9")) == [written]
     assert retry.idempotency.resolved_intents == 1
 
 
 async def test_a_retry_after_a_crash_before_the_claim_publishes_once_the_claim_window_closed(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
@@ -229,17 +256,17 @@ async def test_a_retry_after_a_crash_before_the_claim_publishes_once_the_claim_w
 
     monkeypatch.setattr(Log, "claim", dies_before_claiming)
     with pytest.raises(Crash):
-        await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([OutgoingMessage(b"pay", client_id="order-10")])
+        await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([OutgoingMessage(b"pay", client_id=key("order-10"))])
     monkeypatch.setattr(Log, "claim", claim)
-    assert copies_of(store, "order-10") == []
+    assert copies_of(store, key("order-10")) == []
     retry = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
-    (result,) = await retry.publish([OutgoingMessage(b"pay", client_id="order-10")])
+    (result,) = await retry.publish([OutgoingMessage(b"pay", client_id=key("order-10"))])
     assert not result.duplicate and retry.idempotency.resolved_intents == 1
-    assert copies_of(store, "order-10") == [(result.shard, result.batch, result.seq)]
+    assert copies_of(store, key("order-10")) == [(result.shard, result.batch, result.seq)]
 
 
 async def test_two_retries_at_two_sidecars_after_a_crash_before_the_claim_publish_once(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
@@ -253,20 +280,20 @@ async def test_two_retries_at_two_sidecars_after_a_crash_before_the_claim_publis
 
     monkeypatch.setattr(Log, "claim", dies_before_claiming)
     with pytest.raises(Crash):
-        await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([OutgoingMessage(b"pay", client_id="order-12")])
+        await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([OutgoingMessage(b"pay", client_id=key("order-12"))])
     monkeypatch.setattr(Log, "claim", claim)
     # The client gave up on its first retry (it waited past its own timeout) and retried
     # through another sidecar: both find the intent, both see its window close.
     retries = [Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)) for _ in range(2)]
-    answers = await asyncio.gather(*(r.publish([OutgoingMessage(b"pay", client_id="order-12")]) for r in retries))
+    answers = await asyncio.gather(*(r.publish([OutgoingMessage(b"pay", client_id=key("order-12"))]) for r in retries))
     (one,), (two,) = answers
     assert (one.shard, one.batch, one.seq) == (two.shard, two.batch, two.seq)
     assert [one.duplicate, two.duplicate].count(False) == 1
-    assert copies_of(store, "order-12") == [(one.shard, one.batch, one.seq)]
+    assert copies_of(store, key("order-12")) == [(one.shard, one.batch, one.seq)]
 
 
 async def test_a_retry_while_the_first_attempt_still_claims_finds_its_batch(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
@@ -280,16 +307,16 @@ async def test_a_retry_while_the_first_attempt_still_claims_finds_its_batch(
         return await claim(self, *args, **kwargs)
 
     monkeypatch.setattr(Log, "claim", paused_before_claiming)
-    first = asyncio.create_task(slow.publish([OutgoingMessage(b"pay", client_id="order-11")]))
-    await until("the first attempt's intent", lambda: intent_of(store, "order-11") is not None)
+    first = asyncio.create_task(slow.publish([OutgoingMessage(b"pay", client_id=key("order-11"))]))
+    await until("the first attempt's intent", lambda: intent_of(store, key("order-11")) is not None)
     retry = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
-    second = asyncio.create_task(retry.publish([OutgoingMessage(b"pay", client_id="order-11")]))
+    second = asyncio.create_task(retry.publish([OutgoingMessage(b"pay", client_id=key("order-11"))]))
     await until("the retry waiting on the intent", lambda: retry.idempotency.resolved_intents == 1)
     go_on.set()
     (one,), (two,) = await asyncio.gather(first, second)
     assert not one.duplicate and two.duplicate
     assert (two.shard, two.batch, two.seq) == (one.shard, one.batch, one.seq)
-    assert copies_of(store, "order-11") == [(one.shard, one.batch, one.seq)]
+    assert copies_of(store, key("order-11")) == [(one.shard, one.batch, one.seq)]
 
 
 async def test_ids_cost_a_few_statements_per_batch_not_two_per_message(store: Store) -> None:
@@ -311,6 +338,49 @@ async def test_ids_cost_a_few_statements_per_batch_not_two_per_message(store: St
     assert [r.message_id for r in again] == [r.message_id for r in results] and all(r.duplicate for r in again)
     assert [(r.shard, r.batch, r.seq) for r in again] == [(r.shard, r.batch, r.seq) for r in results]
     assert other.idempotency.statements == buckets + 1 and other.counters.batches == 0
+
+
+async def test_producer_sequences_cost_a_few_statements_per_batch_whatever_its_size(store: Store) -> None:
+    """A producer's numbered messages: one read per run of numbers and one row per run,
+    where client ids cost a row and a key read each."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    # Two producers, 500 numbers each; the second's cross a block boundary.
+    messages = [OutgoingMessage(f"a{i}".encode(), client_id=producer_key("a", i)) for i in range(500)] + [
+        OutgoingMessage(f"b{i}".encode(), client_id=producer_key("b", SEQUENCE_BLOCK - 250 + i)) for i in range(500)]
+    results = await publisher.publish(messages)
+    assert len({r.message_id for r in results}) == 1000 and not any(r.duplicate for r in results)
+    assert publisher.counters.batches == 1
+    # Reads: one per (producer, block); rows: one per (producer, block); the writer's row
+    # with the intents and again with the batch it won.
+    await until("the writer's row", lambda: publisher.idempotency.statements == 3 + 3 + 2)
+    # Another sidecar finds every key: a read per block, one of their client_ids buckets
+    # (settled keys are recorded there), and one read of the writer's row.
+    other = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    again = await other.publish(messages)
+    assert all(r.duplicate for r in again) and other.counters.batches == 0
+    assert [(r.message_id, r.shard, r.batch, r.seq) for r in again] == [
+        (r.message_id, r.shard, r.batch, r.seq) for r in results]
+    assert other.idempotency.statements <= 3 + CLIENT_ID_BUCKETS + 1
+    # Numbers skipped, published later, are new; a run around them finds the rest.
+    gaps = [OutgoingMessage(b"late", client_id=producer_key("a", n)) for n in (498, 499, 500, 501)]
+    late = await other.publish(gaps)
+    assert [r.duplicate for r in late] == [True, True, False, False]
+
+
+async def test_a_delayed_message_with_a_producer_key_is_published_once(store: Store) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    state = catalog.read_queue(store, QUEUE)
+    due = datetime.now(timezone.utc) + timedelta(hours=1)
+    message = OutgoingMessage(b"later", client_id=producer_key("delayed-producer", 7), deliver_at=due)
+    (first,) = await Publisher(store, QUEUE, state).publish([message])
+    assert not first.duplicate and first.deliver_at == due
+    (again,) = await Publisher(store, QUEUE, state).publish([message])  # a retry through another sidecar
+    assert again.duplicate and again.message_id == first.message_id
+    waiting = store.session.execute(f"SELECT message_id FROM {store.keyspace}.delayed").all()
+    assert [row.message_id for row in waiting] == [first.message_id]
 
 
 async def test_a_claim_of_unknown_outcome_is_settled_before_the_publish_is_answered(
@@ -431,8 +501,26 @@ async def test_ids_an_earlier_version_recorded_in_its_table_are_honoured(store: 
     assert not fresh.duplicate and copies_of(store, "new-1") == [(fresh.shard, fresh.batch, fresh.seq)]
 
 
+async def test_producer_keys_are_kept_as_client_ids_where_the_operator_has_not_made_their_table(
+    store: Store,
+) -> None:
+    """A sidecar upgraded before the operator finds no `producer_seqs`: it keeps producer
+    keys in `client_ids` like any id, so they are still published once, at an id's cost."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    store.session.execute(f"DROP TABLE {store.keyspace}.{PRODUCER_SEQS_TABLE}")
+    messages = [OutgoingMessage(f"m{n}".encode(), client_id=producer_key("old-operator", n)) for n in range(3)]
+    first = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish(messages)
+    again = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish(messages)
+    assert not any(r.duplicate for r in first) and all(r.duplicate for r in again)
+    assert [(r.shard, r.batch, r.seq) for r in again] == [(r.shard, r.batch, r.seq) for r in first]
+    for message, result in zip(messages, first):
+        assert message.client_id is not None
+        assert copies_of(store, message.client_id) == [(result.shard, result.batch, result.seq)]
+
+
 async def test_an_intent_whose_writers_row_never_landed_is_taken_over_once_its_window_passed(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The intents of a batch land but its writer's row does not (the process dies between
     them): claims start only once both are written, so once the claim window has passed a
@@ -447,15 +535,15 @@ async def test_an_intent_whose_writers_row_never_landed_is_taken_over_once_its_w
 
     monkeypatch.setattr(crashing.idempotency, "_write_writer", dies_before_the_writers_row)
     with pytest.raises(Crash):
-        await crashing.publish([OutgoingMessage(b"pay", client_id="order-13")])
-    await until("the intent", lambda: intent_of(store, "order-13") is not None)
-    assert copies_of(store, "order-13") == []
+        await crashing.publish([OutgoingMessage(b"pay", client_id=key("order-13"))])
+    await until("the intent", lambda: intent_of(store, key("order-13")) is not None)
+    assert copies_of(store, key("order-13")) == []
     retries = [Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)) for _ in range(2)]
     (one,), (two,) = await asyncio.gather(
-        *(r.publish([OutgoingMessage(b"pay", client_id="order-13")]) for r in retries))
+        *(r.publish([OutgoingMessage(b"pay", client_id=key("order-13"))]) for r in retries))
     assert (one.shard, one.batch, one.seq) == (two.shard, two.batch, two.seq)
     assert [one.duplicate, two.duplicate].count(False) == 1
-    assert copies_of(store, "order-13") == [(one.shard, one.batch, one.seq)]
+    assert copies_of(store, key("order-13")) == [(one.shard, one.batch, one.seq)]
 
 
 def publisher_id_preferring(shard: int, shards: int) -> str:
@@ -504,7 +592,7 @@ def short_claim_window(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_a_claim_sent_late_by_a_paused_first_attempt_loses_to_the_retrys_fence(
-    store: Store, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
+    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
 ) -> None:
     """The first attempt checks its claim window, then its process stops before the claim
     leaves. The client retries through a sidecar that prefers another shard; the window
@@ -513,22 +601,22 @@ async def test_a_claim_sent_late_by_a_paused_first_attempt_loses_to_the_retrys_f
     paused, retry = publishers_preferring_two_shards(store)
     claims = PausedClaims(monkeypatch)
     claiming, resume = claims.hold(paused)
-    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id="order-14")]))
+    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id=key("order-14"))]))
     await asyncio.wait_for(claiming.wait(), 60)
-    (second,) = await retry.publish([OutgoingMessage(b"pay", client_id="order-14")])
+    (second,) = await retry.publish([OutgoingMessage(b"pay", client_id=key("order-14"))])
     assert not second.duplicate and retry.idempotency.resolved_intents == 1
     resume.set()
     with pytest.raises(BackendUnavailable):  # its claim lost; past its window it sends no other
         await first
-    assert copies_of(store, "order-14") == [(second.shard, second.batch, second.seq)]
+    assert copies_of(store, key("order-14")) == [(second.shard, second.batch, second.seq)]
     # The client's next retry, back at the first sidecar, gets the one publish.
-    (third,) = await paused.publish([OutgoingMessage(b"pay", client_id="order-14")])
+    (third,) = await paused.publish([OutgoingMessage(b"pay", client_id=key("order-14"))])
     assert third.duplicate and (third.message_id, third.shard, third.batch, third.seq) == (
         second.message_id, second.shard, second.batch, second.seq)
 
 
 async def test_a_late_claim_that_wins_the_fence_is_the_publish_every_retry_answers(
-    store: Store, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
+    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
 ) -> None:
     """As above, but the first attempt's late claim reaches Cassandra before the retry's own
     claim: the retry answers the first attempt's position. Its sidecar dies before recording
@@ -537,14 +625,14 @@ async def test_a_late_claim_that_wins_the_fence_is_the_publish_every_retry_answe
     claims = PausedClaims(monkeypatch)
     first_claiming, first_resume = claims.hold(paused)
     retry_claiming, retry_resume = claims.hold(retry)
-    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id="order-15")]))
+    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id=key("order-15"))]))
     await asyncio.wait_for(first_claiming.wait(), 60)
 
     async def dies_before_recording(*args: object, **kwargs: object) -> Published:
         raise Crash()
 
     monkeypatch.setattr(retry.idempotency, "complete", dies_before_recording)
-    second = asyncio.create_task(retry.publish([OutgoingMessage(b"pay", client_id="order-15")]))
+    second = asyncio.create_task(retry.publish([OutgoingMessage(b"pay", client_id=key("order-15"))]))
     await asyncio.wait_for(retry_claiming.wait(), 60)  # the id taken over, its fence claim about to go
     first_resume.set()
     (one,) = await first
@@ -552,15 +640,15 @@ async def test_a_late_claim_that_wins_the_fence_is_the_publish_every_retry_answe
     retry_resume.set()
     with pytest.raises(Crash):
         await second
-    assert copies_of(store, "order-15") == [(one.shard, one.batch, one.seq)]
-    (third,) = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([OutgoingMessage(b"pay", client_id="order-15")])
+    assert copies_of(store, key("order-15")) == [(one.shard, one.batch, one.seq)]
+    (third,) = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([OutgoingMessage(b"pay", client_id=key("order-15"))])
     assert third.duplicate and (third.message_id, third.shard, third.batch, third.seq) == (
         one.message_id, one.shard, one.batch, one.seq)
-    assert copies_of(store, "order-15") == [(one.shard, one.batch, one.seq)]
+    assert copies_of(store, key("order-15")) == [(one.shard, one.batch, one.seq)]
 
 
 async def test_a_writers_row_landing_late_lets_no_claim_out_after_the_retry_published(
-    store: Store, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
+    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
 ) -> None:
     """The first attempt's intents land, its process stops before its writer's row does.
     The retry waits out the claim window, sees no row, and publishes; then the row lands
@@ -577,19 +665,19 @@ async def test_a_writers_row_landing_late_lets_no_claim_out_after_the_retry_publ
         await write_writer(*args, **kwargs)
 
     monkeypatch.setattr(paused.idempotency, "_write_writer", stopped_before_the_writers_row)
-    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id="order-16")]))
-    await until("the intent", lambda: intent_of(store, "order-16") is not None)
+    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id=key("order-16"))]))
+    await until("the intent", lambda: intent_of(store, key("order-16")) is not None)
     retry = Publisher(store, QUEUE, state)
-    (second,) = await retry.publish([OutgoingMessage(b"pay", client_id="order-16")])
+    (second,) = await retry.publish([OutgoingMessage(b"pay", client_id=key("order-16"))])
     assert not second.duplicate and retry.idempotency.resolved_intents == 1
     resume.set()
     with pytest.raises(BackendUnavailable):
         await first
-    assert copies_of(store, "order-16") == [(second.shard, second.batch, second.seq)]
+    assert copies_of(store, key("order-16")) == [(second.shard, second.batch, second.seq)]
 
 
 async def test_a_first_attempt_stopped_after_its_id_check_sends_nothing_once_its_window_passed(
-    store: Store, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
+    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
 ) -> None:
     """The first attempt finds its id unpublished, then its process stops before it records
     an intent. The client gives up on it and retries through another sidecar, which finds
@@ -611,9 +699,9 @@ async def test_a_first_attempt_stopped_after_its_id_check_sends_nothing_once_its
         return found
 
     monkeypatch.setattr(paused.idempotency, "lookup", stopped_after_the_check)
-    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id="order-17")]))
+    first = asyncio.create_task(paused.publish([OutgoingMessage(b"pay", client_id=key("order-17"))]))
     await asyncio.wait_for(checked.wait(), 60)
-    (second,) = await Publisher(store, QUEUE, state).publish([OutgoingMessage(b"pay", client_id="order-17")])
+    (second,) = await Publisher(store, QUEUE, state).publish([OutgoingMessage(b"pay", client_id=key("order-17"))])
     assert not second.duplicate
     await until("the first attempt's claim window over",
                 lambda: time.monotonic() > stopped_at[0] + idempotency.CLAIM_SECONDS)
@@ -621,7 +709,7 @@ async def test_a_first_attempt_stopped_after_its_id_check_sends_nothing_once_its
     with pytest.raises(BackendUnavailable):
         await first
     monkeypatch.setattr(paused.idempotency, "lookup", lookup)
-    assert copies_of(store, "order-17") == [(second.shard, second.batch, second.seq)]
-    (third,) = await paused.publish([OutgoingMessage(b"pay", client_id="order-17")])
+    assert copies_of(store, key("order-17")) == [(second.shard, second.batch, second.seq)]
+    (third,) = await paused.publish([OutgoingMessage(b"pay", client_id=key("order-17"))])
     assert third.duplicate and (third.message_id, third.batch, third.seq) == (
         second.message_id, second.batch, second.seq)

@@ -56,6 +56,7 @@ from casque.sidecar.push import backoff, classify
 from casque.sidecar.routes import OPERATIONS
 from casque.spark import replay
 from casque_client import Message, RetryPolicy, message
+from casque_client.client import _Requests
 
 OPERATION_IDS = {"publish", "publishBatch", "receive", "ack", "nack", "extendVisibility", "seek", "queueStats",
                  "subscriberStats"}
@@ -249,10 +250,19 @@ def test_push_outcomes_and_backoff() -> None:
     assert backoff(1000, 1.0, 300.0) <= 300.0
 
 
-def test_client_always_sends_an_id_and_honours_retry_after() -> None:
+def test_client_keys_every_publish_and_honours_retry_after() -> None:
+    calls = _Requests("http://127.0.0.1:8717", "q", None, None, 1.0, RetryPolicy())
     first, second = message({"a": 1}), message({"a": 1})
-    assert first["id"] and first["id"] != second["id"]
-    assert message(1, id="mine")["id"] == "mine"
+    assert "id" not in first  # numbered by the client that sends it
+    keyed = [calls.publish(first, None).body, calls.publish(second, None).body]
+    batch = calls.publish_batch([first, message(1, id="mine")], None).body
+    assert batch is not None and keyed[0] is not None and keyed[1] is not None
+    numbered = [keyed[0], keyed[1], batch["messages"][0]]
+    assert {body["producerid"] for body in numbered} == {calls.producer}
+    assert [body["producerseq"] for body in numbered] == [0, 1, 2]
+    assert batch["messages"][1]["id"] == "mine" and "producerid" not in batch["messages"][1]
+    # Another client is another producer.
+    assert _Requests("http://127.0.0.1:8717", "q", None, None, 1.0, RetryPolicy()).producer != calls.producer
     assert message(payload=b"\x00")["data_base64"] == "AA=="
     assert "data" not in message()
     with pytest.raises(ValueError):
