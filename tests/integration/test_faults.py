@@ -27,6 +27,7 @@ from casque.engine.batches import Log
 from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
+from casque.engine.sequences import producer_key
 from casque.errors import BackendUnavailable
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
@@ -224,12 +225,22 @@ async def test_zookeeper_restart_loses_no_acknowledged_message(
         await consumer.stop()
 
 
+def keyed_body(kind: str, chunk: str, number: int, **fields: object) -> tuple[str, dict[str, object]]:
+    """A publish body keyed by an `id`, or by a producer id and number (the app client's
+    default): the key as the log stores it, and the body."""
+    if kind == "id":
+        key = f"{chunk}-{number}"
+        return key, {"id": key, **fields}
+    return producer_key(f"p{chunk}", number), {"producerid": f"p{chunk}", "producerseq": number, **fields}
+
+
+@pytest.mark.parametrize("kind", ["id", "producer"])
 async def test_publishes_cut_by_a_sidecar_killed_mid_write_land_once(
-    backends: Backends, store: Store, start_sidecar: StartSidecar
+    backends: Backends, store: Store, start_sidecar: StartSidecar, kind: str
 ) -> None:
     """The issue's repro: a sidecar killed with -9 while many of its batch writes are under
     way (some written, not yet answered); the client retries every unanswered publish, same
-    ids, through another sidecar. Each id must be in the log exactly once, where its answer
+    keys, through another sidecar. Each key must be in the log exactly once, where its answer
     says. Several rounds, each killing at whatever moment the first answer comes back."""
     needs_own_stack(backends)
     spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
@@ -238,33 +249,35 @@ async def test_publishes_cut_by_a_sidecar_killed_mid_write_land_once(
     answered: dict[str, tuple[int, int, int]] = {}
     every_id: set[str] = set()
 
-    async def publish(url: str, chunk: list[dict[str, object]]) -> bool:
+    async def publish(url: str, chunk: list[tuple[str, dict[str, object]]]) -> bool:
+        """A chunk of (key as stored, body): whether it was answered."""
         try:
+            bodies = {"messages": [body for _, body in chunk]}
             async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=90)) as http:
-                async with http.post(f"/v1/queues/{QUEUE.name}/messages/batch", json={"messages": chunk}) as answer:
+                async with http.post(f"/v1/queues/{QUEUE.name}/messages/batch", json=bodies) as answer:
                     if answer.status != 200:
                         return False
                     results = (await answer.json())["results"]
         except (aiohttp.ClientError, TimeoutError):
             return False
-        for sent, result in zip(chunk, results):
-            answered[str(sent["id"])] = (result["shard"], result["batch"], result["seq"])
+        for (key, _), result in zip(chunk, results):
+            answered[key] = (result["shard"], result["batch"], result["seq"])
         return True
 
     for round_ in range(4):
         doomed = await asyncio.to_thread(start_sidecar)
-        chunks = [[{"id": f"r{round_}-{c}-{i}", "data": i, "partitionkey": f"k{c}"} for i in range(10)]
+        chunks = [[keyed_body(kind, f"r{round_}-{c}", i, data=i, partitionkey=f"k{c}") for i in range(10)]
                   for c in range(48)]
-        every_id |= {str(m["id"]) for chunk in chunks for m in chunk}
+        every_id |= {key for chunk in chunks for key, _ in chunk}
         pending = [asyncio.create_task(publish(doomed.url, chunk)) for chunk in chunks]
         await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         doomed.kill()  # the others are somewhere between their id check and their answer
         await asyncio.gather(*pending)
         for chunk in chunks:
-            if all(str(m["id"]) in answered for m in chunk):
+            if all(key in answered for key, _ in chunk):
                 continue
             deadline = time.monotonic() + 180
-            while not await publish(survivor.url, chunk):  # the client's retry, same ids
+            while not await publish(survivor.url, chunk):  # the client's retry, same keys
                 assert time.monotonic() < deadline, "the retry was never answered"
 
     rows = store.session.execute(f"SELECT client_id, shard, batch_no, seq FROM {store.table(QUEUE)}")

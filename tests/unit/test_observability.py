@@ -12,6 +12,7 @@ from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
 from casque.engine.messages import Delivery, Position, StoredMessage
+from casque.engine.sequences import producer_key
 from casque.logs import REQUEST_ID, JsonFormatter, configure
 from casque.schema import QueueRef
 from casque.sidecar.errors import InvalidRequest
@@ -86,6 +87,9 @@ def test_binary_mode_takes_attributes_from_headers_and_the_body_as_it_is() -> No
     assert (out.payload, out.content_type, out.key) == (b"a,b\n1,2\n", "text/csv", "k")
     assert out.attributes["ce-id"] == "e1" and out.attributes["ce-traceparent"] == TRACEPARENT
     assert out.client_id == dedup_key("/src", "e1")
+    # A producer's number comes as a header string like every attribute, and is read as one.
+    numbered = binary_event(CIMultiDict({"ce-specversion": "1.0", "ce-producerid": "p", "ce-producerseq": "12"}), b"")
+    assert numbered.outgoing().client_id == producer_key("p", 12)
     with pytest.raises(InvalidRequest):
         binary_event(CIMultiDict({"ce-specversion": "1.0", "ce-madeup": "x"}), b"")
     with pytest.raises(InvalidRequest):

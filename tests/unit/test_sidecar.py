@@ -23,6 +23,7 @@ from casque.engine.messages import (
     StoredMessage,
     reserved_client_id,
 )
+from casque.engine.sequences import parse_producer_key, producer_key
 from casque.errors import (
     BackendUnavailable,
     CasqueError,
@@ -105,6 +106,9 @@ def test_publish_bodies_become_engine_messages() -> None:
     assert (json_string.payload, json_string.content_type) == (b'"hi"', "application/json")
     binary = parse({"data_base64": base64.b64encode(b"\x00\xff").decode()}).outgoing()
     assert (binary.payload, binary.content_type) == (b"\x00\xff", "application/octet-stream")
+    # A producer's id and number are the key, also beside an `id` (which then only names the event).
+    numbered = parse({"id": "e1", "producerid": "p-1", "producerseq": 7}).outgoing()
+    assert numbered.client_id == producer_key("p-1", 7) and parse_producer_key(numbered.client_id) == ("p-1", 7)
     empty = parse({}).outgoing()
     assert (empty.payload, empty.content_type, empty.priority, empty.deliver_at) == (b"", None, 0, None)
     now = datetime(2030, 1, 1, tzinfo=timezone.utc)
@@ -130,6 +134,10 @@ def test_publish_bodies_become_engine_messages() -> None:
     # casque's own: an app's publish must never pass for the engine's (or hide one).
     {"id": "delayed/5f0c"}, {"id": "dlq/default/q/s/0/0/1/0"}, {"id": "redrive/abc"}, {"id": "replay:default/q:0:1:0"},
     {"attributes": {"casque-for-subscriber": "billing"}}, {"attributes": {"Casque-dlq-source": "x"}},
+    # A producer key is a pair: half of one would be no key at all.
+    {"producerid": "p1"}, {"producerseq": 3}, {"producerid": "p1", "producerseq": -1},
+    {"producerid": "has space", "producerseq": 1}, {"producerid": "", "producerseq": 1},
+    {"producerid": "p1", "producerseq": "3"},
 ])
 def test_publish_bodies_that_are_refused(body: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
