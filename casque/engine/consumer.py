@@ -43,7 +43,7 @@ from casque.engine.leases import ShardLeases
 from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
 from casque.engine.offsets import CommitOutcome, OffsetRecord
 from casque.engine.publisher import Publisher
-from casque.engine.shard_state import ByteBudget, Handout, ShardState
+from casque.engine.shard_state import AckStart, ByteBudget, Handout, ShardState
 from casque.engine.sharing import ClaimReader, SharedDelivery
 from casque.errors import (
     BackendUnavailable,
@@ -78,49 +78,13 @@ RETRY_MIN_SECONDS = 0.1
 RETRY_MAX_SECONDS = 5.0
 # With several priority levels ready, at least one delivery in this many comes from a lower level.
 PRIORITY_FAIRNESS = 10
-# A shard moving to another member is first drained this long at most: no new deliveries
-# from it while acks of the messages in flight are still taken.
-HANDOFF_SECONDS = 5.0
 # Each consumer reports its in-flight and delivery counts in its member znode this often.
 REPORT_INTERVAL_SECONDS = 5.0
 
 
-# A newly done message: its index in the call's results, where it came from, its ack event.
-_Acked = tuple[int, Source, AckEvent]
-
-
-def durability_plan(newly: list[_Acked]) -> tuple[list[_Acked], dict[Source, list[_Acked]]]:
-    """Split an ack call's newly done messages into those made durable by ack rows and those
-    waiting, per source, for an offset write (or a range's completion) past their batch.
-
-    An ack in an incomplete batch needs its row. One in a complete batch is covered by the
-    next offset write, but if the call writes a row of the same source into its partition
-    anyway, it goes into that row at no extra statement: then it waits for the Cassandra
-    write and the lease check after it, not for a ZooKeeper write as well. The offset still
-    moves, coalesced, in the background. Only the same source: a claimed range that is
-    complete has no row of its own, and its completion deletes the claim that the lease
-    check after a row would look for. A leased shard whose lease check needs no round trip
-    now (`proves_rows_locally`) puts its complete batches' acks into a row of their own too:
-    one Cassandra write is quicker than a ZooKeeper write, which syncs to disk.
-    """
-    rows: list[_Acked] = []
-    complete: list[_Acked] = []
-    for item in newly:
-        _, reader, event = item
-        (complete if reader.completes(event.batch) else rows).append(item)
-    written = {(r, e.epoch, e.shard, bucket_of(e.batch)) for _, r, e in rows}
-    covering: dict[Source, list[_Acked]] = {}
-    local: dict[Source, bool] = {}
-    for item in complete:
-        _, reader, e = item
-        proven = local.get(reader)
-        if proven is None:
-            proven = local[reader] = reader.proves_rows_locally()
-        if proven or (reader, e.epoch, e.shard, bucket_of(e.batch)) in written:
-            rows.append(item)
-        else:
-            covering.setdefault(reader, []).append(item)
-    return rows, covering
+# An ack this call started: its index in the call's results, where it came from, its ack
+# event, and the delivery's nonce.
+_Acking = tuple[int, Source, AckEvent, int]
 
 
 def _seek_overtook(reader: Source) -> StaleReceipt:
@@ -223,9 +187,6 @@ class ShardReader:
         self._commit_task: asyncio.Task[None] | None = None
         self._commit_wanted = asyncio.Event()
         self._stop_event = asyncio.Event()
-        # Acks waiting for an offset write that covers their batch: (batch, future).
-        self._waiting_for_offset: list[tuple[int, asyncio.Future[None]]] = []
-        self._waiter_added = asyncio.Event()
         # Batch ranges [start, end) confirmed expired: the offset jumps over them.
         self._gaps: dict[int, int] = {}
 
@@ -261,19 +222,22 @@ class ShardReader:
         if self.state.in_flight == 0:
             self._settled.set()
 
-    async def hand_over(self, seconds: float) -> None:
-        """Stop delivering from this shard and wait up to `seconds` for what is in flight to
-        be settled, so that the next holder redelivers as little as possible."""
+    async def hand_over(self) -> None:
+        """Stop delivering from this shard and wait until every delivery in flight is settled
+        (acked, nacked, dead-lettered) or its visibility has ended, so that the next holder
+        never redelivers a message the app may still be working on, and with ordered keys no
+        key is in flight at two members. An extend during the hand-over is honoured too. It
+        ends early if the shard is lost or the consumer stops (its drain has run already)."""
         self.releasing = True
-        deadline = time.monotonic() + seconds
-        while self.current:
+        while self.current and not self.consumer.stopping:
             now = time.monotonic()
             self.state.has_ready(now)  # counts expired visibility out of the in-flight total
-            if self.state.in_flight == 0 or now >= deadline:
+            if self.state.in_flight == 0:
                 return
             self._settled.clear()
+            due = self.state.next_due()
             try:
-                await asyncio.wait_for(self._settled.wait(), min(deadline - now, 0.5))
+                await asyncio.wait_for(self._settled.wait(), max(0.01, min((due or now + 1) - now, 1.0)))
             except TimeoutError:
                 pass
 
@@ -402,44 +366,10 @@ class ShardReader:
         if self.state.offset != self._committed:
             self._commit_wanted.set()
 
-    def completes(self, batch: int) -> bool:
-        """Whether an ack in `batch` is made durable by an offset write (its batch is complete)."""
-        return batch < self.state.offset
-
     def proves_rows_locally(self) -> bool:
-        """Whether the lease check after an ack row would be answered without ZooKeeper now:
-        then a row is the quicker way to make any ack durable, complete batch or not."""
+        """Whether the lease check after an ack row is answered without ZooKeeper now."""
         leases = self.consumer.leases
         return not self._fenced and leases is not None and leases.surely_held(self.shard, self.fence)
-
-    def covering(self, batch: int) -> asyncio.Future[None]:
-        return self.offset_covering(batch)
-
-    def offset_covering(self, batch: int) -> asyncio.Future[None]:
-        """A future done once a written offset is past `batch` (the batch is durably complete)."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if batch < self._committed:
-            future.set_result(None)
-        elif self._stopped:
-            future.set_exception(ConsumerStopped(f"shard {self.shard} released"))
-        else:
-            self._waiting_for_offset.append((batch, future))
-            self._commit_wanted.set()
-            self._waiter_added.set()
-        return future
-
-    def _settle_waiters(self, error: BaseException | None = None) -> None:
-        still: list[tuple[int, asyncio.Future[None]]] = []
-        for batch, future in self._waiting_for_offset:
-            if future.done():
-                continue
-            if batch < self._committed:
-                future.set_result(None)
-            elif error is not None:
-                future.set_exception(error)
-            else:
-                still.append((batch, future))
-        self._waiting_for_offset = still
 
     async def _commit_loop(self) -> None:
         backoff = Backoff()
@@ -453,23 +383,16 @@ class ShardReader:
                 await self._pause(backoff.next())
                 continue
             backoff.reset()
-            if not self._waiting_for_offset:
-                # Nobody waits for an offset write: coalesce, at most one per interval, unless
-                # an ack starts waiting for one.
-                self._waiter_added.clear()
-                try:
-                    await asyncio.wait_for(self._waiter_added.wait(), OFFSET_COMMIT_INTERVAL)
-                except TimeoutError:
-                    pass
+            # No ack waits for an offset write (acks are durable in rows): coalesce, at most
+            # one write per interval.
+            await self._pause(OFFSET_COMMIT_INTERVAL)
 
     async def commit(self) -> bool:
         """Write the offset if it moved; False if it could not be written (and will be retried)."""
         if self._fenced:
-            self._settle_waiters(LeaseLost(f"shard {self.shard} is no longer leased by this consumer"))
             return True
         offset = self.state.offset
         if offset == self._committed:
-            self._settle_waiters()
             return True
         consumer = self.consumer
         try:
@@ -478,7 +401,6 @@ class ShardReader:
             )
         except BackendUnavailable as error:
             self.problem = f"commit: {error}"
-            self._settle_waiters(error)
             self._commit_wanted.set()
             return False
         if outcome is CommitOutcome.WRITTEN:
@@ -486,25 +408,19 @@ class ShardReader:
             self._committed = offset
             self.problem = ""
             consumer.counters.offset_commits += 1
-            self._settle_waiters()
             return True
         if outcome is CommitOutcome.LEASE_LOST:
             self._fenced = True
-            self._settle_waiters(LeaseLost(f"shard {self.shard} moved to another member"))
             consumer.lease_lost(self)
             return True
         if outcome is CommitOutcome.GONE:
             self._fenced = True
-            self._settle_waiters(SubscriberNotFound(f"subscriber {consumer.subscriber} was deleted"))
             consumer.subscriber_gone(f"subscriber {consumer.subscriber} was deleted")
             return True
         # MOVED: a seek (the epoch changed), or our own earlier write whose reply was lost.
         record = await offsets.read_offset(consumer.store.zk, consumer.paths, self.shard)
         if record.epoch != self.epoch:
             self._fenced = True
-            # The acks waiting here came after the seek: it replays or skips their range, so
-            # they are stale, not acked (a replayed message comes again).
-            self._settle_waiters(_seek_overtook(self))
             consumer.resync()
             return True
         self._version = record.version
@@ -552,11 +468,8 @@ class ShardReader:
             self._fenced = True
         # The commit loop makes one last pass (a final write when flushing) and ends.
         self._commit_wanted.set()
-        self._waiter_added.set()
         if self._commit_task is not None:
             await asyncio.gather(self._commit_task, return_exceptions=True)
-        # Acks still waiting for an offset write fall back to ack rows or fail.
-        self._settle_waiters(ConsumerStopped(f"shard {self.shard} released"))
 
 
 @dataclass
@@ -587,6 +500,8 @@ class Consumer:
         self._dead_letters: Publisher | None = None
         self._max_deliveries = 0
         self._background: set[asyncio.Task[None]] = set()
+        # Acks being made durable, by (shard, batch, seq, nonce): a resent ack shares the answer.
+        self._acking: dict[tuple[int, int, int, int], asyncio.Future[bool | CasqueError]] = {}
         # Why this consumer ended by itself (its subscriber was deleted); empty while it serves.
         self.gone_reason = ""
         # Whether the subscriber still exists after this consumer ended (a delivery mode change).
@@ -654,6 +569,10 @@ class Consumer:
             await asyncio.sleep(REPORT_INTERVAL_SECONDS)
 
     @property
+    def stopping(self) -> bool:
+        return self._stopped
+
+    @property
     def visibility_timeout(self) -> float:
         return float(self.subscriber_state.spec.visibility_timeout_seconds)
 
@@ -707,7 +626,7 @@ class Consumer:
         if not self._stopped:
             # A rebalance moves the shard: let the app finish what it holds from it first
             # (a stopping consumer has had its drain time already).
-            await reader.hand_over(min(HANDOFF_SECONDS, self.visibility_timeout))
+            await reader.hand_over()
         if self.readers.get(shard) is reader:
             del self.readers[shard]
         await reader.stop(flush=True)
@@ -1037,79 +956,98 @@ class Consumer:
     async def ack_many(self, receipts: list[str]) -> list[bool | CasqueError]:
         """Acknowledge several deliveries at once; one result (or error) per receipt, in order.
 
-        Returns once every newly done message is durable: either a written offset is past
-        its batch (the batch is complete: one fenced ZooKeeper write covers all of its acks)
-        or its ack row is written and the shard's lease is confirmed still ours afterwards
-        (a new holder reads the ack rows only after it takes the lease, so it sees the row).
-        Which of the two, `durability_plan` decides.
+        An ack is answered only once it is durable: its ack row is written and the source's
+        lease (or claim) is confirmed still ours afterwards (a next holder reads the rows only
+        after it takes the lease, so it sees the row). Until then the delivery is ACKING (see
+        ShardState.start_ack): still in flight, its key still held. True: this call acked it.
+        False: it was acked before (durably), or an ack of it that is being recorded now
+        succeeded; a resent ack that arrives meanwhile waits for that one and gets its answer.
+        An error: nothing changed; the receipt stays valid until its visibility ends.
         """
-        results: list[bool | CasqueError] = []
-        newly: list[_Acked] = []
-        for receipt in receipts:
+        results: list[bool | CasqueError] = [False] * len(receipts)
+        started: list[_Acking] = []
+        joined: list[tuple[int, asyncio.Future[bool | CasqueError]]] = []
+        acking = self._acking
+        for index, receipt in enumerate(receipts):
             try:
                 reader, position, nonce = self._reader_for(receipt)
-                done = reader.state.ack(position, nonce)
+                start = reader.state.start_ack(position, nonce)
             except CasqueError as error:
-                results.append(error)
+                results[index] = error
                 continue
-            results.append(done)
-            if done:
-                self.counters.acks += 1
+            key = (position.shard, position.batch, position.seq, nonce)
+            if start is AckStart.STARTED:
+                acking[key] = asyncio.get_running_loop().create_future()
                 event = AckEvent(reader.epoch, reader.shard, position.batch, position.seq, outcome=ACK)
-                newly.append((len(results) - 1, reader, event))
-        # Yield once, so that acks sent concurrently by other requests land before deciding
-        # how to make these durable.
-        await asyncio.sleep(0)
-        for reader in {r for _, r, _ in newly}:
+                started.append((index, reader, event, nonce))
+            elif start is AckStart.PENDING:
+                joined.append((index, acking[key]))
+        if started:
+            try:
+                outcomes = await self._make_durable(started)
+            except BaseException:
+                # Cancelled (a shutdown): nothing is answered, so put every delivery back in flight.
+                for _, reader, event, nonce in started:
+                    reader.state.abort_ack(Position(event.shard, event.batch, event.seq), nonce)
+                    future = acking.pop((event.shard, event.batch, event.seq, nonce), None)
+                    if future is not None and not future.done():
+                        future.set_result(BackendUnavailable("the ack was interrupted; send it again"))
+                raise
+            for (index, reader, event, nonce), outcome in zip(started, outcomes):
+                results[index] = outcome
+                future = acking.pop((event.shard, event.batch, event.seq, nonce), None)
+                if future is not None and not future.done():
+                    # What a resend of this delivery's ack hears: done already, or the same error.
+                    future.set_result(False if outcome is True else outcome)
+        for index, shared in joined:
+            results[index] = await asyncio.shield(shared)
+        return results
+
+    async def _make_durable(self, started: list[_Acking]) -> list[bool | CasqueError]:
+        """Write the ack rows of `started`, confirm their sources, and move each delivery to
+        done (True), or back to in flight with the reason it is not acked (an error)."""
+        readers = list({r for _, r, _, _ in started})
+
+        async def written_and_held() -> list[bool | BaseException]:
+            await self.acks.record_many([e for _, _, e, _ in started])
+            return await asyncio.gather(*(r.still_leased() for r in readers), return_exceptions=True)
+
+        # Seeks are looked for alongside (see _seek_overtook).
+        rows, moved = await asyncio.gather(written_and_held(), self._moved_by_seeks(set(readers)),
+                                           return_exceptions=True)
+        failure = next((o for o in (rows, moved) if isinstance(o, BaseException)), None)
+        outcomes: list[bool | CasqueError] = []
+        if failure is not None:
+            if not isinstance(failure, Exception):
+                raise failure  # cancelled: the deliveries stay ACKING only until the finally below
+            error = failure if isinstance(failure, CasqueError) else BackendUnavailable(
+                f"acks not recorded: {failure!r}")
+            for _, reader, event, nonce in started:
+                reader.state.abort_ack(Position(event.shard, event.batch, event.seq), nonce)
+            return [error] * len(started)
+        assert isinstance(rows, list) and isinstance(moved, set)
+        held = dict(zip(readers, rows))
+        for _, reader, event, nonce in started:
+            position = Position(event.shard, event.batch, event.seq)
+            verdict = held[reader]
+            if verdict is not True:
+                reader.state.abort_ack(position, nonce)
+                if isinstance(verdict, CasqueError):
+                    outcomes.append(verdict)
+                elif isinstance(verdict, BaseException):
+                    outcomes.append(BackendUnavailable(f"lease not confirmed: {verdict!r}"))
+                else:
+                    what = "its batches" if isinstance(reader, ClaimReader) else "shard"
+                    outcomes.append(LeaseLost(f"{what} {reader.shard} moved to another member before the ack was "
+                                              "recorded; the message may be delivered again"))
+                continue
+            reader.state.finish_ack(position, nonce)
+            self.counters.acks += 1
+            outcomes.append(_seek_overtook(reader) if reader in moved else True)
+        for reader in readers:
             reader.schedule_commit()
             reader.space_freed()
-        as_rows, covering = durability_plan(newly)
-
-        async def by_rows(items: list[_Acked]) -> None:
-            if not items:
-                return
-            await self.acks.record_many([e for _, _, e in items])
-            readers = list({r for _, r, _ in items})
-            leased = await asyncio.gather(*(r.still_leased() for r in readers))
-            for reader, ok in zip(readers, leased):
-                if ok:
-                    continue
-                what = "its batches" if isinstance(reader, ClaimReader) else "shard"
-                lost = LeaseLost(f"{what} {reader.shard} moved to another member before the ack was recorded; "
-                                 "the message may be delivered again")
-                for index, r, _ in items:
-                    if r is reader:
-                        results[index] = lost
-
-        async def by_offsets() -> None:
-            waits = [reader.covering(max(e.batch for _, _, e in items)) for reader, items in covering.items()]
-            outcomes = await asyncio.gather(*waits, return_exceptions=True)
-            fallback: list[_Acked] = []
-            for items, outcome in zip(covering.values(), outcomes):
-                if isinstance(outcome, BackendUnavailable):
-                    fallback.extend(items)  # ZooKeeper is away: make those acks durable as rows instead
-                elif isinstance(outcome, CasqueError):
-                    for index, _, _ in items:
-                        results[index] = outcome
-                elif isinstance(outcome, BaseException):
-                    raise outcome
-            if fallback:
-                await by_rows(fallback)
-
-        # The two ways run side by side: an ack row and the lease check after it need not
-        # wait for an offset write in ZooKeeper, nor the other way round. Seeks are looked
-        # for alongside (see _seek_overtook).
-        outcomes = await asyncio.gather(
-            by_rows(as_rows), by_offsets(), self._moved_by_seeks({r for _, r, _ in newly}), return_exceptions=True)
-        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
-        if failure is not None:
-            raise failure
-        moved = outcomes[2]
-        assert isinstance(moved, set)
-        for index, reader, _ in newly:
-            if results[index] is True and reader in moved:
-                results[index] = _seek_overtook(reader)
-        return results
+        return outcomes
 
     async def _moved_by_seeks(self, sources: set[Source]) -> set[Source]:
         """The sources whose shard a seek has moved to another epoch than theirs, as ZooKeeper tells it now.

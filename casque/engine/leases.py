@@ -133,6 +133,8 @@ class ShardLeases:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lost = False
         self._retry_delay = RETRY_MIN_SECONDS
+        # Shards being handed over to other members, each by a task of its own.
+        self._handing_over: dict[int, asyncio.Task[None]] = {}
         self._fences_known: set[int] = set()
         # Shards being handed over and released.
         self._releasing: set[int] = set()
@@ -298,8 +300,12 @@ class ShardLeases:
             await self._register()
             self._members = list(await zk.call(self._client.get_children_async, self._paths.members))
         mine = assign(self._members, self.shards).get(self.member_id, set())
-        # Shards moving away are handed over at once, each after its own drain.
-        await asyncio.gather(*(self._release(shard) for shard in sorted(set(self.held) - mine)))
+        # Shards moving away are handed over each in a task of its own: a hand-over waits
+        # for the deliveries in flight (up to their visibility), and meanwhile this member
+        # takes its new shards and follows further membership changes.
+        for shard in sorted(set(self.held) - mine):
+            if shard not in self._handing_over:
+                self._handing_over[shard] = asyncio.get_running_loop().create_task(self._hand_over(shard))
         retry = False
         for shard in sorted(mine - set(self.held)):
             fence = await self._try_acquire(shard)
@@ -369,6 +375,16 @@ class ShardLeases:
             return int(fence_stat.version)
         return None
 
+    async def _hand_over(self, shard: int) -> None:
+        try:
+            await self._release(shard)
+        except Exception as error:  # the lease stays ours: the next pass hands the shard over again
+            log.warning("shard %s: handing over failed (%s); trying again", shard, error)
+            await asyncio.sleep(self._retry_delay)
+        finally:
+            self._handing_over.pop(shard, None)
+            self._wanted.set()
+
     async def _release(self, shard: int) -> None:
         # From the hand-over on, an ack of this shard asks ZooKeeper: the lease is about to go.
         self._releasing.add(shard)
@@ -376,10 +392,12 @@ class ShardLeases:
             await self._on_released(shard)
         finally:
             self._releasing.discard(shard)
-        self._sessions.pop(shard, None)
-        fence = self.held.pop(shard, None)
+        fence = self.held.get(shard)
         if fence is not None:
             await self._delete_lease(shard, fence)
+            if self.held.get(shard) == fence:  # not lost (and taken again) meanwhile
+                del self.held[shard]
+                self._sessions.pop(shard, None)
 
     async def _delete_lease(self, shard: int, fence: int) -> None:
         """Delete our lease, unless the fence moved: then the lease there is someone else's."""
@@ -408,6 +426,8 @@ class ShardLeases:
             await asyncio.gather(self._heartbeat, return_exceptions=True)
         if self._task is not None:
             await self._task
+        if self._handing_over:
+            await asyncio.gather(*self._handing_over.values(), return_exceptions=True)
         for shard in sorted(self.held):
             try:
                 await self._release(shard)

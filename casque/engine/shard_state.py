@@ -33,7 +33,17 @@ class State(Enum):
     READY = "ready"
     DELAYED = "delayed"
     IN_FLIGHT = "in_flight"
+    # An ack of the current delivery is being made durable: still in flight (its key held,
+    # counted in flight, never expired), done only once the write is confirmed.
+    ACKING = "acking"
     DONE = "done"
+
+
+# Which of an ack's answers applies (ShardState.start_ack).
+class AckStart(Enum):
+    STARTED = "started"  # this ack moved the delivery to ACKING: the caller makes it durable
+    PENDING = "pending"  # an ack of the same delivery is being made durable: share its outcome
+    DONE = "done"  # done and durable already
 
 
 @dataclass
@@ -79,6 +89,9 @@ class Handout:
     # Over the subscriber's max deliveries: to be dead-lettered, not delivered.
     dead: bool = False
 
+
+# States of a delivery still in the app's hands (counted in flight).
+_HELD = (State.IN_FLIGHT, State.ACKING)
 
 # A heap is rebuilt without its stale entries when it holds more than this many times
 # the live ones (plus a floor, so small heaps are left alone).
@@ -227,23 +240,53 @@ class ShardState:
         return handed
 
     def ack(self, position: Position, nonce: int) -> bool:
-        """Mark a message done. True if this call did it; False if it was already done.
+        """Mark a message done at once (start and finish an ack with nothing to wait for).
+        True if this call did it; False if it was already done."""
+        if self.start_ack(position, nonce) is not AckStart.STARTED:
+            return False
+        self.finish_ack(position, nonce)
+        return True
 
-        Raises StaleReceipt if the message is in flight under another delivery, or is
-        waiting to be delivered again.
+    def start_ack(self, position: Position, nonce: int) -> AckStart:
+        """Begin acking the delivery under `nonce`: in flight -> ACKING.
+
+        The message is done only when `finish_ack` confirms the write; until then a second
+        ack of the same delivery is PENDING (it shares the first one's outcome), and nothing
+        about the message changes for anybody else. Raises StaleReceipt if the message is in
+        flight under another delivery, or waiting to be delivered again.
         """
         loaded = self.batches.get(position.batch)
         if loaded is None:
             if position.batch < self.offset:
-                return False  # done long ago: acks are idempotent
+                return AckStart.DONE  # done long ago: acks are idempotent
             raise StaleReceipt(f"message {position.batch}/{position.seq} is not held by this consumer")
         entry = loaded.entries.get(position.seq)
         if entry is None:
-            return False  # done already (its batch may be complete and waiting for the offset)
+            return AckStart.DONE  # its batch may be complete and waiting for the offset
+        if entry.state is State.ACKING and entry.nonce == nonce:
+            return AckStart.PENDING
         self._require_current(entry, nonce)
+        entry.state = State.ACKING
+        return AckStart.STARTED
+
+    def finish_ack(self, position: Position, nonce: int) -> bool:
+        """The ack started under `nonce` is durable: the message is done (its key moves on)."""
+        entry = self._entry(position.batch, position.seq)
+        if entry is None or entry.state is not State.ACKING or entry.nonce != nonce:
+            return False
         self.counters.acked += 1
         self._finish(position.batch, entry)
         return True
+
+    def abort_ack(self, position: Position, nonce: int) -> None:
+        """The ack started under `nonce` could not be made durable: the delivery is in flight
+        again, as it was, and its receipt stays valid until its visibility ends."""
+        entry = self._entry(position.batch, position.seq)
+        if entry is None or entry.state is not State.ACKING or entry.nonce != nonce:
+            return
+        entry.state = State.IN_FLIGHT
+        # Its deadline's heap entry may have surfaced (and been dropped) while it was acking.
+        heapq.heappush(self._deadlines, (entry.deadline, position.batch, position.seq, nonce))
 
     def nack(self, position: Position, nonce: int, delay: float, now: float, error: str | None = None) -> Entry:
         """Make an in-flight message visible again, now or after `delay` seconds."""
@@ -287,7 +330,7 @@ class ShardState:
         entry = self._entry(position.batch, position.seq)
         if entry is None or entry.state is State.DONE:
             return None
-        if entry.state is State.IN_FLIGHT:
+        if entry.state in _HELD:
             self._in_flight -= 1
         self._finish(position.batch, entry, counted=False)
         return entry
@@ -379,6 +422,8 @@ class ShardState:
         return None if loaded is None else loaded.entries.get(seq)
 
     def _require_current(self, entry: Entry, nonce: int) -> None:
+        if entry.state is State.ACKING and entry.nonce == nonce:
+            raise StaleReceipt("an ack of this delivery is being recorded; it can no longer be nacked or extended")
         if entry.state is not State.IN_FLIGHT or entry.nonce != nonce:
             raise StaleReceipt(
                 "receipt is stale: the message's visibility expired or it was delivered again"
@@ -393,7 +438,7 @@ class ShardState:
         return entry
 
     def _finish(self, batch: int, entry: Entry, counted: bool = True) -> None:
-        if entry.state is State.IN_FLIGHT and counted:
+        if entry.state in _HELD and counted:
             self._in_flight -= 1
         entry.state = State.DONE
         loaded = self.batches[batch]
@@ -415,7 +460,7 @@ class ShardState:
             if self.locks is not None:
                 for entry in loaded.entries.values():
                     self.locks.release(entry.message.key, entry.message.position)
-            self._in_flight -= sum(1 for e in loaded.entries.values() if e.state is State.IN_FLIGHT)
+            self._in_flight -= sum(1 for e in loaded.entries.values() if e.state in _HELD)
             self._loaded_messages -= loaded.remaining
             self._loaded_bytes -= sum(e.message.size for e in loaded.entries.values())
 

@@ -87,11 +87,6 @@ class ClaimReader:
         # Every claim version this reader wrote: the claim is still ours while it is at one of them.
         self._mine = {record.version}
         self._zk = asyncio.Lock()
-        # Acks waiting for the range's completion: settled by the next attempt (a failed one
-        # sends them to ack rows) or by the final outcome.
-        self._waiters: list[asyncio.Future[None]] = []
-        self._outcome: BaseException | None = None
-        self._finished = False
         self._completing: asyncio.Task[None] | None = None
         self._dropped = False
         self._released = False
@@ -119,41 +114,6 @@ class ClaimReader:
     @property
     def complete(self) -> bool:
         return self.state.offset >= self.record.end
-
-    def completes(self, batch: int) -> bool:
-        """Whether an ack in `batch` is made durable by the range's completion (the whole range is done)."""
-        return self.complete
-
-    def proves_rows_locally(self) -> bool:
-        """Never: the check after a range's ack row reads its claim (and a complete range's
-        completion deletes it), so a complete range's acks wait for the completion."""
-        return False
-
-    def covering(self, batch: int) -> asyncio.Future[None]:
-        """Done once the range's completion is written; fails if it cannot be (taken over, unavailable)."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self._finished:
-            if self._outcome is None:
-                future.set_result(None)
-            else:
-                future.set_exception(self._outcome)
-            return future
-        self._waiters.append(future)
-        self.schedule_commit()
-        return future
-
-    def _settle(self, error: BaseException | None, final: bool) -> None:
-        if final:
-            self._finished = True
-            self._outcome = error
-        waiters, self._waiters = self._waiters, []
-        for future in waiters:
-            if future.done():
-                continue
-            if error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error)
 
     async def still_leased(self) -> bool:
         """Whether the claim is still at a version this reader wrote (read after an ack row is written)."""
@@ -216,10 +176,6 @@ class ClaimReader:
             return
         self._dropped = True
         log.info("shard %s: claim %s..%s dropped: %s", self.shard, self.record.start, self.record.end - 1, why)
-        if not self._finished:
-            self._settle(LeaseLost(
-                f"shard {self.shard}: batches {self.record.start}..{self.record.end - 1} went to another member"),
-                final=True)
         self.sharing.forget(self)
 
     async def _complete_loop(self) -> None:
@@ -233,8 +189,6 @@ class ClaimReader:
                     self.sharing.zk_writes += 1
                 except CasqueError as error:
                     self.problem = f"completing: {error}"
-                    # Waiting acks fall back to ack rows; the completion is tried again.
-                    self._settle(BackendUnavailable(str(error)), final=False)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, RETRY_MAX_SECONDS)
                     continue
@@ -242,8 +196,7 @@ class ClaimReader:
                 if outcome is Completion.LOST:
                     self.drop("taken over before it was completed")
                     return
-                # DONE, or MOOT (a seek replays or skips the range: acks waiting on it are moot).
-                self._settle(None, final=True)
+                # DONE, or MOOT (a seek replays or skips the range).
                 self.sharing.completed(self, offset)
                 self._dropped = True
                 self.sharing.forget(self)

@@ -1,9 +1,12 @@
 """A consumer process for fault tests: receives and acks, and kills itself with SIGKILL the
 moment its ACK_CALLS-th ack call has been answered.
 
-Usage: python -m tests.integration.ack_then_die KEYSPACE CQL_HOST:PORT ZK_HOSTS ACK_CALLS MAX [offsets]
-With `offsets`, acks of complete batches wait for the offset write even while the lease is
-proven locally (where they would go to rows), so that both ways are killed mid-flight.
+Usage: python -m tests.integration.ack_then_die KEYSPACE CQL_HOST:PORT ZK_HOSTS ACK_CALLS MAX [zk-check|timeouts]
+With `zk-check`, the lease check after an ack row asks ZooKeeper even while the lease is
+proven locally, so that both ways are killed mid-flight. With `timeouts`, every other ack-row
+write times out at the driver (half of those after the row landed, half before it was sent),
+and an ack answered with an error is sent again, as the app client does, until it is
+answered: a call counts when all its acks are answered `acked` or `already_acked`.
 Prints one JSON line per delivery and per ack result, with the times (the monotonic clock,
 which the test process shares) the call was sent and answered, flushed before the kill:
 everything after an answered ack is then what a crash at that instant leaves behind.
@@ -22,7 +25,10 @@ from kazoo.client import KazooClient
 
 from casque.backends import cql
 from casque.config import Settings
+from casque.engine.acks import ACK, AckEvent, AckLog
 from casque.engine.consumer import Consumer, ShardReader
+from casque.engine.messages import Delivery
+from casque.errors import BackendUnavailable, CasqueError
 from casque.schema import QueueRef
 from casque.store import Store
 
@@ -32,6 +38,46 @@ SUBSCRIBER = "workers"
 
 def emit(**line: object) -> None:
     print(json.dumps(line), flush=True)
+
+
+async def ack_until_answered(consumer: Consumer, deliveries: list[Delivery]) -> None:
+    """Ack, and send again each ack answered with an error (not a stale receipt) until it is answered."""
+    pending = deliveries
+    while pending:
+        sent = time.monotonic()
+        try:
+            results: list[bool | CasqueError] = await consumer.ack_many([d.receipt for d in pending])
+        except CasqueError as error:
+            results = [error] * len(pending)
+        answered = time.monotonic()
+        again = []
+        for d, result in zip(pending, results):
+            outcome = result if isinstance(result, bool) else result.code
+            emit(kind="ack", id=d.message.message_id, receipt=d.receipt,
+                 outcome="acked" if outcome is True else "already_acked" if outcome is False else outcome,
+                 sent=sent, answered=answered)
+            if isinstance(result, BackendUnavailable):
+                again.append(d)
+        pending = again
+
+
+def time_out_every_other_ack_row() -> None:
+    """Ack-row writes time out at the driver, alternately after the row landed and before it was sent."""
+    real = AckLog._write
+    writes = 0
+
+    async def timing_out(self: AckLog, events: list[AckEvent]) -> None:
+        nonlocal writes
+        if not any(e.outcome == ACK for e in events):
+            return await real(self, events)
+        writes += 1
+        if writes % 4 == 1:
+            await real(self, events)
+        if writes % 2 == 1:
+            raise BackendUnavailable("Cassandra: OperationTimedOut: errors={}, last_host=injected")
+        return await real(self, events)
+
+    AckLog._write = timing_out  # type: ignore[method-assign]
 
 
 async def main(keyspace: str, cassandra: str, zk_hosts: str, ack_calls: int, batch: int) -> None:
@@ -54,14 +100,7 @@ async def main(keyspace: str, cassandra: str, zk_hosts: str, ack_calls: int, bat
         for d in deliveries:
             emit(kind="delivery", id=d.message.message_id, receipt=d.receipt, count=d.delivery_count,
                  sent=sent, answered=answered)
-        sent = time.monotonic()
-        results = await consumer.ack_many([d.receipt for d in deliveries])
-        answered = time.monotonic()
-        for d, result in zip(deliveries, results):
-            outcome = result if isinstance(result, bool) else result.code
-            emit(kind="ack", id=d.message.message_id, receipt=d.receipt,
-                 outcome="acked" if outcome is True else "already_acked" if outcome is False else outcome,
-                 sent=sent, answered=answered)
+        await ack_until_answered(consumer, deliveries)
         calls += 1
         if calls == ack_calls:
             # No drain, no release, no flush: whatever an answered ack still needed is lost now.
@@ -70,6 +109,8 @@ async def main(keyspace: str, cassandra: str, zk_hosts: str, ack_calls: int, bat
 
 if __name__ == "__main__":
     keyspace, cassandra, zk_hosts, ack_calls, batch = sys.argv[1:6]
-    if sys.argv[6:7] == ["offsets"]:
+    if sys.argv[6:7] == ["zk-check"]:
         ShardReader.proves_rows_locally = lambda self: False  # type: ignore[method-assign]
+    if sys.argv[6:7] == ["timeouts"]:
+        time_out_every_other_ack_row()
     asyncio.run(main(keyspace, cassandra, zk_hosts, int(ack_calls), int(batch)))

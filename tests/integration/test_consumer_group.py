@@ -24,6 +24,9 @@ from casque.errors import CasqueError, SubscriberNotFound
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from tests.fixtures.group import assert_sound
+from tests.fixtures.history import Ack, History, keys_in_flight_twice, redelivered_within_visibility
+from tests.fixtures.history import Delivery as HistoryDelivery
 
 QUEUE = QueueRef("default", "group")
 
@@ -472,6 +475,118 @@ async def test_a_shard_moving_to_a_new_member_is_handed_over_after_its_messages_
     await until("the joiner holding its shard", lambda: len(second.held_shards) == 1)
     assert first.held_shards == {0, 1} - second.held_shards
     assert await second.receive(max_messages=20, wait=1) == []  # nothing to redeliver
+
+
+class HoldingWorker:
+    """One member's app: receives, and acks every third message only after holding it for
+    HOLD_SECONDS (longer than a hand-over used to wait), the others at once; records it all."""
+
+    HOLD_SECONDS = 6.0
+
+    def __init__(self, consumer: Consumer, history: History) -> None:
+        self.consumer = consumer
+        self.history = history
+        self.receiving = True
+        self._acks: set[asyncio.Task[None]] = set()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while self.receiving:
+            sent = History.now()
+            got = await self.consumer.receive(max_messages=5, wait=0.5)
+            answered = History.now()
+            for d in got:
+                self.history.deliveries.append(HistoryDelivery(
+                    d.message.message_id, d.receipt, self.consumer.member_id, d.delivery_count, sent, answered))
+                hold = self.HOLD_SECONDS if int(d.message.payload.decode().split("-")[1]) % 3 == 0 else 0.0
+                task = asyncio.get_running_loop().create_task(self._ack_after(d, hold))
+                self._acks.add(task)
+                task.add_done_callback(self._acks.discard)
+
+    async def _ack_after(self, delivery: Delivery, hold: float) -> None:
+        await asyncio.sleep(hold)  # the app's work on the message
+        sent = History.now()
+        try:
+            outcome = "acked" if await self.consumer.ack(delivery.receipt) else "already_acked"
+        except CasqueError as error:
+            outcome = error.code
+        self.history.acks.append(Ack(delivery.message.message_id, delivery.receipt, outcome, sent, History.now()))
+
+    async def stop(self, drain_seconds: float = 30.0) -> None:
+        """Stop receiving, let the member drain what it handed out while acks go on, then stop it."""
+        self.receiving = False
+        await self._task
+        await self.consumer.stop(drain_seconds)
+        await asyncio.gather(*self._acks)
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered-keys"])
+async def test_scaling_up_and_down_under_load_never_redelivers_a_message_within_its_visibility(
+    store: Store, new_store: Callable[[], Store], ordered: bool
+) -> None:
+    """2 -> 4 -> 2 members under load, visibility 30 s, apps that hold some messages 6 s: a moving
+    shard's deliveries in flight are never handed out again by the new holder while their
+    visibility runs, and with orderedKeys no key is ever in flight twice."""
+    spec = QueueSpec(shards=8, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, "workers", SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, ordered_keys=ordered))
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    history = History()
+    keys: dict[str, str] = {}
+    published = 0
+
+    async def publish_round(count: int = 16) -> None:
+        nonlocal published
+        messages = [OutgoingMessage(f"m-{published + i}".encode(), key=f"k{(published + i) % 24}")
+                    for i in range(count)]
+        results = await publisher.publish(messages)
+        answered = History.now()
+        for message, result in zip(messages, results):
+            history.published[result.message_id] = answered
+            assert message.key is not None
+            keys[result.message_id] = message.key
+        published += count
+        await publisher.flush_heads()
+
+    async def group(count: int) -> list[HoldingWorker]:
+        members = [Consumer(new_store(), QUEUE, "workers") for _ in range(count)]
+        for member in members:
+            await member.start()
+        return [HoldingWorker(member, history) for member in members]
+
+    def in_flight_everywhere(workers: list[HoldingWorker]) -> bool:
+        return all(w.consumer.in_flight() > 0 for w in workers)
+
+    async def load_until(condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await publish_round()
+            await asyncio.sleep(0.2)
+
+    first = await group(2)
+    await load_until(lambda: in_flight_everywhere(first), "both members holding messages")
+    second = await group(2)  # 2 -> 4: shards move from the first two, with messages held
+    everyone = first + second
+    await load_until(lambda: all(len(w.consumer.held_shards) == 2 for w in everyone), "four members, two shards each")
+    await load_until(lambda: in_flight_everywhere(everyone), "all four members holding messages")
+    for worker in second:  # 4 -> 2: the joiners leave after draining what they hold
+        await worker.stop()
+    await load_until(lambda: all(len(w.consumer.held_shards) == 4 for w in first), "two members, four shards each")
+    deadline = time.monotonic() + 120
+    while not set(history.published) <= history.acked_ids():
+        assert time.monotonic() < deadline, "the group never acked everything"
+        await asyncio.sleep(0.2)
+    for worker in first:
+        await worker.stop()
+
+    early = redelivered_within_visibility(history, 30.0)
+    assert not early, f"{len(early)} redeliveries within the visibility, e.g. {early[:2]}"
+    if ordered:
+        twice = keys_in_flight_twice(history, keys)
+        assert not twice, f"{len(twice)} keys in flight twice, e.g. {twice[:2]}"
+    assert_sound(history)
 
 
 # --- 10. delivery counts ------------------------------------------------------------------

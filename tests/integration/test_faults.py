@@ -33,7 +33,7 @@ from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from tests.fixtures.group import assert_sound
-from tests.fixtures.history import Ack, Delivery, History
+from tests.fixtures.history import Ack, Delivery, History, delivered_behind_acked_successors
 from tests.fixtures.sidecars import StartSidecar
 from tests.fixtures.stack import Backends
 
@@ -291,46 +291,87 @@ async def test_publishes_cut_by_a_sidecar_killed_mid_write_land_once(
     assert {i: places[0] for i, places in stored.items()} == answered
 
 
-async def test_acks_answered_before_a_kill_are_never_delivered_again(
+async def test_acks_resent_after_timed_out_writes_are_answered_only_when_durable(
     backends: Backends, store: Store, zk_hosts: str
 ) -> None:
-    """A consumer killed with SIGKILL the instant an ack call is answered loses none of those
-    acks: whether an ack was made durable by an ack row or by an offset write, nothing it
-    answered `acked` reaches the next member (checked by the history checker)."""
+    """Ack rows whose writes time out at the driver (some landed, some never sent), the acks
+    sent again as the app client does until answered, then kill -9: no message is delivered
+    after an ack of it was answered `acked` or `already_acked`. Batches are left open (10 of
+    37 acked a call), so only the ack rows can make those acks durable."""
     queue = QueueRef("default", "ackdie")  # tests.integration.ack_then_die consumes it
-    catalog.apply_queue(store, queue, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_queue(store, queue, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
     catalog.apply_subscriber(store, queue, "workers", SubscriberSpec(
         queue=queue.name, start_position="earliest", visibility_timeout_seconds=60))
     publisher = Publisher(store, queue, catalog.read_queue(store, queue))
     history = History()
-    # Batches of 37. Ack calls of 37 first, one whole batch each: made durable by the offset
-    # write alone (told to: with the lease proven locally they would go to a row). Then calls
-    # of 100: each completes some batches (in a row) and leaves one open (its ack row).
-    for n in range(40):
+    for n in range(4):
         results = await publisher.publish([OutgoingMessage(f"m{n}-{i}".encode()) for i in range(37)])
         answered = History.now()
         history.published.update((r.message_id, answered) for r in results)
     await publisher.flush_heads()
 
     cassandra = f"{backends.contact_points[0]}:{backends.cql_port}"
-    for ack_calls, per_call in ((2, 37), (5, 37), (1, 100), (3, 100)):
-        victim = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "tests.integration.ack_then_die", store.keyspace, cassandra, zk_hosts,
-             str(ack_calls), str(per_call), *(["offsets"] if per_call == 37 else [])],
-            capture_output=True, text=True, cwd=ROOT, timeout=300,
-        )
-        assert victim.returncode == -signal.SIGKILL, victim.stderr[-2000:]
-        lines = [json.loads(line) for line in victim.stdout.splitlines() if line.strip()]
-        member = lines[0]["member"]
-        for line in lines[1:]:
-            if line["kind"] == "delivery":
-                history.deliveries.append(Delivery(line["id"], line["receipt"], member, line["count"],
-                                                   line["sent"], line["answered"]))
-            else:
-                history.acks.append(Ack(line["id"], line["receipt"], line["outcome"], line["sent"], line["answered"]))
-        assert sum(1 for line in lines if line.get("outcome") == "acked") >= per_call * (ack_calls - 1)
+    for ack_calls in (2, 3):
+        await _run_victim(history, [store.keyspace, cassandra, zk_hosts, str(ack_calls), "10", "timeouts"])
+    assert any(a.outcome == "backend_unavailable" for a in history.acks), "no ack write timed out"
+    await _consume_the_rest(store, queue, history)
+    assert_sound(history)
 
+
+async def test_an_ordered_key_moves_on_only_when_the_ack_before_is_durable(
+    backends: Backends, store: Store, zk_hosts: str
+) -> None:
+    """orderedKeys with ack-row writes that time out and acks sent again, then kill -9: a key's
+    next message is never handed out before its previous one's ack is durable, so no message
+    comes again after a later message of its key was acked (read from the recorded history)."""
+    queue = QueueRef("default", "ackdie")  # tests.integration.ack_then_die consumes it
+    catalog.apply_queue(store, queue, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, queue, "workers", SubscriberSpec(
+        queue=queue.name, start_position="earliest", visibility_timeout_seconds=60, ordered_keys=True))
+    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
+    history = History()
+    keys: dict[str, tuple[str, int]] = {}
+    # Batches of 200, 20 messages of each of 10 keys: a call of 10 takes one of each key, and
+    # no batch completes in the victims' calls (an offset write past it would cover lost rows).
+    for n in range(2):
+        results = await publisher.publish([OutgoingMessage(f"m{n}-{i}".encode(), key=f"k{i % 10}")
+                                           for i in range(200)])
+        answered = History.now()
+        for i, result in enumerate(results):
+            history.published[result.message_id] = answered
+            keys[result.message_id] = (f"k{i % 10}", n * 20 + i // 10)
+    await publisher.flush_heads()
+
+    cassandra = f"{backends.contact_points[0]}:{backends.cql_port}"
+    for ack_calls in (4, 5):
+        await _run_victim(history, [store.keyspace, cassandra, zk_hosts, str(ack_calls), "10", "timeouts"])
+    assert any(a.outcome == "backend_unavailable" for a in history.acks), "no ack write timed out"
+    await _consume_the_rest(store, queue, history)
+    behind = delivered_behind_acked_successors(history, keys)
+    assert not behind, f"{len(behind)} deliveries behind an acked successor, e.g. {behind[:2]}"
+    assert_sound(history)
+
+
+async def _run_victim(history: History, arguments: list[str]) -> list[dict[str, object]]:
+    """Run tests.integration.ack_then_die to its SIGKILL and add what it saw to `history`."""
+    victim = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "tests.integration.ack_then_die", *arguments],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert victim.returncode == -signal.SIGKILL, victim.stderr[-2000:]
+    lines = [json.loads(line) for line in victim.stdout.splitlines() if line.strip()]
+    member = lines[0]["member"]
+    for line in lines[1:]:
+        if line["kind"] == "delivery":
+            history.deliveries.append(Delivery(line["id"], line["receipt"], member, line["count"],
+                                               line["sent"], line["answered"]))
+        else:
+            history.acks.append(Ack(line["id"], line["receipt"], line["outcome"], line["sent"], line["answered"]))
+    return lines
+
+
+async def _consume_the_rest(store: Store, queue: QueueRef, history: History) -> None:
+    """Receive and ack as a new member until every published message is settled."""
     consumer = Consumer(store, queue, "workers")
     await consumer.start()
     try:
@@ -348,4 +389,34 @@ async def test_acks_answered_before_a_kill_are_never_delivered_again(
                                     sent, answered) for d, r in zip(deliveries, results) if isinstance(r, bool))
     finally:
         await consumer.stop()
+
+
+async def test_acks_answered_before_a_kill_are_never_delivered_again(
+    backends: Backends, store: Store, zk_hosts: str
+) -> None:
+    """A consumer killed with SIGKILL the instant an ack call is answered loses none of those
+    acks: whether its lease was proven locally or by ZooKeeper, nothing it answered `acked`
+    reaches the next member (checked by the history checker)."""
+    queue = QueueRef("default", "ackdie")  # tests.integration.ack_then_die consumes it
+    catalog.apply_queue(store, queue, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, queue, "workers", SubscriberSpec(
+        queue=queue.name, start_position="earliest", visibility_timeout_seconds=60))
+    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
+    history = History()
+    # Batches of 37. Ack calls of 37 first, one whole batch each, whose lease check after the
+    # row asks ZooKeeper (told to: the lease is proven locally otherwise). Then calls of 100:
+    # each completes some batches and leaves one open.
+    for n in range(40):
+        results = await publisher.publish([OutgoingMessage(f"m{n}-{i}".encode()) for i in range(37)])
+        answered = History.now()
+        history.published.update((r.message_id, answered) for r in results)
+    await publisher.flush_heads()
+
+    cassandra = f"{backends.contact_points[0]}:{backends.cql_port}"
+    for ack_calls, per_call in ((2, 37), (5, 37), (1, 100), (3, 100)):
+        lines = await _run_victim(history, [store.keyspace, cassandra, zk_hosts, str(ack_calls), str(per_call),
+                                            *(["zk-check"] if per_call == 37 else [])])
+        assert sum(1 for line in lines if line.get("outcome") == "acked") >= per_call * (ack_calls - 1)
+
+    await _consume_the_rest(store, queue, history)
     assert_sound(history)

@@ -3,7 +3,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from casque.engine.messages import Position, StoredMessage
-from casque.engine.shard_state import HEAP_FLOOR, HEAP_SLACK, Handout, ShardState
+from casque.engine.keylocks import KeyLocks
+from casque.engine.shard_state import HEAP_FLOOR, HEAP_SLACK, AckStart, Handout, ShardState
 from casque.errors import StaleReceipt
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -199,3 +200,54 @@ def test_loaded_bytes_drops_messages_expired_dead_lettered_or_skipped() -> None:
     assert state.loaded_bytes == 13
     state.skip_to(3)  # batch 2 expired from the log before it was consumed
     assert state.loaded_bytes == 0 and state.loaded_messages == 0
+
+
+# --- the ack state machine: in flight -> acking -> done | back in flight ----------------------
+def test_an_ack_being_recorded_keeps_the_message_in_flight_and_a_resend_joins_it() -> None:
+    state = ShardState(shard=0, offset=1)
+    state.add_batch(1, msgs(1, 2))
+    first, _ = state.take(10, now=0, visibility=10, expired_ttl=WALL)
+    position = first.entry.message.position
+    assert state.start_ack(position, first.nonce) is AckStart.STARTED
+    assert state.start_ack(position, first.nonce) is AckStart.PENDING  # a resend waits for the same write
+    assert state.in_flight == 2
+    assert state.take(10, now=11, visibility=10, expired_ttl=WALL)[0].entry.message.message_id == "1-1"
+    assert state.in_flight == 1 + 1  # the acking one is never redelivered by its visibility ending
+    with pytest.raises(StaleReceipt, match="being recorded"):
+        state.nack(position, first.nonce, delay=0, now=11)
+    assert state.finish_ack(position, first.nonce) is True
+    assert state.start_ack(position, first.nonce) is AckStart.DONE
+    assert state.in_flight == 1
+
+
+def test_a_failed_ack_leaves_the_delivery_as_it_was_until_its_visibility_ends() -> None:
+    state = ShardState(shard=0, offset=1)
+    state.add_batch(1, msgs(1, 1))
+    (handout,) = state.take(1, now=0, visibility=10, expired_ttl=WALL)
+    position = handout.entry.message.position
+    assert state.start_ack(position, handout.nonce) is AckStart.STARTED
+    assert state.take(1, now=11, visibility=10, expired_ttl=WALL) == []  # its deadline surfaced while acking
+    state.abort_ack(position, handout.nonce)
+    assert state.advance_offset() == 1 and state.in_flight == 1
+    # The receipt is current again: a resend starts a new ack ...
+    assert state.start_ack(position, handout.nonce) is AckStart.STARTED
+    state.abort_ack(position, handout.nonce)
+    # ... and the visibility, which ended meanwhile, still ends: the message comes again.
+    (again,) = state.take(1, now=12, visibility=10, expired_ttl=WALL)
+    assert again.entry.deliveries == 2
+    with pytest.raises(StaleReceipt):
+        state.start_ack(position, handout.nonce)
+
+
+def test_an_ordered_key_moves_on_only_when_the_ack_is_durable() -> None:
+    state = ShardState(shard=0, offset=1, locks=KeyLocks())
+    state.add_batch(1, [StoredMessage(Position(0, 1, s), f"1-{s}", T0, b"x", key="k") for s in range(2)])
+    (first,) = state.take(10, now=0, visibility=30, expired_ttl=WALL)
+    position = first.entry.message.position
+    state.start_ack(position, first.nonce)
+    assert state.take(10, now=0, visibility=30, expired_ttl=WALL) == []
+    state.abort_ack(position, first.nonce)
+    assert state.take(10, now=0, visibility=30, expired_ttl=WALL) == []
+    state.start_ack(position, first.nonce)
+    state.finish_ack(position, first.nonce)
+    assert ids(state.take(10, now=0, visibility=30, expired_ttl=WALL)) == ["1-1"]
