@@ -51,6 +51,11 @@ class SidecarMetrics:
             "casque_sidecar_redelivered_messages", "Deliveries after the first of a message.",
             ["queue", "subscriber"], registry=r,
         )
+        self.handed_back = Counter(
+            "casque_sidecar_handed_back_messages",
+            "Deliveries put back at once because the app's connection closed before it got them.",
+            ["queue", "subscriber"], registry=r,
+        )
         self.acked = Counter(
             "casque_sidecar_acked_messages", "Messages acknowledged.", ["queue", "subscriber"], registry=r
         )

@@ -17,10 +17,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.errors import CasqueError
+from casque.logs import REQUEST_ID
 from casque.sidecar.bodies import parse_body, read_limited
 from casque.sidecar.errors import RETRY_AFTER_SECONDS, error_body
 from casque.sidecar.events import binary_event, is_batch, is_binary
 from casque.sidecar.keys import METRICS, OPENAPI, RUNTIME, SETTINGS, TRACING
+from casque.sidecar.logs import REQUEST_ID_HEADER
 from casque.sidecar.models import (
     CE_ATTRIBUTES,
     AckRequest,
@@ -151,25 +153,48 @@ def trace_context(delivery: Delivery) -> tuple[str, str | None] | None:
 
 
 # --- consuming ------------------------------------------------------------------------------
-async def receive(request: web.Request) -> web.Response:
+async def receive(request: web.Request) -> web.StreamResponse:
     ask = await parse(request, ReceiveRequest, optional=True)
     service = _service(request)
     queue, subscriber = request.match_info["queue"], request.match_info["subscriber"]
     tracing = request.app[TRACING]
+
+    def abandoned() -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing()
+
     if tracing is None:
-        deliveries = await service.receive(queue, subscriber, ask.max_messages, ask.wait, ask.visibility)
+        deliveries = await service.receive(queue, subscriber, ask.max_messages, ask.wait, ask.visibility, abandoned)
     else:
         with tracing.span(f"receive {queue}/{subscriber}", "consumer", _trace_header(request), attributes={
             "messaging.system": "casque", "messaging.operation.type": "receive",
             "messaging.destination.name": queue, "messaging.consumer.group.name": subscriber,
         }) as span:
-            deliveries = await service.receive(queue, subscriber, ask.max_messages, ask.wait, ask.visibility)
+            deliveries = await service.receive(queue, subscriber, ask.max_messages, ask.wait, ask.visibility,
+                                               abandoned)
             span.set_attribute("messaging.batch.message_count", len(deliveries))
             # Links are set when the span starts; the messages are known only now, so each
             # one's trace context is added as a link to the span that is still open.
             for context in filter(None, map(trace_context, deliveries)):
                 tracing.link(span, context)
-    return web.Response(body=receive_body(deliveries, service.queue_ref(queue)), content_type="application/json")
+    response = web.Response(body=receive_body(deliveries, service.queue_ref(queue)), content_type="application/json")
+    if not deliveries:
+        return response
+    # Written here, not after the middlewares, so that a client that has gone is known: its
+    # deliveries are handed back at once instead of waiting out their visibility.
+    request_id = REQUEST_ID.get()
+    if request_id is not None:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    try:
+        if abandoned():
+            raise ConnectionResetError("the client closed the connection during the receive")
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionResetError:
+        await service.hand_back(queue, subscriber, deliveries)
+        return response
+    service.count_deliveries(queue, subscriber, deliveries)
+    return response
 
 
 def _results(

@@ -328,21 +328,31 @@ class QueueService:
         await blocking(catalog.read_subscriber, self.store, ref, subscriber)
 
     async def receive(
-        self, queue: str, subscriber: str, max_messages: int, wait: float, visibility: float | None
+        self, queue: str, subscriber: str, max_messages: int, wait: float, visibility: float | None,
+        abandoned: Callable[[], bool] = lambda: False,
     ) -> list[Delivery]:
+        """Deliveries for the app; `abandoned()` says its connection has closed (then nothing
+        is taken for it, and what was taken is handed back: Consumer.receive)."""
         self._admit()
         _, consumer = await self.served(queue, subscriber)
         deadline = time.monotonic() + min(wait, self.settings.max_wait_seconds)
         while True:
             remaining = max(0.0, deadline - time.monotonic())
             got = await consumer.receive(max_messages, min(remaining, POLL_SLICE_SECONDS), visibility,
-                                         self.settings.max_receive_bytes)
-            if got or remaining <= POLL_SLICE_SECONDS or self.draining:
+                                         self.settings.max_receive_bytes, abandoned)
+            if got or remaining <= POLL_SLICE_SECONDS or self.draining or abandoned():
                 break
-        self.count_deliveries(queue, subscriber, got)
         return got
 
+    async def hand_back(self, queue: str, subscriber: str, deliveries: list[Delivery]) -> None:
+        """Deliveries whose answer never reached the app: visible again at once, uncounted."""
+        _, consumer = await self.served(queue, subscriber)
+        back = consumer.hand_back(deliveries)
+        if back:
+            self.metrics.handed_back.labels(queue, subscriber).inc(back)
+
     def count_deliveries(self, queue: str, subscriber: str, deliveries: Sequence[Delivery]) -> None:
+        """Deliveries the app got (counted once its answer is written)."""
         if deliveries:
             self.metrics.received.labels(queue, subscriber).inc(len(deliveries))
             again = sum(1 for d in deliveries if d.delivery_count > 1)

@@ -115,6 +115,8 @@ class ConsumerCounters:
     retries: int = 0
     leases_lost: int = 0
     seeks_applied: int = 0
+    # Deliveries put back because the app never got them (its connection had closed).
+    handed_back: int = 0
     # Lease checks after ack rows: answered by ZooKeeper, and proven without asking it.
     lease_checks: int = 0
     lease_proofs: int = 0
@@ -742,16 +744,21 @@ class Consumer:
 
     # --- the queue API -----------------------------------------------------------------
     async def receive(
-        self, max_messages: int = 10, wait: float = 0.0, visibility: float | None = None, max_bytes: int | None = None
+        self, max_messages: int = 10, wait: float = 0.0, visibility: float | None = None, max_bytes: int | None = None,
+        abandoned: Callable[[], bool] = lambda: False,
     ) -> list[Delivery]:
         """Up to `max_messages` deliveries; waits up to `wait` seconds for the first one.
         With `max_bytes`, the payloads handed out stop at that sum (one message at least).
 
         Each delivery's count is durable before it is returned, so a message that crashes
-        every consumer it reaches still reaches the subscriber's max deliveries.
+        every consumer it reaches still reaches the subscriber's max deliveries. Once
+        `abandoned()` is true (the caller's client has gone) it returns nothing, and hands
+        back what it took: no delivery is stranded invisible for a client that left.
         """
         deadline = time.monotonic() + wait
         while True:
+            if abandoned():
+                return []
             if self.gone_reason:
                 if self._gone_but_present:
                     raise ConsumerStopped(f"{self.gone_reason}; try again")
@@ -763,12 +770,20 @@ class Consumer:
                 self._sharing.demand()
             budget = ByteBudget(max_bytes) if max_bytes is not None else None
             got = self._take(max_messages, visibility or self.visibility_timeout, budget)
-            if got and self._sharing is not None:
-                # Claims first: a delivery whose range could not be kept is put back uncounted.
-                got = await self._sharing.cover(got)
             if got:
-                await self._record_deliveries(got)
-                return got
+                try:
+                    if self._sharing is not None:
+                        # Claims first: a delivery whose range could not be kept is put back uncounted.
+                        got = await self._sharing.cover(got)
+                    if got and abandoned():
+                        self.hand_back(got)
+                        return []
+                    if got:
+                        await self._record_deliveries(got)
+                        return got
+                except BaseException:
+                    self.hand_back(got)  # cancelled, or not recorded: nothing was handed to anybody
+                    raise
             now = time.monotonic()
             remaining = deadline - now
             if remaining <= 0:
@@ -924,18 +939,29 @@ class Consumer:
         try:
             await self.acks.record_many(events)
             return
-        except Exception as error:  # every driver error: the deliveries are undone below
-            failure = error
+        except Exception as error:  # every driver error: the deliveries are handed back
+            self.hand_back(deliveries)
+            if isinstance(error, CasqueError):
+                raise
+            raise BackendUnavailable(f"delivery counts not recorded: {error!r}") from error
+
+    def hand_back(self, deliveries: list[Delivery]) -> int:
+        """Put back deliveries that never reached the app (its connection closed before the
+        answer was written, or recording them failed): visible again at once, their delivery
+        counts as before. Returns how many were still current and went back."""
+        back = 0
         for d in deliveries:
             position, nonce = decode_receipt(d.receipt)
             reader = self._source_for(position)
-            if reader is not None:
-                reader.state.undo_take(position, nonce)
-        self.counters.deliveries -= len(deliveries)
-        self.notify()
-        if isinstance(failure, CasqueError):
-            raise failure
-        raise BackendUnavailable(f"delivery counts not recorded: {failure!r}") from failure
+            if reader is not None and reader.state.undo_take(position, nonce):
+                back += 1
+                self.counters.deliveries -= 1
+                if d.delivery_count > 1:
+                    self.counters.redeliveries -= 1
+        if back:
+            self.counters.handed_back += back
+            self.notify()
+        return back
 
     def _reader_for(self, receipt: str) -> tuple[Source, Position, int]:
         position, nonce = decode_receipt(receipt)

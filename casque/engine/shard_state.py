@@ -310,16 +310,21 @@ class ShardState:
         self._compact()
         return entry.deadline
 
-    def undo_take(self, position: Position, nonce: int) -> None:
-        """Put back a message handed out under `nonce` that never reached the app."""
+    def undo_take(self, position: Position, nonce: int) -> bool:
+        """Put back a message handed out under `nonce` that never reached the app, as if it had
+        not been taken (its delivery count too). False if that delivery is no longer current."""
         entry = self._entry(position.batch, position.seq)
         if entry is None or entry.state is not State.IN_FLIGHT or entry.nonce != nonce:
-            return
+            return False
         entry.state = State.READY
+        self.counters.delivered -= 1
+        if entry.deliveries > 1:
+            self.counters.redelivered -= 1
         entry.deliveries = max(0, entry.deliveries - 1)
         entry.nonce = 0
         self._in_flight -= 1
         heapq.heappush(self._ready, (position.batch, position.seq))
+        return True
 
     def in_flight_entry_or_none(self, position: Position) -> Entry | None:
         entry = self._entry(position.batch, position.seq)

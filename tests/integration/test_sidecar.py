@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient
+from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.web_runner import BaseRunner
 
 from casque.config import Settings
 from casque.engine import catalog, consumer as consumer_module
@@ -52,12 +53,22 @@ def create_queue(store: Store, name: str = QUEUE, shards: int = 2, max_bytes: in
                                                                         visibility_timeout_seconds=30))
 
 
+class ServedLikeTheSidecar(TestServer):
+    """aiohttp's test server, but with handlers that run on when their client goes, as
+    sidecar/server.py serves them (the test server cancels them, which hides what a real
+    sidecar does then)."""
+
+    async def _make_runner(self, **kwargs: Any) -> BaseRunner:
+        kwargs["handler_cancellation"] = False
+        return await super()._make_runner(**kwargs)
+
+
 @pytest.fixture
 def make_sidecar(store: Store, aiohttp_client: Any) -> MakeSidecar:
     async def make(subscribers: tuple[str, ...] = (SUBSCRIBER,), ready: bool = True, **options: Any) -> Client:
         options.setdefault("drain_seconds", 0.5)
         settings = SidecarSettings(queue=QUEUE, subscribers=list(subscribers), **options)
-        client: Client = await aiohttp_client(create_app(settings, Settings(), store))
+        client: Client = await aiohttp_client(ServedLikeTheSidecar(create_app(settings, Settings(), store)))
         if ready:
             async def is_ready() -> bool:
                 return (await client.get("/readyz")).status == 200
@@ -225,6 +236,29 @@ async def test_long_poll_wakes_when_a_message_is_published(
     published = await call(client, f"{BASE}/messages", {"data": "wake up"})
     messages = (await waiting)["messages"]
     assert [m["messageid"] for m in messages] == [published["messageId"]]
+
+
+async def test_a_long_poll_cut_by_its_client_strands_nothing_published_after(
+    store: Store, make_sidecar: MakeSidecar
+) -> None:
+    """A receive whose client went away (a timeout, a restart) takes nothing for it: what
+    it took is handed back at once, so the next receive gets every message, first delivery."""
+    create_queue(store, shards=1)
+    client = await make_sidecar()
+    consumer = service_of(client.app).subscriptions[SUBSCRIBER].consumer
+    assert consumer is not None
+
+    async def receive_waits() -> bool:
+        return consumer.waiting_receives == 1
+
+    cut = asyncio.create_task(client.post(f"{SUB}/receive", json={"max": 10, "wait": 20}))
+    await until(receive_waits)
+    cut.cancel()  # the client gives up: its connection is closed under the waiting receive
+    await asyncio.gather(cut, return_exceptions=True)
+    published = await call(client, f"{BASE}/messages/batch", {"messages": [{"data": i} for i in range(5)]})
+    messages = await receive_all(client, 5, limit_s=10)
+    assert sorted(m["messageid"] for m in messages) == sorted(r["messageId"] for r in published["results"])
+    assert [m["deliverycount"] for m in messages] == [1] * 5
 
 
 async def test_receive_respects_max_and_takes_an_empty_body(store: Store, make_sidecar: MakeSidecar) -> None:
