@@ -94,9 +94,11 @@ class Settings(BaseSettings):
     zookeeper_hosts: str = "127.0.0.1:2181"
     # Every znode of the installation lives under this path (see casque.znodes).
     zookeeper_root: str = Field(default="/casque", pattern=r"^(/[A-Za-z0-9_.-]+)+$")
-    # The ZooKeeper session timeout asked for (the server clamps it to 2..20 ticks). A member
-    # paused longer than this loses its leases to the others; shorter moves shards sooner
-    # after a crash, longer rides out longer GC pauses.
+    # The ZooKeeper session timeout asked for. The server clamps it to its minSessionTimeout
+    # and maxSessionTimeout (2..20 ticks by default), and leases are trusted for what it
+    # granted (a warning at connect says when that is less). A member paused longer than
+    # this loses its leases to the others; shorter moves shards sooner after a crash, longer
+    # rides out longer GC pauses.
     zookeeper_session_timeout_seconds: Annotated[float, Field(ge=1, le=120)] = 10.0
     # Digest authentication to ZooKeeper (casque.backends.zkacl). Unset: no authentication,
     # and znodes are created open to anyone, as before ACLs existed. The operator's settings

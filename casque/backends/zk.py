@@ -3,11 +3,19 @@
 kazoo runs its own I/O thread. `call` runs a kazoo `*_async` method and awaits its result
 in the event loop; connection loss and timeouts become `BackendUnavailable` so callers
 handle ZooKeeper and Cassandra outages the same way.
+
+The session timeout a client asks for is not the one its session lives by: the server
+grants one within its [minSessionTimeout, maxSessionTimeout] (by default 2 to 20 ticks)
+and expires the session on that. `granted_session_seconds` is what the server granted at
+the client's last connect, the only timeout that may bound a trust in the session (lease
+fencing, casque.engine.leases). Clients from `connect` keep it, and log a warning when a
+connect grants less than was asked (once per grant, not at every reconnect).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,12 +31,16 @@ from kazoo.exceptions import (
     SessionExpiredError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.connection import ConnectionHandler
+from kazoo.protocol.serialization import Connect
 from kazoo.protocol.states import KeeperState
 
 from casque.backends.tls import client_context, probe
 from casque.backends.zkacl import AclClient, Identity, Scheme, installation_policy, namespace_policy, parse_acl
 from casque.config import Settings
 from casque.errors import AccessDenied, BackendUnavailable, InvalidSpec, TlsRefused
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RETRYABLE = (ConnectionLoss, OperationTimeoutError, SessionExpiredError, KazooTimeoutError)
@@ -83,6 +95,7 @@ def connect(
         # The installation identity (a sidecar run with it too: it computes the same ACLs).
         policy = installation_policy(settings.zookeeper_root, own)
         client = AclClient(policy, hosts=hosts, timeout=timeout, **options)
+    keep_granted_timeout(client)
     try:
         outcome = start(client, timeout)
     except KazooTimeoutError as error:
@@ -114,6 +127,63 @@ def connect(
             client.close()
             raise
     return client
+
+
+class _GrantKeeper(ConnectionHandler):  # type: ignore[misc]  # kazoo is untyped
+    """kazoo's connection handler, keeping the session timeout that each connect granted.
+
+    kazoo (2.11) reads the granted timeout from the ConnectResponse, derives its ping
+    interval from it and drops it; the client keeps only what it asked for, and asks for
+    that again on every reconnect. Each connect is a negotiation of its own: a reconnect to
+    another server of the ensemble is bounded by that server's limits, and a new session
+    after an expiry is negotiated anew, so the last grant is the one that counts. Should a
+    kazoo release stop passing the Connect through `_invoke`, no grant is ever kept and
+    `granted_session_seconds` fails for every client, rather than trust the asked timeout.
+    """
+
+    granted_ms: int | None = None
+
+    def _invoke(self, timeout: float, request: Any, xid: int | None = None) -> Any:
+        # kazoo sends its Connect through here while it sets a connection up, and returns
+        # the server's reply to it.
+        reply = super()._invoke(timeout, request, xid)
+        if isinstance(request, Connect):
+            granted: int = reply[0].time_out
+            asked: int = request.time_out
+            if granted > 0:  # 0: the session had expired (kazoo raises that next), nothing was granted
+                if granted < asked and granted != self.granted_ms:
+                    log.warning(
+                        "ZooKeeper granted a session timeout of %gs, not the %gs asked for: the servers' "
+                        "maxSessionTimeout caps it, and casque trusts sessions for what was granted; set "
+                        "CASQUE_ZOOKEEPER_SESSION_TIMEOUT_SECONDS to %g or less, or raise maxSessionTimeout on "
+                        "the servers", granted / 1000, asked / 1000, granted / 1000)
+                self.granted_ms = granted
+        return reply
+
+
+def keep_granted_timeout(client: KazooClient) -> KazooClient:
+    """`client`, made to keep the session timeout each connect grants it (read with
+    `granted_session_seconds`); before its start. `connect` does it for its clients."""
+    handler = client._connection
+    if isinstance(handler, _GrantKeeper):
+        return client
+    if not client._stopped.is_set():
+        raise ValueError("keep_granted_timeout needs a client that has not been started")
+    client._connection = _GrantKeeper(client, handler.retry_sleeper, logger=handler.logger,
+                                      sasl_options=handler.sasl_options)
+    return client
+
+
+def granted_session_seconds(client: KazooClient) -> float:
+    """The session timeout, in seconds, that ZooKeeper granted `client` at its last connect:
+    the one the server expires its session on, whatever the client asked for."""
+    handler = client._connection
+    granted = handler.granted_ms if isinstance(handler, _GrantKeeper) else None
+    if granted is None:
+        # Falling back to the asked timeout would trust a session longer than it may live.
+        raise ValueError("this ZooKeeper client does not know the session timeout the server granted it: "
+                         "make it with casque.backends.zk.connect, or keep_granted_timeout before its start")
+    return granted / 1000.0
 
 
 # How a start ended (an unreachable ensemble raises instead): the session is usable; the

@@ -47,6 +47,10 @@ SECURE_PORT_OFFSET = 100
 SASL_USER = "casque"
 SASL_PROVIDER = "org.apache.zookeeper.server.auth.SASLAuthenticationProvider"
 DIGEST_LOGIN_MODULE = "org.apache.zookeeper.server.auth.DigestLoginModule"
+# The session timeouts a server grants: from 2 ticks, up to a minute. A client asking for
+# more gets the minute (casque's clients warn, and trust their sessions for what was granted).
+MIN_SESSION_TIMEOUT_MS = 1000
+MAX_SESSION_TIMEOUT_MS = 60000
 
 
 def write_private(path: Path, text: str) -> None:
@@ -138,7 +142,7 @@ class ZooKeeperServer:
             f"tickTime=500\ninitLimit=10\nsyncLimit=5\n"
             f"dataDir={d}/data\nclientPort={self.client_port}\n"
             f"clientPortAddress={self.address}\n"
-            "minSessionTimeout=1000\nmaxSessionTimeout=60000\n"
+            f"minSessionTimeout={MIN_SESSION_TIMEOUT_MS}\nmaxSessionTimeout={MAX_SESSION_TIMEOUT_MS}\n"
             "maxClientCnxns=0\nadmin.enableServer=false\n"
             "4lw.commands.whitelist=ruok,srvr,stat,mntr\n"
             "autopurge.snapRetainCount=3\nautopurge.purgeInterval=1\n"

@@ -21,9 +21,15 @@ paused past its session (GC, SIGSTOP) resumes believing it still holds shards th
 took meanwhile. Until its client notices, it would hand out messages it no longer owns. So
 a member hands out messages only while its session is known to be alive: until half a
 session timeout after sending the last request ZooKeeper answered (a heartbeat every
-quarter timeout). The server cannot expire a session sooner than a full timeout after it
-heard from it, so the margin absorbs clock-rate differences and a server that negotiated
-the timeout down to half of what was asked.
+quarter timeout). The timeout is the one the server granted at the client's last connect
+(`zk.granted_session_seconds`), never the one asked for: the server bounds a request by
+its maxSessionTimeout (20 ticks by default) and expires the session on what it granted,
+so 120 s asked of a server whose maximum is 40 s would be trusted for 60 s of a session
+that ends after 40. The server cannot expire a session sooner than a full granted timeout
+after it heard from it, so the other half absorbs clock-rate differences. A reconnect
+negotiates again (another server's limits, or a new session after an expiry) and the
+window follows the latest grant, which is safe either way: a reconnect that keeps the
+session renews it for the new grant from then on.
 
 Proof of a lease without asking: the fence of a shard moves only when a member creates the
 shard's lease znode (the same multi), and that create fails while our lease exists. Our
@@ -66,8 +72,6 @@ ShardCallback = Callable[[int], Awaitable[None]]
 RETRY_MIN_SECONDS = 0.2
 RETRY_MAX_SECONDS = 5.0
 HEARTBEATS_PER_SESSION = 4
-# The session timeout a kazoo client asked for when none can be read from it.
-DEFAULT_SESSION_SECONDS = 10.0
 
 
 def _score(member: str, shard: int) -> int:
@@ -148,8 +152,13 @@ class ShardLeases:
         self._sessions: dict[int, int | None] = {}
         self._beat_now = asyncio.Event()
         self._heartbeat: asyncio.Task[None] | None = None
-        # kazoo keeps the timeout it asked for in milliseconds; the server may lower it.
-        self.session_seconds = getattr(client, "_session_timeout", DEFAULT_SESSION_SECONDS * 1000) / 1000.0
+        # A client that cannot tell its granted timeout fails here rather than at the first receive.
+        zk.granted_session_seconds(client)
+
+    @property
+    def session_seconds(self) -> float:
+        """The session timeout the server granted at the last connect (see "Trust" above)."""
+        return zk.granted_session_seconds(self._client)
 
     @property
     def members(self) -> list[str]:

@@ -23,7 +23,7 @@ import time
 
 from kazoo.client import KazooClient
 
-from casque.backends import cql
+from casque.backends import cql, zk
 from casque.config import Settings
 from casque.engine.acks import ACK, AckEvent, AckLog
 from casque.engine.consumer import Consumer, ShardReader
@@ -83,7 +83,7 @@ def time_out_every_other_ack_row() -> None:
 async def main(keyspace: str, cassandra: str, zk_hosts: str, ack_calls: int, batch: int) -> None:
     host, _, port = cassandra.rpartition(":")
     cluster, session = cql.connect(Settings(cassandra_contact_points=[host], cassandra_port=int(port), consistency="ONE"))
-    client = KazooClient(hosts=zk_hosts, timeout=2.0)
+    client = zk.keep_granted_timeout(KazooClient(hosts=zk_hosts, timeout=2.0))
     client.start(timeout=15)
     store = Store(session, client, keyspace, "/casque", "", cluster)
     consumer = Consumer(store, QUEUE, SUBSCRIBER)

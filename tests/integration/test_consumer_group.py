@@ -8,12 +8,16 @@ growth, per-shard seeks, and delivery counts that survive a crash.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 from kazoo.client import KazooClient, KazooState
 
+from casque.backends import zk
+from casque.config import Settings
+from casque.devstack.zookeeper import MAX_SESSION_TIMEOUT_MS
 from casque.engine import catalog, consumer as consumer_module, offsets
 from casque.engine.batches import Log
 from casque.engine.consumer import Consumer
@@ -27,6 +31,7 @@ from casque.store import Store
 from tests.fixtures.group import assert_sound
 from tests.fixtures.history import Ack, History, keys_in_flight_twice, redelivered_within_visibility
 from tests.fixtures.history import Delivery as HistoryDelivery
+from tests.fixtures.stack import Backends
 
 QUEUE = QueueRef("default", "group")
 
@@ -317,6 +322,43 @@ async def test_a_member_zookeeper_stopped_answering_hands_out_nothing_after_half
     silence.answer_again()
     assert len(await take(member, 5)) == 5
     await member.ack(first.receipt)
+
+
+async def test_leases_are_trusted_for_the_session_timeout_the_server_granted_not_the_one_asked_for(
+    store: Store, backends: Backends, zk_hosts: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ZooKeeper caps a session timeout at its maxSessionTimeout and expires the session on
+    what it granted. A member trusting its leases for half of what it asked would, asking
+    120 s of a server that grants 60 s, trust them for the whole minute the server keeps the
+    session after its last answer, no margin left; against ZooKeeper's default maximum of
+    20 ticks of 2 s, for 20 s after the session ended and its shards went to others."""
+    if backends.stack is None:
+        pytest.skip("the session timeouts that CASQUE_TEST_ZOOKEEPER's servers grant are not known")
+    asked, granted = 120.0, MAX_SESSION_TIMEOUT_MS / 1000  # 120 s: the most the settings allow
+    assert granted < asked
+    spec = setup(store, shards=1)
+    caplog.set_level(logging.WARNING, logger=zk.__name__)
+    settings = Settings(zookeeper_hosts=zk_hosts, zookeeper_session_timeout_seconds=asked)
+    client = await asyncio.to_thread(zk.connect, settings)
+    try:
+        member = Consumer(Store(store.session, client, store.keyspace, store.zk_root, store.replication_cql),
+                          QUEUE, "workers", member_id="asking")
+        await member.start()
+        try:
+            await until("the member holds shard 0", lambda: member.held_shards == {0})
+            assert member._leases is not None
+            assert member._leases.session_seconds == granted
+            published = await publish(store, spec, ["after"])
+            await drain_all(member, published)
+        finally:
+            await member.stop()
+    finally:
+        client.stop()
+        client.close()
+    logged = [r.getMessage() for r in caplog.records if r.name == zk.__name__ and r.levelno == logging.WARNING]
+    assert len(logged) == 1, logged
+    assert f"granted a session timeout of {granted:g}s, not the {asked:g}s asked for" in logged[0]
+    assert "CASQUE_ZOOKEEPER_SESSION_TIMEOUT_SECONDS" in logged[0]
 
 
 # --- 3. supervision -----------------------------------------------------------------------
