@@ -19,7 +19,7 @@ from kazoo.handlers.threading import KazooTimeoutError
 from pydantic import ValidationError
 
 from casque.backends import cql, zk
-from casque.engine.consumer import ConsumerStopped
+from casque.engine.member import ConsumerStopped
 from casque.engine.messages import InvalidReceipt
 from casque.errors import (
     AccessDenied,

@@ -21,26 +21,25 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kazoo.recipe.watchers import ChildrenWatch, DataWatch
+from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
 from casque.engine import claims, positions
 from casque.engine.acks import BatchMarks
 from casque.engine.batches import Batch
-from casque.engine.claims import ClaimRecord, Completion, Cursor
+from casque.engine.claim_reader import DEMAND_SECONDS, ClaimReader, headroom
+from casque.engine.claims import ClaimRecord, Cursor
 from casque.engine.deadletters import addressed_elsewhere
+from casque.engine.foreign_ranges import ForeignRanges
 from casque.engine.keylocks import KeyLocks, key_hash
+from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member
 from casque.engine.messages import Delivery, Position, decode_receipt
-from casque.engine.shard_state import ShardState
-from casque.errors import BackendUnavailable, CasqueError, LeaseLost
+from casque.errors import BackendUnavailable, CasqueError
 from casque.schema import bucket_of
 from casque.specs import priority_of
 from casque.znodes import decode_offset
-
-if TYPE_CHECKING:
-    from casque.engine.consumer import Consumer
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +48,7 @@ log = logging.getLogger(__name__)
 CLAIM_MESSAGES = 256
 # A member claims more while fewer than this many messages are ready (loaded, not handed out) here.
 CLAIM_LOW_WATER = 64
-# ... and only while its app asked for messages this recently: an idle member hoards nothing.
-DEMAND_SECONDS = 5.0
+# ... and only while its app asked for messages within DEMAND_SECONDS: an idle member hoards nothing.
 # ... and while it holds (loaded, in flight included) fewer messages and payload bytes than
 # these over all its ranges: an app that receives and never acks cannot make it read the
 # whole backlog into memory (a sidecar's container has 256 MiB).
@@ -62,7 +60,6 @@ SKEW_MARGIN_SECONDS = 1.0
 RECHECK_SECONDS = 2.0
 RENEW_INTERVAL_SECONDS = 0.5
 SCAN_SECONDS = 1.0
-RETRY_MIN_SECONDS, RETRY_MAX_SECONDS = 0.1, 5.0
 STOP_COMPLETION_SECONDS = 10.0
 
 
@@ -70,145 +67,10 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class ClaimReader:
-    """One claimed range of batches [start, end) of a shard, as this member delivers it."""
-
-    def __init__(self, sharing: SharedDelivery, record: ClaimRecord) -> None:
-        self.sharing = sharing
-        self.record = record
-        self.shard = record.shard
-        self.epoch = record.epoch
-        # The epoch comes from the claim, not from an offset read after a seek mark: each ack
-        # reads the shard's offset znode to tell whether a seek moved it (Consumer._moved_by_seeks).
-        self.seek_mark: int | None = None
-        self.state = ShardState(shard=record.shard, offset=record.start, locks=sharing.locks_for(record.shard))
-        self.problem = ""
-        self.last_handout = time.monotonic()
-        # Every claim version this reader wrote: the claim is still ours while it is at one of them.
-        self._mine = {record.version}
-        self._zk = asyncio.Lock()
-        self._completing: asyncio.Task[None] | None = None
-        self._dropped = False
-        self._released = False
-
-    # --- what the consumer needs of a source of deliveries ------------------------------------
-    @property
-    def current(self) -> bool:
-        return not self._dropped and self.sharing.holds(self)
-
-    @property
-    def releasing(self) -> bool:
-        """No new deliveries: released, or the claim's time no longer covers one visibility timeout."""
-        if self._released or self._dropped:
-            return True
-        return time.time() + self.sharing.consumer.visibility_timeout > self.record.until_ms / 1000
-
-    def space_freed(self) -> None:
-        self.sharing.space_freed()
-
-    def schedule_commit(self) -> None:
-        self.state.advance_offset()
-        if self.complete and self._completing is None and not self._dropped:
-            self._completing = asyncio.get_running_loop().create_task(self._complete_loop())
-
-    @property
-    def complete(self) -> bool:
-        return self.state.offset >= self.record.end
-
-    async def still_leased(self) -> bool:
-        """Whether the claim is still at a version this reader wrote (read after an ack row is written)."""
-        if self._dropped:
-            return False
-        async with self._zk:
-            stat = await self.sharing.zk_call(
-                self.sharing.client.exists_async, f"{self.sharing.paths.claims(self.shard)}/{self.record.name}")
-            return stat is not None and stat.version in self._mine
-
-    # --- claim upkeep ---------------------------------------------------------------------------
-    def in_use(self, now: float) -> bool:
-        """Worth renewing: messages in flight, or ready ones and an app that asks for them."""
-        if self.state.in_flight:
-            return True
-        return self.state.loaded_messages > 0 and now - self.sharing.last_demand < DEMAND_SECONDS
-
-    async def renew_past(self, wall_deadline: float) -> bool:
-        """Make the claim last past a delivery's new visibility deadline (wall-clock seconds)."""
-        if wall_deadline * 1000 <= self.record.until_ms:
-            return True
-        visibility = self.sharing.consumer.visibility_timeout
-        return await self.renew(int((wall_deadline + _headroom(visibility)) * 1000))
-
-    async def renew(self, until_ms: int) -> bool:
-        """Extend the claim to `until_ms` (never shorten it); False if it is no longer ours."""
-        if self._dropped or self._released:
-            return False
-        async with self._zk:
-            if self.record.until_ms >= until_ms:
-                return True
-            renewed = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
-                                           self.record.member, until_ms)
-            self.sharing.zk_writes += 1
-            if renewed is None:
-                self.drop("taken over by another member")
-                return False
-            self.record = renewed
-            self._mine.add(renewed.version)
-            return True
-
-    async def release(self) -> None:
-        """Give the range up at once (the member stops or no longer uses it): others take it now."""
-        if self._dropped or self._released:
-            return
-        self._released = True
-        async with self._zk:
-            try:
-                released = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
-                                                self.record.member, 0)
-                self.sharing.zk_writes += 1
-                if released is not None:
-                    self.record = released
-            except BackendUnavailable as error:
-                log.info("claim %s/%s not released (%s); it lapses", self.shard, self.record.name, error)
-        self.drop("released")
-
-    def drop(self, why: str) -> None:
-        if self._dropped:
-            return
-        self._dropped = True
-        log.info("shard %s: claim %s..%s dropped: %s", self.shard, self.record.start, self.record.end - 1, why)
-        self.sharing.forget(self)
-
-    async def _complete_loop(self) -> None:
-        backoff = RETRY_MIN_SECONDS
-        try:
-            while not self._dropped:
-                await self.sharing.consumer.acks.flush()
-                try:
-                    async with self._zk:
-                        outcome, offset = await claims.complete(self.sharing.client, self.sharing.paths, self.record)
-                    self.sharing.zk_writes += 1
-                except CasqueError as error:
-                    self.problem = f"completing: {error}"
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, RETRY_MAX_SECONDS)
-                    continue
-                self.problem = ""
-                if outcome is Completion.LOST:
-                    self.drop("taken over before it was completed")
-                    return
-                # DONE, or MOOT (a seek replays or skips the range).
-                self.sharing.completed(self, offset)
-                self._dropped = True
-                self.sharing.forget(self)
-                return
-        finally:
-            self._completing = None
-
-
 class SharedDelivery:
     """The claims one consumer holds over all shards of its subscriber, and their upkeep."""
 
-    def __init__(self, consumer: Consumer, shards: list[int]) -> None:
+    def __init__(self, consumer: Member, shards: list[int]) -> None:
         self.consumer = consumer
         self.client = consumer.store.zk
         self.paths = consumer.paths
@@ -229,14 +91,12 @@ class SharedDelivery:
         self._seen: dict[tuple[int, str], ClaimRecord] = {}
         self._rotation = 0
         self._scanned_at: dict[int, float] = {}
-        self.ordered = consumer.subscriber_state.spec.ordered_keys
-        self._locks: dict[int, KeyLocks] = {}
-        # Ordered keys: claim names per shard (a watch), and other members' ranges read so far.
-        self._names: dict[int, set[str] | None] = {}
-        self._known: dict[tuple[int, str], ClaimRecord] = {}
-        self._learning: set[tuple[int, str]] = set()
         # The seek epoch of each shard's cursor as last read (ranges of other epochs are moot).
         self._epochs: dict[int, int] = {}
+        self.ordered = consumer.subscriber_state.spec.ordered_keys
+        # Ordered keys: what is known of other members' ranges (and the keys' locks).
+        self.foreign = ForeignRanges(consumer, self._held_names, self._epochs.get, lambda: not self._stopped) \
+            if self.ordered else None
         # Each shard's head as its watch last reported it.
         self._heads: dict[int, int] = {}
 
@@ -272,6 +132,9 @@ class SharedDelivery:
                 return reader
         return None
 
+    def _held_names(self, shard: int) -> set[str]:
+        return {r.record.name for r in self.claims.get(shard, [])}
+
     def holds(self, reader: ClaimReader) -> bool:
         return reader in self.claims.get(reader.shard, [])
 
@@ -282,80 +145,8 @@ class SharedDelivery:
             reader.state.release_keys()
         self.space_freed()
 
-    # --- ordered keys ---------------------------------------------------------------------------
     def locks_for(self, shard: int) -> KeyLocks | None:
-        if not self.ordered:
-            return None
-        locks = self._locks.get(shard)
-        if locks is None:
-            locks = self._locks[shard] = KeyLocks(foreign=lambda batch: self._foreign_keys(shard, batch),
-                                                  on_release=self.consumer.notify)
-        return locks
-
-    def _foreign_keys(self, shard: int, batch: int) -> list[frozenset[int]] | None:
-        """Key hashes of the open ranges of other members below `batch`; None while one is unknown."""
-        names = self._names.get(shard)
-        epoch_now = self._epochs.get(shard)
-        if names is None or epoch_now is None:
-            return None
-        held = {r.record.name for r in self.claims.get(shard, [])}
-        found: list[frozenset[int]] = []
-        for name in names - held:
-            epoch, _, start = name.partition("-")
-            if int(epoch) != epoch_now or int(start) >= batch:
-                continue
-            record = self._known.get((shard, name))
-            if record is None:
-                self._learn(shard, name)
-                return None
-            found.append(record.keys)
-        return found
-
-    def _learn(self, shard: int, name: str) -> None:
-        """Read another member's range (its keys) in the background; deliveries wait for it."""
-        if (shard, name) in self._learning:
-            return
-        self._learning.add((shard, name))
-
-        async def read() -> None:
-            try:
-                record = await claims.read_claim(self.client, self.paths, shard, name)
-                if record is not None:
-                    self._known[(shard, name)] = record
-            except CasqueError as error:
-                log.info("range %s of shard %s not read (%s); retried on the next receive", name, shard, error)
-            finally:
-                self._learning.discard((shard, name))
-                self.consumer.notify()
-
-        self.consumer._in_background(read())
-
-    def _watch_claims(self, shard: int) -> None:
-        self._names[shard] = None
-
-        def changed(children: list[str], *_: object) -> None:
-            present = set(children)
-            self._names[shard] = present
-            for key in [k for k in self._known if k[0] == shard and k[1] not in present]:
-                del self._known[key]
-            self.consumer.notify()  # a range completed: keys it held may be free
-
-        ChildrenWatch(self.client, self.paths.claims(shard),
-                      zk.watch_in_loop(asyncio.get_running_loop(), changed, lambda: not self._stopped))
-
-    async def _see_ranges(self, shard: int) -> None:
-        """Before delivering a new range with ordered keys: every range below it known, with its keys.
-
-        Read after our claim or takeover was written, so it includes every range created
-        before ours; a watch could still be catching up."""
-        names = set(await claims.list_claims(self.client, self.paths, shard))
-        self._names[shard] = names
-        held = {r.record.name for r in self.claims.get(shard, [])}
-        for name in sorted(names - held):
-            if (shard, name) not in self._known:
-                record = await claims.read_claim(self.client, self.paths, shard, name)
-                if record is not None:
-                    self._known[(shard, name)] = record
+        return self.foreign.locks_for(shard) if self.foreign is not None else None
 
     def completed(self, reader: ClaimReader, offset: int) -> None:
         self.consumer.counters.offset_commits += 1
@@ -364,16 +155,16 @@ class SharedDelivery:
         added = [shard for shard in shards if shard not in self.shards]
         self.shards = list(shards)
         for shard in added:
-            self.consumer._in_background(self._prepare(shard))
+            self.consumer.in_background(self._prepare(shard))
         self._want.set()
 
     async def _prepare(self, shard: int) -> None:
         """Watch the shard's head (new batches to claim) and, for ordered keys, its claims."""
         self._watch_head(shard)
-        if self.ordered and shard not in self._names:
+        if self.foreign is not None and not self.foreign.watching(shard):
             # The directory must exist first: a watch set on a missing node never fires.
             await claims.ensure_dirs(self.client, self.paths, shard)
-            self._watch_claims(shard)
+            self.foreign.watch(shard)
 
     async def resync(self) -> None:
         """A seek: drop the ranges of shards it moved to a new epoch; claiming goes on from their new offsets."""
@@ -489,7 +280,7 @@ class SharedDelivery:
     def _until_ms(self) -> int:
         """A claim's time from now: one visibility timeout of deliveries plus room for handing them out."""
         visibility = self.consumer.visibility_timeout
-        return now_ms() + int((visibility + _headroom(visibility)) * 1000)
+        return now_ms() + int((visibility + headroom(visibility)) * 1000)
 
     async def _take_over_lapsed(self, shard: int) -> ClaimReader | None:
         cursor = await self._cursor(shard)
@@ -600,8 +391,8 @@ class SharedDelivery:
 
     async def _reader(self, record: ClaimRecord, batches: list[Batch]) -> ClaimReader:
         """A reader of the range, loaded with its batches and what the ack rows say is done."""
-        if self.ordered:
-            await self._see_ranges(record.shard)
+        if self.foreign is not None:
+            await self.foreign.see(record.shard)
         reader = ClaimReader(self, record)
         consumer = self.consumer
         marks: dict[int, BatchMarks] = await consumer.acks.load_bucket(
@@ -658,7 +449,7 @@ class SharedDelivery:
             visibility = self.consumer.visibility_timeout
             for reader in self.sources():
                 remaining = reader.record.until_ms / 1000 - wall
-                if remaining > visibility + _headroom(visibility) / 2 or reader.complete:
+                if remaining > visibility + headroom(visibility) / 2 or reader.complete:
                     continue  # a complete range is being completed, not given up
                 try:
                     if reader.in_use(now):
@@ -698,16 +489,8 @@ class SharedDelivery:
                 task.cancel()
 
     def in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        self.consumer._in_background(work)
+        self.consumer.in_background(work)
 
     def status(self) -> tuple[dict[int, str], str]:
         failing = {r.shard: r.problem for r in self.sources() if r.problem}
         return failing, self.problem
-
-
-def _headroom(visibility: float) -> float:
-    """Time beyond one visibility timeout that a claim is taken or renewed for: room to hand
-    messages out without renewing for each receive, short enough that a dead member's
-    range comes back soon after its deliveries' visibility ends."""
-    return max(1.0, min(5.0, visibility))
-

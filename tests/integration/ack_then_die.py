@@ -25,12 +25,13 @@ from kazoo.client import KazooClient
 
 from casque.backends import cql, zk
 from casque.config import Settings
-from casque.engine.acks import ACK, AckEvent, AckLog
-from casque.engine.consumer import Consumer, ShardReader
+from casque.engine.consumer import Consumer
+from casque.engine.shard_reader import ShardReader
 from casque.engine.messages import Delivery
 from casque.errors import BackendUnavailable, CasqueError
 from casque.schema import QueueRef
 from casque.store import Store
+from tests.fixtures.ack_faults import time_out_every_other_ack_row
 
 QUEUE = QueueRef("default", "ackdie")
 SUBSCRIBER = "workers"
@@ -59,25 +60,6 @@ async def ack_until_answered(consumer: Consumer, deliveries: list[Delivery]) -> 
             if isinstance(result, BackendUnavailable):
                 again.append(d)
         pending = again
-
-
-def time_out_every_other_ack_row() -> None:
-    """Ack-row writes time out at the driver, alternately after the row landed and before it was sent."""
-    real = AckLog._write
-    writes = 0
-
-    async def timing_out(self: AckLog, events: list[AckEvent]) -> None:
-        nonlocal writes
-        if not any(e.outcome == ACK for e in events):
-            return await real(self, events)
-        writes += 1
-        if writes % 4 == 1:
-            await real(self, events)
-        if writes % 2 == 1:
-            raise BackendUnavailable("Cassandra: OperationTimedOut: errors={}, last_host=injected")
-        return await real(self, events)
-
-    AckLog._write = timing_out  # type: ignore[method-assign]
 
 
 async def main(keyspace: str, cassandra: str, zk_hosts: str, ack_calls: int, batch: int) -> None:

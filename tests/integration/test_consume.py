@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from kazoo.client import KazooClient
 
-from casque.engine import catalog, consumer as consumer_module, offsets
+from casque.engine import catalog, offsets, shard_reader
 from casque.engine.consumer import Consumer
 from casque.engine.leases import assign
 from casque.engine.messages import Delivery, OutgoingMessage
@@ -106,7 +106,7 @@ async def test_long_poll_wakes_on_publish(
     store: Store, started: list[Consumer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The slow recheck of a caught-up shard is out of reach: only the head watch can wake it.
-    monkeypatch.setattr(consumer_module, "CAUGHT_UP_RECHECK_SECONDS", 3600.0)
+    monkeypatch.setattr(shard_reader, "CAUGHT_UP_RECHECK_SECONDS", 3600.0)
     spec = await setup_queue(store, shards=1, subscribers=["waiter"], start="latest")
     consumer = Consumer(store, QUEUE, "waiter")
     started.append(consumer)

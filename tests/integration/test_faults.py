@@ -32,6 +32,7 @@ from casque.errors import BackendUnavailable
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from casque_client import AsyncClient, ApiError
 from tests.fixtures.group import assert_sound
 from tests.fixtures.history import Ack, Delivery, History, delivered_behind_acked_successors
 from tests.fixtures.sidecars import StartSidecar
@@ -349,6 +350,50 @@ async def test_an_ordered_key_moves_on_only_when_the_ack_before_is_durable(
     await _consume_the_rest(store, queue, history)
     behind = delivered_behind_acked_successors(history, keys)
     assert not behind, f"{len(behind)} deliveries behind an acked successor, e.g. {behind[:2]}"
+    assert_sound(history)
+
+
+async def test_the_app_clients_resent_acks_after_timed_out_writes_hold_across_a_kill(
+    store: Store, start_sidecar: StartSidecar
+) -> None:
+    """The app client's own retry path under a history check: a sidecar whose ack-row writes
+    time out at the driver answers 503, casque-client sends the ack again, and the answer it
+    finally returns (`acked` or `already_acked`) holds after the sidecar is killed with -9:
+    nothing acked comes back to the next member. Batches are left open, so only the ack rows
+    can make those acks durable."""
+    queue = QueueRef("default", "clientacks")
+    catalog.apply_queue(store, queue, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, queue, "workers", SubscriberSpec(
+        queue=queue.name, start_position="earliest", visibility_timeout_seconds=60))
+    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
+    history = History()
+    for n in range(2):
+        results = await publisher.publish([OutgoingMessage(f"m{n}-{i}".encode()) for i in range(100)])
+        answered = History.now()
+        history.published.update((r.message_id, answered) for r in results)
+    await publisher.flush_heads()
+
+    sidecar = start_sidecar("--queue", queue.name, "--subscriber", "workers", module="tests.integration.flaky_sidecar")
+    member = sidecar.member("workers") or "flaky"
+    async with AsyncClient(sidecar.url, queue=queue.name, subscriber="workers") as app:
+        while len(history.acks) < 30:
+            sent = History.now()
+            messages = await app.receive(max=10, wait=5)
+            answered = History.now()
+            history.deliveries.extend(Delivery(m.message_id, m.receipt, member, m.delivery_count, sent, answered)
+                                      for m in messages)
+            for m in messages:
+                sent = History.now()
+                try:
+                    outcome = await app.ack(m.receipt)  # a 503 is sent again by the client itself
+                except ApiError as error:
+                    outcome = error.code
+                history.acks.append(Ack(m.message_id, m.receipt, outcome, sent, History.now()))
+    async with aiohttp.ClientSession() as http, http.get(f"{sidecar.url}/metrics") as answer:
+        metrics = await answer.text()
+    sidecar.kill()
+    assert 'casque_sidecar_requests_total{operation="ack",status="503"}' in metrics, "no ack was answered 503"
+    await _consume_the_rest(store, queue, history)
     assert_sound(history)
 
 

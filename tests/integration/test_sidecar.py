@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from aiohttp.web_runner import BaseRunner
 
 from casque.config import Settings
-from casque.engine import catalog, consumer as consumer_module
+from casque.engine import catalog, shard_reader
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
 from casque.schema import QueueRef
@@ -218,7 +218,7 @@ async def test_long_poll_wakes_when_a_message_is_published(
     store: Store, make_sidecar: MakeSidecar, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The slow recheck of a caught-up shard is out of reach: only the head watch can wake it.
-    monkeypatch.setattr(consumer_module, "CAUGHT_UP_RECHECK_SECONDS", 3600.0)
+    monkeypatch.setattr(shard_reader, "CAUGHT_UP_RECHECK_SECONDS", 3600.0)
     create_queue(store)
     client = await make_sidecar()
     consumer = service_of(client.app).subscriptions[SUBSCRIBER].consumer

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from casque.engine.consumer import ConsumerStopped
+from casque.engine.member import ConsumerStopped
 from casque.engine.deadletters import dead_letter_copy, redrive_copy
 from casque.engine.delayed import moved_client_id
 from casque.engine.messages import (

@@ -1,0 +1,172 @@
+"""Acks answered only when durable: the member's side of the ack state machine.
+
+A delivery an ack names goes in flight -> acking (ShardState.start_ack) at once; the call
+writes the acks' rows (AckLog: insert-only, group-committed) and then confirms each source
+is still this member's: a leased shard's lease (proven locally while the session is trusted,
+else read from ZooKeeper) or a claimed range's claim version. Only then is the delivery done
+(`finish_ack`: its batch may complete and its key move on) and the ack answered. A failed
+write or check puts it back in flight as it was (`abort_ack`), and the ack is answered with
+the error: the receipt stays valid until its visibility ends. An ack of the same receipt
+that arrives while one is being recorded waits for it and gets its answer (`already_acked`
+on success). A new holder reads the ack rows only after it takes the lease or claim, so a
+row written before the confirmation is always seen.
+
+Seeks are looked for alongside the writes (one read of the subscriber's seek mark): a
+member learns of a seek through a watch, after the seek is answered, so an ack of a delivery
+from the old epoch is answered `stale_receipt` (the seek replays or skips it), never `acked`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from casque.engine import offsets
+from casque.engine.acks import ACK, AckEvent
+from casque.engine.claim_reader import ClaimReader
+from casque.engine.member import Member
+from casque.engine.messages import Position
+from casque.engine.shard_reader import ShardReader
+from casque.engine.shard_state import AckStart
+from casque.errors import BackendUnavailable, CasqueError, LeaseLost, StaleReceipt
+
+# Where a delivery comes from: a leased shard's reader, or a claimed range (shared delivery).
+Source = ShardReader | ClaimReader
+# Finds a receipt's source, position and nonce; StaleReceipt if this member does not hold it.
+SourceOfReceipt = Callable[[str], tuple[Source, Position, int]]
+# An ack a call started: its index in the call's results, its source, its event, its nonce.
+_Acking = tuple[int, Source, AckEvent, int]
+
+
+def seek_overtook(reader: Source) -> StaleReceipt:
+    """The answer to an ack of a delivery whose shard a seek moved before this member applied it."""
+    return StaleReceipt(f"a seek moved shard {reader.shard} after this delivery; it is replayed from the new position")
+
+
+class AckTaker:
+    def __init__(self, member: Member, source_of: SourceOfReceipt) -> None:
+        self._member = member
+        self._source_of = source_of
+        # Acks being made durable, by (shard, batch, seq, nonce): a resent ack shares the answer.
+        self._acking: dict[tuple[int, int, int, int], asyncio.Future[bool | CasqueError]] = {}
+
+    async def ack_many(self, receipts: list[str]) -> list[bool | CasqueError]:
+        """Acknowledge several deliveries at once; one result (or error) per receipt, in order.
+
+        An ack is answered only once it is durable: its ack row is written and the source's
+        lease (or claim) is confirmed still ours afterwards (a next holder reads the rows only
+        after it takes the lease, so it sees the row). Until then the delivery is ACKING (see
+        ShardState.start_ack): still in flight, its key still held. True: this call acked it.
+        False: it was acked before (durably), or an ack of it that is being recorded now
+        succeeded; a resent ack that arrives meanwhile waits for that one and gets its answer.
+        An error: nothing changed; the receipt stays valid until its visibility ends.
+        """
+        results: list[bool | CasqueError] = [False] * len(receipts)
+        started: list[_Acking] = []
+        joined: list[tuple[int, asyncio.Future[bool | CasqueError]]] = []
+        acking = self._acking
+        for index, receipt in enumerate(receipts):
+            try:
+                reader, position, nonce = self._source_of(receipt)
+                start = reader.state.start_ack(position, nonce)
+            except CasqueError as error:
+                results[index] = error
+                continue
+            key = (position.shard, position.batch, position.seq, nonce)
+            if start is AckStart.STARTED:
+                acking[key] = asyncio.get_running_loop().create_future()
+                event = AckEvent(reader.epoch, reader.shard, position.batch, position.seq, outcome=ACK)
+                started.append((index, reader, event, nonce))
+            elif start is AckStart.PENDING:
+                joined.append((index, acking[key]))
+        if started:
+            try:
+                outcomes = await self._make_durable(started)
+            except BaseException:
+                # Cancelled (a shutdown): nothing is answered, so put every delivery back in flight.
+                for _, reader, event, nonce in started:
+                    reader.state.abort_ack(Position(event.shard, event.batch, event.seq), nonce)
+                    future = acking.pop((event.shard, event.batch, event.seq, nonce), None)
+                    if future is not None and not future.done():
+                        future.set_result(BackendUnavailable("the ack was interrupted; send it again"))
+                raise
+            for (index, reader, event, nonce), outcome in zip(started, outcomes):
+                results[index] = outcome
+                future = acking.pop((event.shard, event.batch, event.seq, nonce), None)
+                if future is not None and not future.done():
+                    # What a resend of this delivery's ack hears: done already, or the same error.
+                    future.set_result(False if outcome is True else outcome)
+        for index, shared in joined:
+            results[index] = await asyncio.shield(shared)
+        return results
+
+    async def _make_durable(self, started: list[_Acking]) -> list[bool | CasqueError]:
+        """Write the ack rows of `started`, confirm their sources, and move each delivery to
+        done (True), or back to in flight with the reason it is not acked (an error)."""
+        readers = list({r for _, r, _, _ in started})
+
+        async def written_and_held() -> list[bool | BaseException]:
+            await self._member.acks.record_many([e for _, _, e, _ in started])
+            return await asyncio.gather(*(r.still_leased() for r in readers), return_exceptions=True)
+
+        # Seeks are looked for alongside (see seek_overtook).
+        rows, moved = await asyncio.gather(written_and_held(), self._moved_by_seeks(set(readers)),
+                                           return_exceptions=True)
+        failure = next((o for o in (rows, moved) if isinstance(o, BaseException)), None)
+        outcomes: list[bool | CasqueError] = []
+        if failure is not None:
+            if not isinstance(failure, Exception):
+                raise failure  # cancelled: the deliveries stay ACKING only until the finally below
+            error = failure if isinstance(failure, CasqueError) else BackendUnavailable(
+                f"acks not recorded: {failure!r}")
+            for _, reader, event, nonce in started:
+                reader.state.abort_ack(Position(event.shard, event.batch, event.seq), nonce)
+            return [error] * len(started)
+        assert isinstance(rows, list) and isinstance(moved, set)
+        held = dict(zip(readers, rows))
+        for _, reader, event, nonce in started:
+            position = Position(event.shard, event.batch, event.seq)
+            verdict = held[reader]
+            if verdict is not True:
+                reader.state.abort_ack(position, nonce)
+                if isinstance(verdict, CasqueError):
+                    outcomes.append(verdict)
+                elif isinstance(verdict, BaseException):
+                    outcomes.append(BackendUnavailable(f"lease not confirmed: {verdict!r}"))
+                else:
+                    what = "its batches" if isinstance(reader, ClaimReader) else "shard"
+                    outcomes.append(LeaseLost(f"{what} {reader.shard} moved to another member before the ack was "
+                                              "recorded; the message may be delivered again"))
+                continue
+            reader.state.finish_ack(position, nonce)
+            self._member.counters.acks += 1
+            outcomes.append(seek_overtook(reader) if reader in moved else True)
+        for reader in readers:
+            reader.schedule_commit()
+            reader.space_freed()
+        return outcomes
+
+    async def _moved_by_seeks(self, sources: set[Source]) -> set[Source]:
+        """The sources whose shard a seek has moved to another epoch than theirs, as ZooKeeper tells it now.
+
+        One read of the seek mark answers for every source whose epoch was read after a
+        mark that is still current; only the others read their shard's offset znode (a
+        claimed range, or a reader after a seek it has not checked against yet).
+        """
+        zk_client = self._member.store.zk
+
+        async def epochs(shards: set[int]) -> dict[int, int]:
+            records = await asyncio.gather(*(offsets.read_offset(zk_client, self._member.paths, s) for s in shards))
+            return {shard: record.epoch for shard, record in zip(shards, records)}
+
+        marked = {s for s in sources if s.seek_mark is not None}
+        epoch_of: dict[int, int] = {}
+        if marked:
+            mark, epoch_of = await asyncio.gather(offsets.read_seek_mark(zk_client, self._member.paths),
+                                                  epochs({s.shard for s in sources - marked}))
+            unsure = {s.shard for s in marked if s.seek_mark != mark}
+            if unsure:
+                epoch_of.update(await epochs(unsure))
+        elif sources:
+            epoch_of = await epochs({s.shard for s in sources})
+        return {s for s in sources if s.shard in epoch_of and epoch_of[s.shard] != s.epoch}

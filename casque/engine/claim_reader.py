@@ -1,0 +1,210 @@
+"""One claimed range of batches [start, end) of a shard, as the member that claimed it delivers it.
+
+Recipe: the claim znode (casque.engine.claims) says until when the range is this member's;
+the member delivers from it only while that covers a visibility timeout more, renews it
+(a compare-and-set on its version) while the range is in use, and completes it once every
+message is done: the claim goes and the shard's offset moves over the completed prefix in
+one fenced write. The claim is still ours while it is at a version this reader wrote; an
+ack row is answered only after that is read again (the taker of a lapsed claim reads the
+ack rows after its takeover, so it sees the row or the ack is refused).
+
+Connection loss: a renewal or completion that fails is retried; the claim's time, not a
+ZooKeeper session, bounds what it protects, so a member cut off past it stops delivering
+from the range (`releasing`) and the others take it over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kazoo.client import KazooClient
+
+from casque.engine import claims
+from casque.engine.claims import ClaimRecord, Completion
+from casque.engine.keylocks import KeyLocks
+from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member
+from casque.engine.shard_state import ShardState
+from casque.errors import BackendUnavailable, CasqueError
+from casque.znodes import SubscriberPaths
+
+log = logging.getLogger(__name__)
+
+# A range is worth renewing while its app asked for messages this recently.
+DEMAND_SECONDS = 5.0
+
+
+def headroom(visibility: float) -> float:
+    """Time beyond one visibility timeout that a claim is taken or renewed for: room to hand
+    messages out without renewing for each receive, short enough that a dead member's
+    range comes back soon after its deliveries' visibility ends."""
+    return max(1.0, min(5.0, visibility))
+
+
+class RangeKeeper(Protocol):
+    """The member's shared delivery, as each of its claimed ranges sees it."""
+
+    # ZooKeeper writes of claims and completions (counted for the benchmarks).
+    zk_writes: int
+
+    @property
+    def consumer(self) -> Member: ...
+
+    @property
+    def client(self) -> KazooClient: ...
+
+    @property
+    def paths(self) -> SubscriberPaths: ...
+
+    @property
+    def last_demand(self) -> float: ...
+
+    def holds(self, reader: ClaimReader) -> bool: ...
+
+    def forget(self, reader: ClaimReader) -> None: ...
+
+    def completed(self, reader: ClaimReader, offset: int) -> None: ...
+
+    def space_freed(self) -> None: ...
+
+    def locks_for(self, shard: int) -> KeyLocks | None: ...
+
+    async def zk_call(self, method: Callable[..., Any], *args: Any) -> Any: ...
+
+
+class ClaimReader:
+    """One claimed range of batches [start, end) of a shard, as this member delivers it."""
+
+    def __init__(self, sharing: RangeKeeper, record: ClaimRecord) -> None:
+        self.sharing = sharing
+        self.record = record
+        self.shard = record.shard
+        self.epoch = record.epoch
+        # The epoch comes from the claim, not from an offset read after a seek mark: each ack
+        # reads the shard's offset znode to tell whether a seek moved it (casque.engine.acking).
+        self.seek_mark: int | None = None
+        self.state = ShardState(shard=record.shard, offset=record.start, locks=sharing.locks_for(record.shard))
+        self.problem = ""
+        self.last_handout = time.monotonic()
+        # Every claim version this reader wrote: the claim is still ours while it is at one of them.
+        self._mine = {record.version}
+        self._zk = asyncio.Lock()
+        self._completing: asyncio.Task[None] | None = None
+        self._dropped = False
+        self._released = False
+
+    # --- what the consumer needs of a source of deliveries ------------------------------------
+    @property
+    def current(self) -> bool:
+        return not self._dropped and self.sharing.holds(self)
+
+    @property
+    def releasing(self) -> bool:
+        """No new deliveries: released, or the claim's time no longer covers one visibility timeout."""
+        if self._released or self._dropped:
+            return True
+        return time.time() + self.sharing.consumer.visibility_timeout > self.record.until_ms / 1000
+
+    def space_freed(self) -> None:
+        self.sharing.space_freed()
+
+    def schedule_commit(self) -> None:
+        self.state.advance_offset()
+        if self.complete and self._completing is None and not self._dropped:
+            self._completing = asyncio.get_running_loop().create_task(self._complete_loop())
+
+    @property
+    def complete(self) -> bool:
+        return self.state.offset >= self.record.end
+
+    async def still_leased(self) -> bool:
+        """Whether the claim is still at a version this reader wrote (read after an ack row is written)."""
+        if self._dropped:
+            return False
+        async with self._zk:
+            stat = await self.sharing.zk_call(
+                self.sharing.client.exists_async, f"{self.sharing.paths.claims(self.shard)}/{self.record.name}")
+            return stat is not None and stat.version in self._mine
+
+    # --- claim upkeep ---------------------------------------------------------------------------
+    def in_use(self, now: float) -> bool:
+        """Worth renewing: messages in flight, or ready ones and an app that asks for them."""
+        if self.state.in_flight:
+            return True
+        return self.state.loaded_messages > 0 and now - self.sharing.last_demand < DEMAND_SECONDS
+
+    async def renew_past(self, wall_deadline: float) -> bool:
+        """Make the claim last past a delivery's new visibility deadline (wall-clock seconds)."""
+        if wall_deadline * 1000 <= self.record.until_ms:
+            return True
+        visibility = self.sharing.consumer.visibility_timeout
+        return await self.renew(int((wall_deadline + headroom(visibility)) * 1000))
+
+    async def renew(self, until_ms: int) -> bool:
+        """Extend the claim to `until_ms` (never shorten it); False if it is no longer ours."""
+        if self._dropped or self._released:
+            return False
+        async with self._zk:
+            if self.record.until_ms >= until_ms:
+                return True
+            renewed = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
+                                           self.record.member, until_ms)
+            self.sharing.zk_writes += 1
+            if renewed is None:
+                self.drop("taken over by another member")
+                return False
+            self.record = renewed
+            self._mine.add(renewed.version)
+            return True
+
+    async def release(self) -> None:
+        """Give the range up at once (the member stops or no longer uses it): others take it now."""
+        if self._dropped or self._released:
+            return
+        self._released = True
+        async with self._zk:
+            try:
+                released = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
+                                                self.record.member, 0)
+                self.sharing.zk_writes += 1
+                if released is not None:
+                    self.record = released
+            except BackendUnavailable as error:
+                log.info("claim %s/%s not released (%s); it lapses", self.shard, self.record.name, error)
+        self.drop("released")
+
+    def drop(self, why: str) -> None:
+        if self._dropped:
+            return
+        self._dropped = True
+        log.info("shard %s: claim %s..%s dropped: %s", self.shard, self.record.start, self.record.end - 1, why)
+        self.sharing.forget(self)
+
+    async def _complete_loop(self) -> None:
+        backoff = RETRY_MIN_SECONDS
+        try:
+            while not self._dropped:
+                await self.sharing.consumer.acks.flush()
+                try:
+                    async with self._zk:
+                        outcome, offset = await claims.complete(self.sharing.client, self.sharing.paths, self.record)
+                    self.sharing.zk_writes += 1
+                except CasqueError as error:
+                    self.problem = f"completing: {error}"
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, RETRY_MAX_SECONDS)
+                    continue
+                self.problem = ""
+                if outcome is Completion.LOST:
+                    self.drop("taken over before it was completed")
+                    return
+                # DONE, or MOOT (a seek replays or skips the range).
+                self.sharing.completed(self, offset)
+                self._dropped = True
+                self.sharing.forget(self)
+                return
+        finally:
+            self._completing = None

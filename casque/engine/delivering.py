@@ -1,0 +1,223 @@
+"""Handing out a member's messages: which sources a receive takes from, the delivery counts
+made durable before a receive returns, deliveries handed back that never reached the app,
+and messages over the subscriber's max deliveries moved to its dead-letter queue.
+
+Taking is pure bookkeeping on the sources' ShardState (no I/O): higher priority levels
+first, with every PRIORITY_FAIRNESS-th delivery reserved for lower levels that have
+messages ready, round-robin over the shards of a level, so no shard is stranded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from kazoo.exceptions import KazooException
+
+from casque.engine import catalog
+from casque.engine.acking import Source
+from casque.engine.acks import DEAD, AckEvent
+from casque.engine.counters import QueueCounters, dead_lettered
+from casque.engine.deadletters import dead_letter_copy
+from casque.engine.member import Member
+from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
+from casque.engine.publisher import Publisher
+from casque.engine.shard_state import ByteBudget, Handout
+from casque.errors import BackendUnavailable, CasqueError
+from casque.specs import priority_of
+from casque.store import Store
+
+log = logging.getLogger(__name__)
+
+# With several priority levels ready, at least one delivery in this many comes from a lower level.
+PRIORITY_FAIRNESS = 10
+
+
+class DeadLetters:
+    """Moves a subscriber's messages over its max deliveries to its dead-letter queue."""
+
+    def __init__(self, member: Member, store: Store, publisher: Publisher, queue_counters: QueueCounters,
+                 retention_seconds: Callable[[], int]) -> None:
+        self._member = member
+        self._store = store
+        self._publisher = publisher
+        self._queue_counters = queue_counters
+        self._retention_seconds = retention_seconds
+
+    async def move(self, handouts: list[tuple[Source, Handout]]) -> None:
+        """Publish messages over max deliveries to the dead-letter queue, then mark them done.
+
+        If publishing fails they stay invisible for a while and then are tried again.
+        """
+        try:
+            publisher = await self._current()
+        except (CasqueError, KazooException) as error:
+            log.warning("dead-letter queue unavailable (%s); %d messages will be tried again", error, len(handouts))
+            return
+
+        member = self._member
+
+        async def move(reader: Source, handout: Handout) -> None:
+            entry = handout.entry
+            message = entry.message
+            copy = dead_letter_copy(
+                message, member.queue, member.subscriber, reader.epoch, entry.deliveries, entry.last_error,
+                subscriber_key=member.subscriber_state.ack_key(member.subscriber),
+                retention_seconds=self._retention_seconds())
+            try:
+                await publisher.publish([copy])
+            except CasqueError as error:
+                log.warning("dead-lettering %s failed (%s); it will be tried again", message.message_id, error)
+                return
+            if not reader.current or reader.state.dead_letter(message.position) is None:
+                return  # the shard moved or was reset meanwhile; the copy's client id prevents a double
+            member.counters.dead_lettered += 1
+            await self._queue_counters.add(dead_lettered(member.subscriber_state.ack_key(member.subscriber)), 1)
+            p = message.position
+            await member.acks.record(AckEvent(reader.epoch, p.shard, p.batch, p.seq, outcome=DEAD))
+            reader.schedule_commit()
+            reader.space_freed()
+
+        await asyncio.gather(*(move(r, h) for r, h in handouts))
+
+    async def _current(self) -> Publisher:
+        """The dead-letter queue's publisher, renewed when that queue changed or was created again.
+
+        Dead-lettering is rare, so one read of the queue's znode each time costs nothing and
+        never leaves copies going to a deleted incarnation.
+        """
+        known = self._publisher
+        state = await asyncio.to_thread(catalog.read_queue, self._store, known.queue)
+        if state != known.state:
+            known = self._publisher = await asyncio.to_thread(Publisher, self._store, known.queue, state)
+        return known
+
+
+class Deliverer:
+    def __init__(self, member: Member, sources: Callable[[], list[Source]],
+                 source_for: Callable[[Position], Source | None], max_deliveries: int,
+                 dead_letters: DeadLetters | None) -> None:
+        """`max_deliveries`: 0 for unlimited (no dead-letter queue: nothing is ever dropped)."""
+        self._member = member
+        self._sources = sources
+        self._source_for = source_for
+        self._max_deliveries = max_deliveries
+        self._dead_letters = dead_letters
+        self._rotation = 0
+        # Deliveries served by each priority level while lower levels had messages ready.
+        self._served: dict[int, int] = {}
+
+    def take(self, max_messages: int, visibility: float, budget: ByteBudget | None = None) -> list[Delivery]:
+        """Deliveries from the sources: higher priority levels first, with every
+        PRIORITY_FAIRNESS-th delivery reserved for lower levels that have messages ready,
+        so a busy high level cannot starve them; round-robin over the shards of a level."""
+        now, wall = time.monotonic(), time.time()
+        levels: dict[int, list[Source]] = {}
+        for reader in self._sources():
+            if not reader.releasing and reader.state.has_ready(now):
+                levels.setdefault(priority_of(reader.shard), []).append(reader)
+        if not levels:
+            return []
+        order = sorted(levels, reverse=True)
+        plan = self._plan(order, max_messages)
+        deliveries: list[Delivery] = []
+        for level, want in plan:
+            deliveries.extend(self._take_level(levels[level], min(want, max_messages - len(deliveries)), now, wall,
+                                               visibility, budget))
+        for level in order:  # whatever a level could not fill goes to the others, highest first
+            deliveries.extend(self._take_level(levels[level], max_messages - len(deliveries), now, wall, visibility,
+                                               budget))
+        for level in order[:-1]:  # levels that had lower ones waiting count what they served
+            self._served[level] = self._served.get(level, 0) + sum(
+                1 for d in deliveries if priority_of(d.message.position.shard) == level
+            )
+        return deliveries
+
+    def _plan(self, order: list[int], count: int) -> list[tuple[int, int]]:
+        """How many deliveries each ready level gets: the highest all but every
+        PRIORITY_FAIRNESS-th, which go to the levels below it (planned the same way)."""
+        if len(order) == 1:
+            return [(order[0], count)]
+        served = self._served.get(order[0], 0)
+        lower = (served + count) // PRIORITY_FAIRNESS - served // PRIORITY_FAIRNESS
+        return self._plan(order[1:], lower) + [(order[0], count - lower)]
+
+    def _take_level(
+        self, readers: list[Source], want: int, now: float, wall: float, visibility: float,
+        budget: ByteBudget | None = None,
+    ) -> list[Delivery]:
+        deliveries: list[Delivery] = []
+        if want <= 0:
+            return deliveries
+        dead: list[tuple[Source, Handout]] = []
+        self._rotation = (self._rotation + 1) % len(readers)
+        order = readers[self._rotation:] + readers[: self._rotation]
+        # Several passes with small shares each, so every shard with messages gets a turn.
+        while len(deliveries) < want:
+            progressed = False
+            share = max(1, (want - len(deliveries)) // len(order))
+            for reader in order:
+                take = min(share, want - len(deliveries))
+                if take <= 0:
+                    break
+                for handout in reader.state.take(take, now, visibility, wall, self._max_deliveries, budget):
+                    progressed = True
+                    if handout.dead:
+                        dead.append((reader, handout))
+                        continue
+                    position = handout.entry.message.position
+                    deliveries.append(
+                        Delivery(
+                            message=handout.entry.message,
+                            receipt=encode_receipt(position, handout.nonce),
+                            delivery_count=handout.entry.deliveries,
+                            visible_until=handout.entry.deadline,
+                        )
+                    )
+                    self._member.counters.deliveries += 1
+                    if handout.redelivery:
+                        self._member.counters.redeliveries += 1
+                reader.space_freed()
+            if not progressed:
+                break
+        if dead:
+            if self._dead_letters is not None:
+                self._member.in_background(self._dead_letters.move(dead))
+        return deliveries
+
+    async def record(self, deliveries: list[Delivery]) -> None:
+        """Write every delivery's count; if that fails, put the messages back and raise."""
+        events: list[AckEvent] = []
+        for d in deliveries:
+            p = d.message.position
+            reader = self._source_for(p)
+            if reader is not None:
+                events.append(AckEvent(reader.epoch, p.shard, p.batch, p.seq, deliveries=d.delivery_count))
+        try:
+            await self._member.acks.record_many(events)
+            return
+        except Exception as error:  # every driver error: the deliveries are handed back
+            self.hand_back(deliveries)
+            if isinstance(error, CasqueError):
+                raise
+            raise BackendUnavailable(f"delivery counts not recorded: {error!r}") from error
+
+    def hand_back(self, deliveries: list[Delivery]) -> int:
+        """Put back deliveries that never reached the app (its connection closed before the
+        answer was written, or recording them failed): visible again at once, their delivery
+        counts as before. Returns how many were still current and went back."""
+        back = 0
+        for d in deliveries:
+            position, nonce = decode_receipt(d.receipt)
+            reader = self._source_for(position)
+            if reader is not None and reader.state.undo_take(position, nonce):
+                back += 1
+                self._member.counters.deliveries -= 1
+                if d.delivery_count > 1:
+                    self._member.counters.redeliveries -= 1
+        if back:
+            self._member.counters.handed_back += back
+            self._member.notify()
+        return back

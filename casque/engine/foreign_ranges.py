@@ -1,0 +1,123 @@
+"""Ordered keys in shared delivery: what one member knows of the other members' ranges.
+
+A keyed message may be handed out only when no earlier message of its key is open anywhere:
+in this member's ranges (KeyLocks) or in another member's range below it. Ranges carry the
+hashes of their keys (casque.engine.claims), so this keeps, per shard, the names of the open
+claims (a children watch) and the records of other members' ranges as read; a range not
+read yet holds every key back until it is (`KeyLocks.may_deliver` gets None). A range that
+completes goes from the watch, and the receives waiting on its keys are woken.
+
+Connection loss: a watch that lapses leaves the names as last seen, which only holds keys
+back longer; a range read that fails is read again on the next receive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from kazoo.recipe.watchers import ChildrenWatch
+
+from casque.backends import zk
+from casque.engine import claims
+from casque.engine.claims import ClaimRecord
+from casque.engine.keylocks import KeyLocks
+from casque.engine.member import Member
+from casque.errors import CasqueError
+
+log = logging.getLogger(__name__)
+
+
+class ForeignRanges:
+    def __init__(self, member: Member, held: Callable[[int], set[str]], epoch_of: Callable[[int], int | None],
+                 active: Callable[[], bool]) -> None:
+        """`held`: names of this member's ranges of a shard; `epoch_of`: the shard's seek epoch as
+        last read (ranges of other epochs are moot); `active`: false once the member stops."""
+        self._member = member
+        self.client = member.store.zk
+        self.paths = member.paths
+        self._held = held
+        self._epoch_of = epoch_of
+        self._active = active
+        self._locks: dict[int, KeyLocks] = {}
+        # Claim names per shard (a watch), and other members' ranges read so far.
+        self._names: dict[int, set[str] | None] = {}
+        self._known: dict[tuple[int, str], ClaimRecord] = {}
+        self._learning: set[tuple[int, str]] = set()
+
+    def locks_for(self, shard: int) -> KeyLocks:
+        locks = self._locks.get(shard)
+        if locks is None:
+            locks = self._locks[shard] = KeyLocks(foreign=lambda batch: self._foreign_keys(shard, batch),
+                                                  on_release=self._member.notify)
+        return locks
+
+    def _foreign_keys(self, shard: int, batch: int) -> list[frozenset[int]] | None:
+        """Key hashes of the open ranges of other members below `batch`; None while one is unknown."""
+        names = self._names.get(shard)
+        epoch_now = self._epoch_of(shard)
+        if names is None or epoch_now is None:
+            return None
+        held = self._held(shard)
+        found: list[frozenset[int]] = []
+        for name in names - held:
+            epoch, _, start = name.partition("-")
+            if int(epoch) != epoch_now or int(start) >= batch:
+                continue
+            record = self._known.get((shard, name))
+            if record is None:
+                self._learn(shard, name)
+                return None
+            found.append(record.keys)
+        return found
+
+    def _learn(self, shard: int, name: str) -> None:
+        """Read another member's range (its keys) in the background; deliveries wait for it."""
+        if (shard, name) in self._learning:
+            return
+        self._learning.add((shard, name))
+
+        async def read() -> None:
+            try:
+                record = await claims.read_claim(self.client, self.paths, shard, name)
+                if record is not None:
+                    self._known[(shard, name)] = record
+            except CasqueError as error:
+                log.info("range %s of shard %s not read (%s); retried on the next receive", name, shard, error)
+            finally:
+                self._learning.discard((shard, name))
+                self._member.notify()
+
+        self._member.in_background(read())
+
+    def watching(self, shard: int) -> bool:
+        return shard in self._names
+
+    def watch(self, shard: int) -> None:
+        """Follow the shard's claims (names); ranges that went are forgotten, and receives woken."""
+        self._names[shard] = None
+
+        def changed(children: list[str], *_: object) -> None:
+            present = set(children)
+            self._names[shard] = present
+            for key in [k for k in self._known if k[0] == shard and k[1] not in present]:
+                del self._known[key]
+            self._member.notify()  # a range completed: keys it held may be free
+
+        ChildrenWatch(self.client, self.paths.claims(shard),
+                      zk.watch_in_loop(asyncio.get_running_loop(), changed, self._active))
+
+    async def see(self, shard: int) -> None:
+        """Before delivering a new range with ordered keys: every range below it known, with its keys.
+
+        Read after our claim or takeover was written, so it includes every range created
+        before ours; a watch could still be catching up."""
+        names = set(await claims.list_claims(self.client, self.paths, shard))
+        self._names[shard] = names
+        held = self._held(shard)
+        for name in sorted(names - held):
+            if (shard, name) not in self._known:
+                record = await claims.read_claim(self.client, self.paths, shard, name)
+                if record is not None:
+                    self._known[(shard, name)] = record

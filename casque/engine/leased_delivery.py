@@ -1,0 +1,81 @@
+"""Leased delivery: the readers of the shards this member holds leases on, started and
+stopped by the lease recipe's callbacks (casque.engine.leases).
+
+A shard acquired gets a reader from its offset as of the subscriber's seek mark; a shard
+released is handed over first (ShardReader.hand_over: no new deliveries, the lease goes
+once what is in flight is settled or invisible no longer), then stopped with its acks and
+offset flushed; a session lost drops every reader at once without writing (another member
+may hold the shards already); a commit that finds the fence moved drops its shard. A seek
+restarts the readers of the shards it moved, each from its new epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from casque.engine import offsets
+from casque.engine.member import LeasedReader, Member
+from casque.engine.shard_reader import ShardReader
+
+log = logging.getLogger(__name__)
+
+
+class LeasedDelivery:
+    def __init__(self, member: Member) -> None:
+        self._member = member
+        self.readers: dict[int, ShardReader] = {}
+
+    async def acquired(self, shard: int, fence: int) -> None:
+        mark = await offsets.read_seek_mark(self._member.store.zk, self._member.paths)
+        record = await offsets.read_offset(self._member.store.zk, self._member.paths, shard)
+        reader = ShardReader(self._member, shard, record, fence, mark)
+        self.readers[shard] = reader
+        reader.start()
+
+    async def released(self, shard: int) -> None:
+        reader = self.readers.get(shard)
+        if reader is None:
+            return
+        if not self._member.stopping:
+            # A rebalance moves the shard: let the app finish what it holds from it first
+            # (a stopping consumer has had its drain time already).
+            await reader.hand_over()
+        if self.readers.get(shard) is reader:
+            del self.readers[shard]
+        await reader.stop(flush=True)
+
+    async def lost(self) -> None:
+        readers, self.readers = self.readers, {}
+        await asyncio.gather(*(reader.stop(flush=False) for reader in readers.values()))
+
+    def lease_lost(self, reader: LeasedReader) -> None:
+        """A commit found the shard's fence moved: drop the shard; the leases rebalance."""
+        self._member.counters.leases_lost += 1
+        log.warning("shard %s: another member acquired it; dropping it", reader.shard)
+        if self.readers.get(reader.shard) is reader:
+            del self.readers[reader.shard]
+        leases = self._member.leases
+        if leases is not None and leases.held.get(reader.shard) == reader.fence:
+            leases.forget(reader.shard)
+        self._member.in_background(reader.stop(flush=False))
+
+    async def resync(self) -> None:
+        """Restart the readers of the shards a seek moved to a new epoch."""
+        mark = await offsets.read_seek_mark(self._member.store.zk, self._member.paths)
+        for shard, reader in sorted(self.readers.items()):
+            record = await offsets.read_offset(self._member.store.zk, self._member.paths, shard)
+            if record.epoch == reader.epoch:
+                reader.seek_mark = mark  # read after the mark, and unmoved: current as of it
+                continue
+            if not reader.current:
+                continue
+            await reader.stop(flush=False)
+            leases = self._member.leases
+            fence = leases.held.get(shard) if leases is not None else None
+            if self.readers.get(shard) is not reader or fence != reader.fence:
+                continue  # released or lost meanwhile: the lease callbacks own the shard now
+            fresh = ShardReader(self._member, shard, record, reader.fence, mark)
+            self.readers[shard] = fresh
+            fresh.start()
+            self._member.counters.seeks_applied += 1
