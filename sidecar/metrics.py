@@ -67,6 +67,12 @@ class SidecarMetrics:
             "casque_sidecar_push_deliveries", "Push deliveries by outcome (ack, retry, drop).",
             ["subscriber", "outcome"], registry=r,
         )
+        self.push_errors = Counter(
+            "casque_sidecar_push_errors",
+            "Pushes that failed in the sidecar, not at the app, by stage: render (the message cannot be rendered; "
+            "dead-lettered or kept), send (nacked with backoff), task (escaped the push; nacked with backoff).",
+            ["subscriber", "stage"], registry=r,
+        )
         self.push_latency = Histogram(
             "casque_sidecar_push_seconds", "Time the app took to answer a push.", ["subscriber"],
             buckets=LATENCY_BUCKETS, registry=r,

@@ -14,6 +14,16 @@ application/cloudevents+json`). The app's answer settles the message:
 Every nack carries the reason (the status, or the connection error), which the engine
 keeps in the message's history for the dead-letter queue.
 
+Every push ends in a settlement, whatever fails. The event is the one a receive renders
+(models.message_json: a payload its content type calls JSON but that JSON cannot carry goes
+as `data_base64`). A message that cannot be rendered even so is a permanent failure, as if
+the app had answered a drop status: every later try would fail the same way, since the
+rendering reads nothing but the stored message. Any other error while sending, not only a
+connection error or a timeout, is nacked with backoff. Whatever still escapes a push is
+caught around it and the message nacked with backoff, so no message waits for its
+visibility to end (holding its key under orderedKeys) only to fail again. Each such error
+is counted in `casque_sidecar_push_errors_total{stage}`.
+
 At most `push_concurrency` pushes run at once; a slot frees when the app answers. The
 visibility timeout covers the push timeout, so a slow app is not raced by a redelivery.
 
@@ -32,7 +42,6 @@ a backend.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import secrets
@@ -46,7 +55,7 @@ from casque.errors import CasqueError, InvalidSpec, StaleReceipt
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings, push_target
 from casque.sidecar.metrics import SidecarMetrics
-from casque.sidecar.models import CE_ATTRIBUTES, envelope
+from casque.sidecar.models import CE_ATTRIBUTES, message_json
 from casque.sidecar.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -71,6 +80,14 @@ def backoff(delivery_count: int, base: float, ceiling: float) -> float:
     exponent = min(max(delivery_count - 1, 0), 32)
     delay = min(ceiling, base * 2.0**exponent)
     return delay / 2 + random.uniform(0, delay / 2)
+
+
+def error_reason(error: BaseException) -> str:
+    """The exception's type and message on one line, short enough to keep in a message's history."""
+    text = " ".join(str(error).split())
+    if len(text) > QUOTED_ANSWER_CHARS:
+        text = text[: QUOTED_ANSWER_CHARS - 1] + "\u2026"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def push_token(settings: SidecarSettings) -> str:
@@ -172,7 +189,7 @@ class PushWorker:
             if deliveries:
                 self.metrics.received.labels(self.queue.name, self.subscriber).inc(len(deliveries))
             for delivery in deliveries:
-                task = asyncio.get_running_loop().create_task(self._push(delivery, url))
+                task = asyncio.get_running_loop().create_task(self._deliver(delivery, url))
                 self._active.add(task)
                 task.add_done_callback(self._finished)
 
@@ -180,7 +197,31 @@ class PushWorker:
         self._active.discard(task)
         self._slot_free.set()
         if not task.cancelled() and task.exception() is not None:
+            # _deliver settles and catches everything but cancellation, so this is a bug
+            # of ours; it is still counted, not only logged, so that it shows.
+            self.metrics.push_errors.labels(self.subscriber, "task").inc()
             log.error("push task failed", exc_info=task.exception())
+
+    async def _deliver(self, delivery: Delivery, url: str) -> None:
+        """Push one message and see that it is settled, whatever escapes the push.
+
+        Cancellation (a stopping sidecar) is let through unsettled: the message stays in
+        flight and returns after its visibility, as documented for stop().
+        """
+        try:
+            await self._push(delivery, url)
+        except Exception as error:
+            self.metrics.push_errors.labels(self.subscriber, "task").inc()
+            log.error("push of %s failed unexpectedly; it is tried again", delivery.message.message_id,
+                      exc_info=error)
+            reason = f"push to {url} failed: {error_reason(error)}"
+            try:
+                await self._settle(delivery, "retry", reason)
+            except Exception as again:
+                # Settled already (the error came after the settlement), or the backend is
+                # away: either way the message is not lost, it returns after its visibility.
+                log.warning("push of %s not settled (%s); it returns after its visibility",
+                            delivery.message.message_id, error_reason(again))
 
     async def _push(self, delivery: Delivery, url: str) -> None:
         """Push with the message's trace context in the W3C headers as well as in the event:
@@ -207,8 +248,18 @@ class PushWorker:
             await self._send(delivery, url, headers)
 
     async def _send(self, delivery: Delivery, url: str, headers: dict[str, str]) -> None:
+        try:
+            body = message_json(delivery, self.queue)
+        except Exception as error:
+            # Rendering reads nothing but the stored message, so every later try would fail
+            # alike: a permanent failure, settled as the app's drop status is.
+            reason = f"cannot render the message as a CloudEvent: {error_reason(error)}"
+            log.error("message %s at %s: %s", delivery.message.message_id, delivery.message.position, reason)
+            self.metrics.push_errors.labels(self.subscriber, "render").inc()
+            self.metrics.pushes.labels(self.subscriber, "drop").inc()
+            await self._settle_unless_stale(delivery, "drop", reason)
+            return
         assert self._session is not None
-        body = json.dumps(envelope(delivery, self.queue).wire()).encode()
         started = time.perf_counter()
         status: int | None = None
         failure = ""
@@ -220,12 +271,22 @@ class PushWorker:
         except (aiohttp.ClientError, TimeoutError) as error:
             failure = f"push to {url} failed: {error or type(error).__name__}"
             log.info("push of %s failed: %s", delivery.message.message_id, failure)
+        except Exception as error:
+            # Not the app's answer but a fault in the client or in us: the push did not
+            # happen as it should, so it is a retry whatever status came before the fault.
+            status = None
+            failure = f"push to {url} failed: {error_reason(error)}"
+            self.metrics.push_errors.labels(self.subscriber, "send").inc()
+            log.warning("push of %s failed: %s", delivery.message.message_id, failure, exc_info=error)
         finally:
             self.metrics.push_latency.labels(self.subscriber).observe(time.perf_counter() - started)
         outcome = classify(status, self.settings)
         self.metrics.pushes.labels(self.subscriber, outcome).inc()
         quoted = answer[:QUOTED_ANSWER_CHARS].decode("utf-8", "replace").strip()
         reason = failure or f"push to {url}: HTTP {status}" + (f": {quoted}" if quoted else "")
+        await self._settle_unless_stale(delivery, outcome, reason)
+
+    async def _settle_unless_stale(self, delivery: Delivery, outcome: str, reason: str) -> None:
         try:
             await self._settle(delivery, outcome, reason)
         except StaleReceipt:
@@ -247,7 +308,7 @@ class PushWorker:
                 return
             except InvalidSpec:
                 # No dead-letter queue: never drop a message; try it again after the longest backoff.
-                log.warning("app refused message %s (%s) and the subscriber has no dead-letter queue; "
+                log.warning("message %s cannot be delivered (%s) and the subscriber has no dead-letter queue; "
                             "it is tried again in %ss", delivery.message.message_id, reason, ceiling)
                 delay = ceiling
             except CasqueError as error:

@@ -1,9 +1,11 @@
 """Push delivery to an app that fails some requests: retries with backoff, acks on 2xx, drops
-kept without a dead-letter queue and dead-lettered at once with one."""
+kept without a dead-letter queue and dead-lettered at once with one; messages the sidecar
+cannot render are settled too."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections import defaultdict
@@ -15,6 +17,8 @@ from casque.config import Settings
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.deadletters import DELIVERIES, LAST_ERROR, SOURCE, SUBSCRIBER as SUBSCRIBER_ATTRIBUTE
+from casque.engine.messages import OutgoingMessage
+from casque.engine.publisher import Publisher
 from casque.schema import QueueRef
 from casque.sidecar.app import METRICS, create_app
 from casque.sidecar.config import SidecarSettings
@@ -146,6 +150,98 @@ async def test_a_dropped_push_goes_to_the_dead_letter_queue_at_once_with_the_app
     outcomes = {o: client.app[METRICS].registry.get_sample_value(
         "casque_sidecar_push_deliveries_total", {"subscriber": SUBSCRIBER, "outcome": o}) for o in ("ack", "drop")}
     assert outcomes == {"ack": 3, "drop": 1}
+
+
+async def test_a_message_that_cannot_be_rendered_goes_to_the_dead_letter_queue_at_once(
+    store: Store, aiohttp_server: Any, aiohttp_client: Any
+) -> None:
+    pushed: list[Any] = []
+    fine_acked = asyncio.Event()
+
+    async def app_endpoint(request: web.Request) -> web.StreamResponse:
+        pushed.append((await request.json())["data"])
+        fine_acked.set()
+        return web.Response(status=204)
+
+    target = web.Application()
+    target.router.add_post("/events", app_endpoint)
+    server = await aiohttp_server(target)
+    dead = QueueRef("default", "events-dead")
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, REF, spec)
+    catalog.apply_queue(store, dead, spec)
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE, start_position="earliest", max_deliveries=5, dead_letter_queue=dead.name,
+        push_url=str(server.make_url("/events"))))
+    catalog.apply_subscriber(store, dead, "inspector", SubscriberSpec(queue=dead.name, start_position="earliest"))
+    # A producer on the engine may set any attribute; a CloudEvents time that is not a time
+    # leaves no event to render, not even with the payload as data_base64.
+    publisher = Publisher(store, REF, catalog.read_queue(store, REF))
+    await publisher.publish([OutgoingMessage(b'"late"', content_type="application/json",
+                                             attributes={"ce-time": "yesterday", "kind": "order"})])
+    await publisher.flush_heads()
+    settings = SidecarSettings(queue=QUEUE, subscribers=[SUBSCRIBER], drain_seconds=1,
+                               push_backoff_seconds=0.05, push_max_backoff_seconds=0.3)
+    client = await aiohttp_client(create_app(settings, Settings(), store))
+    assert (await client.post(f"/v1/queues/{QUEUE}/messages", json={"data": "fine"})).status == 200
+    await asyncio.wait_for(fine_acked.wait(), 60)
+
+    inspector = Consumer(store, dead, "inspector")
+    await inspector.start()
+    try:
+        (letter,) = await inspector.receive(max_messages=10, wait=30)
+    finally:
+        await inspector.stop()
+    assert letter.message.payload == b'"late"' and letter.message.attributes["kind"] == "order"
+    assert letter.message.attributes[DELIVERIES] == "1"  # at once: a later try would fail alike
+    assert "cannot render" in letter.message.attributes[LAST_ERROR]
+    assert "ValidationError" in letter.message.attributes[LAST_ERROR]
+    assert pushed == ["fine"]  # the app never saw it
+    registry = client.app[METRICS].registry
+    assert registry.get_sample_value(
+        "casque_sidecar_push_errors_total", {"subscriber": SUBSCRIBER, "stage": "render"}) == 1
+    assert registry.get_sample_value(
+        "casque_sidecar_push_deliveries_total", {"subscriber": SUBSCRIBER, "outcome": "drop"}) == 1
+
+
+async def test_json_nested_deeper_than_parsers_go_is_pushed_as_data_base64_like_a_receive(
+    store: Store, aiohttp_server: Any, aiohttp_client: Any
+) -> None:
+    events: list[dict[str, Any]] = []
+    pushed = asyncio.Event()
+
+    async def app_endpoint(request: web.Request) -> web.StreamResponse:
+        events.append(await request.json())
+        pushed.set()
+        return web.Response(status=204)
+
+    target = web.Application()
+    target.router.add_post("/events", app_endpoint)
+    server = await aiohttp_server(target)
+    catalog.apply_queue(store, REF, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE, start_position="earliest", push_url=str(server.make_url("/events"))))
+    settings = SidecarSettings(queue=QUEUE, subscribers=[SUBSCRIBER], drain_seconds=1,
+                               push_backoff_seconds=0.05, push_max_backoff_seconds=0.3)
+    client = await aiohttp_client(create_app(settings, Settings(), store))
+    deep = b"[" * 100_000 + b"]" * 100_000  # valid JSON, beyond any parser's recursion limit
+    answer = await client.post(f"/v1/queues/{QUEUE}/messages", json={
+        "data_base64": base64.b64encode(deep).decode("ascii"), "datacontenttype": "application/json"})
+    assert answer.status == 200
+
+    await asyncio.wait_for(pushed.wait(), 60)
+    (event,) = events
+    assert "data" not in event and base64.b64decode(event["data_base64"]) == deep
+    assert event["datacontenttype"] == "application/json"
+    registry = client.app[METRICS].registry
+
+    async def acked() -> bool:  # the app's 204 reached the sidecar and settled the push
+        return registry.get_sample_value(
+            "casque_sidecar_push_deliveries_total", {"subscriber": SUBSCRIBER, "outcome": "ack"}) == 1
+
+    await _until(acked)
+    assert registry.get_sample_value(
+        "casque_sidecar_push_errors_total", {"subscriber": SUBSCRIBER, "stage": "render"}) is None
 
 
 PUSH_TOKEN = "p" * 40
