@@ -68,6 +68,8 @@ _NOT_STARTED: tuple[type[BaseException], ...] = (QueueNotFound, SubscriberNotFou
 # A long poll checks for shutdown this often, so a stopping sidecar answers its waiting
 # receives at once instead of after their full wait.
 POLL_SLICE_SECONDS = 1.0
+# A drain waits this long at most for head watermarks to be written.
+HEAD_FLUSH_SECONDS = 5.0
 START_RETRY_MIN_SECONDS = 0.5
 START_RETRY_MAX_SECONDS = 5.0
 # Accepted publishes get this long to finish their writes during shutdown; the driver's
@@ -224,8 +226,9 @@ class QueueService:
             if isinstance(result, BaseException):
                 log.error("stopping a consumer failed: %r", result)
         for publisher in list(self._publishers.values()):
+            # Bounded: heads retry until ZooKeeper answers, and readers repair a head left behind.
             with contextlib.suppress(Exception):
-                await publisher.flush_heads()
+                await asyncio.wait_for(publisher.flush_heads(), HEAD_FLUSH_SECONDS)
         log.info("drained: leases released, acks and offsets written")
 
     def _admit(self) -> None:

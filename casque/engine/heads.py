@@ -8,20 +8,36 @@ Recipe guarantees:
   collapse into the highest one, so ZooKeeper sees at most one write in flight per shard
   however many batches are written.
 
-Connection states: while SUSPENDED, advances wait in kazoo's retry and may fail with
-BackendUnavailable; a head left behind is harmless, since readers read past it and the
-next publisher that meets batch head+1 advances it. Nothing here depends on a session,
-so LOST needs no action.
+- A failed advance (ConnectionLoss, SUSPENDED, a timeout) is tried again with backoff until
+  the head is at least the target: a batch written and answered must never wait for the
+  next publish to that shard to become visible to readers that follow the head.
+- Readers probe past the head themselves (leased readers re-read every few seconds, shared
+  members look for batch head+1 when there is nothing to claim) and repair a head they
+  find behind (`advance` from the reader's side), for a publisher killed before its advance.
+
+Nothing here depends on a session, so LOST needs no action: the next try reconnects.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Callable
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError
+from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
+
+log = logging.getLogger(__name__)
+
+# A failed advance is tried again after a backoff between these bounds.
+RETRY_MIN_SECONDS = 0.1
+RETRY_MAX_SECONDS = 5.0
+# A reader with nothing to read below a shard's head looks for batches past it this often.
+PAST_HEAD_PROBE_SECONDS = 5.0
 
 
 class HeadAdvancer:
@@ -34,6 +50,7 @@ class HeadAdvancer:
         self._task: asyncio.Task[None] | None = None
         self.writes = 0
         self.reads = 0
+        self.failures = 0
 
     def advance(self, batch: int) -> None:
         """Ask for head >= batch; returns at once, the write happens in the background."""
@@ -49,6 +66,7 @@ class HeadAdvancer:
             await asyncio.shield(self._task)
 
     async def _run(self) -> None:
+        backoff = RETRY_MIN_SECONDS
         while self._target > self._known:
             target = self._target
             try:
@@ -60,9 +78,60 @@ class HeadAdvancer:
                 stat = await zk.call(self._client.set_async, self._path, str(target).encode(), self._version)
                 self.writes += 1
                 self._known, self._version = target, stat.version
+                backoff = RETRY_MIN_SECONDS
             except BadVersionError:
                 self._version = None  # someone else moved it: read and compare again
-            except Exception:
-                # The watermark may lag; readers read past it and the next advance fixes it.
+            except Exception as error:  # every ZooKeeper failure: the head must still get there
                 self._version = None
-                return
+                self.failures += 1
+                log.warning("head %s not advanced to %d (%s); trying again in %.1fs", self._path, target, error,
+                            backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX_SECONDS)
+
+
+class WatchedHeads:
+    """The heads of a queue's shards as their watches report them, for a member that reads past
+    them: when to look beyond a head, and the advancers that repair a head found behind."""
+
+    def __init__(self, client: KazooClient, path_of: Callable[[int], str], on_change: Callable[[], None],
+                 active: Callable[[], bool]) -> None:
+        self._client = client
+        self._path_of = path_of
+        self._on_change = on_change
+        self._active = active
+        self._heads: dict[int, int] = {}
+        self._probed_at: dict[int, float] = {}
+        self._repairs: dict[int, HeadAdvancer] = {}
+
+    def watch(self, shard: int) -> None:
+        if shard in self._heads:
+            return
+        self._heads[shard] = 0
+
+        def changed(data: bytes | None, *_: object) -> None:
+            if data:
+                self._heads[shard] = max(self._heads.get(shard, 0), int(data))
+            self._on_change()
+
+        DataWatch(self._client, self._path_of(shard),
+                  zk.watch_in_loop(asyncio.get_running_loop(), changed, self._active))
+
+    def get(self, shard: int) -> int:
+        return self._heads.get(shard, 0)
+
+    def probe_due(self, shard: int) -> bool:
+        """Whether to look past the shard's head now (at most every PAST_HEAD_PROBE_SECONDS)."""
+        now = time.monotonic()
+        if now - self._probed_at.get(shard, float("-inf")) < PAST_HEAD_PROBE_SECONDS:
+            return False
+        self._probed_at[shard] = now
+        return True
+
+    def found(self, shard: int, batch: int) -> None:
+        """Batch `batch` exists past the head as known: take it as the head, and repair the znode."""
+        self._heads[shard] = max(self._heads.get(shard, 0), batch)
+        advancer = self._repairs.get(shard)
+        if advancer is None:
+            advancer = self._repairs[shard] = HeadAdvancer(self._client, self._path_of(shard))
+        advancer.advance(batch)

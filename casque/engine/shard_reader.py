@@ -26,6 +26,7 @@ from casque.backends import zk
 from casque.engine import offsets, positions
 from casque.engine.acks import BatchMarks
 from casque.engine.deadletters import addressed_elsewhere
+from casque.engine.heads import HeadAdvancer
 from casque.engine.keylocks import KeyLocks
 from casque.engine.member import Backoff, Member
 from casque.engine.offsets import CommitOutcome, OffsetRecord
@@ -65,6 +66,10 @@ class ShardReader:
         self._committed = record.offset
         self._version = record.version
         self._head = 0
+        # The last read came from the slow recheck, and the head advancer that repairs a head
+        # found behind (made on first use).
+        self._rechecking = False
+        self._repair: HeadAdvancer | None = None
         self._wake = asyncio.Event()
         # Read all there is and waiting for the head watch (or the slow recheck) to wake it.
         self.caught_up = False
@@ -186,8 +191,9 @@ class ShardReader:
             self.caught_up = True
             try:
                 await asyncio.wait_for(self._wake.wait(), CAUGHT_UP_RECHECK_SECONDS)
+                self._rechecking = False
             except TimeoutError:
-                pass
+                self._rechecking = True  # nothing woke it: the next read looks past the head
             finally:
                 self.caught_up = False
 
@@ -216,6 +222,12 @@ class ShardReader:
                 skipped = {m.position.seq for m in batch.messages
                            if m.attributes and addressed_elsewhere(m, consumer.subscriber)}
                 state.add_batch(batch.header.batch, batch.messages, mark.done | skipped, mark.deliveries)
+            last = batches[-1].header.batch
+            if self._rechecking and last > self._head:
+                # Found by the slow recheck, not by the head's watch: its publisher's advance
+                # failed or never came. Repair the head, for the other readers and for lag.
+                self._head = last
+                self._head_repair().advance(last)
             consumer.notify()
             self.schedule_commit()
             return True
@@ -229,6 +241,11 @@ class ShardReader:
                 self.schedule_commit()
                 return True
         return False
+
+    def _head_repair(self) -> HeadAdvancer:
+        if self._repair is None:
+            self._repair = HeadAdvancer(self.consumer.store.zk, self.consumer.store.paths(self.consumer.queue).head(self.shard))
+        return self._repair
 
     async def _skip_missing(self, first: int, found: int) -> None:
         """Batches first..found-1 were not read: move past them once they are known to be gone.

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
 from casque.engine import claims, positions
@@ -33,6 +32,7 @@ from casque.engine.claim_reader import DEMAND_SECONDS, ClaimReader, headroom
 from casque.engine.claims import ClaimRecord, Cursor
 from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.foreign_ranges import ForeignRanges
+from casque.engine.heads import WatchedHeads
 from casque.engine.keylocks import KeyLocks, key_hash
 from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member
 from casque.engine.messages import Delivery, Position, decode_receipt
@@ -97,27 +97,15 @@ class SharedDelivery:
         # Ordered keys: what is known of other members' ranges (and the keys' locks).
         self.foreign = ForeignRanges(consumer, self._held_names, self._epochs.get, lambda: not self._stopped) \
             if self.ordered else None
-        # Each shard's head as its watch last reported it.
-        self._heads: dict[int, int] = {}
+        # Each shard's head as its watch last reported it, or as found past it and repaired here.
+        self.heads = WatchedHeads(self.client, consumer.store.paths(consumer.queue).head, self.head_changed,
+                                  lambda: not self._stopped)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         for shard in self.shards:
             await self._prepare(shard)
         self._tasks = [loop.create_task(self._claim_loop()), loop.create_task(self._renew_loop())]
-
-    def _watch_head(self, shard: int) -> None:
-        if shard in self._heads:
-            return
-        self._heads[shard] = 0
-
-        def changed(data: bytes | None, *_: object) -> None:
-            if data:
-                self._heads[shard] = max(self._heads.get(shard, 0), int(data))
-            self.head_changed()
-
-        DataWatch(self.client, self.consumer.store.paths(self.consumer.queue).head(shard),
-                  zk.watch_in_loop(asyncio.get_running_loop(), changed, lambda: not self._stopped))
 
     async def zk_call(self, method: Callable[..., Any], *args: Any) -> Any:
         return await zk.call(method, *args)
@@ -160,7 +148,7 @@ class SharedDelivery:
 
     async def _prepare(self, shard: int) -> None:
         """Watch the shard's head (new batches to claim) and, for ordered keys, its claims."""
-        self._watch_head(shard)
+        self.heads.watch(shard)
         if self.foreign is not None and not self.foreign.watching(shard):
             # The directory must exist first: a watch set on a missing node never fires.
             await claims.ensure_dirs(self.client, self.paths, shard)
@@ -333,15 +321,20 @@ class SharedDelivery:
         return batches
 
     async def _claim_fresh(self, shard: int) -> ClaimReader | None:
-        head = self._heads.get(shard, 0)
+        head = self.heads.get(shard)
         for _ in range(20):  # races lost to other members; each loss means they progressed
             cursor = await self._cursor(shard)
             batches = [b for b in self._read_ahead.get(shard, []) if b.header.batch >= cursor.next]
             if not batches or batches[0].header.batch != cursor.next:
-                if cursor.next > head:
+                if cursor.next > head and not self.heads.probe_due(shard):
                     return None
                 batches = await self.consumer.log.read_from(shard, cursor.next)
                 self.consumer.counters.batch_reads += 1
+                if batches and batches[-1].header.batch > head:
+                    # Past the head: its publisher's advance failed or never came. Claim them,
+                    # and repair the head for the other members and for lag.
+                    head = batches[-1].header.batch
+                    self.heads.found(shard, head)
             if not batches:
                 if cursor.next <= head:
                     await self._skip_expired(shard, cursor, head)

@@ -11,14 +11,16 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import ConnectionLoss
 
 from casque.backends import zk
 from casque.config import Settings
 from casque.devstack.zookeeper import MAX_SESSION_TIMEOUT_MS
-from casque.engine import catalog, consumer as consumer_module, offsets
+from casque.engine import catalog, offsets, shard_reader
 from casque.engine.batches import Log
 from casque.engine.consumer import Consumer
 from casque.engine.messages import Delivery, OutgoingMessage
@@ -429,7 +431,7 @@ async def test_retention_expiring_under_a_live_consumer_is_skipped_and_the_consu
 ) -> None:
     # A live consumer that is behind: its memory budget is one message, held in flight, so
     # it reads nothing further while old batches are written and expire under it.
-    monkeypatch.setattr(consumer_module, "PREFETCH_MESSAGES", 1)
+    monkeypatch.setattr(shard_reader, "PREFETCH_MESSAGES", 1)
     spec = setup(store, shards=1)
     consumer = await start(consumers, store)
     keeper = await publish(store, spec, ["keeper"])
@@ -648,3 +650,64 @@ async def test_a_delivery_count_survives_the_consumer_that_crashed_on_it(
     (second,) = await take(survivor, 1)
     assert second.message.message_id == first.message.message_id
     assert second.delivery_count == 2
+
+
+# --- 11. head watermarks left behind ------------------------------------------------------
+
+class HeadWritesLost:
+    """A client whose writes of head znodes meet ConnectionLoss (the publisher is cut off, or
+    killed, between writing its batch and advancing the head); `allow` lets them through."""
+
+    def __init__(self, client: KazooClient, monkeypatch: pytest.MonkeyPatch, failures: int | None = None) -> None:
+        self.failures = failures  # None: every head write fails
+        self.refused = 0
+        real = client.set_async
+
+        def set_async(path: str, value: bytes, version: int = -1) -> Any:
+            if path.endswith("/head") and (self.failures is None or self.refused < self.failures):
+                self.refused += 1
+                raise ConnectionLoss("connection lost before the head's compare-and-set was answered")
+            return real(path, value, version)
+
+        monkeypatch.setattr(client, "set_async", set_async)
+
+
+@pytest.mark.parametrize("delivery", ["leased", "shared"])
+async def test_a_batch_whose_head_advance_was_lost_is_delivered_without_another_publish(
+    store: Store, new_store: Callable[[], Store], consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch,
+    delivery: str,
+) -> None:
+    """The batch is written and answered, but its head compare-and-set never lands, and nobody
+    publishes to the shard again: readers find it past the head themselves and repair the head."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, "workers", SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery=delivery))
+    consumer = await start(consumers, new_store())
+    publishing = new_store()
+    lost = HeadWritesLost(publishing.zk, monkeypatch)
+    publisher = Publisher(publishing, QUEUE, catalog.read_queue(publishing, QUEUE))
+    (published,) = await publisher.publish([OutgoingMessage(b"behind the head")])
+    await until("the head advance refused", lambda: lost.refused > 0)
+    deadline = time.monotonic() + 60
+    got: list[Delivery] = []
+    while not got:
+        assert time.monotonic() < deadline, "the batch past the head was never delivered"
+        got = await consumer.receive(max_messages=1, wait=1.0)
+    assert got[0].message.message_id == published.message_id
+    await consumer.ack(got[0].receipt)
+    head = store.paths(QUEUE).head(0)
+    await until("the head repaired", lambda: catalog.read_int(store, head) >= published.batch)
+
+
+async def test_a_head_advance_that_meets_connection_loss_is_tried_again_until_it_lands(
+    store: Store, new_store: Callable[[], Store], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    setup(store, shards=1)
+    publishing = new_store()
+    lost = HeadWritesLost(publishing.zk, monkeypatch, failures=3)
+    publisher = Publisher(publishing, QUEUE, catalog.read_queue(publishing, QUEUE))
+    (published,) = await publisher.publish([OutgoingMessage(b"m")])
+    await asyncio.wait_for(publisher.flush_heads(), 60)
+    assert lost.refused == 3
+    assert catalog.read_int(store, store.paths(QUEUE).head(0)) == published.batch
