@@ -25,7 +25,7 @@ from casque.devstack import processes
 from casque.engine import catalog
 from casque.engine.batches import Log
 from casque.engine.consumer import Consumer
-from casque.engine.messages import OutgoingMessage
+from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
 from casque.engine.sequences import producer_key
 from casque.errors import BackendUnavailable
@@ -300,16 +300,8 @@ async def test_acks_resent_after_timed_out_writes_are_answered_only_when_durable
     after an ack of it was answered `acked` or `already_acked`. Batches are left open (10 of
     37 acked a call), so only the ack rows can make those acks durable."""
     queue = QueueRef("default", "ackdie")  # tests.integration.ack_then_die consumes it
-    catalog.apply_queue(store, queue, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
-    catalog.apply_subscriber(store, queue, "workers", SubscriberSpec(
-        queue=queue.name, start_position="earliest", visibility_timeout_seconds=60))
-    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
-    history = History()
-    for n in range(4):
-        results = await publisher.publish([OutgoingMessage(f"m{n}-{i}".encode()) for i in range(37)])
-        answered = History.now()
-        history.published.update((r.message_id, answered) for r in results)
-    await publisher.flush_heads()
+    history, _ = await _published(store, queue, 1, [[OutgoingMessage(f"m{n}-{i}".encode()) for i in range(37)]
+                                                    for n in range(4)])
 
     cassandra = f"{backends.contact_points[0]}:{backends.cql_port}"
     for ack_calls in (2, 3):
@@ -326,22 +318,13 @@ async def test_an_ordered_key_moves_on_only_when_the_ack_before_is_durable(
     next message is never handed out before its previous one's ack is durable, so no message
     comes again after a later message of its key was acked (read from the recorded history)."""
     queue = QueueRef("default", "ackdie")  # tests.integration.ack_then_die consumes it
-    catalog.apply_queue(store, queue, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
-    catalog.apply_subscriber(store, queue, "workers", SubscriberSpec(
-        queue=queue.name, start_position="earliest", visibility_timeout_seconds=60, ordered_keys=True))
-    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
-    history = History()
-    keys: dict[str, tuple[str, int]] = {}
     # Batches of 200, 20 messages of each of 10 keys: a call of 10 takes one of each key, and
     # no batch completes in the victims' calls (an offset write past it would cover lost rows).
-    for n in range(2):
-        results = await publisher.publish([OutgoingMessage(f"m{n}-{i}".encode(), key=f"k{i % 10}")
-                                           for i in range(200)])
-        answered = History.now()
-        for i, result in enumerate(results):
-            history.published[result.message_id] = answered
-            keys[result.message_id] = (f"k{i % 10}", n * 20 + i // 10)
-    await publisher.flush_heads()
+    history, batches = await _published(store, queue, 1, [
+        [OutgoingMessage(f"m{n}-{i}".encode(), key=f"k{i % 10}") for i in range(200)] for n in range(2)],
+        ordered_keys=True)
+    keys = {result.message_id: (f"k{i % 10}", n * 20 + i // 10)
+            for n, results in enumerate(batches) for i, result in enumerate(results)}
 
     cassandra = f"{backends.contact_points[0]}:{backends.cql_port}"
     for ack_calls in (4, 5):
@@ -362,16 +345,8 @@ async def test_the_app_clients_resent_acks_after_timed_out_writes_hold_across_a_
     nothing acked comes back to the next member. Batches are left open, so only the ack rows
     can make those acks durable."""
     queue = QueueRef("default", "clientacks")
-    catalog.apply_queue(store, queue, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
-    catalog.apply_subscriber(store, queue, "workers", SubscriberSpec(
-        queue=queue.name, start_position="earliest", visibility_timeout_seconds=60))
-    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
-    history = History()
-    for n in range(2):
-        results = await publisher.publish([OutgoingMessage(f"m{n}-{i}".encode()) for i in range(100)])
-        answered = History.now()
-        history.published.update((r.message_id, answered) for r in results)
-    await publisher.flush_heads()
+    history, _ = await _published(store, queue, 1, [[OutgoingMessage(f"m{n}-{i}".encode()) for i in range(100)]
+                                                    for n in range(2)])
 
     sidecar = start_sidecar("--queue", queue.name, "--subscriber", "workers", module="tests.integration.flaky_sidecar")
     member = sidecar.member("workers") or "flaky"
@@ -395,6 +370,25 @@ async def test_the_app_clients_resent_acks_after_timed_out_writes_hold_across_a_
     assert 'casque_sidecar_requests_total{operation="ack",status="503"}' in metrics, "no ack was answered 503"
     await _consume_the_rest(store, queue, history)
     assert_sound(history)
+
+
+async def _published(
+    store: Store, queue: QueueRef, shards: int, calls: list[list[OutgoingMessage]], ordered_keys: bool = False
+) -> tuple[History, list[list[Published]]]:
+    """A queue with the subscriber `workers` (visibility 60 s), and `calls` published to it, one
+    call each (one batch on one shard): a history of those publishes and their results."""
+    catalog.apply_queue(store, queue, QueueSpec(shards=shards, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, queue, "workers", SubscriberSpec(
+        queue=queue.name, start_position="earliest", visibility_timeout_seconds=60, ordered_keys=ordered_keys))
+    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
+    history = History()
+    results = []
+    for messages in calls:
+        results.append(await publisher.publish(messages))
+        answered = History.now()
+        history.published.update((r.message_id, answered) for r in results[-1])
+    await publisher.flush_heads()
+    return history, results
 
 
 async def _run_victim(history: History, arguments: list[str]) -> list[dict[str, object]]:
@@ -443,19 +437,11 @@ async def test_acks_answered_before_a_kill_are_never_delivered_again(
     acks: whether its lease was proven locally or by ZooKeeper, nothing it answered `acked`
     reaches the next member (checked by the history checker)."""
     queue = QueueRef("default", "ackdie")  # tests.integration.ack_then_die consumes it
-    catalog.apply_queue(store, queue, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE"))
-    catalog.apply_subscriber(store, queue, "workers", SubscriberSpec(
-        queue=queue.name, start_position="earliest", visibility_timeout_seconds=60))
-    publisher = Publisher(store, queue, catalog.read_queue(store, queue))
-    history = History()
     # Batches of 37. Ack calls of 37 first, one whole batch each, whose lease check after the
     # row asks ZooKeeper (told to: the lease is proven locally otherwise). Then calls of 100:
     # each completes some batches and leaves one open.
-    for n in range(40):
-        results = await publisher.publish([OutgoingMessage(f"m{n}-{i}".encode()) for i in range(37)])
-        answered = History.now()
-        history.published.update((r.message_id, answered) for r in results)
-    await publisher.flush_heads()
+    history, _ = await _published(store, queue, 2, [[OutgoingMessage(f"m{n}-{i}".encode()) for i in range(37)]
+                                                    for n in range(40)])
 
     cassandra = f"{backends.contact_points[0]}:{backends.cql_port}"
     for ack_calls, per_call in ((2, 37), (5, 37), (1, 100), (3, 100)):
