@@ -66,9 +66,9 @@ class ShardReader:
         self._committed = record.offset
         self._version = record.version
         self._head = 0
-        # The last read came from the slow recheck, and the head advancer that repairs a head
-        # found behind (made on first use).
-        self._rechecking = False
+        # The highest batch read, and the head advancer that repairs a head found behind it
+        # (made on first use).
+        self._loaded_to = 0
         self._repair: HeadAdvancer | None = None
         self._wake = asyncio.Event()
         # Read all there is and waiting for the head watch (or the slow recheck) to wake it.
@@ -191,9 +191,12 @@ class ShardReader:
             self.caught_up = True
             try:
                 await asyncio.wait_for(self._wake.wait(), CAUGHT_UP_RECHECK_SECONDS)
-                self._rechecking = False
             except TimeoutError:
-                self._rechecking = True  # nothing woke it: the next read looks past the head
+                if self._loaded_to > self._head:
+                    # A whole recheck later the head's watch still has not reached what was
+                    # read: its publisher's advance failed or never came. Repair the head,
+                    # for the other readers and for lag.
+                    self._head_repair().advance(self._loaded_to)
             finally:
                 self.caught_up = False
 
@@ -222,12 +225,7 @@ class ShardReader:
                 skipped = {m.position.seq for m in batch.messages
                            if m.attributes and addressed_elsewhere(m, consumer.subscriber)}
                 state.add_batch(batch.header.batch, batch.messages, mark.done | skipped, mark.deliveries)
-            last = batches[-1].header.batch
-            if self._rechecking and last > self._head:
-                # Found by the slow recheck, not by the head's watch: its publisher's advance
-                # failed or never came. Repair the head, for the other readers and for lag.
-                self._head = last
-                self._head_repair().advance(last)
+            self._loaded_to = max(self._loaded_to, batches[-1].header.batch)
             consumer.notify()
             self.schedule_commit()
             return True
