@@ -115,14 +115,14 @@ async def test_sync_client_covers_the_api(sidecar_url: str) -> None:
 
 async def test_a_retried_publish_after_a_lost_answer_is_written_once(sidecar_url: str, aiohttp_server: Any) -> None:
     """A proxy forwards the first publish but answers 503, as if the reply had been lost."""
-    forwarded: list[dict[str, Any]] = []
+    forwarded: list[tuple[dict[str, Any], int]] = []
 
     async def lossy(request: web.Request) -> web.Response:
         body = await request.json()
         async with aiohttp.ClientSession() as http:
             async with http.post(sidecar_url + request.path, json=body) as answer:
                 result = await answer.json()
-        forwarded.append(body)
+        forwarded.append((body, answer.status))
         if len(forwarded) == 1:
             return web.json_response({"error": {"code": "backend_unavailable", "message": "lost"}}, status=503,
                                      headers={"Retry-After": "0"})
@@ -133,11 +133,12 @@ async def test_a_retried_publish_after_a_lost_answer_is_written_once(sidecar_url
     server = await aiohttp_server(proxy)
     async with AsyncClient(str(server.make_url("")), queue=QUEUE, retry=FAST) as client:
         result = await client.publish({"send": "once"})
-    # The same key both times: the client's producer id and the message's number.
-    assert len(forwarded) == 2 and "id" not in forwarded[0]
-    assert (forwarded[0]["producerid"], forwarded[0]["producerseq"]) == (forwarded[1]["producerid"],
-                                                                         forwarded[1]["producerseq"])
-    assert result.duplicate  # the sidecar recognised the retry
+    # The same key every time: the client's producer id and the message's number. (On a loaded
+    # machine the sidecar itself may answer a forward 503 too: then the client sends it again.)
+    assert len(forwarded) >= 2 and all("id" not in body for body, _ in forwarded)
+    assert len({(body["producerid"], body["producerseq"]) for body, _ in forwarded}) == 1
+    if forwarded[0][1] < 300:
+        assert result.duplicate  # the lost answer's publish was written: the sidecar recognised the retry
     async with AsyncClient(sidecar_url, queue=QUEUE, retry=FAST) as client:
         assert (await client.queue_stats())["publishedMessages"] == 1
 
