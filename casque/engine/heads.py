@@ -40,6 +40,12 @@ RETRY_MAX_SECONDS = 5.0
 PAST_HEAD_PROBE_SECONDS = 5.0
 
 
+def _stopped(client: KazooClient) -> bool:
+    """Whether `stop()` was called on the client (kazoo keeps that in a private event)."""
+    stopped = getattr(client, "_stopped", None)
+    return bool(stopped is not None and stopped.is_set())
+
+
 class HeadAdvancer:
     def __init__(self, client: KazooClient, path: str) -> None:
         self._client = client
@@ -84,8 +90,14 @@ class HeadAdvancer:
             except Exception as error:  # every ZooKeeper failure: the head must still get there
                 self._version = None
                 self.failures += 1
-                log.warning("head %s not advanced to %d (%s); trying again in %.1fs", self._path, target, error,
-                            backoff)
+                if _stopped(self._client):
+                    # The client was stopped for good (its owner ends): the readers repair the head.
+                    log.info("head %s left at %d of %d: the ZooKeeper client stopped", self._path, self._known,
+                             target)
+                    return
+                # Once a loss, not at every try: a ZooKeeper away for minutes is one line.
+                (log.warning if backoff == RETRY_MIN_SECONDS else log.debug)(
+                    "head %s not advanced to %d (%s); trying again until it is", self._path, target, error)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_SECONDS)
 
