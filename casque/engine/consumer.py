@@ -325,7 +325,8 @@ class Consumer:
                 try:
                     if self._sharing is not None:
                         # Claims first: a delivery whose range could not be kept is put back uncounted.
-                        got = await self._sharing.cover(got)
+                        got, uncovered = await self._sharing.cover(got)
+                        self.hand_back(uncovered)
                     if got and abandoned():
                         self.hand_back(got)
                         return []

@@ -188,7 +188,7 @@ class Deliverer:
         return deliveries
 
     async def record(self, deliveries: list[Delivery]) -> None:
-        """Write every delivery's count; if that fails, put the messages back and raise."""
+        """Write every delivery's count; raise if that fails (the caller puts the messages back)."""
         events: list[AckEvent] = []
         for d in deliveries:
             p = d.message.position
@@ -198,8 +198,7 @@ class Deliverer:
         try:
             await self._member.acks.record_many(events)
             return
-        except Exception as error:  # every driver error: the deliveries are handed back
-            self.hand_back(deliveries)
+        except Exception as error:  # every driver error; the caller hands the deliveries back
             if isinstance(error, CasqueError):
                 raise
             raise BackendUnavailable(f"delivery counts not recorded: {error!r}") from error
@@ -210,13 +209,15 @@ class Deliverer:
         counts as before. Returns how many were still current and went back."""
         back = 0
         for d in deliveries:
+            # Counted when taken, received by nobody: uncounted even when its range has gone
+            # meanwhile (nothing to put back then).
+            self._member.counters.deliveries -= 1
+            if d.delivery_count > 1:
+                self._member.counters.redeliveries -= 1
             position, nonce = decode_receipt(d.receipt)
             reader = self._source_for(position)
             if reader is not None and reader.state.undo_take(position, nonce):
                 back += 1
-                self._member.counters.deliveries -= 1
-                if d.delivery_count > 1:
-                    self._member.counters.redeliveries -= 1
         if back:
             self._member.counters.handed_back += back
             self._member.notify()

@@ -413,9 +413,10 @@ class SharedDelivery:
         reader.schedule_commit()  # a range whose messages were all done before completes at once
 
     # --- keeping claims -------------------------------------------------------------------------
-    async def cover(self, deliveries: list[Delivery]) -> list[Delivery]:
-        """Make sure every delivery's claim lasts past its visibility deadline; deliveries whose
-        claim could not be renewed are put back and left out."""
+    async def cover(self, deliveries: list[Delivery]) -> tuple[list[Delivery], list[Delivery]]:
+        """Make sure every delivery's claim lasts past its visibility deadline. Returns the
+        deliveries it could cover and those it could not (their range is no longer ours, or its
+        claim could not be renewed): the caller hands the latter back."""
         owners = {d.receipt: self.source_for(d.message.position) for d in deliveries}
         wanted: dict[ClaimReader, float] = {}
         wall_offset = time.time() - time.monotonic()
@@ -425,15 +426,12 @@ class SharedDelivery:
                 reader.last_handout = time.monotonic()
                 wanted[reader] = max(wanted.get(reader, 0.0), d.visible_until + wall_offset)
         lost = {reader for reader, ends in wanted.items() if not await reader.renew_past(ends)}
-        kept = []
+        kept: list[Delivery] = []
+        uncovered: list[Delivery] = []
         for d in deliveries:
             reader = owners[d.receipt]
-            if reader is None or reader in lost:
-                if reader is not None:
-                    reader.state.undo_take(*decode_receipt(d.receipt))
-                continue
-            kept.append(d)
-        return kept
+            (uncovered if reader is None or reader in lost else kept).append(d)
+        return kept, uncovered
 
     async def _renew_loop(self) -> None:
         while not self._stopped:

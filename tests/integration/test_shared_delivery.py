@@ -192,6 +192,26 @@ async def test_a_member_that_lost_its_range_early_can_neither_ack_nor_complete_i
     await until("the offset past the range", lambda: offsets_of(store, shards)[0] == heads_of(store, shards)[0] + 1)
 
 
+async def test_deliveries_whose_claim_cannot_be_extended_are_handed_back_uncounted(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    setup(store, shards=1, visibility=30)
+    member = await start(consumers, store)
+    await publish(store, 30, "m", per_call=30)
+    held = await member.receive(max_messages=10, wait=10)
+    assert len(held) == 10
+    # Another writer moves the claim's version (as a takeover does), so the member's next
+    # renewal fails and it drops the range: the deliveries that needed the renewal reached
+    # nobody, and are not counted as delivered.
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    (name,) = store.zk.get_children(paths.claims(0))
+    record = await claims.read_claim(store.zk, paths, 0, name)
+    assert record is not None
+    assert await claims.rewrite(store.zk, paths, record, record.member, record.until_ms) is not None
+    assert await member.receive(max_messages=20, visibility=600) == []
+    assert member.report()["delivered"] == 10
+
+
 async def test_the_offset_waits_for_the_lowest_open_range(store: Store, consumers: list[Consumer]) -> None:
     spec = setup(store, shards=1)
     slow, fast = await start(consumers, store), await start(consumers, store)
