@@ -40,6 +40,8 @@ from pydantic import (
     Field,
     JsonValue,
     RootModel,
+    TypeAdapter,
+    ValidationError,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -435,6 +437,19 @@ def source_of(queue: QueueRef) -> str:
     return f"/casque/{queue.namespace}/{queue.name}"
 
 
+_TIME = TypeAdapter(datetime)
+
+
+def _is_time(value: str) -> bool:
+    # This API only stores valid times as `ce-time`; a message written another way (the
+    # engine's own publisher, a replay) may carry anything there, and keeps it as an attribute.
+    try:
+        _TIME.validate_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
 def envelope(delivery: Delivery, queue: QueueRef, raw: bool = False) -> Message:
     """The CloudEvent for one delivery; with `raw`, the payload as `data_base64` whatever its type."""
     stored = delivery.message
@@ -456,8 +471,9 @@ def envelope(delivery: Delivery, queue: QueueRef, raw: bool = False) -> Message:
         # The engine keeps deadlines on the monotonic clock; apps need a wall-clock time.
         "visibleuntil": wall_clock(delivery.visible_until),
     }
-    produced = attributes.pop(CE_ATTRIBUTES["time"], None)
-    if produced is not None:
+    produced = attributes.get(CE_ATTRIBUTES["time"])
+    if produced is not None and _is_time(produced):
+        del attributes[CE_ATTRIBUTES["time"]]
         fields["time"] = produced
         fields["publishedat"] = stored.published_at
     for name in ("subject", "dataschema", "traceparent", "tracestate"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from datetime import datetime, timezone
 from pathlib import Path
@@ -67,6 +68,19 @@ def test_a_payload_not_renderable_as_json_is_delivered_as_base64(payload: bytes)
 def test_each_message_renders_as_strict_json() -> None:
     rendered = message_json(Delivery(stored(0, b'{"n": 1.5}'), "r0", 2, 0.0), QUEUE)
     assert json.loads(rendered, parse_constant=lambda name: pytest.fail(name))["deliverycount"] == 2
+
+
+@pytest.mark.parametrize(("stored_time", "field"), [("not a time", None), ("2026-02-03T04:05:06Z", "2026-02-03T04:05:06Z")])
+def test_a_stored_ce_time_that_is_no_time_stays_an_attribute(stored_time: str, field: str | None) -> None:
+    message = stored(0, b'{"ok": 1}')
+    message = dataclasses.replace(message, attributes={"ce-time": stored_time})
+    rendered = json.loads(message_json(Delivery(message, "r0", 1, 0.0), QUEUE))
+    assert rendered["data"] == {"ok": 1}
+    if field is None:
+        assert rendered["attributes"] == {"ce-time": stored_time}
+        assert rendered["time"] == "2026-01-01T00:00:00Z"  # when casque wrote it
+    else:
+        assert (rendered["time"], rendered["attributes"]) == (field, {})
 
 
 @pytest.mark.parametrize("body", [b'{"data": NaN}', b'{"data": {"x": [Infinity]}}', b'{"data": -Infinity}',

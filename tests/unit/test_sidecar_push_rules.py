@@ -14,6 +14,7 @@ from casque.engine.consumer import Consumer
 from casque.engine.messages import Delivery, Position, StoredMessage
 from casque.errors import InvalidSpec
 from casque.schema import QueueRef
+from casque.sidecar import push
 from casque.sidecar.config import SidecarSettings, push_target
 from casque.sidecar.metrics import SidecarMetrics
 from casque.sidecar.push import QUOTED_ANSWER_CHARS, PushWorker, error_reason, push_token
@@ -106,16 +107,22 @@ def test_a_failure_reason_is_kept_short() -> None:
 
 
 @pytest.mark.parametrize("dead_letter_queue", [True, False])
-async def test_a_message_that_cannot_be_rendered_is_a_permanent_failure(dead_letter_queue: bool) -> None:
+async def test_a_message_that_cannot_be_rendered_is_a_permanent_failure(
+    dead_letter_queue: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     consumer = RecordingConsumer(dead_letter_queue)
     pusher = worker(consumer)
-    # Not a time: the event cannot be built however the payload is carried.
-    await pusher._deliver(delivery({"ce-time": "yesterday"}), "http://127.0.0.1:9/events")
+
+    def unrenderable(delivery: Delivery, queue: QueueRef) -> bytes:
+        raise ValueError("1 validation error for Message")  # as pydantic's ValidationError would
+
+    monkeypatch.setattr(push, "message_json", unrenderable)
+    await pusher._deliver(delivery({}), "http://127.0.0.1:9/events")
     ((how, receipt, delay, reason),) = consumer.settled
     assert (how, receipt) == (("dead_letter", "r-1") if dead_letter_queue else ("nack", "r-1"))
     if not dead_letter_queue:
         assert delay == 60  # kept, never dropped: the longest backoff
-    assert reason is not None and "cannot render" in reason and "ValidationError" in reason
+    assert reason is not None and "cannot render" in reason and "validation error" in reason
     assert push_errors(pusher, "render") == 1
 
 
