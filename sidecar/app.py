@@ -84,6 +84,8 @@ def create_app(
     app[TRACING] = tracing if tracing is not None else from_environment()
     app[OPENAPI] = build(OPERATIONS, _version(), bearer_token=settings.token is not None)
     bodies.install(app)
+    memory = bodies.memory_of(app)
+    metrics.track_request_memory(lambda: memory.charged, lambda: memory.peak)
     add_routes(app)
     app.cleanup_ctx.append(_backends_context(store))
     if tracing is None and app[TRACING] is not None:

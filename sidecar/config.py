@@ -83,6 +83,12 @@ class SidecarSettings(BaseSettings):
     # A client that has not sent its whole body by then gets 408: a trickling client must
     # not hold a connection and its buffer forever.
     body_timeout_seconds: Annotated[float, Field(gt=0, le=600)] = 30.0
+    # A parsed JSON value costs up to ~200 bytes (bodies.py): 131,072 of them about 26 MiB,
+    # however few bytes they were sent in. A body with more is refused (413) unparsed.
+    max_json_values: Annotated[int, Field(ge=1024, le=4 * MiB)] = 131_072
+    # A connection with no whole request by then (part of the headers, or nothing, since it
+    # opened or since its last answer) is closed: headers cannot be trickled to hold it.
+    header_timeout_seconds: Annotated[float, Field(gt=0, le=600)] = 15.0
     # One log line per request (method, path, status, time, request id). Off by default:
     # at thousands of requests a second it would be most of the log.
     access_log: bool = False

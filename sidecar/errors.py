@@ -80,6 +80,16 @@ class RequestTooLarge(SidecarError):
     status = 413
 
 
+class HeadersTooLarge(SidecarError):
+    code = "headers_too_large"
+    status = 431
+
+
+class TooManyValues(SidecarError):
+    code = "too_many_values"
+    status = 413
+
+
 class RequestTimeout(SidecarError):
     code = "request_timeout"
     status = 408

@@ -12,6 +12,9 @@
   carries an Origin. A CloudEvent in binary mode may have any content type, but it needs
   the `ce-specversion` header, which a page cannot send cross-site without a preflight either.
 - A declared Content-Length within the limit, refused before a byte of the body is read (413).
+- Headers of at most MAX_HEADER_BYTES together (431). The HTTP parser already caps their
+  count (MAX_HEADERS) and each one's size (8 KiB), so this bounds what a request's headers
+  hold at the size of a few big tokens, and a connection at MAX_HEADERS of 8 KiB.
 
 Probes, metrics and the OpenAPI document carry no message data and only answer GETs, so
 they skip the Host check: kubelet and Prometheus may name the pod's IP.
@@ -28,7 +31,7 @@ from aiohttp.typedefs import Middleware
 
 from casque.sidecar.bodies import too_large
 from casque.sidecar.config import SidecarSettings
-from casque.sidecar.errors import CrossOrigin, ForeignHost, UnsupportedMediaType
+from casque.sidecar.errors import CrossOrigin, ForeignHost, HeadersTooLarge, UnsupportedMediaType
 from casque.sidecar.events import CLOUDEVENTS_BATCH, CLOUDEVENTS_JSON, is_binary
 from casque_client.loopback import is_loopback
 
@@ -36,6 +39,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 JSON_MEDIA_TYPES = frozenset({"application/json", CLOUDEVENTS_JSON, CLOUDEVENTS_BATCH})
+MAX_HEADERS = 32  # given to the HTTP parser (server.py); apps send fewer than ten
+MAX_HEADER_BYTES = 32 * 1024
+# Fewer headers than this cannot reach MAX_HEADER_BYTES (8 KiB each at most): not summed.
+_SUMMED_FROM = MAX_HEADER_BYTES // 8190 + 1
 
 
 def host_name(host_header: str) -> str:
@@ -55,6 +62,11 @@ def loopback_host(host_header: str) -> bool:
 
 def check(request: web.Request, settings: SidecarSettings, loopback_only: bool) -> None:
     """Raise the refusal for a request that must not reach its handler."""
+    raw = request.raw_headers
+    if len(raw) >= _SUMMED_FROM:
+        size = sum(len(name) + len(value) for name, value in raw)
+        if size > MAX_HEADER_BYTES:
+            raise HeadersTooLarge(f"the headers hold {size} bytes; this sidecar takes at most {MAX_HEADER_BYTES}")
     if loopback_only and request.path not in OPEN_PATHS:
         host = request.headers.get("Host", "")
         if not loopback_host(host):

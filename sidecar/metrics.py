@@ -77,6 +77,11 @@ class SidecarMetrics:
             "casque_sidecar_push_seconds", "Time the app took to answer a push.", ["subscriber"],
             buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.request_memory = Gauge(
+            "casque_sidecar_request_memory_bytes",
+            "What the request bodies being handled are charged (their bytes, and their JSON values at the "
+            "most one was measured to cost): now, and the most since the start.", ["when"], registry=r,
+        )
         self.in_flight = Gauge(
             "casque_sidecar_in_flight_messages", "Messages handed out and not yet acked.", ["subscriber"], registry=r
         )
@@ -87,6 +92,10 @@ class SidecarMetrics:
             "Shards due to this sidecar that it does not read now (lease not held, or reading or committing fails).",
             ["subscriber"], registry=r,
         )
+
+    def track_request_memory(self, now: Callable[[], float], peak: Callable[[], float]) -> None:
+        self.request_memory.labels("now").set_function(now)
+        self.request_memory.labels("peak").set_function(peak)
 
 
 def metrics_middleware(metrics: SidecarMetrics) -> Middleware:

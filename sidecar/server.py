@@ -15,6 +15,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
+from typing import Any
 
 import uvloop
 from aiohttp import web
@@ -24,6 +25,7 @@ from casque.config import Settings
 from casque.logs import LogFormat
 from casque.sidecar.app import RUNTIME, create_app
 from casque.sidecar.config import SidecarSettings
+from casque.sidecar.guards import MAX_HEADERS
 from casque.sidecar.routes import metrics_of
 
 log = logging.getLogger(__name__)
@@ -32,13 +34,21 @@ log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_SECONDS = 5.0
 
 
+def protocol_options(settings: SidecarSettings) -> dict[str, Any]:
+    """How the HTTP connections are held. aiohttp closes a connection that has no whole
+    request within its keep-alive timeout, counted from the connection's start and from each
+    answer, partial headers or not: so that timeout is the header timeout too."""
+    return {"keepalive_timeout": settings.header_timeout_seconds, "max_headers": MAX_HEADERS}
+
+
 async def serve(
     settings: SidecarSettings,
     backends: Settings | None = None,
     on_listening: Callable[[str], None] | None = None,
 ) -> None:
     app = create_app(settings, backends)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=CLOSE_TIMEOUT_SECONDS, access_log=None)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=CLOSE_TIMEOUT_SECONDS, access_log=None,
+                           **protocol_options(settings))
     scrape_runner: web.AppRunner | None = None
     await runner.setup()  # quick: the backends are connected in the background (runtime.py)
     try:

@@ -15,15 +15,18 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from casque.engine import catalog
 from casque.schema import QueueRef
+from casque.sidecar.bodies import LARGE_AT_ONCE, OFFLOAD_BYTES, VALUE_BYTES
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from casque_client import Client
@@ -126,7 +129,7 @@ def sidecar(store: Store, start_sidecar: Callable[..., SidecarProcess]) -> Sidec
     create_queue(store)
     # A short body timeout, so the trickling client's 408 comes soon; nothing waits on a clock.
     return start_sidecar("--queue", QUEUE, "--subscriber", SUBSCRIBER,
-                         env={"CASQUE_SIDECAR_BODY_TIMEOUT_SECONDS": "2"})
+                         env={"CASQUE_SIDECAR_BODY_TIMEOUT_SECONDS": "2", "CASQUE_SIDECAR_HEADER_TIMEOUT_SECONDS": "2"})
 
 
 def nested(depth: int) -> bytes:
@@ -318,3 +321,68 @@ def test_probes_answer_any_host_but_the_api_only_the_loopback(sidecar: SidecarPr
         assert exchange(sidecar.url, "GET", f"/v1/queues/{QUEUE}/stats", host=host).status == 200, host
     with urllib.request.urlopen(f"{sidecar.url}/readyz") as answer:  # the injected probe's own call
         assert answer.status == 200
+
+
+# --- memory: bodies charged by what they parse into, headers bounded --------------------------------
+def request_memory(url: str) -> dict[str, float]:
+    """The sidecar's own accounting of request bodies: {"now": bytes, "peak": bytes}."""
+    with urllib.request.urlopen(f"{url}/metrics") as answer:
+        text = answer.read().decode()
+    return {sample.labels["when"]: sample.value
+            for family in text_string_to_metric_families(text) if family.name == "casque_sidecar_request_memory_bytes"
+            for sample in family.samples}
+
+
+def concurrently(*calls: Callable[[], Answer]) -> list[Answer]:
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
+def test_bodies_of_tiny_values_are_refused_and_what_parses_is_charged_within_a_bound(sidecar: SidecarProcess) -> None:
+    url = sidecar.url
+    # 4 MiB of empty objects: 1.4 million Python dicts, over 100 MiB each, were it parsed.
+    tiny = b'{"data": [' + b",".join([b"{}"] * ((LIMIT - 64) // 3)) + b"]}"
+    assert len(tiny) <= LIMIT
+    answers = concurrently(*[lambda: post_json(url, PUBLISH, tiny)] * 2)
+    assert [(a.status, a.code) for a in answers] == [(413, "too_many_values")] * 2
+    # At the limit of values, padded to the byte limit: parsed, published, and charged.
+    values = 131_072 - 16
+    heavy = b'{"data": {"items": [' + b",".join([b"{}"] * values) + b'], "pad": "' + b"x" * 300_000 + b'"}}'
+    assert OFFLOAD_BYTES < len(heavy) < 1024 * 1024  # a large request, a message the queue takes
+    answers = concurrently(*[lambda: post_json(url, PUBLISH, heavy)] * 3)
+    assert [a.status for a in answers] == [200] * 3
+    memory = request_memory(url)
+    per_body = 2 * len(heavy) + values * VALUE_BYTES
+    # Each was charged while it was handled, and no more than LARGE_AT_ONCE at a time.
+    assert per_body <= memory["peak"] <= LARGE_AT_ONCE * (2 * LIMIT + 131_072 * VALUE_BYTES), memory
+    assert memory["now"] == 0
+    with Client(url, queue=QUEUE, subscriber=SUBSCRIBER) as client:
+        ids = {json.loads(a.body)["messageId"] for a in answers}
+        assert set(receive_all(client, ids)) >= ids
+
+
+def test_a_connection_trickling_its_headers_is_closed(sidecar: SidecarProcess) -> None:
+    hostname, port = address(sidecar.url)
+    with socket.create_connection((hostname, port), timeout=SOCKET_GUARD_SECONDS) as sock:
+        sock.sendall(f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode())
+        sock.settimeout(0.5)
+        closed = False
+        for _ in range(int(SOCKET_GUARD_SECONDS / 0.5)):  # a header byte every half second, never the end
+            try:
+                sock.sendall(b"X")
+                closed = sock.recv(1024) == b""
+            except TimeoutError:
+                continue
+            except (ConnectionResetError, BrokenPipeError):
+                closed = True
+            if closed:
+                break
+        assert closed, "the sidecar kept a connection whose headers never ended"
+
+
+def test_headers_too_large_together_are_refused(sidecar: SidecarProcess) -> None:
+    many = {f"X-Filler-{i}": "v" * 4000 for i in range(10)}  # 40 KB, each header within the parser's 8 KiB
+    answer = exchange(sidecar.url, "GET", f"/v1/queues/{QUEUE}/stats", headers=many)
+    assert (answer.status, answer.code) == (431, "headers_too_large")
+    assert exchange(sidecar.url, "GET", f"/v1/queues/{QUEUE}/stats",
+                    headers=dict(list(many.items())[:6])).status == 200  # 24 KB: taken

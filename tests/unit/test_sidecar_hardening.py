@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
+import tracemalloc
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -23,7 +25,8 @@ from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import as_casque_error, status_of
 from casque.sidecar.guards import host_name
-from casque.sidecar.models import PublishMessage, SeekRequest, message_json, receive_body
+from casque.sidecar.bodies import VALUE_BYTES, json_values
+from casque.sidecar.models import PublishBatchRequest, PublishMessage, SeekRequest, message_json, receive_body
 from casque_client.loopback import is_loopback
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -186,3 +189,37 @@ def test_recent_ids_are_bounded_by_bytes_as_well_as_by_count() -> None:
     for n in range(5):
         small.remember(str(n), Published(f"m{n}", 0, 1, n))
     assert [small.get(str(n)) is not None for n in range(5)] == [False, False, True, True, True]
+
+
+# --- bodies charged by their JSON values ------------------------------------------------------------
+@pytest.mark.parametrize(("body", "values"), [
+    (b"{}", 1), (b"[]", 1), (b"1", 1), (b'"a,b[{"', 1), (b"[1,2,3]", 4), (b"[{},[],{}]", 4),
+    (b'{"a": 1, "b": [1, {"c": []}]}', 6), (b'{"csv": "' + b"a,b,c," * 1000 + b'"}', 2),
+])
+def test_json_values_are_counted_outside_strings(body: bytes, values: int) -> None:
+    assert json_values(body, limit=0) == values  # limit 0: always the exact count
+    assert json_values(body, limit=10**9) >= values  # the quick count never says fewer
+
+
+SHAPES = {
+    "empty objects": b'{"data": [' + b",".join([b"{}"] * 50_000) + b"]}",
+    "empty lists": b'{"data": [' + b",".join([b"[]"] * 50_000) + b"]}",
+    "members": b'{"data": {' + b",".join(b'"k%d": 1' % i for i in range(50_000)) + b"}}",
+    "floats": b'{"data": [' + b",".join([b"1.5"] * 50_000) + b"]}",
+    "short strings": b'{"data": [' + b",".join([b'"a"'] * 50_000) + b"]}",
+    "refused messages": b'{"messages": [' + b",".join([b'{"x": 1}'] * 50_000) + b"]}",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_bodys_charge_covers_what_parsing_it_takes(shape: str) -> None:
+    raw = SHAPES[shape]
+    tracemalloc.start()
+    try:
+        with contextlib.suppress(ValidationError):
+            PublishBatchRequest.model_validate_json(raw, strict=True) if shape == "refused messages" \
+                else PublishMessage.model_validate_json(raw, strict=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= json_values(raw, limit=0) * VALUE_BYTES, (shape, peak)
