@@ -129,6 +129,11 @@ async def test_a_stopped_consumer_is_reported_stalled_and_an_idle_one_is_not(
     assert by_shard[1 - shard]["stalled"] is False and by_shard[1 - shard]["lagBatches"] == 0
     text_doc = (await asyncio.to_thread(describe, env, STUCK)).stdout
     assert "stalled: True" in text_doc and "stalledShards:" in text_doc
+    table = (await asyncio.to_thread(CliRunner().invoke, app, ["get", "subscribers", QUEUE], env=env)).stdout
+    header, *rows = table.splitlines()
+    column = header.index("STALLED")
+    stalled_column = {row.split()[1]: row[column:].split()[0] for row in rows}
+    assert stalled_column == {STUCK: str(shard), IDLE: "-"}, table
 
     # The idle subscriber: lag 0, its offset unmoved for longer than its threshold, yet not stalled.
     async def idle_past_threshold() -> SubscriberStats | None:
