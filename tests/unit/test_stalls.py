@@ -67,3 +67,15 @@ def test_the_report_names_the_stalled_shards_and_their_time() -> None:
     assert report.detail() == (
         "stalled: shard 1 since 2026-11-27T04:59:56+00:00, shard 3 since 2026-11-27T04:59:50+00:00 "
         "(lag and no offset move for 2s or more)")
+
+
+def test_a_subscriber_without_stall_after_is_stored_as_the_previous_version_wrote_it() -> None:
+    """Sidecars of the previous version refuse unknown spec fields: an unset stallAfter stays out of the znode."""
+    from casque.engine.catalog import _subscriber_json
+    from casque.specs import SubscriberState
+
+    plain = SubscriberState(spec=SubscriberSpec(queue="q"), created_at=NOW, incarnation="i")
+    assert b"stall_after_seconds" not in _subscriber_json(plain)
+    assert SubscriberState.model_validate_json(_subscriber_json(plain)) == plain
+    patient = SubscriberState(spec=SubscriberSpec(queue="q", stall_after_seconds=90), created_at=NOW)
+    assert SubscriberState.model_validate_json(_subscriber_json(patient)) == patient
