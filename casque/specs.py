@@ -106,11 +106,14 @@ class SubscriberSpec(_Spec):
     # The next message of a key is delivered only once the one before it is acked or
     # dead-lettered (casque.engine.keylocks), also across the members of shared delivery.
     ordered_keys: bool = False
+    # A shard with lag whose offset has not moved for this long is reported stalled
+    # (casque.engine.stalls); unset, it follows from the visibility timeout.
+    stall_after_seconds: Annotated[int | None, Field(ge=1, le=7 * 86400, alias="stallAfter")] = None
 
-    @field_validator("visibility_timeout_seconds", mode="before")
+    @field_validator("visibility_timeout_seconds", "stall_after_seconds", mode="before")
     @classmethod
-    def _durations(cls, value: object) -> int:
-        return parse_duration(value)
+    def _durations(cls, value: object) -> int | None:
+        return None if value is None else parse_duration(value)
 
     @model_validator(mode="after")
     def _dead_letter_elsewhere(self) -> SubscriberSpec:

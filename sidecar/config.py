@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from casque.engine.stalls import RECEIVE_WAIT_SECONDS
 from casque.schema import NAME_PATTERN
 from casque_client.loopback import is_loopback
 
@@ -72,7 +73,8 @@ class SidecarSettings(BaseSettings):
     # app can finish them, before the leases are released to other sidecars.
     drain_seconds: Annotated[float, Field(ge=0, le=3600)] = 20.0
     # Long polls longer than this are cut short: proxies and clients time out idle requests.
-    max_wait_seconds: Annotated[float, Field(ge=0, le=300)] = 20.0
+    # The default is the wait the stall threshold allows for (casque.engine.stalls).
+    max_wait_seconds: Annotated[float, Field(ge=0, le=300)] = RECEIVE_WAIT_SECONDS
     # Checked against Content-Length before a byte is read, and counted while reading a
     # chunked body. A parsed body takes several times its size in memory, and the injected
     # container has 256 MiB.

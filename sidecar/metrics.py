@@ -2,9 +2,11 @@
 
 Each app has its own registry, so several sidecars in one process (tests) do not mix.
 Counters move as requests are handled; the gauges of this sidecar's consumers (in flight,
-leases, unread shards) are refreshed when /metrics is scraped. Subscriber-wide figures (lag,
-oldest pending message) are the operator's to export, once for every sidecar
-(operator/metrics.py): a scrape reads no messages or offsets. Recording a metric must
+leases, unread shards, stalls) are refreshed when /metrics is scraped. Subscriber-wide
+figures (lag, oldest pending message) are the operator's to export, once for every sidecar
+(operator/metrics.py). The one exception is stalls: each sidecar judges the shards it
+answers for (casque.sidecar.stalls), reading their offset and head znodes at most every
+few seconds, so a stall shows where the stalled consumer runs. Recording a metric must
 never fail a request: the middleware keeps its own failures to the log.
 """
 
@@ -91,6 +93,23 @@ class SidecarMetrics:
             "casque_sidecar_unread_shards",
             "Shards due to this sidecar that it does not read now (lease not held, or reading or committing fails).",
             ["subscriber"], registry=r,
+        )
+        self.stalled_shards = Gauge(
+            "casque_sidecar_stalled_shards",
+            "Shards this sidecar answers for (leased, or all in shared delivery) with lag and an offset that has not "
+            "moved for the subscriber's stall threshold.",
+            ["queue", "subscriber"], registry=r,
+        )
+        self.stall_seconds = Gauge(
+            "casque_sidecar_stall_seconds",
+            "The longest a shard with lag that this sidecar answers for has gone without an offset move (0: no lag).",
+            ["queue", "subscriber"], registry=r,
+        )
+        self.stall_threshold = Gauge(
+            "casque_sidecar_stall_threshold_seconds",
+            "Lag without an offset move for this long is a stall (the subscriber's stallAfter, or from its "
+            "visibility timeout).",
+            ["queue", "subscriber"], registry=r,
         )
 
     def track_request_memory(self, now: Callable[[], float], peak: Callable[[], float]) -> None:

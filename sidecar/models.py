@@ -676,6 +676,10 @@ class SubscriberShardStatsBody(Reply):
     lag_messages: int | None
     oldest_unacked_at: datetime | None
     leased_by: str | None
+    # A stall: lag, and the offset unmoved since `stalledSince` for at least stallAfterSeconds.
+    stalled: bool = False
+    stalled_since: datetime | None = None
+    offset_moved_at: datetime | None = None
 
 
 class SubscriberStatsResult(Reply):
@@ -692,6 +696,8 @@ class SubscriberStatsResult(Reply):
     members: list[str]
     shards: list[SubscriberShardStatsBody]
     sampled_at: datetime
+    stall_after_seconds: float
+    stalled_shards: list[int]
 
     @classmethod
     def of(cls, stats: SubscriberStats) -> SubscriberStatsResult:
@@ -717,10 +723,15 @@ class SubscriberStatsResult(Reply):
                     lag_messages=s.lag_messages,
                     oldest_unacked_at=s.oldest_unacked_at,
                     leased_by=s.leased_by,
+                    stalled=s.stalled_since is not None,
+                    stalled_since=s.stalled_since,
+                    offset_moved_at=s.offset_moved_at,
                 )
                 for s in stats.shards
             ],
             sampled_at=stats.sampled_at,
+            stall_after_seconds=stats.stall_after_seconds,
+            stalled_shards=stats.stalled_shards,
         )
 
 

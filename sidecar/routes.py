@@ -21,6 +21,7 @@ from casque.logs import REQUEST_ID
 from casque.sidecar.bodies import parse_body, read_limited
 from casque.sidecar.errors import RETRY_AFTER_SECONDS, error_body
 from casque.sidecar.events import binary_event, is_batch, is_binary
+from casque.sidecar.health import readiness, refresh_gauges
 from casque.sidecar.keys import METRICS, OPENAPI, RUNTIME, SETTINGS, TRACING
 from casque.sidecar.logs import REQUEST_ID_HEADER
 from casque.sidecar.models import (
@@ -292,7 +293,7 @@ async def readyz(request: web.Request) -> web.Response:
         body = Health(status="starting", checks={"backends": runtime.problem})
         return web.json_response(body.wire(), status=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     # ?scope=serving: what the Pod's readiness probe asks (see SidecarService.readiness).
-    ready, checks = await runtime.service.readiness(serving_only=request.query.get("scope") == "serving")
+    ready, checks = await readiness(runtime.service, serving_only=request.query.get("scope") == "serving")
     status: HealthStatus = "ok" if ready else ("draining" if runtime.service.draining else "unready")
     return web.json_response(Health(status=status, checks=checks).wire(), status=200 if ready else 503)
 
@@ -305,7 +306,7 @@ async def metrics_of(app: web.Application) -> web.Response:
     """The sidecar app's metrics, for its own /metrics and for the separate metrics port."""
     service = app[RUNTIME].service
     if service is not None:
-        await service.refresh_gauges()
+        await refresh_gauges(service)
     body = generate_latest(app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kazoo.client import KazooState
 from kazoo.exceptions import NoNodeError
 from kazoo.recipe.watchers import DataWatch
 
@@ -50,6 +49,7 @@ from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import BACKEND_FAILURES, NotReady, SubscriberNotServed
 from casque.sidecar.metrics import SidecarMetrics
 from casque.sidecar.models import SeekRequest
+from casque.sidecar.stalls import StallWatch
 from casque.specs import QueueState
 from casque.store import Store
 
@@ -118,6 +118,7 @@ class QueueService:
         self._starter: asyncio.Task[None] | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._mover: DelayMover | None = None
+        self.stalls = StallWatch()
         # Push workers (casque.sidecar.push) register here; the service stops them first on drain.
         self.on_consumer_started: list[Callable[[Subscription], None]] = []
         self.stoppers: list[Callable[[float], Awaitable[None]]] = []
@@ -424,61 +425,6 @@ class QueueService:
                 )
             target = SeekTarget(kind="batch", batches=batches)
         return await blocking(seek, self.store, ref, subscriber, target)
-
-    # --- health ----------------------------------------------------------------------------
-    async def readiness(self, serving_only: bool = False) -> tuple[bool, dict[str, str]]:
-        """Ready: both backends answer, and every served subscriber holds the shards it is due.
-
-        `serving_only` (the Pod's readiness probe): the sidecar can take the app's calls, so
-        not draining and Cassandra up (ZooKeeper too when it serves subscribers). A member
-        short of its shards is still reported in full by /readyz, but it does not take
-        the Pod out of its Services: that would stop the app's own traffic, which a
-        rebalance has nothing to do with.
-        """
-        checks: dict[str, str] = {}
-        ready = not self.draining
-        if self.draining:
-            checks["sidecar"] = "draining"
-        zk_ok = self.store.zk.state == KazooState.CONNECTED
-        checks["zookeeper"] = "connected" if zk_ok else f"not connected ({self.store.zk.state})"
-        cluster = self.store.session.cluster
-        cassandra_ok = any(host.is_up for host in cluster.metadata.all_hosts())
-        checks["cassandra"] = "up" if cassandra_ok else "no host up"
-        ready = ready and cassandra_ok and (zk_ok or not self.subscriptions)
-        if serving_only:
-            return ready, checks
-        ready = ready and zk_ok
-        for name, subscription in self.subscriptions.items():
-            consumer = subscription.consumer
-            if consumer is None:
-                checks[f"subscriber/{name}"] = subscription.problem
-                ready = False
-                continue
-            try:
-                healthy, detail = await consumer.health()
-            except (BackendUnavailable, NoNodeError) as error:
-                healthy, detail = False, f"cannot read members: {error}"
-            checks[f"subscriber/{name}"] = detail
-            checks[f"member/{name}"] = consumer.member_id
-            if subscription.push is not None and subscription.push.problem:
-                # Reported, not counted: the app can still receive, and a restart would not fix it.
-                checks[f"push/{name}"] = subscription.push.problem
-            ready = ready and healthy
-        return ready, checks
-
-    async def refresh_gauges(self) -> None:
-        """The gauges of this sidecar's consumers, read when /metrics is scraped."""
-        metrics = self.metrics
-        for name, subscription in self.subscriptions.items():
-            consumer = subscription.consumer
-            if consumer is None:
-                continue
-            metrics.in_flight.labels(name).set(consumer.in_flight())
-            metrics.leases.labels(name).set(len(consumer.held_shards))
-            try:
-                metrics.unread_shards.labels(name).set((await consumer.shard_status()).unread)
-            except (BackendUnavailable, NoNodeError):
-                pass
 
 
 async def _each(receipts: Sequence[str], action: Callable[[str], Awaitable[T]]) -> list[T | CasqueError]:

@@ -119,6 +119,11 @@ def _count(value: Any) -> str:
     return "?" if value is None else f"{value:,}"
 
 
+def _stalled(shards: list[int] | None) -> str:
+    """The stalled shards (lag, offset unmoved past the threshold), by number."""
+    return "-" if not shards else ",".join(map(str, shards))
+
+
 def queue_table(documents: list[dict[str, Any]], namespaces: bool) -> Table:
     table = Table(box=None, pad_edge=False)
     columns = (["NAMESPACE"] if namespaces else []) + [
@@ -137,7 +142,7 @@ def queue_table(documents: list[dict[str, Any]], namespaces: bool) -> Table:
 def subscriber_table(documents: list[dict[str, Any]], namespaces: bool) -> Table:
     table = Table(box=None, pad_edge=False)
     columns = (["NAMESPACE"] if namespaces else []) + [
-        "QUEUE", "NAME", "LAG", "OLDEST UNACKED", "IN FLIGHT", "DEAD", "MEMBERS", "AGE"]
+        "QUEUE", "NAME", "LAG", "OLDEST UNACKED", "STALLED", "IN FLIGHT", "DEAD", "MEMBERS", "AGE"]
     for column in columns:
         table.add_column(column, no_wrap=True)
     for d in documents:
@@ -145,7 +150,8 @@ def subscriber_table(documents: list[dict[str, Any]], namespaces: bool) -> Table
         oldest = status.get("oldestUnackedAgeSeconds")
         row = ([meta["namespace"]] if namespaces else []) + [
             spec["queue"], meta["name"], _count(status.get("lagMessages")),
-            "-" if oldest is None else f"{oldest:,.1f}s", _count(status.get("inFlight")),
+            "-" if oldest is None else f"{oldest:,.1f}s", _stalled(status.get("stalledShards")),
+            _count(status.get("inFlight")),
             _count(status.get("deadLettered")), str(len(status.get("members", []))), _age(meta["creationTimestamp"])]
         table.add_row(*row)
     return table
@@ -225,7 +231,7 @@ def get_subscribers(
     zookeeper: ZookeeperOption = None,
     keyspace: KeyspaceOption = None,
 ) -> None:
-    """List subscribers: queue, lag, oldest unacked age, in flight, dead-lettered, members, age."""
+    """List subscribers: queue, lag, oldest unacked age, stalled shards, in flight, dead-lettered, members, age."""
     check(output, ("table", *MACHINE))
     if queue and all_namespaces:
         raise UsageError("name a queue or give --all-namespaces, not both")

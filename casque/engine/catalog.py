@@ -282,7 +282,7 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
         # offsets (a sidecar reading it midway would fail to parse it or find no offset).
         store.zk.ensure_path(store.paths(queue).subscribers)
         transaction = store.zk.transaction()
-        transaction.create(paths.base, state.model_dump_json().encode())
+        transaction.create(paths.base, _subscriber_json(state))
         for directory in (paths.offsets, paths.members, paths.leases, paths.fences):
             transaction.create(directory, b"")
         for shard, offset in offsets.items():
@@ -295,7 +295,7 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
             raise cause
         changes.actions.append(f"subscriber created at {_describe(spec.start_position)}")
     elif current.spec != spec:
-        store.zk.set(paths.base, current.model_copy(update={"spec": spec}).model_dump_json().encode())
+        store.zk.set(paths.base, _subscriber_json(current.model_copy(update={"spec": spec})))
         changes.actions.append("subscriber spec updated")
     return changes
 
@@ -342,3 +342,11 @@ def _create_if_absent(store: Store, path: str, value: bytes) -> bool:
         return True
     except NodeExistsError:
         return False
+
+
+def _subscriber_json(state: SubscriberState) -> bytes:
+    """A subscriber's znode data. Unset optional fields stay out (their default is None, so
+    nothing changes on reading back): sidecars of the previous version, whose spec refuses
+    fields it does not know, still read a subscriber that does not use a newer field
+    (`stallAfter`) during a rolling upgrade."""
+    return state.model_dump_json(exclude_none=True).encode()

@@ -177,6 +177,13 @@ class Consumer:
             return {source.shard for source in self._sharing.sources()}
         return set(self.readers)
 
+    def answered_shards(self) -> list[int]:
+        """The shards whose progress this member answers for: its leased ones, or every shard
+        in shared delivery (every member delivers from every shard)."""
+        if self._sharing is not None:
+            return list(self._sharing.shards)
+        return sorted(self.readers)
+
     @property
     def leases(self) -> ShardLeases | None:
         """The shard leases of leased delivery (None in shared delivery, or before start)."""

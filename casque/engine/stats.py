@@ -22,10 +22,10 @@ from casque.backends import zk
 from casque.engine import catalog
 from casque.engine.batches import Header, Log
 from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters, dead_lettered
+from casque.engine.stalls import read_progress, stall_threshold
 from casque.schema import QueueRef
 from casque.specs import QueueState, priority_of
 from casque.store import Store
-from casque.znodes import decode_offset
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ class SubscriberShardStats:
     lag_messages: int | None
     oldest_unacked_at: datetime | None
     leased_by: str | None
+    # When the offset znode was last written, and since when the shard is stalled (None: it is not).
+    offset_moved_at: datetime | None = None
+    stalled_since: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,12 @@ class SubscriberStats:
     sampled_at: datetime
     member_reports: dict[str, dict[str, int]] = field(default_factory=dict)
     dead_lettered: int = 0
+    # Lag with no offset move for this long is a stall (casque.engine.stalls).
+    stall_after_seconds: float = 0.0
+
+    @property
+    def stalled_shards(self) -> list[int]:
+        return [s.shard for s in self.shards if s.stalled_since is not None]
 
     def lag_by_priority(self) -> dict[int, int | None]:
         return _sum_by_level((s.shard, s.lag_messages) for s in self.shards)
@@ -169,10 +178,12 @@ async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> Su
     log = Log(store, queue, state.spec.consistency)
     paths = store.paths(queue).subscriber(subscriber)
 
+    threshold = stall_threshold(subscriber_state.spec)
+    now = datetime.now(timezone.utc)
+
     async def one(shard: int) -> SubscriberShardStats:
-        head = await _get_int(store, store.paths(queue).head(shard))
-        data, _ = await zk.call(store.zk.get_async, paths.offset(shard))
-        offset, _epoch = decode_offset(data)
+        progress = await read_progress(store, log, paths, shard)
+        offset, head = progress.offset, progress.head
         try:
             holder, _ = await zk.call(store.zk.get_async, paths.lease(shard))
             leased_by: str | None = holder.decode()
@@ -180,18 +191,16 @@ async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> Su
             leased_by = None
         lag_batches = max(0, head - offset + 1)
         if lag_batches == 0:
-            return SubscriberShardStats(shard, offset, head, 0, 0, None, leased_by)
-        at_head, before_offset, at_offset = await asyncio.gather(
-            _header(log, shard, head), _header(log, shard, offset - 1), _header(log, shard, offset)
-        )
+            return SubscriberShardStats(shard, offset, head, 0, 0, None, leased_by, progress.offset_moved_at)
+        at_head, before_offset = await asyncio.gather(_header(log, shard, head), _header(log, shard, offset - 1))
         lag_messages = None
         if at_head is not None and at_head.total_messages is not None:
             if offset - 1 <= 0:
                 lag_messages = at_head.total_messages
             elif before_offset is not None and before_offset.total_messages is not None:
                 lag_messages = at_head.total_messages - before_offset.total_messages
-        oldest = at_offset.published_at if at_offset is not None else None
-        return SubscriberShardStats(shard, offset, head, lag_batches, lag_messages, oldest, leased_by)
+        return SubscriberShardStats(shard, offset, head, lag_batches, lag_messages, progress.pending_since, leased_by,
+                                    progress.offset_moved_at, progress.stalled_since(threshold, now))
 
     shards = await asyncio.gather(*(one(s) for s in state.spec.log_shards()))
     members: list[str] = []
@@ -218,4 +227,5 @@ async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> Su
         sampled_at=datetime.now(timezone.utc),
         member_reports=reports,
         dead_lettered=(await _counts(store, queue, state)).get(dead_lettered(subscriber_state.ack_key(subscriber)), 0),
+        stall_after_seconds=threshold,
     )

@@ -921,7 +921,13 @@ def test_the_dashboard_and_alert_rules_render_when_enabled(tools: Tools, kube_na
     rule = one(documents, "PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == "prometheus"
     alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
-    assert set(alerts) == {"CasqueSubscriberLagHigh", "CasqueSubscriberOldestMessageOld", "CasqueMessagesDeadLettered"}
+    assert set(alerts) == {"CasqueSubscriberLagHigh", "CasqueSubscriberOldestMessageOld", "CasqueMessagesDeadLettered",
+                           "CasqueSubscriberStalled"}
+    # The stall alert reads the sidecars' gauge (scraped through the PodMonitor), per subscriber over its pods.
+    stalled = alerts["CasqueSubscriberStalled"]
+    assert stalled["expr"] == "max by (namespace, queue, subscriber) (casque_sidecar_stalled_shards) > 0"
+    assert stalled["for"] == "2m" and "casque describe subscriber" in stalled["annotations"]["description"]
+    assert "{{ $labels.subscriber }}" in stalled["annotations"]["summary"]
     assert alerts["CasqueSubscriberLagHigh"]["expr"].endswith("> 500") and alerts["CasqueSubscriberLagHigh"]["for"] == "5m"
     # Prometheus fills in the alert's labels: the template must leave its {{ }} to it.
     assert "{{ $labels.subscriber }}" in alerts["CasqueSubscriberLagHigh"]["annotations"]["summary"]

@@ -358,7 +358,13 @@ def test_the_api_server_refuses_invalid_specs(
     assert "visibilityTimeout must be between 1s and 12h" in refused(
         lambda: create(api, ns, subscriber("slow", queue="orders", visibilityTimeout="13h"))
     )
-    create(api, ns, subscriber("billing", queue="orders", startPosition="2026-01-02T15:04:05Z"))
+    assert "stallAfter must be between 1s and 7d" in refused(
+        lambda: create(api, ns, subscriber("patient", queue="orders", stallAfter="8d"))
+    )
+    assert "stallAfter must be seconds or a number" in refused(
+        lambda: create(api, ns, subscriber("patient", queue="orders", stallAfter="soon"))
+    )
+    create(api, ns, subscriber("billing", queue="orders", startPosition="2026-01-02T15:04:05Z", stallAfter="5m"))
     assert "queue is immutable" in refused(lambda: patch_spec(api, ns, SUBSCRIBERS, "billing", queue="payments"))
     for plural, name in ((SUBSCRIBERS, "billing"), (QUEUES, "orders")):
         delete(api, ns, plural, name)  # no operator ran, so there are no finalizers

@@ -53,4 +53,4 @@ def test_the_dashboard_shows_lag_age_dead_letters_and_rates() -> None:
             "casque_subscriber_dead_lettered", "casque_sidecar_published_messages_total",
             "casque_sidecar_received_messages_total"} <= used
     assert {"casque_subscriber_lag_messages", "casque_subscriber_oldest_pending_timestamp_seconds",
-            "casque_subscriber_dead_lettered"} <= queried()["rules"]
+            "casque_subscriber_dead_lettered", "casque_sidecar_stalled_shards"} <= queried()["rules"]
