@@ -98,6 +98,13 @@ class Log:
         self._read_header.consistency_level = self.consistency
         self._read_header_serial = prepare(self._read_header.query_string)
         self._read_header_serial.consistency_level = self.serial_consistency
+        # The first header in a slice of one bucket, read at SERIAL: what proves a gap
+        # (casque.engine.gaps). Filtering on seq stays within the one partition.
+        self._first_header = prepare(
+            f"SELECT batch_no FROM {table} WHERE shard = ? AND bucket = ? AND batch_no >= ? AND batch_no < ? "
+            "AND seq = -1 LIMIT 1 ALLOW FILTERING"
+        )
+        self._first_header.consistency_level = self.serial_consistency
         self._read_from = prepare(
             f"SELECT {_READ_COLUMNS} FROM {table} WHERE shard = ? AND bucket = ? AND batch_no >= ? LIMIT {READ_ROWS}"
         )
@@ -152,6 +159,16 @@ class Log:
         rows = await cql.execute(self.store.session, statement, (shard, bucket_of(batch), batch))
         row = rows.one()
         return None if row is None else _header_from_row(batch, row)
+
+    async def first_header(self, shard: int, low: int, high: int) -> int | None:
+        """The first batch in [low, high), all in one bucket, whose header exists, read at
+        SERIAL: every batch was written by a Paxos round in its partition, which a serial
+        read completes and reads from a quorum, so no lagging replica hides one."""
+        bucket = bucket_of(low)
+        if bucket_of(high - 1) != bucket:
+            raise ValueError(f"batches {low}..{high - 1} span buckets")
+        row = (await cql.execute(self.store.session, self._first_header, (shard, bucket, low, high))).one()
+        return None if row is None else int(row.batch_no)
 
     async def read_from(self, shard: int, first_batch: int) -> list[Batch]:
         """Whole batches from `first_batch` on, within first_batch's bucket, in order: at most

@@ -118,7 +118,8 @@ class DelayedStore:
         self.counters = QueueCounters(store, queue_key)
         self.rows_read = 0
 
-    async def insert(self, message_id: str, due_at: datetime, message: OutgoingMessage) -> None:
+    async def insert(self, message_id: str, due_at: datetime, message: OutgoingMessage, count: bool = True) -> None:
+        """Store a row; `count`: a new message (not a row stored again for one, see Publisher._keep_delayed)."""
         now = datetime.now(timezone.utc)
         ttl = int((due_at - now).total_seconds()) + self._retention
         values: list[Any] = [
@@ -127,7 +128,8 @@ class DelayedStore:
             message.ttl_seconds, max(ttl, 1),
         ]
         await cql.execute(self._store.session, self._insert, [UNSET_VALUE if v is None else v for v in values])
-        await self.counters.add(DELAYED_IN, 1)
+        if count:
+            await self.counters.add(DELAYED_IN, 1)
 
     async def due_after(self, bucket: int, mark: tuple[datetime, str], until: datetime, limit: int) -> list[DueMessage]:
         """Up to `limit` rows of `bucket` after `mark` (due time, message id) and due by

@@ -1,8 +1,11 @@
 """Finding batch numbers in a shard's log: the earliest live batch, the first batch at a time.
 
-Batches of a shard are numbered 1, 2, 3, ... without gaps and expire oldest first (by the
-table TTL), so "has this batch's header row" is false on an expired prefix and true up to
-the head: a binary search over batch numbers finds the boundary in O(log n) point reads.
+Batches of a shard are numbered 1, 2, 3, ... without gaps and, under one retention, expire
+oldest first (by the table TTL), so "has this batch's header row" is false on an expired
+prefix and true up to the head: a binary search over batch numbers finds the boundary in
+O(log n) point reads. After a retention change that no longer holds (newer batches may
+expire first), so these are only where seeks start; readers cross the gaps they meet
+without assuming an order (casque.engine.gaps).
 The same holds for publish times, up to clock skew between publishers: a seek by time is
 exact to within that skew.
 """

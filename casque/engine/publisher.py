@@ -48,8 +48,13 @@ from casque.store import Store
 
 log = logging.getLogger(__name__)
 
-# What a delayed row's check against the mover's cursor may meet, and retry later.
+# What a delayed row's check against the mover's cursor may meet, and retry.
 _CHECK_FAILURES = (CasqueError, asyncio.TimeoutError, KazooException)
+# A delayed publish waits this long at most for its check (a fresh cursor read takes up to
+# CURSOR_READ_SECONDS; a ZooKeeper client cut off reconnects within its session), trying
+# again this often; past it, the publish fails as retryable.
+CHECK_SECONDS = 15.0
+CHECK_RETRY_SECONDS = 0.5
 
 MAX_BATCH_MESSAGES = 1000
 # A preferred shard with this many messages waiting behind a write in flight spills over.
@@ -512,11 +517,13 @@ class Publisher:
 
     async def _route(self, message: OutgoingMessage, message_id: str, due: datetime) -> Published:
         """A message with a delivery time: into the delayed table, or into the log if due already."""
+        if message.client_id:
+            earlier = await self.idempotency.earlier(message.client_id)
+            if earlier is not None:
+                if earlier.batch < 0:
+                    await self._keep_delayed(earlier.message_id, due, message)
+                return earlier
         if self._is_later(due):
-            if message.client_id:
-                earlier = await self.idempotency.earlier(message.client_id)
-                if earlier is not None:
-                    return earlier
             await self._delayed_store().insert(message_id, due, message)
             result = Published(message_id, -1, -1, -1, deliver_at=due)
             if message.client_id:
@@ -524,6 +531,19 @@ class Publisher:
             await self._move_if_passed(message_id, due, message)
             return result
         return await self._to_log(message, message_id)
+
+    async def _keep_delayed(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
+        """A retry of a delayed publish whose first attempt stored its row: that attempt may
+        have been answered with an error because its row could not be checked against the
+        mover (and its process may be gone since), so the row may lie behind the mover,
+        unread. The row is stored again under the same message id, due at the retry's time
+        (the same for a `deliverAt`), and checked; or moved now if due. Both rows move under
+        one client id, so the message is stored once. Not counted in again."""
+        if self._is_later(due):
+            await self._delayed_store().insert(message_id, due, message, count=False)
+            await self._move_if_passed(message_id, due, message)
+        else:
+            await self._move_now(message_id, message)
 
     def _is_later(self, due: datetime) -> bool:
         """Whether a message due at `due` waits in the delayed table (else: straight into the log)."""
@@ -541,30 +561,29 @@ class Publisher:
         landed, so the row is moved now, with the mover's client id for it (both moves store
         one message). Otherwise every pass that reads it starts after it landed.
 
-        If ZooKeeper does not answer, or the move fails, the publish still succeeds (the row
-        is stored, and a retry would find it recorded), and the check is retried apart until
-        it is done."""
-        try:
-            await self._check_and_move(message_id, due, message)
-        except _CHECK_FAILURES as error:
-            log.warning("queue %s: delayed message %s not checked against the mover's cursor (%s); retrying",
-                        self.queue, message_id, error)
-            self.in_background(self._check_and_move_later(message_id, due, message))
+        The publish is answered only once this is done: a check left to the background was
+        lost with its process (kill -9), and the row behind the mover with it. If ZooKeeper
+        does not answer within CHECK_SECONDS the publish fails as retryable; its row is
+        stored, and a retry (same client id) stores and checks it again (`_keep_delayed`)."""
+        deadline = asyncio.get_running_loop().time() + CHECK_SECONDS
+        while True:
+            try:
+                await self._check_and_move(message_id, due, message)
+                return
+            except _CHECK_FAILURES as error:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise BackendUnavailable(
+                        f"delayed message {message_id} is stored but could not be checked against the "
+                        f"mover's cursor ({type(error).__name__}: {error}); publish it again") from error
+                log.info("queue %s: delayed message %s not checked against the mover's cursor yet (%s)",
+                         self.queue, message_id, error)
+            await asyncio.sleep(CHECK_RETRY_SECONDS)
 
     async def _check_and_move(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
         assert self._cursor_reads is not None
         cursor = await self._cursor_reads.read()
         if cursor is not None and cursor.until >= due:
             await self._move_now(message_id, message)
-
-    async def _check_and_move_later(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
-        while True:
-            await asyncio.sleep(IMMEDIATE_SECONDS)
-            try:
-                await self._check_and_move(message_id, due, message)
-                return
-            except _CHECK_FAILURES:
-                continue
 
     async def _move_now(self, message_id: str, message: OutgoingMessage) -> None:
         self.delayed_moves += 1

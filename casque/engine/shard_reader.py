@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
-from casque.engine import offsets, positions
+from casque.engine import gaps, offsets
 from casque.engine.acks import BatchMarks
 from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.heads import HeadAdvancer
@@ -215,11 +215,13 @@ class ShardReader:
         batches = await consumer.log.read_from(self.shard, first)
         consumer.counters.batch_reads += 1
         if batches:
-            found = batches[0].header.batch
-            if found > first:
-                await self._skip_missing(first, found)
-            marks = await self._marks_for(found)
+            # Batches missing before or between those read are proven gone before any is
+            # loaded (casque.engine.gaps); if one exists after all, this raises: read again.
+            before = {high: low for low, high in await gaps.prove_read(consumer.log, self.shard, first, batches)}
+            marks = await self._marks_for(batches[0].header.batch)
             for batch in batches:
+                if batch.header.batch in before:
+                    self._skip(before[batch.header.batch], batch.header.batch)
                 mark = marks.get(batch.header.batch, BatchMarks())
                 # Redriven messages addressed to another subscriber are done for this one.
                 skipped = {m.position.seq for m in batch.messages
@@ -230,14 +232,14 @@ class ShardReader:
             self.schedule_commit()
             return True
         if first <= self._head:
-            # Batches up to the head exist unless retention expired them.
-            earliest = await asyncio.to_thread(
-                positions.earliest_batch, consumer.store, consumer.queue, self.shard, self._head
-            )
-            if earliest > first:
-                await self._skip_missing(first, earliest)
-                self.schedule_commit()
-                return True
+            # Batches up to the head exist unless they expired, in whatever order (a lowered
+            # retention expires newer ones first): find the next one that exists.
+            live = await gaps.next_live(consumer.log, self.shard, first, self._head + 1)
+            if live == first:
+                raise BackendUnavailable(f"batch {first} exists but the read did not return it")
+            self._skip(first, live)
+            self.schedule_commit()
+            return True
         return False
 
     def _head_repair(self) -> HeadAdvancer:
@@ -245,18 +247,11 @@ class ShardReader:
             self._repair = HeadAdvancer(self.consumer.store.zk, self.consumer.store.paths(self.consumer.queue).head(self.shard))
         return self._repair
 
-    async def _skip_missing(self, first: int, found: int) -> None:
-        """Batches first..found-1 were not read: move past them once they are known to be gone.
-
-        Batches are contiguous and expire oldest first, so a missing batch below a live one
-        has expired (TTL, a lowered retention), unless the read at a weak consistency missed
-        it. A serial read of `first` settles that; if it exists after all, read again.
-        """
-        if await self.consumer.log.read_header(self.shard, first, serial=True) is not None:
-            raise BackendUnavailable(f"batch {first} exists but the read did not return it")
-        self.consumer.counters.expired_skipped += found - first
-        self._gaps[first] = found
-        self.state.next_batch = max(self.state.next_batch, found)
+    def _skip(self, first: int, end: int) -> None:
+        """Batches first..end-1 are gone: the offset jumps over them."""
+        self.consumer.counters.expired_skipped += end - first
+        self._gaps[first] = end
+        self.state.next_batch = max(self.state.next_batch, end)
 
     async def _marks_for(self, first_batch: int) -> dict[int, BatchMarks]:
         bucket = bucket_of(first_batch)

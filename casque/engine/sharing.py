@@ -25,7 +25,7 @@ from typing import Any
 
 
 from casque.backends import zk
-from casque.engine import claims, positions
+from casque.engine import claims, gaps
 from casque.engine.acks import BatchMarks
 from casque.engine.batches import Batch
 from casque.engine.claim_reader import DEMAND_SECONDS, ClaimReader, headroom
@@ -304,21 +304,9 @@ class SharedDelivery:
             self.takeovers += 1
             log.info("shard %s: took over batches %s..%s from member %s", shard, taken.start, taken.end - 1,
                      record.member)
-            batches = await self._read_range(shard, taken.start, taken.end)
+            batches = await gaps.read_range(self.consumer.log, shard, taken.start, taken.end)
             return await self._reader(taken, batches)
         return None
-
-    async def _read_range(self, shard: int, start: int, end: int) -> list[Batch]:
-        batches: list[Batch] = []
-        first = start
-        while first < end:
-            got = [b for b in await self.consumer.log.read_from(shard, first) if b.header.batch < end]
-            self.consumer.counters.batch_reads += 1
-            if not got:
-                break  # the rest expired
-            batches.extend(got)
-            first = got[-1].header.batch + 1
-        return batches
 
     async def _claim_fresh(self, shard: int) -> ClaimReader | None:
         head = self.heads.get(shard)
@@ -339,9 +327,9 @@ class SharedDelivery:
                 if cursor.next <= head:
                     await self._skip_expired(shard, cursor, head)
                 return None
-            first = batches[0].header.batch
-            if first > cursor.next and await self.consumer.log.read_header(shard, cursor.next, serial=True):
-                raise BackendUnavailable(f"shard {shard}: batch {cursor.next} exists but the read did not return it")
+            # The range claimed starts at the cursor: batches missing before or between those
+            # read must be gone (the claim's reader takes them as expired).
+            missing = await gaps.prove_read(self.consumer.log, shard, cursor.next, batches)
             taken: list[Batch] = []
             count = 0
             target = self._claim_target(sum(len(b.messages) for b in batches))
@@ -363,6 +351,7 @@ class SharedDelivery:
                 self._read_ahead[shard] = batches
                 continue
             self._read_ahead[shard] = [b for b in batches if b.header.batch >= end]
+            self.consumer.counters.expired_skipped += sum(high - low for low, high in missing if high < end)
             self.claims_taken += 1
             return await self._reader(record, taken)
         return None
@@ -374,11 +363,12 @@ class SharedDelivery:
         return max(1, min(CLAIM_MESSAGES, available // members))
 
     async def _skip_expired(self, shard: int, cursor: Cursor, head: int) -> None:
-        earliest = await asyncio.to_thread(
-            positions.earliest_batch, self.consumer.store, self.consumer.queue, shard, head)
-        if earliest > cursor.next:
-            self.consumer.counters.expired_skipped += earliest - cursor.next
-            await claims.skip_range(self.client, self.paths, cursor, shard, earliest)
+        """Batches from the cursor up to the head were not read: move the cursor to the next
+        one that exists, in whatever order they expired (casque.engine.gaps)."""
+        live = await gaps.next_live(self.consumer.log, shard, cursor.next, head + 1)
+        if live > cursor.next:
+            self.consumer.counters.expired_skipped += live - cursor.next
+            await claims.skip_range(self.client, self.paths, cursor, shard, live)
             self.zk_writes += 1
             self._cursors.pop(shard, None)
 

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta, timezone
 
+import aiohttp
 import pytest
 
 from casque.engine import catalog, delayed
@@ -21,6 +22,8 @@ from casque.errors import InvalidSpec
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, QueueState, SubscriberSpec
 from casque.store import Store
+from casque_client import AsyncClient
+from tests.fixtures.sidecars import StartSidecar
 
 QUEUE = QueueRef("default", "later")
 # Lateness allowed here: the mover's pass interval plus scheduling slack on a loaded machine.
@@ -298,3 +301,51 @@ async def test_a_row_that_lands_behind_the_mover_is_moved_once_by_its_writer(
     await until_true("two more passes", lambda: mover.passes >= passes + 2)
     assert await consumer.receive(max_messages=10, wait=PASS_SECONDS * 2) == []
     assert (await mover.delayed.counters.read()) == {"delayed_in": 1, "delayed_out": 1}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("hung", [1, 4], ids=["checked-again", "answered-503-then-retried"])
+async def test_a_delayed_publish_answered_after_its_cursor_check_timed_out_survives_a_kill(
+    store: Store, start_sidecar: StartSidecar, hung: int
+) -> None:
+    """A sidecar writes a delayed row that lands behind the mover (its clock lags the
+    mover's), and its fresh reads of the mover's cursor get no answer from ZooKeeper. The
+    publish is answered only once the row is certain to move: with one read lost, the check
+    is tried again and the writer moves the row; with four, the publish is answered 503,
+    and the app client's retry (same id) stores the row again, checks it and moves it. The
+    sidecar is then killed with -9, and the message reaches a subscriber of a fresh sidecar,
+    once. Before, the publish was answered when the read timed out, the check went on in
+    the background and died with the process, and the row stayed behind the mover's marks
+    for good: an acknowledged message never delivered."""
+    catalog.apply_queue(store, QUEUE, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, QUEUE, "all", SubscriberSpec(queue="later", start_position="earliest"))
+    silent = start_sidecar("--queue", QUEUE.name, module="tests.integration.silent_cursor_sidecar",
+                           env={"CASQUE_TEST_HUNG_MOVER_SYNCS": str(hung)})
+    due = datetime.now(timezone.utc) - timedelta(seconds=30)
+
+    def mover_passed_due() -> bool:
+        data = store.zk.exists(store.paths(QUEUE).mover) and store.zk.get(store.paths(QUEUE).mover)[0]
+        cursor = delayed.read_cursor(data or None)
+        return cursor is not None and cursor.moved > due
+
+    await until_true("the mover to pass the due time", mover_passed_due)
+    async with AsyncClient(silent.url, queue=QUEUE.name) as app:
+        published = await app.publish("late", deliver_at=due, id="late-1")
+    assert published.batch is None or published.batch < 0  # stored as a delayed row, not in the log
+    async with aiohttp.ClientSession() as http, http.get(f"{silent.url}/metrics") as answer:
+        metrics = await answer.text()
+    silent.kill()
+    assert "not checked against the mover's cursor" in silent.tail(20000), "the cursor check did not time out"
+
+    fresh = start_sidecar("--queue", QUEUE.name, "--subscriber", "all")
+    seen: list[str] = []
+    deadline = time.monotonic() + 60
+    async with AsyncClient(fresh.url, queue=QUEUE.name, subscriber="all") as app:
+        while published.message_id not in seen:
+            assert time.monotonic() < deadline, "the acknowledged delayed message was never delivered"
+            for message in await app.receive(max=10, wait=2):
+                seen.append(message.message_id)
+                await app.ack(message.receipt)
+    assert seen == [published.message_id]
+    # With four reads lost the first attempt gave up (503) and the client's retry was answered.
+    answered_503 = 'casque_sidecar_requests_total{operation="publish",status="503"}' in metrics
+    assert answered_503 == (hung > 1) and published.duplicate == (hung > 1)
