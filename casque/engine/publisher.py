@@ -434,7 +434,8 @@ class Publisher:
         self.counters = PublisherCounters()
         self._writers = {shard: ShardWriter(self, shard) for shard in self.spec.log_shards()}
         self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
-        self.idempotency = IdempotencyGuard(self.store, self.state.shared_key(self.queue), self.log)
+        self.idempotency = IdempotencyGuard(self.store, self.state.shared_key(self.queue), self.log,
+                                            self.spec.deduplication_window)
         self._background: set[asyncio.Task[None]] = set()
 
     def validate(self, message: OutgoingMessage) -> None:

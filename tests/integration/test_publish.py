@@ -186,6 +186,33 @@ async def test_one_call_with_an_id_twice_stores_it_once_and_answers_both(
         [first.message_id, plain.message_id])
 
 
+async def test_a_retry_lands_once_within_the_queues_deduplication_window_and_again_after_it(
+    store: Store, key: Key
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, deduplication_window_seconds=10)
+    catalog.apply_queue(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    (first,) = await publisher.publish([OutgoingMessage(b"a", client_id=key("order-3"))])
+    # A retry inside the window, through this process and through another: the first result.
+    (again,) = await publisher.publish([OutgoingMessage(b"a", client_id=key("order-3"))])
+    (elsewhere,) = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish(
+        [OutgoingMessage(b"a", client_id=key("order-3"))])
+    assert again.duplicate and elsewhere.duplicate
+    assert again.message_id == elsewhere.message_id == first.message_id
+    # The window's end: the key's rows expire with it (10 s, not the default 600 s).
+    ended = time.monotonic() + 60
+
+    while await publisher.idempotency.lookup([key("order-3")]):
+        assert time.monotonic() < ended, "the key's rows outlived the queue's 10 s window by far"
+        await asyncio.sleep(0.2)
+    (later,) = await publisher.publish([OutgoingMessage(b"a", client_id=key("order-3"))])
+    assert not later.duplicate and later.message_id != first.message_id
+    await publisher.flush_heads()
+    stored = await read_all(store, spec)
+    assert sorted(i for batches in stored.values() for ids in batches.values() for i in ids) == sorted(
+        [first.message_id, later.message_id])
+
+
 async def until(what: str, condition: Callable[[], bool], limit_s: float = 30.0) -> None:
     deadline = time.monotonic() + limit_s
     while not condition():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -186,3 +187,11 @@ def test_recent_ids_are_bounded_by_bytes_as_well_as_by_count() -> None:
     for n in range(5):
         small.remember(str(n), Published(f"m{n}", 0, 1, n))
     assert [small.get(str(n)) is not None for n in range(5)] == [False, False, True, True, True]
+
+
+def test_recent_ids_are_forgotten_once_the_window_has_passed_since_their_publish_began() -> None:
+    recent = RecentIds(window_seconds=10)
+    recent.remember("fresh", Published("m1", 0, 1, 0), started=time.monotonic() - 9)
+    recent.remember("stale", Published("m2", 0, 1, 1), started=time.monotonic() - 10)
+    # Past the window its rows have expired too: a retry is a new message, not a duplicate.
+    assert recent.get("fresh") is not None and recent.get("stale") is None
