@@ -13,6 +13,7 @@ Every test runs in both delivery modes.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -58,6 +59,10 @@ async def _partition(group: Group, which: str, blackhole: bool = False) -> None:
     # member steps back from a group it cannot serve (cut from Cassandra); either way its
     # member znode goes and the others take its share.
     await group.member_gone(victim)
+    if which == "cassandra":
+        # It is still connected to ZooKeeper: its /readyz says why it left.
+        status, body = await asyncio.to_thread(victim.readiness)
+        assert status == 503 and "Cassandra unreachable" in body["checks"][f"subscriber/{SUBSCRIBER}"], body
     await publishing
     await group.publish(300, "during", via=others)
     await group.drained()  # nothing stalls behind the cut member

@@ -25,7 +25,7 @@ class Backend:
 async def _verdicts(backend: Backend, steps: list[str]) -> list[bool]:
     """Switch the backend through `steps`, awaiting a verdict after each; the verdicts."""
     verdicts: asyncio.Queue[bool] = asyncio.Queue()
-    reach = CassandraReach(backend.probe, lambda: 0.2, verdicts.put_nowait)
+    reach = CassandraReach(backend.probe, lambda: 0.5, verdicts.put_nowait)
     reach.start()
     seen = []
     try:
@@ -56,7 +56,7 @@ async def test_the_reason_names_the_last_error() -> None:
     backend = Backend()
     backend.mode = "down"
     lost = asyncio.Event()
-    reach = CassandraReach(backend.probe, lambda: 0.2, lambda reachable: lost.set())
+    reach = CassandraReach(backend.probe, lambda: 0.5, lambda reachable: lost.set())
     reach.start()
     try:
         await asyncio.wait_for(lost.wait(), 30)
