@@ -31,7 +31,7 @@ from cassandra.cluster import (
     ResponseFuture,
     Session,
 )
-from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
+from cassandra.policies import DCAwareRoundRobinPolicy, ExponentialReconnectionPolicy, TokenAwarePolicy
 from cassandra.protocol import ErrorMessage, IsBootstrappingErrorMessage, OverloadedErrorMessage
 from cassandra.query import UNSET_VALUE, BatchStatement, BoundStatement, PreparedStatement, Statement, tuple_factory
 
@@ -59,6 +59,13 @@ RETRYABLE = (
 # The driver leaves Nagle's algorithm on. A request of a few kilobytes (a batch of a dozen
 # messages) then waits for the server's delayed ACK, about 40 ms: ten times the write itself.
 SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+
+# How soon a node marked down is tried again. The driver's default doubles from 1 s to 10
+# minutes and gives up after 64 attempts: a sidecar cut off from its nodes for a minute
+# stayed away about as long again after the network healed, and one cut off long enough
+# never came back. A connection attempt to a down node is cheap; keep trying every 2 s.
+RECONNECT_BASE_SECONDS = 0.2
+RECONNECT_MAX_SECONDS = 2.0
 
 
 def consistency(name: str) -> int:
@@ -124,6 +131,8 @@ def connect(settings: Settings) -> tuple[Cluster, Session]:
         execution_profiles={EXEC_PROFILE_DEFAULT: profile},
         protocol_version=5,
         sockopts=SOCKET_OPTIONS,
+        reconnection_policy=ExponentialReconnectionPolicy(RECONNECT_BASE_SECONDS, RECONNECT_MAX_SECONDS,
+                                                          max_attempts=None),
         **tls_options(settings),
     )
     try:

@@ -34,6 +34,7 @@ from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.connection import ConnectionHandler
 from kazoo.protocol.serialization import Connect
 from kazoo.protocol.states import KeeperState
+from kazoo.retry import KazooRetry
 
 from casque.backends.tls import client_context, probe
 from casque.backends.zkacl import AclClient, Identity, Scheme, installation_policy, namespace_policy, parse_acl
@@ -44,6 +45,16 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RETRYABLE = (ConnectionLoss, OperationTimeoutError, SessionExpiredError, KazooTimeoutError)
+# kazoo's own reconnection backoff doubles up to an hour: a client cut off from the ensemble
+# for 20 s came back up to 25 s after the network healed, one cut off for minutes as late
+# again, long after its session had expired and its member had to rejoin. A connection
+# attempt is cheap for the servers; try at least every 2 s.
+RECONNECT_MAX_SECONDS = 2.0
+
+
+def reconnection() -> KazooRetry:
+    """The connection retry policy of casque's clients: forever, backing off to RECONNECT_MAX_SECONDS."""
+    return KazooRetry(max_tries=-1, delay=0.1, backoff=2, max_delay=RECONNECT_MAX_SECONDS)
 
 
 def identities(settings: Settings) -> list[Identity]:
@@ -81,7 +92,7 @@ def connect(
     timeout = timeout or settings.zookeeper_session_timeout_seconds
     hosts = hosts or settings.zookeeper_hosts
     own = identities(settings)
-    options = {**tls_options(settings), **login_options(own)}
+    options = {**tls_options(settings), **login_options(own), "connection_retry": reconnection()}
     client: KazooClient
     if not own:
         client = KazooClient(hosts=hosts, timeout=timeout, **options)

@@ -12,7 +12,10 @@ long-polls on an event instead of a timer. Each delivery gets a receipt naming i
 ack, nack and extend must present the current one.
 
 Faults: seeks are recognised by the epoch in the offset znode and handled shard by shard; a
-session loss drops every shard, and the member rejoins (casque.engine.leases). A subscriber
+session loss drops every shard, and the member rejoins (casque.engine.leases). A member that
+cannot reach Cassandra for a session timeout steps back: it leaves the group, hands its
+shards over and lets its claims lapse, and rejoins once Cassandra answers
+(casque.engine.reachability). A subscriber
 deleted (or deleted and created again) ends this consumer: its waiting calls get
 SubscriberNotFound, and the owner starts a new consumer for the new incarnation.
 """
@@ -45,6 +48,7 @@ from casque.engine.member import Backoff, ConsumerCounters, ConsumerStopped, Lea
 from casque.engine.messages import Delivery, Position, decode_receipt
 from casque.engine.publisher import Publisher
 from casque.engine.leased_delivery import LeasedDelivery
+from casque.engine.reachability import CassandraReach
 from casque.engine.shard_reader import ShardReader
 from casque.engine.shard_state import ByteBudget, Handout
 from casque.engine.sharing import SharedDelivery
@@ -86,6 +90,7 @@ class Consumer:
         self._leases: ShardLeases | None = None
         # Shared delivery (spec.delivery == "shared"): claimed batch ranges instead of leased shards.
         self._sharing: SharedDelivery | None = None
+        self._reach: CassandraReach | None = None
         self._stopped = False
         self._resync_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -138,6 +143,11 @@ class Consumer:
         await self._leases.start()
         if self._sharing is not None:
             await self._sharing.start()
+        leases = self._leases
+        probed = spec.log_shards()[0]
+        self._reach = CassandraReach(lambda: self.log.read_header(probed, 0), lambda: leases.session_seconds,
+                                     self._reach_changed)
+        self._reach.start()
         self._tasks = [loop.create_task(self._report_loop()), loop.create_task(self._resync_loop())]
 
     def report(self) -> dict[str, int]:
@@ -211,6 +221,18 @@ class Consumer:
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _reach_changed(self, reachable: bool) -> None:
+        """Cassandra stopped or started answering (casque.engine.reachability): step back or rejoin."""
+        if self._leases is not None:
+            if reachable:
+                self._leases.rejoin()
+            else:
+                self._leases.step_back()
+        if self._sharing is not None:
+            self._sharing.stepped_back = not reachable
+            self._sharing.space_freed()
+        self.notify()
 
     # --- leased shards ----------------------------------------------------------------------
     @property
@@ -359,6 +381,8 @@ class Consumer:
                 self.waiting_receives -= 1
 
     def _take(self, max_messages: int, visibility: float, budget: ByteBudget | None) -> list[Delivery]:
+        if self._reach is not None and not self._reach.reachable:
+            return []  # stepped back: its shards and ranges are going to the other members
         if self._sharing is None and self._leases is not None and not self._leases.trusted:
             # SUSPENDED, or no word from ZooKeeper for a while (a pause): our leases may be
             # gone to other members; hand out nothing until the session is confirmed alive.
@@ -435,6 +459,8 @@ class Consumer:
         leases = self._leases
         if leases is None:
             return ShardStatus(held, problem="starting")
+        if self._reach is not None and self._reach.problem:
+            return ShardStatus(held, problem=self._reach.problem)
         if not leases.connected or not leases.registered:
             return ShardStatus(held, problem="not in the group: rejoining after a ZooKeeper session loss")
         if self._sharing is not None:
@@ -478,6 +504,8 @@ class Consumer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._reach is not None:
+            await self._reach.stop()
         if self._sharing is not None:
             await self._sharing.stop()
         if self._leases is not None:

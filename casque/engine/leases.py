@@ -46,6 +46,11 @@ consumer stops handing out messages until CONNECTED again. LOST means the sessio
 and ZooKeeper removed our ephemeral znodes, so another member may already hold our shards:
 every shard is dropped at once without writing its offset; once connected again (a new
 session) the member registers again and takes its share back.
+
+Stepping back (`step_back`, a member that cannot reach Cassandra: casque.engine.reachability):
+the member deletes its member znode, so every other member's assignment leaves it out and
+they take its shards as they free up, and hands every shard over as a rebalance does; it
+registers again on `rejoin`. Its session lives on meanwhile, so its leases stay fenced.
 """
 
 from __future__ import annotations
@@ -130,6 +135,8 @@ class ShardLeases:
         self.held: dict[int, int] = {}
         self.connected = True
         self.registered = False
+        # Out of the group on purpose (step_back) until rejoin.
+        self.stepped_back = False
         self._members: list[str] = []
         self._wanted = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -238,6 +245,28 @@ class ShardLeases:
                 await zk.call(self._client.create_async, path, b"", ephemeral=True)
         self.registered = True
 
+    def step_back(self) -> None:
+        """Leave the group and hand every shard over, staying connected (see "Stepping back")."""
+        if not self.stepped_back:
+            self.stepped_back = True
+            self._wanted.set()
+
+    def rejoin(self) -> None:
+        if self.stepped_back:
+            self.stepped_back = False
+            self._wanted.set()
+
+    async def _leave(self) -> None:
+        """Delete our member znode (of this session only: one left by an expired session goes by itself)."""
+        path = self._paths.member(self.member_id)
+        try:
+            _, stat = await zk.call(self._client.get_async, path)
+            if stat.ephemeralOwner == self._client.client_id[0]:
+                await zk.call(self._client.delete_async, path, stat.version)
+        except NoNodeError:
+            pass
+        self.registered = False
+
     def set_shards(self, shards: list[int]) -> None:
         """The queue's shards changed (shards or priority levels added): rebalance over the new set."""
         if sorted(shards) != sorted(self.shards):
@@ -305,10 +334,15 @@ class ShardLeases:
             await self._on_lost()
         if not self.connected or self._client.state != KazooState.CONNECTED:
             return False  # the CONNECTED transition sets _wanted again
-        if not self.registered:
-            await self._register()
-            self._members = list(await zk.call(self._client.get_children_async, self._paths.members))
-        mine = assign(self._members, self.shards).get(self.member_id, set())
+        if self.stepped_back:
+            if self.registered:
+                await self._leave()
+            mine: set[int] = set()
+        else:
+            if not self.registered:
+                await self._register()
+                self._members = list(await zk.call(self._client.get_children_async, self._paths.members))
+            mine = assign(self._members, self.shards).get(self.member_id, set())
         # Shards moving away are handed over each in a task of its own: a hand-over waits
         # for the deliveries in flight (up to their visibility), and meanwhile this member
         # takes its new shards and follows further membership changes.

@@ -13,6 +13,10 @@ before that. A member that dies, pauses or stops asking for messages lets its cl
 and the others take them over after the claim's time (plus a margin for clock skew) and
 deliver what was not done, reading the ack rows after taking over. Nothing here waits for a
 ZooKeeper session to expire.
+
+Stepped back (the member cannot reach Cassandra: casque.engine.reachability): it claims
+nothing, releases at once the ranges with nothing in flight, and renews none, so the
+others take over the rest once their deliveries' visibility has ended.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ class SharedDelivery:
         self.claims_taken = 0
         self.takeovers = 0
         self.problem = ""
+        # Cassandra unreachable: claim and renew nothing, give the ranges up (see above).
+        self.stepped_back = False
         self._want = asyncio.Event()
         self._stopped = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -170,6 +176,8 @@ class SharedDelivery:
         self._want.set()
 
     def _may_claim(self) -> bool:
+        if self.stepped_back:
+            return False
         if time.monotonic() - self.last_demand >= DEMAND_SECONDS or self.ready_messages() >= CLAIM_LOW_WATER:
             return False
         sources = self.sources()
@@ -430,6 +438,12 @@ class SharedDelivery:
             visibility = self.consumer.visibility_timeout
             for reader in self.sources():
                 remaining = reader.record.until_ms / 1000 - wall
+                if self.stepped_back and not reader.complete:
+                    if not reader.state.in_flight:
+                        await reader.release()
+                    elif remaining <= 0:
+                        reader.drop("its time ran out while Cassandra was unreachable")
+                    continue
                 if remaining > visibility + headroom(visibility) / 2 or reader.complete:
                     continue  # a complete range is being completed, not given up
                 try:
