@@ -149,6 +149,19 @@ async def test_shards_added_under_live_members_are_consumed_and_counted_by_readi
     assert_sound(group.history)
 
 
+async def replayed_after_the_seek(group: Group) -> None:
+    """Every message published is acked again after the last seek was answered, and the history is sound."""
+    await group.drained()
+    replay_from = group.history.seeks[-1].answered
+
+    async def replayed() -> bool:
+        acked_again = {a.message_id for a in group.history.acks if a.sent > replay_from and a.outcome == "acked"}
+        return set(group.history.published) <= acked_again
+
+    await until("every message delivered again after the seek", replayed)
+    assert_sound(group.history)
+
+
 async def test_a_seek_under_load_replays_everything_and_loses_nothing(store: Store, group: Group) -> None:
     spec = create(group, shards=3)
     first, *_ = await group.add(2)
@@ -157,16 +170,8 @@ async def test_a_seek_under_load_replays_everything_and_loses_nothing(store: Sto
     await group.drained()
     publishing = asyncio.create_task(group.publish(200, "live"))
     await group.seek(first, {"to": "earliest"})
-    replay_from = group.history.seeks[-1].answered
     await publishing
-    await group.drained()
-
-    async def replayed() -> bool:
-        acked_again = {a.message_id for a in group.history.acks if a.sent > replay_from and a.outcome == "acked"}
-        return set(group.history.published) <= acked_again
-
-    await until("every message delivered again after the seek", replayed)
-    assert_sound(group.history)
+    await replayed_after_the_seek(group)
 
 
 async def test_a_seek_across_sixteen_busy_shards_succeeds_when_first_asked(store: Store, group: Group) -> None:
@@ -192,16 +197,8 @@ async def test_a_seek_across_sixteen_busy_shards_succeeds_when_first_asked(store
     # Raises BackendUnavailable (the sidecar's 503) if the seek loses to the commits.
     await asyncio.to_thread(offsets.seek, committing, QUEUE, SUBSCRIBER, offsets.SeekTarget("earliest"))
     group.history.seeks.append(Seek(sent, History.now()))
-    replay_from = group.history.seeks[-1].answered
     await publishing
-    await group.drained()
-
-    async def replayed() -> bool:
-        acked_again = {a.message_id for a in group.history.acks if a.sent > replay_from and a.outcome == "acked"}
-        return set(group.history.published) <= acked_again
-
-    await until("every message delivered again after the seek", replayed)
-    assert_sound(group.history)
+    await replayed_after_the_seek(group)
 
 
 class _CommitsInTheWay:

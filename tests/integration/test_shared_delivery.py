@@ -89,6 +89,17 @@ def open_claims(store: Store, shards: list[int]) -> list[str]:
     return found
 
 
+async def rewrite_the_claim(store: Store, until_ms: int | None = None) -> None:
+    """Rewrite shard 0's one claim as another writer would: a new version, and the time given
+    (else the claim's own), so its holder's next renewal fails."""
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    (name,) = store.zk.get_children(paths.claims(0))
+    record = await claims.read_claim(store.zk, paths, 0, name)
+    assert record is not None
+    until = record.until_ms if until_ms is None else until_ms
+    assert await claims.rewrite(store.zk, paths, record, record.member, until) is not None
+
+
 async def work(consumer: Consumer, received: dict[str, list[Consumer]], stop: asyncio.Event,
                acked: set[str]) -> None:
     """Receive and ack as an app would, recording who got what."""
@@ -170,11 +181,7 @@ async def test_a_member_that_lost_its_range_early_can_neither_ack_nor_complete_i
     # A member whose clock runs ahead sees the claim as lapsed long before its holder does:
     # here the claim's time is set to the past, and a second member takes the range over
     # while the first member's deliveries are still in flight by its own clock.
-    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
-    (name,) = store.zk.get_children(paths.claims(0))
-    record = await claims.read_claim(store.zk, paths, 0, name)
-    assert record is not None
-    assert await claims.rewrite(store.zk, paths, record, record.member, 0) is not None
+    await rewrite_the_claim(store, until_ms=0)
     second = await start(consumers, store)
     redelivered: list[Delivery] = []
     deadline = time.monotonic() + 60
@@ -203,11 +210,7 @@ async def test_deliveries_whose_claim_cannot_be_extended_are_handed_back_uncount
     # Another writer moves the claim's version (as a takeover does), so the member's next
     # renewal fails and it drops the range: the deliveries that needed the renewal reached
     # nobody, and are not counted as delivered.
-    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
-    (name,) = store.zk.get_children(paths.claims(0))
-    record = await claims.read_claim(store.zk, paths, 0, name)
-    assert record is not None
-    assert await claims.rewrite(store.zk, paths, record, record.member, record.until_ms) is not None
+    await rewrite_the_claim(store)
     assert await member.receive(max_messages=20, visibility=600) == []
     assert member.report()["delivered"] == 10
 
