@@ -89,8 +89,6 @@ class ShardReader:
         self._commit_task: asyncio.Task[None] | None = None
         self._commit_wanted = asyncio.Event()
         self._stop_event = asyncio.Event()
-        # Batch ranges [start, end) confirmed expired: the offset jumps over them.
-        self._gaps: dict[int, int] = {}
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -248,9 +246,9 @@ class ShardReader:
         return self._repair
 
     def _skip(self, first: int, end: int) -> None:
-        """Batches first..end-1 are gone: the offset jumps over them."""
+        """Batches first..end-1 are gone: the offset jumps over them (nothing below `next_batch`
+        that the state does not hold holds it back)."""
         self.consumer.counters.expired_skipped += end - first
-        self._gaps[first] = end
         self.state.next_batch = max(self.state.next_batch, end)
 
     async def _marks_for(self, first_batch: int) -> dict[int, BatchMarks]:
@@ -265,12 +263,7 @@ class ShardReader:
 
     # --- committing ----------------------------------------------------------------------
     def _advance(self) -> None:
-        while True:
-            self.state.advance_offset()
-            end = self._gaps.pop(self.state.offset, None)
-            if end is None:
-                return
-            self.state.skip_to(end)
+        self.state.advance_offset()
 
     def schedule_commit(self) -> None:
         self._advance()

@@ -9,10 +9,14 @@ receive scan the messages behind it.
 The offset is the first batch with a message not yet done (acked or dead-lettered); it
 moves forward only over complete batches.
 
-Memory: a done message's entry is dropped at once; its batch keeps only the set of done
-seqs until the batch completes, and a complete batch behind an unfinished one is an empty
-marker. So one message nacked for hours pins its batch's seq set, not the backlog behind it,
-and the prefetch budget (`loaded_messages`, `loaded_bytes`) counts exactly what is held.
+Memory: a done message's entry is dropped at once, and a batch is dropped the moment its
+last message is done: `batches` holds only batches with a message not done, in batch order,
+and every batch below `next_batch` that is not in it is complete (or proven gone). So the
+offset is the first batch held, else `next_batch`, and one message nacked for hours costs
+its own entry and those of its batch still open, not a marker per batch behind it (one
+kept each complete batch until the offset passed: ~740 bytes a batch, a 256 MiB sidecar's
+worth after hours behind a poison message). The prefetch budget (`loaded_messages`,
+`loaded_bytes`) counts exactly what is held.
 Stale heap entries (from extends, nacks and redeliveries) are compacted away once they
 outnumber the live ones, so no sequence of calls grows a heap without bound.
 """
@@ -59,10 +63,9 @@ class Entry:
 
 @dataclass
 class LoadedBatch:
-    # Messages not done yet; done ones are only a seq in `done` (cleared once the batch completes).
+    # Messages not done yet: a done one's entry is deleted, and so is the batch with its last.
     entries: dict[int, Entry]
     remaining: int
-    done: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -118,6 +121,7 @@ class ShardState:
     offset: int
     # Every batch below this has been loaded (or skipped as done); the next read starts here.
     next_batch: int = 0
+    # The loaded batches with a message not done, in rising batch order (they are added so).
     batches: dict[int, LoadedBatch] = field(default_factory=dict)
     counters: ShardCounters = field(default_factory=ShardCounters)
     # Ordered keys (casque.engine.keylocks): a keyed message waits for the one before it.
@@ -156,7 +160,6 @@ class ShardState:
         for message in messages:
             seq = message.position.seq
             if seq in done:
-                loaded.done.add(seq)
                 continue
             entries[seq] = Entry(message, State.READY, deliveries.get(seq, 0))
             if locks is not None:
@@ -170,9 +173,8 @@ class ShardState:
         loaded.remaining = len(entries)
         self._loaded_bytes += size
         self._loaded_messages += loaded.remaining
-        if loaded.remaining == 0:
-            loaded.done.clear()
-        self.batches[batch] = loaded
+        if loaded.remaining:
+            self.batches[batch] = loaded
         self.next_batch = batch + 1
 
     def skip_to(self, batch: int) -> None:
@@ -257,8 +259,8 @@ class ShardState:
         """
         loaded = self.batches.get(position.batch)
         if loaded is None:
-            if position.batch < self.offset:
-                return AckStart.DONE  # done long ago: acks are idempotent
+            if position.batch < self.next_batch:
+                return AckStart.DONE  # its batch is complete: acks are idempotent
             raise StaleReceipt(f"message {position.batch}/{position.seq} is not held by this consumer")
         entry = loaded.entries.get(position.seq)
         if entry is None:
@@ -349,13 +351,11 @@ class ShardState:
 
     # --- progress ------------------------------------------------------------------------
     def advance_offset(self) -> int:
-        """Move the offset over complete batches and forget them; returns the offset."""
-        while True:
-            loaded = self.batches.get(self.offset)
-            if loaded is None or loaded.remaining > 0:
-                return self.offset
-            self._forget(self.offset)
-            self.offset += 1
+        """Move the offset to the first batch with a message not done (past every complete
+        or proven-gone batch loaded so far); returns the offset."""
+        first = next(iter(self.batches), self.next_batch)
+        self.offset = max(self.offset, first)
+        return self.offset
 
     @property
     def ready_count(self) -> int:
@@ -454,10 +454,8 @@ class ShardState:
         loaded.remaining -= 1
         self._loaded_messages -= 1
         self._loaded_bytes -= entry.message.size
-        if loaded.remaining:
-            loaded.done.add(seq)
-        else:
-            loaded.done.clear()  # complete: an empty marker until the offset passes it
+        if not loaded.remaining:
+            del self.batches[batch]  # complete: the offset passes it at its next advance
 
     def _forget(self, batch: int) -> None:
         loaded = self.batches.pop(batch, None)

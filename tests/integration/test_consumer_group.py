@@ -663,15 +663,31 @@ class HeadWritesLost:
     def __init__(self, client: KazooClient, monkeypatch: pytest.MonkeyPatch, failures: int | None = None) -> None:
         self.failures = failures  # None: every head write fails (until a number is set)
         self.refused = 0
-        real = client.set_async
+        real_set = client.set_async
+        real_transaction = client.transaction
 
-        def set_async(path: str, value: bytes, version: int = -1) -> Any:
-            if path.endswith("/head") and (self.failures is None or self.refused < self.failures):
+        def refuse(paths: list[str]) -> None:
+            if any(p.endswith("/head") for p in paths) and (self.failures is None or self.refused < self.failures):
                 self.refused += 1
                 raise ConnectionLoss("connection lost before the head's compare-and-set was answered")
-            return real(path, value, version)
+
+        def set_async(path: str, value: bytes, version: int = -1) -> Any:
+            refuse([path])
+            return real_set(path, value, version)
+
+        def transaction() -> Any:  # a publisher's advance writes the head with its totals
+            request = real_transaction()
+            real_commit = request.commit_async
+
+            def commit_async() -> Any:
+                refuse([getattr(op, "path", "") for op in request.operations])
+                return real_commit()
+
+            request.commit_async = commit_async
+            return request
 
         monkeypatch.setattr(client, "set_async", set_async)
+        monkeypatch.setattr(client, "transaction", transaction)
 
 
 @pytest.mark.parametrize("delivery", ["leased", "shared"])
