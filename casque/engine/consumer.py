@@ -12,11 +12,10 @@ long-polls on an event instead of a timer. Each delivery gets a receipt naming i
 ack, nack and extend must present the current one.
 
 Faults: seeks are recognised by the epoch in the offset znode and handled shard by shard; a
-session loss drops every shard, and the member rejoins (casque.engine.leases). A member that
-cannot reach Cassandra for a session timeout steps back: it leaves the group, hands its
-shards over and lets its claims lapse, and rejoins once Cassandra answers
-(casque.engine.reachability). A subscriber
-deleted (or deleted and created again) ends this consumer: its waiting calls get
+session loss drops every shard, and the member rejoins (casque.engine.leases). A member cut
+from Cassandra for a session timeout steps back: it leaves the group, hands its shards over,
+lets its claims lapse, and rejoins once Cassandra answers (casque.engine.reachability). A
+subscriber deleted (or deleted and created again) ends this consumer: its waiting calls get
 SubscriberNotFound, and the owner starts a new consumer for the new incarnation.
 """
 
@@ -464,21 +463,8 @@ class Consumer:
         if not leases.connected or not leases.registered:
             return ShardStatus(held, problem="not in the group: rejoining after a ZooKeeper session loss")
         if self._sharing is not None:
-            failing, problem = self._sharing.status()
-            problems = [problem] if problem else []
-            problems.extend(f"shard {s}: {p}" for s, p in sorted(failing.items()))
-            return ShardStatus(held, failing=failing, problem="; ".join(problems))
-        due = await leases.assigned()
-        if due is None:
-            return ShardStatus(held, problem="not in the group: registering")
-        missing = sorted(due - set(self.readers))
-        failing = {s: r.problem for s, r in sorted(self.readers.items()) if r.problem}
-        problems = []
-        if missing:
-            why = f" ({leases.last_error})" if leases.last_error else ""
-            problems.append(f"waiting for leases on shards {missing}{why}")
-        problems.extend(f"shard {s}: {problem}" for s, problem in failing.items())
-        return ShardStatus(held, missing, failing, "; ".join(problems))
+            return self._sharing.status(held)
+        return await self._leased.status(leases, held)
 
     def in_flight(self) -> int:
         return sum(r.state.in_flight for r in self.sources())

@@ -15,7 +15,8 @@ import asyncio
 import logging
 
 from casque.engine import offsets
-from casque.engine.member import LeasedReader, Member
+from casque.engine.leases import ShardLeases
+from casque.engine.member import LeasedReader, Member, ShardStatus
 from casque.engine.shard_reader import ShardReader
 
 log = logging.getLogger(__name__)
@@ -79,3 +80,17 @@ class LeasedDelivery:
             self.readers[shard] = fresh
             fresh.start()
             self._member.counters.seeks_applied += 1
+
+    async def status(self, leases: ShardLeases, held: list[int]) -> ShardStatus:
+        """The shards due to this member that it does not read, and those it reads that fail."""
+        due = await leases.assigned()
+        if due is None:
+            return ShardStatus(held, problem="not in the group: registering")
+        missing = sorted(due - set(self.readers))
+        failing = {s: r.problem for s, r in sorted(self.readers.items()) if r.problem}
+        problems = []
+        if missing:
+            why = f" ({leases.last_error})" if leases.last_error else ""
+            problems.append(f"waiting for leases on shards {missing}{why}")
+        problems.extend(f"shard {s}: {problem}" for s, problem in failing.items())
+        return ShardStatus(held, missing, failing, "; ".join(problems))

@@ -38,7 +38,7 @@ from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.foreign_ranges import ForeignRanges
 from casque.engine.heads import WatchedHeads
 from casque.engine.keylocks import KeyLocks, key_hash
-from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member
+from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member, ShardStatus
 from casque.engine.messages import Delivery, Position, decode_receipt
 from casque.errors import BackendUnavailable, CasqueError
 from casque.schema import bucket_of
@@ -486,6 +486,9 @@ class SharedDelivery:
     def in_background(self, work: Coroutine[Any, Any, None]) -> None:
         self.consumer.in_background(work)
 
-    def status(self) -> tuple[dict[int, str], str]:
+    def status(self, held: list[int]) -> ShardStatus:
+        """The member's own problem, and the claimed ranges that fail, by shard."""
         failing = {r.shard: r.problem for r in self.sources() if r.problem}
-        return failing, self.problem
+        problems = [self.problem] if self.problem else []
+        problems.extend(f"shard {s}: {p}" for s, p in sorted(failing.items()))
+        return ShardStatus(held, failing=failing, problem="; ".join(problems))

@@ -531,13 +531,19 @@ class HoldingWorker:
         self.consumer = consumer
         self.history = history
         self.receiving = True
+        self.receive_errors: list[str] = []
         self._acks: set[asyncio.Task[None]] = set()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         while self.receiving:
             sent = History.now()
-            got = await self.consumer.receive(max_messages=5, wait=0.5)
+            try:
+                got = await self.consumer.receive(max_messages=5, wait=0.5)
+            except CasqueError as error:  # a 503 on a loaded machine: an app asks again
+                self.receive_errors.append(error.code)
+                await asyncio.sleep(0.1)
+                continue
             answered = History.now()
             for d in got:
                 self.history.deliveries.append(HistoryDelivery(
@@ -547,6 +553,11 @@ class HoldingWorker:
                 self._acks.add(task)
                 task.add_done_callback(self._acks.discard)
 
+    @property
+    def alive(self) -> bool:
+        """Whether its receive loop still runs (a loop that died leaves its messages in flight)."""
+        return not self._task.done()
+
     async def _ack_after(self, delivery: Delivery, hold: float) -> None:
         await asyncio.sleep(hold)  # the app's work on the message
         sent = History.now()
@@ -554,6 +565,8 @@ class HoldingWorker:
             outcome = "acked" if await self.consumer.ack(delivery.receipt) else "already_acked"
         except CasqueError as error:
             outcome = error.code
+        except Exception as error:  # recorded, so that the history shows it
+            outcome = type(error).__name__
         self.history.acks.append(Ack(delivery.message.message_id, delivery.receipt, outcome, sent, History.now()))
 
     async def stop(self, drain_seconds: float = 30.0) -> None:
@@ -562,6 +575,23 @@ class HoldingWorker:
         await self._task
         await self.consumer.stop(drain_seconds)
         await asyncio.gather(*self._acks)
+
+
+def unacked(history: History, keys: dict[str, str], members: list[HoldingWorker]) -> str:
+    """What the group never acked: how many, and of a few, their key, deliveries and acks (and
+    what each remaining member holds), to tell a stuck key from a lost message."""
+    missing = sorted(set(history.published) - history.acked_ids())
+    lines = [f"the group never acked {len(missing)} messages"]
+    for message_id in missing[:5]:
+        deliveries = [(d.member, d.delivery_count) for d in history.deliveries if d.message_id == message_id]
+        acks = [a.outcome for a in history.acks if a.message_id == message_id]
+        lines.append(f"  {message_id} key {keys.get(message_id)}: delivered {deliveries}, acks {acks}")
+    for worker in members:
+        consumer = worker.consumer
+        lines.append(f"  member: shards {sorted(consumer.held_shards)}, in flight {consumer.in_flight()}, "
+                     f"report {consumer.report()}, receive errors {worker.receive_errors[-3:]}, "
+                     f"receiving {worker.alive}")
+    return "\n".join(lines)
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered-keys"])
@@ -622,7 +652,7 @@ async def test_scaling_up_and_down_under_load_never_redelivers_a_message_within_
     await load_until(lambda: all(len(w.consumer.held_shards) == 4 for w in first), "two members, four shards each")
     deadline = time.monotonic() + 120
     while not set(history.published) <= history.acked_ids():
-        assert time.monotonic() < deadline, "the group never acked everything"
+        assert time.monotonic() < deadline, unacked(history, keys, first)
         await asyncio.sleep(0.2)
     for worker in first:
         await worker.stop()
