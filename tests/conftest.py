@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.consumers import consumers  # noqa: F401
 from tests.fixtures.images import images  # noqa: F401
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace  # noqa: F401
 from tests.fixtures.node import kube_node, node_address, node_cluster, node_images, node_stack  # noqa: F401

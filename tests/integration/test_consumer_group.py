@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, Literal
 
 import pytest
@@ -96,14 +96,6 @@ def expire_session(client: KazooClient, hosts: str) -> None:
     intruder.start(timeout=15)
     intruder.stop()
     intruder.close()
-
-
-@pytest.fixture
-async def consumers() -> AsyncIterator[list[Consumer]]:
-    started: list[Consumer] = []
-    yield started
-    for consumer in started:
-        await consumer.stop()
 
 
 async def start(consumers: list[Consumer], store: Store, member: str | None = None) -> Consumer:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -42,14 +42,6 @@ def gone(store: Store, batches: list[int]) -> bool:
         if row is not None:
             return False
     return True
-
-
-@pytest.fixture
-async def consumers() -> AsyncIterator[list[Consumer]]:
-    started: list[Consumer] = []
-    yield started
-    for consumer in started:
-        await consumer.stop()
 
 
 @pytest.mark.parametrize("delivery", ["leased", "shared"])

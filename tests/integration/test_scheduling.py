@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -23,14 +22,6 @@ from casque.store import Store
 
 ORDERS = QueueRef("default", "orders")
 DEAD = QueueRef("default", "orders-dead")
-
-
-@pytest.fixture
-async def consumers() -> AsyncIterator[list[Consumer]]:
-    started: list[Consumer] = []
-    yield started
-    for consumer in started:
-        await consumer.stop()
 
 
 async def start(store: Store, queue: QueueRef, name: str, consumers: list[Consumer]) -> Consumer:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -54,14 +54,6 @@ async def publish(store: Store, count: int, prefix: str, per_call: int = 10) -> 
         ids |= {r.message_id for r in results}
     await publisher.flush_heads()
     return ids
-
-
-@pytest.fixture
-async def consumers() -> AsyncIterator[list[Consumer]]:
-    started: list[Consumer] = []
-    yield started
-    for consumer in started:
-        await consumer.stop()
 
 
 async def start(consumers: list[Consumer], store: Store) -> Consumer:
