@@ -48,7 +48,7 @@ VALUE_BYTES = 200
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 _LARGE = web.AppKey("large_requests", asyncio.Semaphore)
-_CHARGE = "casque.request_memory"
+_CHARGE = web.RequestKey("request_memory", int)
 
 
 @dataclass
