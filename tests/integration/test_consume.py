@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 from kazoo.client import KazooClient
@@ -61,21 +61,13 @@ async def wait_for(condition: Callable[[], bool], limit_s: float = 30) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.fixture
-async def started() -> AsyncIterator[list[Consumer]]:
-    consumers: list[Consumer] = []
-    yield consumers
-    for consumer in consumers:
-        await consumer.stop()
-
-
 async def test_every_acked_publish_is_delivered_once_and_offsets_reach_the_head(
-    store: Store, started: list[Consumer]
+    store: Store, consumers: list[Consumer]
 ) -> None:
     spec = await setup_queue(store, shards=3, subscribers=["billing"])
     published = await publish_many(store, spec, 300)
     consumer = Consumer(store, QUEUE, "billing")
-    started.append(consumer)
+    consumers.append(consumer)
     await consumer.start()
     got = await drain(consumer, 300)
     counts = Counter(d.message.message_id for d in got)
@@ -92,24 +84,24 @@ async def test_every_acked_publish_is_delivered_once_and_offsets_reach_the_head(
         assert offset == head + 1
 
 
-async def test_two_subscribers_each_see_everything(store: Store, started: list[Consumer]) -> None:
+async def test_two_subscribers_each_see_everything(store: Store, consumers: list[Consumer]) -> None:
     spec = await setup_queue(store, shards=2, subscribers=["audit", "mailer"])
     published = await publish_many(store, spec, 120)
     for name in ("audit", "mailer"):
         consumer = Consumer(store, QUEUE, name)
-        started.append(consumer)
+        consumers.append(consumer)
         await consumer.start()
         assert {d.message.message_id for d in await drain(consumer, 120)} == published
 
 
 async def test_long_poll_wakes_on_publish(
-    store: Store, started: list[Consumer], monkeypatch: pytest.MonkeyPatch
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The slow recheck of a caught-up shard is out of reach: only the head watch can wake it.
     monkeypatch.setattr(shard_reader, "CAUGHT_UP_RECHECK_SECONDS", 3600.0)
     spec = await setup_queue(store, shards=1, subscribers=["waiter"], start="latest")
     consumer = Consumer(store, QUEUE, "waiter")
-    started.append(consumer)
+    consumers.append(consumer)
     await consumer.start()
     await wait_for(lambda: consumer.held_shards == {0} and consumer.readers[0].caught_up)
     receiving = asyncio.create_task(consumer.receive(max_messages=1, wait=120))
@@ -120,13 +112,13 @@ async def test_long_poll_wakes_on_publish(
 
 
 async def test_competing_consumers_split_shards_and_a_crash_redelivers_only_unacked(
-    store: Store, new_store: Callable[[], Store], started: list[Consumer]
+    store: Store, new_store: Callable[[], Store], consumers: list[Consumer]
 ) -> None:
     spec = await setup_queue(store, shards=4, subscribers=["workers"])
     published = await publish_many(store, spec, 200)
     a_store, b_store = new_store(), new_store()
     a, b = Consumer(a_store, QUEUE, "workers", member_id="a"), Consumer(b_store, QUEUE, "workers", member_id="b")
-    started.append(a)
+    consumers.append(a)
     await a.start()
     await b.start()
     shares = assign(["a", "b"], [0, 1, 2, 3])
@@ -149,11 +141,11 @@ async def test_competing_consumers_split_shards_and_a_crash_redelivers_only_unac
     assert set(from_a) == published - acked_by_b  # unacked ones came back, acked ones did not
 
 
-async def test_stale_receipt_after_visibility_expiry_and_nack_delay(store: Store, started: list[Consumer]) -> None:
+async def test_stale_receipt_after_visibility_expiry_and_nack_delay(store: Store, consumers: list[Consumer]) -> None:
     spec = await setup_queue(store, shards=1, subscribers=["slow"])
     await publish_many(store, spec, 1)
     consumer = Consumer(store, QUEUE, "slow")
-    started.append(consumer)
+    consumers.append(consumer)
     await consumer.start()
     (first,) = await consumer.receive(max_messages=1, wait=10, visibility=0.2)
     (second,) = await consumer.receive(max_messages=1, wait=10, visibility=30)
@@ -169,11 +161,11 @@ async def test_stale_receipt_after_visibility_expiry_and_nack_delay(store: Store
     assert await consumer.ack(third.receipt) is False
 
 
-async def test_seek_to_earliest_replays_and_seek_to_latest_skips(store: Store, started: list[Consumer]) -> None:
+async def test_seek_to_earliest_replays_and_seek_to_latest_skips(store: Store, consumers: list[Consumer]) -> None:
     spec = await setup_queue(store, shards=2, subscribers=["replayer"])
     published = await publish_many(store, spec, 60)
     consumer = Consumer(store, QUEUE, "replayer")
-    started.append(consumer)
+    consumers.append(consumer)
     await consumer.start()
     assert {d.message.message_id for d in await drain(consumer, 60)} == published
     await consumer.acks.flush()
@@ -187,7 +179,7 @@ async def test_seek_to_earliest_replays_and_seek_to_latest_skips(store: Store, s
     assert {d.message.message_id for d in await drain(consumer, 5)} == later
 
 
-async def test_stats_report_published_lag_and_in_flight(store: Store, started: list[Consumer]) -> None:
+async def test_stats_report_published_lag_and_in_flight(store: Store, consumers: list[Consumer]) -> None:
     from casque.engine.stats import queue_stats, subscriber_stats
 
     spec = await setup_queue(store, shards=2, subscribers=["counted"])
@@ -200,7 +192,7 @@ async def test_stats_report_published_lag_and_in_flight(store: Store, started: l
     assert lagging.oldest_unacked_age_seconds is not None
 
     consumer = Consumer(store, QUEUE, "counted")
-    started.append(consumer)
+    consumers.append(consumer)
     await consumer.start()
     held = await drain(consumer, 10, ack=False, limit_s=30)
     await consumer.publish_report()
@@ -217,7 +209,7 @@ async def test_stats_report_published_lag_and_in_flight(store: Store, started: l
 
 @pytest.mark.parametrize("acked", ["one of its batch", "its whole batch"])
 async def test_an_ack_between_a_seek_and_the_member_noticing_it_is_stale(
-    store: Store, started: list[Consumer], acked: str
+    store: Store, consumers: list[Consumer], acked: str
 ) -> None:
     """A seek is answered once its transaction is in ZooKeeper; members learn of it through a
     watch, later. A delivery acked in between is one the seek replays, so its ack must not be
@@ -230,7 +222,7 @@ async def test_an_ack_between_a_seek_and_the_member_noticing_it_is_stale(
     await publisher.flush_heads()
     assert len({r.batch for r in results}) == 1
     consumer = Consumer(store, QUEUE, "late")
-    started.append(consumer)
+    consumers.append(consumer)
     await consumer.start()
     delivered = await drain(consumer, 3, ack=False)
     assert len(delivered) == 3
@@ -248,7 +240,7 @@ async def test_an_ack_between_a_seek_and_the_member_noticing_it_is_stale(
 
 
 async def test_an_ack_call_looks_for_seeks_with_one_read_whatever_its_shards(
-    store: Store, started: list[Consumer], monkeypatch: pytest.MonkeyPatch
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Whether a seek moved the shards of an ack call's deliveries is told by one read of the
     subscriber's seek mark, not by one offset read per shard; after a seek of one shard, too,
@@ -256,7 +248,7 @@ async def test_an_ack_call_looks_for_seeks_with_one_read_whatever_its_shards(
     spec = await setup_queue(store, shards=4, subscribers=["marks"])
     await publish_many(store, spec, 60)
     consumer = Consumer(store, QUEUE, "marks")
-    started.append(consumer)
+    consumers.append(consumer)
     await consumer.start()
     delivered = await drain(consumer, 60, ack=False)
     by_shard: dict[int, list[Delivery]] = {}
