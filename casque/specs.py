@@ -27,6 +27,11 @@ PRIORITY_STRIDE = 1000
 # A message is at most this many bytes (payload + key + attributes); a batch always holds at
 # least one message, so this also bounds a single-message batch.
 MAX_MESSAGE_BYTES_LIMIT = 1024 * 1024
+# Idempotency keys are remembered this long unless the queue says otherwise (and the
+# retention is not shorter); a window shorter than MIN_DEDUPLICATION_WINDOW_SECONDS would
+# end while a publish's own claims may still be in flight (casque.engine.idempotency).
+DEFAULT_DEDUPLICATION_WINDOW_SECONDS = 600
+MIN_DEDUPLICATION_WINDOW_SECONDS = 10
 StartPosition = Literal["earliest", "latest"] | datetime
 
 
@@ -75,17 +80,40 @@ class QueueSpec(_Spec):
     default_delay_seconds: Annotated[int, Field(ge=0, alias="defaultDelay")] = 0
     consistency: Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM", "EACH_QUORUM", "ALL"] = "LOCAL_QUORUM"
     deletion_policy: Literal["Retain", "Delete"] = "Retain"
+    # None: DEFAULT_DEDUPLICATION_WINDOW_SECONDS, or the retention if shorter (see
+    # `deduplication_window`). Not a fixed default, so a queue with a short retention needs
+    # no window spelled out. Left out of the znode while unset: sidecars of the version
+    # before, which refuse unknown fields, still read the queue during a rolling upgrade.
+    deduplication_window_seconds: Annotated[
+        int | None,
+        Field(ge=MIN_DEDUPLICATION_WINDOW_SECONDS, alias="deduplicationWindow", exclude_if=lambda v: v is None),
+    ] = None
 
     @field_validator("retention_seconds", "default_delay_seconds", mode="before")
     @classmethod
     def _durations(cls, value: object) -> int:
         return parse_duration(value)
 
+    @field_validator("deduplication_window_seconds", mode="before")
+    @classmethod
+    def _window(cls, value: object) -> int | None:
+        return None if value is None else parse_duration(value)
+
     @model_validator(mode="after")
     def _delay_within_retention(self) -> QueueSpec:
         if self.default_delay_seconds >= self.retention_seconds:
             raise ValueError("defaultDelay must be shorter than retention")
+        # A retry after its message expired would find nothing to answer with.
+        if self.deduplication_window_seconds is not None and self.deduplication_window_seconds > self.retention_seconds:
+            raise ValueError("deduplicationWindow must not be longer than retention")
         return self
+
+    @property
+    def deduplication_window(self) -> int:
+        """Seconds an idempotency key is remembered."""
+        if self.deduplication_window_seconds is not None:
+            return self.deduplication_window_seconds
+        return min(DEFAULT_DEDUPLICATION_WINDOW_SECONDS, self.retention_seconds)
 
     def log_shards(self) -> list[int]:
         """Every log of the queue: its shards at every priority level."""

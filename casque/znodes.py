@@ -42,6 +42,10 @@ class QueuePaths:
     def head(self, shard: int) -> str:
         return f"{self.shards}/{shard}/head"
 
+    def totals(self, shard: int) -> str:
+        """The shard's running totals as of its head, written with it (casque.engine.heads)."""
+        return f"{self.shards}/{shard}/totals"
+
     @property
     def subscribers(self) -> str:
         return f"{self.base}/subscribers"
@@ -122,3 +126,16 @@ def decode_offset(data: bytes | None) -> tuple[int, int]:
     """(offset, epoch) of an offset znode's data."""
     offset, _, epoch = (data or b"1").decode().partition("@")
     return int(offset or 1), int(epoch or 0)
+
+
+def encode_totals(batch: int, messages: int, size: int) -> bytes:
+    return f"{batch} {messages} {size}".encode()
+
+
+def decode_totals(data: bytes | None) -> tuple[int, int, int] | None:
+    """(batch, messages, bytes) of a totals znode's data; None if it holds none."""
+    parts = (data or b"").split()
+    if len(parts) != 3:
+        return None
+    batch, messages, size = (int(p) for p in parts)
+    return batch, messages, size

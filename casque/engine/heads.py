@@ -15,6 +15,13 @@ Recipe guarantees:
   members look for batch head+1 when there is nothing to claim) and repair a head they
   find behind (`advance` from the reader's side), for a publisher killed before its advance.
 
+- A publisher's advance carries the running totals of the batch it names (its header's),
+  written to the shard's totals znode in the head's own transaction, so the totals znode
+  holds the totals as of the head whenever a publisher moved it. A header expires with its
+  batch; this copy does not, so a queue idle past its retention still knows its totals and
+  its next batch counts on from them. An advance by a reader (a repair) knows no totals
+  and leaves the znode as it was: as of an earlier batch, which nobody takes for the head's.
+
 Nothing here depends on a session, so LOST needs no action: the next try reconnects.
 """
 
@@ -26,10 +33,11 @@ import time
 from collections.abc import Callable
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import BadVersionError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
+from casque.znodes import encode_totals
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +55,13 @@ def _stopped(client: KazooClient) -> bool:
 
 
 class HeadAdvancer:
-    def __init__(self, client: KazooClient, path: str) -> None:
+    def __init__(self, client: KazooClient, path: str, totals_path: str | None = None) -> None:
         self._client = client
         self._path = path
+        self._totals_path = totals_path
         self._target = 0
+        # The running totals (messages, bytes) as of the target batch, if its writer said.
+        self._target_totals: tuple[int, int] | None = None
         self._known = 0
         self._version: int | None = None
         self._task: asyncio.Task[None] | None = None
@@ -58,11 +69,13 @@ class HeadAdvancer:
         self.reads = 0
         self.failures = 0
 
-    def advance(self, batch: int) -> None:
-        """Ask for head >= batch; returns at once, the write happens in the background."""
+    def advance(self, batch: int, totals: tuple[int, int] | None = None) -> None:
+        """Ask for head >= batch; returns at once, the write happens in the background.
+        `totals`: the shard's running totals as of `batch`, written with the head."""
         if batch <= max(self._target, self._known):
             return
         self._target = batch
+        self._target_totals = totals
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -81,9 +94,9 @@ class HeadAdvancer:
                     self.reads += 1
                     self._known, self._version = int(data or b"0"), stat.version
                     continue
-                stat = await zk.call(self._client.set_async, self._path, str(target).encode(), self._version)
+                version = await self._write(target, self._target_totals)
                 self.writes += 1
-                self._known, self._version = target, stat.version
+                self._known, self._version = target, version
                 backoff = RETRY_MIN_SECONDS
             except BadVersionError:
                 self._version = None  # someone else moved it: read and compare again
@@ -100,6 +113,33 @@ class HeadAdvancer:
                     "head %s not advanced to %d (%s); trying again until it is", self._path, target, error)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_SECONDS)
+
+
+    async def _write(self, target: int, totals: tuple[int, int] | None) -> int:
+        """The head set to `target` (and the totals znode, when known) over the version we
+        read; the head's new version. BadVersionError if someone else moved the head."""
+        if totals is None or self._totals_path is None:
+            stat = await zk.call(self._client.set_async, self._path, str(target).encode(), self._version)
+            return int(stat.version)
+        transaction = self._client.transaction()
+        transaction.set_data(self._path, str(target).encode(), self._version)
+        # Unconditional: it rides on the head's compare-and-set, which only ever goes up.
+        transaction.set_data(self._totals_path, encode_totals(target, *totals))
+        head, written = await zk.call(transaction.commit_async)
+        if isinstance(head, BadVersionError):
+            raise head
+        if isinstance(written, NoNodeError):
+            # A queue made before totals were kept: its znode is made once, then written.
+            try:
+                await zk.call(self._client.create_async, self._totals_path, b"")
+            except NodeExistsError:
+                pass
+            return await self._write(target, totals)
+        failure = next((r for r in (head, written) if isinstance(r, Exception) and not isinstance(r, RolledBackError)),
+                       None)
+        if failure is not None:
+            raise failure
+        return int(head.version)
 
 
 class WatchedHeads:

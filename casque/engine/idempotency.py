@@ -240,7 +240,7 @@ class IdempotencyGuard:
             SequenceBlocks(store, keyspace, queue_key, self._consistency)
             if has_table(store.session, keyspace, PRODUCER_SEQS_TABLE) else None
         )
-        self._recent = RecentIds()
+        self._recent = RecentIds(window_seconds=self._window)
         self._inflight: dict[str, asyncio.Future[Published]] = {}
         self.resolved_intents = 0
         self._statements = 0
@@ -272,6 +272,7 @@ class IdempotencyGuard:
         """`publication` is this process's publish of `client_id`: until it ends, publishes of
         the id wait for it (`earlier_here`), and its result is remembered."""
         self._inflight[client_id] = publication
+        started = time.monotonic()  # before its intent rows are written, so memory ends first
 
         def ended(done: asyncio.Future[Published]) -> None:
             if self._inflight.get(client_id) is done:
@@ -279,7 +280,7 @@ class IdempotencyGuard:
             # A producer key is not kept in memory: it is found again at the cost of one read
             # of its block, and a producer's keys would crowd out the client ids.
             if not done.cancelled() and done.exception() is None and not client_id.startswith(PRODUCER_KEY_PREFIX):
-                self._remember(client_id, done.result())
+                self._recent.remember(client_id, done.result(), started)
 
         publication.add_done_callback(ended)
 
@@ -498,33 +499,36 @@ class IdempotencyGuard:
         (found, *_) = await self._log.read_from(shard, batch)
         return next(m.position.seq for m in found.messages if m.message_id == message_id)
 
-    def _remember(self, client_id: str, result: Published) -> None:
-        self._recent.remember(client_id, result)
-
-
 class RecentIds:
-    """The first results of recent ids, oldest forgotten first once over `ids` or `max_bytes`."""
+    """The first results of recent ids, oldest forgotten first once over `ids` or `max_bytes`,
+    and none trusted once the window has passed since its publish began: its rows expire
+    then too (they are written after it began), and a retry after the window is a new message."""
 
-    def __init__(self, ids: int = REMEMBERED_IDS, max_bytes: int = REMEMBERED_BYTES) -> None:
-        self._results: OrderedDict[str, Published] = OrderedDict()
+    def __init__(self, ids: int = REMEMBERED_IDS, max_bytes: int = REMEMBERED_BYTES,
+                 window_seconds: float = DEFAULT_WINDOW_SECONDS) -> None:
+        self._results: OrderedDict[str, tuple[Published, float]] = OrderedDict()
         self._ids = ids
         self._max_bytes = max_bytes
+        self._window = window_seconds
         self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._results)
 
     def get(self, client_id: str) -> Published | None:
-        return self._results.get(client_id)
+        known = self._results.get(client_id)
+        if known is None or time.monotonic() - known[1] >= self._window:
+            return None  # an id with a longer window of its own is still found in Cassandra
+        return known[0]
 
-    def remember(self, client_id: str, result: Published) -> None:
+    def remember(self, client_id: str, result: Published, started: float | None = None) -> None:
         previous = self._results.pop(client_id, None)
         if previous is not None:
-            self.bytes -= _cost(client_id, previous)
-        self._results[client_id] = result
+            self.bytes -= _cost(client_id, previous[0])
+        self._results[client_id] = (result, time.monotonic() if started is None else started)
         self.bytes += _cost(client_id, result)
         while len(self._results) > self._ids or self.bytes > self._max_bytes:
-            oldest, forgotten = self._results.popitem(last=False)
+            oldest, (forgotten, _) = self._results.popitem(last=False)
             self.bytes -= _cost(oldest, forgotten)
 
 

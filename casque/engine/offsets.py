@@ -12,6 +12,13 @@ A seek writes the new offsets of the shards it names with their epoch bumped, an
 of the seek, in one ZooKeeper transaction. The epoch keys the ack records, so a replay of a
 range delivers its messages again instead of skipping those acked in the earlier pass; a
 shard the seek does not name keeps its epoch, its offset and its reader.
+
+The seek overwrites the offsets without checking their versions: it sets where the shards
+resume, so a commit that landed just before it has nothing to keep, and every commit
+prepared before it fails on the version the seek bumped, after which its writer reads the
+new epoch. Only the seek record is compared-and-set, against another seek. (Checking every
+offset's version made a seek race each shard's commits, up to 20 a second per busy shard,
+and lose: 503 after 20 tries.)
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from casque.schema import QueueRef
 from casque.store import Store
 from casque.znodes import SubscriberPaths, decode_offset, encode_offset
 
-# Seeks that lose a compare-and-set to a commit (or another seek) recompute and try again.
+# Seeks that lose the seek record's compare-and-set to another seek try again.
 SEEK_ATTEMPTS = 20
 
 
@@ -147,17 +154,17 @@ def seek(store: Store, queue: QueueRef, subscriber: str, target: SeekTarget) -> 
     for _ in range(SEEK_ATTEMPTS):
         if _try_seek(store.zk, paths, target, offsets):
             return offsets
-    raise BackendUnavailable(f"subscriber {subscriber}: offsets kept changing during the seek; try again")
+    raise BackendUnavailable(f"subscriber {subscriber}: other seeks kept coming first; try again")
 
 
 def _try_seek(client: KazooClient, paths: SubscriberPaths, target: SeekTarget, offsets: dict[int, int]) -> bool:
-    """One compare-and-set of every moved offset and the seek record; False if something moved meanwhile."""
+    """Every moved offset, and the seek record compared-and-set; False if another seek came first."""
     epoch, version = read_epoch(client, paths)
     new_epoch = epoch + 1
     transaction = client.transaction()
     for shard, offset in offsets.items():
-        _, stat = client.get(paths.offset(shard))
-        transaction.set_data(paths.offset(shard), encode_offset(offset, new_epoch), stat.version)
+        # Unconditional (module docstring): commits compare-and-set, so they lose to the seek.
+        transaction.set_data(paths.offset(shard), encode_offset(offset, new_epoch))
         if client.exists(paths.cursor(shard)) is not None:
             # Shared delivery: ranges are claimed from the new position on; claims of the old
             # epoch are moot (casque.engine.claims). Unconditional: claiming only ever checks it.

@@ -38,6 +38,7 @@ from casque.engine.delayed import (
     moved_message,
     read_cursor,
 )
+from casque.engine import totals as shard_totals
 from casque.engine.heads import HeadAdvancer
 from casque.engine.idempotency import IdempotencyGuard, IdRecord, claim_deadline, recorded
 from casque.engine.messages import OutgoingMessage, Published, random_uuid
@@ -112,7 +113,8 @@ class ShardWriter:
         self._last_batch: int | None = None
         self._totals: tuple[int, int] | None = None
         self._task: asyncio.Task[None] | None = None
-        self.heads = HeadAdvancer(publisher.store.zk, publisher.store.paths(publisher.queue).head(shard))
+        paths = publisher.store.paths(publisher.queue)
+        self.heads = HeadAdvancer(publisher.store.zk, paths.head(shard), paths.totals(shard))
 
     def submit(self, item: _Pending) -> None:
         self.pending.append(item)
@@ -254,11 +256,7 @@ class ShardWriter:
         """Learn the latest batch from the head watermark (and its running totals)."""
         head = await self._read_head()
         self._last_batch = head
-        self._totals = (0, 0) if head == 0 else None
-        if head:
-            header = await self._publisher.log.read_header(self.shard, head)
-            if header is not None and header.total_messages is not None and header.total_bytes is not None:
-                self._totals = (header.total_messages, header.total_bytes)
+        self._totals = await shard_totals.as_of(self._publisher.store, self._publisher.log, self.shard, head)
 
     async def _write(self, items: list[_Pending]) -> tuple[int, str] | Published:
         """The batch the items were written in, and the writer id that won it; or, for a
@@ -303,7 +301,7 @@ class ShardWriter:
             if claim.applied:
                 counters.batches += 1
                 counters.messages += len(items)
-                self.heads.advance(batch)
+                self.heads.advance(batch, self._totals)
                 return batch, writer
             counters.conflicts += 1
             conflicts += 1
@@ -323,7 +321,7 @@ class ShardWriter:
         if claim.applied:
             self._publisher.counters.batches += 1
             self._publisher.counters.messages += 1
-            self.heads.advance(batch)
+            self.heads.advance(batch, shard_totals.of_header(claim.header))
             return batch, taken_over.writer
         self._publisher.counters.conflicts += 1
         if claim.header is not None and claim.header.writer in taken_over.replaces:
@@ -337,20 +335,12 @@ class ShardWriter:
         """What a claim (won or lost) tells of the shard: its batch exists, with these totals."""
         header = claim.header
         self._last_batch = batch
-        self._totals = (
-            (header.total_messages, header.total_bytes)
-            if header is not None and header.total_messages is not None and header.total_bytes is not None
-            else None
-        )
+        self._totals = shard_totals.of_header(header)
 
     async def _totals_before(self, batch: int) -> tuple[int, int] | None:
         """The running totals as of the batch before `batch`, from its header read at SERIAL."""
-        if batch <= 1:
-            return (0, 0)
-        header = await self._publisher.log.read_header(self.shard, batch - 1, serial=True)
-        if header is None or header.total_messages is None or header.total_bytes is None:
-            return None
-        return (header.total_messages, header.total_bytes)
+        publisher = self._publisher
+        return await shard_totals.as_of(publisher.store, publisher.log, self.shard, batch - 1, serial=True)
 
     async def _recover_totals(self, batch: int) -> None:
         """The running totals as of `batch` (known to exist), from its header read at SERIAL.
@@ -360,12 +350,8 @@ class ShardWriter:
         would leave every later batch of the shard without published counts, and stats
         without lag in messages, for good.
         """
-        if batch == 0:
-            self._totals = (0, 0)
-            return
-        header = await self._publisher.log.read_header(self.shard, batch, serial=True)
-        if header is not None and header.total_messages is not None and header.total_bytes is not None:
-            self._totals = (header.total_messages, header.total_bytes)
+        publisher = self._publisher
+        self._totals = await shard_totals.as_of(publisher.store, publisher.log, self.shard, batch, serial=True)
 
     async def _claim(self, batch: int, items: list[_Pending], writer: str, totals: tuple[int, int] | None) -> Claim:
         log_ = self._publisher.log
@@ -439,7 +425,8 @@ class Publisher:
         self.counters = PublisherCounters()
         self._writers = {shard: ShardWriter(self, shard) for shard in self.spec.log_shards()}
         self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
-        self.idempotency = IdempotencyGuard(self.store, self.state.shared_key(self.queue), self.log)
+        self.idempotency = IdempotencyGuard(self.store, self.state.shared_key(self.queue), self.log,
+                                            self.spec.deduplication_window)
         self._background: set[asyncio.Task[None]] = set()
 
     def validate(self, message: OutgoingMessage) -> None:

@@ -20,6 +20,7 @@ from kazoo.exceptions import NoNodeError
 
 from casque.backends import zk
 from casque.engine import catalog
+from casque.engine import totals as shard_totals
 from casque.engine.batches import Header, Log
 from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters, dead_lettered
 from casque.engine.stalls import read_progress, stall_threshold
@@ -163,7 +164,9 @@ async def queue_stats(store: Store, queue: QueueRef) -> QueueStats:
             return ShardStats(shard, 0, 0, 0, None)
         header = await log.read_header(shard, head)
         if header is None:
-            return ShardStats(shard, head, None, None, None)
+            # Expired with its batch (an idle queue): the totals live on in ZooKeeper.
+            messages, size = await shard_totals.kept(store, log, shard, head) or (None, None)
+            return ShardStats(shard, head, messages, size, None)
         return ShardStats(shard, head, header.total_messages, header.total_bytes, header.published_at)
 
     shards = await asyncio.gather(*(one(s) for s in state.spec.log_shards()))

@@ -16,11 +16,15 @@ until the server has expired it, which the test observes (the member znode goes)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import BadVersionError
 
-from casque.engine import catalog
+from casque.engine import catalog, offsets
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
 from casque.schema import QueueRef, bucket_of
@@ -168,6 +172,69 @@ async def test_a_seek_under_load_replays_everything_and_loses_nothing(store: Sto
     await group.seek(first, {"to": "earliest"})
     await publishing
     await replayed_after_the_seek(group)
+
+
+async def test_a_seek_across_sixteen_busy_shards_succeeds_when_first_asked(store: Store, group: Group) -> None:
+    """Consumers commit offsets on every shard while the seek is asked, and a commit lands on
+    every shard between the seek's reads and its transaction (as one does under load, at up
+    to 20 a second per busy shard): the seek must not race the commits (it compared-and-set
+    every offset and answered 503 after 20 lost races), and the replay afterwards delivers
+    everything from the target."""
+    spec = create(group, shards=16)
+    await group.add(4)
+    await group.whole(spec.log_shards())
+    await group.publish(400, "history")
+    await group.drained()
+    acks_before = len(group.history.acks)
+    publishing = asyncio.create_task(group.publish(2000, "live"))
+
+    async def busy() -> bool:
+        return len(group.history.acks) - acks_before >= 200
+
+    await until("the consumers acking live messages", busy)
+    sent = History.now()
+    committing = dataclasses.replace(store, zk=_CommitsInTheWay(store, spec.log_shards()))
+    # Raises BackendUnavailable (the sidecar's 503) if the seek loses to the commits.
+    await asyncio.to_thread(offsets.seek, committing, QUEUE, SUBSCRIBER, offsets.SeekTarget("earliest"))
+    group.history.seeks.append(Seek(sent, History.now()))
+    await publishing
+    await replayed_after_the_seek(group)
+
+
+class _CommitsInTheWay:
+    """The test's ZooKeeper client, whose transactions meet a commit of every shard's offset
+    just before they are sent: what a seek's transaction meets on busy shards."""
+
+    def __init__(self, store: Store, shards: list[int]) -> None:
+        self._client = store.zk
+        self._offsets = [store.paths(QUEUE).subscriber(SUBSCRIBER).offset(shard) for shard in shards]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def transaction(self) -> Any:
+        transaction = self._client.transaction()
+        send = transaction.commit
+
+        def commit() -> Any:
+            for path in self._offsets:
+                _commit_in_place(self._client, path)
+            return send()
+
+        transaction.commit = commit
+        return transaction
+
+
+def _commit_in_place(client: KazooClient, path: str) -> None:
+    """A commit as a holder makes it (compare-and-set on the version it read), of the offset
+    that is there already; the real consumers commit meanwhile too, so until one lands."""
+    while True:
+        data, stat = client.get(path)
+        try:
+            client.set(path, data, version=stat.version)
+            return
+        except BadVersionError:
+            continue
 
 
 async def test_a_recreated_subscriber_is_served_from_its_new_incarnation(store: Store, group: Group) -> None:

@@ -16,6 +16,7 @@ from casque.engine import catalog, idempotency
 from casque.engine.batches import Claim, Header, Log
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
+from casque.engine.stats import queue_stats
 from casque.errors import BackendUnavailable, MessageTooLarge, PublishOutcomeUnknown, WriteOutcomeUnknown
 from casque.engine.sequences import SEQUENCE_BLOCK, parse_producer_key, producer_key
 from casque.schema import (
@@ -184,6 +185,33 @@ async def test_one_call_with_an_id_twice_stores_it_once_and_answers_both(
     stored = await read_all(store, spec)
     assert sorted(i for batches in stored.values() for ids in batches.values() for i in ids) == sorted(
         [first.message_id, plain.message_id])
+
+
+async def test_a_retry_lands_once_within_the_queues_deduplication_window_and_again_after_it(
+    store: Store, key: Key
+) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, deduplication_window_seconds=10)
+    catalog.apply_queue(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    (first,) = await publisher.publish([OutgoingMessage(b"a", client_id=key("order-3"))])
+    # A retry inside the window, through this process and through another: the first result.
+    (again,) = await publisher.publish([OutgoingMessage(b"a", client_id=key("order-3"))])
+    (elsewhere,) = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish(
+        [OutgoingMessage(b"a", client_id=key("order-3"))])
+    assert again.duplicate and elsewhere.duplicate
+    assert again.message_id == elsewhere.message_id == first.message_id
+    # The window's end: the key's rows expire with it (10 s, not the default 600 s).
+    ended = time.monotonic() + 60
+
+    while await publisher.idempotency.lookup([key("order-3")]):
+        assert time.monotonic() < ended, "the key's rows outlived the queue's 10 s window by far"
+        await asyncio.sleep(0.2)
+    (later,) = await publisher.publish([OutgoingMessage(b"a", client_id=key("order-3"))])
+    assert not later.duplicate and later.message_id != first.message_id
+    await publisher.flush_heads()
+    stored = await read_all(store, spec)
+    assert sorted(i for batches in stored.values() for ids in batches.values() for i in ids) == sorted(
+        [first.message_id, later.message_id])
 
 
 async def until(what: str, condition: Callable[[], bool], limit_s: float = 30.0) -> None:
@@ -454,6 +482,38 @@ async def test_running_totals_survive_publishers_contending_for_one_shard(store:
         size += sum(m.size for m in stored.messages)
         assert (header.total_messages, header.total_bytes) == (running, size), f"batch {batch}"
     assert running == 120  # every message counted once
+
+
+async def test_totals_count_on_after_the_queue_idled_past_its_retention(store: Store) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    table = store.table(QUEUE)
+    # A short retention for what is published now (the spec's floor is 60 s).
+    store.session.execute(f"ALTER TABLE {table} WITH default_time_to_live = 2")
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    early = [OutgoingMessage(b"early-%d" % i) for i in range(3)]
+    for message in early:
+        await publisher.publish([message])
+    await publisher.flush_heads()
+    store.session.execute(f"ALTER TABLE {table} WITH default_time_to_live = 3600")
+    log = Log(store, QUEUE, "ONE")
+    idle_head = catalog.read_int(store, store.paths(QUEUE).head(0))
+    ends = time.monotonic() + 60
+    while await log.read_header(0, idle_head) is not None:  # the queue idles past its retention
+        assert time.monotonic() < ends, "the head's header never expired"
+        await asyncio.sleep(0.2)
+    assert (await queue_stats(store, QUEUE)).published_messages == 3  # idle, still counted
+
+    # A publisher that starts now (a restarted sidecar), and the one that knew the shard.
+    later = [OutgoingMessage(b"later-0"), OutgoingMessage(b"later-1")]
+    await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([later[0]])
+    await publisher.publish([later[1]])
+    await publisher.flush_heads()
+    head = catalog.read_int(store, store.paths(QUEUE).head(0))
+    header = await log.read_header(0, head)
+    assert header is not None and head == idle_head + 2
+    assert (header.total_messages, header.total_bytes) == (5, sum(m.size for m in early + later))
+    assert (await queue_stats(store, QUEUE)).published_messages == 5
 
 
 async def test_oversize_message_rejects_the_whole_request(store: Store) -> None:

@@ -22,7 +22,7 @@ from casque.schema import NAME_PATTERN
 from casque.specs import QueueSpec, SubscriberSpec
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
-DURATIONS = {"retention", "defaultDelay", "visibilityTimeout", "stallAfter"}
+DURATIONS = {"retention", "defaultDelay", "visibilityTimeout", "stallAfter", "deduplicationWindow"}
 
 
 def load(name: str) -> dict[str, Any]:

@@ -60,12 +60,27 @@ def test_specs_parse_with_durations_and_defaults() -> None:
         ({"retention": "7w"}, "spec.retention: invalid duration '7w'"),
         ({"retention": "1h", "defaultDelay": "2h"}, "spec: defaultDelay must be shorter than retention"),
         ({"replicas": 3}, "spec.replicas: Extra inputs are not permitted"),
+        ({"retention": "1h", "deduplicationWindow": "2h"},
+         "spec: deduplicationWindow must not be longer than retention"),
+        ({"deduplicationWindow": "5s"}, "spec.deduplicationWindow: Input should be greater than or equal to 10"),
+        ({"deduplicationWindow": "10 min"}, "spec.deduplicationWindow: invalid duration '10 min'"),
     ],
 )
 def test_invalid_queue_specs_name_the_field(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidSpec) as refused:
         reconcile.parse_queue_spec(raw)
     assert message in str(refused.value)
+
+
+def test_the_deduplication_window_defaults_to_ten_minutes_within_the_retention() -> None:
+    assert reconcile.parse_queue_spec(None).deduplication_window == 600
+    # Unset on a queue that keeps messages for less: the retention, not a refusal.
+    assert reconcile.parse_queue_spec({"retention": "2m"}).deduplication_window == 120
+    assert reconcile.parse_queue_spec({"retention": "1h", "deduplicationWindow": "1h"}).deduplication_window == 3600
+    assert reconcile.parse_queue_spec({"deduplicationWindow": 30}).deduplication_window == 30
+    # Unset, it is not written to the queue's znode, which sidecars of the version before
+    # (refusing unknown fields) still read during a rolling upgrade.
+    assert "deduplication" not in QueueSpec().model_dump_json()
 
 
 def test_invalid_subscriber_spec() -> None:

@@ -6,6 +6,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+import time
 import tracemalloc
 from datetime import datetime, timezone
 from pathlib import Path
@@ -223,3 +224,11 @@ def test_a_bodys_charge_covers_what_parsing_it_takes(shape: str) -> None:
     finally:
         tracemalloc.stop()
     assert peak <= json_values(raw, limit=0) * VALUE_BYTES, (shape, peak)
+
+
+def test_recent_ids_are_forgotten_once_the_window_has_passed_since_their_publish_began() -> None:
+    recent = RecentIds(window_seconds=10)
+    recent.remember("fresh", Published("m1", 0, 1, 0), started=time.monotonic() - 9)
+    recent.remember("stale", Published("m2", 0, 1, 1), started=time.monotonic() - 10)
+    # Past the window its rows have expired too: a retry is a new message, not a duplicate.
+    assert recent.get("fresh") is not None and recent.get("stale") is None
