@@ -2,6 +2,7 @@
 
     {root}/queues/{namespace}/{queue}                         queue config (JSON)
     {root}/queues/{namespace}/{queue}/shards/{shard}/head     published watermark: every batch <= head exists
+    {root}/queues/{namespace}/{queue}/shards/{shard}/totals   running totals as of the head ("batch messages bytes")
     {root}/queues/{namespace}/{queue}/subscribers/{sub}       subscriber config (JSON)
         .../subscribers/{sub}/offsets/{shard}                 every message in batches < offset is done ("offset@epoch")
         .../subscribers/{sub}/fences/{shard}                  bumped by every lease acquisition of the shard

@@ -165,6 +165,7 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     for shard in spec.log_shards():
         if _create_if_absent(store, paths.head(shard), b"0") and current is not None:
             changes.actions.append(f"shard {shard} added")
+        _create_if_absent(store, paths.totals(shard), b"")
     # Subscribers read new shards from their first batch.
     for name in list_subscribers(store, queue):
         for shard in spec.log_shards():
@@ -194,6 +195,7 @@ def _create_queue_znodes(store: Store, queue: QueueRef, spec: QueueSpec) -> None
     store.zk.create(paths.mover, Cursor(state.created_at, state.created_at).encode())
     for shard in spec.log_shards():
         store.zk.create(paths.head(shard), b"0", makepath=True)
+        store.zk.create(paths.totals(shard), b"")
     store.zk.set(paths.base, state.model_dump_json().encode())
 
 

@@ -80,6 +80,7 @@ from casque.schema import (
 from casque.store import Store
 
 DEFAULT_WINDOW_SECONDS = 600
+TTL_GRANULARITY_SECONDS = 1
 # Recent ids kept in memory per queue, bounded by count and by an estimate of their bytes:
 # ids may be 256 characters, and the sidecar's container has 256 MiB. A forgotten id is
 # still found in Cassandra, at the cost of a read.
@@ -240,7 +241,10 @@ class IdempotencyGuard:
             SequenceBlocks(store, keyspace, queue_key, self._consistency)
             if has_table(store.session, keyspace, PRODUCER_SEQS_TABLE) else None
         )
-        self._recent = RecentIds(window_seconds=self._window)
+        # Cassandra expires a row at the whole second after its write plus the TTL, up to a
+        # second early: memory forgets a second before the rows can, so it never answers a
+        # retry as a duplicate that another sidecar would publish anew.
+        self._recent = RecentIds(window_seconds=self._window - TTL_GRANULARITY_SECONDS)
         self._inflight: dict[str, asyncio.Future[Published]] = {}
         self.resolved_intents = 0
         self._statements = 0

@@ -160,9 +160,13 @@ async def queue_stats(store: Store, queue: QueueRef) -> QueueStats:
 
     async def one(shard: int) -> ShardStats:
         head = await _get_int(store, store.paths(queue).head(shard))
+        header = await _header(log, shard, head)
+        # The head is advanced after a publish is answered: batches past it are answered
+        # publishes, which stats count at once (a publisher's own stats read what it wrote).
+        while (following := await log.read_header(shard, head + 1)) is not None:
+            head, header = head + 1, following
         if head == 0:
             return ShardStats(shard, 0, 0, 0, None)
-        header = await log.read_header(shard, head)
         if header is None:
             # Expired with its batch (an idle queue): the totals live on in ZooKeeper.
             messages, size = await shard_totals.kept(store, log, shard, head) or (None, None)

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from casque.engine import catalog, idempotency
+from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.deadletters import DELIVERIES, LAST_ERROR, MESSAGE_ID, SOURCE, redrive
 from casque.engine.messages import OutgoingMessage
@@ -184,10 +184,10 @@ async def write_dead_letters(store: Store, sources: list[QueueRef], first: int =
 
 
 async def test_a_redrive_rerun_past_the_id_window_sends_nothing_twice(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    store: Store
 ) -> None:
-    monkeypatch.setattr(idempotency, "DEFAULT_WINDOW_SECONDS", 2)  # an app's ids are remembered 2 s
-    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    # An app's ids are remembered 10 s (the shortest window); the redrive's, as long as the dead letters live.
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE", deduplication_window_seconds=10)
     for queue in (ORDERS, DEAD):
         catalog.apply_queue(store, queue, spec)
     await write_dead_letters(store, [ORDERS] * 3)
