@@ -223,3 +223,14 @@ def test_a_bodys_charge_covers_what_parsing_it_takes(shape: str) -> None:
     finally:
         tracemalloc.stop()
     assert peak <= json_values(raw, limit=0) * VALUE_BYTES, (shape, peak)
+
+
+@pytest.mark.parametrize(("ports", "clash"), [
+    ({"port": 9719, "health_port": 9719}, "the API port and the health port are both 9719"),
+    ({"metrics_port": 9718, "health_port": 9718}, "the metrics port and the health port are both 9718"),
+    ({"port": 9718, "metrics_port": 9718}, "the API port and the metrics port are both 9718"),
+])
+def test_the_api_metrics_and_health_ports_must_differ(ports: dict[str, int], clash: str) -> None:
+    with pytest.raises(ValidationError, match=clash):
+        SidecarSettings(**ports)  # type: ignore[arg-type]
+    SidecarSettings(port=0, metrics_port=0, health_port=0)  # each a free port of its own
