@@ -27,6 +27,7 @@ from casque.store import Store
 from casque_client import Client
 from tests.fixtures.sidecars import SidecarProcess
 from tests.fixtures.stack import Backends
+from tests.fixtures.waiting import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 QUEUE = "demo"  # what run-local.sh creates and the README names
@@ -95,7 +96,7 @@ def demo_sidecar(store: Store, start_sidecar: Callable[..., SidecarProcess]) -> 
 def curl() -> str:
     found = shutil.which("curl")
     if found is None:
-        pytest.skip("curl is not installed")
+        unavailable("curl is not installed (apt-get install curl)")
     return found
 
 
