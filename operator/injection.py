@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prometheus_client import Counter
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from casque.config import Settings
@@ -77,6 +77,8 @@ CASSANDRA_SECRET = "casque-cassandra-role"
 DEFAULT_PORT = 8717  # the sidecar's own default (casque.sidecar.config); the operator may not import it
 DEFAULT_METRICS_PORT = 9718
 METRICS_PORT_NAME = "casque-metrics"
+DEFAULT_HEALTH_PORT = 9719
+HEALTH_PORT_NAME = "casque-health"
 LOCALHOST = "127.0.0.1"
 # The keys read from the Secrets the annotations name. Distinct, so one Secret may hold both.
 TOKEN_KEY = "token"
@@ -117,6 +119,9 @@ class InjectionSettings(BaseSettings):
     # The sidecar serves /metrics alone on this port of the pod's address, for Prometheus
     # (a PodMonitor, helm metrics.podMonitor); the queue API stays on 127.0.0.1. None: off.
     metrics_port: int | None = Field(default=DEFAULT_METRICS_PORT, ge=1, le=65535)
+    # The sidecar serves /healthz and /readyz alone on this port of the pod's address, where
+    # the kubelet's httpGet probes reach them (the API listens on 127.0.0.1 only).
+    health_port: int = Field(default=DEFAULT_HEALTH_PORT, ge=1, le=65535)
     # Secrets, present in every app namespace like the credentials Secret, with a backend's
     # CA (ca.crt) and, for mutual TLS, the client's certificate and key (tls.crt, tls.key).
     # Used when the operator's own settings turn that backend's TLS on.
@@ -134,6 +139,12 @@ class InjectionSettings(BaseSettings):
     def _empty_is_none(cls, value: object) -> object:
         # The chart sets every variable; an empty one means "none" (no Secret, no limit).
         return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> InjectionSettings:
+        if self.health_port == self.metrics_port:
+            raise ValueError(f"the sidecar's health and metrics ports are both {self.health_port}: give each its own")
+        return self
 
 
 @dataclass(frozen=True)
@@ -243,6 +254,14 @@ def plan(pod: Mapping[str, Any], settings: InjectionSettings, backends: Settings
                     f"container {container.get('name')!r} uses port {settings.metrics_port}, the sidecar's "
                     f"metrics port; the operator's CASQUE_INJECTION_METRICS_PORT (helm sidecar.metricsPort) moves it"
                 )
+            if port.get("containerPort") == settings.health_port:
+                raise InvalidInjection(
+                    f"container {container.get('name')!r} uses port {settings.health_port}, the sidecar's "
+                    f"health port; the operator's CASQUE_INJECTION_HEALTH_PORT (helm sidecar.healthPort) moves it"
+                )
+    for own, what in ((settings.metrics_port, "metrics"), (settings.health_port, "health")):
+        if request.port == own:
+            raise InvalidInjection(f"annotation {PORT}: {request.port} is the sidecar's {what} port; choose another")
     if spec.get("hostNetwork") and request.token_secret is None:
         # With the node's network the sidecar's 127.0.0.1 is the node's: every process and
         # every hostNetwork pod of the node could publish, receive and seek as this app.
@@ -309,6 +328,7 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
     ]
     if settings.metrics_port is not None:
         env.append({"name": "CASQUE_SIDECAR_METRICS_PORT", "value": str(settings.metrics_port)})
+    env.append({"name": "CASQUE_SIDECAR_HEALTH_PORT", "value": str(settings.health_port)})
     if request.queue is not None:
         env.append({"name": "CASQUE_SIDECAR_QUEUE", "value": request.queue})
     if request.subscribers:
@@ -367,14 +387,18 @@ def sidecar_container(request: SidecarRequest, settings: InjectionSettings, back
         "imagePullPolicy": settings.image_pull_policy,
         "args": ["sidecar"],
         "env": env,
-        **({"ports": [{"name": METRICS_PORT_NAME, "containerPort": settings.metrics_port, "protocol": "TCP"}]}
-           if settings.metrics_port is not None else {}),
+        "ports": [
+            *([{"name": METRICS_PORT_NAME, "containerPort": settings.metrics_port, "protocol": "TCP"}]
+              if settings.metrics_port is not None else []),
+            {"name": HEALTH_PORT_NAME, "containerPort": settings.health_port, "protocol": "TCP"},
+        ],
         "resources": {"requests": requests, **({"limits": limits} if limits else {})},
-        # The sidecar listens on 127.0.0.1 only, which the kubelet's HTTP probes cannot reach
-        # (they dial the Pod's IP), so the probes run inside the container.
-        "startupProbe": _probe(request.port, "/healthz", period=1, failures=120),
-        "livenessProbe": _probe(request.port, "/healthz", period=10, failures=3),
-        "readinessProbe": _probe(request.port, "/readyz?scope=serving", period=5, failures=2),
+        # The API listens on 127.0.0.1 only, which the kubelet's HTTP probes cannot reach (they
+        # dial the Pod's IP), so they ask the health port, which serves nothing else. httpGet
+        # costs the container nothing; an exec probe started a Python for every check.
+        "startupProbe": _probe("/healthz", period=1, failures=120),
+        "livenessProbe": _probe("/healthz", period=10, failures=3),
+        "readinessProbe": _probe("/readyz?scope=serving", period=5, failures=2),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": SIDECAR_UID,
@@ -453,15 +477,6 @@ def tls_env(settings: InjectionSettings, backends: Settings) -> list[dict[str, A
     return env
 
 
-def probe_command(port: int, path: str) -> list[str]:
-    """A check of the sidecar's endpoint from inside its container (also the image's HEALTHCHECK)."""
-    return [
-        "python",
-        "-c",
-        f"import urllib.request; urllib.request.urlopen('http://{LOCALHOST}:{port}{path}', timeout=3)",
-    ]
-
-
 def review(admission: Mapping[str, Any], settings: InjectionSettings, backends: Settings) -> dict[str, Any]:
     """The answer to one AdmissionReview: allowed, with the patch if the Pod gets a sidecar."""
     request = admission.get("request") or {}
@@ -507,9 +522,9 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
-def _probe(port: int, path: str, *, period: int, failures: int) -> dict[str, Any]:
+def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
     return {
-        "exec": {"command": probe_command(port, path)},
+        "httpGet": {"path": path, "port": HEALTH_PORT_NAME},
         "periodSeconds": period,
         "timeoutSeconds": 5,
         "failureThreshold": failures,

@@ -4,6 +4,9 @@
 #
 #   requirements/runtime.lock  casque's dependencies and theirs: what the images install
 #                              (Dockerfile.operator, Dockerfile.sidecar)
+#   requirements/tracing.lock  the tracing extra (OpenTelemetry and its OTLP exporter) and what
+#                              it needs beyond runtime.lock: what the sidecar's image adds
+#                              (Dockerfile.sidecar); resolved with runtime.lock as constraints
 #   requirements/build.lock    what builds casque's and the client's wheels in an image
 #   requirements/dev.lock      the runtime lock plus the dev extra and its dependencies: what
 #                              scripts/install.sh installs into .venv (and so what CI tests);
@@ -37,6 +40,7 @@ build = tomllib.loads(Path("pyproject.toml").read_text())["build-system"]
 local = "casque-client"
 runtime = [r for r in project["dependencies"] if not r.startswith(local)]
 (out / "runtime.in").write_text("\n".join(runtime) + "\n")
+(out / "tracing.in").write_text("\n".join(project["optional-dependencies"]["tracing"]) + "\n")
 (out / "dev.in").write_text("\n".join(runtime + project["optional-dependencies"]["dev"]) + "\n")
 # The build backend at the version the dev extra pins (the unit tests build wheels with it).
 setuptools = [r for r in project["optional-dependencies"]["dev"] if r.startswith("setuptools==")]
@@ -58,4 +62,7 @@ compile runtime
 compile build
 cp requirements/runtime.lock "$work/runtime.lock"
 compile dev --constraint runtime.lock
+# The tracing extra at the runtime lock's versions: the sidecar's image installs
+# runtime.lock, then this (what the two share is already there), and pip check proves the whole.
+compile tracing --constraint runtime.lock
 echo "lock: $(ls requirements/*.lock | tr '\n' ' ')"

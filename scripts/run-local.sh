@@ -116,10 +116,14 @@ cat <<TXT
 casque's local stack and a sidecar are up. Try the API yourself:
   curl -s -X POST $api/v1/queues/$queue/messages -H 'Content-Type: application/json' \\
        -d '{"data": {"hello": "world"}, "partitionkey": "k1"}'
-  curl -s -X POST $api/v1/queues/$queue/subscribers/$subscriber/receive -d '{"max": 10, "wait": 20}'
-  curl -s -X POST $api/v1/queues/$queue/subscribers/$subscriber/ack -d '{"receipt": "<receipt>"}'
-  curl -s -X POST $api/v1/queues/$queue/subscribers/$subscriber/nack -d '{"receipt": "<receipt>", "delay": 60}'
-  curl -s -X POST $api/v1/queues/$queue/subscribers/$subscriber/seek -d '{"to": "earliest"}'
+  curl -s -X POST $api/v1/queues/$queue/subscribers/$subscriber/receive -H 'Content-Type: application/json' \\
+       -d '{"max": 10, "wait": 20}'
+  curl -s -X POST $api/v1/queues/$queue/subscribers/$subscriber/ack -H 'Content-Type: application/json' \\
+       -d '{"receipt": "<receipt from receive>"}'
+  curl -s -X POST $api/v1/queues/$queue/subscribers/$subscriber/nack -H 'Content-Type: application/json' \\
+       -d '{"receipt": "<receipt from receive>", "delay": 60}'
+  curl -s -X POST $api/v1/queues/$queue/subscribers/$subscriber/seek -H 'Content-Type: application/json' \\
+       -d '{"to": "earliest"}'
   curl -s $api/v1/queues/$queue/subscribers/$subscriber/stats
   curl -s $api/openapi.json          # the whole API;  $api/metrics for Prometheus
 From the terminal:

@@ -54,6 +54,12 @@ class SidecarSettings(BaseSettings):
     # the API port only.
     metrics_port: Annotated[int | None, Field(ge=0, le=65535)] = None
     metrics_host: str = "0.0.0.0"
+    # /healthz and /readyz alone on this port of `health_host` (the pod's address by
+    # default), for the kubelet's httpGet probes, which dial the pod's IP and so cannot reach
+    # the API on 127.0.0.1. They carry no message data and need no token. Unset: the probes'
+    # paths are served on the API port only.
+    health_port: Annotated[int | None, Field(ge=0, le=65535)] = None
+    health_host: str = "0.0.0.0"
     namespace: Annotated[str, Field(pattern=NAME_PATTERN.pattern)] = "default"
     # The queue whose subscribers this sidecar consumes for. Publishing works to any queue
     # of the namespace, so a publish-only sidecar needs neither.
@@ -179,6 +185,16 @@ class SidecarSettings(BaseSettings):
                 raise ValueError(f"listening on {self.host}, beyond the pod's loopback, needs a token of at least "
                                  f"{MIN_TOKEN_BYTES} bytes (CASQUE_SIDECAR_TOKEN or a token file); it has "
                                  f"{'none' if self.token is None else f'{size}'}")
+        return self
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> SidecarSettings:
+        named = [("the API", self.port), ("metrics", self.metrics_port), ("health", self.health_port)]
+        taken = [(what, port) for what, port in named if port]  # 0: a free port of its own
+        for i, (what, port) in enumerate(taken):
+            for other, other_port in taken[i + 1:]:
+                if port == other_port:
+                    raise ValueError(f"the {what} port and the {other} port are both {port}: give each its own")
         return self
 
     @model_validator(mode="after")

@@ -280,20 +280,30 @@ async def subscriber_stats(request: web.Request) -> web.Response:
 
 # --- operations outside the API: probes, metrics, the document itself -------------------------
 async def healthz(request: web.Request) -> web.Response:
+    return await health_of(request.app)
+
+
+async def health_of(app: web.Application) -> web.Response:
     """Alive: the process answers. Starting (backends not connected yet) and draining are
-    alive too: restarting would not bring a backend back, nor finish the work faster."""
-    service = request.app[RUNTIME].service
+    alive too: restarting would not bring a backend back, nor finish the work faster.
+    For /healthz and for the separate health port."""
+    service = app[RUNTIME].service
     status: HealthStatus = "starting" if service is None else ("draining" if service.draining else "ok")
     return reply(Health(status=status))
 
 
 async def readyz(request: web.Request) -> web.Response:
-    runtime = request.app[RUNTIME]
+    # ?scope=serving: what the Pod's readiness probe asks (see SidecarService.readiness).
+    return await readiness_of(request.app, serving_only=request.query.get("scope") == "serving")
+
+
+async def readiness_of(app: web.Application, serving_only: bool) -> web.Response:
+    """For /readyz and for the separate health port."""
+    runtime = app[RUNTIME]
     if runtime.service is None:
         body = Health(status="starting", checks={"backends": runtime.problem})
         return web.json_response(body.wire(), status=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-    # ?scope=serving: what the Pod's readiness probe asks (see SidecarService.readiness).
-    ready, checks = await readiness(runtime.service, serving_only=request.query.get("scope") == "serving")
+    ready, checks = await readiness(runtime.service, serving_only=serving_only)
     status: HealthStatus = "ok" if ready else ("draining" if runtime.service.draining else "unready")
     return web.json_response(Health(status=status, checks=checks).wire(), status=200 if ready else 503)
 

@@ -26,7 +26,7 @@ from casque.logs import LogFormat
 from casque.sidecar.app import RUNTIME, create_app
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.guards import MAX_HEADERS
-from casque.sidecar.routes import metrics_of
+from casque.sidecar.routes import health_of, metrics_of, readiness_of
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ async def serve(
     app = create_app(settings, backends)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=CLOSE_TIMEOUT_SECONDS, access_log=None,
                            **protocol_options(settings))
-    scrape_runner: web.AppRunner | None = None
+    side_runners: list[web.AppRunner] = []
     await runner.setup()  # quick: the backends are connected in the background (runtime.py)
     try:
         site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
@@ -59,8 +59,11 @@ async def serve(
             sockets = runner.addresses
             if sockets:
                 address = f"http://{settings.host}:{sockets[0][1]}"
-        if settings.metrics_port is not None:  # first: once the API is said to listen, both do
-            scrape_runner = await _serve_metrics(app, settings.metrics_host, settings.metrics_port)
+        # First: once the API is said to listen, all of them do.
+        if settings.metrics_port is not None:
+            side_runners.append(await _serve_metrics(app, settings.metrics_host, settings.metrics_port))
+        if settings.health_port is not None:
+            side_runners.append(await _serve_health(app, settings.health_host, settings.health_port))
         log.info("casque sidecar listening on %s", address)
         if on_listening is not None:
             on_listening(address)
@@ -70,8 +73,8 @@ async def serve(
         if service is not None:
             await service.drain()
     finally:
-        if scrape_runner is not None:
-            await scrape_runner.cleanup()
+        for side_runner in side_runners:
+            await side_runner.cleanup()
         await runner.cleanup()
     log.info("stopped")
 
@@ -84,11 +87,30 @@ async def _serve_metrics(app: web.Application, host: str, port: int) -> web.AppR
 
     scrape = web.Application()
     scrape.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(scrape, handle_signals=False, access_log=None)
+    return await _serve_beside(scrape, host, port, "metrics", "/metrics")
+
+
+async def _serve_health(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """/healthz and /readyz of `app`, alone, on `host`:`port` (0: any free port, logged)."""
+
+    async def health(_: web.Request) -> web.Response:
+        return await health_of(app)
+
+    async def ready(request: web.Request) -> web.Response:
+        return await readiness_of(app, request.query.get("scope") == "serving")
+
+    probes = web.Application()
+    probes.router.add_get("/healthz", health)
+    probes.router.add_get("/readyz", ready)
+    return await _serve_beside(probes, host, port, "health", "")
+
+
+async def _serve_beside(side: web.Application, host: str, port: int, what: str, path: str) -> web.AppRunner:
+    runner = web.AppRunner(side, handle_signals=False, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_address=True).start()
     shown = f"[{host}]" if ":" in host else host
-    log.info("casque sidecar metrics on http://%s:%s/metrics", shown, runner.addresses[0][1])
+    log.info("casque sidecar %s on http://%s:%s%s", what, shown, runner.addresses[0][1], path)
     return runner
 
 

@@ -106,6 +106,7 @@ class Message:
     event: Mapping[str, Any] = field(repr=False)
     message_id: str = ""
     traceparent: str | None = None
+    tracestate: str | None = None
 
     @property
     def payload(self) -> bytes:
@@ -141,6 +142,7 @@ class Message:
             # A sidecar from before producer ids were kept sends casque's id as `id`.
             message_id=event.get("messageid", event["id"]),
             traceparent=event.get("traceparent"),
+            tracestate=event.get("tracestate"),
         )
 
 
@@ -182,12 +184,17 @@ def message(
     priority: int | None = None,
     delay: float | None = None,
     deliver_at: datetime | None = None,
+    traceparent: str | None = None,
+    tracestate: str | None = None,
 ) -> dict[str, Any]:
     """The publish body of one message. `data` is JSON (or text with a text content type); `payload` is raw bytes.
 
     `delay` (seconds) or `deliver_at` (an aware datetime) hold the message back; `priority`
     picks the queue's level (higher is delivered first). Without an `id`, the client that
     publishes it gives it its producer id and next number, which make the publish idempotent.
+    `traceparent` and `tracestate` (W3C trace context) travel with the message to every
+    receive and push, so consumers continue the producer's trace (`subscribe()` does); the
+    sidecar drops a malformed one rather than refuse the message.
     """
     body: dict[str, Any] = {"id": id} if id else {}
     if payload is not None:
@@ -200,6 +207,7 @@ def message(
         "datacontenttype": content_type, "partitionkey": key, "ttl": ttl, "type": type, "source": source,
         "subject": subject, "priority": priority, "delay": delay,
         "deliverAt": deliver_at.isoformat() if deliver_at is not None else None,
+        "traceparent": traceparent, "tracestate": tracestate,
     }
     body.update({name: value for name, value in optional.items() if value is not None})
     if attributes:
@@ -479,6 +487,16 @@ class AsyncClient:
     ) -> None:
         self._calls = _Requests(url, queue, subscriber, token, timeout, retry)
         self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def queue(self) -> str | None:
+        """The queue of calls that name none (given, or the pod's CASQUE_SIDECAR_QUEUE)."""
+        return self._calls.queue
+
+    @property
+    def subscriber(self) -> str | None:
+        """The subscriber of calls that name none (given, or the first of CASQUE_SIDECAR_SUBSCRIBERS)."""
+        return self._calls.subscriber
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -41,10 +41,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from casque_client.client import AsyncClient, Message, RetryPolicy
 from casque_client.errors import ApiError, ClientError, SidecarUnreachable
+from casque_client.tracing import handler_span
 
 log = logging.getLogger("casque_client")
 T = TypeVar("T")
@@ -122,6 +123,7 @@ async def subscribe(
     client: AsyncClient | None = None,
     url: str | None = None,
     token: str | None = None,
+    tracer_provider: Any = None,
 ) -> None:
     """Consume `queue` as `subscriber` with `handler` until cancelled or `stop` is set.
 
@@ -130,6 +132,9 @@ async def subscribe(
     delivery (default: the Subscriber's). `queue` and `subscriber` default to the pod's
     (`CASQUE_SIDECAR_QUEUE`, `CASQUE_SIDECAR_SUBSCRIBERS`). Pass `client` to share one, or
     `url`/`token` to have one made (and closed at the end).
+
+    With OpenTelemetry importable, each handler runs in a consumer span that continues the
+    message's trace (casque_client.tracing), through `tracer_provider` or the global one.
     """
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
@@ -137,7 +142,7 @@ async def subscribe(
     session = client or AsyncClient(url, queue=queue, subscriber=subscriber, token=token)
     try:
         await _Subscription(session, queue, subscriber, handler, concurrency, visibility, wait, nack_delay,
-                            grace, stop or asyncio.Event()).run()
+                            grace, stop or asyncio.Event(), tracer_provider).run()
     finally:
         if own:
             await session.close()
@@ -147,6 +152,7 @@ class _Subscription:
     def __init__(
         self, client: AsyncClient, queue: str | None, subscriber: str | None, handler: Handler, concurrency: int,
         visibility: float | None, wait: float, nack_delay: NackDelay, grace: float, stop: asyncio.Event,
+        tracer_provider: Any = None,
     ) -> None:
         self.client = client
         self.queue = queue
@@ -158,6 +164,7 @@ class _Subscription:
         self.nack_delay = nack_delay
         self.grace = grace
         self.stop = stop
+        self.tracer_provider = tracer_provider
         self.running: set[asyncio.Task[None]] = set()
         self.threaded = not (inspect.iscoroutinefunction(handler)
                              or inspect.iscoroutinefunction(getattr(handler, "__call__", None)))
@@ -224,9 +231,12 @@ class _Subscription:
                 # A plain function runs in a thread so that a blocking handler cannot starve
                 # the extends; whatever it returns that can be awaited (a coroutine made by a
                 # lambda, say) is awaited here.
-                outcome = await asyncio.to_thread(self.handler, message) if self.threaded else self.handler(message)
-                if inspect.isawaitable(outcome):
-                    await outcome
+                with handler_span(message, self.queue or self.client.queue, self.subscriber or self.client.subscriber,
+                                  self.tracer_provider):
+                    outcome = (await asyncio.to_thread(self.handler, message) if self.threaded
+                               else self.handler(message))
+                    if inspect.isawaitable(outcome):
+                        await outcome
             finally:
                 extender.cancel()
         except asyncio.CancelledError:

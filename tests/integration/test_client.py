@@ -259,3 +259,52 @@ async def test_subscribe_runs_at_most_its_concurrency_of_handlers(sidecar_url: s
     assert most == concurrency and seen == set(range(total))
     # No receive asked for more messages than there were free handler slots.
     assert all(1 <= asked <= concurrency for asked in client.asked[:-1])
+
+
+# --- tracing ----------------------------------------------------------------------------------
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+TRACESTATE = "congo=t61rcWkgMzE"
+
+
+async def test_the_trace_context_given_on_publish_comes_back_on_receive_and_subscribe_continues_it(
+    sidecar_url: str,
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    async with AsyncClient(sidecar_url, queue=QUEUE, subscriber=SUBSCRIBER, retry=FAST) as client:
+        await client.publish({"n": 1}, key="k", traceparent=TRACEPARENT, tracestate=TRACESTATE)
+        await client.publish_batch([message({"n": 2}, key="k", traceparent=TRACEPARENT), message({"n": 3}, key="k")])
+        got: list[Message] = []
+        while len(got) < 3:
+            got.extend(await client.receive(max=10, wait=5))
+        by_n = {m.data["n"]: m for m in got}
+        assert (by_n[1].traceparent, by_n[1].tracestate) == (TRACEPARENT, TRACESTATE)
+        assert by_n[1].event["traceparent"] == TRACEPARENT and by_n[1].event["tracestate"] == TRACESTATE
+        assert (by_n[2].traceparent, by_n[2].tracestate) == (TRACEPARENT, None)
+        assert by_n[3].traceparent is None  # none given, none made up: this sidecar does not trace
+        # Handed back, so that subscribe() gets them again, and runs each in a span of its trace.
+        await client.nack_batch([m.receipt for m in got], delay=0)
+
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        stop = asyncio.Event()
+        handled: list[int] = []
+
+        async def handle(received: Message) -> None:
+            handled.append(received.data["n"])
+            if len(handled) == 3:
+                stop.set()
+
+        await asyncio.wait_for(subscribe(QUEUE, SUBSCRIBER, handle, client=client, wait=1, stop=stop,
+                                         tracer_provider=provider), 60)
+    spans = {span.attributes["messaging.message.id"]: span for span in exporter.get_finished_spans()}
+    assert len(spans) == 3
+    traced = {by_n[n].id for n in (1, 2)}
+    for message_id, span in spans.items():
+        continued = span.parent is not None and format(span.context.trace_id, "032x") == TRACE_ID
+        assert continued == (message_id in traced), message_id

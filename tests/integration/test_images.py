@@ -115,6 +115,11 @@ def test_the_image_runs_as_its_user_without_pip_and_cannot_write_outside_tmp(ima
         "print('imports', casque.__file__)\n"
         "import importlib.util\n"
         "print('pip', importlib.util.find_spec('pip') is not None, os.path.exists('/opt/casque/bin/pip'))\n"
+        "print('tracing', importlib.util.find_spec('opentelemetry') is not None)\n"
+        "if importlib.util.find_spec('opentelemetry') is not None:\n"
+        "    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter\n"
+        "    from opentelemetry.sdk.trace import TracerProvider\n"
+        "    print('exporter', OTLPSpanExporter.__name__)\n"
     )
     name = f"casque-test-{images.session}-probe-{which}"
     run = hardened(image, name)
@@ -128,6 +133,11 @@ def test_the_image_runs_as_its_user_without_pip_and_cannot_write_outside_tmp(ima
     assert lines[1:3] == ["refused /opt/casque/x 30", "refused /x 30"]
     assert lines[3].startswith("imports /opt/casque/lib/python3.11/site-packages/casque/")
     assert lines[4] == "pip False False"  # casque's virtualenv carries no installer
+    # The sidecar carries the tracing extra (off until an OTLP endpoint is set); the operator does not.
+    if which == "sidecar":
+        assert lines[5:] == ["tracing True", "exporter OTLPSpanExporter"]
+    else:
+        assert lines[5:] == ["tracing False"]
 
 
 # --- the sidecar's container serves the API -------------------------------------------------

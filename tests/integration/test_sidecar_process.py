@@ -147,6 +147,35 @@ async def test_prometheus_scrapes_the_metrics_port_which_serves_nothing_else(
             assert answer.status == 404
 
 
+async def test_the_kubelet_probes_the_health_port_which_serves_nothing_else(
+    store: Store, start_sidecar: Callable[..., SidecarProcess]
+) -> None:
+    create_queue(store)
+    # On loopback here; in a pod the default 0.0.0.0 lets the kubelet reach the pod's address.
+    sidecar = await asyncio.to_thread(start_sidecar, "--queue", QUEUE, "--subscriber", SUBSCRIBER, env={
+        "CASQUE_SIDECAR_HEALTH_PORT": "0", "CASQUE_SIDECAR_HEALTH_HOST": "127.0.0.1",
+        "CASQUE_SIDECAR_TOKEN": "a-token-the-kubelet-does-not-have"})
+    health = sidecar.health_url()
+    assert health != sidecar.url
+    async with aiohttp.ClientSession() as http:
+        # The kubelet sends no token and names the pod's address: the probes answer all the same.
+        for path, status in (("/healthz", "ok"), ("/readyz", "ok"), ("/readyz?scope=serving", "ok")):
+            async with http.get(f"{health}{path}") as answer:
+                assert answer.status == 200, (path, await answer.text())
+                assert (await answer.json())["status"] == status
+        async with http.get(f"{health}/readyz") as answer:
+            assert f"member/{SUBSCRIBER}" in (await answer.json())["checks"]  # the API port's full report
+        # Only the probes: no queue API, no metrics, no document on this port.
+        for path in (f"/v1/queues/{QUEUE}/subscribers/{SUBSCRIBER}/stats", "/metrics", "/openapi.json"):
+            async with http.get(f"{health}{path}") as answer:
+                assert answer.status == 404, path
+        async with http.post(f"{health}/v1/queues/{QUEUE}/messages", json={"data": "x"}) as answer:
+            assert answer.status == 404
+        # While the API port still wants its token.
+        async with http.get(f"{sidecar.url}/v1/queues/{QUEUE}/subscribers/{SUBSCRIBER}/stats") as answer:
+            assert answer.status == 401
+
+
 def test_fuzzing_the_api_from_its_openapi_document_finds_no_5xx(
     store: Store, start_sidecar: Callable[..., SidecarProcess]
 ) -> None:

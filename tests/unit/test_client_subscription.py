@@ -101,6 +101,8 @@ class FakeClient:
         self.asked: list[int] = []
         self.settled = asyncio.Event()
         self.total = len(messages)
+        self.queue = "q"
+        self.subscriber = "s"
 
     async def receive(self, max: int, wait: float, visibility: float | None, **_: Any) -> list[Message]:
         self.asked.append(max)

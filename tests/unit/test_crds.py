@@ -21,7 +21,9 @@ from casque.operator.resources import GROUP, QUEUE_KIND, QUEUES, SUBSCRIBER_KIND
 from casque.schema import NAME_PATTERN
 from casque.specs import QueueSpec, SubscriberSpec
 
-CRDS = Path(__file__).resolve().parents[2] / "crds"
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = ROOT / "crds"
+CHART_CRDS = ROOT / "helm" / "casque" / "crds"
 DURATIONS = {"retention", "defaultDelay", "visibilityTimeout", "stallAfter", "deduplicationWindow"}
 
 
@@ -164,3 +166,13 @@ def _literal_choices(annotation: Any) -> list[str]:
     if typing.get_origin(annotation) is typing.Literal:
         return [str(arg) for arg in typing.get_args(annotation)]
     return []
+
+
+def test_the_charts_crds_are_copies_of_crds() -> None:
+    """crds/ is the one source; the chart holds copies because helm warns of links on every command."""
+    copies = sorted(CHART_CRDS.iterdir())
+    assert [p.name for p in copies] == sorted(p.name for p in CRDS.glob("*.yaml"))
+    for copy in copies:
+        assert not copy.is_symlink(), f"{copy} is a link: copy it instead (cp crds/*.yaml helm/casque/crds/)"
+        assert copy.read_bytes() == (CRDS / copy.name).read_bytes(), (
+            f"{copy} differs from crds/{copy.name}: run cp crds/*.yaml helm/casque/crds/")

@@ -39,6 +39,7 @@ DOCKERFILES = {"operator": ROOT / "Dockerfile.operator", "sidecar": ROOT / "Dock
 BASE_IMAGE = re.compile(r"^python:(\d+)\.(\d+)\.(\d+)-slim-bookworm@sha256:[0-9a-f]{64}$")
 WHEEL_GLOB = "/wheels/*.whl"
 LOCKS = ("requirements/build.lock", "requirements/runtime.lock")
+TRACING_LOCK = "requirements/tracing.lock"  # the sidecar's image only
 BUILD_PIP = ["/opt/build/bin/python", "-m", "pip"]
 INTO_THE_IMAGE = [*BUILD_PIP, "--python", "/opt/casque/bin/python"]
 # casque requires the app client, a distribution of its own in client/ that is on no index.
@@ -201,9 +202,11 @@ def test_the_image_installs_the_locks_with_hashes_then_the_project_wheels(image:
     venvs = [c for c in commands if c[:3] == ["python3", "-m", "venv"]]
     assert venvs == [["python3", "-m", "venv", "/opt/build"], ["python3", "-m", "venv", "--without-pip", "/opt/casque"]]
     locked = [c for c in commands if "-r" in c]
-    assert [c[c.index("-r") + 1] for c in locked] == ["requirements/build.lock", "requirements/runtime.lock"]
+    # The sidecar adds the tracing extra's lock, after the layer both images share.
+    extra = [TRACING_LOCK] if image == "sidecar" else []
+    assert [c[c.index("-r") + 1] for c in locked] == ["requirements/build.lock", "requirements/runtime.lock", *extra]
     assert locked[0][: len(BUILD_PIP) + 1] == [*BUILD_PIP, "install"]
-    assert locked[1][: len(INTO_THE_IMAGE) + 1] == [*INTO_THE_IMAGE, "install"]
+    assert all(c[: len(INTO_THE_IMAGE) + 1] == [*INTO_THE_IMAGE, "install"] for c in locked[1:])
     for command in locked:
         assert {"--require-hashes", "--no-deps", "--only-binary=:all:"} <= set(command), command
     # The project's own wheels, without their dependencies, from the copied sources, with the
@@ -231,7 +234,7 @@ def copied_sources(path: Path) -> set[str]:
     for instruction in build:
         if instruction.name == "COPY":
             *names, _ = instruction.args.split()
-            sources.update(name.rstrip("/") for name in names if name not in LOCKS)
+            sources.update(name.rstrip("/") for name in names if name not in (*LOCKS, TRACING_LOCK))
     return sources
 
 

@@ -107,8 +107,35 @@ def test_the_sidecar_serves_the_annotated_queue_and_subscribers_on_localhost() -
         "CASQUE_SIDECAR_QUEUE": "orders",
         "CASQUE_SIDECAR_SUBSCRIBERS": "billing,audit",
     }
-    probes = [container(result, injection.SIDECAR_NAME)[p]["exec"]["command"] for p in ("startupProbe", "readinessProbe")]
-    assert "http://127.0.0.1:9000/healthz" in probes[0][-1] and "http://127.0.0.1:9000/readyz?scope=serving" in probes[1][-1]
+
+
+def test_the_kubelet_probes_the_sidecar_by_http_on_its_health_port() -> None:
+    sidecar = container(injected(pod({**ORDERS, "casque.io/port": "9000"})), injection.SIDECAR_NAME)
+    assert {"name": "casque-health", "containerPort": 9719, "protocol": "TCP"} in sidecar["ports"]
+    assert env_of(sidecar)["CASQUE_SIDECAR_HEALTH_PORT"] == "9719"
+    probes = {kind: sidecar[kind] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert not any("exec" in probe for probe in probes.values())  # no process started per check
+    assert {kind: probe["httpGet"] for kind, probe in probes.items()} == {
+        "startupProbe": {"path": "/healthz", "port": "casque-health"},
+        "livenessProbe": {"path": "/healthz", "port": "casque-health"},
+        "readinessProbe": {"path": "/readyz?scope=serving", "port": "casque-health"},
+    }
+
+
+def test_the_health_port_moves_and_must_differ_from_the_metrics_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CASQUE_INJECTION_HEALTH_PORT", "9800")  # the chart's sidecar.healthPort
+    sidecar = container(injected(pod(ORDERS), InjectionSettings()), injection.SIDECAR_NAME)
+    assert {"name": "casque-health", "containerPort": 9800, "protocol": "TCP"} in sidecar["ports"]
+    assert env_of(sidecar)["CASQUE_SIDECAR_HEALTH_PORT"] == "9800"
+    monkeypatch.setenv("CASQUE_INJECTION_HEALTH_PORT", "9718")
+    with pytest.raises(ValueError, match="health and metrics ports are both 9718"):
+        InjectionSettings()
+
+
+@pytest.mark.parametrize(("port", "what"), [(9718, "metrics"), (9719, "health")])
+def test_an_annotated_port_that_is_one_of_the_sidecars_own_is_refused(port: int, what: str) -> None:
+    with pytest.raises(InvalidInjection, match=f"{port} is the sidecar's {what} port"):
+        plan(pod({**ORDERS, "casque.io/port": str(port)}), InjectionSettings(), Settings())
 
 
 def test_a_publish_only_sidecar_needs_no_queue() -> None:
@@ -275,17 +302,25 @@ def test_an_injected_pod_carries_the_label_the_backends_admit() -> None:
 def test_the_sidecar_serves_metrics_on_a_named_port_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     document = pod({"casque.io/inject": "true", "casque.io/queue": "orders"})
     sidecar = container(injected(document), injection.SIDECAR_NAME)
-    assert sidecar["ports"] == [{"name": "casque-metrics", "containerPort": 9718, "protocol": "TCP"}]
+    assert {"name": "casque-metrics", "containerPort": 9718, "protocol": "TCP"} in sidecar["ports"]
     assert env_of(sidecar)["CASQUE_SIDECAR_METRICS_PORT"] == "9718"
     monkeypatch.setenv("CASQUE_INJECTION_METRICS_PORT", "")  # the chart's sidecar.metricsPort: null
     sidecar = container(injected(document, InjectionSettings()), injection.SIDECAR_NAME)
-    assert "ports" not in sidecar and "CASQUE_SIDECAR_METRICS_PORT" not in env_of(sidecar)
+    assert [p["name"] for p in sidecar["ports"]] == ["casque-health"]
+    assert "CASQUE_SIDECAR_METRICS_PORT" not in env_of(sidecar)
 
 
 def test_an_app_port_that_is_the_metrics_port_is_refused() -> None:
     document = pod({"casque.io/inject": "true", "casque.io/queue": "orders"},
                    containers=[{"name": "web", "image": "example/app:1", "ports": [{"containerPort": 9718}]}])
     with pytest.raises(InvalidInjection, match="9718, the sidecar's metrics port"):
+        plan(document, InjectionSettings(), Settings())
+
+
+def test_an_app_port_that_is_the_health_port_is_refused() -> None:
+    document = pod({"casque.io/inject": "true", "casque.io/queue": "orders"},
+                   containers=[{"name": "web", "image": "example/app:1", "ports": [{"containerPort": 9719}]}])
+    with pytest.raises(InvalidInjection, match="9719, the sidecar's health port"):
         plan(document, InjectionSettings(), Settings())
 
 

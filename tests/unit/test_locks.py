@@ -62,9 +62,10 @@ def pinned(requirements: list[str]) -> dict[str, str]:
 RUNTIME = read_lock("runtime.lock")
 DEV = read_lock("dev.lock")
 BUILD = read_lock("build.lock")
+TRACING = read_lock("tracing.lock")
 
 
-@pytest.mark.parametrize("lock", ["runtime.lock", "dev.lock", "build.lock"])
+@pytest.mark.parametrize("lock", ["runtime.lock", "dev.lock", "build.lock", "tracing.lock"])
 def test_every_pin_has_hashes_and_nothing_points_elsewhere(lock: str) -> None:
     pins = read_lock(lock)
     assert pins and all(pin.hashes for pin in pins.values()), [n for n, p in pins.items() if not p.hashes]
@@ -111,3 +112,15 @@ def test_the_runtime_lock_is_closed_under_the_dependencies_of_what_it_pins() -> 
             wanted = str(canonicalize_name(requirement.name))
             assert wanted in RUNTIME, f"{name} requires {line}, which runtime.lock lacks"
             assert requirement.specifier.contains(RUNTIME[wanted].version, prereleases=True), (name, line)
+
+
+def test_the_tracing_lock_holds_the_tracing_extra_at_the_runtime_and_dev_versions() -> None:
+    """The sidecar's image installs runtime.lock, then tracing.lock: what both pin must agree,
+    and so must what dev.lock (the tests' environment) pins of it."""
+    extra = pinned(PYPROJECT["project"]["optional-dependencies"]["tracing"])
+    assert {name: TRACING[name].version for name in extra if name in TRACING} == extra
+    for name, pin in TRACING.items():
+        if name in RUNTIME:
+            assert RUNTIME[name] == pin, name
+        if name in DEV:
+            assert DEV[name].version == pin.version, name

@@ -232,3 +232,14 @@ def test_recent_ids_are_forgotten_once_the_window_has_passed_since_their_publish
     recent.remember("stale", Published("m2", 0, 1, 1), started=time.monotonic() - 10)
     # Past the window its rows have expired too: a retry is a new message, not a duplicate.
     assert recent.get("fresh") is not None and recent.get("stale") is None
+
+
+@pytest.mark.parametrize(("ports", "clash"), [
+    ({"port": 9719, "health_port": 9719}, "the API port and the health port are both 9719"),
+    ({"metrics_port": 9718, "health_port": 9718}, "the metrics port and the health port are both 9718"),
+    ({"port": 9718, "metrics_port": 9718}, "the API port and the metrics port are both 9718"),
+])
+def test_the_api_metrics_and_health_ports_must_differ(ports: dict[str, int], clash: str) -> None:
+    with pytest.raises(ValidationError, match=clash):
+        SidecarSettings(**ports)  # type: ignore[arg-type]
+    SidecarSettings(port=0, metrics_port=0, health_port=0)  # each a free port of its own

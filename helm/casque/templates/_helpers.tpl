@@ -149,3 +149,17 @@ mounts the namespace's copy at the same place in sidecars).
   value: {{ . | quote }}
 {{- end }}
 {{- end }}
+
+{{/*
+Refuse a cluster older than 1.29, whose API server would drop the sidecar's restartPolicy
+Always and leave every injected pod waiting on an init container that never ends. Only a
+real cluster is checked: without one (`helm template`, `helm lint`) lookup finds nothing and
+.Capabilities holds helm's own default version, which says nothing of the target cluster.
+*/}}
+{{- define "casque.requireKubernetes" -}}
+{{- if lookup "v1" "Namespace" "" "kube-system" -}}
+{{- if semverCompare "<1.29.0-0" .Capabilities.KubeVersion.Version -}}
+{{- fail (printf "casque needs Kubernetes 1.29 or later (native sidecar containers); this cluster runs %s" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
