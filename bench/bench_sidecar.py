@@ -13,7 +13,13 @@ app. Reports, each figure the median of `--runs` runs:
   (the HTTP calls through keepalive.py's lean client, so that the figures are the sidecar's);
 - latency p50/p99 of each hop, one call at a time: an HTTP round trip alone (/healthz),
   publish and ack in-process and over HTTP (the difference is what the sidecar adds), and
-  publish-to-receive over HTTP with a long-polling receiver.
+  publish-to-receive over HTTP with a long-polling receiver;
+- the sidecar process's own cost (`sidecar_cost`): CPU µs of its process (utime + stime
+  from /proc/<pid>/stat) per message for each phase (publish 1 per call, 100 per call,
+  100 per call with producer sequences; receive 100 + ack 100, receive 1 + ack 1), its
+  RSS idle and after each phase, and the same requests answered by a bare aiohttp server
+  of its own process (bare_server.py, same loop setup): its CPU per request is the floor,
+  and each sidecar figure is also given as a ratio to it, measured in the same run.
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +68,12 @@ BATCH_WINDOW = 16  # 100-message publishes in flight
 BATCH = 100
 RECEIVERS = 4  # concurrent receive+ack loops
 PROBES = 300
+# The sidecar process's cost: the calls of each phase, as a new user would make them.
+COST_WINDOW = 32  # one-message publishes, and receive 1 + ack 1 loops, in flight
+COST_BATCH_WINDOW = 4  # 100-message publishes in flight
+COST_SINGLE = 4000  # one-message publishes (and as many receive 1 + ack 1 pairs)
+COST_BATCHES = 200  # 100-message publishes (and receives of 100 + acks of 100)
+MIB = 2**20
 
 FIGURES = [
     Figure("limit_single", "limit: plain unlogged batches, engine's 1-msg/call batch size", "rows/s"),
@@ -86,6 +101,25 @@ FIGURES = [
     Figure("added_ack_p99", "  sidecar adds to an ack, p99", "ms"),
     Figure("end_to_end_p50", "publish-to-receive over HTTP, long poll, p50", "ms"),
     Figure("end_to_end_p99", "  p99", "ms"),
+    Figure("cpu_bare_request", "sidecar process CPU: bare aiohttp server, per one-message publish request (floor)",
+           "µs"),
+    Figure("cpu_single", f"  sidecar, per one-message publish ({COST_WINDOW} in flight)", "µs"),
+    Figure("cpu_single_ratio", "  sidecar / bare (goal <= 2)", "x"),
+    Figure("cpu_batched", f"  sidecar, per message published {BATCH} per call", "µs"),
+    Figure("cpu_batched_bare", "  bare, per message of those calls", "µs"),
+    Figure("cpu_keyed", f"  sidecar, per message published {BATCH} per call with producer sequences", "µs"),
+    Figure("keyed_rate_ratio", "  msgs/s with producer sequences / without (goal >= 0.8)", "x"),
+    Figure("cpu_consume_batched", f"  sidecar, per message received and acked, {BATCH} per call", "µs"),
+    Figure("cpu_consume_batched_bare", "  bare, per message of those calls", "µs"),
+    Figure("cpu_pair", f"  sidecar, per receive 1 + ack 1 ({COST_WINDOW} loops)", "µs"),
+    Figure("cpu_pair_bare", "  bare, per receive 1 + ack 1 (floor)", "µs"),
+    Figure("cpu_pair_ratio", "  sidecar / bare (goal <= 3)", "x"),
+    Figure("rss_bare", "sidecar process RSS: bare aiohttp server at the end", "MiB"),
+    Figure("rss_idle", "  sidecar idle, backends connected (goal <= 72)", "MiB"),
+    Figure("rss_single", "  after one-message publishes", "MiB"),
+    Figure("rss_pair", "  after receive 1 + ack 1", "MiB"),
+    Figure("rss_batched", f"  after {BATCH}-message publishes (with and without producer sequences)", "MiB"),
+    Figure("rss_end", f"  after receive+ack {BATCH} per call: the end of the run (goal <= 128)", "MiB"),
 ]
 
 
@@ -199,6 +233,115 @@ async def http_rates(url: str, queue: str, subscriber: str, count: int, payload:
             "publish_latency": publish_latency, "ack_latency": ack_latency, "end_to_end": end_to_end}
 
 
+# --- the sidecar process's own cost -----------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process so far (its threads included), from /proc/<pid>/stat."""
+    # The command name (field 2) may hold spaces: the fields that follow come after its ")".
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    found = re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.MULTILINE)
+    return int(found.group(1)) * 1024 if found else 0
+
+
+async def process_cost(url: str, pid: int, queue: str, subscriber: str, payload: str, singles: int, batches: int,
+                       producer: str) -> dict[str, float]:
+    """CPU µs per message of the process at `url` (pid), phase by phase, and its RSS after each.
+
+    The same calls go to the sidecar and to the bare server, so the bare figures are the
+    floor of each phase; each phase consumes or publishes exactly what the others expect.
+    """
+    base = f"/v1/queues/{queue}"
+    sub = f"{base}/subscribers/{subscriber}"
+    body = {"data": payload, "datacontenttype": "text/plain"}
+    figures: dict[str, float] = {}
+    async with KeepAliveClient(url, limit=COST_WINDOW + 4) as http:
+        async def post(path: str, json: Any) -> Any:
+            status, answer = await http.post(path, json)
+            if status != 200:
+                raise SystemExit(f"{path}: HTTP {status}: {answer}")
+            return answer
+
+        async def phase(name: str, messages: int, run: Callable[[], Awaitable[None]]) -> float:
+            before, started = cpu_seconds(pid), time.perf_counter()
+            await run()
+            seconds = time.perf_counter() - started
+            figures[f"cpu_{name}"] = (cpu_seconds(pid) - before) / messages * 1e6
+            figures[f"rss_{name}"] = rss_bytes(pid) / MIB
+            return messages / seconds
+
+        async def consume(total: int, per_call: int, loops: int) -> None:
+            received = 0
+
+            async def loop() -> None:
+                nonlocal received
+                while received < total:
+                    got = (await post(f"{sub}/receive", {"max": min(per_call, total - received), "wait": 1}))
+                    messages = got["messages"]
+                    if not messages:
+                        continue
+                    received += len(messages)
+                    if len(messages) == 1:
+                        await post(f"{sub}/ack", {"receipt": messages[0]["receipt"]})
+                    else:
+                        await post(f"{sub}/ack", {"receipts": [m["receipt"] for m in messages]})
+
+            await asyncio.gather(*(loop() for _ in range(loops)))
+
+        batch_body = {"messages": [body] * BATCH}
+        await phase("single", singles, lambda: pipeline(singles, COST_WINDOW, lambda i: post(f"{base}/messages", body)))
+        await phase("pair", singles, lambda: consume(singles, 1, COST_WINDOW))
+        plain = await phase("batched", batches * BATCH, lambda: pipeline(
+            batches, COST_BATCH_WINDOW, lambda i: post(f"{base}/messages/batch", batch_body)))
+
+        def keyed(i: int) -> dict[str, Any]:
+            return {"messages": [{**body, "producerid": producer, "producerseq": i * BATCH + n} for n in range(BATCH)]}
+
+        keyed_rate = await phase("keyed", batches * BATCH, lambda: pipeline(
+            batches, COST_BATCH_WINDOW, lambda i: post(f"{base}/messages/batch", keyed(i))))
+        figures["keyed_rate_ratio"] = keyed_rate / plain
+        await phase("consume_batched", 2 * batches * BATCH, lambda: consume(2 * batches * BATCH, BATCH, RECEIVERS))
+    return figures
+
+
+def start_bare_server(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    with log.open("wb") as sink:
+        process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("bare_server.py"))],
+                                   stdout=sink, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = re.search(rb"bare server listening on (http://\S+)", log.read_bytes())
+        if found:
+            return process, found.group(1).decode()
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    process.kill()
+    raise SystemExit(f"the bare server did not start: {log.read_text()[-2000:]}")
+
+
+async def sidecar_cost(url: str, pid: int, bare_url: str, bare_pid: int, queue: str, text: str, smoke: bool,
+                       run: int, rss_idle: float) -> dict[str, float]:
+    singles, batches = (200, 10) if smoke else (COST_SINGLE, COST_BATCHES)
+    bare = await process_cost(bare_url, bare_pid, queue, queue, text, singles, batches, f"bench-bare-{run}")
+    sidecar = await process_cost(url, pid, queue, queue, text, singles, batches, f"bench-{run}")
+    return {
+        "cpu_bare_request": bare["cpu_single"],
+        "cpu_single": sidecar["cpu_single"], "cpu_single_ratio": sidecar["cpu_single"] / bare["cpu_single"],
+        "cpu_batched": sidecar["cpu_batched"], "cpu_batched_bare": bare["cpu_batched"],
+        "cpu_keyed": sidecar["cpu_keyed"], "keyed_rate_ratio": sidecar["keyed_rate_ratio"],
+        "cpu_consume_batched": sidecar["cpu_consume_batched"],
+        "cpu_consume_batched_bare": bare["cpu_consume_batched"],
+        "cpu_pair": sidecar["cpu_pair"], "cpu_pair_bare": bare["cpu_pair"],
+        "cpu_pair_ratio": sidecar["cpu_pair"] / bare["cpu_pair"],
+        "rss_bare": rss_bytes(bare_pid) / MIB, "rss_idle": rss_idle,
+        "rss_single": sidecar["rss_single"], "rss_pair": sidecar["rss_pair"], "rss_batched": sidecar["rss_keyed"],
+        "rss_end": sidecar["rss_consume_batched"],
+    }
+
+
 def start_sidecar(settings: Settings, queue: str, subscriber: str, log: Path) -> subprocess.Popen[bytes]:
     """`casque sidecar` on port 0: it logs the port it got (see `sidecar_url`)."""
     env = dict(
@@ -234,10 +377,25 @@ async def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> N
     raise SystemExit(f"sidecar never became ready:\n{log.read_text()[-2000:]}")
 
 
-async def run_once(store: Store, args: argparse.Namespace, run: int, url: str, http_queue: QueueRef,
+@dataclass(frozen=True)
+class Processes:
+    """The sidecar's and the bare server's URLs and pids, and the sidecar's RSS when idle."""
+
+    url: str
+    pid: int
+    bare_url: str
+    bare_pid: int
+    rss_idle: float
+
+
+async def run_once(store: Store, args: argparse.Namespace, run: int, processes: Processes, http_queue: QueueRef,
                    spec: QueueSpec, text: str) -> dict[str, float]:
-    """One run: the engine on a queue of its own, HTTP on the sidecar's queue (each run
-    consumes everything it publishes), limits on the engine's table."""
+    """One run: the sidecar process's own cost first (on a sidecar that has served only the
+    runs before), then the engine on a queue of its own, HTTP on the sidecar's queue (each
+    run consumes everything it publishes), limits on the engine's table."""
+    url = processes.url
+    cost = await sidecar_cost(url, processes.pid, processes.bare_url, processes.bare_pid, http_queue.name, text,
+                              args.smoke, run, processes.rss_idle)
     probes = 20 if args.smoke else PROBES
     engine_queue = QueueRef("default", f"engine-{run}")
     catalog.apply_queue(store, engine_queue, spec)
@@ -251,6 +409,7 @@ async def run_once(store: Store, args: argparse.Namespace, run: int, url: str, h
     limit_batched = await plain_batch_rate(store, table, args.messages, text.encode(),
                                            max(1, round(engine["batched_batch"])), shard_base=800)
     figures = {
+        **cost,
         "limit_single": limit_single, "limit_batched": limit_batched,
         "engine_single": engine["single"], "http_single": http["single"],
         "single_ratio": http["single"] / engine["single"], "single_of_limit": http["single"] / limit_single,
@@ -279,7 +438,8 @@ async def main() -> None:
     http_queue = QueueRef("default", "http")
     text = ("casque-" * (args.size // 7 + 1))[: args.size]
     log = Path(tempfile.gettempdir()) / f"{keyspace}-sidecar.log"
-    process = None
+    process = bare = None
+    bare_log = Path(tempfile.gettempdir()) / f"{keyspace}-bare.log"
     try:
         catalog.ensure_installation(store)
         catalog.apply_queue(store, http_queue, spec)
@@ -288,14 +448,20 @@ async def main() -> None:
         process = start_sidecar(settings, http_queue.name, http_queue.name, log)
         url = await asyncio.to_thread(sidecar_url, process, log)
         await wait_ready(url, process, log)
-        samples = await repeat_async(args.runs, lambda run: run_once(store, args, run, url, http_queue, spec, text))
+        bare, bare_url = start_bare_server(bare_log)
+        await asyncio.sleep(2)  # idle: connected, its consumer started, no request yet
+        processes = Processes(url, process.pid, bare_url, bare.pid, rss_bytes(process.pid) / MIB)
+        samples = await repeat_async(args.runs, lambda run: run_once(store, args, run, processes, http_queue, spec,
+                                                                     text))
     finally:
-        if process is not None and process.poll() is None:
-            process.terminate()
-            process.wait(30)
+        for child in (process, bare):
+            if child is not None and child.poll() is None:
+                child.terminate()
+                child.wait(30)
         drop_scratch(store, settings)
         store.close()
     log.unlink(missing_ok=True)
+    bare_log.unlink(missing_ok=True)
     report("sidecar", args, {"messages per publish form": args.messages, "size": args.size, "shards": args.shards,
                              "sidecar": "own process"}, FIGURES, samples)
 

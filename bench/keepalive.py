@@ -55,10 +55,24 @@ class KeepAliveClient:
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(payload)
         message = head + b"\r\n" + (payload or b"")
         async with self._slots:
-            reader, writer = self._idle.pop() if self._idle else await asyncio.open_connection(self._host, self._port)
+            reused = bool(self._idle)
+            reader, writer = self._idle.pop() if reused else await asyncio.open_connection(self._host, self._port)
             try:
                 writer.write(message)
                 status, body, keep = await _response(reader)
+            except (asyncio.IncompleteReadError, ConnectionResetError) as error:
+                writer.close()
+                if not reused or (isinstance(error, asyncio.IncompleteReadError) and error.partial):
+                    raise
+                # The server closed the idle connection (its keep-alive timeout) before it read
+                # this request: nothing was handled, so it is sent again on a new connection.
+                reader, writer = await asyncio.open_connection(self._host, self._port)
+                try:
+                    writer.write(message)
+                    status, body, keep = await _response(reader)
+                except BaseException:
+                    writer.close()
+                    raise
             except BaseException:
                 writer.close()
                 raise

@@ -258,7 +258,8 @@ class QueueService:
         ref = self.queue_ref(name)
         state = await blocking(catalog.read_queue, self.store, ref)
         publisher = await blocking(
-            lambda: Publisher(self.store, ref, state, linger=self.settings.publish_linger_seconds)
+            lambda: Publisher(self.store, ref, state, linger=self.settings.publish_linger_seconds,
+                              group_linger=self.settings.publish_group_linger_seconds)
         )
         self._publishers[name] = publisher
         self._watch_spec(name, publisher, self.store.paths(ref).base)

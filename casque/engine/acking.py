@@ -14,12 +14,16 @@ row written before the confirmation is always seen.
 Seeks are looked for alongside the writes (one read of the subscriber's seek mark): a
 member learns of a seek through a watch, after the seek is answered, so an ack of a delivery
 from the old epoch is answered `stale_receipt` (the seek replays or skips it), never `acked`.
+Ack calls side by side share that read (`FreshRead`), each answered by one sent after it
+began, so an app acking one message at a time from many workers costs one ZooKeeper round
+trip per read in flight, not one per ack.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
 
 from casque.engine import offsets
 from casque.engine.acks import ACK, AckEvent
@@ -36,6 +40,48 @@ Source = ShardReader | ClaimReader
 SourceOfReceipt = Callable[[str], tuple[Source, Position, int]]
 # An ack a call started: its index in the call's results, its source, its event, its nonce.
 _Acking = tuple[int, Source, AckEvent, int]
+T = TypeVar("T")
+
+
+class FreshRead(Generic[T]):
+    """One read shared by concurrent callers, each answered by a read that began after it asked.
+
+    A caller needs what the store says now, after it asked: a read already under way may
+    have been sent before that, so a caller never joins it but waits for the next one, which
+    starts when that one ends. At most one read is in flight; every caller that arrives
+    meanwhile shares the next.
+    """
+
+    def __init__(self, read: Callable[[], Awaitable[T]]) -> None:
+        self._read = read
+        self._next: asyncio.Future[T] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def get(self) -> T:
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+            # Nobody may be left to read a failure (every caller cancelled): never logged as lost.
+            self._next.add_done_callback(lambda done: done.cancelled() or done.exception())
+            if self._task is None:
+                self._task = asyncio.get_running_loop().create_task(self._run())
+        return await asyncio.shield(self._next)
+
+    async def _run(self) -> None:
+        try:
+            while self._next is not None:
+                waiting, self._next = self._next, None
+                try:
+                    waiting.set_result(await self._read())
+                except Exception as error:
+                    waiting.set_exception(error)
+                except BaseException:
+                    waiting.cancel()
+                    raise
+        finally:
+            self._task = None
+            if self._next is not None:  # stopped (cancelled) with callers waiting for a next read
+                self._next.cancel()
+                self._next = None
 
 
 def seek_overtook(reader: Source) -> StaleReceipt:
@@ -49,6 +95,7 @@ class AckTaker:
         self._source_of = source_of
         # Acks being made durable, by (shard, batch, seq, nonce): a resent ack shares the answer.
         self._acking: dict[tuple[int, int, int, int], asyncio.Future[bool | CasqueError]] = {}
+        self._seek_mark = FreshRead(lambda: offsets.read_seek_mark(member.store.zk, member.paths))
 
     async def ack_many(self, receipts: list[str]) -> list[bool | CasqueError]:
         """Acknowledge several deliveries at once; one result (or error) per receipt, in order.
@@ -162,8 +209,7 @@ class AckTaker:
         marked = {s for s in sources if s.seek_mark is not None}
         epoch_of: dict[int, int] = {}
         if marked:
-            mark, epoch_of = await asyncio.gather(offsets.read_seek_mark(zk_client, self._member.paths),
-                                                  epochs({s.shard for s in sources - marked}))
+            mark, epoch_of = await asyncio.gather(self._seek_mark.get(), epochs({s.shard for s in sources - marked}))
             unsure = {s.shard for s in marked if s.seek_mark != mark}
             if unsure:
                 epoch_of.update(await epochs(unsure))
