@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything casque needs on a fresh Debian machine, idempotently and cached:
-# Java 17 and Maven (apt, only if missing), a virtualenv in .venv with the project and its
+# Java 17, Maven and libfaketime (apt, only if missing), a virtualenv in .venv with the project and its
 # pinned dependencies from requirements/dev.lock, every file checked against the lock's hashes
 # (the images install requirements/runtime.lock, whose pins dev.lock keeps), then the project
 # and the app client in client/ as editable installs (pip, skipped when the locks and the
@@ -12,6 +12,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null 2>&1 || need_apt+=(maven)
+# libfaketime: the clock-skew tests run sidecars with their clocks set off by seconds.
+command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "installing ${need_apt[*]} (apt)"
   sudo_cmd=""; [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"

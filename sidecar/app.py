@@ -24,6 +24,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from casque.config import Settings
+from casque.engine.clock import clock_of
 from casque.errors import AccessDenied, TlsRefused
 from casque.sidecar import bodies
 from casque.sidecar.auth import bearer_middleware
@@ -142,6 +143,7 @@ async def _connect(app: web.Application, lent: Store | None) -> None:
             log.warning("%s in %.1fs", runtime.problem, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, CONNECT_RETRY_MAX_SECONDS)
+    await _read_backend_clock(store, runtime)
     runtime.store = store
     service = QueueService(store, app[SETTINGS], app[METRICS])
     token = push_token(app[SETTINGS])  # one per start: the same for every subscriber's pushes
@@ -151,6 +153,21 @@ async def _connect(app: web.Application, lent: Store | None) -> None:
     runtime.problem = ""
     service.start()
     log.info("backends connected")
+
+
+async def _read_backend_clock(store: Store, runtime: Runtime) -> None:
+    """Learn Cassandra's clock before serving: claims' times and due times are judged by
+    other processes, so none may be read from this process's own clock (casque.engine.clock)."""
+    delay = CONNECT_RETRY_MIN_SECONDS
+    while True:
+        try:
+            await clock_of(store.session).sample()
+            return
+        except Exception as error:  # Cassandra answered a moment ago: worth another try
+            runtime.problem = f"cannot read Cassandra's clock yet ({type(error).__name__}: {error}); retrying"
+            log.warning("%s in %.1fs", runtime.problem, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, CONNECT_RETRY_MAX_SECONDS)
 
 
 async def _open_store(settings: Settings, namespace: str) -> Store:

@@ -309,7 +309,7 @@ class PublishMessage(Body):
             raise ValueError("give producerid and producerseq together, or neither")
         return self
 
-    def outgoing(self, now: datetime | None = None) -> OutgoingMessage:
+    def outgoing(self) -> OutgoingMessage:
         """The engine's message: payload bytes, content type, attributes, schedule."""
         content_type = self.datacontenttype
         if self.data_base64 is not None:
@@ -337,9 +337,6 @@ class PublishMessage(Body):
                 value = valid_tracestate(value) if valid_traceparent(self.traceparent) else None
             if value is not None:
                 attributes[attribute] = value
-        deliver_at = self.deliver_at
-        if self.delay is not None:
-            deliver_at = (now or datetime.now(timezone.utc)) + timedelta(seconds=self.delay)
         return OutgoingMessage(
             payload=payload,
             key=self.partitionkey,
@@ -349,7 +346,8 @@ class PublishMessage(Body):
                        else producer_key(self.producerid, self.producerseq)),
             ttl_seconds=self.ttl,
             priority=self.priority,
-            deliver_at=deliver_at,
+            deliver_at=self.deliver_at,
+            delay_seconds=self.delay,
         )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from cassandra.query import UNSET_VALUE, BatchStatement, BatchType, PreparedStatement
 
 from casque.backends import cql
+from casque.engine.clock import clock_of
 from casque.engine.messages import OutgoingMessage, Position, StoredMessage, random_uuid
 from casque.schema import HEADER_SEQ, QueueRef, bucket_of
 from casque.store import Store
@@ -72,6 +73,8 @@ class Log:
     """Prepared statements for one queue's messages table."""
 
     def __init__(self, store: Store, queue: QueueRef, consistency: str) -> None:
+        # Publish times are compared across shards (a seek to a time): one clock for all writers.
+        self._clock = clock_of(store.session)
         self.store = store
         self.queue = queue
         self.consistency = cql.consistency(consistency)
@@ -122,7 +125,7 @@ class Log:
         now: datetime | None = None,
     ) -> Claim:
         """Try to write batch `batch` of `shard` with `messages` (message id, message)."""
-        published_at = now or datetime.now(timezone.utc)
+        published_at = now or self._clock.now()
         bucket = bucket_of(batch)
         size = sum(m.size for _, m in messages)
         total_messages = totals[0] + len(messages) if totals else None

@@ -426,7 +426,7 @@ class Consumer:
         reader, position, nonce = self._reader_for(receipt)
         now = time.monotonic()
         deadline = reader.state.extend(position, nonce, visibility, now)
-        if isinstance(reader, ClaimReader) and not await reader.renew_past(time.time() + (deadline - now)):
+        if isinstance(reader, ClaimReader) and not await reader.renew_past(reader.sharing.clock.wall_of(deadline)):
             raise StaleReceipt("the message's batches went to another member; it may be delivered again")
         return deadline - now
 

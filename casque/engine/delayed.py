@@ -45,6 +45,7 @@ from kazoo.client import KazooState
 from kazoo.exceptions import LockTimeout, NoNodeError
 
 from casque.backends import cql, zk
+from casque.engine.clock import clock_of
 from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters
 from casque.engine.messages import OutgoingMessage
 from casque.errors import CasqueError, QueueNotFound
@@ -98,6 +99,7 @@ class DueMessage:
 
 class DelayedStore:
     def __init__(self, store: Store, queue_key: str, retention_seconds: int) -> None:
+        self._clock = clock_of(store.session)
         """`queue_key`: the queue's incarnation key (`QueueState.shared_key`)."""
         self._store = store
         self._queue = queue_key
@@ -120,7 +122,7 @@ class DelayedStore:
 
     async def insert(self, message_id: str, due_at: datetime, message: OutgoingMessage, count: bool = True) -> None:
         """Store a row; `count`: a new message (not a row stored again for one, see Publisher._keep_delayed)."""
-        now = datetime.now(timezone.utc)
+        now = self._clock.now()
         ttl = int((due_at - now).total_seconds()) + self._retention
         values: list[Any] = [
             self._queue, due_bucket(due_at), due_at, message_id, now, message.key,
@@ -232,6 +234,8 @@ class DelayMover:
 
     def __init__(self, store: Store, queue: QueueRef, publish: Any, identifier: str) -> None:
         self._store = store
+        # Due times are judged on Cassandra's clock, which publishers wrote them with.
+        self._clock = clock_of(store.session)
         self._queue = queue
         # async (QueueState, list[(message_id, OutgoingMessage)]) -> list[Published]: publishes
         # into the incarnation given, or raises QueueNotFound.
@@ -320,6 +324,8 @@ class DelayMover:
             return False
 
     async def _lead(self) -> None:
+        if self._clock.error is None:
+            await self._clock.sample()  # due times are never judged on this process's clock
         state = await self._read_state()
         self.delayed = delayed = DelayedStore(
             self._store.for_namespace(self._queue.namespace), state.shared_key(self._queue), state.spec.retention_seconds
@@ -335,7 +341,7 @@ class DelayMover:
             # new incarnation elects its own mover, which starts from its creation.
             if (await self._read_state()).incarnation != state.incarnation:
                 raise QueueNotFound(f"queue {self._queue} was re-created; contending for its new incarnation")
-            now = datetime.now(timezone.utc)
+            now = self._clock.now()
             # Before reading: a row that lands after the reads below, due by `now`, is moved
             # by its writer, which reads `until` after its write. `until` never goes back
             # (a previous leader's clock may have run ahead of ours and read further).
@@ -368,7 +374,7 @@ class DelayMover:
             upcoming = await delayed.next_due(now)
             pause = PASS_SECONDS
             if upcoming is not None:
-                pause = min(pause, max(0.01, (upcoming - datetime.now(timezone.utc)).total_seconds()))
+                pause = min(pause, max(0.01, (upcoming - self._clock.now()).total_seconds()))
             await asyncio.sleep(pause)
 
     async def _queue_exists(self) -> bool:
@@ -397,6 +403,6 @@ class DelayMover:
         cursor = read_cursor(data)
         if cursor is None:
             # No cursor (a queue made before movers kept one): nothing was delayed before now.
-            now = datetime.now(timezone.utc)
+            now = self._clock.now()
             cursor = Cursor(now, now)
         return cursor

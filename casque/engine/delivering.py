@@ -19,6 +19,7 @@ from kazoo.exceptions import KazooException
 from casque.engine import catalog
 from casque.engine.acking import Source
 from casque.engine.acks import DEAD, AckEvent
+from casque.engine.clock import clock_of
 from casque.engine.counters import QueueCounters, dead_lettered
 from casque.engine.deadletters import dead_letter_copy
 from casque.engine.member import Member
@@ -106,6 +107,8 @@ class Deliverer:
         self._max_deliveries = max_deliveries
         self._dead_letters = dead_letters
         self._rotation = 0
+        # Message TTLs count from the publish time, which the publisher read from this clock.
+        self._clock = clock_of(member.store.session)
         # Deliveries served by each priority level while lower levels had messages ready.
         self._served: dict[int, int] = {}
 
@@ -113,7 +116,7 @@ class Deliverer:
         """Deliveries from the sources: higher priority levels first, with every
         PRIORITY_FAIRNESS-th delivery reserved for lower levels that have messages ready,
         so a busy high level cannot starve them; round-robin over the shards of a level."""
-        now, wall = time.monotonic(), time.time()
+        now, wall = time.monotonic(), self._clock.time()
         levels: dict[int, list[Source]] = {}
         for reader in self._sources():
             if not reader.releasing and reader.state.has_ready(now):

@@ -60,6 +60,7 @@ from cassandra.query import UNSET_VALUE, BatchStatement, BatchType, PreparedStat
 
 from casque.backends import cql
 from casque.engine.batches import Log
+from casque.engine.clock import clock_of
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.sequences import (
     PRODUCER_KEY_PREFIX,
@@ -180,6 +181,7 @@ class IdempotencyGuard:
     """
 
     def __init__(self, store: Store, queue_key: str, log: Log, window_seconds: int | None = None) -> None:
+        self._clock = clock_of(store.session)
         """`queue_key`: the queue's incarnation key (`QueueState.shared_key`)."""
         self._store = store
         self._queue = queue_key
@@ -483,7 +485,7 @@ class IdempotencyGuard:
                                                    row.intent_ttl)
                     batch += 1
                     continue
-            if _window_over(row, window_over):
+            if _window_over(row, window_over, self._clock.now()):
                 if batch is None:
                     return Unclaimed(row.shard, None)
                 replaced = row.replaces if batch == row.since_batch else frozenset()
@@ -582,21 +584,22 @@ class LegacyIds:
         return {row.client_id: _legacy_record(row) for rows in pages for row in rows}
 
 
-def _window_over(row: IdRecord, window_over: float) -> bool:
+def _window_over(row: IdRecord, window_over: float, now: datetime) -> bool:
     """Whether the intent's writer can send no more claims: our own window has run, or the
-    intent's deadline has passed on the wall clock (allowing for skew between machines)."""
+    intent's deadline has passed on Cassandra's clock as both read it (`now`; allowing for
+    the error of those readings and the coordinators' skew)."""
     if time.monotonic() > window_over:
         return True
     if row.claim_deadline is None:
         return False
     give_up = row.claim_deadline.replace(tzinfo=timezone.utc) + timedelta(seconds=CLOCK_SKEW_SECONDS)
-    return datetime.now(timezone.utc) > give_up
+    return now > give_up
 
 
-def claim_deadline() -> tuple[datetime, float]:
-    """A new intent's deadline (wall clock, for other machines) and the monotonic time after
-    which its writer sends no more claims."""
-    return (datetime.now(timezone.utc) + timedelta(seconds=DEADLINE_SECONDS),
+def claim_deadline(now: datetime) -> tuple[datetime, float]:
+    """A new intent's deadline (on Cassandra's clock, `now`, for other machines) and the
+    monotonic time after which its writer sends no more claims."""
+    return (now + timedelta(seconds=DEADLINE_SECONDS),
             time.monotonic() + CLAIM_SECONDS)
 
 

@@ -77,6 +77,9 @@ class OutgoingMessage:
     priority: int = 0
     # Delayed delivery: not delivered before this time (UTC). None: the queue's default delay.
     deliver_at: datetime | None = None
+    # ... or this many seconds after the publish, on Cassandra's clock (casque.engine.clock),
+    # not the publishing process's: a sidecar whose clock is off must not schedule early.
+    delay_seconds: float | None = None
 
     @functools.cached_property
     def size(self) -> int:

@@ -34,6 +34,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, Roll
 
 from casque.backends import zk
 from casque.engine import catalog, positions
+from casque.engine.clock import clock_of
 from casque.errors import BackendUnavailable, PositionOutOfRange, SubscriberNotFound
 from casque.schema import QueueRef
 from casque.store import Store
@@ -123,7 +124,7 @@ def seek(store: Store, queue: QueueRef, subscriber: str, target: SeekTarget) -> 
     queue_state = catalog.read_queue(store, queue)
     catalog.read_subscriber(store, queue, subscriber)  # raises SubscriberNotFound
     paths = store.paths(queue).subscriber(subscriber)
-    oldest_allowed = datetime.now(timezone.utc) - timedelta(seconds=queue_state.spec.retention_seconds)
+    oldest_allowed = clock_of(store.session).now() - timedelta(seconds=queue_state.spec.retention_seconds)
     if target.kind == "time":
         assert target.time is not None
         moment = target.time if target.time.tzinfo else target.time.replace(tzinfo=timezone.utc)

@@ -29,6 +29,7 @@ from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
 from casque.engine.batches import Claim, Header, Log, new_writer_id
+from casque.engine.clock import clock_of
 from casque.engine.counters import DELAYED_OUT
 from casque.engine.delayed import (
     IMMEDIATE_SECONDS,
@@ -176,7 +177,7 @@ class ShardWriter:
         guard = self._publisher.idempotency
         # "Not published" holds only until a retry elsewhere finds the same and publishes: the
         # window opens before the check, so intents and claims after it are never sent.
-        window = claim_deadline()
+        window = claim_deadline(self._publisher.clock.now())
         rows = await guard.lookup(ids)
         fresh: list[_Pending] = []
         for item in items:
@@ -220,7 +221,7 @@ class ShardWriter:
             target = self if outcome.fence_batch is None else self._publisher.writer_of(outcome.shard)
             writer = new_writer_id(self._publisher.publisher_id)
             since = outcome.fence_batch if outcome.fence_batch is not None else await target.next_batch()
-            deadline, claims_until = claim_deadline()
+            deadline, claims_until = claim_deadline(self._publisher.clock.now())
             if await guard.take_over(row, item.message, target.shard, writer, since, deadline, outcome.replaces):
                 item.message_id = row.message_id
                 item.checked = True
@@ -427,6 +428,8 @@ class Publisher:
 
     def __post_init__(self) -> None:
         self.log = Log(self.store, self.queue, self.spec.consistency)
+        # Due times and intent deadlines are judged by other processes: Cassandra's clock.
+        self.clock = clock_of(self.store.session)
         self._delayed: DelayedStore | None = None
         self._cursor_reads: CursorReads | None = None
         # The mover's `until` as its znode's watch last told.
@@ -454,11 +457,13 @@ class Publisher:
         if message.deliver_at is not None:
             if message.deliver_at.tzinfo is None:
                 raise InvalidSpec("deliverAt needs a timezone (e.g. 2026-01-01T12:00:00Z)")
-            horizon = datetime.now(timezone.utc) + timedelta(seconds=self.spec.retention_seconds)
+            horizon = self.clock.now() + timedelta(seconds=self.spec.retention_seconds)
             if message.deliver_at > horizon:
                 raise InvalidSpec(
                     f"deliverAt is beyond the queue's retention ({self.spec.retention_seconds}s from now)"
                 )
+        if message.delay_seconds is not None and not 0 <= message.delay_seconds <= self.spec.retention_seconds:
+            raise InvalidSpec(f"delay must be from 0 to the queue's retention ({self.spec.retention_seconds}s)")
 
     async def publish(
         self, messages: Sequence[OutgoingMessage], message_ids: Sequence[str] | None = None
@@ -498,12 +503,14 @@ class Publisher:
         return publication
 
     def _due(self, message: OutgoingMessage) -> datetime | None:
-        """When a message is to be delivered: its own time, or the queue's default delay from
-        now (not for a delayed message being moved into the log); None: at once."""
+        """When a message is to be delivered: its own time or delay, or the queue's default
+        delay from now (not for a delayed message being moved into the log); None: at once."""
         if message.deliver_at is not None:
             return message.deliver_at
+        if message.delay_seconds is not None:
+            return self.clock.now() + timedelta(seconds=message.delay_seconds)
         if self.spec.default_delay_seconds and not (message.client_id or "").startswith(MOVED_PREFIX):
-            return datetime.now(timezone.utc) + timedelta(seconds=self.spec.default_delay_seconds)
+            return self.clock.now() + timedelta(seconds=self.spec.default_delay_seconds)
         return None
 
     def _to_log(self, message: OutgoingMessage, message_id: str,
@@ -545,7 +552,7 @@ class Publisher:
 
     def _is_later(self, due: datetime) -> bool:
         """Whether a message due at `due` waits in the delayed table (else: straight into the log)."""
-        now = datetime.now(timezone.utc)
+        now = self.clock.now()
         if (due - now).total_seconds() <= IMMEDIATE_SECONDS:
             return False
         # The mover has read up to its cursor (our clock may lag its): a row due before that

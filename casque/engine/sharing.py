@@ -34,6 +34,7 @@ from casque.engine.acks import BatchMarks
 from casque.engine.batches import Batch
 from casque.engine.claim_reader import DEMAND_SECONDS, ClaimReader, headroom
 from casque.engine.claims import ClaimRecord, Cursor
+from casque.engine.clock import clock_of
 from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.foreign_ranges import ForeignRanges
 from casque.engine.heads import WatchedHeads
@@ -58,17 +59,15 @@ CLAIM_LOW_WATER = 64
 # whole backlog into memory (a sidecar's container has 256 MiB).
 MAX_LOADED_MESSAGES = 4000
 MAX_LOADED_BYTES = 16 * 1024 * 1024
-# Another member takes over a lapsed claim only this long after its time: clocks may differ.
+# Another member takes over a lapsed claim only this long after its time. Every member reads
+# Cassandra's clock (casque.engine.clock), to within its sample's error (a millisecond or so)
+# and the coordinators' own NTP skew: this covers both, whatever the sidecars' clocks say.
 SKEW_MARGIN_SECONDS = 1.0
 # With nothing to claim, look again this often (claims of others lapse without a watch firing).
 RECHECK_SECONDS = 2.0
 RENEW_INTERVAL_SECONDS = 0.5
 SCAN_SECONDS = 1.0
 STOP_COMPLETION_SECONDS = 10.0
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class SharedDelivery:
@@ -100,6 +99,8 @@ class SharedDelivery:
         # The seek epoch of each shard's cursor as last read (ranges of other epochs are moot).
         self._epochs: dict[int, int] = {}
         self.ordered = consumer.subscriber_state.spec.ordered_keys
+        # Claims' times are written by one member and judged by the others: one clock for all.
+        self.clock = clock_of(consumer.store.session)
         # Ordered keys: what is known of other members' ranges (and the keys' locks).
         self.foreign = ForeignRanges(consumer, self._held_names, self._epochs.get, lambda: not self._stopped) \
             if self.ordered else None
@@ -276,7 +277,7 @@ class SharedDelivery:
     def _until_ms(self) -> int:
         """A claim's time from now: one visibility timeout of deliveries plus room for handing them out."""
         visibility = self.consumer.visibility_timeout
-        return now_ms() + int((visibility + headroom(visibility)) * 1000)
+        return self.clock.ms() + int((visibility + headroom(visibility)) * 1000)
 
     async def _take_over_lapsed(self, shard: int) -> ClaimReader | None:
         cursor = await self._cursor(shard)
@@ -296,7 +297,7 @@ class SharedDelivery:
             if name in held:
                 continue
             seen = self._seen.get((shard, name))
-            lapsed_at = now_ms() - int(SKEW_MARGIN_SECONDS * 1000)
+            lapsed_at = self.clock.ms() - int(SKEW_MARGIN_SECONDS * 1000)
             if seen is not None and seen.until_ms > lapsed_at:
                 continue
             record = await claims.read_claim(self.client, self.paths, shard, name)
@@ -417,7 +418,7 @@ class SharedDelivery:
         claim could not be renewed): the caller hands the latter back."""
         owners = {d.receipt: self.source_for(d.message.position) for d in deliveries}
         wanted: dict[ClaimReader, float] = {}
-        wall_offset = time.time() - time.monotonic()
+        wall_offset = self.clock.time() - time.monotonic()
         for d in deliveries:
             reader = owners[d.receipt]
             if reader is not None:
@@ -434,7 +435,7 @@ class SharedDelivery:
     async def _renew_loop(self) -> None:
         while not self._stopped:
             await asyncio.sleep(RENEW_INTERVAL_SECONDS)
-            now, wall = time.monotonic(), time.time()
+            now, wall = time.monotonic(), self.clock.time()
             visibility = self.consumer.visibility_timeout
             for reader in self.sources():
                 remaining = reader.record.until_ms / 1000 - wall
