@@ -185,7 +185,10 @@ class SharedDelivery:
                 and sum(r.state.loaded_bytes for r in sources) < MAX_LOADED_BYTES)
 
     def ready_messages(self) -> int:
-        return sum(r.state.loaded_messages - r.state.in_flight for r in self.sources())
+        """Messages loaded here that the app could have: not in flight and, with ordered keys,
+        not held back behind their key as the last receive found them. Counting held-back
+        ones stopped a member claiming while all it held waited for other members' ranges."""
+        return sum(max(0, r.state.loaded_messages - r.state.in_flight - r.state.held_back) for r in self.sources())
 
     def demand(self) -> None:
         """The app asked for messages: claim more if few are ready here."""
@@ -382,16 +385,16 @@ class SharedDelivery:
 
     async def _reader(self, record: ClaimRecord, batches: list[Batch]) -> ClaimReader:
         """A reader of the range, loaded with its batches and what the ack rows say is done."""
-        if self.foreign is not None:
-            await self.foreign.see(record.shard)
         reader = ClaimReader(self, record)
         consumer = self.consumer
-        marks: dict[int, BatchMarks] = await consumer.acks.load_bucket(
-            record.epoch, record.shard, bucket_of(record.start), record.start)
-        consumer.counters.ack_bucket_reads += 1
+        # Three independent reads at once: they are on the way from publish to delivery.
         # Batches below the offset are done. Only leased delivery, before a switch to sharing,
         # can have moved the offset past the cursor (with no ack rows for whole batches).
-        data, _ = await zk.call(self.client.get_async, self.paths.offset(record.shard))
+        marks, (data, _), _ = await asyncio.gather(
+            consumer.acks.load_bucket(record.epoch, record.shard, bucket_of(record.start), record.start),
+            zk.call(self.client.get_async, self.paths.offset(record.shard)),
+            self.foreign.see(record.shard) if self.foreign is not None else asyncio.sleep(0))
+        consumer.counters.ack_bucket_reads += 1
         offset, epoch = decode_offset(data)
         done_below = offset if epoch == record.epoch else record.start
         by_batch = {b.header.batch: b for b in batches}
