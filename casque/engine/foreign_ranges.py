@@ -116,6 +116,10 @@ class ForeignRanges:
             self._known.pop((shard, name), None)
             self._member.notify()
             return
+        if name in self._held(shard):
+            # Ours now (taken over): forgotten, so it is read afresh should it go elsewhere.
+            self._known.pop((shard, name), None)
+            return
         if event.type == EventType.CHANGED and (shard, name) in self._known:
             # The record read before stays until the new one is read: a range's keys only
             # shrink, so the old set holds back at least what the new one does.
