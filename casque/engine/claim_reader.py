@@ -142,7 +142,7 @@ class ClaimReader:
                 # What is finished must be durable before others act on it: acks are (they are
                 # answered only then), dead letters' rows are written in the background.
                 await self.sharing.consumer.acks.flush()
-                if not await self._write_keys(self._open_keys() & self.record.keys):
+                if not await self._write_keys(self._open_keys()):
                     return
         except CasqueError as error:
             # Not fatal: the keys stay held back longer; the next ack here tries again.
@@ -154,6 +154,7 @@ class ClaimReader:
         """Write `keys` as the range's open keys; False once there is nothing more to write
         (written already, or the range is no longer ours)."""
         async with self._zk:
+            keys &= self.record.keys  # only ever shrinks: another write may have come first
             if self._dropped or self._released or keys == self.record.keys:
                 return False
             updated = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
