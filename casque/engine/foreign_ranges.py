@@ -65,16 +65,18 @@ class ForeignRanges:
             return None
         held = self._held(shard)
         found: list[frozenset[int]] = []
+        unknown = False
         for name in names - held:
             epoch, _, start = name.partition("-")
             if int(epoch) != epoch_now or int(start) >= batch:
                 continue
             record = self._known.get((shard, name))
             if record is None:
-                self._learn(shard, name)
-                return None
+                self._learn(shard, name)  # every one not known is read at once, not one per receive
+                unknown = True
+                continue
             found.append(record.keys)
-        return found
+        return None if unknown else found
 
     def _learn(self, shard: int, name: str) -> None:
         """Read another member's range (its keys) in the background; deliveries wait for it."""
