@@ -111,7 +111,13 @@ async def once(store: Store, args: object, run: int) -> dict[str, float]:
             group.expected = messages
             if len(group.latency) >= messages:
                 group.all_seen.set()
-        await asyncio.wait_for(asyncio.gather(*(g.all_seen.wait() for g in groups.values())), DRAIN_LIMIT_SECONDS)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(g.all_seen.wait() for g in groups.values())),
+                                   DRAIN_LIMIT_SECONDS)
+        except TimeoutError:
+            seen = {name: len(group.latency) for name, group in groups.items()}
+            raise SystemExit(f"not every message delivered {DRAIN_LIMIT_SECONDS:.0f}s after the last "
+                             f"publish: {seen} of {messages}") from None
     finally:
         stop.set()
         await asyncio.gather(*members)

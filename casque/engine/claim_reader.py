@@ -143,12 +143,15 @@ class ClaimReader:
                 # answered only then), dead letters' rows are written in the background.
                 await self.sharing.consumer.acks.flush()
                 if not await self._write_keys(self._open_keys()):
-                    return
+                    break
         except CasqueError as error:
             # Not fatal: the keys stay held back longer; the next ack here tries again.
             log.info("shard %s: finished keys of claim %s not published (%s)", self.shard, self.record.name, error)
+            return
         finally:
             self._publishing = None
+        # A key that finished after the last look found this loop still running: look again.
+        self._publish_finished_keys()
 
     async def _write_keys(self, keys: frozenset[int]) -> bool:
         """Write `keys` as the range's open keys; False once there is nothing more to write
