@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 # A claim takes whole batches until it holds at least this many messages (one batch at least):
 # two ZooKeeper writes per claim stay under ten per 1,000 messages.
 CLAIM_MESSAGES = 256
+# ... or this many with ordered keys. A range holds back its keys at the other members until
+# they finish in it, and its holder hands out a key's messages one after the other: a large
+# range behind a backlog holds every key, so the group delivered at the pace of one member.
+ORDERED_CLAIM_MESSAGES = 32
 # A member claims more while fewer than this many messages are ready (loaded, not handed out) here.
 CLAIM_LOW_WATER = 64
 # ... and only while its app asked for messages within DEMAND_SECONDS: an idle member hoards nothing.
@@ -368,10 +372,11 @@ class SharedDelivery:
         return None
 
     def _claim_target(self, available: int) -> int:
-        """Messages to claim: CLAIM_MESSAGES, or less when what is there to claim, split over
-        the group's members, is less; so a small backlog still reaches every member."""
+        """Messages to claim: CLAIM_MESSAGES (ORDERED_CLAIM_MESSAGES with ordered keys), or less
+        when what is there to claim, split over the group's members, is less; so a small
+        backlog still reaches every member."""
         members = len(self.consumer.group_members()) or 1
-        return max(1, min(CLAIM_MESSAGES, available // members))
+        return max(1, min(ORDERED_CLAIM_MESSAGES if self.ordered else CLAIM_MESSAGES, available // members))
 
     async def _skip_expired(self, shard: int, cursor: Cursor, head: int) -> None:
         """Batches from the cursor up to the head were not read: move the cursor to the next
