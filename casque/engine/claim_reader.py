@@ -26,7 +26,7 @@ from kazoo.client import KazooClient
 from casque.engine import claims
 from casque.engine.claims import ClaimRecord, Completion
 from casque.engine.clock import BackendClock
-from casque.engine.keylocks import KeyLocks
+from casque.engine.keylocks import KeyLocks, key_hash
 from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member
 from casque.engine.shard_state import ShardState
 from casque.errors import BackendUnavailable, CasqueError
@@ -96,6 +96,7 @@ class ClaimReader:
         self._mine = {record.version}
         self._zk = asyncio.Lock()
         self._completing: asyncio.Task[None] | None = None
+        self._publishing: asyncio.Task[None] | None = None
         self._dropped = False
         self._released = False
 
@@ -119,6 +120,59 @@ class ClaimReader:
         self.state.advance_offset()
         if self.complete and self._completing is None and not self._dropped:
             self._completing = asyncio.get_running_loop().create_task(self._complete_loop())
+        self._publish_finished_keys()
+
+    # --- ordered keys: the keys still open in the range ---------------------------------------
+    def _open_keys(self) -> frozenset[int]:
+        """Hashes of the keys of the range's messages not done (acking ones are not done)."""
+        return frozenset(key_hash(entry.message.key) for loaded in self.state.batches.values()
+                         for entry in loaded.entries.values() if entry.message.key is not None)
+
+    def _publish_finished_keys(self) -> None:
+        """Keys finished here stop holding back the other members' later messages of them: write
+        the keys still open to the claim (one write in flight per range; those finished while
+        it is in flight go in the next). Without this, a key's next message elsewhere waited
+        for the whole range to complete."""
+        if (self.state.locks is None or self._publishing is not None or self._dropped or self._released
+                or self.complete or not self.record.keys):
+            return  # a complete range clears its keys as it completes (_complete_loop)
+        if self._open_keys() >= self.record.keys:
+            return
+        self._publishing = asyncio.get_running_loop().create_task(self._publish_keys_loop())
+
+    async def _publish_keys_loop(self) -> None:
+        try:
+            while not (self._dropped or self._released or self.complete):
+                # What is finished must be durable before others act on it: acks are (they are
+                # answered only then), dead letters' rows are written in the background.
+                await self.sharing.consumer.acks.flush()
+                if not await self._write_keys(self._open_keys()):
+                    break
+        except CasqueError as error:
+            # Not fatal: the keys stay held back longer; the next ack here tries again.
+            log.info("shard %s: finished keys of claim %s not published (%s)", self.shard, self.record.name, error)
+            return
+        finally:
+            self._publishing = None
+        # A key that finished after the last look found this loop still running: look again.
+        self._publish_finished_keys()
+
+    async def _write_keys(self, keys: frozenset[int]) -> bool:
+        """Write `keys` as the range's open keys; False once there is nothing more to write
+        (written already, or the range is no longer ours)."""
+        async with self._zk:
+            keys &= self.record.keys  # only ever shrinks: another write may have come first
+            if self._dropped or self._released or keys == self.record.keys:
+                return False
+            updated = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
+                                           self.record.member, self.record.until_ms, keys)
+            self.sharing.zk_writes += 1
+            if updated is None:
+                self.drop("taken over by another member")
+                return False
+            self.record = updated
+            self._mine.add(updated.version)
+            return True
 
     @property
     def complete(self) -> bool:
@@ -193,6 +247,13 @@ class ClaimReader:
             while not self._dropped:
                 await self.sharing.consumer.acks.flush()
                 try:
+                    if self.state.locks is not None and self.record.keys:
+                        # Free the range's keys with one plain write first: the completion
+                        # below reads three znodes and contends with every other completion
+                        # for the shard's offset, and other members' keys wait for it.
+                        await self._write_keys(frozenset())
+                        if self._dropped:
+                            return
                     async with self._zk:
                         outcome, offset = await claims.complete(self.sharing.client, self.sharing.paths, self.record)
                     self.sharing.zk_writes += 1

@@ -23,6 +23,12 @@ Recipe, per subscriber and shard (paths in casque.znodes):
   the claims were read only leaves the offset lower than it could be, which the next
   completion corrects. Every completion writes the offset (version checked), so completions
   are serialised and none leaves the offset behind a range completed concurrently.
+- With ordered keys a claim carries the 32-bit hashes of its range's keys that are still
+  open (a message not done). It starts with all of them; its holder writes the set again
+  (a compare-and-set like a renewal) once keys are finished in it, after their acks are
+  durable, so others stop waiting for those keys before the whole range completes. A key
+  finished stays finished (done is durable, and a taker reads the ack rows), so the set
+  only shrinks and a taker keeps it as it finds it.
 - A seek writes the offsets with a new epoch and resets the cursors (casque.engine.offsets).
   Claims of an older epoch are moot: their completion leaves the offset alone, and members
   delete them when they meet them.
@@ -35,6 +41,7 @@ protects is bounded by its time, not by a session, so nothing waits for a sessio
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -183,20 +190,29 @@ async def list_claims(client: KazooClient, paths: SubscriberPaths, shard: int) -
         return []
 
 
-async def read_claim(client: KazooClient, paths: SubscriberPaths, shard: int, name: str) -> ClaimRecord | None:
+async def read_claim(
+    client: KazooClient, paths: SubscriberPaths, shard: int, name: str, watch: Callable[..., object] | None = None,
+) -> ClaimRecord | None:
+    """The claim as it is now; with `watch`, kazoo calls it (in its own thread) once the claim
+    changes or goes (not when it is missing now)."""
     try:
-        data, stat = await zk.call(client.get_async, f"{paths.claims(shard)}/{name}")
+        if watch is None:
+            data, stat = await zk.call(client.get_async, f"{paths.claims(shard)}/{name}")
+        else:
+            data, stat = await zk.call(client.get_async, f"{paths.claims(shard)}/{name}", watch=watch)
     except NoNodeError:
         return None
     return parse_claim(shard, name, data, stat.version)
 
 
 async def rewrite(
-    client: KazooClient, paths: SubscriberPaths, record: ClaimRecord, member: str, until_ms: int
+    client: KazooClient, paths: SubscriberPaths, record: ClaimRecord, member: str, until_ms: int,
+    keys: frozenset[int] | None = None,
 ) -> ClaimRecord | None:
-    """Renew (same member), release (until 0) or take over (another member) a claim, if it is
+    """Renew (same member), release (until 0) or take over (another member) a claim, or publish
+    the keys still open in it (`keys`, ordered keys only: a subset of those it had), if it is
     still at the version `record` was read at; None if it changed or is gone."""
-    updated = replace(record, member=member, until_ms=until_ms)
+    updated = replace(record, member=member, until_ms=until_ms, keys=record.keys if keys is None else keys)
     try:
         stat = await zk.call(client.set_async, f"{paths.claims(record.shard)}/{record.name}", updated.data(),
                              record.version)

@@ -4,8 +4,10 @@ A keyed message may be handed out only when no earlier message of its key is ope
 in this member's ranges (KeyLocks) or in another member's range below it. Ranges carry the
 hashes of their keys (casque.engine.claims), so this keeps, per shard, the names of the open
 claims (a children watch) and the records of other members' ranges as read; a range not
-read yet holds every key back until it is (`KeyLocks.may_deliver` gets None). A range that
-completes goes from the watch, and the receives waiting on its keys are woken.
+read yet holds every key back until it is (`KeyLocks.may_deliver` gets None). A range's
+holder rewrites its key set as keys finish there; a data watch on each range read has it
+read again, and a range that completes goes from the children watch; either wakes the
+receives waiting on its keys.
 
 Connection loss: a watch that lapses leaves the names as last seen, which only holds keys
 back longer; a range read that fails is read again on the next receive.
@@ -17,6 +19,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from kazoo.protocol.states import EventType, WatchedEvent
 from kazoo.recipe.watchers import ChildrenWatch
 
 from casque.backends import zk
@@ -45,6 +48,7 @@ class ForeignRanges:
         self._names: dict[int, set[str] | None] = {}
         self._known: dict[tuple[int, str], ClaimRecord] = {}
         self._learning: set[tuple[int, str]] = set()
+        self._stale: set[tuple[int, str]] = set()
 
     def locks_for(self, shard: int) -> KeyLocks:
         locks = self._locks.get(shard)
@@ -61,35 +65,67 @@ class ForeignRanges:
             return None
         held = self._held(shard)
         found: list[frozenset[int]] = []
+        unknown = False
         for name in names - held:
             epoch, _, start = name.partition("-")
             if int(epoch) != epoch_now or int(start) >= batch:
                 continue
             record = self._known.get((shard, name))
             if record is None:
-                self._learn(shard, name)
-                return None
+                self._learn(shard, name)  # every one not known is read at once, not one per receive
+                unknown = True
+                continue
             found.append(record.keys)
-        return found
+        return None if unknown else found
 
     def _learn(self, shard: int, name: str) -> None:
         """Read another member's range (its keys) in the background; deliveries wait for it."""
         if (shard, name) in self._learning:
+            self._stale.add((shard, name))  # changed while being read: read it once more after
             return
         self._learning.add((shard, name))
 
         async def read() -> None:
             try:
-                record = await claims.read_claim(self.client, self.paths, shard, name)
-                if record is not None:
-                    self._known[(shard, name)] = record
+                await self._read(shard, name)
             except CasqueError as error:
                 log.info("range %s of shard %s not read (%s); retried on the next receive", name, shard, error)
             finally:
                 self._learning.discard((shard, name))
                 self._member.notify()
+            if (shard, name) in self._stale:
+                self._stale.discard((shard, name))
+                self._learn(shard, name)
 
         self._member.in_background(read())
+
+    async def _read(self, shard: int, name: str) -> None:
+        """Read a range with a watch: its holder rewrites its keys as they finish there
+        (casque.engine.claim_reader), and the watch has it read again."""
+        loop = asyncio.get_running_loop()
+
+        def fired(event: WatchedEvent) -> None:  # kazoo's thread
+            if self._active() and not loop.is_closed():
+                loop.call_soon_threadsafe(self._changed, shard, name, event)
+
+        record = await claims.read_claim(self.client, self.paths, shard, name, fired)
+        if record is not None and name in (self._names.get(shard) or ()):
+            self._known[(shard, name)] = record
+
+    def _changed(self, shard: int, name: str, event: WatchedEvent) -> None:
+        """A range read before changed (keys finished, renewed, taken over) or went."""
+        if event.type == EventType.DELETED:
+            self._known.pop((shard, name), None)
+            self._member.notify()
+            return
+        if name in self._held(shard):
+            # Ours now (taken over): forgotten, so it is read afresh should it go elsewhere.
+            self._known.pop((shard, name), None)
+            return
+        if event.type == EventType.CHANGED and (shard, name) in self._known:
+            # The record read before stays until the new one is read: a range's keys only
+            # shrink, so the old set holds back at least what the new one does.
+            self._learn(shard, name)
 
     def watching(self, shard: int) -> bool:
         return shard in self._names
@@ -109,15 +145,15 @@ class ForeignRanges:
                       zk.watch_in_loop(asyncio.get_running_loop(), changed, self._active))
 
     async def see(self, shard: int) -> None:
-        """Before delivering a new range with ordered keys: every range below it known, with its keys.
+        """Before delivering a new range with ordered keys: every range below it named.
 
-        Read after our claim or takeover was written, so it includes every range created
-        before ours; a watch could still be catching up."""
+        Listed after our claim or takeover was written, so it includes every range created
+        before ours; a watch could still be catching up. The ranges not known yet are read
+        in the background, all at once: until each is, keyed messages above it wait
+        (`_foreign_keys`), so the range's other messages need not."""
         names = set(await claims.list_claims(self.client, self.paths, shard))
         self._names[shard] = names
         held = self._held(shard)
         for name in sorted(names - held):
             if (shard, name) not in self._known:
-                record = await claims.read_claim(self.client, self.paths, shard, name)
-                if record is not None:
-                    self._known[(shard, name)] = record
+                self._learn(shard, name)

@@ -126,6 +126,9 @@ class ShardState:
     counters: ShardCounters = field(default_factory=ShardCounters)
     # Ordered keys (casque.engine.keylocks): a keyed message waits for the one before it.
     locks: KeyLocks | None = None
+    # Ready messages the last take held back behind an earlier message of their key: not
+    # ready for the app, so shared delivery claims more rather than wait for them.
+    held_back: int = 0
     _ready: list[tuple[int, int]] = field(default_factory=list)
     _delayed: list[tuple[float, int, int]] = field(default_factory=list)
     _deadlines: list[tuple[float, int, int, int]] = field(default_factory=list)
@@ -239,6 +242,7 @@ class ShardState:
             handed.append(Handout(entry, entry.nonce, redelivery))
         for item in held_back:
             heapq.heappush(self._ready, item)
+        self.held_back = len(held_back)
         return handed
 
     def ack(self, position: Position, nonce: int) -> bool:

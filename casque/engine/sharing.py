@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 # A claim takes whole batches until it holds at least this many messages (one batch at least):
 # two ZooKeeper writes per claim stay under ten per 1,000 messages.
 CLAIM_MESSAGES = 256
+# ... or this many with ordered keys. A range holds back its keys at the other members until
+# they finish in it, and its holder hands out a key's messages one after the other: a large
+# range behind a backlog holds every key, so the group delivered at the pace of one member.
+ORDERED_CLAIM_MESSAGES = 32
 # A member claims more while fewer than this many messages are ready (loaded, not handed out) here.
 CLAIM_LOW_WATER = 64
 # ... and only while its app asked for messages within DEMAND_SECONDS: an idle member hoards nothing.
@@ -186,7 +190,10 @@ class SharedDelivery:
                 and sum(r.state.loaded_bytes for r in sources) < MAX_LOADED_BYTES)
 
     def ready_messages(self) -> int:
-        return sum(r.state.loaded_messages - r.state.in_flight for r in self.sources())
+        """Messages loaded here that the app could have: not in flight and, with ordered keys,
+        not held back behind their key as the last receive found them. Counting held-back
+        ones stopped a member claiming while all it held waited for other members' ranges."""
+        return sum(max(0, r.state.loaded_messages - r.state.in_flight - r.state.held_back) for r in self.sources())
 
     def demand(self) -> None:
         """The app asked for messages: claim more if few are ready here."""
@@ -366,10 +373,11 @@ class SharedDelivery:
         return None
 
     def _claim_target(self, available: int) -> int:
-        """Messages to claim: CLAIM_MESSAGES, or less when what is there to claim, split over
-        the group's members, is less; so a small backlog still reaches every member."""
+        """Messages to claim: CLAIM_MESSAGES (ORDERED_CLAIM_MESSAGES with ordered keys), or less
+        when what is there to claim, split over the group's members, is less; so a small
+        backlog still reaches every member."""
         members = len(self.consumer.group_members()) or 1
-        return max(1, min(CLAIM_MESSAGES, available // members))
+        return max(1, min(ORDERED_CLAIM_MESSAGES if self.ordered else CLAIM_MESSAGES, available // members))
 
     async def _skip_expired(self, shard: int, cursor: Cursor, head: int) -> None:
         """Batches from the cursor up to the head were not read: move the cursor to the next
@@ -383,16 +391,16 @@ class SharedDelivery:
 
     async def _reader(self, record: ClaimRecord, batches: list[Batch]) -> ClaimReader:
         """A reader of the range, loaded with its batches and what the ack rows say is done."""
-        if self.foreign is not None:
-            await self.foreign.see(record.shard)
         reader = ClaimReader(self, record)
         consumer = self.consumer
-        marks: dict[int, BatchMarks] = await consumer.acks.load_bucket(
-            record.epoch, record.shard, bucket_of(record.start), record.start)
-        consumer.counters.ack_bucket_reads += 1
+        # Three independent reads at once: they are on the way from publish to delivery.
         # Batches below the offset are done. Only leased delivery, before a switch to sharing,
         # can have moved the offset past the cursor (with no ack rows for whole batches).
-        data, _ = await zk.call(self.client.get_async, self.paths.offset(record.shard))
+        marks, (data, _), _ = await asyncio.gather(
+            consumer.acks.load_bucket(record.epoch, record.shard, bucket_of(record.start), record.start),
+            zk.call(self.client.get_async, self.paths.offset(record.shard)),
+            self.foreign.see(record.shard) if self.foreign is not None else asyncio.sleep(0))
+        consumer.counters.ack_bucket_reads += 1
         offset, epoch = decode_offset(data)
         done_below = offset if epoch == record.epoch else record.start
         by_batch = {b.header.batch: b for b in batches}

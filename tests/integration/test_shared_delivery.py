@@ -295,6 +295,54 @@ async def test_ordered_keys_deliver_the_next_message_of_a_key_only_after_the_pre
     assert len(set(receivers.values())) > 1, "one member received everything: nothing was shared"
 
 
+async def test_a_key_finished_in_another_members_open_range_moves_on_before_that_range_completes(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    """Member A holds a range with x1 (acked) and y1 (in flight, never acked until the end); B
+    claims the next range, with x2 and y2. x2 goes out while A's range is still open and A's
+    (its claim publishes that x finished there); y2 waits until A acks y1. Before, x2 waited
+    for A's whole range: until A's claim lapsed and B took it over, redelivering y1."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="shared",
+        ordered_keys=True))
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    x1, y1 = await publisher.publish([OutgoingMessage(b"x1", key="x"), OutgoingMessage(b"y1", key="y")])
+    await publisher.flush_heads()
+    a = await start(consumers, store)
+    held: dict[str, Delivery] = {}
+    deadline = time.monotonic() + 60
+    while len(held) < 2:
+        assert time.monotonic() < deadline, f"A received only {sorted(held)}"
+        held.update({d.message.message_id: d for d in await a.receive(max_messages=10, wait=1)})
+    assert set(held) == {x1.message_id, y1.message_id}
+    assert a._sharing is not None
+    a._sharing.last_demand = float("-inf")  # A's app stops asking: A claims nothing more
+    assert await a.ack(held[x1.message_id].receipt) is True
+
+    x2, y2 = await publisher.publish([OutgoingMessage(b"x2", key="x"), OutgoingMessage(b"y2", key="y")])
+    await publisher.flush_heads()
+    b = await start(consumers, store)
+    got: dict[str, Delivery] = {}
+    deadline = time.monotonic() + 60
+    while x2.message_id not in got:
+        assert time.monotonic() < deadline, f"B received only {sorted(got)}"
+        got.update({d.message.message_id: d for d in await b.receive(max_messages=10, wait=1)})
+    assert y1.message_id not in got, "A's range was taken over: x2 waited for it to lapse"
+    assert y2.message_id not in got, "y2 went out while y1 was in flight at A"
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    records = [await claims.read_claim(store.zk, paths, 0, name) for name in await claims.list_claims(store.zk, paths, 0)]
+    assert [r.member for r in records if r is not None and r.start == x1.batch] == [a.member_id]
+
+    assert await a.ack(held[y1.message_id].receipt) is True  # still A's: it never lapsed
+    deadline = time.monotonic() + 60
+    while y2.message_id not in got:
+        assert time.monotonic() < deadline, f"B received only {sorted(got)}"
+        got.update({d.message.message_id: d for d in await b.receive(max_messages=10, wait=1)})
+    assert await b.ack_many([d.receipt for d in got.values()]) == [True, True]
+
+
 async def test_a_poison_message_goes_to_the_dead_letter_queue_and_its_range_completes(
     store: Store, consumers: list[Consumer]
 ) -> None:

@@ -264,3 +264,15 @@ def test_an_ordered_key_moves_on_only_when_the_ack_is_durable() -> None:
     state.start_ack(position, first.nonce)
     state.finish_ack(position, first.nonce)
     assert ids(state.take(10, now=0, visibility=30, expired_ttl=WALL)) == ["1-1"]
+
+
+def test_messages_held_back_behind_their_key_are_counted_as_such() -> None:
+    """Shared delivery claims more while few messages are ready: those that wait for an
+    earlier message of their key are not ready, and a take says how many it held back."""
+    state = ShardState(shard=0, offset=1, locks=KeyLocks())
+    state.add_batch(1, [StoredMessage(Position(0, 1, s), f"1-{s}", T0, b"x", key="k") for s in range(3)])
+    (first,) = state.take(10, now=0, visibility=30, expired_ttl=WALL)
+    assert state.held_back == 2
+    assert state.ack(first.entry.message.position, first.nonce)
+    assert ids(state.take(10, now=0, visibility=30, expired_ttl=WALL)) == ["1-1"]
+    assert state.held_back == 1
