@@ -65,8 +65,9 @@ def ensure_namespace_role(store: Store, role: NamespaceRole) -> None:
     """The namespace's login role, with its current password, allowed to read and write
     its keyspace and nothing else (its keyspace must exist: `ensure_namespace_keyspace`).
 
-    The password is set on every call: it is derived from the installation's, which may
-    have been rotated since the role was made. Connections already open stay authenticated.
+    The password is set on every call: it is derived from the installation's derivation key,
+    which may have been rotated since the role was made; from then on Cassandra refuses the
+    old password. Connections already open stay authenticated.
     """
     for statement, values in namespace_role_cql(role.username, role.password, role.keyspace):
         store.session.execute(statement, values)

@@ -11,6 +11,7 @@ only stored. Waits poll a condition with a bounded timeout; nothing is timed.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -210,7 +211,7 @@ NON_DEFAULT: dict[str, Any] = {
         "keyspace": "shop_queues",
         "consistency": "QUORUM",
         "replication": {"strategy": "SimpleStrategy", "factor": 1},
-        "auth": {"username": "casque", "password": "s3cret"},
+        "auth": {"username": "casque", "password": "s3cret-of-16-chars"},
         "tls": {"enabled": True, "secret": "cassandra-tls", "clientCertificate": True,
                 "serverHostname": "cassandra.shop.svc"},
     },
@@ -283,6 +284,9 @@ def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
         ({"cassandra": {"isolation": "row"}}, "isolation"),
         ({"cassandra": {"replication": {"datacenters": None}}}, "datacenters"),
         ({"cassandra": {"auth": {"username": "casque"}}}, "password"),
+        ({"cassandra": {"auth": {"username": "casque", "password": "cassandra"}}}, "password"),  # too short to resist guessing
+        ({"zookeeper": {"auth": {"username": "casque", "password": "z" * 31}}}, "password"),
+        ({"cassandra": {"derivationKey": {"existingSecret": "Not A Name"}}}, "existingSecret"),
         ({"zookeeper": {"connect": "zookeeper"}}, "connect"),
         ({"cassandra": {"tls": {"enabled": True, "clientCertificate": True}}}, "secret"),  # whose certificate?
         ({"zookeeper": {"tls": {"enabled": True, "verifyHostnames": False}}}, "verifyHostnames"),
@@ -318,6 +322,32 @@ def test_keyspace_isolation_needs_the_operators_cassandra_credentials_and_a_shor
                                                                          "auth": {"existingSecret": "c"}}}))
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["CASQUE_CASSANDRA_ISOLATION"] == "keyspace"
+
+
+def test_keyspace_isolation_derives_from_a_random_key_of_its_own_secret(tools: Tools) -> None:
+    values = {"cassandra": {"isolation": "keyspace", "auth": {"username": "casque", "password": "c" * 16}}}
+    keys = []
+    for _ in range(2):
+        documents = tools.render("casque", values, release="r")
+        secret = next(d for d in documents if d["kind"] == "Secret" and d["metadata"]["name"] == "r-casque-derivation-key")
+        key = base64.b64decode(secret["data"]["derivation-key"])
+        assert len(key) >= 32 and b"c" * 16 not in key
+        env = {e["name"]: e for e in operator_container(documents)["env"]}
+        assert env["CASQUE_CASSANDRA_DERIVATION_KEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": "r-casque-derivation-key", "key": "derivation-key"}
+        keys.append(key)
+    # Random, not a function of the values (no login password goes into it); `helm upgrade`
+    # keeps an installed one (lookup), which `helm template` cannot see.
+    assert keys[0] != keys[1]
+    own = tools.render("casque", {"cassandra": {**values["cassandra"], "derivationKey": {"existingSecret": "mine",
+                                                                                       "key": "k"}}}, release="r")
+    assert not [d for d in own if d["kind"] == "Secret" and d["metadata"]["name"] == "r-casque-derivation-key"]
+    env = {e["name"]: e for e in operator_container(own)["env"]}
+    assert env["CASQUE_CASSANDRA_DERIVATION_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "k"}
+    # Without isolation there is no key at all.
+    plain = tools.render("casque", {"cassandra": {"auth": {"username": "casque", "password": "c" * 16}}}, release="r")
+    assert "CASQUE_CASSANDRA_DERIVATION_KEY" not in {e["name"] for e in operator_container(plain)["env"]}
+    assert not [d for d in plain if d["metadata"]["name"] == "r-casque-derivation-key"]
 
 
 def test_the_charts_crds_are_the_crds_directory(tools: Tools, tmp_path: Path) -> None:
@@ -359,7 +389,7 @@ def test_an_install_tells_the_user_what_to_do_next(
     tools: Tools, kube_namespace: str, casque_crds: None  # noqa: F811
 ) -> None:
     """`helm install --dry-run=server`: the API server checks the release, Helm prints NOTES.txt."""
-    values = tools.values_file({"cassandra": {"auth": {"username": "casque", "password": "s3cret"}}})
+    values = tools.values_file({"cassandra": {"auth": {"username": "casque", "password": "s3cret-of-16-chars"}}})
     out = tools.run(
         tools.helm, "install", "shop", str(CHART), "--namespace", kube_namespace, "--dry-run=server",
         "--values", values,

@@ -86,6 +86,29 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/* The Secret holding the Cassandra derivation key (keyspace isolation only). */}}
+{{- define "casque.derivationKeySecret" -}}
+{{- if eq .Values.cassandra.isolation "keyspace" -}}
+{{- default (printf "%s-derivation-key" (include "casque.fullname" .)) .Values.cassandra.derivationKey.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The chart's derivation key, base64: the existing Secret's, so an upgrade keeps it, else
+     48 random characters (crypto/rand), made once per render and remembered in .Values so
+     that the Secret and the operator's checksum annotation name the same key. */}}
+{{- define "casque.derivationKeyData" -}}
+{{- $memo := .Values.cassandra.derivationKey -}}
+{{- if not (hasKey $memo "_rendered") -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "casque.derivationKeySecret" .) -}}
+{{- $data := "" -}}
+{{- if $existing -}}
+{{- $data = index ($existing.data | default dict) $memo.key | default "" -}}
+{{- end -}}
+{{- $_ := set $memo "_rendered" ($data | default (randAlphaNum 48 | b64enc)) -}}
+{{- end -}}
+{{- get $memo "_rendered" -}}
+{{- end -}}
+
 {{- define "casque.webhookService" -}}
 {{- printf "%s-webhook" (include "casque.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
