@@ -688,11 +688,17 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
             assert not can("update", "leases.coordination.k8s.io/someone-elses")
             assert not can("delete", "queues.casque.io", served) and not can("create", "subscribers.casque.io", served)
             if values in (zookeeper_auth, isolation):  # each namespace's identities, Secrets the operator writes
-                for verb in ("get", "create", "patch", "delete"):
-                    assert can(verb, "secrets", served)
-                assert not can("list", "secrets", served)
+                for name in ("casque-zookeeper", "casque-cassandra-role"):
+                    for verb in ("get", "patch", "delete"):
+                        assert can(verb, f"secrets/{name}", served)
+                assert can("create", "secrets", served)  # names are the admission policy's to check
+                # ... and no other Secret: not read, changed or listed, here or anywhere.
+                for verb in ("get", "patch", "update", "delete"):
+                    assert not can(verb, "secrets/unrelated", served)
+                for verb in ("get", "list", "watch"):
+                    assert not can(verb, "secrets", served) and not can(verb, "secrets", "kube-system")
             else:
-                assert not can("get", "secrets")
+                assert not can("get", "secrets") and not can("create", "secrets")
             assert not can("create", "pods") and not can("list", "pods")
             assert not can("update", "customresourcedefinitions.apiextensions.k8s.io")
             assert not can("create", "mutatingwebhookconfigurations.admissionregistration.k8s.io")
@@ -700,6 +706,65 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
                 assert not can("list", "queues.casque.io", kube_namespace)
         finally:
             tools.run(*tools.kubectl, "delete", "--wait=false", "-f", "-", input=manifest)
+
+
+def test_the_operator_can_neither_read_nor_forge_a_secret_it_does_not_own(
+    tools: Tools, kube_client: client.ApiClient, kube_namespace: str, other_namespace: str,
+    casque_crds: None,  # noqa: F811
+) -> None:
+    """The operator's ServiceAccount, with namespace identities to write (cluster-wide), against
+    a real API server: an unrelated Secret in a namespace it serves cannot be read, and a
+    Secret of another name, or a service-account token Secret named like its own (which the
+    token controller would fill with another account's token), cannot be created."""
+    release = f"r{uuid.uuid4().hex[:6]}"
+    values = {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}}}
+    manifest = tools.template(kube_namespace, values, "--show-only", "templates/rbac.yaml", "--show-only",
+                              "templates/serviceaccount.yaml", release=release).stdout
+    account = f"system:serviceaccount:{kube_namespace}:{release}-casque"
+    core = client.CoreV1Api(kube_client)
+    core.create_namespaced_secret(other_namespace, {"metadata": {"name": "unrelated"}, "stringData": {"token": "x"}})
+    owned = {"app.kubernetes.io/managed-by": "casque-operator"}
+
+    def as_operator(*args: str, document: dict[str, Any] | None = None) -> subprocess.CompletedProcess[str]:
+        return tools.run(*tools.kubectl, *args, "-n", other_namespace, f"--as={account}", check=False,
+                         input=json.dumps(document) if document else None)
+
+    def secret(name: str, kind: str = "Opaque", labels: dict[str, str] = owned, **extra: Any) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Secret", "type": kind,
+                "metadata": {"name": name, "labels": labels, **extra}, "stringData": {"password": "p"}}
+
+    tools.run(*tools.kubectl, "apply", "-f", "-", input=manifest)
+    try:
+        read = as_operator("get", "secret", "unrelated", "-o", "json")
+        assert read.returncode != 0 and "forbidden" in read.stderr.lower(), read.stdout
+        assert "token" not in read.stdout
+        listed = as_operator("get", "secrets")
+        assert listed.returncode != 0 and "forbidden" in listed.stderr.lower()
+
+        # The policy takes effect once the API server has loaded it: until a forged create is
+        # refused, each one that got through is removed again.
+        def forged_refused() -> bool:
+            created = as_operator("create", "-f", "-", document=secret("forged"))
+            if created.returncode == 0:
+                core.delete_namespaced_secret("forged", other_namespace)
+                return False
+            assert "may only write its namespace Secrets" in created.stderr, created.stderr
+            return True
+
+        wait_for("the admission policy to refuse the operator's forged Secret", forged_refused)
+        token = secret("casque-zookeeper", "kubernetes.io/service-account-token",
+                       annotations={"kubernetes.io/service-account.name": "default"})
+        refused = as_operator("create", "-f", "-", document=token)
+        assert refused.returncode != 0 and "may only write its namespace Secrets" in refused.stderr
+        unlabelled = as_operator("create", "-f", "-", document=secret("casque-zookeeper", labels={}))
+        assert unlabelled.returncode != 0 and "may only write its namespace Secrets" in unlabelled.stderr
+        # What the operator does write still works: its own Secret, created, read and patched.
+        assert as_operator("create", "-f", "-", document=secret("casque-zookeeper")).returncode == 0
+        assert as_operator("get", "secret", "casque-zookeeper").returncode == 0
+        patched = as_operator("patch", "secret", "casque-zookeeper", "-p", '{"stringData": {"password": "q"}}')
+        assert patched.returncode == 0, patched.stderr
+    finally:
+        tools.run(*tools.kubectl, "delete", "--wait=false", "-f", "-", input=manifest)
 
 
 # --- the injection webhook, called by the API server -------------------------------------------

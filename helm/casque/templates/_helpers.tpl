@@ -135,13 +135,29 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
-{{- if or (include "casque.zookeeperSecret" .) (eq .Values.cassandra.isolation "keyspace") }}
+{{- if include "casque.writesSecrets" . }}
 # Each namespace's ZooKeeper identity and Cassandra role, written with its first Queue,
-# deleted after its last.
+# deleted after its last: those two Secrets by name, no other, and no list or watch. A
+# create cannot be limited to names in RBAC: the chart's ValidatingAdmissionPolicy
+# (rbac.yaml) refuses the operator's create of any other Secret.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create, patch, delete]
+  resourceNames: [{{ include "casque.namespaceSecrets" . }}]
+  verbs: [get, patch, delete]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
 {{- end }}
+{{- end -}}
+
+{{/* Non-empty when the operator writes Secrets into the namespaces it serves. */}}
+{{- define "casque.writesSecrets" -}}
+{{- if or (include "casque.zookeeperSecret" .) (eq .Values.cassandra.isolation "keyspace") }}true{{ end }}
+{{- end -}}
+
+{{/* The names of the Secrets the operator writes in a namespace (operator/tenancy.py). */}}
+{{- define "casque.namespaceSecrets" -}}
+casque-zookeeper, casque-cassandra-role
 {{- end -}}
 
 {{/*
