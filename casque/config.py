@@ -10,6 +10,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # e.g. `openssl rand -base64 32` gives 44.
 MIN_ZOOKEEPER_PASSWORD = 32
+# Cassandra tries a password online only (nothing derived from it is handed out), but a
+# short one still falls to guessing: `cassandra` is the default superuser's.
+MIN_CASSANDRA_PASSWORD = 16
 # The key namespaces' Cassandra role passwords are derived from (casque.tenancy): random, and
 # at least this many bytes (256 bits with `openssl rand -base64 32`).
 MIN_DERIVATION_KEY = 32
@@ -79,7 +82,9 @@ class ZooKeeperTlsSettings(TlsSettings):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="CASQUE_")
+    # hide_input_in_errors: a refused setting's error would otherwise repeat every input,
+    # passwords included (a short password appeared whole in the message that refused it).
+    model_config = SettingsConfigDict(env_prefix="CASQUE_", hide_input_in_errors=True)
 
     # Comma-separated in the environment: CASQUE_CASSANDRA_CONTACT_POINTS=10.0.0.1,10.0.0.2
     cassandra_contact_points: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["127.0.0.1"])
@@ -147,6 +152,10 @@ class Settings(BaseSettings):
             # only a long random password keeps it from being guessed offline.
             if secret is not None and len(secret.get_secret_value()) < MIN_ZOOKEEPER_PASSWORD:
                 raise ValueError(f"CASQUE_ZOOKEEPER_{name} must be at least {MIN_ZOOKEEPER_PASSWORD} characters")
+        cassandra_password = self.cassandra_password
+        if cassandra_password is not None and len(cassandra_password.get_secret_value()) < MIN_CASSANDRA_PASSWORD:
+            raise ValueError(f"CASQUE_CASSANDRA_PASSWORD must be at least {MIN_CASSANDRA_PASSWORD} characters "
+                             "(e.g. `openssl rand -base64 24`)")
         if self.cassandra_isolation == "keyspace" and self.cassandra_password is None:
             # The operator creates the namespaces' keyspaces and roles with it.
             raise ValueError("CASQUE_CASSANDRA_ISOLATION=keyspace needs CASQUE_CASSANDRA_USERNAME and _PASSWORD")
