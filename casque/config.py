@@ -10,6 +10,12 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # e.g. `openssl rand -base64 32` gives 44.
 MIN_ZOOKEEPER_PASSWORD = 32
+# Cassandra tries a password online only (nothing derived from it is handed out), but a
+# short one still falls to guessing: `cassandra` is the default superuser's.
+MIN_CASSANDRA_PASSWORD = 16
+# The key namespaces' Cassandra role passwords are derived from (casque.tenancy): random, and
+# at least this many bytes (256 bits with `openssl rand -base64 32`).
+MIN_DERIVATION_KEY = 32
 # With a keyspace per namespace, the installation keyspace prefixes the namespaces' (casque.tenancy).
 MAX_ISOLATED_KEYSPACE = 24
 
@@ -76,7 +82,9 @@ class ZooKeeperTlsSettings(TlsSettings):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="CASQUE_")
+    # hide_input_in_errors: a refused setting's error would otherwise repeat every input,
+    # passwords included (a short password appeared whole in the message that refused it).
+    model_config = SettingsConfigDict(env_prefix="CASQUE_", hide_input_in_errors=True)
 
     # Comma-separated in the environment: CASQUE_CASSANDRA_CONTACT_POINTS=10.0.0.1,10.0.0.2
     cassandra_contact_points: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["127.0.0.1"])
@@ -89,6 +97,10 @@ class Settings(BaseSettings):
     # reach every namespace). A sidecar never sets it: it is given its namespace's keyspace
     # as CASQUE_KEYSPACE and its namespace's role.
     cassandra_isolation: CassandraIsolation = "none"
+    # With keyspace isolation, the operator's and the CLI's: the random key each namespace's
+    # role password is derived from (casque.tenancy). Never a login password, so a namespace's
+    # Secret tells nothing about any; changing it rotates every namespace's password.
+    cassandra_derivation_key: SecretStr | None = None
     keyspace: str = Field(default="casque", pattern=r"^[a-z][a-z0-9_]{0,47}$")
     consistency: Consistency = "LOCAL_QUORUM"
     zookeeper_hosts: str = "127.0.0.1:2181"
@@ -140,9 +152,23 @@ class Settings(BaseSettings):
             # only a long random password keeps it from being guessed offline.
             if secret is not None and len(secret.get_secret_value()) < MIN_ZOOKEEPER_PASSWORD:
                 raise ValueError(f"CASQUE_ZOOKEEPER_{name} must be at least {MIN_ZOOKEEPER_PASSWORD} characters")
+        cassandra_password = self.cassandra_password
+        if cassandra_password is not None and len(cassandra_password.get_secret_value()) < MIN_CASSANDRA_PASSWORD:
+            raise ValueError(f"CASQUE_CASSANDRA_PASSWORD must be at least {MIN_CASSANDRA_PASSWORD} characters "
+                             "(e.g. `openssl rand -base64 24`)")
         if self.cassandra_isolation == "keyspace" and self.cassandra_password is None:
-            # Each namespace's role password is derived from it (casque.tenancy).
+            # The operator creates the namespaces' keyspaces and roles with it.
             raise ValueError("CASQUE_CASSANDRA_ISOLATION=keyspace needs CASQUE_CASSANDRA_USERNAME and _PASSWORD")
+        key = self.cassandra_derivation_key
+        if self.cassandra_isolation == "keyspace" and key is None:
+            raise ValueError("CASQUE_CASSANDRA_ISOLATION=keyspace needs CASQUE_CASSANDRA_DERIVATION_KEY, a random key "
+                             f"of at least {MIN_DERIVATION_KEY} bytes (e.g. `openssl rand -base64 32`) that each "
+                             "namespace's role password is derived from")
+        if key is not None and len(key.get_secret_value().encode()) < MIN_DERIVATION_KEY:
+            # Every namespace's password is an HMAC keyed with it, and each namespace holds one
+            # in its Secret: a short key could be found by guessing offline.
+            raise ValueError(f"CASQUE_CASSANDRA_DERIVATION_KEY must be at least {MIN_DERIVATION_KEY} bytes "
+                             "(e.g. `openssl rand -base64 32`)")
         if self.cassandra_isolation == "keyspace" and len(self.keyspace) > MAX_ISOLATED_KEYSPACE:
             # It prefixes every namespace's keyspace, which Cassandra limits to 48 characters.
             raise ValueError(f"CASQUE_KEYSPACE must be at most {MAX_ISOLATED_KEYSPACE} characters "

@@ -13,6 +13,8 @@
         .../subscribers/{sub}/claims/{shard}/{E}-{start}      shared delivery: a member's claimed batch range (JSON)
     {root}/queues/{namespace}/{queue}/mover                   election of the delayed-message mover
     {root}/queues/{namespace}/{queue}/redrive                 redrive watermark of a dead-letter queue (JSON)
+    {root}/grants/{namespace}/{queue}                         what the installation granted the queue (JSON,
+                                                              casque.engine.grants): outside the namespace's subtree
 
 Heads are decimal integers in the znode data. An offset is "N@E": the batch N and the seek
 epoch E of the shard that keys its ack records ("N" alone is epoch 0), so a reader gets both
@@ -61,6 +63,10 @@ class QueuePaths:
     @property
     def redrive(self) -> str:
         return f"{self.base}/redrive"
+
+    @property
+    def grant(self) -> str:
+        return f"{self.root}/grants/{self.queue.namespace}/{self.queue.name}"
 
 
 @dataclass(frozen=True)

@@ -312,8 +312,9 @@ def _observe_subscriber(store: Store, namespace: str, name: str, spec: Subscribe
 
 
 def _stored_queue(store: Store, ref: QueueRef) -> QueueState | None:
+    # Unchecked: a spec beyond its grant is drift for the next apply to restore.
     try:
-        return catalog.read_queue(store, ref)
+        return catalog.read_queue(store, ref, granted=False)
     except QueueNotFound:
         return None
 
@@ -564,7 +565,7 @@ def check_quota(store: Store, ref: QueueRef, spec: QueueSpec, limits: Limits) ->
     current: QueueSpec | None = None
     for other in catalog.list_queues(store, ref.namespace):
         try:
-            stored = catalog.read_queue(store, other).spec
+            stored = catalog.read_queue(store, other, granted=False).spec
         except QueueNotFound:
             continue  # being created or deleted
         if other == ref:

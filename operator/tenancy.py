@@ -7,7 +7,8 @@ Cassandra keyspace isolation (`CASQUE_CASSANDRA_ISOLATION=keyspace`), a Secret
 `casque-cassandra-role` holds the namespace's Cassandra role and keyspace (casque.tenancy).
 The injected sidecar reads those Secrets, so a pod holds its own namespace's credentials
 and never the installation's. The Secrets are derived from the operator's settings, so they
-are simply written again (never read back) when they differ, e.g. after a password rotation.
+are simply written again (never read back) when they differ, e.g. after a rotation of the
+ZooKeeper password or of the Cassandra derivation key.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 from casque.backends import zk
 from casque.backends.zkacl import format_acl, installation_policy, namespace_identity
 from casque.config import Settings
+from casque.errors import InvalidSpec
 from casque.operator.injection import (  # one name each, where the webhook reads them
     CASSANDRA_SECRET as CASSANDRA_SECRET,
     ZOOKEEPER_SECRET as ZOOKEEPER_SECRET,
@@ -46,9 +48,12 @@ def zookeeper_secret(settings: Settings, namespace: str) -> dict[str, Any] | Non
 
 def cassandra_role(settings: Settings, namespace: str) -> NamespaceRole | None:
     """`namespace`'s Cassandra role; None without keyspace isolation."""
-    if settings.cassandra_isolation != "keyspace" or settings.cassandra_password is None:
+    if settings.cassandra_isolation != "keyspace":
         return None
-    return namespace_role(settings.keyspace, settings.cassandra_password.get_secret_value(), namespace)
+    if settings.cassandra_derivation_key is None:
+        # Settings refuse this; a copy made without validation (model_copy) could not.
+        raise InvalidSpec("CASQUE_CASSANDRA_ISOLATION=keyspace needs CASQUE_CASSANDRA_DERIVATION_KEY")
+    return namespace_role(settings.keyspace, settings.cassandra_derivation_key.get_secret_value(), namespace)
 
 
 def cassandra_secret(settings: Settings, namespace: str) -> dict[str, Any] | None:

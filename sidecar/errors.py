@@ -30,6 +30,7 @@ from casque.errors import (
     MessageTooLarge,
     PositionOutOfRange,
     QueueNotFound,
+    QuotaExceeded,
     StaleReceipt,
     SubscriberNotFound,
 )
@@ -143,6 +144,9 @@ STATUS: Mapping[type[CasqueError], int] = {
     # The sidecar's ZooKeeper identity may not touch what the call needs: its credentials
     # are another namespace's or out of date. Retrying cannot help until they are fixed.
     AccessDenied: 403,
+    # The queue's spec in ZooKeeper is beyond what the operator granted (casque.engine.grants):
+    # it conflicts with the queue's state until the operator restores it.
+    QuotaExceeded: 409,
 }
 
 

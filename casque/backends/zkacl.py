@@ -21,6 +21,8 @@ create or delete the ACL of the parent, never the ancestors'):
     {root}/queues/<ns>                     installation: all; <ns>: read (it lists its queues,
                                            and cannot create or delete queues itself)
     {root}/queues/<ns>/<anything below>    installation: all; <ns>: read, write, create, delete
+    {root}/grants/<ns>, and below          installation: all; <ns>: read (what the operator granted
+                                           its queues, casque.engine.grants: never the namespace's to write)
 
 No identity but the installation's has ADMIN anywhere, so a namespace can neither change
 an ACL nor lock the operator out of its znodes. Reads are restricted too: one namespace
@@ -133,6 +135,9 @@ class AclPolicy:
     def acl_for(self, path: str) -> list[ACL]:
         if self.below_only:
             return list(self.installation_acl)
+        granted = self.grants_of(path)
+        if granted is not None:
+            return list(self.namespace_acl(granted))
         namespace, below = self.split(path)
         if namespace is None:
             return list(self.installation_acl)
@@ -142,6 +147,13 @@ class AclPolicy:
     def descendant_acl(self, namespace: str) -> list[ACL]:
         """The ACL of the znodes below `namespace`'s znode: what its sidecars must create with."""
         return widen(self.namespace_acl(namespace))
+
+    def grants_of(self, path: str) -> str | None:
+        """The namespace of a path at or under `{root}/grants/<ns>`; None for any other path."""
+        prefix = f"{self.root.rstrip('/')}/grants/"
+        if not path.startswith(prefix):
+            return None
+        return path[len(prefix):].partition("/")[0] or None
 
     def split(self, path: str) -> tuple[str | None, bool]:
         """(namespace, whether the path is below the namespace znode) for a path under

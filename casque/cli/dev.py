@@ -66,7 +66,8 @@ def up(
         "--tls-client-auth/--no-tls-client-auth",
         help="With --tls: both servers require a client certificate of the stack's CA (mutual TLS).")] = None,
     auth: Annotated[bool | None, typer.Option(
-        "--auth/--no-auth", help="Cassandra with PasswordAuthenticator (superuser cassandra/cassandra).")] = None,
+        "--auth/--no-auth", help="Cassandra with PasswordAuthenticator; clients log in as superuser `casque` "
+                             "with a random password (printed by `up`).")] = None,
     zookeeper_sasl: Annotated[bool | None, typer.Option(
         "--zookeeper-sasl/--no-zookeeper-sasl",
         help="ZooKeeper takes SASL DIGEST-MD5 logins of the installation user 'casque' (a JAAS file with "

@@ -10,12 +10,14 @@ datacenter is called datacenter1.
 
 With `pki` the CQL port speaks TLS only (client_encryption_options, PKCS12 stores), and with
 `require_client_auth` it refuses clients without a certificate the stack's CA signed. With
-`password_auth` it runs PasswordAuthenticator, whose superuser is cassandra/cassandra, and
-CassandraAuthorizer, so that grants are enforced (keyspace isolation).
+`password_auth` it runs PasswordAuthenticator, whose default superuser is cassandra/cassandra
+(the stack's own checks use it, and `ensure_login` makes the clients' superuser with a long
+random password), and CassandraAuthorizer, so that grants are enforced (keyspace isolation).
 """
 
 from __future__ import annotations
 
+import secrets
 import socket
 import subprocess
 import time
@@ -26,6 +28,7 @@ from typing import Any
 from casque.devstack import processes
 from casque.devstack.artifacts import CASSANDRA
 from casque.devstack.pki import LocalPki
+from casque.devstack.zookeeper import write_private
 from casque.errors import StackError
 
 # Java 17 module openings that Cassandra 5.0 needs (the same list its own launcher passes).
@@ -58,8 +61,27 @@ JAVA17_MODULE_FLAGS = [
 ]
 
 
-# PasswordAuthenticator's default superuser. For the local stack only.
+# PasswordAuthenticator's default superuser. For the local stack's own checks only: casque
+# refuses a password this short, so clients log in as INSTALLATION_USER (CassandraLogin).
 DEFAULT_SUPERUSER = ("cassandra", "cassandra")
+INSTALLATION_USER = "casque"
+
+
+@dataclass(frozen=True)
+class CassandraLogin:
+    """The installation's Cassandra login on a stack with `password_auth`: a superuser role of
+    its own whose password is made on first use and kept in `password_file` (mode 0600), so a
+    restarted stack keeps it."""
+
+    password_file: Path
+    username: str = INSTALLATION_USER
+
+    def ensure(self) -> None:
+        if not self.password_file.exists():
+            write_private(self.password_file, secrets.token_urlsafe(32) + "\n")
+
+    def password(self) -> str:
+        return self.password_file.read_text().strip()
 
 
 @dataclass(frozen=True)
@@ -234,6 +256,24 @@ paxos_variant: v2
             return False
         return self._query_alone("SELECT release_version FROM system.local") is not None
 
+    def ensure_login(self, login: CassandraLogin) -> None:
+        """Create `login`'s superuser role, or set its password again, as the default
+        superuser (the node must answer CQL: `wait_ready`)."""
+        from cassandra.cluster import Cluster
+
+        cluster = Cluster([self.address], port=self.native_port, connect_timeout=5, **self.client_options())
+        try:
+            session = cluster.connect()
+            password = login.password()
+            session.execute(f'CREATE ROLE IF NOT EXISTS "{login.username}" '
+                            "WITH SUPERUSER = true AND LOGIN = true AND PASSWORD = %s", (password,))
+            session.execute(f'ALTER ROLE "{login.username}" WITH PASSWORD = %s', (password,))
+        except Exception as error:
+            raise StackError(f"Cassandra {self.address}:{self.native_port} refused to create role "
+                             f"{login.username!r}: {error}") from error
+        finally:
+            cluster.shutdown()
+
     def driver_peers(self) -> set[str]:
         """The other nodes this node describes well enough for a driver to use them: a driver
         whose control connection lands here drops a peer whose row lacks its host id,
@@ -264,7 +304,7 @@ paxos_variant: v2
 
     def client_options(self) -> dict[str, Any]:
         """What a driver Cluster needs to reach this node: TLS with the stack's CA (and its
-        client certificate), the default superuser's credentials."""
+        client certificate), the default superuser's credentials (the stack's own checks)."""
         options: dict[str, Any] = {}
         if self.pki is not None:
             options["ssl_context"] = self.pki.client_context()

@@ -13,9 +13,10 @@ one keeps SimpleSnitch (and the single datacenter `datacenter1` that it names).
 A stack with `tls` makes a CA and certificates in `root/tls` (casque.devstack.pki) and
 serves CQL over TLS only, and ZooKeeper on a TLS port next to its plaintext one; with
 `client_auth` both require a client certificate of that CA. With `password_auth` Cassandra
-runs PasswordAuthenticator. With `zookeeper_sasl` ZooKeeper also takes SASL DIGEST-MD5
-logins of the installation user, whose password is made in `root` on first use
-(casque.devstack.zookeeper). `client_env` gives the CASQUE_* settings that reach the stack.
+runs PasswordAuthenticator, and clients log in as a superuser role `casque` whose random
+password is made in `root` on first use (the default superuser's is too short for casque).
+With `zookeeper_sasl` ZooKeeper also takes SASL DIGEST-MD5 logins of the installation user,
+whose password is made in `root` on first use (casque.devstack.zookeeper). `client_env` gives the CASQUE_* settings that reach the stack.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from casque.devstack import artifacts
-from casque.devstack.cassandra import DEFAULT_SUPERUSER, CassandraNode
+from casque.devstack.cassandra import CassandraLogin, CassandraNode
 from casque.devstack.pki import LocalPki
 from casque.devstack.zookeeper import SaslLogin, ZooKeeperEnsemble
 from casque.errors import StackError
@@ -113,13 +114,18 @@ class Stack:
         return SaslLogin(self.root / "zookeeper-sasl.password") if self.zookeeper_sasl else None
 
     @property
+    def cassandra_login(self) -> CassandraLogin | None:
+        """The installation's Cassandra login (None without `password_auth`)."""
+        return CassandraLogin(self.root / "cassandra-installation.password") if self.password_auth else None
+
+    @property
     def zookeeper_tls_hosts(self) -> str | None:
         """The connect string of ZooKeeper's TLS port (None without TLS)."""
         return self.zookeeper().members()[0].secure_connect_string
 
     def client_env(self) -> dict[str, str]:
         """The CASQUE_* settings of a client of this stack: TLS with the stack's CA (and
-        client certificate), the default superuser's credentials."""
+        client certificate), the installation's Cassandra login."""
         env = {
             "CASQUE_CASSANDRA_CONTACT_POINTS": ",".join(self.contact_points),
             "CASQUE_CASSANDRA_PORT": str(self.ports.native),
@@ -133,8 +139,10 @@ class Stack:
                 if self.client_auth:
                     env[f"CASQUE_{backend}_TLS_CERT_FILE"] = str(pki.client_crt)
                     env[f"CASQUE_{backend}_TLS_KEY_FILE"] = str(pki.client_key)
-        if self.password_auth:
-            env["CASQUE_CASSANDRA_USERNAME"], env["CASQUE_CASSANDRA_PASSWORD"] = DEFAULT_SUPERUSER
+        login = self.cassandra_login
+        if login is not None:
+            login.ensure()  # the password `up` gives the role, if `up` has not run yet
+            env["CASQUE_CASSANDRA_USERNAME"], env["CASQUE_CASSANDRA_PASSWORD"] = login.username, login.password()
         sasl = self.zookeeper_sasl_login
         if sasl is not None:
             env["CASQUE_ZOOKEEPER_SASL"] = "true"
@@ -245,6 +253,9 @@ class Stack:
         if sasl is not None:
             report(f"ZooKeeper SASL user {sasl.username!r}, its password in {sasl.password_file}")
             sasl.ensure()
+        login = self.cassandra_login
+        if login is not None:
+            login.ensure()
         try:
             self._start_all(report)
         except BaseException:
@@ -273,6 +284,10 @@ class Stack:
             node.wait_ready()
         if others:
             self._wait_ring_normal(seed)
+        login = self.cassandra_login
+        if login is not None:
+            report(f"Cassandra superuser {login.username!r}, its password in {login.password_file}")
+            seed.ensure_login(login)
 
     def _wait_ring_normal(self, seed: CassandraNode, timeout: float = 180.0) -> None:
         """A node answers CQL before the others see it as Up/Normal, and before every node

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError, RolledBackError
 
-from casque.engine import positions
+from casque.engine import grants, positions
 from casque.engine.delayed import Cursor
 from casque.errors import BackendUnavailable, InvalidChange, InvalidSpec, QueueNotFound, SubscriberNotFound
 from casque.schema import (
@@ -65,8 +65,9 @@ def ensure_namespace_role(store: Store, role: NamespaceRole) -> None:
     """The namespace's login role, with its current password, allowed to read and write
     its keyspace and nothing else (its keyspace must exist: `ensure_namespace_keyspace`).
 
-    The password is set on every call: it is derived from the installation's, which may
-    have been rotated since the role was made. Connections already open stay authenticated.
+    The password is set on every call: it is derived from the installation's derivation key,
+    which may have been rotated since the role was made; from then on Cassandra refuses the
+    old password. Connections already open stay authenticated.
     """
     for statement, values in namespace_role_cql(role.username, role.password, role.keyspace):
         store.session.execute(statement, values)
@@ -121,14 +122,17 @@ def read_offset(store: Store, paths: SubscriberPaths, shard: int) -> int:
     return decode_offset(data)[0]
 
 
-def read_queue(store: Store, queue: QueueRef) -> QueueState:
+def read_queue(store: Store, queue: QueueRef, granted: bool = True) -> QueueState:
+    """The queue's state. Checked against the queue's grant (casque.engine.grants) unless
+    `granted` is false, which only the installation's own repairs and reports ask for."""
     try:
         data, _ = store.zk.get(store.paths(queue).base)
     except NoNodeError as missing:
         raise QueueNotFound(f"queue {queue} does not exist") from missing
     if not data:  # created by a path of a child, or an apply that stopped half-way
         raise QueueNotFound(f"queue {queue} does not exist")
-    return QueueState.model_validate_json(data)
+    state = QueueState.model_validate_json(data)
+    return grants.check(store, queue, state) if granted else state
 
 
 def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
@@ -140,17 +144,30 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     changes = Changes()
     paths = store.paths(queue)
     try:
-        current: QueueState | None = read_queue(store, queue)
+        current: QueueState | None = read_queue(store, queue, granted=False)
     except QueueNotFound:
         current = None
-    if current is not None and spec.shards < current.spec.shards:
+    grant = grants.read(store, queue) if current is not None else None
+    # A spec beyond its grant was written by someone else than the installation (a namespace
+    # may write its spec znode): the grant, not that spec, is what the queue really has, so
+    # going back to it is a repair, not a removal of shards.
+    tampered = current is not None and grant is not None and bool(grants.excess(current.spec, grant))
+    had = grants.QueueGrant.of(current.spec) if current is not None and not tampered else grant
+    if had is not None and spec.shards < had.shards:
         raise InvalidChange(
-            f"queue {queue} has {current.spec.shards} shards; shards can be added, never removed"
+            f"queue {queue} has {had.shards} shards; shards can be added, never removed"
         )
-    if current is not None and spec.priorities < current.spec.priorities:
+    if had is not None and spec.priorities < had.priorities:
         raise InvalidChange(
-            f"queue {queue} has {current.spec.priorities} priority levels; levels can be added, never removed"
+            f"queue {queue} has {had.priorities} priority levels; levels can be added, never removed"
         )
+    wanted = grants.QueueGrant.of(spec)
+    # While the spec changes, engines reading it must accept the old and the new one: the
+    # grant widens before the spec is written and narrows to the new spec after. (Written
+    # only when it differs: most applies change nothing.)
+    widened = wanted if had is None else wanted.widest(had)
+    if widened != grant:
+        grants.write(store, queue, widened)
     if ensure_queue_table(store.session, keyspace, queue, spec.retention_seconds):
         changes.actions.append(
             f"table {queue.messages_table} {'created' if current is None else 'retention set'}"
@@ -161,7 +178,10 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
         changes.actions.append("queue znode created")
     elif current.spec != spec:
         store.zk.set(paths.base, current.model_copy(update={"spec": spec}).model_dump_json().encode())
-        changes.actions.append("queue spec updated")
+        changes.actions.append("queue spec restored (it was changed outside the operator)" if tampered
+                               else "queue spec updated")
+    if widened != wanted:
+        grants.write(store, queue, wanted)
     for shard in spec.log_shards():
         if _create_if_absent(store, paths.head(shard), b"0") and current is not None:
             changes.actions.append(f"shard {shard} added")
@@ -216,6 +236,7 @@ def delete_queue(store: Store, queue: QueueRef, policy: str) -> Changes:
         pass
     store.session.execute(drop_messages_table_ddl(store.keyspace_of(queue.namespace), queue))
     _delete_tree(store, base, f"queue {queue}")
+    grants.delete(store, queue)
     changes.actions.append(f"dropped table {queue.messages_table} and removed znodes")
     return changes
 

@@ -35,7 +35,7 @@ from kazoo.recipe.watchers import DataWatch
 from pydantic import ValidationError
 
 from casque.backends import zk
-from casque.engine import catalog, offsets
+from casque.engine import catalog, grants, offsets
 from casque.engine.acking import AckTaker, Source
 from casque.engine.acks import AckLog
 from casque.engine.batches import Log
@@ -55,6 +55,7 @@ from casque.errors import (
     BackendUnavailable,
     CasqueError,
     InvalidSpec,
+    QuotaExceeded,
     StaleReceipt,
     SubscriberNotFound,
 )
@@ -280,6 +281,26 @@ class Consumer:
             state = QueueState.model_validate_json(data)
         except ValidationError:
             return
+        if grants.excess(state.spec, grants.QueueGrant.of(self.queue_state.spec)):
+            # More shards, levels or retention than this consumer acts on: only within the
+            # queue's grant (a namespace may write its own spec znode), checked off the loop.
+            self.in_background(self._adopt_checked_queue_state())
+            return
+        self._adopt_queue_state(state)
+
+    async def _adopt_checked_queue_state(self) -> None:
+        try:
+            state = await asyncio.to_thread(catalog.read_queue, self.store, self.queue)
+        except QuotaExceeded as refused:
+            log.error("%s", refused)
+            return
+        except (CasqueError, *zk.RETRYABLE) as error:
+            # The next change of the spec reads it again; until then the consumer keeps what it had.
+            log.warning("queue %s changed, and reading it again failed: %s", self.queue, error)
+            return
+        self._adopt_queue_state(state)
+
+    def _adopt_queue_state(self, state: QueueState) -> None:
         self.queue_state = state
         if self._sharing is not None:
             self._sharing.set_shards(state.spec.log_shards())

@@ -45,10 +45,11 @@ from kazoo.client import KazooState
 from kazoo.exceptions import LockTimeout, NoNodeError
 
 from casque.backends import cql, zk
+from casque.engine import grants
 from casque.engine.clock import clock_of
 from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters
 from casque.engine.messages import OutgoingMessage
-from casque.errors import CasqueError, QueueNotFound
+from casque.errors import CasqueError, QueueNotFound, QuotaExceeded
 from casque.schema import DELAY_BUCKET_SECONDS, DELAYED_TABLE, QueueRef
 from casque.specs import QueueState
 from casque.store import Store
@@ -326,7 +327,16 @@ class DelayMover:
     async def _lead(self) -> None:
         if self._clock.error is None:
             await self._clock.sample()  # due times are never judged on this process's clock
-        state = await self._read_state()
+        # Checked against the queue's grant once, when it starts to lead: the passes below
+        # only compare incarnations, and a spec changed meanwhile takes effect at the next lead.
+        try:
+            state = await self._read_state(granted=True)
+        except QuotaExceeded as refused:
+            # Nothing is moved for a spec beyond its grant. Contend again after a pause, not
+            # at once: the operator's next reconcile restores the spec.
+            log.error("%s", refused)
+            await asyncio.sleep(ABSENT_QUEUE_RECHECK_SECONDS)
+            raise
         self.delayed = delayed = DelayedStore(
             self._store.for_namespace(self._queue.namespace), state.shared_key(self._queue), state.spec.retention_seconds
         )
@@ -386,14 +396,15 @@ class DelayMover:
             return True  # unknown: contending finds out, and reports it
         return True
 
-    async def _read_state(self) -> QueueState:
+    async def _read_state(self, granted: bool = False) -> QueueState:
         try:
             data, _ = await zk.call(self._store.zk.get_async, self._store.paths(self._queue).base)
         except NoNodeError:
             data = b""
         if not data:
             raise QueueNotFound(f"queue {self._queue} does not exist")
-        return QueueState.model_validate_json(data)
+        state = QueueState.model_validate_json(data)
+        return await asyncio.to_thread(grants.check, self._store, self._queue, state) if granted else state
 
     async def _read_cursor(self) -> Cursor:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import secrets
 import time
 import uuid
 from collections.abc import Iterator
@@ -64,7 +65,8 @@ def installation(secure_stack: Stack) -> Iterator[Settings]:
     assert hosts is not None
     keyspace = f"i{uuid.uuid4().hex[:12]}"
     with chroot_on(hosts, **secure_stack.zookeeper().client_options()) as chrooted:
-        settings = secure_settings(secure_stack, keyspace, chrooted, cassandra_isolation="keyspace")
+        settings = secure_settings(secure_stack, keyspace, chrooted, cassandra_isolation="keyspace",
+                                   cassandra_derivation_key=SecretStr(secrets.token_urlsafe(32)))
         yield settings
         admin = Store.open(settings)
         try:
@@ -108,8 +110,8 @@ def sidecar_settings(installation: Settings, namespace: str) -> Settings:
 
 
 def wait_until_login_refused(settings: Settings, namespace: str) -> None:
-    """Wait for a dropped role's login to be refused: Cassandra caches credentials for a
-    while (credentials_validity)."""
+    """Wait for a dropped role's (or an old password's) login to be refused: Cassandra caches
+    credentials for a while (credentials_validity)."""
     def refused_now() -> bool:
         try:
             Store.open(settings, namespace=namespace).close()
@@ -236,6 +238,43 @@ async def test_the_installation_still_sees_every_namespace_and_a_dropped_role_ca
     wait_until_login_refused(sidecar_settings(installation, A), A)
 
 
+def login_works(settings: Settings, namespace: str) -> bool:
+    try:
+        Store.open(settings, namespace=namespace).close()
+    except (AccessDenied, BackendUnavailable):
+        return False
+    return True
+
+
+async def test_a_new_derivation_key_resets_the_namespaces_password_and_the_old_one_is_refused(
+    operator: Store, installation: Settings
+) -> None:
+    """Rotating the derivation key: the operator, restarted with the new key, sets each
+    namespace role's new password on its next reconcile and writes the new Secret; from then
+    on Cassandra refuses the old password, and the new one works."""
+    old = sidecar_settings(installation, A)
+    assert login_works(old, A)
+    rotated = installation.model_copy(update={"cassandra_derivation_key": SecretStr(secrets.token_urlsafe(32))})
+    new = sidecar_settings(rotated, A)
+    assert new.cassandra_username == old.cassandra_username and new.keyspace == old.keyspace
+    assert new.cassandra_password != old.cassandra_password
+    assert not login_works(new, A)  # the role still has the old key's password
+
+    role = tenancy.cassandra_role(rotated, A)
+    assert role is not None
+    reconcile.prepare_namespace_cassandra(lambda: operator, A, role)  # the reconcile's step
+
+    wait_until_login_refused(old, A)
+    wait_for("the new password to be accepted", lambda: login_works(new, A))
+    sidecar = Store.open(new, namespace=A)
+    try:
+        assert await publish(sidecar, QueueRef(A, "orders"), 2)
+    finally:
+        sidecar.close()
+    # B's role is untouched until its own reconcile: rotation is per role, never a shared login.
+    assert login_works(sidecar_settings(installation, B), B)
+
+
 async def test_ids_published_through_the_installations_store_land_in_the_namespaces_keyspace(
     operator: Store,
 ) -> None:
@@ -258,6 +297,7 @@ async def test_ids_published_through_the_installations_store_land_in_the_namespa
 @pytest.fixture
 def operator_env(secure_stack: Stack, installation: Settings, kube_cluster: KubeCluster) -> dict[str, str]:
     """`casque operator run`'s environment: the installation's settings, as the chart gives them."""
+    assert installation.cassandra_derivation_key is not None
     return {
         **{k: v for k, v in os.environ.items() if not k.startswith("CASQUE_")},
         # The installation's ZooKeeper identity is the test's (none): not the stack's SASL login.
@@ -267,6 +307,7 @@ def operator_env(secure_stack: Stack, installation: Settings, kube_cluster: Kube
         "CASQUE_ZOOKEEPER_HOSTS": installation.zookeeper_hosts,
         "CASQUE_CONSISTENCY": "ONE",
         "CASQUE_CASSANDRA_ISOLATION": "keyspace",
+        "CASQUE_CASSANDRA_DERIVATION_KEY": installation.cassandra_derivation_key.get_secret_value(),
     }
 
 

@@ -11,6 +11,7 @@ only stored. Waits poll a condition with a bounded timeout; nothing is timed.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -210,7 +211,7 @@ NON_DEFAULT: dict[str, Any] = {
         "keyspace": "shop_queues",
         "consistency": "QUORUM",
         "replication": {"strategy": "SimpleStrategy", "factor": 1},
-        "auth": {"username": "casque", "password": "s3cret"},
+        "auth": {"username": "casque", "password": "s3cret-of-16-chars"},
         "tls": {"enabled": True, "secret": "cassandra-tls", "clientCertificate": True,
                 "serverHostname": "cassandra.shop.svc"},
     },
@@ -283,6 +284,9 @@ def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
         ({"cassandra": {"isolation": "row"}}, "isolation"),
         ({"cassandra": {"replication": {"datacenters": None}}}, "datacenters"),
         ({"cassandra": {"auth": {"username": "casque"}}}, "password"),
+        ({"cassandra": {"auth": {"username": "casque", "password": "cassandra"}}}, "password"),  # too short to resist guessing
+        ({"zookeeper": {"auth": {"username": "casque", "password": "z" * 31}}}, "password"),
+        ({"cassandra": {"derivationKey": {"existingSecret": "Not A Name"}}}, "existingSecret"),
         ({"zookeeper": {"connect": "zookeeper"}}, "connect"),
         ({"cassandra": {"tls": {"enabled": True, "clientCertificate": True}}}, "secret"),  # whose certificate?
         ({"zookeeper": {"tls": {"enabled": True, "verifyHostnames": False}}}, "verifyHostnames"),
@@ -318,6 +322,32 @@ def test_keyspace_isolation_needs_the_operators_cassandra_credentials_and_a_shor
                                                                          "auth": {"existingSecret": "c"}}}))
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["CASQUE_CASSANDRA_ISOLATION"] == "keyspace"
+
+
+def test_keyspace_isolation_derives_from_a_random_key_of_its_own_secret(tools: Tools) -> None:
+    values = {"cassandra": {"isolation": "keyspace", "auth": {"username": "casque", "password": "c" * 16}}}
+    keys = []
+    for _ in range(2):
+        documents = tools.render("casque", values, release="r")
+        secret = next(d for d in documents if d["kind"] == "Secret" and d["metadata"]["name"] == "r-casque-derivation-key")
+        key = base64.b64decode(secret["data"]["derivation-key"])
+        assert len(key) >= 32 and b"c" * 16 not in key
+        env = {e["name"]: e for e in operator_container(documents)["env"]}
+        assert env["CASQUE_CASSANDRA_DERIVATION_KEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": "r-casque-derivation-key", "key": "derivation-key"}
+        keys.append(key)
+    # Random, not a function of the values (no login password goes into it); `helm upgrade`
+    # keeps an installed one (lookup), which `helm template` cannot see.
+    assert keys[0] != keys[1]
+    own = tools.render("casque", {"cassandra": {**values["cassandra"], "derivationKey": {"existingSecret": "mine",
+                                                                                       "key": "k"}}}, release="r")
+    assert not [d for d in own if d["kind"] == "Secret" and d["metadata"]["name"] == "r-casque-derivation-key"]
+    env = {e["name"]: e for e in operator_container(own)["env"]}
+    assert env["CASQUE_CASSANDRA_DERIVATION_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "k"}
+    # Without isolation there is no key at all.
+    plain = tools.render("casque", {"cassandra": {"auth": {"username": "casque", "password": "c" * 16}}}, release="r")
+    assert "CASQUE_CASSANDRA_DERIVATION_KEY" not in {e["name"] for e in operator_container(plain)["env"]}
+    assert not [d for d in plain if d["metadata"]["name"] == "r-casque-derivation-key"]
 
 
 def test_the_charts_crds_are_the_crds_directory(tools: Tools, tmp_path: Path) -> None:
@@ -374,7 +404,7 @@ def test_an_install_tells_the_user_what_to_do_next(
     tools: Tools, kube_namespace: str, casque_crds: None  # noqa: F811
 ) -> None:
     """`helm install --dry-run=server`: the API server checks the release, Helm prints NOTES.txt."""
-    values = tools.values_file({"cassandra": {"auth": {"username": "casque", "password": "s3cret"}}})
+    values = tools.values_file({"cassandra": {"auth": {"username": "casque", "password": "s3cret-of-16-chars"}}})
     out = tools.run(
         tools.helm, "install", "shop", str(CHART), "--namespace", kube_namespace, "--dry-run=server",
         "--values", values,
@@ -673,11 +703,17 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
             assert not can("update", "leases.coordination.k8s.io/someone-elses")
             assert not can("delete", "queues.casque.io", served) and not can("create", "subscribers.casque.io", served)
             if values in (zookeeper_auth, isolation):  # each namespace's identities, Secrets the operator writes
-                for verb in ("get", "create", "patch", "delete"):
-                    assert can(verb, "secrets", served)
-                assert not can("list", "secrets", served)
+                for name in ("casque-zookeeper", "casque-cassandra-role"):
+                    for verb in ("get", "patch", "delete"):
+                        assert can(verb, f"secrets/{name}", served)
+                assert can("create", "secrets", served)  # names are the admission policy's to check
+                # ... and no other Secret: not read, changed or listed, here or anywhere.
+                for verb in ("get", "patch", "update", "delete"):
+                    assert not can(verb, "secrets/unrelated", served)
+                for verb in ("get", "list", "watch"):
+                    assert not can(verb, "secrets", served) and not can(verb, "secrets", "kube-system")
             else:
-                assert not can("get", "secrets")
+                assert not can("get", "secrets") and not can("create", "secrets")
             assert not can("create", "pods") and not can("list", "pods")
             assert not can("update", "customresourcedefinitions.apiextensions.k8s.io")
             assert not can("create", "mutatingwebhookconfigurations.admissionregistration.k8s.io")
@@ -685,6 +721,65 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
                 assert not can("list", "queues.casque.io", kube_namespace)
         finally:
             tools.run(*tools.kubectl, "delete", "--wait=false", "-f", "-", input=manifest)
+
+
+def test_the_operator_can_neither_read_nor_forge_a_secret_it_does_not_own(
+    tools: Tools, kube_client: client.ApiClient, kube_namespace: str, other_namespace: str,
+    casque_crds: None,  # noqa: F811
+) -> None:
+    """The operator's ServiceAccount, with namespace identities to write (cluster-wide), against
+    a real API server: an unrelated Secret in a namespace it serves cannot be read, and a
+    Secret of another name, or a service-account token Secret named like its own (which the
+    token controller would fill with another account's token), cannot be created."""
+    release = f"r{uuid.uuid4().hex[:6]}"
+    values = {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}}}
+    manifest = tools.template(kube_namespace, values, "--show-only", "templates/rbac.yaml", "--show-only",
+                              "templates/serviceaccount.yaml", release=release).stdout
+    account = f"system:serviceaccount:{kube_namespace}:{release}-casque"
+    core = client.CoreV1Api(kube_client)
+    core.create_namespaced_secret(other_namespace, {"metadata": {"name": "unrelated"}, "stringData": {"token": "x"}})
+    owned = {"app.kubernetes.io/managed-by": "casque-operator"}
+
+    def as_operator(*args: str, document: dict[str, Any] | None = None) -> subprocess.CompletedProcess[str]:
+        return tools.run(*tools.kubectl, *args, "-n", other_namespace, f"--as={account}", check=False,
+                         input=json.dumps(document) if document else None)
+
+    def secret(name: str, kind: str = "Opaque", labels: dict[str, str] = owned, **extra: Any) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Secret", "type": kind,
+                "metadata": {"name": name, "labels": labels, **extra}, "stringData": {"password": "p"}}
+
+    tools.run(*tools.kubectl, "apply", "-f", "-", input=manifest)
+    try:
+        read = as_operator("get", "secret", "unrelated", "-o", "json")
+        assert read.returncode != 0 and "forbidden" in read.stderr.lower(), read.stdout
+        assert "token" not in read.stdout
+        listed = as_operator("get", "secrets")
+        assert listed.returncode != 0 and "forbidden" in listed.stderr.lower()
+
+        # The policy takes effect once the API server has loaded it: until a forged create is
+        # refused, each one that got through is removed again.
+        def forged_refused() -> bool:
+            created = as_operator("create", "-f", "-", document=secret("forged"))
+            if created.returncode == 0:
+                core.delete_namespaced_secret("forged", other_namespace)
+                return False
+            assert "may only write its namespace Secrets" in created.stderr, created.stderr
+            return True
+
+        wait_for("the admission policy to refuse the operator's forged Secret", forged_refused)
+        token = secret("casque-zookeeper", "kubernetes.io/service-account-token",
+                       annotations={"kubernetes.io/service-account.name": "default"})
+        refused = as_operator("create", "-f", "-", document=token)
+        assert refused.returncode != 0 and "may only write its namespace Secrets" in refused.stderr
+        unlabelled = as_operator("create", "-f", "-", document=secret("casque-zookeeper", labels={}))
+        assert unlabelled.returncode != 0 and "may only write its namespace Secrets" in unlabelled.stderr
+        # What the operator does write still works: its own Secret, created, read and patched.
+        assert as_operator("create", "-f", "-", document=secret("casque-zookeeper")).returncode == 0
+        assert as_operator("get", "secret", "casque-zookeeper").returncode == 0
+        patched = as_operator("patch", "secret", "casque-zookeeper", "-p", '{"stringData": {"password": "q"}}')
+        assert patched.returncode == 0, patched.stderr
+    finally:
+        tools.run(*tools.kubectl, "delete", "--wait=false", "-f", "-", input=manifest)
 
 
 # --- the injection webhook, called by the API server -------------------------------------------

@@ -51,9 +51,11 @@ def secure_settings(stack: Stack, keyspace: str, zk_hosts: str, **changes: Any) 
     pki = stack.pki
     assert pki is not None
     files = {"enabled": True, "ca_file": pki.ca_crt, "cert_file": pki.client_crt, "key_file": pki.client_key}
+    cassandra_login = stack.cassandra_login
+    assert cassandra_login is not None
     settings = Settings(
         cassandra_contact_points=stack.contact_points, cassandra_port=stack.ports.native,
-        cassandra_username="cassandra", cassandra_password="cassandra",
+        cassandra_username=cassandra_login.username, cassandra_password=SecretStr(cassandra_login.password()),
         cassandra_tls=CassandraTlsSettings(**files), zookeeper_tls=ZooKeeperTlsSettings(**files),
         zookeeper_hosts=zk_hosts, keyspace=keyspace, consistency="ONE",
         # A refused handshake shows as a start that times out: not worth 10 s per test.
@@ -184,7 +186,7 @@ def test_tls_to_a_plaintext_port_is_refused_clearly(secure_stack: Stack, setting
 
 def test_a_wrong_password_is_refused(settings: Settings) -> None:
     error = refusal(settings.model_copy(update={"cassandra_password": SecretStr("not-the-password")}))
-    assert isinstance(error, AccessDenied) and "cassandra" in str(error), error
+    assert isinstance(error, AccessDenied) and f"refused user {settings.cassandra_username!r}" in str(error), error
     assert "not-the-password" not in str(error) and "not-the-password" not in repr(error.__cause__)
 
 

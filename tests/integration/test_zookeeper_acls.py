@@ -31,9 +31,11 @@ from casque.backends import zk
 from casque.backends.zkacl import Identity, format_acl, installation_policy, namespace_identity
 from casque.config import Settings
 from casque.engine import catalog
-from casque.errors import AccessDenied
+from casque.engine.consumer import Consumer
+from casque.engine.grants import QueueGrant
+from casque.errors import AccessDenied, QuotaExceeded
 from casque.schema import QueueRef
-from casque.specs import QueueSpec, SubscriberSpec
+from casque.specs import QueueSpec, QueueState, SubscriberSpec
 from casque.store import Store
 from casque_client import AsyncClient
 from tests.fixtures.sidecars import SidecarProcess
@@ -146,6 +148,48 @@ def test_a_namespace_identity_reaches_its_own_namespace_only(
     catalog.apply_queue(operator_store, B, QueueSpec(shards=3, retention_seconds=3600, consistency="ONE"))
     assert operator_store.zk.get(other.offset(2))[0] == b"1"  # added by the operator under B's ACLs
     assert catalog.delete_subscriber(operator_store, A, "billing").changed  # members of A's sidecars included
+
+
+async def test_a_namespace_that_rewrites_its_queue_spec_is_fenced_until_the_operator_restores_it(
+    operator_store: Store, zk_hosts: str, clients: list[KazooClient]
+) -> None:
+    """A namespace's identity may write its own spec znode (its sidecars write below it), so
+    it can rewrite its queue to 256 shards and 10 priority levels; the quota holds anyway:
+    the engine acts on no spec beyond the queue's grant, which the namespace cannot write,
+    and the operator's next apply restores the spec (no InvalidChange for "removing" shards)."""
+    approved = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    tenant = connect_as(zk_hosts, A.namespace, clients)
+    tenant_store = Store(operator_store.session, tenant, operator_store.keyspace, ROOT, REPLICATION)
+    assert catalog.read_queue(tenant_store, A).spec.shards == 2
+    paths = operator_store.paths(A)
+
+    state = QueueState.model_validate_json(tenant.get(paths.base)[0])
+    grown = state.model_copy(update={"spec": state.spec.model_copy(update={"shards": 256, "priorities": 10})})
+    tenant.set(paths.base, grown.model_dump_json().encode())  # the attack: allowed by the ACLs
+    tenant.create(paths.head(9255), b"0", makepath=True)
+    # The grant is outside the namespace's subtree: it reads it, never writes or replaces it.
+    assert QueueGrant.model_validate_json(tenant.get(paths.grant)[0]).shards == 2
+    forged = QueueGrant(shards=256, priorities=10, retention_seconds=3600).model_dump_json().encode()
+    for refused in (lambda: tenant.set(paths.grant, forged), lambda: tenant.delete(paths.grant),
+                    lambda: tenant.create(f"{ROOT}/grants/{A.namespace}/other", forged)):
+        with pytest.raises(NoAuthError):
+            refused()
+
+    # The engine refuses the spec, whoever reads it: the namespace's sidecar, or the operator.
+    for reader in (tenant_store, operator_store):
+        with pytest.raises(QuotaExceeded, match=r"256 shards \(granted 2\).*10 priority levels \(granted 1\)"):
+            catalog.read_queue(reader, A)
+    with pytest.raises(QuotaExceeded):
+        await Consumer(tenant_store, A, "billing").start()
+
+    # The operator's next apply puts the approved spec back, and the queue serves again.
+    changes = catalog.apply_queue(operator_store, A, approved)
+    assert "queue spec restored (it was changed outside the operator)" in changes.actions
+    assert catalog.read_queue(tenant_store, A).spec == approved
+    # Growth the installation applies is granted with it.
+    catalog.apply_queue(operator_store, A, approved.model_copy(update={"shards": 3}))
+    assert catalog.read_queue(tenant_store, A).spec.shards == 3
+    assert QueueGrant.model_validate_json(tenant.get(paths.grant)[0]).shards == 3
 
 
 def test_a_sidecar_given_another_namespaces_credentials_is_refused_clearly(

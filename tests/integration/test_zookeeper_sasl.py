@@ -66,9 +66,11 @@ def settings(secure_stack: Stack, zk_hosts: str, login: Identity) -> Iterator[Se
     assert pki is not None
     files = {"enabled": True, "ca_file": pki.ca_crt, "cert_file": pki.client_crt, "key_file": pki.client_key}
     keyspace = f"t_{uuid.uuid4().hex[:16]}"
+    cassandra_login = secure_stack.cassandra_login
+    assert cassandra_login is not None
     operator = Settings(
         cassandra_contact_points=secure_stack.contact_points, cassandra_port=secure_stack.ports.native,
-        cassandra_username="cassandra", cassandra_password="cassandra",
+        cassandra_username=cassandra_login.username, cassandra_password=SecretStr(cassandra_login.password()),
         cassandra_tls=CassandraTlsSettings(**files), zookeeper_tls=ZooKeeperTlsSettings(**files),
         zookeeper_hosts=zk_hosts, zookeeper_root=ROOT, keyspace=keyspace, consistency="ONE",
         zookeeper_username=login.username, zookeeper_password=SecretStr(login.password), zookeeper_sasl=True,

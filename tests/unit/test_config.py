@@ -41,3 +41,26 @@ def test_tls_files_without_tls_or_a_certificate_without_its_key_are_refused(monk
     monkeypatch.setenv("CASQUE_ZOOKEEPER_TLS_CERT_FILE", "/client.crt")
     with pytest.raises(ValueError, match="CASQUE_ZOOKEEPER_TLS_KEY_FILE"):
         Settings()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "error"),
+    [
+        ("CASQUE_CASSANDRA_PASSWORD", "cassandra", "CASQUE_CASSANDRA_PASSWORD must be at least 16 characters"),
+        ("CASQUE_ZOOKEEPER_PASSWORD", "z" * 31, "CASQUE_ZOOKEEPER_PASSWORD must be at least 32 characters"),
+        ("CASQUE_CASSANDRA_DERIVATION_KEY", "k" * 31, "CASQUE_CASSANDRA_DERIVATION_KEY must be at least 32 bytes"),
+    ],
+)
+def test_every_configured_secret_has_a_minimum_length(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, error: str
+) -> None:
+    """Refused when the process starts, naming the variable, and never echoing the value."""
+    monkeypatch.setenv("CASQUE_CASSANDRA_USERNAME", "casque")
+    monkeypatch.setenv("CASQUE_ZOOKEEPER_USERNAME", "casque")
+    monkeypatch.setenv("CASQUE_CASSANDRA_PASSWORD", "c" * 16)
+    monkeypatch.setenv("CASQUE_ZOOKEEPER_PASSWORD", "z" * 32)
+    Settings()  # long enough, all of them
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=error) as refused:
+        Settings()
+    assert value not in str(refused.value).replace(variable, "")

@@ -11,6 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from casque.cli.main import app
+from casque.config import MIN_CASSANDRA_PASSWORD
 from casque.devstack.stack import Stack, StackPorts
 from casque.devstack.zookeeper import ZooKeeperEnsemble
 from casque.errors import StackError
@@ -72,7 +73,11 @@ def test_the_stack_records_its_security_and_its_clients_settings(stack: Stack) -
     env = stack.client_env()
     assert env["CASQUE_ZOOKEEPER_HOSTS"] == "127.0.0.1:12281"
     assert env["CASQUE_CASSANDRA_TLS_CERT_FILE"] == env["CASQUE_ZOOKEEPER_TLS_CERT_FILE"]
-    assert env["CASQUE_CASSANDRA_USERNAME"] == "cassandra"
+    # Not the default superuser, whose password is too short for casque: a role of the stack's
+    # own with a random password, kept for the stack's life.
+    assert env["CASQUE_CASSANDRA_USERNAME"] == "casque"
+    assert len(env["CASQUE_CASSANDRA_PASSWORD"]) >= MIN_CASSANDRA_PASSWORD
+    assert stack.client_env()["CASQUE_CASSANDRA_PASSWORD"] == env["CASQUE_CASSANDRA_PASSWORD"]
     plain = Stack(stack.root / "plain")
     assert not any("TLS" in name or "USERNAME" in name for name in plain.client_env())
 

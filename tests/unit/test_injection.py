@@ -373,8 +373,8 @@ def test_a_volume_named_like_the_sidecars_is_refused() -> None:
 
 def test_with_keyspace_isolation_the_sidecar_gets_its_namespaces_keyspace_and_role_only() -> None:
     installation_password = "c" * 40
-    backends = Settings(cassandra_isolation="keyspace", cassandra_username="casque",
-                        cassandra_password=installation_password, keyspace="casque")  # type: ignore[arg-type]
+    backends = Settings(cassandra_isolation="keyspace", cassandra_username="casque", keyspace="casque",
+                        cassandra_password=installation_password, cassandra_derivation_key="k" * 40)  # type: ignore[arg-type]
     shared = InjectionSettings(credentials_secret="cassandra-shared")
     answer = review(admission(pod(ORDERS)), shared, backends)["response"]
     patched = apply_patch(pod(ORDERS), json.loads(base64.b64decode(answer["patch"])))
@@ -385,6 +385,7 @@ def test_with_keyspace_isolation_the_sidecar_gets_its_namespaces_keyspace_and_ro
     # Neither the installation's password nor the shared Secret, nor the setting itself:
     # the sidecar knows one keyspace.
     assert installation_password not in json.dumps(patched) and "cassandra-shared" not in json.dumps(patched)
+    assert "k" * 40 not in json.dumps(patched)
     assert "CASQUE_CASSANDRA_ISOLATION" not in env
     # Without isolation, the installation's keyspace and the shared Secret, as before.
     plain = env_of(container(injected(pod(ORDERS), shared), injection.SIDECAR_NAME))
@@ -394,7 +395,7 @@ def test_with_keyspace_isolation_the_sidecar_gets_its_namespaces_keyspace_and_ro
 
 def test_with_keyspace_isolation_a_pod_of_no_known_namespace_is_refused() -> None:
     backends = Settings(cassandra_isolation="keyspace", cassandra_username="casque",
-                        cassandra_password="c" * 40)  # type: ignore[arg-type]
+                        cassandra_password="c" * 40, cassandra_derivation_key="k" * 40)  # type: ignore[arg-type]
     with pytest.raises(InvalidInjection, match="namespace is unknown"):
         plan(pod(ORDERS), InjectionSettings(), backends)
 

@@ -169,11 +169,11 @@ def test_session_settings_with_tls_make_java_stores_of_the_pem_files(tmp_path: P
     ca, ca_key = make_ca(tmp_path)
     crt, key = issue_cert(tmp_path, ca, ca_key, "client", client=True)
     tls = CassandraTlsSettings(enabled=True, ca_file=ca, cert_file=crt, key_file=key)
-    conf = spark_conf(Settings(cassandra_tls=tls, cassandra_username="app", cassandra_password="pw"),  # type: ignore[arg-type]
+    conf = spark_conf(Settings(cassandra_tls=tls, cassandra_username="app", cassandra_password="pw-of-16-chars-at-least"),  # type: ignore[arg-type]
                       SparkOptions(connector="packages"))
     prefix = "spark.cassandra.connection.ssl."
     assert conf[f"{prefix}enabled"] == "true" and conf[f"{prefix}clientAuth.enabled"] == "true"
-    assert conf["spark.cassandra.auth.password"] == "pw"
+    assert conf["spark.cassandra.auth.password"] == "pw-of-16-chars-at-least"
     for store, holds in (("trustStore", "trustedCertEntry"), ("keyStore", "PrivateKeyEntry")):
         assert conf[f"{prefix}{store}.type"] == "PKCS12"
         listing = subprocess.run(["keytool", "-list", "-keystore", conf[f"{prefix}{store}.path"],

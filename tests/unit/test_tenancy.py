@@ -4,6 +4,8 @@ role names, and quotas."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import re
 from typing import Any, cast
 
@@ -18,9 +20,10 @@ from casque.operator.tenancy import cassandra_secret, zookeeper_secret
 from casque.schema import NAME_PATTERN, QueueRef
 from casque.specs import QueueSpec
 from casque.store import Store
-from casque.tenancy import MAX_KEYSPACE_LENGTH, namespace_keyspace, namespace_role
+from casque.tenancy import DERIVATION_CONTEXT, MAX_KEYSPACE_LENGTH, namespace_keyspace, namespace_role
 
 PASSWORD = "i" * 40
+KEY = "k" * 40
 
 
 def spec(shards: int = 1, priorities: int = 1, retention: int = 3600) -> QueueSpec:
@@ -71,32 +74,67 @@ def test_a_namespace_keyspace_refuses_what_cassandra_could_not_name() -> None:
         namespace_keyspace("casque", "Shop_1")
     with pytest.raises(ValueError, match="at most 24"):
         Settings(cassandra_isolation="keyspace", keyspace="k" * 25, cassandra_username="casque",
-                 cassandra_password=SecretStr("p" * 40))
+                 cassandra_password=SecretStr("p" * 40), cassandra_derivation_key=SecretStr(KEY))
     with pytest.raises(ValueError, match="needs CASQUE_CASSANDRA_USERNAME and _PASSWORD"):
         Settings(cassandra_isolation="keyspace")
 
 
-def test_a_namespaces_role_password_is_derived_from_the_installations_and_differs_per_namespace() -> None:
-    shop = namespace_role("casque", PASSWORD, "shop")
-    assert shop == namespace_role("casque", PASSWORD, "shop")  # the operator recomputes it
+def isolated(password: str = PASSWORD, key: str = KEY) -> Settings:
+    return Settings(cassandra_isolation="keyspace", cassandra_username="cassandra",
+                    cassandra_password=SecretStr(password), cassandra_derivation_key=SecretStr(key))
+
+
+def test_isolation_refuses_to_start_without_a_long_derivation_key() -> None:
+    with pytest.raises(ValueError, match="needs CASQUE_CASSANDRA_DERIVATION_KEY, a random key of at least 32 bytes"):
+        Settings(cassandra_isolation="keyspace", cassandra_username="casque", cassandra_password=SecretStr(PASSWORD))
+    with pytest.raises(ValueError, match="CASQUE_CASSANDRA_DERIVATION_KEY must be at least 32 bytes"):
+        isolated(key="k" * 31)
+    with pytest.raises(InvalidSpec, match="at least 32 bytes"):
+        namespace_role("casque", "k" * 31, "shop")
+    assert isolated(key="k" * 32).cassandra_derivation_key is not None
+
+
+def test_a_namespaces_role_password_is_derived_from_the_key_and_differs_per_namespace() -> None:
+    shop = namespace_role("casque", KEY, "shop")
+    assert shop == namespace_role("casque", KEY, "shop")  # the operator recomputes it
     assert shop.username == shop.keyspace == "casque_shop"
-    assert shop.password != namespace_role("casque", PASSWORD, "shoe").password
-    assert shop.password != namespace_role("casque", "j" * 40, "shop").password  # rotates with the installation's
-    assert len(shop.password) >= 40 and PASSWORD not in shop.password
+    assert shop.password != namespace_role("casque", KEY, "shoe").password
+    assert shop.password != namespace_role("casque", "j" * 40, "shop").password  # rotates with the key
+    assert len(shop.password) >= 40 and KEY not in shop.password
     assert shop.password not in repr(shop)
+
+
+def test_a_namespaces_secret_says_nothing_of_the_installations_login_password() -> None:
+    """The guessed-derivation attack: a namespace holds its role's password and knows its own
+    name and the derivation scheme. Were the password an HMAC keyed with the installation's
+    login password, trying candidate login passwords offline would confirm the right one
+    (`cassandra` fell in 6 guesses). It is keyed with the derivation key instead, so no
+    candidate login password reproduces it, the right one included, and the login password
+    is no input at all: changing it leaves every namespace's password as it was."""
+    def secret_password(settings: Settings) -> str:
+        secret = cassandra_secret(settings, "shop")
+        assert secret is not None
+        return base64.b64decode(secret["data"]["password"]).decode()
+
+    login = "cassandra-installation-login"
+    stolen = secret_password(isolated(password=login))
+    for guess in ["cassandra", "casque", "password", login]:
+        digest = hmac.new(guess.encode(), DERIVATION_CONTEXT + b"shop", hashlib.sha256).digest()
+        assert base64.urlsafe_b64encode(digest).decode().rstrip("=") != stolen, guess
+    assert secret_password(isolated(password="another-login-password")) == stolen
+    assert secret_password(isolated(password=login, key="r" * 40)) != stolen
+    assert login not in stolen and KEY not in stolen
 
 
 def test_the_cassandra_secret_holds_the_namespaces_role_and_keyspace_never_the_installations() -> None:
     assert cassandra_secret(Settings(), "shop") is None
-    settings = Settings(cassandra_isolation="keyspace", cassandra_username="cassandra",
-                        cassandra_password=SecretStr(PASSWORD))
-    secret = cassandra_secret(settings, "shop")
+    secret = cassandra_secret(isolated(), "shop")
     assert secret is not None and secret["metadata"] == {
         "name": "casque-cassandra-role", "namespace": "shop", "labels": {"app.kubernetes.io/managed-by": "casque-operator"}}
     data = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
-    role = namespace_role("casque", PASSWORD, "shop")
+    role = namespace_role("casque", KEY, "shop")
     assert data == {"username": role.username, "password": role.password, "keyspace": role.keyspace}
-    assert PASSWORD not in str(secret)
+    assert PASSWORD not in str(secret) and KEY not in str(secret)
 
 
 def test_queue_count_limit_counts_new_queues_only() -> None:

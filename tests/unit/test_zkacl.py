@@ -35,6 +35,18 @@ def test_each_path_gets_the_acl_of_its_level() -> None:
     assert policy.descendant_acl("shop") == [admin, ACL(NAMESPACE_PERMS, shop)]
 
 
+def test_a_namespace_reads_its_queues_grants_and_never_writes_them() -> None:
+    """Grants (casque.engine.grants) bound what the engine acts on: outside the namespace's
+    subtree, where the namespace has no create or delete on the parent either."""
+    policy = installation_policy("/casque", [OWNER])
+    shop = namespace_identity(OWNER, "shop").acl_id
+    admin = ACL(Permissions.ALL, OWNER.acl_id)
+    assert policy.acl_for("/casque/grants") == [admin]
+    for path in ("/casque/grants/shop", "/casque/grants/shop/orders"):
+        assert policy.acl_for(path) == [admin, ACL(Permissions.READ, shop)]
+    assert policy.acl_for("/casque/grantsx/shop") == [admin]
+
+
 def test_during_a_rotation_both_passwords_identities_are_in_every_acl() -> None:
     acl = installation_policy("/casque", [OWNER, PREVIOUS]).acl_for("/casque/queues/shop/orders")
     ids = {entry.id for entry in acl}

@@ -86,6 +86,29 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/* The Secret holding the Cassandra derivation key (keyspace isolation only). */}}
+{{- define "casque.derivationKeySecret" -}}
+{{- if eq .Values.cassandra.isolation "keyspace" -}}
+{{- default (printf "%s-derivation-key" (include "casque.fullname" .)) .Values.cassandra.derivationKey.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The chart's derivation key, base64: the existing Secret's, so an upgrade keeps it, else
+     48 random characters (crypto/rand), made once per render and remembered in .Values so
+     that the Secret and the operator's checksum annotation name the same key. */}}
+{{- define "casque.derivationKeyData" -}}
+{{- $memo := .Values.cassandra.derivationKey -}}
+{{- if not (hasKey $memo "_rendered") -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "casque.derivationKeySecret" .) -}}
+{{- $data := "" -}}
+{{- if $existing -}}
+{{- $data = index ($existing.data | default dict) $memo.key | default "" -}}
+{{- end -}}
+{{- $_ := set $memo "_rendered" ($data | default (randAlphaNum 48 | b64enc)) -}}
+{{- end -}}
+{{- get $memo "_rendered" -}}
+{{- end -}}
+
 {{- define "casque.webhookService" -}}
 {{- printf "%s-webhook" (include "casque.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -112,13 +135,29 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
-{{- if or (include "casque.zookeeperSecret" .) (eq .Values.cassandra.isolation "keyspace") }}
+{{- if include "casque.writesSecrets" . }}
 # Each namespace's ZooKeeper identity and Cassandra role, written with its first Queue,
-# deleted after its last.
+# deleted after its last: those two Secrets by name, no other, and no list or watch. A
+# create cannot be limited to names in RBAC: the chart's ValidatingAdmissionPolicy
+# (rbac.yaml) refuses the operator's create of any other Secret.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create, patch, delete]
+  resourceNames: [{{ include "casque.namespaceSecrets" . }}]
+  verbs: [get, patch, delete]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
 {{- end }}
+{{- end -}}
+
+{{/* Non-empty when the operator writes Secrets into the namespaces it serves. */}}
+{{- define "casque.writesSecrets" -}}
+{{- if or (include "casque.zookeeperSecret" .) (eq .Values.cassandra.isolation "keyspace") }}true{{ end }}
+{{- end -}}
+
+{{/* The names of the Secrets the operator writes in a namespace (operator/tenancy.py). */}}
+{{- define "casque.namespaceSecrets" -}}
+casque-zookeeper, casque-cassandra-role
 {{- end -}}
 
 {{/*
