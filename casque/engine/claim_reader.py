@@ -190,6 +190,8 @@ class ClaimReader:
     # --- claim upkeep ---------------------------------------------------------------------------
     def in_use(self, now: float) -> bool:
         """Worth renewing: messages in flight, or ready ones and an app that asks for them."""
+        # (The renewal loop expired what ran out first: an app that stopped asking for
+        # messages holds nothing in flight once their visibility ends.)
         if self.state.in_flight:
             return True
         return self.state.loaded_messages > 0 and now - self.sharing.last_demand < DEMAND_SECONDS

@@ -385,6 +385,11 @@ class ShardState:
     def heap_entries(self) -> int:
         return len(self._ready) + len(self._delayed) + len(self._deadlines)
 
+    def expire(self, now: float) -> None:
+        """Make visible again what is due by `now`: deliveries whose visibility ended and nacked
+        messages whose delay ran out (taking messages does this too, but an app may stop asking)."""
+        self._release_due(now)
+
     def has_ready(self, now: float) -> bool:
         self._release_due(now)
         while self._ready:

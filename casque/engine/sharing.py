@@ -447,6 +447,7 @@ class SharedDelivery:
             visibility = self.consumer.visibility_timeout
             for reader in self.sources():
                 remaining = reader.record.until_ms / 1000 - wall
+                reader.state.expire(now)  # what is in flight is judged below: not what ran out
                 if self.stepped_back and not reader.complete:
                     if not reader.state.in_flight:
                         await reader.release()
