@@ -10,6 +10,7 @@ delivered again after an ack answered `acked`, and no ack of a superseded delive
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -19,6 +20,7 @@ from casque.engine import catalog
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from casque_client import AsyncClient
 from tests.fixtures.group import Group, load_until_holding
 from tests.fixtures.history import check
 from tests.fixtures.sidecars import StartSidecar
@@ -132,3 +134,26 @@ async def test_switching_a_live_group_from_leased_to_shared_delivery_loses_nothi
     assert not await asyncio.to_thread(group.lease_holders), "a member still holds a shard lease"
     verdict = check(group.history)
     assert verdict.ok, str(verdict)
+
+
+async def test_a_member_whose_app_stops_asking_lets_its_range_go_once_the_visibility_ends(
+    store: Store, start_sidecar: StartSidecar
+) -> None:
+    """An app that receives and then goes away, its sidecar still running: once its
+    deliveries' visibility ends, its member lets the range go to members whose apps ask.
+    Visibility used to end only when the member took messages, so that range stayed in
+    flight and its claim was renewed for good."""
+    create(store, shards=1)
+    left = await asyncio.to_thread(start_sidecar, "--queue", QUEUE.name, "--subscriber", SUBSCRIBER)
+    working = await asyncio.to_thread(start_sidecar, "--queue", QUEUE.name, "--subscriber", SUBSCRIBER)
+    async with AsyncClient(left.url, queue=QUEUE.name, subscriber=SUBSCRIBER) as gone, \
+            AsyncClient(working.url, queue=QUEUE.name, subscriber=SUBSCRIBER) as worker:
+        published = {r.message_id for r in await gone.publish_batch([{"data": i} for i in range(20)])}
+        assert await gone.receive(max=10, wait=10), "the member whose app leaves received nothing"
+        acked: set[str] = set()
+        deadline = time.monotonic() + 120
+        while acked != published:
+            assert time.monotonic() < deadline, f"{len(published - acked)} messages stranded at a member nobody asks"
+            for message in await worker.receive(max=20, wait=1):
+                if await worker.ack(message.receipt) in ("acked", "already_acked"):
+                    acked.add(message.message_id)
