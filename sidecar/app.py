@@ -109,12 +109,18 @@ def service_of(app: web.Application) -> QueueService:
 def _backends_context(lent: Store | None) -> Callable[[web.Application], AsyncIterator[None]]:
     async def context(app: web.Application) -> AsyncIterator[None]:
         runtime = app[RUNTIME]
-        connecting = asyncio.get_running_loop().create_task(_connect(app, lent))
+        if lent is not None:
+            # Connected already: the service is up (its clock read) before the first request.
+            await _connect(app, lent)
+            connecting = None
+        else:
+            connecting = asyncio.get_running_loop().create_task(_connect(app, lent))
         try:
             yield
         finally:
-            connecting.cancel()
-            await asyncio.gather(connecting, return_exceptions=True)
+            if connecting is not None:
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
             if runtime.service is not None:
                 await runtime.service.drain()
             if runtime.store is not None and lent is None:
