@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from casque.engine import catalog, delayed
+from casque.engine.clock import clock_of
 from casque.engine.consumer import Consumer
 from casque.engine.delayed import PASS_SECONDS, DelayMover
 from casque.engine.messages import OutgoingMessage
@@ -65,6 +66,10 @@ async def test_delayed_messages_arrive_not_before_their_time(store: Store, runni
     await consumer.start()
     running.append(consumer)
 
+    # The mover judges due times on Cassandra's clock (casque.engine.clock): arrivals are read
+    # on the same one, sampled now so that no later sample moves it by its error in between.
+    clock = clock_of(store.session)
+    await clock.sample()
     due = {f"d{i}": datetime.now(timezone.utc) + timedelta(seconds=3 + i) for i in range(3)}
     results = await publisher.publish([OutgoingMessage(name.encode(), deliver_at=at) for name, at in due.items()])
     assert all(r.deliver_at is not None and r.batch == -1 for r in results)
@@ -79,7 +84,7 @@ async def test_delayed_messages_arrive_not_before_their_time(store: Store, runni
     while len(arrived) < 4:
         assert time.monotonic() < deadline
         for d in await consumer.receive(max_messages=10, wait=2):
-            arrived[d.message.payload.decode()] = datetime.now(timezone.utc)
+            arrived[d.message.payload.decode()] = clock.now()
             await consumer.ack(d.receipt)
     for name, at in due.items():
         assert arrived[name] >= at, f"{name} arrived early"
@@ -178,7 +183,11 @@ async def test_the_queues_default_delay_holds_back_messages_that_name_no_time(
     await consumer.start()
     running.append(consumer)
 
-    before = datetime.now(timezone.utc)
+    # Due times are on Cassandra's clock (casque.engine.clock): the test reads the same one,
+    # sampled now so that no later sample moves it by its error in between.
+    clock = clock_of(store.session)
+    await clock.sample()
+    before = clock.now()
     (held,) = await publisher.publish([OutgoingMessage(b"held")])
     assert held.batch == -1 and held.deliver_at is not None
     assert held.deliver_at >= before + timedelta(seconds=3)
@@ -191,7 +200,7 @@ async def test_the_queues_default_delay_holds_back_messages_that_name_no_time(
     while len(arrived) < 2:
         assert time.monotonic() < deadline, f"only {sorted(arrived)} arrived"
         for d in await consumer.receive(max_messages=10, wait=2):
-            arrived[d.message.payload] = datetime.now(timezone.utc)
+            arrived[d.message.payload] = clock.now()
             await consumer.ack(d.receipt)
     assert arrived[b"held"] >= held.deliver_at, "the default delay was not kept"
 
