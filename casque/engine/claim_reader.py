@@ -164,15 +164,7 @@ class ClaimReader:
             keys &= self.record.keys  # only ever shrinks: another write may have come first
             if self._dropped or self._released or keys == self.record.keys:
                 return False
-            updated = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
-                                           self.record.member, self.record.until_ms, keys)
-            self.sharing.zk_writes += 1
-            if updated is None:
-                self.drop("taken over by another member")
-                return False
-            self.record = updated
-            self._mine.add(updated.version)
-            return True
+            return await self._rewrite(self.record.until_ms, keys)
 
     @property
     def complete(self) -> bool:
@@ -210,15 +202,20 @@ class ClaimReader:
         async with self._zk:
             if self.record.until_ms >= until_ms:
                 return True
-            renewed = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
-                                           self.record.member, until_ms)
-            self.sharing.zk_writes += 1
-            if renewed is None:
-                self.drop("taken over by another member")
-                return False
-            self.record = renewed
-            self._mine.add(renewed.version)
-            return True
+            return await self._rewrite(until_ms)
+
+    async def _rewrite(self, until_ms: int, keys: frozenset[int] | None = None) -> bool:
+        """Rewrite our claim record (under `self._zk`); False, and the range dropped, if another
+        member took it over."""
+        updated = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
+                                       self.record.member, until_ms, keys)
+        self.sharing.zk_writes += 1
+        if updated is None:
+            self.drop("taken over by another member")
+            return False
+        self.record = updated
+        self._mine.add(updated.version)
+        return True
 
     async def release(self) -> None:
         """Give the range up at once (the member stops or no longer uses it): others take it now."""
