@@ -31,7 +31,7 @@ from casque.engine.claim_reader import ClaimReader
 from casque.engine.member import Member
 from casque.engine.messages import Position
 from casque.engine.shard_reader import ShardReader
-from casque.engine.shard_state import AckStart
+from casque.engine.entries import AckStart
 from casque.errors import BackendUnavailable, CasqueError, LeaseLost, StaleReceipt
 
 # Where a delivery comes from: a leased shard's reader, or a claimed range (shared delivery).

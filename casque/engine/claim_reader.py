@@ -18,19 +18,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from kazoo.client import KazooClient
 
+from casque.backends import zk
 from casque.engine import claims
+from casque.engine.acks import BatchMarks
+from casque.engine.batches import Batch
 from casque.engine.claims import ClaimRecord, Completion
 from casque.engine.clock import BackendClock
+from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.keylocks import KeyLocks, key_hash
 from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member
 from casque.engine.shard_state import ShardState
 from casque.errors import BackendUnavailable, CasqueError
-from casque.znodes import SubscriberPaths
+from casque.schema import bucket_of
+from casque.znodes import SubscriberPaths, decode_offset
 
 log = logging.getLogger(__name__)
 
@@ -272,3 +277,30 @@ class ClaimReader:
                 return
         finally:
             self._completing = None
+
+
+async def load_claim_reader(keeper: RangeKeeper, record: ClaimRecord, batches: list[Batch],
+                            alongside: Awaitable[object]) -> ClaimReader:
+    """A reader of the range, loaded with its batches and what the ack rows say is done.
+    `alongside` is awaited with the reads (they are all on the way from publish to delivery)."""
+    reader = ClaimReader(keeper, record)
+    member = keeper.consumer
+    # Batches below the offset are done. Only leased delivery, before a switch to sharing,
+    # can have moved the offset past the cursor (with no ack rows for whole batches).
+    marks, (data, _), _ = await asyncio.gather(
+        member.acks.load_bucket(record.epoch, record.shard, bucket_of(record.start), record.start),
+        zk.call(keeper.client.get_async, keeper.paths.offset(record.shard)),
+        alongside)
+    member.counters.ack_bucket_reads += 1
+    offset, epoch = decode_offset(data)
+    done_below = offset if epoch == record.epoch else record.start
+    by_batch = {b.header.batch: b for b in batches}
+    for number in range(record.start, record.end):
+        batch = by_batch.get(number)
+        mark = marks.get(number, BatchMarks())
+        if batch is None or number < done_below:
+            reader.state.add_batch(number, [])  # expired or done: nothing left to deliver
+            continue
+        skipped = {m.position.seq for m in batch.messages if addressed_elsewhere(m, member.subscriber)}
+        reader.state.add_batch(number, batch.messages, mark.done | skipped, mark.deliveries)
+    return reader

@@ -39,24 +39,21 @@ from casque.engine import catalog, grants, offsets
 from casque.engine.acking import AckTaker, Source
 from casque.engine.acks import AckLog
 from casque.engine.batches import Log
-from casque.engine.claim_reader import ClaimReader
 from casque.engine.counters import QueueCounters
 from casque.engine.delivering import DeadLetters, Deliverer
+from casque.engine.entries import ByteBudget
 from casque.engine.leases import ShardLeases
 from casque.engine.member import Backoff, ConsumerCounters, ConsumerStopped, LeasedReader, ShardStatus
-from casque.engine.messages import Delivery, Position, decode_receipt
+from casque.engine.messages import Delivery, Position
 from casque.engine.publisher import Publisher
 from casque.engine.leased_delivery import LeasedDelivery
 from casque.engine.reachability import CassandraReach
 from casque.engine.shard_reader import ShardReader
-from casque.engine.shard_state import ByteBudget, Handout
 from casque.engine.sharing import SharedDelivery
 from casque.errors import (
     BackendUnavailable,
     CasqueError,
-    InvalidSpec,
     QuotaExceeded,
-    StaleReceipt,
     SubscriberNotFound,
 )
 from casque.schema import QueueRef
@@ -125,7 +122,7 @@ class Consumer:
                 lambda: self.queue_state.spec.retention_seconds)
             max_deliveries = subscriber_spec.max_deliveries
         self._deliverer = Deliverer(self, self.sources, self._source_for, max_deliveries, self._dead_letters)
-        self._ack_taker = AckTaker(self, self._reader_for)
+        self._ack_taker = AckTaker(self, self._deliverer.source_of)
         shared = subscriber_spec.delivery == "shared"
         # In shared delivery the leases only keep the member registered (no shard is leased).
         self._leases = ShardLeases(
@@ -414,15 +411,6 @@ class Consumer:
         """Put back deliveries that never reached the app (casque.engine.delivering)."""
         return self._deliverer.hand_back(deliveries)
 
-    def _reader_for(self, receipt: str) -> tuple[Source, Position, int]:
-        position, nonce = decode_receipt(receipt)
-        reader = self._source_for(position)
-        if reader is None:
-            if self._sharing is not None:
-                raise StaleReceipt(f"batch {position.shard}/{position.batch} is no longer claimed by this consumer")
-            raise StaleReceipt(f"shard {position.shard} is no longer leased by this consumer")
-        return reader, position, nonce
-
     async def ack(self, receipt: str) -> bool:
         """Acknowledge a delivery. True if this ack completed it, False if it was done already."""
         (result,) = await self.ack_many([receipt])
@@ -437,19 +425,11 @@ class Consumer:
 
     async def nack(self, receipt: str, delay: float = 0.0, error: str | None = None) -> None:
         """Make a delivery visible again after `delay` seconds; `error` is kept for its history."""
-        reader, position, nonce = self._reader_for(receipt)
-        reader.state.nack(position, nonce, delay, time.monotonic(), error)
-        self.counters.nacks += 1
-        self.notify()
+        self._deliverer.nack(receipt, delay, error)
 
     async def extend(self, receipt: str, visibility: float) -> float:
         """Keep a delivery invisible for `visibility` more seconds; returns seconds until it is visible."""
-        reader, position, nonce = self._reader_for(receipt)
-        now = time.monotonic()
-        deadline = reader.state.extend(position, nonce, visibility, now)
-        if isinstance(reader, ClaimReader) and not await reader.renew_past(reader.sharing.clock.wall_of(deadline)):
-            raise StaleReceipt("the message's batches went to another member; it may be delivered again")
-        return deadline - now
+        return await self._deliverer.extend(receipt, visibility)
 
     async def dead_letter(self, receipt: str, error: str | None = None) -> None:
         """Send a delivery to the dead-letter queue now: the app says it can never be processed.
@@ -457,14 +437,7 @@ class Consumer:
         Returns once the copy is published and the message is done; raises InvalidSpec if the
         subscriber has no dead-letter queue, StaleReceipt if the receipt is not current.
         """
-        if self._dead_letters is None:
-            raise InvalidSpec(f"subscriber {self.subscriber} has no dead-letter queue")
-        reader, position, nonce = self._reader_for(receipt)
-        entry = reader.state.in_flight_entry(position, nonce)
-        entry.last_error = error or entry.last_error
-        await self._dead_letters.move([(reader, Handout(entry, nonce, redelivery=False, dead=True))])
-        if reader.state.in_flight_entry_or_none(position) is not None:
-            raise BackendUnavailable("the dead-letter queue did not take the message; try again")
+        await self._deliverer.dead_letter(receipt, error)
 
     async def health(self) -> tuple[bool, str]:
         """Whether this member consumes everything due to it, and if not, why (for readiness)."""

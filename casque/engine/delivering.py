@@ -19,14 +19,15 @@ from kazoo.exceptions import KazooException
 from casque.engine import catalog
 from casque.engine.acking import Source
 from casque.engine.acks import DEAD, AckEvent
+from casque.engine.claim_reader import ClaimReader
 from casque.engine.clock import clock_of
 from casque.engine.counters import QueueCounters, dead_lettered
 from casque.engine.deadletters import dead_letter_copy
 from casque.engine.member import Member
 from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
 from casque.engine.publisher import Publisher
-from casque.engine.shard_state import ByteBudget, Handout
-from casque.errors import BackendUnavailable, CasqueError
+from casque.engine.entries import ByteBudget, Handout
+from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, StaleReceipt
 from casque.specs import priority_of
 from casque.store import Store
 
@@ -225,3 +226,39 @@ class Deliverer:
             self._member.counters.handed_back += back
             self._member.notify()
         return back
+
+    # --- what the app does with a receipt ---------------------------------------------------------
+    def source_of(self, receipt: str) -> tuple[Source, Position, int]:
+        """The source that delivered a receipt's message, with its position and nonce."""
+        position, nonce = decode_receipt(receipt)
+        reader = self._source_for(position)
+        if reader is None:
+            if self._member.subscriber_state.spec.delivery == "shared":
+                raise StaleReceipt(f"batch {position.shard}/{position.batch} is no longer claimed by this consumer")
+            raise StaleReceipt(f"shard {position.shard} is no longer leased by this consumer")
+        return reader, position, nonce
+
+    def nack(self, receipt: str, delay: float, error: str | None) -> None:
+        reader, position, nonce = self.source_of(receipt)
+        reader.state.nack(position, nonce, delay, time.monotonic(), error)
+        self._member.counters.nacks += 1
+        self._member.notify()
+
+    async def extend(self, receipt: str, visibility: float) -> float:
+        reader, position, nonce = self.source_of(receipt)
+        now = time.monotonic()
+        deadline = reader.state.extend(position, nonce, visibility, now)
+        # A claimed range must last past the new deadline, or another member may deliver it.
+        if isinstance(reader, ClaimReader) and not await reader.renew_past(reader.sharing.clock.wall_of(deadline)):
+            raise StaleReceipt("the message's batches went to another member; it may be delivered again")
+        return deadline - now
+
+    async def dead_letter(self, receipt: str, error: str | None) -> None:
+        if self._dead_letters is None:
+            raise InvalidSpec(f"subscriber {self._member.subscriber} has no dead-letter queue")
+        reader, position, nonce = self.source_of(receipt)
+        entry = reader.state.in_flight_entry(position, nonce)
+        entry.last_error = error or entry.last_error
+        await self._dead_letters.move([(reader, Handout(entry, nonce, redelivery=False, dead=True))])
+        if reader.state.in_flight_entry_or_none(position) is not None:
+            raise BackendUnavailable("the dead-letter queue did not take the message; try again")

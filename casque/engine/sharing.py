@@ -30,19 +30,16 @@ from typing import Any
 
 from casque.backends import zk
 from casque.engine import claims, gaps
-from casque.engine.acks import BatchMarks
 from casque.engine.batches import Batch
-from casque.engine.claim_reader import DEMAND_SECONDS, ClaimReader, headroom
+from casque.engine.claim_reader import DEMAND_SECONDS, ClaimReader, headroom, load_claim_reader
 from casque.engine.claims import ClaimRecord, Cursor
 from casque.engine.clock import clock_of
-from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.foreign_ranges import ForeignRanges
 from casque.engine.heads import WatchedHeads
 from casque.engine.keylocks import KeyLocks, key_hash
 from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member, ShardStatus
-from casque.engine.messages import Delivery, Position, decode_receipt
+from casque.engine.messages import Delivery, Position
 from casque.errors import BackendUnavailable, CasqueError
-from casque.schema import bucket_of
 from casque.specs import priority_of
 from casque.znodes import decode_offset
 
@@ -390,29 +387,9 @@ class SharedDelivery:
             self._cursors.pop(shard, None)
 
     async def _reader(self, record: ClaimRecord, batches: list[Batch]) -> ClaimReader:
-        """A reader of the range, loaded with its batches and what the ack rows say is done."""
-        reader = ClaimReader(self, record)
-        consumer = self.consumer
-        # Three independent reads at once: they are on the way from publish to delivery.
-        # Batches below the offset are done. Only leased delivery, before a switch to sharing,
-        # can have moved the offset past the cursor (with no ack rows for whole batches).
-        marks, (data, _), _ = await asyncio.gather(
-            consumer.acks.load_bucket(record.epoch, record.shard, bucket_of(record.start), record.start),
-            zk.call(self.client.get_async, self.paths.offset(record.shard)),
-            self.foreign.see(record.shard) if self.foreign is not None else asyncio.sleep(0))
-        consumer.counters.ack_bucket_reads += 1
-        offset, epoch = decode_offset(data)
-        done_below = offset if epoch == record.epoch else record.start
-        by_batch = {b.header.batch: b for b in batches}
-        for number in range(record.start, record.end):
-            batch = by_batch.get(number)
-            mark = marks.get(number, BatchMarks())
-            if batch is None or number < done_below:
-                reader.state.add_batch(number, [])  # expired or done: nothing left to deliver
-                continue
-            skipped = {m.position.seq for m in batch.messages if addressed_elsewhere(m, consumer.subscriber)}
-            reader.state.add_batch(number, batch.messages, mark.done | skipped, mark.deliveries)
-        return reader
+        # Ordered keys: what other members hold of the shard is read beside the range's acks.
+        seen = self.foreign.see(record.shard) if self.foreign is not None else asyncio.sleep(0)
+        return await load_claim_reader(self, record, batches, seen)
 
     def _install(self, reader: ClaimReader) -> None:
         self.claims.setdefault(reader.shard, []).append(reader)

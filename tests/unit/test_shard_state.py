@@ -4,7 +4,8 @@ import pytest
 
 from casque.engine.messages import Position, StoredMessage
 from casque.engine.keylocks import KeyLocks
-from casque.engine.shard_state import HEAP_FLOOR, HEAP_SLACK, AckStart, Handout, ShardState
+from casque.engine.entries import AckStart, Handout
+from casque.engine.shard_state import HEAP_FLOOR, HEAP_SLACK, ShardState
 from casque.errors import StaleReceipt
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

@@ -20,7 +20,8 @@ from pydantic import ValidationError
 
 from casque.engine.idempotency import RecentIds
 from casque.engine.messages import Delivery, Position, Published, StoredMessage
-from casque.engine.shard_state import ByteBudget, ShardState
+from casque.engine.entries import ByteBudget
+from casque.engine.shard_state import ShardState
 from casque.errors import AccessDenied, BackendUnavailable, QueueNotFound
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings

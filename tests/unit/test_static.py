@@ -49,3 +49,18 @@ def test_import_layers(package_tree: Path) -> None:
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or "lint-imports"
     result = run([lint, "--config", str(ROOT / "pyproject.toml"), "--no-cache"], package_tree)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# The consumer group's modules, as the layering contract names them, plus the state they share.
+CONSUMER_GROUP_MODULES = [
+    "consumer", "leased_delivery", "sharing", "delivering", "acking", "foreign_ranges", "shard_reader",
+    "claim_reader", "member", "leases", "shard_state", "entries", "keylocks", "reachability", "gaps",
+]
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_of_the_consumer_group_outgrows_one_concern() -> None:
+    lengths = {name: len((ROOT / "casque" / "engine" / f"{name}.py").read_text().splitlines())
+               for name in CONSUMER_GROUP_MODULES}
+    too_long = {name: lines for name, lines in lengths.items() if lines > MAX_MODULE_LINES}
+    assert not too_long, f"split these by concern (over {MAX_MODULE_LINES} lines): {too_long}"
