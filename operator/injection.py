@@ -34,12 +34,12 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Literal
 
-from prometheus_client import Counter
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from casque.config import Settings
 from casque.errors import InvalidSpec
+from casque.operator import metrics
 from casque.schema import NAME_PATTERN
 from casque.tenancy import namespace_keyspace
 
@@ -86,11 +86,6 @@ PUSH_TOKEN_KEY = "push-token"
 _SECRET_NAME = re.compile(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
 # The image's non-root user (Dockerfile.sidecar); Kubernetes needs the number to check runAsNonRoot.
 SIDECAR_UID = 10001
-
-# Served with prometheus_client's default registry by `casque operator run --metrics-port`.
-ADMISSION_REVIEWS = Counter(
-    "casque_operator_admission_reviews_total", "Pods the injection webhook answered, by outcome", ["outcome"]
-)
 
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 
@@ -498,7 +493,24 @@ def review(admission: Mapping[str, Any], settings: InjectionSettings, backends: 
     }
 
 
-def outcome(answer: Mapping[str, Any]) -> str:
+def answer(admission: Mapping[str, Any], settings: InjectionSettings, backends: Settings) -> dict[str, Any]:
+    """`review`, counted by outcome (casque_operator_admission_reviews_total) and logged when refused."""
+    try:
+        answered = review(admission, settings, backends)
+    except Exception:
+        # kopf's server answers 500; with failurePolicy Ignore the pod then starts without
+        # its sidecar, and only this count tells.
+        metrics.count_admission("error")
+        log.exception("answering an admission review failed")
+        raise
+    result = outcome(answered)
+    metrics.count_admission(result)
+    if result == "refused":
+        log.info("refused a pod: %s", answered["response"]["status"]["message"])
+    return answered
+
+
+def outcome(answer: Mapping[str, Any]) -> metrics.AdmissionOutcome:
     response = answer.get("response") or {}
     if not response.get("allowed", False):
         return "refused"
@@ -559,12 +571,7 @@ async def serve(options: WebhookOptions, settings: InjectionSettings, backends: 
         headers: Mapping[str, str] | None = None,
         sslpeer: Mapping[str, Any] | None = None,
     ) -> Any:
-        answer = review(request, settings, backends)
-        result = outcome(answer)
-        ADMISSION_REVIEWS.labels(result).inc()
-        if result == "refused":
-            log.info("refused a pod: %s", answer["response"]["status"]["message"])
-        return answer
+        return answer(request, settings, backends)
 
     server = kopf.WebhookServer(
         addr=options.address, port=options.port, certfile=options.certfile, pkeyfile=options.keyfile

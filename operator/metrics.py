@@ -1,18 +1,121 @@
-"""Queue-level figures the operator exports once for the whole installation.
+"""Every Prometheus metric the operator exports, and the small functions that record them.
 
-Every status refresh of a Subscriber sets its gauges from the figures it just wrote into the
-status, so Prometheus (and an autoscaler reading it, such as KEDA) sees the same lag as
-`kubectl get subscribers`, from one exporter instead of every sidecar at scrape time.
-Served with prometheus_client's default registry by `casque operator run --metrics-port`.
+Served with prometheus_client's default registry by `casque operator run --metrics-port`,
+on every replica: the leader's reconciles and subscriber figures, every replica's webhook
+answers and whether it leads. The handlers, the webhook and the leadership loop record
+through the functions here and never touch a metric object, so names and labels live in
+one place and the rules in helm/casque/templates/prometheusrule.yaml are checked against it
+(tests/unit/test_dashboards.py, tests/integration/test_helm.py).
+
+Subscriber gauges: every status refresh of a Subscriber sets them from the figures it just
+wrote into the status, so Prometheus (and an autoscaler reading it, such as KEDA) sees the
+same lag as `kubectl get subscribers`, from one exporter instead of every sidecar at scrape
+time.
+
+No metric here carries a `namespace` label of its own except the subscriber gauges, whose
+`namespace` is the Subscriber's: the chart's ServiceMonitor honours it, so the operator's own
+series get the namespace the operator runs in from the scrape target.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal, Protocol
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge, Histogram
+
+# --- reconciles ---------------------------------------------------------------------------
+
+Kind = Literal["Queue", "Subscriber"]
+# apply: create, update or resume; refresh: the status timer (which also repairs drift).
+Action = Literal["apply", "refresh", "delete"]
+# ok: the wanted state was reached; temporary_error: retried (by kopf after its delay, or by
+# the next refresh); permanent_error: only a new spec can help.
+ReconcileOutcome = Literal["ok", "temporary_error", "permanent_error"]
+
+# Reconciles run from a few milliseconds (nothing to change) to tens of seconds (a table
+# created on a loaded Cassandra, a backend timing out).
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+RECONCILES = Counter(
+    "casque_operator_reconciles", "Reconciles of Queues and Subscribers, by kind, action and outcome",
+    ["kind", "action", "outcome"],
+)
+RECONCILE_SECONDS = Histogram(
+    "casque_operator_reconcile_duration_seconds", "Time a reconcile took, under the object's lock, by kind and action",
+    ["kind", "action"], buckets=DURATION_BUCKETS,
+)
+RECONCILE_ERRORS = Counter(
+    "casque_operator_reconcile_errors",
+    "Reconciles that did not reach the wanted state, by kind and reason (the Ready condition's reason)",
+    ["kind", "reason"],
+)
+DRIFT_REPAIRS = Counter(
+    "casque_operator_drift_repairs",
+    "Drift a status refresh found and put right (a dropped table, a lost znode ...), one per thing repaired",
+    ["kind"],
+)
+
+
+class Failed(Protocol):
+    """What the metrics need of a failed reconcile (casque.operator.reconcile.Failure)."""
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def permanent(self) -> bool: ...
+
+
+def outcome_of(failure: Failed | None) -> ReconcileOutcome:
+    if failure is None:
+        return "ok"
+    return "permanent_error" if failure.permanent else "temporary_error"
+
+
+def observe_reconcile(kind: Kind, action: Action, seconds: float, failure: Failed | None) -> None:
+    """Count one reconcile, its duration, and its failure's reason if it failed."""
+    RECONCILES.labels(kind, action, outcome_of(failure)).inc()
+    RECONCILE_SECONDS.labels(kind, action).observe(seconds)
+    if failure is not None:
+        RECONCILE_ERRORS.labels(kind, failure.reason).inc()
+
+
+def count_repairs(kind: Kind, repaired: Sequence[str]) -> None:
+    if repaired:
+        DRIFT_REPAIRS.labels(kind).inc(len(repaired))
+
+
+# --- leadership ---------------------------------------------------------------------------
+
+LEADER = Gauge(
+    "casque_operator_leader",
+    "1 while this replica holds the Lease and runs the reconcilers (or runs without leader election), else 0",
+)
+
+
+def record_leadership(leading: bool) -> None:
+    LEADER.set(1 if leading else 0)
+
+
+# --- the injection webhook ----------------------------------------------------------------
+
+# injected: the pod got a sidecar; skipped: it asked for none; refused: its annotations ask for
+# something impossible (the pod is refused, with the reason); error: the webhook failed to
+# answer (the API server then applies the failurePolicy: with Ignore the pod starts bare).
+AdmissionOutcome = Literal["injected", "skipped", "refused", "error"]
+
+ADMISSION_REVIEWS = Counter(
+    "casque_operator_admission_reviews", "Pods the injection webhook answered, by outcome", ["outcome"]
+)
+
+
+def count_admission(outcome: AdmissionOutcome) -> None:
+    ADMISSION_REVIEWS.labels(outcome).inc()
+
+
+# --- subscriber figures -------------------------------------------------------------------
 
 _LABELS = ["namespace", "queue", "subscriber"]
 SUBSCRIBER_GAUGES = {

@@ -19,6 +19,7 @@ import kopf
 from aiohttp import web
 from kubernetes import client
 
+from casque.operator import metrics
 from casque.operator.context import OperatorContext
 from casque.operator.leadership import LeaderElector, LeaseConfig
 
@@ -52,12 +53,23 @@ async def run(options: RunOptions) -> int:
     context = OperatorContext.from_environment(options.namespaces)
     stop = context.stopped
     elector = None
+    metrics.record_leadership(False)
     if options.lease is not None:
         elector = LeaderElector(client.CoordinationV1Api(context.kube_api()), options.lease)
         if not await _campaign(elector, options.liveness, stop):
             await asyncio.to_thread(elector.release)
             context.close()
             return EXIT_STOPPED
+    # Leading from here until kopf stops: without election this replica is the only one.
+    metrics.record_leadership(True)
+    try:
+        return await _operate(options, context, elector)
+    finally:
+        metrics.record_leadership(False)
+
+
+async def _operate(options: RunOptions, context: OperatorContext, elector: LeaderElector | None) -> int:
+    stop = context.stopped
     operator = asyncio.create_task(
         kopf.operator(
             standalone=True,
@@ -77,6 +89,8 @@ async def run(options: RunOptions) -> int:
         await asyncio.wait({operator, keeper}, return_when=asyncio.FIRST_COMPLETED)
         if keeper.done():
             logger.error("leadership lost: stopping the operator")
+            # At once, not after kopf's handlers have wound down: another replica may lead now.
+            metrics.record_leadership(False)
             stop.set()
             await operator
             return EXIT_LEADERSHIP_LOST

@@ -1,20 +1,22 @@
 """What every handler does around a reconcile flow, in one place.
 
-Run the flow under the object's lock, write its status patch, post Kubernetes Events, and map a failure to kopf: `PermanentError` when only
-a new spec can help, `TemporaryError(delay=...)` otherwise. This is the operator's one place
+Run the flow under the object's lock (counted and timed for Prometheus), write its status
+patch, post Kubernetes Events, and map a failure to kopf: `PermanentError` when only a new
+spec can help, `TemporaryError(delay=...)` otherwise. This is the operator's one place
 that translates casque's failures to the outside.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import kopf
 
-from casque.operator import conditions
+from casque.operator import conditions, metrics
 from casque.operator.context import OperatorContext
-from casque.operator.reconcile import Failure, Outcome, Resource
+from casque.operator.reconcile import Failure, Outcome, Resource, classify
 
 
 def resource_of(body: kopf.Body) -> Resource:
@@ -27,9 +29,26 @@ def resource_of(body: kopf.Body) -> Resource:
     )
 
 
-async def run_locked(context: OperatorContext, body: kopf.Body, flow: Callable[[], Awaitable[Outcome]]) -> Outcome:
+async def run_locked(
+    context: OperatorContext,
+    body: kopf.Body,
+    kind: metrics.Kind,
+    action: metrics.Action,
+    flow: Callable[[], Awaitable[Outcome]],
+) -> Outcome:
+    """Run `flow` under the object's lock, counted and timed (the wait for the lock excluded:
+    it measures the other handler of the object, not this one)."""
     async with context.lock(body.metadata.uid):
-        return await flow()
+        started = time.monotonic()
+        try:
+            outcome = await flow()
+        except Exception as error:
+            # The flows turn every failure into an Outcome; one escaping is a bug, counted too.
+            metrics.observe_reconcile(kind, action, time.monotonic() - started, classify(error))
+            raise
+        metrics.observe_reconcile(kind, action, time.monotonic() - started, outcome.failure)
+        metrics.count_repairs(kind, outcome.repaired)
+        return outcome
 
 
 def report(body: kopf.Body, patch: kopf.Patch, outcome: Outcome, logger: kopf.Logger, *, timer: bool = False) -> None:

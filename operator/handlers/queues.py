@@ -57,7 +57,7 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
             return reconcile.failed(resource, reconcile.classify(error), now)
         return await reconcile.reconcile_queue(context.stores, resource, now, limits)
 
-    outcome = await run_locked(context, body, flow)
+    outcome = await run_locked(context, body, "Queue", "apply", flow)
     report(body, patch, outcome, logger)
     if outcome.failure is not None:
         raise to_kopf(outcome.failure)
@@ -73,14 +73,17 @@ def namespace_limits(context: OperatorContext, namespace: str) -> Limits:
 async def refresh(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
     resource = resource_of(body)
     outcome = await run_locked(
-        context, body, lambda: reconcile.refresh_queue(context.stores, resource, datetime.now(timezone.utc))
+        context, body, "Queue", "refresh",
+        lambda: reconcile.refresh_queue(context.stores, resource, datetime.now(timezone.utc)),
     )
     report(body, patch, outcome, logger, timer=True)
 
 
 async def delete(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
     resource = resource_of(body)
-    outcome = await run_locked(context, body, lambda: reconcile.delete_queue(context.stores, resource))
+    outcome = await run_locked(
+        context, body, "Queue", "delete", lambda: reconcile.delete_queue(context.stores, resource)
+    )
     report(body, patch, outcome, logger)
     if outcome.failure is not None:
         raise to_kopf(outcome.failure)

@@ -14,7 +14,8 @@ from casque.operator.handlers.common import report, resource_of, run_locked, to_
 async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
     resource = resource_of(body)
     outcome = await run_locked(
-        context, body, lambda: reconcile.reconcile_subscriber(context.stores, resource, datetime.now(timezone.utc))
+        context, body, "Subscriber", "apply",
+        lambda: reconcile.reconcile_subscriber(context.stores, resource, datetime.now(timezone.utc)),
     )
     report(body, patch, outcome, logger)
     metrics.observe_subscriber(resource.namespace, resource.name, resource.status or {}, outcome.status)
@@ -25,7 +26,8 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
 async def refresh(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
     resource = resource_of(body)
     outcome = await run_locked(
-        context, body, lambda: reconcile.refresh_subscriber(context.stores, resource, datetime.now(timezone.utc))
+        context, body, "Subscriber", "refresh",
+        lambda: reconcile.refresh_subscriber(context.stores, resource, datetime.now(timezone.utc)),
     )
     report(body, patch, outcome, logger, timer=True)
     metrics.observe_subscriber(resource.namespace, resource.name, resource.status or {}, outcome.status)
@@ -33,7 +35,9 @@ async def refresh(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, 
 
 async def delete(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
     resource = resource_of(body)
-    outcome = await run_locked(context, body, lambda: reconcile.delete_subscriber(context.stores, resource))
+    outcome = await run_locked(
+        context, body, "Subscriber", "delete", lambda: reconcile.delete_subscriber(context.stores, resource)
+    )
     report(body, patch, outcome, logger)
     if outcome.failure is not None:
         raise to_kopf(outcome.failure)
