@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -23,18 +24,21 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.parser import text_string_to_metric_families
 
 from casque.config import CassandraTlsSettings, ReplicationSettings, Settings, ZooKeeperTlsSettings
 from casque.devstack.kube import KubeCluster
-from casque.operator import injection
+from casque.operator import injection, metrics as operator_metrics
 from casque.operator.context import OperatorOptions
 from casque.operator.quotas import QuotaSettings
+from casque.sidecar.metrics import SidecarMetrics
 from tests.fixtures.kube import kube_tool
 from tests.fixtures.waiting import reserved_port, wait_for
 from tests.unit.test_dockerfiles import cli_call
@@ -549,6 +553,8 @@ def test_non_default_values_are_accepted_by_the_api_server(
     assert webhook["objectSelector"] == NON_DEFAULT["injection"]["objectSelector"]
     monitor = one(documents, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    # The subscriber gauges' own namespace label survives the scrape (the alerts group by it).
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
     # Every injected sidecar, in every namespace, on the port the webhook names.
     sidecars = one(documents, "PodMonitor")["spec"]
     assert sidecars["selector"]["matchLabels"] == {injection.SIDECAR_LABEL: injection.SIDECAR_LABEL_VALUE}
@@ -1010,6 +1016,9 @@ def test_every_replica_answers_the_webhook_leader_or_standby(
             assert answer["allowed"] is True and answer["patchType"] == "JSONPatch"
             plain = replica.review(app_pod("plain"))["response"]
             assert plain["allowed"] is True and "patch" not in plain
+        # Each replica says on its metrics port whether it leads: the Lease's holder only.
+        leading = wait_for("the leader's gauge", lambda: [r for r in replicas if leader_gauge(r) == 1.0] or None)
+        assert len(leading) == 1 and [leader_gauge(r) for r in replicas if r not in leading] == [0.0]
     finally:
         for replica in replicas:
             replica.stop()
@@ -1032,7 +1041,9 @@ def test_the_dashboard_and_alert_rules_render_when_enabled(tools: Tools, kube_na
     assert rule["metadata"]["labels"]["release"] == "prometheus"
     alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
     assert set(alerts) == {"CasqueSubscriberLagHigh", "CasqueSubscriberOldestMessageOld", "CasqueMessagesDeadLettered",
-                           "CasqueSubscriberStalled"}
+                           "CasqueSubscriberStalled", "CasqueSubscriberLagGrowingWithoutConsumers",
+                           "CasqueOperatorNoLeader", "CasqueOperatorReconcileErrors", "CasqueInjectionWebhookFailing",
+                           "CasqueSidecarErrorsHigh"}
     # The stall alert reads the sidecars' gauge (scraped through the PodMonitor), per subscriber over its pods.
     stalled = alerts["CasqueSubscriberStalled"]
     assert stalled["expr"] == "max by (namespace, queue, subscriber) (casque_sidecar_stalled_shards) > 0"
@@ -1043,3 +1054,62 @@ def test_the_dashboard_and_alert_rules_render_when_enabled(tools: Tools, kube_na
     assert "{{ $labels.subscriber }}" in alerts["CasqueSubscriberLagHigh"]["annotations"]["summary"]
     refused = tools.template(kube_namespace, {"metrics": {"prometheusRule": {"for": "ten minutes"}}}, check=False)
     assert refused.returncode != 0 and SCHEMA_ERROR in refused.stderr
+
+
+def leader_gauge(replica: WebhookOperator) -> float | None:
+    for family in text_string_to_metric_families(replica.metrics()):
+        for sample in family.samples:
+            if sample.name == "casque_operator_leader":
+                return float(sample.value)
+    return None
+
+
+# Labels a scrape adds to every series (the ServiceMonitor's and PodMonitor's targets).
+TARGET_LABELS = {"namespace", "pod", "container", "service", "job", "instance", "endpoint"}
+SELECTOR = re.compile(r"\b(casque_[a-z_]+)\s*(?:\{([^}]*)\})?")
+MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*\"([^\"]*)\"")
+
+
+def exported() -> dict[str, MetricWrapperBase]:
+    """Every series name the operator and a sidecar export, to the metric that exports it."""
+    metrics: list[MetricWrapperBase] = [m for m in vars(operator_metrics).values() if isinstance(m, MetricWrapperBase)]
+    metrics += operator_metrics.SUBSCRIBER_GAUGES.values()
+    metrics += [m for m in vars(SidecarMetrics()).values() if isinstance(m, MetricWrapperBase)]
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {family.name + suffix: metric for metric in metrics for family in metric.describe()
+            for suffix in suffixes[family.type]}
+
+
+def test_every_metric_an_alert_names_is_one_casque_exports_with_those_labels(
+    tools: Tools, kube_namespace: str  # noqa: F811
+) -> None:
+    """The rendered rules, as Prometheus gets them, against the operator's and the sidecar's
+    metric definitions: a renamed metric or label would leave an alert that never fires."""
+    documents = tools.render(kube_namespace, {"metrics": {"prometheusRule": {"enabled": True}}})
+    rules = [r for group in one(documents, "PrometheusRule")["spec"]["groups"] for r in group["rules"]]
+    known = exported()
+    assert {"casque_operator_reconciles_total", "casque_operator_leader",
+            "casque_sidecar_requests_total"} <= set(known)  # the definitions were found
+    named: set[str] = set()
+    for rule in rules:
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
+        selectors = SELECTOR.findall(rule["expr"])
+        assert selectors, rule["alert"]
+        for name, matchers in selectors:
+            assert name in known, f"{rule['alert']} names {name}, which casque does not export"
+            named.add(name)
+            labels = {label for label, _, _ in MATCHER.findall(matchers)} - TARGET_LABELS
+            # prometheus_client keeps a metric's label names only in this attribute.
+            assert labels <= set(known[name]._labelnames), f"{rule['alert']} selects {name} by {sorted(labels)}"
+    assert {"casque_operator_reconcile_errors_total", "casque_operator_leader", "casque_operator_admission_reviews_total",
+            "casque_sidecar_requests_total", "casque_subscriber_consumers", "casque_subscriber_lag_messages"} <= named
+    # The one label value an alert picks out of the operator's own: the webhook's failures.
+    assert 'outcome="error"' in next(r["expr"] for r in rules if r["alert"] == "CasqueInjectionWebhookFailing")
+    assert "error" in get_args(operator_metrics.AdmissionOutcome)
+    # Its own namespace, where the chart's ServiceMonitor finds the operator.
+    no_leader = next(r["expr"] for r in rules if r["alert"] == "CasqueOperatorNoLeader")
+    assert no_leader == f'absent(casque_operator_leader{{namespace="{kube_namespace}"}} == 1)'
+    # Without the operator's metrics endpoint the operator's alerts could only ever fire.
+    refused = tools.template(kube_namespace, {"metrics": {"enabled": False, "prometheusRule": {"enabled": True}}},
+                             check=False)
+    assert refused.returncode != 0 and "metrics.prometheusRule needs metrics.enabled" in refused.stderr

@@ -53,4 +53,6 @@ def test_the_dashboard_shows_lag_age_dead_letters_and_rates() -> None:
             "casque_subscriber_dead_lettered", "casque_sidecar_published_messages_total",
             "casque_sidecar_received_messages_total"} <= used
     assert {"casque_subscriber_lag_messages", "casque_subscriber_oldest_pending_timestamp_seconds",
-            "casque_subscriber_dead_lettered", "casque_sidecar_stalled_shards"} <= queried()["rules"]
+            "casque_subscriber_dead_lettered", "casque_sidecar_stalled_shards", "casque_subscriber_consumers",
+            "casque_operator_leader", "casque_operator_reconcile_errors_total",
+            "casque_operator_admission_reviews_total", "casque_sidecar_requests_total"} <= queried()["rules"]
