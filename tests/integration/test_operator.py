@@ -26,6 +26,7 @@ from cassandra.cluster import Session
 from kazoo.client import KazooClient
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from prometheus_client.parser import text_string_to_metric_families
 
 from casque.devstack.kube import KubeCluster
 from casque.engine import catalog
@@ -382,11 +383,17 @@ def test_queue_is_created_changed_and_deleted(
     api = client.CustomObjectsApi(kube_client)
     ns = kube_namespace
     ref = QueueRef(ns, "orders")
-    operators()
+    metrics_port = reserved_port()
+    operators("--metrics-port", str(metrics_port))
     create(api, ns, queue("orders", shards=2, retention="1h", deletionPolicy="Delete"))
 
     ready = wait_ready(api, ns, QUEUES, "orders")
     assert ready["status"]["observedGeneration"] == ready["metadata"]["generation"] == 1
+    # The reconcile is counted and timed on the metrics port (recorded before the status is written).
+    applied = {"kind": "Queue", "action": "apply"}
+    assert (scraped_value(metrics_port, "casque_operator_reconciles_total", **applied, outcome="ok") or 0) >= 1
+    assert (scraped_value(metrics_port, "casque_operator_reconcile_duration_seconds_count", **applied) or 0) >= 1
+    assert scraped_value(metrics_port, "casque_operator_leader") == 1.0
     assert ready_of(ready)["reason"] == "Reconciled"
     assert ready["status"]["shards"] == 2 and ready["status"]["lagBatches"] == 0
     assert FINALIZER in ready["metadata"]["finalizers"]
@@ -511,6 +518,16 @@ def _scrape(port: int) -> str | None:
         return None
 
 
+def scraped_value(port: int, name: str, **labels: str) -> float | None:
+    """One sample of the operator's metrics port, None if it has no such series (or no answer)."""
+    text = _scrape(port)
+    for family in text_string_to_metric_families(text or ""):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
 def test_kubectl_get_shows_the_printer_columns(
     operators: Callable[..., Operator],
     kube_cluster: KubeCluster,  # noqa: F811
@@ -593,9 +610,11 @@ def test_drift_is_repaired_by_the_status_refresh(
     api = client.CustomObjectsApi(kube_client)
     ns = kube_namespace
     ref = QueueRef(ns, "orders")
-    operators()
+    metrics_port = reserved_port()
+    operators("--metrics-port", str(metrics_port))
     create(api, ns, queue("orders", shards=2, retention="1h"))
     wait_ready(api, ns, QUEUES, "orders")
+    assert scraped_value(metrics_port, "casque_operator_drift_repairs_total", kind="Queue") is None
 
     backend.store.session.execute(drop_messages_table_ddl(backend.keyspace, ref))
     backend.store.zk.delete(backend.store.paths(ref).head(1))
@@ -607,6 +626,9 @@ def test_drift_is_repaired_by_the_status_refresh(
     )
     assert "the messages table is missing" in repaired[0]
     wait_ready(api, ns, QUEUES, "orders")
+    # The table and the head at least, repaired by one refresh or by two.
+    wait_for("the repairs counted", lambda: (scraped_value(
+        metrics_port, "casque_operator_drift_repairs_total", kind="Queue") or 0) >= 2)
 
 
 def test_backend_outage_is_reported_and_retried(
@@ -619,10 +641,18 @@ def test_backend_outage_is_reported_and_retried(
     ns = kube_namespace
     with refused_port() as port:  # held until the broken operator has stopped: nothing answers there
         nowhere = {**backend.env, "CASQUE_CASSANDRA_PORT": str(port)}
-        broken = operators(env=nowhere)
+        metrics_port = reserved_port()
+        broken = operators("--metrics-port", str(metrics_port), env=nowhere)
         create(api, ns, queue("orders", shards=1, retention="1h"))
         failed = wait_ready(api, ns, QUEUES, "orders", status="False", reason="BackendUnavailable")
         assert "Cassandra" in ready_of(failed)["message"]
+        # Counted as an error by its reason, and as a reconcile that kopf retries.
+        errors = scraped_value(metrics_port, "casque_operator_reconcile_errors_total", kind="Queue",
+                               reason="BackendUnavailable")
+        assert errors is not None and errors >= 1
+        retried = scraped_value(metrics_port, "casque_operator_reconciles_total", kind="Queue", action="apply",
+                                outcome="temporary_error")
+        assert retried is not None and retried >= 1
         assert broken.stop() == 0
 
     operators()  # with the backends back, the resume applies the spec
