@@ -206,7 +206,8 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
         # covers; rows are never updated or deleted and expire with the queue's retention.
         # `epoch` changes with every seek, so a replay does not see the acks of the
         # previous pass. `outcome` is 'ack' or 'dead' (dead-lettered); `deliveries` maps
-        # seq to its delivery count at a redelivery.
+        # seq to its delivery count at a redelivery, `visible_until` to the delivery's (or its
+        # extension's) visibility deadline in ms.
         f"""CREATE TABLE IF NOT EXISTS {keyspace}.{ACKS_TABLE} (
     queue text,
     subscriber text,
@@ -218,6 +219,7 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     outcome text,
     seqs frozen<set<int>>,
     deliveries frozen<map<int, int>>,
+    visible_until frozen<map<int, bigint>>,
     PRIMARY KEY ((queue, subscriber, epoch, shard, bucket), batch_no, entry)
 ) WITH CLUSTERING ORDER BY (batch_no ASC, entry ASC)
   AND gc_grace_seconds = {GC_GRACE_SECONDS}
@@ -340,6 +342,7 @@ ADDED_COLUMNS = [
     (LEGACY_PUBLISH_IDS_TABLE, "since_batch", "bigint"),
     (LEGACY_PUBLISH_IDS_TABLE, "claim_deadline", "timestamp"),
     (PUBLISH_WRITERS_TABLE, "replaces", "set<text>"),
+    (ACKS_TABLE, "visible_until", "frozen<map<int, bigint>>"),
 ]
 
 

@@ -58,6 +58,20 @@ def priority_of(log: int) -> int:
     return log // PRIORITY_STRIDE
 
 
+def by_priority(logs: list[int], turn: int) -> list[int]:
+    """Logs by priority level, highest first; within a level, starting at the `turn`-th
+    (modulo the level's size), so that each turn favours another log of the level."""
+    by_level: dict[int, list[int]] = {}
+    for log in sorted(logs):
+        by_level.setdefault(priority_of(log), []).append(log)
+    ordered: list[int] = []
+    for level in sorted(by_level, reverse=True):
+        level_logs = by_level[level]
+        first = turn % len(level_logs)
+        ordered.extend(level_logs[first:] + level_logs[:first])
+    return ordered
+
+
 def format_duration(seconds: int) -> str:
     for unit in ("d", "h", "m"):
         if seconds and seconds % _UNIT_SECONDS[unit] == 0:

@@ -33,6 +33,9 @@ class AckEvent(NamedTuple):
     seq: int
     outcome: str | None = None  # ACK or DEAD
     deliveries: int | None = None
+    # Until when the delivery (or its extension) is invisible, in ms on Cassandra's clock: a
+    # member that takes a departed member's range over keeps it in flight until then.
+    visible_until_ms: int | None = None
 
 
 @dataclass
@@ -41,6 +44,8 @@ class BatchMarks:
 
     done: set[int] = field(default_factory=set)
     deliveries: dict[int, int] = field(default_factory=dict)
+    # The latest visibility deadline recorded for each seq (ms on Cassandra's clock).
+    visible_until: dict[int, int] = field(default_factory=dict)
 
 
 class AckLog:
@@ -55,11 +60,12 @@ class AckLog:
             f"VALUES (?, ?, ?, ?, ?, ?, now(), ?, ?) USING TTL {int(retention_seconds)}"
         )
         self._insert_deliveries = store.session.prepare(
-            f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, entry, deliveries) "
-            f"VALUES (?, ?, ?, ?, ?, ?, now(), ?) USING TTL {int(retention_seconds)}"
+            f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, entry, deliveries, "
+            f"visible_until) VALUES (?, ?, ?, ?, ?, ?, now(), ?, ?) USING TTL {int(retention_seconds)}"
         )
         self._select = store.session.prepare(
-            f"SELECT batch_no, outcome, seqs, deliveries FROM {table} WHERE queue = ? AND subscriber = ? "
+            f"SELECT batch_no, outcome, seqs, deliveries, visible_until FROM {table} WHERE queue = ? "
+            "AND subscriber = ? "
             "AND epoch = ? AND shard = ? AND bucket = ? AND batch_no >= ?"
         )
         self._pending: list[tuple[list[AckEvent], asyncio.Future[None]]] = []
@@ -78,6 +84,8 @@ class AckLog:
                 mark.done.update(row.seqs)
             for seq, count in (row.deliveries or {}).items():
                 mark.deliveries[seq] = max(count, mark.deliveries.get(seq, 0))
+            for seq, until in (row.visible_until or {}).items():
+                mark.visible_until[seq] = max(until, mark.visible_until.get(seq, 0))
         return dict(marks)
 
     def record(self, event: AckEvent) -> asyncio.Future[None]:
@@ -124,18 +132,22 @@ class AckLog:
     async def _write(self, events: list[AckEvent]) -> None:
         outcomes: dict[tuple[int, str], set[int]] = defaultdict(set)
         deliveries: dict[int, dict[int, int]] = defaultdict(dict)
+        visible_until: dict[int, dict[int, int]] = defaultdict(dict)
         for e in events:
             if e.outcome is not None:
                 outcomes[(e.batch, e.outcome)].add(e.seq)
             if e.deliveries is not None:
                 deliveries[e.batch][e.seq] = e.deliveries
+            if e.visible_until_ms is not None:
+                visible_until[e.batch][e.seq] = e.visible_until_ms
         first = events[0]
         partition = (self._queue, self._subscriber, first.epoch, first.shard, bucket_of(first.batch))
         statement = BatchStatement(batch_type=BatchType.UNLOGGED)
         for (batch, outcome), seqs in outcomes.items():
             statement.add(self._insert_outcome, (*partition, batch, outcome, seqs))
-        for batch, counts in deliveries.items():
-            statement.add(self._insert_deliveries, (*partition, batch, counts))
+        for batch in deliveries.keys() | visible_until.keys():
+            statement.add(self._insert_deliveries,
+                          (*partition, batch, deliveries.get(batch) or None, visible_until.get(batch) or None))
         await cql.execute(self._store.session, statement)
         self.statements += 1
         self.rows_written += len(events)

@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 
 # A range is worth renewing while its app asked for messages this recently.
 DEMAND_SECONDS = 5.0
+# Times one member writes and another judges (a claim's, a delivery's deadline) are trusted
+# only this long after they pass. Every member reads Cassandra's clock (casque.engine.clock),
+# to within its sample's error (a millisecond or so) and the coordinators' own NTP skew: this
+# covers both, whatever the sidecars' clocks say.
+SKEW_MARGIN_SECONDS = 1.0
 
 
 def headroom(visibility: float) -> float:
@@ -48,6 +53,19 @@ def headroom(visibility: float) -> float:
     messages out without renewing for each receive, short enough that a dead member's
     range comes back soon after its deliveries' visibility ends."""
     return max(1.0, min(5.0, visibility))
+
+
+def registration_of(member: Member) -> int:
+    """The member's registration in its group now (casque.engine.leases)."""
+    return member.leases.registrations if member.leases is not None else 0
+
+
+def vouches(member: Member, registration: int) -> bool:
+    return member.leases is not None and member.leases.vouches(registration)
+
+
+def session_of(member: Member) -> int:
+    return member.leases.session_id if member.leases is not None else 0
 
 
 class RangeKeeper(Protocol):
@@ -86,9 +104,12 @@ class RangeKeeper(Protocol):
 class ClaimReader:
     """One claimed range of batches [start, end) of a shard, as this member delivers it."""
 
-    def __init__(self, sharing: RangeKeeper, record: ClaimRecord) -> None:
+    def __init__(self, sharing: RangeKeeper, record: ClaimRecord, registration: int) -> None:
         self.sharing = sharing
         self.record = record
+        # The member's registration (casque.engine.leases) in which the claim was last written:
+        # handing out from it needs the member to vouch it has stayed in the group since.
+        self.registration = registration
         self.shard = record.shard
         self.epoch = record.epoch
         # The epoch comes from the claim, not from an offset read after a seek mark: each ack
@@ -104,6 +125,8 @@ class ClaimReader:
         self._publishing: asyncio.Task[None] | None = None
         self._dropped = False
         self._released = False
+        # Messages loaded in flight (at the member that had the range before), for the log.
+        self.held_at_load = 0
 
     # --- what the consumer needs of a source of deliveries ------------------------------------
     @property
@@ -112,11 +135,19 @@ class ClaimReader:
 
     @property
     def releasing(self) -> bool:
-        """No new deliveries: released, or the claim's time no longer covers one visibility timeout."""
-        if self._released or self._dropped:
+        """No new deliveries: released, the claim's time no longer covers one visibility timeout,
+        or the member cannot vouch that the claim is still its own."""
+        if self._released or self._dropped or not self.vouched:
             return True
         ends = self.sharing.clock.time() + self.sharing.consumer.visibility_timeout
         return bool(ends > self.record.until_ms / 1000)
+
+    @property
+    def vouched(self) -> bool:
+        """Whether no other member can have taken the range over as a departed member's: the
+        member has stayed in the group, its session provably alive, since it last wrote the
+        claim. What it hands out while this holds is recorded before its session can end."""
+        return not self._dropped and vouches(self.sharing.consumer, self.registration)
 
     def space_freed(self) -> None:
         self.sharing.space_freed()
@@ -201,24 +232,28 @@ class ClaimReader:
         return await self.renew(int((wall_deadline + headroom(visibility)) * 1000))
 
     async def renew(self, until_ms: int) -> bool:
-        """Extend the claim to `until_ms` (never shorten it); False if it is no longer ours."""
+        """Extend the claim to `until_ms` (never shorten it); False if it is no longer ours.
+        A claim last written before the member's latest registration is rewritten whatever
+        its time: only that proves nobody took it over while the member was gone."""
         if self._dropped or self._released:
             return False
         async with self._zk:
-            if self.record.until_ms >= until_ms:
+            if self.record.until_ms >= until_ms and self.registration == registration_of(self.sharing.consumer):
                 return True
-            return await self._rewrite(until_ms)
+            return await self._rewrite(max(until_ms, self.record.until_ms))
 
     async def _rewrite(self, until_ms: int, keys: frozenset[int] | None = None) -> bool:
         """Rewrite our claim record (under `self._zk`); False, and the range dropped, if another
         member took it over."""
+        registration = registration_of(self.sharing.consumer)  # before the write: a later one needs another
         updated = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
-                                       self.record.member, until_ms, keys)
+                                       self.record.member, until_ms, keys, session_of(self.sharing.consumer))
         self.sharing.zk_writes += 1
         if updated is None:
             self.drop("taken over by another member")
             return False
         self.record = updated
+        self.registration = registration
         self._mine.add(updated.version)
         return True
 
@@ -279,11 +314,13 @@ class ClaimReader:
             self._completing = None
 
 
-async def load_claim_reader(keeper: RangeKeeper, record: ClaimRecord, batches: list[Batch],
+async def load_claim_reader(keeper: RangeKeeper, record: ClaimRecord, registration: int, batches: list[Batch],
                             alongside: Awaitable[object]) -> ClaimReader:
-    """A reader of the range, loaded with its batches and what the ack rows say is done.
+    """A reader of the range, loaded with its batches and what the ack rows say: done, and
+    in flight at a member that had the range before (until the deadline recorded with the
+    delivery, plus the skew margin). `registration`: the member's when it wrote the claim.
     `alongside` is awaited with the reads (they are all on the way from publish to delivery)."""
-    reader = ClaimReader(keeper, record)
+    reader = ClaimReader(keeper, record, registration)
     member = keeper.consumer
     # Batches below the offset are done. Only leased delivery, before a switch to sharing,
     # can have moved the offset past the cursor (with no ack rows for whole batches).
@@ -295,6 +332,8 @@ async def load_claim_reader(keeper: RangeKeeper, record: ClaimRecord, batches: l
     offset, epoch = decode_offset(data)
     done_below = offset if epoch == record.epoch else record.start
     by_batch = {b.header.batch: b for b in batches}
+    now, now_ms = time.monotonic(), keeper.clock.ms()
+    margin_ms = int(SKEW_MARGIN_SECONDS * 1000)
     for number in range(record.start, record.end):
         batch = by_batch.get(number)
         mark = marks.get(number, BatchMarks())
@@ -302,5 +341,8 @@ async def load_claim_reader(keeper: RangeKeeper, record: ClaimRecord, batches: l
             reader.state.add_batch(number, [])  # expired or done: nothing left to deliver
             continue
         skipped = {m.position.seq for m in batch.messages if addressed_elsewhere(m, member.subscriber)}
-        reader.state.add_batch(number, batch.messages, mark.done | skipped, mark.deliveries)
+        held = {seq: now + (until + margin_ms - now_ms) / 1000 for seq, until in mark.visible_until.items()
+                if until + margin_ms > now_ms and seq not in mark.done}
+        reader.state.add_batch(number, batch.messages, mark.done | skipped, mark.deliveries, held)
+        reader.held_at_load += len(held)
     return reader

@@ -71,6 +71,9 @@ class ClaimRecord:
     version: int
     # Hashes of the keys in the range (casque.engine.keylocks), kept only for ordered keys.
     keys: frozenset[int] = frozenset()
+    # The ZooKeeper session of the member when it wrote the claim (0: not known): once that
+    # session has ended, the claim may be taken over before its time (casque.engine.sharing).
+    session: int = 0
 
     @property
     def name(self) -> str:
@@ -80,6 +83,8 @@ class ClaimRecord:
         fields: dict[str, object] = {"member": self.member, "end": self.end, "until": self.until_ms}
         if self.keys:
             fields["keys"] = sorted(self.keys)
+        if self.session:
+            fields["session"] = self.session
         return json.dumps(fields).encode()
 
 
@@ -98,7 +103,8 @@ def parse_claim(shard: int, name: str, data: bytes, version: int) -> ClaimRecord
     epoch, _, start = name.partition("-")
     fields = json.loads(data)
     return ClaimRecord(shard, int(epoch), int(start), int(fields["end"]), str(fields["member"]),
-                       int(fields["until"]), version, frozenset(int(k) for k in fields.get("keys", ())))
+                       int(fields["until"]), version, frozenset(int(k) for k in fields.get("keys", ())),
+                       int(fields.get("session", 0)))
 
 
 async def read_cursor(client: KazooClient, paths: SubscriberPaths, shard: int) -> Cursor | None:
@@ -150,11 +156,11 @@ async def ensure_cursor(client: KazooClient, paths: SubscriberPaths, shard: int)
 
 async def claim_range(
     client: KazooClient, paths: SubscriberPaths, shard: int, cursor: Cursor, end: int, member: str, until_ms: int,
-    keys: frozenset[int] = frozenset(),
+    keys: frozenset[int] = frozenset(), session: int = 0,
 ) -> tuple[ClaimRecord | None, Cursor | None]:
     """Claim batches [cursor.next, end). Returns the claim, or None and the cursor as it is now
     (another member moved it first)."""
-    record = ClaimRecord(shard, cursor.epoch, cursor.next, end, member, until_ms, 0, keys)
+    record = ClaimRecord(shard, cursor.epoch, cursor.next, end, member, until_ms, 0, keys, session)
     transaction = client.transaction()
     transaction.set_data(paths.cursor(shard), encode_offset(end, cursor.epoch), cursor.version)
     transaction.create(f"{paths.claims(shard)}/{record.name}", record.data())
@@ -207,18 +213,29 @@ async def read_claim(
 
 async def rewrite(
     client: KazooClient, paths: SubscriberPaths, record: ClaimRecord, member: str, until_ms: int,
-    keys: frozenset[int] | None = None,
+    keys: frozenset[int] | None = None, session: int | None = None,
 ) -> ClaimRecord | None:
     """Renew (same member), release (until 0) or take over (another member) a claim, or publish
     the keys still open in it (`keys`, ordered keys only: a subset of those it had), if it is
     still at the version `record` was read at; None if it changed or is gone."""
-    updated = replace(record, member=member, until_ms=until_ms, keys=record.keys if keys is None else keys)
+    updated = replace(record, member=member, until_ms=until_ms, keys=record.keys if keys is None else keys,
+                      session=record.session if session is None else session)
     try:
         stat = await zk.call(client.set_async, f"{paths.claims(record.shard)}/{record.name}", updated.data(),
                              record.version)
     except (BadVersionError, NoNodeError):
         return None
     return replace(updated, version=stat.version)
+
+
+async def departed(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord) -> bool:
+    """Whether the session that wrote the claim has ended (its member's znode is gone, or is
+    a later session's) or its member left the group: it hands out nothing from the claim any
+    more without rewriting it first (casque.engine.claim_reader)."""
+    if not record.session:
+        return False  # written by a member that does not say: wait for its time
+    stat = await zk.call(client.exists_async, paths.member(record.member))
+    return stat is None or stat.ephemeralOwner != record.session
 
 
 async def still_held(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord) -> bool:

@@ -378,7 +378,11 @@ class Consumer:
                         return []
                     if got:
                         await self._deliverer.record(got)
-                        return got
+                        if self._sharing is None or self._sharing.vouched_for(got):
+                            return got
+                        # Recorded, but a range may have gone to another member meanwhile.
+                        self.hand_back(got)
+                        continue
                 except BaseException:
                     self.hand_back(got)  # cancelled, or not recorded: nothing was handed to anybody
                     raise

@@ -198,7 +198,8 @@ class Deliverer:
             p = d.message.position
             reader = self._source_for(p)
             if reader is not None:
-                events.append(AckEvent(reader.epoch, p.shard, p.batch, p.seq, deliveries=d.delivery_count))
+                events.append(AckEvent(reader.epoch, p.shard, p.batch, p.seq, deliveries=d.delivery_count,
+                                       visible_until_ms=int(self._clock.wall_of(d.visible_until) * 1000)))
         try:
             await self._member.acks.record_many(events)
             return
@@ -248,9 +249,16 @@ class Deliverer:
         reader, position, nonce = self.source_of(receipt)
         now = time.monotonic()
         deadline = reader.state.extend(position, nonce, visibility, now)
-        # A claimed range must last past the new deadline, or another member may deliver it.
-        if isinstance(reader, ClaimReader) and not await reader.renew_past(reader.sharing.clock.wall_of(deadline)):
-            raise StaleReceipt("the message's batches went to another member; it may be delivered again")
+        if isinstance(reader, ClaimReader):
+            # The claim must last past the new deadline, and a member that takes the range over
+            # from us once we are gone must find the deadline, or it may deliver the message.
+            wall = reader.sharing.clock.wall_of(deadline)
+            if not await reader.renew_past(wall):
+                raise StaleReceipt("the message's batches went to another member; it may be delivered again")
+            await self._member.acks.record(AckEvent(reader.epoch, position.shard, position.batch, position.seq,
+                                                    visible_until_ms=int(wall * 1000)))
+            if not reader.vouched:
+                raise BackendUnavailable("this member cannot prove its claim on the message now; try again")
         return deadline - now
 
     async def dead_letter(self, receipt: str, error: str | None) -> None:

@@ -135,6 +135,9 @@ class ShardLeases:
         self.held: dict[int, int] = {}
         self.connected = True
         self.registered = False
+        # How many times our member znode was created: a claim written before the latest
+        # registration may have been taken over while the znode was gone (see `vouches`).
+        self.registrations = 0
         # Out of the group on purpose (step_back) until rejoin.
         self.stepped_back = False
         self._members: list[str] = []
@@ -181,6 +184,18 @@ class ShardLeases:
             return True
         self._beat_now.set()  # find out at once rather than at the next heartbeat
         return False
+
+    def vouches(self, registration: int) -> bool:
+        """Whether a claim of shared delivery written during `registration` cannot have been
+        taken over as a departed member's (casque.engine.sharing): our member znode has existed
+        since, and our session is known to be alive for half a session more."""
+        return (self.registered and not self.stepped_back and registration == self.registrations
+                and self.trusted)
+
+    @property
+    def session_id(self) -> int:
+        """Our ZooKeeper session's id now (0 when there is none)."""
+        return self._session_id() or 0
 
     def surely_held(self, shard: int, fence: int) -> bool:
         """Whether our lease on `shard`, acquired with `fence`, provably still exists on the
@@ -243,6 +258,7 @@ class ShardLeases:
             if stat.ephemeralOwner != self._client.client_id[0]:
                 await zk.call(self._client.delete_async, path, stat.version)
                 await zk.call(self._client.create_async, path, b"", ephemeral=True)
+        self.registrations += 1
         self.registered = True
 
     def step_back(self) -> None:

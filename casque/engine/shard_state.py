@@ -86,12 +86,16 @@ class ShardState:
         messages: list[StoredMessage],
         done: set[int] | None = None,
         deliveries: dict[int, int] | None = None,
+        in_flight_until: dict[int, float] | None = None,
     ) -> None:
-        """Load a batch read from the log; `done` seqs were acked before (by any lease holder)."""
+        """Load a batch read from the log; `done` seqs were acked before (by any lease holder).
+        `in_flight_until` seqs may still be in an app's hands (delivered by a member that has
+        gone): in flight until then, holding their keys, and delivered again after."""
         if batch < self.next_batch:
             return
         done = done or set()
         deliveries = deliveries or {}
+        in_flight_until = in_flight_until or {}
         loaded = LoadedBatch({}, 0)
         entries = loaded.entries
         locks = self.locks
@@ -104,10 +108,16 @@ class ShardState:
             seq = message.position.seq
             if seq in done:
                 continue
-            entries[seq] = Entry(message, State.READY, deliveries.get(seq, 0))
+            entry = entries[seq] = Entry(message, State.READY, deliveries.get(seq, 0))
             if locks is not None:
                 locks.add(message.key, message.position)
             size += len(message.payload)
+            deadline = in_flight_until.get(seq)
+            if deadline is not None:
+                entry.state, entry.deadline, entry.nonce = State.IN_FLIGHT, deadline, random.getrandbits(63) | 1
+                heapq.heappush(self._deadlines, (deadline, batch, seq, entry.nonce))
+                self._in_flight += 1
+                continue
             if seq > top:
                 ready.append((batch, seq))
                 top = seq

@@ -31,7 +31,16 @@ from typing import Any
 from casque.backends import zk
 from casque.engine import claims, gaps
 from casque.engine.batches import Batch
-from casque.engine.claim_reader import DEMAND_SECONDS, ClaimReader, headroom, load_claim_reader
+from casque.engine.claim_reader import (
+    DEMAND_SECONDS,
+    SKEW_MARGIN_SECONDS,
+    ClaimReader,
+    headroom,
+    load_claim_reader,
+    registration_of,
+    session_of,
+    vouches,
+)
 from casque.engine.claims import ClaimRecord, Cursor
 from casque.engine.clock import clock_of
 from casque.engine.foreign_ranges import ForeignRanges
@@ -40,7 +49,7 @@ from casque.engine.keylocks import KeyLocks, key_hash
 from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member, ShardStatus
 from casque.engine.messages import Delivery, Position
 from casque.errors import BackendUnavailable, CasqueError
-from casque.specs import priority_of
+from casque.specs import by_priority
 from casque.znodes import decode_offset
 
 log = logging.getLogger(__name__)
@@ -60,10 +69,6 @@ CLAIM_LOW_WATER = 64
 # whole backlog into memory (a sidecar's container has 256 MiB).
 MAX_LOADED_MESSAGES = 4000
 MAX_LOADED_BYTES = 16 * 1024 * 1024
-# Another member takes over a lapsed claim only this long after its time. Every member reads
-# Cassandra's clock (casque.engine.clock), to within its sample's error (a millisecond or so)
-# and the coordinators' own NTP skew: this covers both, whatever the sidecars' clocks say.
-SKEW_MARGIN_SECONDS = 1.0
 # With nothing to claim, look again this often (claims of others lapse without a watch firing).
 RECHECK_SECONDS = 2.0
 RENEW_INTERVAL_SECONDS = 0.5
@@ -140,6 +145,12 @@ class SharedDelivery:
             held.remove(reader)
             reader.state.release_keys()
         self.space_freed()
+
+    def vouched_for(self, deliveries: list[Delivery]) -> bool:
+        """Whether every delivery's range is still provably ours, now that its deliveries are
+        recorded: then no member can take it over without finding them in the ack rows."""
+        return all((reader := self.source_for(d.message.position)) is not None and reader.vouched
+                   for d in deliveries)
 
     def locks_for(self, shard: int) -> KeyLocks | None:
         return self.foreign.locks_for(shard) if self.foreign is not None else None
@@ -237,22 +248,10 @@ class SharedDelivery:
                 self.consumer.notify()
                 self._want.set()  # more, if still few are ready
 
-    def _ordered_shards(self) -> list[int]:
-        """Higher priority levels first; within a level, a rotating start for fairness."""
-        self._rotation += 1
-        by_level: dict[int, list[int]] = {}
-        for shard in sorted(self.shards):
-            by_level.setdefault(priority_of(shard), []).append(shard)
-        ordered: list[int] = []
-        for level in sorted(by_level, reverse=True):
-            shards = by_level[level]
-            turn = self._rotation % len(shards)
-            ordered.extend(shards[turn:] + shards[:turn])
-        return ordered
-
     async def _claim_one(self) -> ClaimReader | None:
         """Take over a lapsed range (older messages first) or claim a new one; None if there is none."""
-        order = self._ordered_shards()
+        self._rotation += 1
+        order = by_priority(self.shards, self._rotation)  # fair within a level
         now = time.monotonic()
         for shard in order:
             # Listing the claims (and reading those not seen lapsing before) costs reads:
@@ -290,6 +289,7 @@ class SharedDelivery:
         for key in [k for k in self._seen if k[0] == shard and k[1] not in present]:
             del self._seen[key]
         held = {r.record.name for r in self.claims.get(shard, [])}
+        members = set(self.consumer.group_members())
         for name in names:
             epoch = int(name.partition("-")[0])
             if epoch < cursor.epoch:
@@ -302,23 +302,30 @@ class SharedDelivery:
                 continue
             seen = self._seen.get((shard, name))
             lapsed_at = self.clock.ms() - int(SKEW_MARGIN_SECONDS * 1000)
-            if seen is not None and seen.until_ms > lapsed_at:
+            if seen is not None and seen.until_ms > lapsed_at and seen.member in members:
                 continue
             record = await claims.read_claim(self.client, self.paths, shard, name)
             if record is None:
                 continue
             self._seen[(shard, name)] = record
-            if record.until_ms > lapsed_at:
+            # A claim is taken before its time once the member that wrote it has left the
+            # group: read before its member znode is, so that a rewrite by a member that came
+            # back (and may hand out again) makes the takeover's compare-and-set fail.
+            if record.until_ms > lapsed_at and (record.member in members or not await claims.departed(self.client, self.paths, record)):
                 continue
-            taken = await claims.rewrite(self.client, self.paths, record, self.consumer.member_id, self._until_ms())
+            why = "its time ran out" if record.until_ms <= lapsed_at else "its member left the group"
+            registration = registration_of(self.consumer)
+            taken = await claims.rewrite(self.client, self.paths, record, self.consumer.member_id, self._until_ms(),
+                                         session=session_of(self.consumer))
             self.zk_writes += 1
             if taken is None:
                 continue  # another member was faster
             self.takeovers += 1
-            log.info("shard %s: took over batches %s..%s from member %s", shard, taken.start, taken.end - 1,
-                     record.member)
             batches = await gaps.read_range(self.consumer.log, shard, taken.start, taken.end)
-            return await self._reader(taken, batches)
+            reader = await self._reader(taken, registration, batches)
+            log.info("shard %s: took over batches %s..%s from member %s (%s); %d of its deliveries still run",
+                     shard, taken.start, taken.end - 1, record.member, why, reader.held_at_load)
+            return reader
         return None
 
     async def _claim_fresh(self, shard: int) -> ClaimReader | None:
@@ -353,8 +360,10 @@ class SharedDelivery:
                     break
             end = taken[-1].header.batch + 1
             keys = frozenset(key_hash(m.key) for b in taken for m in b.messages if m.key) if self.ordered else frozenset()
+            registration = registration_of(self.consumer)
             record, now = await claims.claim_range(
-                self.client, self.paths, shard, cursor, end, self.consumer.member_id, self._until_ms(), keys)
+                self.client, self.paths, shard, cursor, end, self.consumer.member_id, self._until_ms(), keys,
+                session_of(self.consumer))
             self.zk_writes += 1
             if now is not None:
                 self._cursors[shard] = now
@@ -366,7 +375,7 @@ class SharedDelivery:
             self._read_ahead[shard] = [b for b in batches if b.header.batch >= end]
             self.consumer.counters.expired_skipped += sum(high - low for low, high in missing if high < end)
             self.claims_taken += 1
-            return await self._reader(record, taken)
+            return await self._reader(record, registration, taken)
         return None
 
     def _claim_target(self, available: int) -> int:
@@ -386,10 +395,10 @@ class SharedDelivery:
             self.zk_writes += 1
             self._cursors.pop(shard, None)
 
-    async def _reader(self, record: ClaimRecord, batches: list[Batch]) -> ClaimReader:
+    async def _reader(self, record: ClaimRecord, registration: int, batches: list[Batch]) -> ClaimReader:
         # Ordered keys: what other members hold of the shard is read beside the range's acks.
         seen = self.foreign.see(record.shard) if self.foreign is not None else asyncio.sleep(0)
-        return await load_claim_reader(self, record, batches, seen)
+        return await load_claim_reader(self, record, registration, batches, seen)
 
     def _install(self, reader: ClaimReader) -> None:
         self.claims.setdefault(reader.shard, []).append(reader)
@@ -431,8 +440,14 @@ class SharedDelivery:
                     elif remaining <= 0:
                         reader.drop("its time ran out while Cassandra was unreachable")
                     continue
-                if remaining > visibility + headroom(visibility) / 2 or reader.complete:
+                if reader.complete:
                     continue  # a complete range is being completed, not given up
+                # A claim written before the member's latest registration is rewritten at once
+                # (once the member is back in the group): it hands out nothing from it until then.
+                now_registered = registration_of(self.consumer)
+                rejoined = reader.registration != now_registered and vouches(self.consumer, now_registered)
+                if remaining > visibility + headroom(visibility) / 2 and not rejoined:
+                    continue
                 try:
                     if reader.in_use(now):
                         await reader.renew(self._until_ms())

@@ -21,7 +21,7 @@ import pytest
 from casque.engine import catalog
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from tests.fixtures.group import Group, assert_sound, load_until_holding
+from tests.fixtures.group import Group, assert_sound, load_until_holding, until
 from tests.fixtures.proxy import Proxy
 from tests.fixtures.sidecars import SidecarProcess, StartSidecar
 from tests.integration.test_group_faults import QUEUE, SESSION, SUBSCRIBER
@@ -69,6 +69,11 @@ async def _partition(group: Group, which: str, blackhole: bool = False) -> None:
     for proxy in _proxies(victim, which):
         proxy.heal()
     await group.whole(list(range(SHARDS)))
+    if group.delivery == "leased":
+        # Back in the group, it gets its share of the shards once their holders handed them
+        # over (after their deliveries' visibility): only then can it have work in hand.
+        await until(f"{group.members[victim]} to hold a shard again",
+                    lambda: asyncio.to_thread(lambda: group.members[victim] in group.lease_holders().values()))
     await (await load_until_holding(group, victim, 300, "after", since=len(group.history.deliveries)))
     await group.drained()
     assert_sound(group.history)

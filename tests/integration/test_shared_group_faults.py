@@ -10,6 +10,7 @@ delivered again after an ack answered `acked`, and no ack of a superseded delive
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from casque_client import AsyncClient
 from tests.fixtures.group import Group, load_until_holding
-from tests.fixtures.history import check
+from tests.fixtures.history import Delivery as HistoryDelivery, History, check, keys_in_flight_twice
 from tests.fixtures.sidecars import StartSidecar
 
 QUEUE = QueueRef("default", "pool")
@@ -157,3 +158,60 @@ async def test_a_member_whose_app_stops_asking_lets_its_range_go_once_the_visibi
             for message in await worker.receive(max=20, wait=1):
                 if await worker.ack(message.receipt) in ("acked", "already_acked"):
                     acked.add(message.message_id)
+
+
+async def test_a_killed_members_ordered_keys_move_on_once_its_session_ends_not_when_its_claims_lapse(
+    store: Store, group: Group
+) -> None:
+    # A visibility far longer than the sidecars' ZooKeeper session (10 s): the victim's claim
+    # lasts that long and more, and its deliveries too, but its session ends 10 s after the kill.
+    visibility = 60
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=visibility, delivery="shared",
+        ordered_keys=True))
+    (victim,) = await group.add(1, work=False)  # the test is its app: it takes two, acks none
+    await group.publish(64, "k")  # keys k-0 .. k-15, four messages each
+    keys = {row.message_id: row.key for row in store.session.execute(f"SELECT message_id, key FROM {store.table(QUEUE)}")
+            if row.message_id}
+    sent = History.now()
+    async with AsyncClient(victim.url, queue=QUEUE.name, subscriber=SUBSCRIBER) as client:
+        held = await client.receive(max=2, wait=10)
+    answered = History.now()
+    assert held, "the victim received nothing"
+    group.history.deliveries.extend(
+        HistoryDelivery(m.message_id, m.receipt, group.members[victim], m.delivery_count, sent, answered)
+        for m in held)
+    claimed = await asyncio.to_thread(claims_of, store, group.members[victim])
+    assert claimed, "the victim claimed nothing"
+    await group.add(2)
+    victim.kill()
+    await group.drained(limit_s=visibility * 3)
+
+    verdict = check(group.history)
+    assert verdict.ok, str(verdict)
+    twice = keys_in_flight_twice(group.history, keys, visibility)
+    assert not twice, f"{len(twice)} keys in flight twice, e.g. {twice[:2]}"
+    # The messages the victim had not handed out, of keys it did not hold, went to the others
+    # once its session ended: before any message it held was delivered again (at the end of its
+    # visibility). Waiting for its claim to lapse, all come back together, the held ones first.
+    held_ids = {m.message_id for m in held}
+    held_keys = {keys[m] for m in held_ids}
+    again = [d for d in group.history.deliveries if d.message_id in held_ids and d.delivery_count > 1]
+    assert again, "the messages the victim held were never delivered again"
+    free = [d for d in group.history.deliveries if d.message_id not in held_ids and keys[d.message_id] not in held_keys]
+    late = [d for d in free if d.answered > min(r.sent for r in again)]
+    assert not late, f"{len(late)} of {len(free)} free messages waited for the victim's claim, e.g. {late[:2]}"
+
+
+def claims_of(store: Store, member: str) -> list[str]:
+    """The names of the claims `member` holds now."""
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    mine = []
+    for shard in (0,):
+        for name in store.zk.get_children(paths.claims(shard)):
+            data, _ = store.zk.get(f"{paths.claims(shard)}/{name}")
+            if json.loads(data)["member"] == member:
+                mine.append(name)
+    return mine

@@ -82,3 +82,18 @@ def test_a_dropped_range_releases_its_keys() -> None:
     assert taken_ids(kept) == []
     dropped.release_keys()
     assert taken_ids(kept) == ["2-0"]
+
+
+def test_a_message_still_in_flight_at_a_departed_member_holds_its_key_until_its_recorded_deadline() -> None:
+    # A range taken over from a member whose session ended: 1-0 was delivered there, and its
+    # app may still work on it until the deadline recorded with the delivery.
+    state = ShardState(shard=0, offset=1, locks=KeyLocks())
+    state.add_batch(1, [message(1, 0, "a"), message(1, 1, "a"), message(1, 2, "b")], deliveries={0: 1},
+                    in_flight_until={0: 20.0})
+    assert state.in_flight == 1
+    assert taken_ids(state, now=0.0) == ["1-2"]  # 1-0 is someone else's; 1-1 waits behind it
+    assert taken_ids(state, now=19.9) == []
+    redelivered = state.take(10, 20.0, 30.0, 0.0)
+    assert [(h.entry.message.message_id, h.entry.deliveries) for h in redelivered] == [("1-0", 2)]
+    state.ack(Position(0, 1, 0), redelivered[0].nonce)
+    assert taken_ids(state, now=20.0) == ["1-1"]
