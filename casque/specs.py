@@ -176,6 +176,14 @@ class QueueState(BaseModel):
     # delayed messages, counters are keyed by it). Empty for queues created before
     # incarnations existed.
     incarnation: str = ""
+    # Until when batches may expire out of order: a lowered retention applies only to rows
+    # written after it, so newer batches expire before older ones until the last row written
+    # under the longer retention has gone. None: always in order (oldest first).
+    expiry_mixed_until: datetime | None = None
+
+    def expiry_in_order(self, now: datetime) -> bool:
+        """Whether a shard's live batches are, at `now`, exactly those after an expired prefix."""
+        return self.expiry_mixed_until is None or now >= self.expiry_mixed_until
 
     def shared_key(self, queue: QueueRef) -> str:
         """The `queue` key of this incarnation's rows in the shared tables."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError, RolledBackError
 
@@ -23,6 +23,7 @@ from casque.schema import (
     ensure_keyspace,
     ensure_queue_table,
     namespace_role_cql,
+    read_table_options,
     validate_name,
 )
 from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState
@@ -34,6 +35,9 @@ from casque.znodes import SubscriberPaths, decode_offset, queues_root
 TABLE_COUNT_WARNING = 200
 # Deleting a subscriber races with its members joining; this many tries before giving up.
 DELETE_ATTEMPTS = 20
+# After a lowered retention, expiry is taken as out of order this much longer than the
+# old retention: rows written around the change, clocks a little apart.
+EXPIRY_SLACK_SECONDS = 300
 
 
 @dataclass
@@ -168,6 +172,16 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     widened = wanted if had is None else wanted.widest(had)
     if widened != grant:
         grants.write(store, queue, widened)
+    mixed_until = current.expiry_mixed_until if current is not None else None
+    written_ttl = read_table_options(store.session, keyspace, queue).default_time_to_live if current else 0
+    if 0 < spec.retention_seconds < written_ttl:
+        # Rows written until now keep their longer TTL: expiry is out of order until they go.
+        lowered = datetime.now(timezone.utc) + timedelta(seconds=written_ttl + EXPIRY_SLACK_SECONDS)
+        mixed_until = max(mixed_until, lowered) if mixed_until is not None else lowered
+    if current is not None and current.expiry_mixed_until != mixed_until:
+        # Written before the table changes: a crash between the two cannot lose it.
+        current = current.model_copy(update={"expiry_mixed_until": mixed_until})
+        store.zk.set(paths.base, current.model_dump_json().encode())
     if ensure_queue_table(store.session, keyspace, queue, spec.retention_seconds):
         changes.actions.append(
             f"table {queue.messages_table} {'created' if current is None else 'retention set'}"
@@ -297,7 +311,8 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
         current = None
     if current is None:
         offsets = {
-            shard: start_offset(store, queue, shard, read_int(store, store.paths(queue).head(shard)), spec)
+            shard: start_offset(store, queue, shard, read_int(store, store.paths(queue).head(shard)), spec,
+                                queue_state.expiry_in_order(datetime.now(timezone.utc)))
             for shard in queue_state.spec.log_shards()
         }
         state = SubscriberState(spec=spec, created_at=datetime.now(timezone.utc), incarnation=uuid.uuid4().hex[:12])
@@ -338,14 +353,15 @@ def delete_subscriber(store: Store, queue: QueueRef, name: str) -> Changes:
     return Changes(actions=[f"subscriber {name} removed"])
 
 
-def start_offset(store: Store, queue: QueueRef, shard: int, head: int, spec: SubscriberSpec) -> int:
+def start_offset(store: Store, queue: QueueRef, shard: int, head: int, spec: SubscriberSpec,
+                 expiry_in_order: bool = True) -> int:
     position = spec.start_position
     if position == "latest":
         return head + 1
     if position == "earliest":
-        return positions.earliest_batch(store, queue, shard, head)
+        return positions.earliest_batch(store, queue, shard, head, expiry_in_order)
     assert isinstance(position, datetime)
-    return positions.batch_at_time(store, queue, shard, head, position)
+    return positions.batch_at_time(store, queue, shard, head, position, expiry_in_order)
 
 
 def _describe(position: object) -> str:

@@ -124,7 +124,8 @@ async def redrive(
     for shard in state.spec.log_shards():
         head = await asyncio.to_thread(catalog.read_int, store, store.paths(dead_letter_queue).head(shard))
         batch = max(await marks.start(shard),
-                    await asyncio.to_thread(positions.earliest_batch, store, dead_letter_queue, shard, head))
+                    await asyncio.to_thread(positions.earliest_batch, store, dead_letter_queue, shard, head,
+                                            state.expiry_in_order(datetime.now(timezone.utc))))
         while batch <= head:
             chunk = await log.read_from(shard, batch)
             if not chunk:

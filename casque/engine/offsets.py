@@ -133,20 +133,21 @@ def seek(store: Store, queue: QueueRef, subscriber: str, target: SeekTarget) -> 
                 f"{moment.isoformat()} is older than the queue's retention ({queue_state.spec.retention_seconds}s)"
             )
     offsets: dict[int, int] = {}
+    in_order = queue_state.expiry_in_order(clock_of(store.session).now())
     for shard in queue_state.spec.log_shards():
         head = catalog.read_int(store, store.paths(queue).head(shard))
         if target.kind == "latest":
             offsets[shard] = head + 1
         elif target.kind == "earliest":
-            offsets[shard] = positions.earliest_batch(store, queue, shard, head)
+            offsets[shard] = positions.earliest_batch(store, queue, shard, head, in_order)
         elif target.kind == "time":
             assert target.time is not None
-            offsets[shard] = positions.batch_at_time(store, queue, shard, head, target.time)
+            offsets[shard] = positions.batch_at_time(store, queue, shard, head, target.time, in_order)
         else:
             wanted = (target.batches or {}).get(shard)
             if wanted is None:
                 continue
-            earliest = positions.earliest_batch(store, queue, shard, head)
+            earliest = positions.earliest_batch(store, queue, shard, head, in_order)
             if not earliest <= wanted <= head + 1:
                 raise PositionOutOfRange(
                     f"shard {shard} holds batches {earliest}..{head}; cannot seek to batch {wanted}"

@@ -230,6 +230,7 @@ def resolve(store: Store, queue: QueueRef, spec: RangeSpec) -> ResolvedRange:
         if term.shard is not None and term.shard not in logs:
             raise InvalidRange(f"queue {queue} has no shard {term.shard} (its shards: {_describe_logs(logs)})")
     shards = []
+    in_order = state.expiry_in_order(datetime.now(timezone.utc))
     for shard in logs:
         head = catalog.read_int(store, store.paths(queue).head(shard))
         wanted = merge_intervals(shard_terms(spec, shard, head))
@@ -237,10 +238,10 @@ def resolve(store: Store, queue: QueueRef, spec: RangeSpec) -> ResolvedRange:
         if wanted:
             # Expired batches would only add empty partitions to read; skip past them.
             if spec.since is not None:
-                low = positions.batch_at_time(store, queue, shard, head, spec.since)
+                low = positions.batch_at_time(store, queue, shard, head, spec.since, in_order)
             else:
-                low = positions.earliest_batch(store, queue, shard, head)
+                low = positions.earliest_batch(store, queue, shard, head, in_order)
             if spec.until is not None:
-                high = positions.batch_at_time(store, queue, shard, head, spec.until) - 1
+                high = positions.batch_at_time(store, queue, shard, head, spec.until, in_order) - 1
         shards.append(ShardRange(shard, head, clip(wanted, low, high)))
     return ResolvedRange(queue, spec, tuple(shards))

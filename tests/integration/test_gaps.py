@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 
 import pytest
 
-from casque.engine import catalog
+from casque.engine import catalog, offsets, positions
 from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
+from casque.engine.offsets import SeekTarget
 from casque.engine.publisher import Publisher
 from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueSpec, SubscriberSpec
@@ -101,3 +103,40 @@ async def test_a_lagging_consumer_crosses_batches_that_expired_before_older_ones
     assert head == max(fresh.values())
     await until("the offset passed the head", lambda: catalog.read_offset(
         store, store.paths(QUEUE).subscriber("workers"), 0) == head + 1)
+
+
+async def test_seeks_and_new_subscribers_find_live_batches_before_a_stretch_a_lowered_retention_expired(
+    store: Store,
+) -> None:
+    """Batches 1-30 under an hour, 31-90 under a retention lowered to a minute, 91-120 under
+    the hour again. Once 31-90 have expired, a seek to earliest, a new subscriber starting at
+    earliest, and a seek to the time of batch 25 all start at the live batches 1-30. Before,
+    their binary searches took any missing batch for the expired prefix of an oldest-first
+    log, landed at 91, and skipped 1-30 for good."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, "replayer", SubscriberSpec(queue=QUEUE.name, start_position="latest"))
+
+    async def batches(count: int, retention: int) -> list[int]:
+        catalog.apply_queue(store, QUEUE, spec.model_copy(update={"retention_seconds": retention}))
+        publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+        written = [(await publisher.publish([OutgoingMessage(b"%d" % i)]))[0].batch for i in range(count)]
+        await publisher.flush_heads()
+        return written
+
+    old = await batches(30, 3600)
+    short = await batches(60, 60)
+    await batches(30, 3600)
+    assert old == list(range(1, 31)) and short == list(range(31, 91))
+    state = catalog.read_queue(store, QUEUE)
+    assert state.expiry_mixed_until is not None and not state.expiry_in_order(datetime.now(timezone.utc))
+    await until("the batches written under a minute's retention expired", lambda: gone(store, short),
+                limit_s=240)
+
+    paths = store.paths(QUEUE).subscriber("replayer")
+    assert offsets.seek(store, QUEUE, "replayer", SeekTarget("earliest")) == {0: 1}
+    assert catalog.read_offset(store, paths, 0) == 1
+    batch_25_at = positions.read_header_time(store, QUEUE, 0, 25)
+    assert offsets.seek(store, QUEUE, "replayer", SeekTarget("time", time=batch_25_at)) == {0: 25}
+    catalog.apply_subscriber(store, QUEUE, "late", SubscriberSpec(queue=QUEUE.name, start_position="earliest"))
+    assert catalog.read_offset(store, store.paths(QUEUE).subscriber("late"), 0) == 1
