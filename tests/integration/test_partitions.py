@@ -8,7 +8,8 @@ others deliver and ack everything published meanwhile (nothing stalls behind the
 member's shards or ranges); once healed, every member back in the group and ready, every
 shard leased by a live member, and a history (tests.fixtures.history) in which every
 acknowledged publish was delivered and acked and nothing acked was delivered again.
-Every test runs in both delivery modes.
+Every test runs in both delivery modes. A cut refuses connections; a blackhole accepts them
+and never answers (each request waits for its timeout); a slow link delivers everything late.
 """
 
 from __future__ import annotations
@@ -93,3 +94,26 @@ async def test_a_member_cut_from_both_backends_rejoins(group: Group) -> None:
 
 async def test_a_member_blackholed_from_zookeeper_past_its_session_rejoins(group: Group) -> None:
     await _partition(group, "zookeeper", blackhole=True)
+
+
+async def test_a_member_blackholed_from_cassandra_gives_its_share_up_and_rejoins(group: Group) -> None:
+    # Its requests are accepted and never answered: every one waits for the driver's timeout.
+    await _partition(group, "cassandra", blackhole=True)
+
+
+async def test_a_member_behind_a_slow_link_keeps_up_and_loses_nothing(group: Group) -> None:
+    """Both of one member's links slowed to 300 ms each way (a congested node): it stays in
+    the group, serves its share, and the history stays sound."""
+    victim = group.sidecars[0]
+    publishing = await load_until_holding(group, victim, 300, "before")
+    for proxy in _proxies(victim, "both"):
+        proxy.slow(0.3)
+    await publishing
+    since = len(group.history.deliveries)
+    await (await load_until_holding(group, victim, 300, "slow", since=since))
+    await group.drained()
+    assert group.members[victim] in await asyncio.to_thread(group.registered), "the slowed member left the group"
+    for proxy in _proxies(victim, "both"):
+        proxy.heal()
+    await group.whole(list(range(SHARDS)))
+    assert_sound(group.history)
