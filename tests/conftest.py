@@ -7,9 +7,12 @@ session fixtures below start their servers only when a selected test asks for th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from casque.devstack.stack import Stack
 
 from tests.fixtures.consumers import consumers  # noqa: F401
 from tests.fixtures.images import images  # noqa: F401
@@ -44,3 +47,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
         if uses & {"ring", "dc_ring"}:
             item.add_marker(pytest.mark.ring)
+
+
+# Stacks that a few modules use: stopped right after the last test that uses them rather than
+# at the end of the session. Each is one to three idle Cassandra JVMs, and on two cores the
+# tests after them ran beside them for the rest of the session.
+STOPPED_AFTER_LAST_USE = ("ring", "dc_ring", "secure_stack", "node_stack")
+_last_user: dict[str, str] = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Note, once the order is final, which test is the last to use each of those stacks."""
+    for item in session.items:
+        for name in set(getattr(item, "fixturenames", ())) & set(STOPPED_AFTER_LAST_USE):
+            _last_user[name] = item.nodeid
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    finished = [name for name in STOPPED_AFTER_LAST_USE if _last_user.get(name) == item.nodeid]
+    stacks = [getattr(item, "funcargs", {}).get(name) for name in finished]
+    yield  # the item's own teardown first: module fixtures built on a stack go before it
+    for stack in stacks:
+        if isinstance(stack, Stack):
+            stack.down()  # its session finalizer finds it down and releases its slot
