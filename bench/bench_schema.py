@@ -10,7 +10,8 @@ does. No backend is needed.
     .venv/bin/python bench/bench_schema.py [--messages N] [--runs 3] [--json] [--smoke]
 
 The payload is parsed once up front: both libraries check the same Python value, and the
-JSON parse (the same for both) is reported on its own row for scale.
+JSON parse (the same for both) is reported on its own row for scale. It takes bench/all.py's
+--cassandra and --zookeeper and ignores them.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import fastjsonschema
 import jsonschema
+from benchlib import Figure, repeat, report
 
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -107,52 +107,52 @@ def cpu_per_call(check: Callable[[Any], object], values: list[Any]) -> float:
     return (time.process_time() - start) / len(values) * 1e6
 
 
+def compile_ms(make: Callable[[dict[str, Any]], object]) -> float:
+    start = time.process_time()
+    make(SCHEMA)
+    return (time.process_time() - start) * 1e3
+
+
+FIGURES = [
+    Figure("fast_valid", "fastjsonschema, CPU per valid message", "µs"),
+    Figure("fast_invalid", "  per invalid message (error found and rendered)", "µs"),
+    Figure("fast_compile", "  compile, once per schema version", "ms"),
+    Figure("js_valid", "jsonschema, CPU per valid message", "µs"),
+    Figure("js_invalid", "  per invalid message (error found and rendered)", "µs"),
+    Figure("js_compile", "  compile, once per schema version", "ms"),
+    Figure("ratio_valid", "jsonschema / fastjsonschema, valid messages", "x"),
+    Figure("json_parse", "JSON parse of the same payloads (context)", "µs"),
+]
+
+
 def once(messages: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     valid = [valid_message(rng) for _ in range(messages)]
     invalid = [invalid_message(rng) for _ in range(messages)]
     raw = [json.dumps(v).encode() for v in valid]
-    figures: dict[str, float] = {}
-    start = time.process_time()
-    compiled_fast = fastjsonschema_check(SCHEMA)
-    figures["fastjsonschema compile"] = (time.process_time() - start) * 1e6
-    start = time.process_time()
-    compiled_js = jsonschema_check(SCHEMA)
-    figures["jsonschema compile"] = (time.process_time() - start) * 1e6
-    for name, check in (("fastjsonschema", compiled_fast), ("jsonschema", compiled_js)):
-        assert all(check(v) is None for v in valid[:20]) and all(check(v) for v in invalid[:20]), name
-        figures[f"{name} valid"] = cpu_per_call(check, valid)
-        figures[f"{name} invalid"] = cpu_per_call(check, invalid)
-    figures["json parse"] = cpu_per_call(json.loads, raw)
-    figures["jsonschema / fastjsonschema, valid"] = figures["jsonschema valid"] / figures["fastjsonschema valid"]
+    figures = {"fast_compile": compile_ms(fastjsonschema_check), "js_compile": compile_ms(jsonschema_check)}
+    for prefix, check in (("fast", fastjsonschema_check(SCHEMA)), ("js", jsonschema_check(SCHEMA))):
+        assert all(check(v) is None for v in valid[:20]) and all(check(v) for v in invalid[:20]), prefix
+        figures[f"{prefix}_valid"] = cpu_per_call(check, valid)
+        figures[f"{prefix}_invalid"] = cpu_per_call(check, invalid)
+    figures["json_parse"] = cpu_per_call(json.loads, raw)
+    figures["ratio_valid"] = figures["js_valid"] / figures["fast_valid"]
     return figures
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--messages", type=int, default=20000)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--json", action="store_true", help="one JSON document instead of the table")
-    parser.add_argument("--smoke", action="store_true", help="one run with small counts")
+    parser.add_argument("--runs", type=int, default=3, help="runs per figure; the median and min-max are reported")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    parser.add_argument("--smoke", action="store_true", help="one run with small counts: proves it works")
+    parser.add_argument("--cassandra", help="ignored: no backend is needed")
+    parser.add_argument("--zookeeper", help="ignored: no backend is needed")
     args = parser.parse_args()
-    runs, messages = (1, 200) if args.smoke else (args.runs, args.messages)
-    samples: dict[str, list[float]] = {}
-    for run in range(runs):
-        for key, value in once(messages, seed=run).items():
-            samples.setdefault(key, []).append(value)
-        print(f"run {run + 1}/{runs} done", file=sys.stderr, flush=True)
-    summary = {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v}
-               for k, v in samples.items()}
-    if args.json:
-        print(json.dumps({"benchmark": "schema", "smoke": args.smoke, "runs": runs, "messages": messages,
-                          "figures": summary}))
-        return
-    print(f"schema check, CPU per message (µs; {messages} messages, median of {runs} runs, (min-max))")
-    print("| figure | value |")
-    print("| --- | --- |")
-    for key, figure in summary.items():
-        unit = "x" if "/" in key else "µs"
-        print(f"| {key} | {figure['median']:.2f} ({figure['min']:.2f}-{figure['max']:.2f}) {unit} |")
+    if args.smoke:
+        args.runs, args.messages = 1, 200
+    samples = repeat(args.runs, lambda run: once(args.messages, seed=run))
+    report("schema", args, {"messages": args.messages, "CPU": "process time"}, FIGURES, samples)
 
 
 if __name__ == "__main__":
