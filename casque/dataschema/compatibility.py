@@ -40,6 +40,7 @@ schema) and the keyword.
 
 from __future__ import annotations
 
+import json
 from fractions import Fraction
 from typing import Any
 
@@ -59,6 +60,23 @@ def incompatibilities(old: object, new: object) -> list[str]:
     return _compare(old, new, ())
 
 
+def _json(value: object) -> str:
+    """A value as JSON text with sorted keys. Python calls `True == 1` and `{"const": True} ==
+    {"const": 1}`; JSON Schema does not, so values are compared by their JSON text (which also
+    tells 1 from 1.0 apart: a conservative answer, never an unsound one)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _same(a: object, b: object) -> bool:
+    return _json(a) == _json(b)
+
+
+def _within(values: list[Any], others: list[Any]) -> list[Any]:
+    """The values that are not among `others`, compared as JSON."""
+    known = {_json(v) for v in others}
+    return [v for v in values if _json(v) not in known]
+
+
 def _constraints(schema: object) -> object:
     """The schema without its annotations (a boolean schema stays as it is)."""
     if isinstance(schema, dict):
@@ -72,7 +90,7 @@ def _accepts_all(schema: object) -> bool:
 
 def _compare(old: object, new: object, at: tuple[str, ...]) -> list[str]:
     old, new = _constraints(old), _constraints(new)
-    if old == new or _accepts_all(new) or old is False:
+    if _same(old, new) or _accepts_all(new) or old is False:
         return []
     where = pointer(at) or "/"
     if new is False:
@@ -86,7 +104,7 @@ def _compare(old: object, new: object, at: tuple[str, ...]) -> list[str]:
         if keyword in OBJECT_KEYWORDS:
             continue
         before, after = old.get(keyword), new.get(keyword)
-        if before == after or after is None:
+        if after is None or _same(before, after):
             continue  # unchanged, or a constraint removed
         found.extend(_keyword(keyword, before, after, old, at))
     found.extend(_objects(old, new, at))
@@ -108,7 +126,7 @@ def _keyword(keyword: str, before: Any, after: Any, old: dict[str, Any], at: tup
         had = before if before is not None else ([old["const"]] if "const" in old else None)
         if had is None:
             return [f"{where}: enum added"]
-        lost = [value for value in had if value not in after]
+        lost = _within(had, after)
         return [f"{where}: enum no longer allows {lost!r}"] if lost else []
     if keyword == "const":
         return [f"{where}: const {'added' if before is None else 'changed'}"]
@@ -134,12 +152,12 @@ def _keyword(keyword: str, before: Any, after: Any, old: dict[str, Any], at: tup
     if keyword == "anyOf":
         if before is None:
             return [f"{where}: anyOf added"]
-        lost = [i for i, alternative in enumerate(before) if alternative not in after]
+        lost = [i for i, alternative in enumerate(before) if _within([alternative], after)]
         return [f"{where}: anyOf no longer holds alternative {i}" for i in lost]
     if keyword == "allOf":
         if before is None:
             return [f"{where}: allOf added"]
-        added = [i for i, entry in enumerate(after) if entry not in before]
+        added = [i for i, entry in enumerate(after) if _within([entry], before)]
         return [f"{where}: allOf adds entry {i}" for i in added]
     if keyword in UNCHANGED_OR_REMOVED:
         return [f"{where}: {keyword} {'added' if before is None else 'changed'}"]

@@ -195,6 +195,13 @@ def test_a_new_property_of_an_open_object_is_incompatible_unless_it_accepts_anyt
     assert incompatibilities(open_object, changed(open_object, ("properties",), b={"description": "any"})) == []
 
 
+def test_values_compare_as_json_not_as_python() -> None:
+    # Python says True == 1; JSON Schema does not: 1 is not the boolean true.
+    assert incompatibilities({"const": True}, {"const": 1}) == ["/: const changed"]
+    assert incompatibilities({"enum": [True, "a"]}, {"enum": [1, "a"]}) == ["/: enum no longer allows [True]"]
+    assert incompatibilities({"anyOf": [{"const": False}]}, {"anyOf": [{"const": 0}]}) != []
+
+
 def test_bounds_and_alternatives() -> None:
     assert incompatibilities({"multipleOf": 4}, {"multipleOf": 2}) == []
     assert incompatibilities({"multipleOf": 0.3}, {"multipleOf": 0.1}) == []
