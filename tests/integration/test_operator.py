@@ -346,6 +346,7 @@ def test_the_api_server_refuses_invalid_specs(
         "defaultDelay": 0,
         "consistency": "LOCAL_QUORUM",
         "deletionPolicy": "Retain",
+        "schemaCompatibility": "backward",
     }
     assert "shards cannot be lowered" in refused(lambda: patch_spec(api, ns, QUEUES, "orders", shards=2))
     patch_spec(api, ns, QUEUES, "orders", shards=6)  # growing is fine
