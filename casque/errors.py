@@ -102,3 +102,25 @@ class TlsRefused(CasqueError):
     required) or one side speaking plaintext. Retrying cannot help until the settings change."""
 
     code = "tls_refused"
+
+
+class SchemaViolation(CasqueError):
+    """A message's data does not match its queue's schema (casque.dataschema).
+
+    `path` is a JSON pointer into the data ("" for the whole), `rule` the schema keyword
+    that failed (`required`, `maximum`, ...), `version` the schema version checked against.
+    """
+
+    code = "schema_violation"
+
+    def __init__(self, message: str, *, path: str, rule: str, version: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.rule = rule
+        self.version = version
+
+
+class IncompatibleSchema(InvalidChange):
+    """A new queue schema that would refuse messages the one in force accepts."""
+
+    code = "incompatible_schema"

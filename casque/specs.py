@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from casque.dataschema.validation import invalid_schema
 from casque.schema import MAX_RETENTION_SECONDS, MIN_RETENTION_SECONDS, NAME_PATTERN, QueueRef
 
 _DURATION = re.compile(r"^(\d+)(s|m|h|d)?$")
@@ -103,10 +104,27 @@ class QueueSpec(_Spec):
         Field(ge=MIN_DEDUPLICATION_WINDOW_SECONDS, alias="deduplicationWindow", exclude_if=lambda v: v is None),
     ] = None
 
+    # The JSON Schema (draft 2020-12, casque.dataschema) the queue's messages must match;
+    # None: any data. Left out of the znode while unset, like the window above.
+    data_schema: Annotated[dict[str, Any] | None, Field(alias="schema", exclude_if=lambda v: v is None)] = None
+    # backward: a new schema must accept every message the one in force accepts
+    # (casque.dataschema.compatibility), else the change is refused; none: any change goes.
+    schema_compatibility: Annotated[
+        Literal["backward", "none"], Field(exclude_if=lambda v: v == "backward")
+    ] = "backward"
+
     @field_validator("retention_seconds", "default_delay_seconds", mode="before")
     @classmethod
     def _durations(cls, value: object) -> int:
         return parse_duration(value)
+
+    @field_validator("data_schema")
+    @classmethod
+    def _usable_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        problem = None if value is None else invalid_schema(value)
+        if problem is not None:
+            raise ValueError(f"schema: {problem}")
+        return value
 
     @field_validator("deduplication_window_seconds", mode="before")
     @classmethod
@@ -176,6 +194,10 @@ class QueueState(BaseModel):
     # delayed messages, counters are keyed by it). Empty for queues created before
     # incarnations existed.
     incarnation: str = ""
+    # Counts the schemas the queue has had: 1 for the first, one more for each accepted
+    # change (removing the schema included), 0 while it never had one. A message records the
+    # version it was checked against (casque.engine.messages.SCHEMA_VERSION_ATTRIBUTE).
+    schema_version: int = 0
     # Until when batches may expire out of order: a lowered retention applies only to rows
     # written after it, so newer batches expire before older ones until the last row written
     # under the longer retention has gone. None: always in order (oldest first).

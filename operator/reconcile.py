@@ -34,13 +34,14 @@ from casque.errors import (
     AccessDenied,
     BackendUnavailable,
     CasqueError,
+    IncompatibleSchema,
     InvalidChange,
     InvalidSpec,
     QueueNotFound,
     QuotaExceeded,
     SubscriberNotFound,
 )
-from casque.operator import conditions
+from casque.operator import conditions, schema_status
 from casque.operator.quotas import Limits, violations
 from casque.schema import QueueRef, read_table_options, validate_name
 from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState, format_duration
@@ -59,6 +60,7 @@ RECONCILED = "Reconciled"
 DRIFTED = "Drifted"
 INVALID_SPEC = "InvalidSpec"
 INVALID_CHANGE = "InvalidChange"
+INCOMPATIBLE_SCHEMA = "IncompatibleSchema"
 BACKEND_UNAVAILABLE = "BackendUnavailable"
 QUEUE_NOT_FOUND = "QueueNotFound"
 DEAD_LETTER_QUEUE_NOT_FOUND = "DeadLetterQueueNotFound"
@@ -93,7 +95,9 @@ class Failure:
 
 
 def classify(error: BaseException) -> Failure:
-    # InvalidChange is an InvalidSpec, so it is tested first.
+    # IncompatibleSchema is an InvalidChange, which is an InvalidSpec: most specific first.
+    if isinstance(error, IncompatibleSchema):
+        return Failure(INCOMPATIBLE_SCHEMA, str(error), None, error)
     if isinstance(error, InvalidChange):
         return Failure(INVALID_CHANGE, str(error), None, error)
     if isinstance(error, InvalidSpec):
@@ -212,6 +216,7 @@ class QueueObservation:
     heads: dict[int, int]  # shard -> head, for the shards whose head znode exists
     offsets: dict[str, dict[int, int]]  # subscriber -> shard -> offset
     stats: QueueStats = QueueStats()
+    schema_version: int = 0  # of the schema in force (QueueState.schema_version)
 
 
 @dataclass(frozen=True)
@@ -290,6 +295,7 @@ def _observe_queue(store: Store, ref: QueueRef) -> QueueObservation:
         table_ttl=table.default_time_to_live if table.exists else None,
         heads=heads,
         offsets=offsets,
+        schema_version=stored.schema_version if stored else 0,
     )
 
 
@@ -457,6 +463,7 @@ def queue_figures(seen: QueueObservation) -> dict[str, Any]:
         "subscribers": len(seen.offsets),
         "depth": seen.stats.depth,
         "oldestPendingTime": conditions.timestamp(_utc(oldest)) if oldest is not None else None,
+        "schemaVersion": seen.schema_version if seen.stored is not None else None,
     }
 
 
@@ -555,6 +562,8 @@ async def reconcile_queue(
         **readiness_status(resource.status, queue_readiness(spec, seen), resource.generation, now),
         "warnings": changes.warnings or None,
     }
+    wanted["conditions"] = schema_status.in_force(
+        wanted["conditions"], seen.schema_version, spec.data_schema is not None, resource.generation, now)
     return Outcome(status=conditions.merge_patch(resource.status, wanted), changes=changes)
 
 
@@ -688,12 +697,10 @@ async def _in_thread(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs
 
 
 def failed(resource: Resource, failure: Failure, now: datetime) -> Outcome:
-    return Outcome(
-        status=conditions.merge_patch(
-            resource.status, failure_status(resource.status, failure, resource.generation, now)
-        ),
-        failure=failure,
-    )
+    wanted = failure_status(resource.status, failure, resource.generation, now)
+    if failure.reason == INCOMPATIBLE_SCHEMA:
+        wanted["conditions"] = schema_status.refused(wanted["conditions"], failure.message, resource.generation, now)
+    return Outcome(status=conditions.merge_patch(resource.status, wanted), failure=failure)
 
 
 def _ranges(numbers: list[int]) -> str:

@@ -31,6 +31,7 @@ from casque.errors import (
     PositionOutOfRange,
     QueueNotFound,
     QuotaExceeded,
+    SchemaViolation,
     StaleReceipt,
     SubscriberNotFound,
 )
@@ -129,6 +130,16 @@ class NotReady(SidecarError):
     status = 503
 
 
+def schema_refusal(error: SchemaViolation, index: int | None) -> InvalidRequest:
+    """A message that broke its queue's schema, as a 400 naming the message (in a batch), the
+    path in its data and the rule."""
+    field = "data" if index is None else f"messages[{index}].data"
+    where = "" if index is None else f"messages[{index}]: "
+    detail = ErrorDetail(field=field, problem=str(error), path=error.path, rule=error.rule,
+                         schema_version=error.version)
+    return InvalidRequest(f"{where}{error}", [detail], code=SchemaViolation.code)
+
+
 # Most specific class first: the first match in an error's MRO wins.
 STATUS: Mapping[type[CasqueError], int] = {
     InvalidReceipt: 400,
@@ -138,6 +149,7 @@ STATUS: Mapping[type[CasqueError], int] = {
     QueueNotFound: 404,
     SubscriberNotFound: 404,
     StaleReceipt: 409,
+    SchemaViolation: 400,
     MessageTooLarge: 413,
     BackendUnavailable: 503,
     ConsumerStopped: 503,

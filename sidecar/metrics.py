@@ -45,6 +45,11 @@ class SidecarMetrics:
         self.duplicates = Counter(
             "casque_sidecar_duplicate_publishes", "Publishes whose id was already published.", ["queue"], registry=r
         )
+        self.schema_refusals = Counter(
+            "casque_sidecar_schema_refused_publishes",
+            "Publish requests refused because a message did not match the queue's schema, by the rule that failed.",
+            ["queue", "rule"], registry=r,
+        )
         self.received = Counter(
             "casque_sidecar_received_messages", "Messages handed to the app (pull or push).",
             ["queue", "subscriber"], registry=r,

@@ -6,7 +6,9 @@ mode (`specversion`, `id`, `source`, `type`, `time`, `datacontenttype`, `data` o
 own fields are CloudEvents extension attributes (lowercase, no separators): `partitionkey`
 (the CloudEvents partitioning extension), `traceparent` and `tracestate` (the distributed
 tracing extension), `messageid` (the id casque gave the message), `priority`,
-`deliverycount`, `receipt`, `shard`, `batch`, `seq`, `visibleuntil`, `expiresat`.
+`deliverycount`, `receipt`, `shard`, `batch`, `seq`, `visibleuntil`, `expiresat`, and
+`schemaversion` (the version of the queue's schema the message was checked against at
+publish, on queues with a schema).
 Application attributes travel in `attributes`. Publishing also takes casque's scheduling
 fields `delay`, `deliverAt` and `priority`.
 
@@ -49,6 +51,7 @@ from pydantic.alias_generators import to_camel
 from casque.engine.messages import (
     ENGINE_ATTRIBUTE_PREFIX,
     ENGINE_CLIENT_ID_PREFIXES,
+    SCHEMA_VERSION_ATTRIBUTE,
     Delivery,
     OutgoingMessage,
     Published,
@@ -182,6 +185,11 @@ class Reply(BaseModel):
 class ErrorDetail(Reply):
     field: str
     problem: str
+    # Set for a schema violation (code schema_violation): where in the message's data
+    # (a JSON pointer, "" for the whole), the schema keyword that failed, and the version.
+    path: str | None = Field(default=None, description="JSON pointer into the message's data (schema_violation).")
+    rule: str | None = Field(default=None, description="The schema keyword that failed (schema_violation).")
+    schema_version: int | None = Field(default=None, description="The queue schema version checked against.")
 
 
 class ErrorBody(Reply):
@@ -425,6 +433,9 @@ class Message(BaseModel):
     seq: int
     visibleuntil: datetime = Field(description="When the message is handed out again unless acked.")
     expiresat: datetime | None = None
+    schemaversion: int | None = Field(
+        default=None, description="The version of the queue's schema the message was checked against at publish."
+    )
 
     def wire(self) -> dict[str, Any]:
         # `data` may be a JSON null on purpose; absent fields are left out.
@@ -478,6 +489,9 @@ def envelope(delivery: Delivery, queue: QueueRef, raw: bool = False) -> Message:
         value = attributes.pop(CE_ATTRIBUTES[name], None)
         if value is not None:
             fields[name] = value
+    version = attributes.pop(SCHEMA_VERSION_ATTRIBUTE, None)
+    if version is not None and version.isdigit():
+        fields["schemaversion"] = int(version)
     if stored.key is not None:
         fields["partitionkey"] = stored.key
     if stored.expires_at is not None:

@@ -42,11 +42,12 @@ from casque.errors import (
     MessageTooLarge,
     PositionOutOfRange,
     QueueNotFound,
+    SchemaViolation,
     SubscriberNotFound,
 )
 from casque.schema import QueueRef, validate_name
 from casque.sidecar.config import SidecarSettings
-from casque.sidecar.errors import BACKEND_FAILURES, NotReady, SubscriberNotServed
+from casque.sidecar.errors import BACKEND_FAILURES, NotReady, SubscriberNotServed, schema_refusal
 from casque.sidecar.metrics import SidecarMetrics
 from casque.sidecar.models import SeekRequest
 from casque.sidecar.stalls import StallWatch
@@ -287,12 +288,17 @@ class QueueService:
         """All or none: every message is checked before any is written."""
         self._admit()
         publisher = await self.publisher(queue)
+        checked = list(messages)
         for index, message in enumerate(messages):
             try:
-                publisher.validate(message)
+                checked[index] = publisher.checked(message)
+            except SchemaViolation as error:
+                self.metrics.schema_refusals.labels(queue, error.rule).inc()
+                raise schema_refusal(error, index if len(messages) > 1 else None) from error
             except (MessageTooLarge, InvalidSpec) as error:
                 where = f"messages[{index}]: " if len(messages) > 1 else ""
                 raise type(error)(f"{where}{error}") from error
+        messages = checked
         # The count of writes in flight, kept inline: an async context manager per publish
         # cost more than the count itself.
         self._writes += 1

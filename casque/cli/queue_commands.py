@@ -271,8 +271,8 @@ async def _publish(settings: Settings, ref: QueueRef, messages: list[OutgoingMes
     async with opened(settings, ref.namespace) as store:
         state = await asyncio.to_thread(catalog.read_queue, store, ref)
         publisher = Publisher(store, ref, state)
-        for message in messages:
-            publisher.validate(message)  # all or nothing: refuse before writing any
+        # All or nothing: refuse before writing any; checked against the queue's schema too.
+        messages = [publisher.checked(message) for message in messages]
         quiet = len(messages) > 10 or output in MACHINE
         landed: list[dict[str, Any]] = []
         with _progress(len(messages), f"publishing to {ref}") as progress:

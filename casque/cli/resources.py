@@ -61,6 +61,9 @@ def _spec(model: Any) -> dict[str, Any]:
 
 def queue_document(ref: QueueRef, state: QueueState, stats: dict[str, Any] | None, subscribers: list[str]) -> dict[str, Any]:
     status: dict[str, Any] = {"subscribers": subscribers}
+    if state.spec.data_schema is not None:
+        # The version in force; each message carries the one it was checked against.
+        status["schemaVersion"] = state.schema_version
     if stats is not None:
         status.update(stats)
     return {"apiVersion": API_VERSION, "kind": "Queue", "metadata": _metadata(ref, ref.name, state.created_at),
@@ -119,6 +122,11 @@ def _count(value: Any) -> str:
     return "?" if value is None else f"{value:,}"
 
 
+def _schema(version: int | None) -> str:
+    """The queue's schema version in force, `v3`; `-` for a queue without a schema."""
+    return "-" if version is None else f"v{version}"
+
+
 def _stalled(shards: list[int] | None) -> str:
     """The stalled shards (lag, offset unmoved past the threshold), by number."""
     return "-" if not shards else ",".join(map(str, shards))
@@ -127,14 +135,14 @@ def _stalled(shards: list[int] | None) -> str:
 def queue_table(documents: list[dict[str, Any]], namespaces: bool) -> Table:
     table = Table(box=None, pad_edge=False)
     columns = (["NAMESPACE"] if namespaces else []) + [
-        "NAME", "SHARDS", "PRIORITIES", "RETENTION", "MESSAGES", "SUBSCRIBERS", "AGE"]
+        "NAME", "SHARDS", "PRIORITIES", "RETENTION", "SCHEMA", "MESSAGES", "SUBSCRIBERS", "AGE"]
     for column in columns:
         table.add_column(column, no_wrap=True)
     for d in documents:
         spec, status, meta = d["spec"], d["status"], d["metadata"]
         row = ([meta["namespace"]] if namespaces else []) + [
             meta["name"], str(spec["shards"]), str(spec["priorities"]), format_duration(spec["retention"]),
-            _count(status.get("publishedMessages")), str(len(status["subscribers"])), _age(meta["creationTimestamp"])]
+            _schema(status.get("schemaVersion")), _count(status.get("publishedMessages")), str(len(status["subscribers"])), _age(meta["creationTimestamp"])]
         table.add_row(*row)
     return table
 

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError, RolledBackError
 
-from casque.engine import grants, positions
+from casque.engine import grants, positions, schema_versions
 from casque.engine.delayed import Cursor
 from casque.errors import BackendUnavailable, InvalidChange, InvalidSpec, QueueNotFound, SubscriberNotFound
 from casque.schema import (
@@ -151,6 +151,9 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
         current: QueueState | None = read_queue(store, queue, granted=False)
     except QueueNotFound:
         current = None
+    # Before anything is written: a refused schema leaves the queue as it was.
+    version = (schema_versions.first_version(spec) if current is None
+               else schema_versions.next_version(queue, current, spec))
     grant = grants.read(store, queue) if current is not None else None
     # A spec beyond its grant was written by someone else than the installation (a namespace
     # may write its spec znode): the grant, not that spec, is what the queue really has, so
@@ -188,12 +191,15 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
             f" ({spec.retention_seconds}s)"
         )
     if current is None:
-        _create_queue_znodes(store, queue, spec)
+        _create_queue_znodes(store, queue, spec, version)
         changes.actions.append("queue znode created")
-    elif current.spec != spec:
-        store.zk.set(paths.base, current.model_copy(update={"spec": spec}).model_dump_json().encode())
+    elif current.spec != spec or current.schema_version != version:
+        updated = current.model_copy(update={"spec": spec, "schema_version": version})
+        store.zk.set(paths.base, updated.model_dump_json().encode())
         changes.actions.append("queue spec restored (it was changed outside the operator)" if tampered
                                else "queue spec updated")
+        if version != current.schema_version:
+            changes.actions.append(f"schema version {version}")
     if widened != wanted:
         grants.write(store, queue, wanted)
     for shard in spec.log_shards():
@@ -212,7 +218,7 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     return changes
 
 
-def _create_queue_znodes(store: Store, queue: QueueRef, spec: QueueSpec) -> None:
+def _create_queue_znodes(store: Store, queue: QueueRef, spec: QueueSpec, schema_version: int) -> None:
     """A new incarnation of the queue: its znodes first, its data (what makes it exist) last.
 
     Readers take a queue znode without data for no queue, so nobody sees a queue without
@@ -222,7 +228,8 @@ def _create_queue_znodes(store: Store, queue: QueueRef, spec: QueueSpec) -> None
     """
     paths = store.paths(queue)
     _delete_tree(store, paths.base, f"queue {queue}")
-    state = QueueState(spec=spec, created_at=datetime.now(timezone.utc), incarnation=uuid.uuid4().hex[:12])
+    state = QueueState(spec=spec, created_at=datetime.now(timezone.utc), incarnation=uuid.uuid4().hex[:12],
+                       schema_version=schema_version)
     store.zk.create(paths.base, b"", makepath=True)
     store.zk.create(paths.subscribers, b"")
     # The delayed-message mover starts from the queue's creation (see casque.engine.delayed).

@@ -26,6 +26,9 @@ class InvalidReceipt(CasqueError):
 ENGINE_CLIENT_ID_PREFIXES = ("delayed/", "dlq/", "redrive/", "replay:")
 # Attributes the engine writes (dead-letter history, redrive addressing); the API refuses them.
 ENGINE_ATTRIBUTE_PREFIX = "casque-"
+# The version of the queue's schema a message was checked against at publish (casque.dataschema);
+# absent when the queue had no schema. Copies (dead letters, redrives, replays) keep it.
+SCHEMA_VERSION_ATTRIBUTE = "casque-schema-version"
 
 
 def reserved_client_id(client_id: str) -> bool:

@@ -20,7 +20,7 @@ import uuid
 import zlib
 from collections import deque
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -42,7 +42,8 @@ from casque.engine.delayed import (
 from casque.engine import totals as shard_totals
 from casque.engine.heads import HeadAdvancer
 from casque.engine.idempotency import IdempotencyGuard, IdRecord, claim_deadline, recorded
-from casque.engine.messages import OutgoingMessage, Published, random_uuid
+from casque.dataschema.validation import CompiledSchema
+from casque.engine.messages import SCHEMA_VERSION_ATTRIBUTE, OutgoingMessage, Published, random_uuid
 from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
 from casque.specs import QueueSpec, QueueState, log_shard
@@ -442,6 +443,20 @@ class Publisher:
         self.idempotency = IdempotencyGuard(self.store, self.state.shared_key(self.queue), self.log,
                                             self.spec.deduplication_window)
         self._background: set[asyncio.Task[None]] = set()
+        # Compiled once per schema version (casque.dataschema.validation keeps them): a spec
+        # change gives the process a new Publisher, so this is the version in force.
+        schema = self.spec.data_schema
+        self.schema = None if schema is None else CompiledSchema.of(schema, self.state.schema_version)
+
+    def checked(self, message: OutgoingMessage) -> OutgoingMessage:
+        """`message` checked against the queue's schema and limits, and marked with the schema
+        version it matched; raises SchemaViolation, MessageTooLarge or InvalidSpec."""
+        if self.schema is not None:
+            self.schema.check(message.payload, message.content_type)
+            attributes = {**message.attributes, SCHEMA_VERSION_ATTRIBUTE: str(self.schema.version)}
+            message = replace(message, attributes=attributes)
+        self.validate(message)
+        return message
 
     def validate(self, message: OutgoingMessage) -> None:
         if message.size > self.spec.max_message_bytes:

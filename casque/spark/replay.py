@@ -176,7 +176,8 @@ async def replay(spark: SparkSession, store: Store, resolved: ResolvedRange, tar
                     result.expired += 1
                     continue
                 try:
-                    publisher.validate(message)
+                    # The target's schema too: a replayed message is stamped with its version.
+                    message = publisher.checked(message)
                 except CasqueError as error:
                     raise SparkJobError(
                         f"message at {row['shard']}:{row['batch_no']}:{row['seq']} cannot go to {target}: {error}"

@@ -14,7 +14,7 @@ from casque_client.client import (
     RetryPolicy,
     message,
 )
-from casque_client.errors import ApiError, ClientError, SidecarUnreachable
+from casque_client.errors import ApiError, ClientError, SchemaViolation, SidecarUnreachable
 from casque_client.subscription import Backoff, subscribe
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "PublishResult",
     "ReceiptOutcome",
     "RetryPolicy",
+    "SchemaViolation",
     "SidecarUnreachable",
     "message",
     "subscribe",

@@ -47,7 +47,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from casque_client.errors import ApiError, SidecarUnreachable
+from casque_client.errors import ApiError, SchemaViolation, SidecarUnreachable
 from casque_client.loopback import is_loopback
 
 DEFAULT_URL = "http://127.0.0.1:8717"
@@ -107,6 +107,8 @@ class Message:
     message_id: str = ""
     traceparent: str | None = None
     tracestate: str | None = None
+    # The version of the queue's schema the message was checked against at publish (None: no schema).
+    schema_version: int | None = None
 
     @property
     def payload(self) -> bytes:
@@ -143,6 +145,7 @@ class Message:
             message_id=event.get("messageid", event["id"]),
             traceparent=event.get("traceparent"),
             tracestate=event.get("tracestate"),
+            schema_version=event.get("schemaversion"),
         )
 
 
@@ -331,6 +334,9 @@ class _Requests:
             code, text = str(error["code"]), str(error["message"])
         except (ValueError, KeyError, TypeError):
             code, text = "http_error", raw.decode("utf-8", "replace")[:200] or f"HTTP {status}"
+        else:
+            if code == "schema_violation" and error.get("details"):
+                return _schema_violation(status, text, error["details"][0])
         seconds: float | None = None
         if retry_after:
             try:
@@ -338,6 +344,15 @@ class _Requests:
             except ValueError:
                 seconds = None
         return ApiError(status, code, text, seconds)
+
+
+def _schema_violation(status: int, text: str, detail: Mapping[str, Any]) -> SchemaViolation:
+    # The detail's field is `data`, or `messages[N].data` for the Nth message of a batch.
+    field = str(detail.get("field", ""))
+    index = int(field[9:field.index("]")]) if field.startswith("messages[") and "]" in field else None
+    version = detail.get("schemaVersion")
+    return SchemaViolation(status, text, path=str(detail.get("path", "")), rule=str(detail.get("rule", "")),
+                           schema_version=int(version) if version is not None else None, index=index)
 
 
 def _published(answer: Mapping[str, Any]) -> PublishResult:

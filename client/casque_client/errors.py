@@ -20,6 +20,24 @@ class ApiError(ClientError):
         self.retry_after = retry_after
 
 
+class SchemaViolation(ApiError):
+    """A published message's data did not match the queue's schema (code schema_violation).
+
+    `path` is a JSON pointer into the data ("" for the whole), `rule` the schema keyword that
+    failed (`required`, `maximum`, ...), `schema_version` the version checked against, and
+    `index` the message's place in a batch (None for a single publish).
+    """
+
+    def __init__(
+        self, status: int, message: str, *, path: str, rule: str, schema_version: int | None, index: int | None,
+    ) -> None:
+        super().__init__(status, "schema_violation", message)
+        self.path = path
+        self.rule = rule
+        self.schema_version = schema_version
+        self.index = index
+
+
 class SidecarUnreachable(ClientError):
     """No answer from the sidecar after every retry."""
 

@@ -197,6 +197,28 @@ def test_refusals_from_the_backends_state(local: Local) -> None:
     assert missing.stderr.strip() == "casque: subscriber default/audit (queue nowhere): queue default/nowhere does not exist"
 
 
+def test_an_incompatible_schema_is_refused_and_the_one_in_force_stays(local: Local) -> None:
+    queue = ("apiVersion: casque.io/v1alpha1\nkind: Queue\nmetadata: {{name: orders}}\n"
+             "spec: {{shards: 1, retention: 1h, schema: {{type: object, required: [{required}]}}}}\n")
+    file = local.write(queue.format(required="id"))
+    first = local.casque("apply", "-f", file)
+    assert first.returncode == 0, first.stderr
+    assert "queue default/orders: schema version 1" not in first.stdout  # a new queue: created at version 1
+    local.write(queue.format(required="id, total"))
+    refused = local.casque("apply", "-f", file)
+    assert refused.returncode == 1
+    assert refused.stderr.splitlines() == [
+        "casque: queue default/orders: queue default/orders: the new schema is not backward compatible with "
+        "version 1, which stays in force: /: required adds total. Set schemaCompatibility: none to change it anyway"
+    ]
+    state = catalog.read_queue(local.store, QueueRef("default", "orders"))
+    assert state.schema_version == 1 and state.spec.data_schema == {"type": "object", "required": ["id"]}
+    local.write(queue.format(required=""))  # removing a required name is compatible
+    relaxed = local.casque("apply", "-f", file)
+    assert relaxed.returncode == 0, relaxed.stderr
+    assert "queue default/orders: schema version 2" in relaxed.stdout.splitlines()
+
+
 def test_unreachable_backends_are_one_line(local: Local) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

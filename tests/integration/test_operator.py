@@ -346,6 +346,7 @@ def test_the_api_server_refuses_invalid_specs(
         "defaultDelay": 0,
         "consistency": "LOCAL_QUORUM",
         "deletionPolicy": "Retain",
+        "schemaCompatibility": "backward",
     }
     assert "shards cannot be lowered" in refused(lambda: patch_spec(api, ns, QUEUES, "orders", shards=2))
     patch_spec(api, ns, QUEUES, "orders", shards=6)  # growing is fine
@@ -802,3 +803,52 @@ def test_the_namespaces_zookeeper_identity_follows_its_queues(
         return False
 
     wait_for("the namespace's Secret to be deleted with its last Queue", secret_gone)
+
+
+def schema_condition(obj: dict[str, Any] | None) -> dict[str, Any]:
+    for condition in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if condition["type"] == "SchemaCompatible":
+            return dict(condition)
+    return {}
+
+
+def test_an_incompatible_schema_change_is_refused_and_a_compatible_one_accepted(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    ref = QueueRef(ns, "orders")
+    operators()
+    schema = {"type": "object", "properties": {"total": {"type": "number", "maximum": 1000}}}
+    create(api, ns, queue("orders", shards=1, retention="1h", deletionPolicy="Delete", schema=schema))
+    ready = wait_ready(api, ns, QUEUES, "orders")
+    assert ready["status"]["schemaVersion"] == 1
+    assert schema_condition(ready)["status"] == "True" and schema_condition(ready)["reason"] == "InForce"
+
+    # Lowering a maximum may refuse what version 1 accepted: refused, version 1 stays in force.
+    patch_spec(api, ns, QUEUES, "orders", schema={"properties": {"total": {"maximum": 500}}})
+    refused_change = wait_ready(api, ns, QUEUES, "orders", status="False", reason="IncompatibleSchema")
+    condition = schema_condition(refused_change)
+    assert condition["status"] == "False" and condition["reason"] == "Incompatible"
+    assert "/properties/total: maximum lowered from 1000 to 500" in condition["message"]
+    assert "version 1, which stays in force" in condition["message"]
+    assert refused_change["status"]["schemaVersion"] == 1
+    state = catalog.read_queue(backend.store, ref)
+    assert state.schema_version == 1 and state.spec.data_schema == schema
+
+    # Raising it instead is compatible: version 2, in force.
+    patch_spec(api, ns, QUEUES, "orders", schema={"properties": {"total": {"maximum": 5000}}})
+    accepted = wait_ready(api, ns, QUEUES, "orders")
+    assert accepted["status"]["schemaVersion"] == 2 and schema_condition(accepted)["status"] == "True"
+    state = catalog.read_queue(backend.store, ref)
+    assert state.schema_version == 2 and state.spec.data_schema is not None
+    assert state.spec.data_schema["properties"]["total"]["maximum"] == 5000
+
+    # A schema the operator cannot use (a keyword it would not check) is an invalid spec.
+    patch_spec(api, ns, QUEUES, "orders", schema={"prefixItems": [{"type": "string"}]})
+    invalid = wait_ready(api, ns, QUEUES, "orders", status="False", reason="InvalidSpec")
+    assert "prefixItems" in ready_of(invalid)["message"]
+    assert catalog.read_queue(backend.store, ref).schema_version == 2

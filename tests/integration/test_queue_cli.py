@@ -228,3 +228,17 @@ def test_stats_watch_refreshes_until_interrupted(store: Store, env: dict[str, st
         code = watch.wait(60)
         reader.join(10)
     assert code == 0, bytes(shown).decode(errors="replace")[-2000:]
+
+
+def test_publish_checks_the_queues_schema_and_consume_shows_the_version(run: Run, store: Store) -> None:
+    catalog.apply_queue(store, REF, QueueSpec.model_validate({
+        "shards": 2, "retention": 3600, "consistency": "ONE", "schemaCompatibility": "none",
+        "schema": {"type": "object", "required": ["order"]},
+    }))
+    run("publish", QUEUE, '{"order": 1}')
+    refused = run("publish", QUEUE, '{"other": 1}', code=1)
+    assert refused.stderr.strip() == (
+        "casque: data at / breaks 'required': must contain ['order'] properties (schema version 1)")
+    consumed = run("consume", QUEUE, "reader", "--max", "5", "--output", "json")
+    (event,) = [json.loads(line) for line in consumed.stdout.splitlines()]
+    assert event["data"] == {"order": 1} and event["schemaversion"] == 1

@@ -88,3 +88,15 @@ def test_exit_codes(env: dict[str, str]) -> None:
         closed = sock.getsockname()[1]
     down = run({**env, "CASQUE_CASSANDRA_PORT": str(closed)}, "get", "queues", code=4)
     assert down.stderr.startswith("casque: Cassandra at")
+
+
+def test_a_queue_with_a_schema_shows_its_version(env: dict[str, str], store: Store) -> None:
+    schema = {"type": "object", "properties": {"total": {"type": "number"}}}
+    catalog.apply_queue(store, REF, QueueSpec.model_validate(
+        {"shards": 2, "retention": 7200, "consistency": "ONE", "schema": schema, "schemaCompatibility": "none"}))
+    header, row = run(env, "get", "queues").stdout.splitlines()[:2]
+    assert "SCHEMA" in header.split() and "v1" in row.split()
+    assert "schemaVersion: 1" in run(env, "describe", "queue", "orders").stdout
+    (document,) = json.loads(run(env, "get", "queues", "-o", "json").stdout)
+    assert document["status"]["schemaVersion"] == 1 and document["spec"]["schema"] == schema
+    assert "-" in run(env, "get", "queues", "-n", "staging").stdout.splitlines()[1].split()  # no schema

@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from casque.errors import BackendUnavailable, InvalidChange, InvalidSpec, QueueNotFound, StaleReceipt
+from casque.errors import (
+    BackendUnavailable,
+    IncompatibleSchema,
+    InvalidChange,
+    InvalidSpec,
+    QueueNotFound,
+    StaleReceipt,
+)
 from casque.operator import conditions, reconcile
 from casque.operator.reconcile import QueueObservation, QueueStats, Resource, SubscriberObservation
 from casque.specs import QueueSpec, SubscriberSpec
@@ -94,6 +101,7 @@ def test_invalid_subscriber_spec() -> None:
     ("error", "reason", "retry"),
     [
         (InvalidChange("fewer shards"), "InvalidChange", None),
+        (IncompatibleSchema("maximum lowered"), "IncompatibleSchema", None),
         (InvalidSpec("bad"), "InvalidSpec", None),
         (BackendUnavailable("down"), "BackendUnavailable", reconcile.BACKEND_RETRY_SECONDS),
         (QueueNotFound("no queue"), "QueueNotFound", reconcile.QUEUE_RETRY_SECONDS),
@@ -180,6 +188,7 @@ def test_queue_figures() -> None:
         "subscribers": 2,
         "depth": 42,
         "oldestPendingTime": "2026-03-01T11:00:00Z",
+        "schemaVersion": 0,
     }
 
 
@@ -272,3 +281,16 @@ async def test_a_refresh_leaves_conditions_alone_until_reconciled() -> None:
     assert ready(outcome.status)["lastTransitionTime"] == "2026-03-01T12:00:00Z"
     # An invalid spec is the reconcile's to report: the refresh stays silent.
     assert (await reconcile.refresh_queue(untouchable, Resource("default", "orders", {"shards": 0}), NOW)).status == {}
+
+
+def test_a_refused_schema_change_sets_schema_compatible_false_and_keeps_the_version_shown() -> None:
+    before = {"observedGeneration": 1, "schemaVersion": 2, "conditions": []}
+    resource = Resource("default", "orders", {}, before, generation=2)
+    failure = reconcile.classify(IncompatibleSchema("/properties/total: maximum lowered from 1000 to 500"))
+    status = reconcile.failed(resource, failure, datetime(2026, 3, 1, tzinfo=timezone.utc)).status
+    by_type = {c["type"]: c for c in status["conditions"]}
+    assert by_type["Ready"]["reason"] == "IncompatibleSchema" and by_type["Ready"]["status"] == "False"
+    assert by_type["SchemaCompatible"]["status"] == "False"
+    assert by_type["SchemaCompatible"]["reason"] == "Incompatible"
+    assert "maximum lowered" in by_type["SchemaCompatible"]["message"]
+    assert "schemaVersion" not in status and "observedGeneration" not in status  # the old ones stand
