@@ -110,7 +110,6 @@ def check_sources(context: OperatorContext, seen: dict[str, str] | None) -> dict
     versions = {secret["metadata"]["name"]: str(secret["metadata"].get("resourceVersion")) for secret in found}
     if versions == seen:
         return seen
-    changed = sorted(name for name, version in versions.items() if (seen or {}).get(name) != version)
     with_queues = set(queue_namespaces(context))
     for namespace in served_namespaces(context):
         if namespace == context.secrets_namespace:
@@ -118,8 +117,7 @@ def check_sources(context: OperatorContext, seen: dict[str, str] | None) -> dict
         report = copies.copy_into(context.kube_api(), found, namespace,
                                   "all" if namespace in with_queues else "update")
         if report.written:
-            log.info("Secret %s changed: copies in namespace %s updated (%s)", ", ".join(changed), namespace,
-                     ", ".join(report.written))
+            log.info("namespace %s: copies of %s written", namespace, ", ".join(report.written))
         for problem in report.warnings():
             log.warning("%s", problem)
     return versions
