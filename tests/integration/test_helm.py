@@ -690,7 +690,10 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
     show = ["--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml"]
     zookeeper_auth = {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}}}
     isolation = {"cassandra": {"isolation": "keyspace", "auth": {"username": "casque", "password": "c" * 32}}}
-    for values in (None, {"operator": {"watchNamespaces": [other_namespace]}}, zookeeper_auth, isolation):
+    # The sidecar's Secrets, copied from the release's namespace into the one it serves.
+    copies = {"operator": {"watchNamespaces": [other_namespace]}, "sidecar": {"credentialsSecret": "casque-cassandra"},
+              "zookeeper": {"tls": {"enabled": True, "secret": "zookeeper-tls"}}}
+    for values in (None, {"operator": {"watchNamespaces": [other_namespace]}}, zookeeper_auth, isolation, copies):
         manifest = tools.template(kube_namespace, values, *show, release=release).stdout
         tools.run(*tools.kubectl, "apply", "-f", "-", input=manifest)
         try:
@@ -708,7 +711,20 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
             # ... and no more.
             assert not can("update", "leases.coordination.k8s.io/someone-elses")
             assert not can("delete", "queues.casque.io", served) and not can("create", "subscribers.casque.io", served)
-            if values in (zookeeper_auth, isolation):  # each namespace's identities, Secrets the operator writes
+            if values is copies:
+                for name in ("casque-cassandra", "zookeeper-tls"):
+                    # Read where they are kept, by name, and nothing else there ...
+                    assert can("get", f"secrets/{name}", kube_namespace)
+                    for verb in ("patch", "update", "delete"):
+                        assert not can(verb, f"secrets/{name}", kube_namespace)
+                    # ... and written by name where the operator serves.
+                    for verb in ("get", "patch", "delete"):
+                        assert can(verb, f"secrets/{name}", served)
+                assert not can("get", "secrets/unrelated", kube_namespace)
+                assert not can("get", "secrets/unrelated", served) and not can("patch", "secrets/unrelated", served)
+                for verb in ("list", "watch"):
+                    assert not can(verb, "secrets", kube_namespace) and not can(verb, "secrets", served)
+            if values in (zookeeper_auth, isolation, copies):  # Secrets the operator writes
                 for name in ("casque-zookeeper", "casque-cassandra-role"):
                     for verb in ("get", "patch", "delete"):
                         assert can(verb, f"secrets/{name}", served)
@@ -738,7 +754,8 @@ def test_the_operator_can_neither_read_nor_forge_a_secret_it_does_not_own(
     Secret of another name, or a service-account token Secret named like its own (which the
     token controller would fill with another account's token), cannot be created."""
     release = f"r{uuid.uuid4().hex[:6]}"
-    values = {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}}}
+    values = {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}},
+              "sidecar": {"credentialsSecret": "casque-cassandra"}}
     manifest = tools.template(kube_namespace, values, "--show-only", "templates/rbac.yaml", "--show-only",
                               "templates/serviceaccount.yaml", release=release).stdout
     account = f"system:serviceaccount:{kube_namespace}:{release}-casque"
@@ -784,6 +801,12 @@ def test_the_operator_can_neither_read_nor_forge_a_secret_it_does_not_own(
         assert as_operator("get", "secret", "casque-zookeeper").returncode == 0
         patched = as_operator("patch", "secret", "casque-zookeeper", "-p", '{"stringData": {"password": "q"}}')
         assert patched.returncode == 0, patched.stderr
+        # The copy of the sidecar's credentials likewise, and likewise never as a token Secret.
+        copy_token = secret("casque-cassandra", "kubernetes.io/service-account-token",
+                            annotations={"kubernetes.io/service-account.name": "default"})
+        refused = as_operator("create", "-f", "-", document=copy_token)
+        assert refused.returncode != 0 and "may only write its namespace Secrets" in refused.stderr
+        assert as_operator("create", "-f", "-", document=secret("casque-cassandra")).returncode == 0
     finally:
         tools.run(*tools.kubectl, "delete", "--wait=false", "-f", "-", input=manifest)
 
