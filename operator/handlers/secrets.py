@@ -14,6 +14,7 @@ from kubernetes.client.exceptions import ApiException
 
 from casque.operator import copies
 from casque.operator.context import OperatorContext
+from casque.operator.resources import GROUP, QUEUES, VERSION
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ async def keep_copies(context: OperatorContext, body: kopf.Body, logger: kopf.Lo
     if not sources or context.secrets_namespace is None:
         return
     now = time.monotonic()
-    if timer and now - context.copies_checked.get(namespace, float("-inf")) < context.options.refresh_interval:
+    # Half the interval: a Queue's own ticks, a little early or late, must not skip every other one.
+    if timer and now - context.copies_checked.get(namespace, float("-inf")) < context.options.refresh_interval / 2:
         return
     context.copies_checked[namespace] = now
     try:
@@ -66,8 +68,6 @@ def copy_all(context: OperatorContext, sources: list[str], namespace: str) -> co
 
 def queue_namespaces(context: OperatorContext) -> list[str]:
     """The namespaces the operator serves that hold a Queue (blocking)."""
-    from casque.operator.resources import GROUP, QUEUES, VERSION
-
     api = client.CustomObjectsApi(context.kube_api())
     pages: list[Any]
     if context.namespaces:

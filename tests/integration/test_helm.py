@@ -538,8 +538,14 @@ def test_non_default_values_are_accepted_by_the_api_server(
     assert out.count("(server dry run)") == len(documents), out
 
     # Roles in the watched namespaces; cluster-wide only what kopf's discovery needs.
-    roles = [r for r in of_kind(documents, "Role") if not r["metadata"]["name"].endswith("leader-election")]
+    roles = [r for r in of_kind(documents, "Role") if not r["metadata"]["name"].endswith(("leader-election",
+                                                                                             "secret-sources"))]
     assert sorted(r["metadata"]["namespace"] for r in roles) == sorted([kube_namespace, other_namespace])
+    # The sidecar's Secrets, read by name where they are kept, to be copied where pods are.
+    (sources,) = [r for r in of_kind(documents, "Role") if r["metadata"]["name"].endswith("secret-sources")]
+    assert sources["metadata"]["namespace"] == kube_namespace
+    assert sources["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
+                                 "resourceNames": ["casque-cassandra", "cassandra-tls", "zookeeper-tls"]}]
     cluster_rules = one(documents, "ClusterRole")["rules"]
     assert {g for rule in cluster_rules for g in rule["apiGroups"]} == {"apiextensions.k8s.io", ""}
     assert not any("events" in rule["resources"] for rule in cluster_rules)
@@ -821,6 +827,7 @@ class WebhookOperator:
         self.port, self.metrics_port = reserved_port(), reserved_port()
         cert, key = cluster.issue_serving_cert(f"webhook-{uuid.uuid4().hex[:6]}", ["127.0.0.1"])
         self.ca = str(cluster.ca_cert_path)
+        self.source_namespace = f"{namespace}-home"
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("CASQUE_")},
             "KUBECONFIG": str(cluster.kubeconfig_path),
@@ -830,6 +837,8 @@ class WebhookOperator:
             "CASQUE_KEYSPACE": "shop",
             "CASQUE_INJECTION_IMAGE": "registry.example.com/casque/sidecar:test",
             "CASQUE_INJECTION_CREDENTIALS_SECRET": "casque-cassandra",
+            # Where the sidecar's Secrets are copied from: a namespace a test may make.
+            "POD_NAMESPACE": self.source_namespace,
         }
         command = [
             sys.executable, "-m", "casque.cli", "operator", "run", "--namespace", namespace,
@@ -972,6 +981,33 @@ def test_the_api_server_has_the_webhook_add_the_sidecar_to_annotated_pods(
     assert {"name": injection.TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}} in pod["spec"]["volumes"]
     assert pod["metadata"]["labels"][injection.SIDECAR_LABEL] == injection.SIDECAR_LABEL_VALUE
     assert 'casque_operator_admission_reviews_total{outcome="injected"}' in webhook.metrics()
+
+
+def test_an_injected_pods_namespace_gets_the_sidecars_secret_without_waiting_for_it(
+    webhook: WebhookOperator, kube_client: client.ApiClient, kube_namespace: str  # noqa: F811
+) -> None:
+    core = client.CoreV1Api(kube_client)
+    home = webhook.source_namespace
+    core.create_namespace({"metadata": {"name": home}})
+    try:
+        core.create_namespaced_secret(home, {"metadata": {"name": "casque-cassandra"},
+                                             "stringData": {"username": "sidecars", "password": "installation"}})
+        # No Queue in the namespace: only the webhook's pass can make the copy.
+        core.create_namespaced_pod(kube_namespace, app_pod("billing", ANNOTATED))
+
+        def copied() -> client.V1Secret | None:
+            try:
+                return core.read_namespaced_secret("casque-cassandra", kube_namespace)
+            except ApiException as error:
+                if error.status == 404:
+                    return None
+                raise
+
+        copy = wait_for("the webhook to copy the sidecar's Secret into the pod's namespace", copied)
+        assert copy.data == core.read_namespaced_secret("casque-cassandra", home).data
+        assert copy.metadata.labels == {"app.kubernetes.io/managed-by": "casque-operator"}
+    finally:
+        core.delete_namespace(home)
 
 
 def test_the_api_server_stores_other_pods_as_they_were(
