@@ -892,6 +892,11 @@ def test_the_sidecars_secret_is_copied_where_queues_are_follows_its_source_and_s
         delete(api, ns, QUEUES, "orders")
         wait_for("orders to be gone", lambda: get(api, ns, QUEUES, "orders") is None)
         assert core.read_namespaced_secret(name, ns).data == rotated
+        # ... and it is still the operator's to keep current: a second rotation reaches it.
+        core.patch_namespaced_secret(name, home, secret(name, {"username": "sidecars", "password": "again"}))
+        again = core.read_namespaced_secret(name, home).data
+        wait_for("the copy without a Queue to follow its source", lambda: core.read_namespaced_secret(name, ns).data
+                 == again)
     finally:
         delete(api, other, QUEUES, "audit")
         wait_for("audit to be gone", lambda: get(api, other, QUEUES, "audit") is None, timeout=300)
