@@ -107,3 +107,54 @@ def test_the_webhook_copies_once_per_namespace_at_a_time_and_never_into_the_sour
 
     asyncio.run(main())
     assert calls == ["shop", "shop"]
+
+
+def test_a_queues_reconcile_reports_a_problem_and_its_timer_only_when_the_problem_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import logging
+
+    import kopf
+
+    from casque.operator.context import OperatorContext, OperatorOptions, StoreHolder
+    from casque.operator.copies import CopyReport
+    from casque.operator.handlers import secrets
+
+    warned: list[str] = []
+    passes: list[str] = []
+    unmanaged = ["casque-cassandra"]
+
+    def copy_all(context: OperatorContext, sources: list[str], namespace: str) -> CopyReport:
+        passes.append(namespace)
+        return CopyReport(namespace, unmanaged=list(unmanaged))
+
+    monkeypatch.setattr(secrets, "copy_all", copy_all)
+    monkeypatch.setattr(kopf, "warn", lambda body, *, reason, message: warned.append(reason))
+    context = OperatorContext(stores=StoreHolder(Settings()), options=OperatorOptions(refresh_interval=30),
+                              injection=InjectionSettings(credentials_secret="casque-cassandra"),
+                              secrets_namespace="casque-system")
+    body = kopf.Body({"metadata": {"name": "orders", "namespace": "shop"}})
+    logger = logging.getLogger("test")
+
+    async def tick() -> None:
+        context.copies_checked.clear()  # as if the refresh interval had passed
+        await secrets.keep_copies(context, body, logger, timer=True)
+
+    async def main() -> None:
+        await secrets.keep_copies(context, body, logger)  # a reconcile: always said
+        await secrets.keep_copies(context, body, logger, timer=True)  # a tick right after: skipped
+        assert passes == ["shop"]
+        await tick()  # the same problem: not said again
+        unmanaged.clear()
+        await tick()  # solved
+        unmanaged.append("casque-cassandra")
+        await tick()  # back: said again
+
+    asyncio.run(main())
+    assert len(passes) == 4 and warned == ["SecretNotCopied", "SecretNotCopied"]
+
+    # Without the operator's own namespace there is nowhere to copy from.
+    passes.clear()
+    context.secrets_namespace = None
+    asyncio.run(secrets.keep_copies(context, body, logger))
+    assert passes == []
