@@ -8,6 +8,7 @@ large is kept in annotations.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from casque.config import Settings
 from casque.operator import kube, reconcile
 from casque.operator.health import DEFAULT_STALL_AFTER, WatchHealth
+from casque.operator.injection import InjectionSettings
 from casque.operator.quotas import QuotaSettings
 from casque.store import Store
 
@@ -71,6 +73,16 @@ class OperatorContext:
     health: WatchHealth = field(default_factory=WatchHealth)
     # Namespaces the operator serves; empty means all of them.
     namespaces: tuple[str, ...] = ()
+    # The sidecar the webhook injects, whose Secrets the operator copies (casque.operator.copies).
+    injection: InjectionSettings = field(default_factory=InjectionSettings)
+    # The operator's own namespace, where the Secrets copied into app namespaces are read;
+    # None (run outside a pod without POD_NAMESPACE): no copies.
+    secrets_namespace: str | None = None
+    # Per namespace: when its copies were last checked (monotonic), and the problems last reported.
+    copies_checked: dict[str, float] = field(default_factory=dict)
+    copies_reported: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The operator's own background tasks (casque.operator.handlers.secrets), ended by `stopped`.
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # Set to stop kopf (leadership lost), and by the cleanup activity however kopf stops: kopf
     # waits for a task watching its stop flag, so a flag left unset would hold up its exit.
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -87,6 +99,8 @@ class OperatorContext:
             quotas=QuotaSettings(),
             health=WatchHealth(stall_after=options.watch_stall_seconds),
             namespaces=namespaces,
+            injection=InjectionSettings(),
+            secrets_namespace=os.environ.get("POD_NAMESPACE") or None,
         )
 
     def lock(self, uid: str) -> asyncio.Lock:

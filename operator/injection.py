@@ -27,8 +27,9 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import re
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -556,8 +557,10 @@ class WebhookOptions:
     address: str = "0.0.0.0"
 
 
-async def serve(options: WebhookOptions, settings: InjectionSettings, backends: Settings) -> None:
+async def serve(options: WebhookOptions, settings: InjectionSettings, backends: Settings,
+                injected: Callable[[str], None] | None = None) -> None:
     """Answer admission requests until cancelled, on any path (the chart uses /inject).
+    `injected` is told the namespace of each pod that gets a sidecar, after the answer is made.
 
     kopf's server re-reads the certificate files when they change (a renewed Secret) and
     restarts its listener with them.
@@ -571,7 +574,11 @@ async def serve(options: WebhookOptions, settings: InjectionSettings, backends: 
         headers: Mapping[str, str] | None = None,
         sslpeer: Mapping[str, Any] | None = None,
     ) -> Any:
-        return answer(request, settings, backends)
+        answered = answer(request, settings, backends)
+        namespace = (request.get("request") or {}).get("namespace")
+        if injected is not None and namespace and outcome(answered) == "injected":
+            injected(str(namespace))
+        return answered
 
     server = kopf.WebhookServer(
         addr=options.address, port=options.port, certfile=options.certfile, pkeyfile=options.keyfile
@@ -586,8 +593,18 @@ def run_with_webhook(operator: Awaitable[int], options: WebhookOptions, settings
 
 
 async def _run_with_webhook(operator: Awaitable[int], options: WebhookOptions, settings: InjectionSettings) -> int:
+    # Here, not at the top: casque.operator.copies builds on this module.
+    from casque.operator import copies, kube
+
+    backends = Settings()
     running = asyncio.ensure_future(operator)
-    webhook = asyncio.create_task(serve(options, settings, Settings()), name="webhook")
+    copier = None
+    source_namespace = os.environ.get("POD_NAMESPACE")
+    names = copies.source_names(settings, backends)
+    if source_namespace and names:
+        copier = copies.WebhookCopier(kube.api_client, source_namespace, names)
+    webhook = asyncio.create_task(
+        serve(options, settings, backends, copier.schedule if copier is not None else None), name="webhook")
     try:
         await asyncio.wait({running, webhook}, return_when=asyncio.FIRST_COMPLETED)
         if running.done():

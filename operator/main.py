@@ -6,13 +6,14 @@ module also works with plain `kopf run -m casque.operator.main --standalone`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import kopf
 
 from casque.operator.context import OperatorContext, OperatorOptions, context_of
-from casque.operator.handlers import probes, queues, subscribers
+from casque.operator.handlers import probes, queues, secrets, subscribers
 from casque.operator.resources import ANNOTATION_PREFIX, FINALIZER, GROUP, QUEUES, SUBSCRIBERS, VERSION
 
 # Read when the module is imported: kopf fixes timer intervals at registration.
@@ -41,9 +42,19 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo.casque = OperatorContext.from_environment()
 
 
+@kopf.on.startup()
+async def copy_secrets(memo: kopf.Memo, **_: Any) -> None:
+    # Not a kopf handler on Secrets: kopf would watch every Secret of every served namespace.
+    context = context_of(memo)
+    context.tasks.append(asyncio.create_task(secrets.follow_sources(context), name="sidecar-secrets"))
+
+
 @kopf.on.cleanup()
-def close(memo: kopf.Memo, **_: Any) -> None:
-    context_of(memo).close()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    context = context_of(memo)
+    context.stopped.set()
+    await asyncio.gather(*context.tasks, return_exceptions=True)
+    context.close()
 
 
 # --- Queues -------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ Before a Queue is reconciled its namespace gets its ZooKeeper identity (a Secret
 ZooKeeper authentication is configured), its Cassandra keyspace, role and Secret (with
 keyspace isolation), and its quotas are read from the Namespace; after the namespace's last
 Queue is deleted the Secrets and the role go too (the keyspace stays, with retained data).
+The namespace also gets copies of the sidecar's Secrets (casque.operator.copies), which stay.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from casque.errors import CasqueError, InvalidSpec
 from casque.operator import reconcile, tenancy
 from casque.operator.context import OperatorContext
+from casque.operator.handlers import secrets
 from casque.operator.handlers.common import report, resource_of, run_locked, to_kopf
 from casque.operator.quotas import Limits, limits_for
 from casque.operator.reconcile import Failure, Outcome
@@ -59,6 +61,8 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
 
     outcome = await run_locked(context, body, "Queue", "apply", flow)
     report(body, patch, outcome, logger)
+    # Whatever became of the Queue: its namespace's pods need the Secrets either way.
+    await secrets.keep_copies(context, body, logger)
     if outcome.failure is not None:
         raise to_kopf(outcome.failure)
 
@@ -77,6 +81,7 @@ async def refresh(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, 
         lambda: reconcile.refresh_queue(context.stores, resource, datetime.now(timezone.utc)),
     )
     report(body, patch, outcome, logger, timer=True)
+    await secrets.keep_copies(context, body, logger, timer=True)
 
 
 async def delete(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:

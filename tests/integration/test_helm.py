@@ -538,8 +538,14 @@ def test_non_default_values_are_accepted_by_the_api_server(
     assert out.count("(server dry run)") == len(documents), out
 
     # Roles in the watched namespaces; cluster-wide only what kopf's discovery needs.
-    roles = [r for r in of_kind(documents, "Role") if not r["metadata"]["name"].endswith("leader-election")]
+    roles = [r for r in of_kind(documents, "Role") if not r["metadata"]["name"].endswith(("leader-election",
+                                                                                             "secret-sources"))]
     assert sorted(r["metadata"]["namespace"] for r in roles) == sorted([kube_namespace, other_namespace])
+    # The sidecar's Secrets, read by name where they are kept, to be copied where pods are.
+    (sources,) = [r for r in of_kind(documents, "Role") if r["metadata"]["name"].endswith("secret-sources")]
+    assert sources["metadata"]["namespace"] == kube_namespace
+    assert sources["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
+                                 "resourceNames": ["casque-cassandra", "cassandra-tls", "zookeeper-tls"]}]
     cluster_rules = one(documents, "ClusterRole")["rules"]
     assert {g for rule in cluster_rules for g in rule["apiGroups"]} == {"apiextensions.k8s.io", ""}
     assert not any("events" in rule["resources"] for rule in cluster_rules)
@@ -690,7 +696,10 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
     show = ["--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml"]
     zookeeper_auth = {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}}}
     isolation = {"cassandra": {"isolation": "keyspace", "auth": {"username": "casque", "password": "c" * 32}}}
-    for values in (None, {"operator": {"watchNamespaces": [other_namespace]}}, zookeeper_auth, isolation):
+    # The sidecar's Secrets, copied from the release's namespace into the one it serves.
+    copies = {"operator": {"watchNamespaces": [other_namespace]}, "sidecar": {"credentialsSecret": "casque-cassandra"},
+              "zookeeper": {"tls": {"enabled": True, "secret": "zookeeper-tls"}}}
+    for values in (None, {"operator": {"watchNamespaces": [other_namespace]}}, zookeeper_auth, isolation, copies):
         manifest = tools.template(kube_namespace, values, *show, release=release).stdout
         tools.run(*tools.kubectl, "apply", "-f", "-", input=manifest)
         try:
@@ -708,7 +717,20 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
             # ... and no more.
             assert not can("update", "leases.coordination.k8s.io/someone-elses")
             assert not can("delete", "queues.casque.io", served) and not can("create", "subscribers.casque.io", served)
-            if values in (zookeeper_auth, isolation):  # each namespace's identities, Secrets the operator writes
+            if values is copies:
+                for name in ("casque-cassandra", "zookeeper-tls"):
+                    # Read where they are kept, by name, and nothing else there ...
+                    assert can("get", f"secrets/{name}", kube_namespace)
+                    for verb in ("patch", "update", "delete"):
+                        assert not can(verb, f"secrets/{name}", kube_namespace)
+                    # ... and written by name where the operator serves.
+                    for verb in ("get", "patch", "delete"):
+                        assert can(verb, f"secrets/{name}", served)
+                assert not can("get", "secrets/unrelated", kube_namespace)
+                assert not can("get", "secrets/unrelated", served) and not can("patch", "secrets/unrelated", served)
+                for verb in ("list", "watch"):
+                    assert not can(verb, "secrets", kube_namespace) and not can(verb, "secrets", served)
+            if values in (zookeeper_auth, isolation, copies):  # Secrets the operator writes
                 for name in ("casque-zookeeper", "casque-cassandra-role"):
                     for verb in ("get", "patch", "delete"):
                         assert can(verb, f"secrets/{name}", served)
@@ -738,7 +760,8 @@ def test_the_operator_can_neither_read_nor_forge_a_secret_it_does_not_own(
     Secret of another name, or a service-account token Secret named like its own (which the
     token controller would fill with another account's token), cannot be created."""
     release = f"r{uuid.uuid4().hex[:6]}"
-    values = {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}}}
+    values = {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}},
+              "sidecar": {"credentialsSecret": "casque-cassandra"}}
     manifest = tools.template(kube_namespace, values, "--show-only", "templates/rbac.yaml", "--show-only",
                               "templates/serviceaccount.yaml", release=release).stdout
     account = f"system:serviceaccount:{kube_namespace}:{release}-casque"
@@ -784,6 +807,12 @@ def test_the_operator_can_neither_read_nor_forge_a_secret_it_does_not_own(
         assert as_operator("get", "secret", "casque-zookeeper").returncode == 0
         patched = as_operator("patch", "secret", "casque-zookeeper", "-p", '{"stringData": {"password": "q"}}')
         assert patched.returncode == 0, patched.stderr
+        # The copy of the sidecar's credentials likewise, and likewise never as a token Secret.
+        copy_token = secret("casque-cassandra", "kubernetes.io/service-account-token",
+                            annotations={"kubernetes.io/service-account.name": "default"})
+        refused = as_operator("create", "-f", "-", document=copy_token)
+        assert refused.returncode != 0 and "may only write its namespace Secrets" in refused.stderr
+        assert as_operator("create", "-f", "-", document=secret("casque-cassandra")).returncode == 0
     finally:
         tools.run(*tools.kubectl, "delete", "--wait=false", "-f", "-", input=manifest)
 
@@ -798,6 +827,7 @@ class WebhookOperator:
         self.port, self.metrics_port = reserved_port(), reserved_port()
         cert, key = cluster.issue_serving_cert(f"webhook-{uuid.uuid4().hex[:6]}", ["127.0.0.1"])
         self.ca = str(cluster.ca_cert_path)
+        self.source_namespace = f"{namespace}-home"
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("CASQUE_")},
             "KUBECONFIG": str(cluster.kubeconfig_path),
@@ -807,6 +837,8 @@ class WebhookOperator:
             "CASQUE_KEYSPACE": "shop",
             "CASQUE_INJECTION_IMAGE": "registry.example.com/casque/sidecar:test",
             "CASQUE_INJECTION_CREDENTIALS_SECRET": "casque-cassandra",
+            # Where the sidecar's Secrets are copied from: a namespace a test may make.
+            "POD_NAMESPACE": self.source_namespace,
         }
         command = [
             sys.executable, "-m", "casque.cli", "operator", "run", "--namespace", namespace,
@@ -949,6 +981,33 @@ def test_the_api_server_has_the_webhook_add_the_sidecar_to_annotated_pods(
     assert {"name": injection.TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}} in pod["spec"]["volumes"]
     assert pod["metadata"]["labels"][injection.SIDECAR_LABEL] == injection.SIDECAR_LABEL_VALUE
     assert 'casque_operator_admission_reviews_total{outcome="injected"}' in webhook.metrics()
+
+
+def test_an_injected_pods_namespace_gets_the_sidecars_secret_without_waiting_for_it(
+    webhook: WebhookOperator, kube_client: client.ApiClient, kube_namespace: str  # noqa: F811
+) -> None:
+    core = client.CoreV1Api(kube_client)
+    home = webhook.source_namespace
+    core.create_namespace({"metadata": {"name": home}})
+    try:
+        core.create_namespaced_secret(home, {"metadata": {"name": "casque-cassandra"},
+                                             "stringData": {"username": "sidecars", "password": "installation"}})
+        # No Queue in the namespace: only the webhook's pass can make the copy.
+        core.create_namespaced_pod(kube_namespace, app_pod("billing", ANNOTATED))
+
+        def copied() -> client.V1Secret | None:
+            try:
+                return core.read_namespaced_secret("casque-cassandra", kube_namespace)
+            except ApiException as error:
+                if error.status == 404:
+                    return None
+                raise
+
+        copy = wait_for("the webhook to copy the sidecar's Secret into the pod's namespace", copied)
+        assert copy.data == core.read_namespaced_secret("casque-cassandra", home).data
+        assert copy.metadata.labels == {"app.kubernetes.io/managed-by": "casque-operator"}
+    finally:
+        core.delete_namespace(home)
 
 
 def test_the_api_server_stores_other_pods_as_they_were(

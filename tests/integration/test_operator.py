@@ -852,3 +852,130 @@ def test_an_incompatible_schema_change_is_refused_and_a_compatible_one_accepted(
     invalid = wait_ready(api, ns, QUEUES, "orders", status="False", reason="InvalidSpec")
     assert "prefixItems" in ready_of(invalid)["message"]
     assert catalog.read_queue(backend.store, ref).schema_version == 2
+
+
+# --- the sidecar's Secrets, copied ----------------------------------------------------------
+
+
+@pytest.fixture
+def spare_namespaces(kube_client: client.ApiClient) -> Iterator[Callable[[], str]]:  # noqa: F811
+    """More namespaces for one test, deleted afterwards (see kube_namespace)."""
+    core = client.CoreV1Api(kube_client)
+    made: list[str] = []
+
+    def make() -> str:
+        name = f"test-{uuid.uuid4().hex[:12]}"
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name,
+                                                                              labels={"casque.io/test": "true"})))
+        made.append(name)
+        return name
+
+    try:
+        yield make
+    finally:
+        for name in made:
+            try:
+                core.delete_namespace(name)
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+
+
+def read_secret(core: client.CoreV1Api, name: str, namespace: str) -> client.V1Secret | None:
+    try:
+        return core.read_namespaced_secret(name, namespace)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+
+
+def secret(name: str, data: dict[str, str], **metadata: Any) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": name, **metadata},
+            "data": {key: base64.b64encode(value.encode()).decode() for key, value in data.items()}}
+
+
+def test_the_sidecars_secret_is_copied_where_queues_are_follows_its_source_and_spares_the_users(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+    spare_namespaces: Callable[[], str],
+) -> None:
+    from casque.operator.copies import SOURCE_ANNOTATION
+
+    api = client.CustomObjectsApi(kube_client)
+    core = client.CoreV1Api(kube_client)
+    ns, home, other = kube_namespace, spare_namespaces(), spare_namespaces()
+    name = "casque-cassandra"
+    core.create_namespaced_secret(home, secret(name, {"username": "sidecars", "password": "first-password"}))
+    # In the second served namespace, a Secret of the copy's name that the user made.
+    users = core.create_namespaced_secret(other, secret(name, {"username": "mine", "password": "not-yours"}))
+    operators("--namespace", other, env={**backend.env, "POD_NAMESPACE": home,
+                                         "CASQUE_INJECTION_CREDENTIALS_SECRET": name})
+    create(api, ns, queue("orders", deletionPolicy="Delete"))
+    create(api, other, queue("audit", deletionPolicy="Delete"))
+    try:
+        wait_ready(api, ns, QUEUES, "orders")
+        copy = wait_for(f"the copy of {name} in {ns}", lambda: read_secret(core, name, ns))
+        source = core.read_namespaced_secret(name, home)
+        assert copy.data == source.data and copy.type == "Opaque"
+        assert copy.metadata.labels == {"app.kubernetes.io/managed-by": "casque-operator"}
+        assert copy.metadata.annotations == {SOURCE_ANNOTATION: f"{home}/{name}"}
+
+        # The user's Secret is left as it was, and the Queue says why its namespace has no copy.
+        wait_ready(api, other, QUEUES, "audit")
+        reported = wait_for("the unmanaged Secret to be reported on the Queue", lambda: [
+            message for kind, reason, message in events(kube_client, other, "audit")
+            if kind == "Warning" and reason == "SecretNotCopied"])
+        assert name in reported[0] and "managed-by" in reported[0]
+        assert core.read_namespaced_secret(name, other).metadata.resource_version == users.metadata.resource_version
+
+        # A rotated source reaches the copy; the user's Secret is still not touched.
+        core.patch_namespaced_secret(name, home, secret(name, {"username": "sidecars", "password": "rotated"}))
+        rotated = core.read_namespaced_secret(name, home).data
+        wait_for("the copy to follow its source", lambda: core.read_namespaced_secret(name, ns).data == rotated)
+        assert core.read_namespaced_secret(name, other).metadata.resource_version == users.metadata.resource_version
+
+        # The namespace's last Queue goes; the copy stays (pods may still read it: the
+        # operator cannot list them).
+        delete(api, ns, QUEUES, "orders")
+        wait_for("orders to be gone", lambda: get(api, ns, QUEUES, "orders") is None)
+        assert core.read_namespaced_secret(name, ns).data == rotated
+        # ... and it is still the operator's to keep current: a second rotation reaches it.
+        core.patch_namespaced_secret(name, home, secret(name, {"username": "sidecars", "password": "again"}))
+        again = core.read_namespaced_secret(name, home).data
+        wait_for("the copy without a Queue to follow its source", lambda: core.read_namespaced_secret(name, ns).data
+                 == again)
+    finally:
+        delete(api, other, QUEUES, "audit")
+        wait_for("audit to be gone", lambda: get(api, other, QUEUES, "audit") is None, timeout=300)
+
+
+def test_the_webhooks_copy_makes_what_is_missing_and_nothing_else(
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+    spare_namespaces: Callable[[], str],
+) -> None:
+    from casque.operator.copies import WebhookCopier
+
+    core = client.CoreV1Api(kube_client)
+    home, users, stale = spare_namespaces(), spare_namespaces(), spare_namespaces()
+    core.create_namespaced_secret(home, secret("creds", {"password": "installation"}))
+    core.create_namespaced_secret(home, secret("ca", {"ca.crt": "certificate"}))
+    core.create_namespaced_secret(users, secret("creds", {"password": "the user's"}))
+    managed = {"app.kubernetes.io/managed-by": "casque-operator"}
+    core.create_namespaced_secret(stale, secret("creds", {"password": "old"}, labels=managed))
+    copier = WebhookCopier(lambda: kube_client, home, ["creds", "ca", "absent"])
+
+    made = copier.copy(kube_namespace)
+    assert sorted(made.written) == ["ca", "creds"] and made.missing == ["absent"]
+    assert core.read_namespaced_secret("creds", kube_namespace).data == core.read_namespaced_secret("creds", home).data
+    # A user's Secret is reported and kept; a stale copy is the leader's to correct, not the webhook's.
+    kept = copier.copy(users)
+    assert kept.written == ["ca"] and kept.unmanaged == ["creds"]
+    assert base64.b64decode(core.read_namespaced_secret("creds", users).data["password"]) == b"the user's"
+    assert copier.copy(stale).written == ["ca"]
+    assert base64.b64decode(core.read_namespaced_secret("creds", stale).data["password"]) == b"old"
+    # Again: everything is there, nothing is written.
+    assert copier.copy(kube_namespace).written == []

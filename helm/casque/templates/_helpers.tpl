@@ -137,9 +137,9 @@ app.kubernetes.io/component: operator
   verbs: [create, patch]
 {{- if include "casque.writesSecrets" . }}
 # Each namespace's ZooKeeper identity and Cassandra role, written with its first Queue,
-# deleted after its last: those two Secrets by name, no other, and no list or watch. A
-# create cannot be limited to names in RBAC: the chart's ValidatingAdmissionPolicy
-# (rbac.yaml) refuses the operator's create of any other Secret.
+# deleted after its last, and the copies of the sidecar's Secrets: those Secrets by name, no
+# other, and no list or watch. A create cannot be limited to names in RBAC: the chart's
+# ValidatingAdmissionPolicy (rbac.yaml) refuses the operator's create of any other Secret.
 - apiGroups: [""]
   resources: [secrets]
   resourceNames: [{{ include "casque.namespaceSecrets" . }}]
@@ -152,12 +152,31 @@ app.kubernetes.io/component: operator
 
 {{/* Non-empty when the operator writes Secrets into the namespaces it serves. */}}
 {{- define "casque.writesSecrets" -}}
-{{- if or (include "casque.zookeeperSecret" .) (eq .Values.cassandra.isolation "keyspace") }}true{{ end }}
+{{- if or (include "casque.zookeeperSecret" .) (eq .Values.cassandra.isolation "keyspace") (include "casque.copiedSecrets" .) }}true{{ end }}
 {{- end -}}
 
-{{/* The names of the Secrets the operator writes in a namespace (operator/tenancy.py). */}}
+{{/* The names of the Secrets the operator writes in a namespace: each namespace's identities
+     (operator/tenancy.py) and the copies of the sidecar's Secrets (operator/copies.py). */}}
 {{- define "casque.namespaceSecrets" -}}
-casque-zookeeper, casque-cassandra-role
+{{- concat (list "casque-zookeeper" "casque-cassandra-role") (splitList ", " (include "casque.copiedSecrets" .) | compact) | uniq | join ", " -}}
+{{- end -}}
+
+{{/* The Secrets injected sidecars read by name in their own namespace, which the operator
+     copies there from the release's namespace (operator/copies.py), ", "-separated. */}}
+{{- define "casque.copiedSecrets" -}}
+{{- $names := list -}}
+{{- if .Values.injection.enabled -}}
+{{- if and .Values.sidecar.credentialsSecret (ne .Values.cassandra.isolation "keyspace") -}}
+{{- $names = append $names .Values.sidecar.credentialsSecret -}}
+{{- end -}}
+{{- range $backend := list "cassandra" "zookeeper" -}}
+{{- $tls := (index $.Values $backend).tls -}}
+{{- if and $tls.enabled $tls.secret -}}
+{{- $names = append $names $tls.secret -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $names | uniq | join ", " -}}
 {{- end -}}
 
 {{/*
