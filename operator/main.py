@@ -38,6 +38,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
     settings.posting.level = logging.INFO
+    # A refresh timer still running when its object is deleted holds the finalizer until kopf
+    # looks again: every 60 s by default, so a deleted Queue lingered a minute on a busy node.
+    settings.background.cancellation_polling = 1.0
     if getattr(memo, "casque", None) is None:  # started by `kopf run` rather than `casque operator run`
         memo.casque = OperatorContext.from_environment()
 
