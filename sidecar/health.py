@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 from kazoo.client import KazooState
@@ -10,6 +11,10 @@ from kazoo.exceptions import NoNodeError
 from casque.errors import BackendUnavailable
 from casque.sidecar.errors import BACKEND_FAILURES
 from casque.sidecar.service import QueueService
+
+# The stall report reads the backends; a probe must be answered even when one of them holds
+# requests without answering (a blackhole), so the report gets this long and is left out after.
+STALL_REPORT_SECONDS = 3.0
 
 
 async def readiness(service: QueueService, serving_only: bool = False) -> tuple[bool, dict[str, str]]:
@@ -46,9 +51,10 @@ async def readiness(service: QueueService, serving_only: bool = False) -> tuple[
             healthy, detail = False, f"cannot read members: {error}"
         checks[f"subscriber/{name}"] = detail
         checks[f"member/{name}"] = consumer.member_id
-        with contextlib.suppress(*BACKEND_FAILURES, BackendUnavailable, NoNodeError):
+        with contextlib.suppress(*BACKEND_FAILURES, BackendUnavailable, NoNodeError, TimeoutError):
             # Reported, not counted (casque.sidecar.stalls says why).
-            checks[f"stall/{name}"] = (await service.stalls.report(name, consumer)).detail()
+            report = await asyncio.wait_for(service.stalls.report(name, consumer), STALL_REPORT_SECONDS)
+            checks[f"stall/{name}"] = report.detail()
         if subscription.push is not None and subscription.push.problem:
             # Reported, not counted: the app can still receive, and a restart would not fix it.
             checks[f"push/{name}"] = subscription.push.problem
