@@ -38,16 +38,17 @@ async def watch_health(context: OperatorContext, seen: Mapping[str, kopf.Index[s
     return report
 
 
-def list_versions(context: OperatorContext, plural: str) -> dict[str, str]:
-    """uid -> resourceVersion of every object the operator serves, by a fresh LIST."""
+def list_served(context: OperatorContext, plural: str) -> list[dict[str, Any]]:
+    """Every object of `plural` in the namespaces the operator serves, by a fresh LIST (blocking)."""
     api = client.CustomObjectsApi(context.kube_api())
     pages: list[Any]
     if context.namespaces:
         pages = [api.list_namespaced_custom_object(GROUP, VERSION, ns, plural) for ns in context.namespaces]
     else:
         pages = [api.list_cluster_custom_object(GROUP, VERSION, plural)]
-    return {
-        item["metadata"]["uid"]: item["metadata"]["resourceVersion"]
-        for page in pages
-        for item in page.get("items", [])
-    }
+    return [item for page in pages for item in page.get("items", [])]
+
+
+def list_versions(context: OperatorContext, plural: str) -> dict[str, str]:
+    """uid -> resourceVersion of every object the operator serves, by a fresh LIST."""
+    return {item["metadata"]["uid"]: item["metadata"]["resourceVersion"] for item in list_served(context, plural)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, cast
+from typing import cast
 
 import kopf
 from kubernetes import client
@@ -14,7 +14,8 @@ from kubernetes.client.exceptions import ApiException
 
 from casque.operator import copies
 from casque.operator.context import OperatorContext
-from casque.operator.resources import GROUP, QUEUES, VERSION
+from casque.operator.handlers.probes import list_served
+from casque.operator.resources import QUEUES
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,7 @@ def copy_all(context: OperatorContext, sources: list[str], namespace: str) -> co
 
 def queue_namespaces(context: OperatorContext) -> list[str]:
     """The namespaces the operator serves that hold a Queue (blocking)."""
-    api = client.CustomObjectsApi(context.kube_api())
-    pages: list[Any]
-    if context.namespaces:
-        pages = [api.list_namespaced_custom_object(GROUP, VERSION, ns, QUEUES) for ns in context.namespaces]
-    else:
-        pages = [api.list_cluster_custom_object(GROUP, VERSION, QUEUES)]
-    return sorted({cast(str, item["metadata"]["namespace"]) for page in pages for item in page.get("items", [])})
+    return sorted({cast(str, item["metadata"]["namespace"]) for item in list_served(context, QUEUES)})
 
 
 async def follow_sources(context: OperatorContext) -> None:

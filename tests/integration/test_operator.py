@@ -261,11 +261,15 @@ def delete(api: client.CustomObjectsApi, namespace: str, plural: str, name: str)
             raise
 
 
-def ready_of(obj: dict[str, Any] | None) -> dict[str, Any]:
+def condition_of(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
     for condition in ((obj or {}).get("status") or {}).get("conditions") or []:
-        if condition["type"] == "Ready":
+        if condition["type"] == kind:
             return dict(condition)
     return {}
+
+
+def ready_of(obj: dict[str, Any] | None) -> dict[str, Any]:
+    return condition_of(obj, "Ready")
 
 
 def wait_ready(
@@ -806,10 +810,7 @@ def test_the_namespaces_zookeeper_identity_follows_its_queues(
 
 
 def schema_condition(obj: dict[str, Any] | None) -> dict[str, Any]:
-    for condition in ((obj or {}).get("status") or {}).get("conditions") or []:
-        if condition["type"] == "SchemaCompatible":
-            return dict(condition)
-    return {}
+    return condition_of(obj, "SchemaCompatible")
 
 
 def test_an_incompatible_schema_change_is_refused_and_a_compatible_one_accepted(
