@@ -56,3 +56,14 @@ def test_the_dashboard_shows_lag_age_dead_letters_and_rates() -> None:
             "casque_subscriber_dead_lettered", "casque_sidecar_stalled_shards", "casque_subscriber_consumers",
             "casque_operator_leader", "casque_operator_reconcile_errors_total",
             "casque_operator_admission_reviews_total", "casque_sidecar_requests_total"} <= queried()["rules"]
+
+
+def test_the_dashboard_shows_every_operator_metric() -> None:
+    """Each series the operator exports for its own health (not the subscriber figures) has a panel."""
+    operator_own = {name for name in registered(REGISTRY) if name.startswith("casque_operator_")}
+    # A histogram is drawn from its buckets; its sum and count add nothing to a panel.
+    drawn = {name for name in operator_own if not name.endswith(("_sum", "_count"))
+             and name + "_bucket" not in operator_own and name + "_total" not in operator_own}
+    assert drawn, "no operator metric registered"
+    missing = drawn - queried()["dashboard"]
+    assert not missing, f"operator metrics without a panel: {sorted(missing)}"
