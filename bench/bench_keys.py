@@ -158,7 +158,7 @@ async def subscriber_process() -> None:
         members = [asyncio.create_task(group.member(consumer, stop)) for consumer in group.consumers]
         try:
             started = cpu_seconds()
-            answer(answers, {"ready": True})
+            tell(answers, {"ready": True})
             # EOF instead: the parent is gone, and nobody will publish or read the report.
             if await control.readline() != PUBLISHED:
                 raise SystemExit(f"{job.subscriber}: the publishing process went away")
@@ -173,12 +173,12 @@ async def subscriber_process() -> None:
             await asyncio.gather(*members)
             writes = group.zk_writes()
             await group.stop()
-        answer(answers, asdict(Delivered(list(group.latency.values()), writes, cpu)))
+        tell(answers, asdict(Delivered(list(group.latency.values()), writes, cpu)))
     finally:
         store.close()
 
 
-def answer(answers: TextIO, document: dict[str, Any]) -> None:
+def tell(answers: TextIO, document: dict[str, Any]) -> None:
     answers.write(json.dumps(document) + "\n")
     answers.flush()
 
