@@ -227,10 +227,11 @@ def sidecar_url(process: subprocess.Popen[bytes], log: Path, limit_s: float = 12
     raise SystemExit(f"sidecar not listening after {limit_s:.0f}s: {log.read_text()[-2000:]}")
 
 
-def scratch_settings(cassandra: str, zookeeper: str) -> Settings:
-    """Settings for a keyspace and znode root of the benchmark's own (see `drop_scratch`)."""
+def scratch_settings(cassandra: str, zookeeper: str, keyspace: str | None = None) -> Settings:
+    """Settings for a keyspace and znode root of the benchmark's own (see `drop_scratch`).
+    A benchmark's child processes pass the keyspace their parent's settings name, to share it."""
     host, _, port = cassandra.rpartition(":")
-    keyspace = f"bench_{uuid.uuid4().hex[:8]}"
+    keyspace = keyspace or f"bench_{uuid.uuid4().hex[:8]}"
     return Settings(cassandra_contact_points=[host], cassandra_port=int(port), consistency="ONE",
                     keyspace=keyspace, zookeeper_hosts=zookeeper, zookeeper_root=f"/bench-{keyspace}")
 
