@@ -152,6 +152,37 @@ class QueueSpec(_Spec):
         return [log_shard(p, s) for p in range(self.priorities) for s in range(self.shards)]
 
 
+MAX_BACKOFF_SECONDS = 12 * 3600
+
+
+class RetryPolicy(_Spec):
+    """How long a message waits before it is delivered again after a nack that names no delay
+    or an expired visibility: `minimumBackoff` after its first delivery, doubling with each
+    delivery after that, never more than `maximumBackoff`."""
+
+    minimum_backoff_seconds: Annotated[int, Field(ge=0, le=MAX_BACKOFF_SECONDS, alias="minimumBackoff")] = 10
+    maximum_backoff_seconds: Annotated[int, Field(ge=0, le=MAX_BACKOFF_SECONDS, alias="maximumBackoff")] = 600
+
+    @field_validator("minimum_backoff_seconds", "maximum_backoff_seconds", mode="before")
+    @classmethod
+    def _durations(cls, value: object) -> int:
+        return parse_duration(value)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RetryPolicy:
+        if self.maximum_backoff_seconds < self.minimum_backoff_seconds:
+            raise ValueError("retry.maximumBackoff must not be shorter than retry.minimumBackoff")
+        return self
+
+    def backoff(self, deliveries: int) -> float:
+        """Seconds before the next delivery of a message delivered `deliveries` times so far."""
+        if deliveries <= 0 or self.minimum_backoff_seconds == 0:
+            return 0.0
+        # Capped before the power, so a message delivered a thousand times cannot overflow it.
+        doublings = min(deliveries - 1, self.maximum_backoff_seconds.bit_length())
+        return float(min(self.maximum_backoff_seconds, self.minimum_backoff_seconds << doublings))
+
+
 class SubscriberSpec(_Spec):
     queue: Annotated[str, Field(pattern=NAME_PATTERN.pattern)]
     start_position: StartPosition = "latest"
@@ -169,6 +200,10 @@ class SubscriberSpec(_Spec):
     # A shard with lag whose offset has not moved for this long is reported stalled
     # (casque.engine.stalls); unset, it follows from the visibility timeout.
     stall_after_seconds: Annotated[int | None, Field(ge=1, le=7 * 86400, alias="stallAfter")] = None
+    # Backoff between deliveries of a message nacked without a delay, or whose visibility
+    # ran out; None: delivered again at once. A nack's own delay always wins. Left out of the
+    # znode while unset, so sidecars of the version before still read the subscriber.
+    retry: Annotated[RetryPolicy | None, Field(exclude_if=lambda v: v is None)] = None
 
     @field_validator("visibility_timeout_seconds", "stall_after_seconds", mode="before")
     @classmethod

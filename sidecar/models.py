@@ -593,7 +593,10 @@ class AckRequest(_Receipts):
 
 
 class NackRequest(_Receipts):
-    delay: Seconds = Field(default=0.0, description="Seconds before the message is delivered again.")
+    delay: Seconds | None = Field(
+        default=None, description="Seconds before the message is delivered again. Left out: after the "
+        "subscriber's retry backoff (`spec.retry`), or at once if it has none.",
+    )
     error: Annotated[Text | None, Field(max_length=1024)] = Field(
         default=None, description="Why it failed: kept in the message's history if it is dead-lettered."
     )

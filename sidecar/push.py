@@ -4,8 +4,9 @@ The body is the same CloudEvent a receive returns (`Content-Type:
 application/cloudevents+json`). The app's answer settles the message:
 - 2xx: acked.
 - a retry status (default 408, 425, 429, 5xx), a refused connection or a timeout: nacked
-  with exponential backoff and jitter on the delivery count, so a struggling app gets
-  fewer requests, spread out, instead of a burst of retries.
+  with the subscriber's retry policy (`spec.retry`) if it has one, else with exponential
+  backoff and jitter on the delivery count, so a struggling app gets fewer requests,
+  spread out, instead of a burst of retries.
 - a drop status (default the other 4xx): the app says it will never take the message.
   With a dead-letter queue it is dead-lettered at once, the app's answer kept as its last
   error. Without one it is never dropped: it is nacked with the longest backoff and
@@ -301,6 +302,7 @@ class PushWorker:
             self.metrics.acked.labels(*labels).inc()
             return
         ceiling = self.settings.push_max_backoff_seconds
+        delay: float | None
         if outcome == "drop":
             try:
                 await self.consumer.dead_letter(delivery.receipt, reason)
@@ -314,6 +316,8 @@ class PushWorker:
             except CasqueError as error:
                 log.warning("dead-lettering %s failed (%s); it is tried again", delivery.message.message_id, error)
                 delay = ceiling
+        elif self.consumer.subscriber_state.spec.retry is not None:
+            delay = None  # the subscriber's retry policy decides (casque.specs.RetryPolicy)
         else:
             delay = backoff(delivery.delivery_count, self.settings.push_backoff_seconds, ceiling)
         await self.consumer.nack(delivery.receipt, delay, reason)

@@ -341,7 +341,7 @@ OPERATIONS: tuple[Operation, ...] = (
               "Acknowledge deliveries: they are done and never delivered again", AckRequest, ReceiptResults,
               _CONSUMER_ERRORS, scope="subscribe"),
     Operation("nack", "POST", f"{SUBSCRIBER_PATH}/nack", nack,
-              "Hand deliveries back, to be delivered again after `delay` seconds", NackRequest, ReceiptResults,
+              "Hand deliveries back, to be delivered again after `delay` seconds (or the retry backoff)", NackRequest, ReceiptResults,
               _CONSUMER_ERRORS, scope="subscribe"),
     Operation("extendVisibility", "POST", f"{SUBSCRIBER_PATH}/extend", extend_visibility,
               "Keep deliveries invisible for `visibility` more seconds", ExtendRequest, ReceiptResults,

@@ -383,7 +383,7 @@ class QueueService:
         return outcomes
 
     async def nack(
-        self, queue: str, subscriber: str, receipts: Sequence[str], delay: float, error: str | None = None
+        self, queue: str, subscriber: str, receipts: Sequence[str], delay: float | None, error: str | None = None
     ) -> list[None | CasqueError]:
         _, consumer = await self.served(queue, subscriber)
         outcomes = await _each(receipts, lambda receipt: consumer.nack(receipt, delay, error))

@@ -388,7 +388,7 @@ async def _consume(
                     if ack:
                         await asyncio.gather(*(consumer.ack(d.receipt) for d in deliveries))
                     else:
-                        await asyncio.gather(*(consumer.nack(d.receipt) for d in deliveries))
+                        await asyncio.gather(*(consumer.nack(d.receipt, 0.0) for d in deliveries))  # back at once, no retry backoff
                     done += len(deliveries)
                     progress.advance(task, len(deliveries))
         finally:

@@ -427,8 +427,9 @@ class Consumer:
         Each is answered only once it is durable (casque.engine.acking)."""
         return await self._ack_taker.ack_many(receipts)
 
-    async def nack(self, receipt: str, delay: float = 0.0, error: str | None = None) -> None:
-        """Make a delivery visible again after `delay` seconds; `error` is kept for its history."""
+    async def nack(self, receipt: str, delay: float | None = None, error: str | None = None) -> None:
+        """Make a delivery visible again after `delay` seconds (None: the subscriber's retry
+        backoff, or at once); `error` is kept for its history."""
         self._deliverer.nack(receipt, delay, error)
 
     async def extend(self, receipt: str, visibility: float) -> float:

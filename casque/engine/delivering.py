@@ -239,7 +239,7 @@ class Deliverer:
             raise StaleReceipt(f"shard {position.shard} is no longer leased by this consumer")
         return reader, position, nonce
 
-    def nack(self, receipt: str, delay: float, error: str | None) -> None:
+    def nack(self, receipt: str, delay: float | None, error: str | None) -> None:
         reader, position, nonce = self.source_of(receipt)
         reader.state.nack(position, nonce, delay, time.monotonic(), error)
         self._member.counters.nacks += 1

@@ -1,5 +1,5 @@
-"""What the parts of a consumer-group member share: its counters, its retry backoff, and the
-view of the member that its shard readers, claimed ranges and shared delivery work through.
+"""What the parts of a consumer-group member share: its counters, its retry backoff, the
+subscriber's redelivery backoff, and the view of the member that its shard readers, claimed ranges and shared delivery work through.
 
 The member (casque.engine.consumer.Consumer) sits above all of them; they see it only as the
 `Member` protocol below, so no module of the group imports the one that owns it.
@@ -7,7 +7,7 @@ The member (casque.engine.consumer.Consumer) sits above all of them; they see it
 
 from __future__ import annotations
 
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -160,3 +160,14 @@ class Member(Protocol):
 
     def resync(self) -> None:
         """Compare the held shards' epochs with their offsets (a seek may have moved them)."""
+
+
+def redelivery_backoff(member: Member) -> Callable[[int], float]:
+    """The subscriber's retry policy as a shard's state asks for it (ShardState.backoff):
+    read at each use, so a changed policy applies to the messages already loaded."""
+
+    def backoff(deliveries: int) -> float:
+        retry = member.subscriber_state.spec.retry
+        return 0.0 if retry is None else retry.backoff(deliveries)
+
+    return backoff

@@ -28,7 +28,7 @@ from casque.engine.acks import BatchMarks
 from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.heads import HeadAdvancer
 from casque.engine.keylocks import KeyLocks
-from casque.engine.member import Backoff, Member
+from casque.engine.member import Backoff, Member, redelivery_backoff
 from casque.engine.offsets import CommitOutcome, OffsetRecord
 from casque.engine.shard_state import ShardState
 from casque.errors import BackendUnavailable, CasqueError
@@ -60,7 +60,8 @@ class ShardReader:
         self.fence = fence
         ordered = consumer.subscriber_state.spec.ordered_keys
         self.state = ShardState(shard=shard, offset=record.offset,
-                                locks=KeyLocks(on_release=consumer.notify) if ordered else None)
+                                locks=KeyLocks(on_release=consumer.notify) if ordered else None,
+                                backoff=redelivery_backoff(consumer))
         # What went wrong last in this shard's reading or committing; empty while all is well.
         self.problem = ""
         self._committed = record.offset

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from casque.engine.entries import AckStart, ByteBudget, Entry, Handout, LoadedBatch, State
@@ -69,6 +70,10 @@ class ShardState:
     # Ready messages the last take held back behind an earlier message of their key: not
     # ready for the app, so shared delivery claims more rather than wait for them.
     held_back: int = 0
+    # The subscriber's retry policy (casque.specs.RetryPolicy.backoff): seconds a message
+    # delivered n times waits before it is ready again after a nack naming no delay or an
+    # expired visibility. None: ready at once.
+    backoff: Callable[[int], float] | None = None
     _ready: list[tuple[int, int]] = field(default_factory=list)
     _delayed: list[tuple[float, int, int]] = field(default_factory=list)
     _deadlines: list[tuple[float, int, int, int]] = field(default_factory=list)
@@ -244,20 +249,30 @@ class ShardState:
         # Its deadline's heap entry may have surfaced (and been dropped) while it was acking.
         heapq.heappush(self._deadlines, (entry.deadline, position.batch, position.seq, nonce))
 
-    def nack(self, position: Position, nonce: int, delay: float, now: float, error: str | None = None) -> Entry:
-        """Make an in-flight message visible again, now or after `delay` seconds."""
+    def nack(
+        self, position: Position, nonce: int, delay: float | None, now: float, error: str | None = None
+    ) -> Entry:
+        """Make an in-flight message visible again after `delay` seconds; None: after the
+        retry policy's backoff, or at once without one."""
         entry = self.in_flight_entry(position, nonce)
         entry.last_error = error or entry.last_error
         self._in_flight -= 1
+        self._wait_or_ready(entry, now, self._backoff(entry) if delay is None else delay)
+        self._compact()
+        return entry
+
+    def _backoff(self, entry: Entry) -> float:
+        return 0.0 if self.backoff is None else self.backoff(entry.deliveries)
+
+    def _wait_or_ready(self, entry: Entry, since: float, delay: float) -> None:
+        position = entry.message.position
         if delay > 0:
             entry.state = State.DELAYED
-            entry.deadline = now + delay
+            entry.deadline = since + delay
             heapq.heappush(self._delayed, (entry.deadline, position.batch, position.seq))
         else:
             entry.state = State.READY
             heapq.heappush(self._ready, (position.batch, position.seq))
-        self._compact()
-        return entry
 
     def extend(self, position: Position, nonce: int, visibility: float, now: float) -> float:
         entry = self.in_flight_entry(position, nonce)
@@ -361,12 +376,8 @@ class ShardState:
 
     # --- internals -----------------------------------------------------------------------
     def _release_due(self, now: float) -> None:
-        while self._delayed and self._delayed[0][0] <= now:
-            due, batch, seq = heapq.heappop(self._delayed)
-            entry = self._entry(batch, seq)
-            if entry is not None and entry.state is State.DELAYED and entry.deadline == due:
-                entry.state = State.READY
-                heapq.heappush(self._ready, (batch, seq))
+        # Expired deliveries first: with a retry policy they wait out their backoff from
+        # their deadline, and one whose backoff has also passed is released just below.
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, batch, seq, nonce = heapq.heappop(self._deadlines)
             entry = self._entry(batch, seq)
@@ -376,9 +387,14 @@ class ShardState:
                 and entry.nonce == nonce
                 and entry.deadline == deadline
             ):
-                entry.state = State.READY
                 self._in_flight -= 1
                 self.counters.expired_visibility += 1
+                self._wait_or_ready(entry, deadline, self._backoff(entry))
+        while self._delayed and self._delayed[0][0] <= now:
+            due, batch, seq = heapq.heappop(self._delayed)
+            entry = self._entry(batch, seq)
+            if entry is not None and entry.state is State.DELAYED and entry.deadline == due:
+                entry.state = State.READY
                 heapq.heappush(self._ready, (batch, seq))
 
     def _entry(self, batch: int, seq: int) -> Entry | None:

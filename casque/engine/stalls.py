@@ -44,11 +44,13 @@ def stall_threshold(spec: SubscriberSpec) -> float:
     visibility timeout, on messages it took just before the one at the offset was published;
     its next receive comes within a long poll's wait; and that message is then acked within
     another visibility timeout (or comes back, after a crash, and is delivered again). Past
-    2 x visibility + wait, nothing a healthy consumer does explains an offset standing still.
+    2 x visibility + wait, nothing a healthy consumer does explains an offset standing still;
+    with a retry policy, a message that failed may also wait out the longest backoff first.
     """
     if spec.stall_after_seconds is not None:
         return float(spec.stall_after_seconds)
-    return 2.0 * spec.visibility_timeout_seconds + RECEIVE_WAIT_SECONDS
+    backoff = spec.retry.maximum_backoff_seconds if spec.retry is not None else 0
+    return 2.0 * spec.visibility_timeout_seconds + RECEIVE_WAIT_SECONDS + backoff
 
 
 @dataclass(frozen=True)

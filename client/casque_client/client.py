@@ -361,8 +361,10 @@ def _published(answer: Mapping[str, Any]) -> PublishResult:
                          _parse_time(due) if due else None)
 
 
-def _nack_fields(delay: float, error: str | None) -> dict[str, Any]:
-    return {"delay": delay} if error is None else {"delay": delay, "error": error}
+def _nack_fields(delay: float | None, error: str | None) -> dict[str, Any]:
+    """A nack's body; without a delay the subscriber's retry policy (or none: at once) decides."""
+    fields: dict[str, Any] = {} if delay is None else {"delay": delay}
+    return fields if error is None else {**fields, "error": error}
 
 
 def _outcomes(answer: Mapping[str, Any]) -> list[ReceiptOutcome]:
@@ -452,17 +454,19 @@ class Client:
         return _outcomes(self._send(self._calls.settle("ack", receipts, False, {}, queue, subscriber)))
 
     def nack(
-        self, receipt: str, delay: float = 0.0, *, error: str | None = None, queue: str | None = None,
+        self, receipt: str, delay: float | None = None, *, error: str | None = None, queue: str | None = None,
         subscriber: str | None = None,
     ) -> None:
-        """Deliver again after `delay` seconds; `error` is kept in the message's history."""
+        """Deliver again after `delay` seconds (None: after the subscriber's retry backoff, or at
+        once without one); `error` is kept in the message's history."""
         self._send(self._calls.settle("nack", [receipt], True, _nack_fields(delay, error), queue, subscriber))
 
     def nack_batch(
-        self, receipts: Sequence[str], delay: float = 0.0, *, queue: str | None = None,
+        self, receipts: Sequence[str], delay: float | None = None, *, queue: str | None = None,
         subscriber: str | None = None,
     ) -> list[ReceiptOutcome]:
-        return _outcomes(self._send(self._calls.settle("nack", receipts, False, {"delay": delay}, queue, subscriber)))
+        return _outcomes(self._send(self._calls.settle("nack", receipts, False, _nack_fields(delay, None), queue,
+                                                       subscriber)))
 
     def extend(
         self, receipt: str, visibility: float, *, queue: str | None = None, subscriber: str | None = None
@@ -579,16 +583,17 @@ class AsyncClient:
         return _outcomes(await self._send(self._calls.settle("ack", receipts, False, {}, queue, subscriber)))
 
     async def nack(
-        self, receipt: str, delay: float = 0.0, *, error: str | None = None, queue: str | None = None,
+        self, receipt: str, delay: float | None = None, *, error: str | None = None, queue: str | None = None,
         subscriber: str | None = None,
     ) -> None:
         await self._send(self._calls.settle("nack", [receipt], True, _nack_fields(delay, error), queue, subscriber))
 
     async def nack_batch(
-        self, receipts: Sequence[str], delay: float = 0.0, *, queue: str | None = None,
+        self, receipts: Sequence[str], delay: float | None = None, *, queue: str | None = None,
         subscriber: str | None = None,
     ) -> list[ReceiptOutcome]:
-        return _outcomes(await self._send(self._calls.settle("nack", receipts, False, {"delay": delay}, queue, subscriber)))
+        return _outcomes(await self._send(self._calls.settle("nack", receipts, False, _nack_fields(delay, None), queue,
+                                                             subscriber)))
 
     async def extend(
         self, receipt: str, visibility: float, *, queue: str | None = None, subscriber: str | None = None

@@ -17,7 +17,8 @@ What it guarantees:
 - a handler that returns acks its message; one that raises nacks it, with the exception's
   text (kept in the message's history, and in the dead-letter queue after `maxDeliveries`)
   and a delay from `nack_delay` (by default exponential on the delivery count, jittered, so
-  messages that failed together do not all come back together);
+  messages that failed together do not all come back together; None leaves the delay to
+  the subscriber's retry policy, `spec.retry`);
 - stopping (cancelling the task, or setting `stop`) stops receiving, lets the handlers that
   run finish for up to `grace` seconds (their messages are acked or nacked as usual), and
   nacks with no delay the messages of those still running after that, so another worker
@@ -51,7 +52,7 @@ log = logging.getLogger("casque_client")
 T = TypeVar("T")
 
 Handler = Callable[[Message], Awaitable[object]] | Callable[[Message], object]
-NackDelay = float | Callable[[Message, BaseException], float]
+NackDelay = float | Callable[[Message, BaseException], float] | None
 
 # The sidecar keeps at most this much of a nack's reason (sidecar/models.py).
 MAX_ERROR_TEXT = 1024
@@ -246,12 +247,14 @@ class _Subscription:
         except Exception as error:  # noqa: BLE001 - any failure of the app's handler is the message's
             log.info("handler failed for message %s (delivery %d): %s", message.id, message.delivery_count,
                      error_text(error))
-            delay = self.nack_delay(message, error) if callable(self.nack_delay) else float(self.nack_delay)
+            delay = self.nack_delay(message, error) if callable(self.nack_delay) else self.nack_delay
             await self._settle("nack", message, delay=delay, error=error_text(error))
         else:
             await self._settle("ack", message)
 
-    async def _settle(self, action: str, message: Message, delay: float = 0.0, error: str | None = None) -> None:
+    async def _settle(
+        self, action: str, message: Message, delay: float | None = 0.0, error: str | None = None
+    ) -> None:
         try:
             if action == "ack":
                 await self.client.ack(message.receipt, queue=self.queue, subscriber=self.subscriber)

@@ -370,7 +370,18 @@ def test_the_api_server_refuses_invalid_specs(
     assert "stallAfter must be seconds or a number" in refused(
         lambda: create(api, ns, subscriber("patient", queue="orders", stallAfter="soon"))
     )
-    create(api, ns, subscriber("billing", queue="orders", startPosition="2026-01-02T15:04:05Z", stallAfter="5m"))
+    assert "retry.minimumBackoff must be between 0s and 12h" in refused(
+        lambda: create(api, ns, subscriber("eager", queue="orders", retry={"minimumBackoff": -1}))
+    )
+    assert "retry.maximumBackoff must be between 0s and 12h" in refused(
+        lambda: create(api, ns, subscriber("eager", queue="orders", retry={"maximumBackoff": "13h"}))
+    )
+    assert "retry.maximumBackoff must be seconds or a number" in refused(
+        lambda: create(api, ns, subscriber("eager", queue="orders", retry={"maximumBackoff": "later"}))
+    )
+    created = create(api, ns, subscriber("billing", queue="orders", startPosition="2026-01-02T15:04:05Z",
+                                         stallAfter="5m", retry={"minimumBackoff": "2s"}))
+    assert created["spec"]["retry"] == {"minimumBackoff": "2s", "maximumBackoff": 600}
     assert "queue is immutable" in refused(lambda: patch_spec(api, ns, SUBSCRIBERS, "billing", queue="payments"))
     for plural, name in ((SUBSCRIBERS, "billing"), (QUEUES, "orders")):
         delete(api, ns, plural, name)  # no operator ran, so there are no finalizers

@@ -21,7 +21,7 @@ from casque.engine.publisher import Publisher
 from casque.schema import QueueRef
 from casque.sidecar.app import create_app, service_of
 from casque.sidecar.config import SidecarSettings
-from casque.specs import QueueSpec, SubscriberSpec
+from casque.specs import QueueSpec, RetryPolicy, SubscriberSpec
 from casque.store import Store
 
 QUEUE = "orders"
@@ -296,6 +296,43 @@ async def test_nack_redelivers_now_or_after_its_delay(store: Store, make_sidecar
     await call(client, f"{SUB}/nack", {"receipt": third["receipt"], "delay": 0.2})
     again = (await call(client, f"{SUB}/receive", {"max": 1, "wait": 10}))["messages"]
     assert [m["messageid"] for m in again] == [publish["messageId"]] and again[0]["deliverycount"] == 2
+
+
+@pytest.mark.parametrize("delivery", ["leased", "shared"])
+async def test_a_retry_policy_spaces_out_redeliveries_and_a_nacks_own_delay_wins(
+    store: Store, make_sidecar: MakeSidecar, delivery: str
+) -> None:
+    """Backoff 2 s after the first delivery, doubling, at most 5 s: each gap is read from the
+    times this test sent a settle (or a receive) and got the message back, which can only be
+    later than when the sidecar made it ready, so load lengthens gaps but cannot fake them."""
+    create_queue(store, shards=1, subscribers=())
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE, start_position="earliest", delivery=delivery,
+        retry=RetryPolicy(minimum_backoff_seconds=2, maximum_backoff_seconds=5)))
+    client = await make_sidecar()
+    await call(client, f"{BASE}/messages", {"data": "flaky downstream"})
+    (message,) = await receive_all(client, 1, ack=False)
+
+    async def back_after(settle: dict[str, Any], visibility: float = 30, wait: float = 15) -> tuple[dict[str, Any], float]:
+        """Nack the message; its next delivery and the gap to it."""
+        since = time.monotonic()
+        await call(client, f"{SUB}/nack", {"receipt": message["receipt"], **settle})
+        (again,) = (await call(client, f"{SUB}/receive", {"max": 1, "wait": wait, "visibility": visibility}))["messages"]
+        assert again["id"] == message["id"] and again["deliverycount"] == message["deliverycount"] + 1
+        return again, time.monotonic() - since
+
+    message, gap = await back_after({})
+    assert gap >= 2  # delivered once: the minimum
+    nacked = time.monotonic()
+    message, gap = await back_after({}, visibility=0.5)
+    assert gap >= 4  # twice: doubled
+    (lapsed,) = (await call(client, f"{SUB}/receive", {"max": 1, "wait": 15}))["messages"]
+    # Delivered three times, then its visibility of 0.5 s ran out: 8 s capped at the maximum, 5.
+    assert time.monotonic() - nacked >= 4 + 0.5 + 5
+    assert lapsed["id"] == message["id"] and lapsed["deliverycount"] == 4
+    message = lapsed
+    message, _ = await back_after({"delay": 0}, wait=3)  # the policy would say 5 s; the nack's own delay wins
+    assert (await call(client, f"{SUB}/ack", {"receipt": message["receipt"]}))["results"][0]["status"] == "acked"
 
 
 async def test_extend_keeps_a_message_and_expiry_makes_the_old_receipt_stale(

@@ -7,6 +7,7 @@ from casque.engine.keylocks import KeyLocks
 from casque.engine.entries import AckStart, Handout
 from casque.engine.shard_state import HEAP_FLOOR, HEAP_SLACK, ShardState
 from casque.errors import StaleReceipt
+from casque.specs import RetryPolicy
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 WALL = T0.timestamp()
@@ -89,6 +90,49 @@ def test_nack_with_delay_and_no_head_of_line_blocking() -> None:
     assert state.next_due() == 60
     assert state.take(10, now=59, visibility=30, expired_ttl=WALL) == []
     assert ids(state.take(10, now=61, visibility=30, expired_ttl=WALL)) == ["1-0"]
+
+
+def test_a_retry_policy_spaces_out_deliveries_after_nacks_without_delay_and_expiries() -> None:
+    policy = RetryPolicy(minimum_backoff_seconds=10, maximum_backoff_seconds=25)
+    state = ShardState(shard=0, offset=1, backoff=policy.backoff)
+    state.add_batch(1, msgs(1, 2))
+    (first,) = state.take(1, now=0, visibility=30, expired_ttl=WALL)
+    # Delivered once: 10 s; the message behind it is not held back meanwhile.
+    state.nack(first.entry.message.position, first.nonce, delay=None, now=0)
+    assert state.next_due() == 10
+    (other,) = state.take(1, now=1, visibility=30, expired_ttl=WALL)
+    assert state.ack(other.entry.message.position, other.nonce)
+    assert state.take(1, now=9.9, visibility=30, expired_ttl=WALL) == []
+    (second,) = state.take(1, now=10, visibility=30, expired_ttl=WALL)
+    # Delivered twice: 20 s, counted from when the visibility ran out (40), not when a take noticed.
+    assert state.take(1, now=59, visibility=30, expired_ttl=WALL) == []
+    assert state.counters.expired_visibility == 1 and state.next_due() == 60
+    (third,) = state.take(1, now=60, visibility=30, expired_ttl=WALL)
+    # Three times: 40 s, capped at 25; a nack's own delay wins over the policy, 0 included.
+    state.nack(third.entry.message.position, third.nonce, delay=None, now=61)
+    assert state.take(1, now=85.9, visibility=30, expired_ttl=WALL) == []
+    (fourth,) = state.take(1, now=86, visibility=30, expired_ttl=WALL)
+    state.nack(fourth.entry.message.position, fourth.nonce, delay=0, now=87)
+    assert ids(state.take(1, now=87, visibility=30, expired_ttl=WALL)) == ["1-0"]
+    assert second.entry.deliveries == 5
+
+
+def test_a_deadline_and_its_backoff_both_past_release_the_message_at_once() -> None:
+    """An app that stops asking for a while finds the message ready, not waiting out a backoff
+    counted from the moment it asked again."""
+    state = ShardState(shard=0, offset=1, backoff=RetryPolicy(minimum_backoff_seconds=5).backoff)
+    state.add_batch(1, msgs(1, 1))
+    state.take(1, now=0, visibility=10, expired_ttl=WALL)
+    assert ids(state.take(1, now=100, visibility=10, expired_ttl=WALL)) == ["1-0"]
+
+
+def test_backoff_doubles_per_delivery_up_to_the_maximum() -> None:
+    policy = RetryPolicy(minimum_backoff_seconds=10, maximum_backoff_seconds=600)
+    assert [policy.backoff(n) for n in range(9)] == [0, 10, 20, 40, 80, 160, 320, 600, 600]
+    assert policy.backoff(10**9) == 600  # no overflow however often a message came back
+    assert RetryPolicy(minimum_backoff_seconds=0).backoff(5) == 0
+    with pytest.raises(ValueError, match="maximumBackoff must not be shorter"):
+        RetryPolicy.model_validate({"minimumBackoff": "1m", "maximumBackoff": "30s"})
 
 
 def test_ephemeral_message_past_ttl_is_never_delivered_and_counts_as_done() -> None:

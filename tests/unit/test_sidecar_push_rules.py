@@ -18,6 +18,7 @@ from casque.sidecar import push
 from casque.sidecar.config import SidecarSettings, push_target
 from casque.sidecar.metrics import SidecarMetrics
 from casque.sidecar.push import QUOTED_ANSWER_CHARS, PushWorker, error_reason, push_token
+from casque.specs import RetryPolicy, SubscriberSpec, SubscriberState
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8080/events", "http://localhost/x", "https://[::1]:9/e",
@@ -58,15 +59,17 @@ class RecordingConsumer:
 
     visibility_timeout = 30.0
 
-    def __init__(self, dead_letter_queue: bool) -> None:
+    def __init__(self, dead_letter_queue: bool, retry: RetryPolicy | None = None) -> None:
         self.dead_letter_queue = dead_letter_queue
+        self.subscriber_state = SubscriberState(spec=SubscriberSpec(queue="events", retry=retry),
+                                                created_at=datetime.now(timezone.utc))
         self.settled: list[tuple[str, str, float | None, str | None]] = []
 
     async def ack(self, receipt: str) -> bool:
         self.settled.append(("ack", receipt, None, None))
         return True
 
-    async def nack(self, receipt: str, delay: float = 0.0, error: str | None = None) -> None:
+    async def nack(self, receipt: str, delay: float | None = None, error: str | None = None) -> None:
         self.settled.append(("nack", receipt, delay, error))
 
     async def dead_letter(self, receipt: str, error: str | None = None) -> None:
@@ -140,3 +143,18 @@ async def test_an_error_escaping_a_push_is_still_settled_with_backoff_and_counte
     assert delay is not None and 1 <= delay <= 2  # the first delivery's backoff, jittered in its upper half
     assert reason is not None and "RuntimeError: a bug in the push" in reason
     assert push_errors(pusher, "task") == 1
+
+
+async def test_a_subscribers_retry_policy_decides_a_failed_pushs_backoff() -> None:
+    """With `spec.retry` the push names no delay, so the engine applies the policy (not the
+    sidecar's own push backoff)."""
+    consumer = RecordingConsumer(dead_letter_queue=True, retry=RetryPolicy(minimum_backoff_seconds=7))
+    pusher = worker(consumer)
+
+    async def broken(delivery: Delivery, url: str) -> None:
+        raise RuntimeError("a bug in the push")
+
+    pusher._push = broken  # type: ignore[method-assign]
+    await pusher._deliver(delivery({}), "http://127.0.0.1:9/events")
+    ((how, receipt, delay, _),) = consumer.settled
+    assert (how, receipt, delay) == ("nack", "r-1", None)

@@ -22,6 +22,10 @@ def test_the_threshold_follows_the_visibility_timeout_unless_stall_after_is_set(
     assert stall_threshold(SubscriberSpec(queue="q")) == 2 * 30 + RECEIVE_WAIT_SECONDS
     assert stall_threshold(SubscriberSpec(queue="q", visibility_timeout_seconds=300)) == 620.0
     assert stall_threshold(SubscriberSpec.model_validate({"queue": "q", "stallAfter": "5m"})) == 300.0
+    # A failed message may wait out the retry policy's longest backoff before it comes back.
+    assert stall_threshold(SubscriberSpec.model_validate({"queue": "q", "retry": {"maximumBackoff": "2m"}})) == 200.0
+    assert stall_threshold(SubscriberSpec.model_validate(
+        {"queue": "q", "retry": {"maximumBackoff": "2m"}, "stallAfter": 90})) == 90.0
     with pytest.raises(ValidationError):
         SubscriberSpec.model_validate({"queue": "q", "stallAfter": 0})
     with pytest.raises(ValidationError):
