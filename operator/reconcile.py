@@ -154,6 +154,13 @@ def prepare_namespace_cassandra(stores: StoreSource, namespace: str, role: Names
             ) from error
 
 
+def secure_namespace_znodes(stores: StoreSource, namespace: str) -> int:
+    """Give the namespace's znodes the ACL of the current identities (blocking): before its
+    ZooKeeper Secret names a new identity. Returns how many changed."""
+    with backend_errors():
+        return catalog.secure_znodes(stores(), namespace)
+
+
 def forget_namespace_cassandra(stores: StoreSource, role: NamespaceRole) -> None:
     """The namespace's last Queue is gone: its role goes, its keyspace stays (blocking)."""
     with backend_errors():
