@@ -107,7 +107,8 @@ def connect(
         try:
             policy = installation_policy(settings.zookeeper_root, own, settings.derivation_keys())
         except ValueError as error:  # settings made without validation (model_copy)
-            raise InvalidSpec(str(error)) from error
+            raise InvalidSpec(f"{error}; a namespace's credentials come with CASQUE_ZOOKEEPER_ACL instead (the "
+                              "operator writes both into the casque-zookeeper Secret)") from error
         client = AclClient(policy, hosts=hosts, timeout=timeout, **options)
     keep_granted_timeout(client)
     try:

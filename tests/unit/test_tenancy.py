@@ -7,20 +7,23 @@ import base64
 import hashlib
 import hmac
 import re
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 from pydantic import SecretStr
 
 from casque.backends.zkacl import Identity, namespace_identity, parse_acl
 from casque.config import Settings
+from casque.derivation import CASSANDRA_ROLE, ZOOKEEPER_IDENTITY
 from casque.errors import InvalidSpec
 from casque.operator.quotas import MAX_LOGS, MAX_QUEUES, MAX_RETENTION, Limits, QuotaSettings, limits_for, violations
+from casque.operator import tenancy
 from casque.operator.tenancy import cassandra_secret, zookeeper_secret
 from casque.schema import NAME_PATTERN, QueueRef
 from casque.specs import QueueSpec
 from casque.store import Store
-from casque.derivation import CASSANDRA_ROLE, ZOOKEEPER_IDENTITY
 from casque.tenancy import MAX_KEYSPACE_LENGTH, namespace_keyspace, namespace_role
 
 PASSWORD = "i" * 40
@@ -87,6 +90,56 @@ def test_a_namespaces_zookeeper_secret_gives_no_way_to_another_namespaces_identi
     # One key, two uses: the namespace's Cassandra password is not its ZooKeeper one.
     assert namespace_role("casque", KEY, "shop").password != stolen
     assert PASSWORD not in stolen and KEY not in stolen
+
+
+class SecretsApi:
+    """The CoreV1Api calls of the operator's Secret writes, on a dict, recording each write."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.stored: dict[tuple[str, str], dict[str, str]] = {}
+        self.events = events
+        self.down = False  # the API server refuses writes, as if the operator stopped before them
+
+    def read_namespaced_secret(self, name: str, namespace: str) -> SimpleNamespace:
+        if (namespace, name) not in self.stored:
+            raise ApiException(status=404)
+        return SimpleNamespace(data=self.stored[(namespace, name)])
+
+    def create_namespaced_secret(self, namespace: str, body: dict[str, Any]) -> None:
+        if (namespace, body["metadata"]["name"]) in self.stored:
+            raise ApiException(status=409)
+        self.events.append("write")
+        self.stored[(namespace, body["metadata"]["name"])] = body["data"]
+
+    def patch_namespaced_secret(self, name: str, namespace: str, body: dict[str, Any]) -> None:
+        if self.down:
+            raise ApiException(status=503)
+        self.events.append("write")
+        self.stored[(namespace, name)] = body["data"]
+
+
+def test_the_namespaces_znodes_are_secured_before_its_secret_names_a_new_identity(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    secrets_api = SecretsApi(events)
+    monkeypatch.setattr(tenancy.client, "CoreV1Api", lambda api: secrets_api)
+
+    def apply(settings: Settings) -> bool:
+        return tenancy.apply_zookeeper_secret(cast(Any, None), settings, "shop", lambda: events.append("secure"))
+
+    assert apply(zookeeper_settings()) and events == ["secure", "write"]
+    assert not apply(zookeeper_settings()) and events == ["secure", "write"]  # up to date: nothing to do
+    assert apply(zookeeper_settings(key="r" * 40)) and events == ["secure", "write"] * 2
+    stored = secrets_api.stored[("shop", "casque-zookeeper")]
+    assert base64.b64decode(stored["password"]).decode() == namespace_identity("casque", "r" * 40, "shop").password
+    # A write that did not happen after the walk: the next reconcile walks again, then writes.
+    events.clear()
+    secrets_api.down = True
+    with pytest.raises(ApiException):
+        apply(zookeeper_settings(key="s" * 40))
+    secrets_api.down = False
+    assert apply(zookeeper_settings(key="s" * 40)) and events == ["secure", "secure", "write"]
 
 
 # Cassandra's own rule for keyspace names (unquoted, as casque writes them).

@@ -4,6 +4,10 @@ settings' checks."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
+
 import pytest
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions
 from pydantic import SecretStr, ValidationError
@@ -72,6 +76,16 @@ def test_namespace_identities_are_stable_distinct_and_tied_to_the_derivation_key
     assert shop.password != namespace_identity("casque", KEY, "shop2").password
     assert shop.password != namespace_identity("casque", PREVIOUS_KEY, "shop").password
     assert KEY not in shop.password
+
+
+def test_the_identities_from_before_the_key_are_a_previous_key_equal_to_the_installation_password() -> None:
+    """docs/security.md's upgrade: namespaces' identities used to be HMACs keyed with the
+    installation password, with the same context; that password as the previous key keeps
+    them in the ACLs while sidecars still hold them."""
+    before = base64.urlsafe_b64encode(hmac.new(OWNER.password.encode(), b"casque zookeeper namespace identity\x00shop",
+                                               hashlib.sha256).digest()).decode().rstrip("=")
+    assert namespace_identity("casque", OWNER.password, "shop").password == before
+    assert namespace_identity("casque", KEY, "shop").password != before
 
 
 def test_a_policy_without_a_derivation_key_is_refused() -> None:
