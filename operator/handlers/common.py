@@ -72,6 +72,19 @@ def report(body: kopf.Body, patch: kopf.Patch, outcome: Outcome, logger: kopf.Lo
         kopf.warn(body, reason=failure.reason, message=failure.message)
 
 
+def report_refresh(
+    context: OperatorContext, body: kopf.Body, patch: kopf.Patch, outcome: Outcome, logger: kopf.Logger
+) -> bool:
+    """A status timer's report, or none if the operator began to stop while the timer ran:
+    stopping closes its own backend connections, so a failure then says nothing of the
+    backends, and writing it would flip Ready on every rollout (the next leader puts it back)."""
+    if context.stopped.is_set():
+        logger.debug("the operator is stopping: the refresh's status is left unwritten")
+        return False
+    report(body, patch, outcome, logger, timer=True)
+    return True
+
+
 def to_kopf(failure: Failure) -> kopf.PermanentError | kopf.TemporaryError:
     text = f"{failure.reason}: {failure.message}"
     if failure.retry_after is None:

@@ -22,7 +22,7 @@ from casque.errors import CasqueError, InvalidSpec
 from casque.operator import reconcile, tenancy
 from casque.operator.context import OperatorContext
 from casque.operator.handlers import secrets
-from casque.operator.handlers.common import report, resource_of, run_locked, to_kopf
+from casque.operator.handlers.common import report, report_refresh, resource_of, run_locked, to_kopf
 from casque.operator.quotas import Limits, limits_for
 from casque.operator.reconcile import Failure, Outcome
 from casque.operator.resources import GROUP, QUEUES, VERSION
@@ -82,8 +82,8 @@ async def refresh(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, 
         context, body, "Queue", "refresh",
         lambda: reconcile.refresh_queue(context.stores, resource, datetime.now(timezone.utc)),
     )
-    report(body, patch, outcome, logger, timer=True)
-    await secrets.keep_copies(context, body, logger, timer=True)
+    if report_refresh(context, body, patch, outcome, logger):
+        await secrets.keep_copies(context, body, logger, timer=True)
 
 
 async def delete(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:

@@ -8,7 +8,7 @@ import kopf
 
 from casque.operator import metrics, reconcile
 from casque.operator.context import OperatorContext
-from casque.operator.handlers.common import report, resource_of, run_locked, to_kopf
+from casque.operator.handlers.common import report, report_refresh, resource_of, run_locked, to_kopf
 
 
 async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
@@ -29,8 +29,8 @@ async def refresh(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, 
         context, body, "Subscriber", "refresh",
         lambda: reconcile.refresh_subscriber(context.stores, resource, datetime.now(timezone.utc)),
     )
-    report(body, patch, outcome, logger, timer=True)
-    metrics.observe_subscriber(resource.namespace, resource.name, resource.status or {}, outcome.status)
+    if report_refresh(context, body, patch, outcome, logger):
+        metrics.observe_subscriber(resource.namespace, resource.name, resource.status or {}, outcome.status)
 
 
 async def delete(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:

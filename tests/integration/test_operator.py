@@ -613,7 +613,10 @@ def test_a_restart_changes_nothing_that_is_right(
     for (plural, name), obj in zip(((QUEUES, "orders"), (SUBSCRIBERS, "billing")), before.values(), strict=True):
         now = get(api, ns, plural, name)
         assert now is not None and obj is not None
-        assert (now["metadata"], now["status"]) == (obj["metadata"], obj["status"]), plural
+        changed = {f"{part}.{key}": (obj[part].get(key), now[part].get(key))
+                   for part in ("metadata", "status") for key in obj[part].keys() | now[part].keys()
+                   if obj[part].get(key) != now[part].get(key)}
+        assert not changed, f"{plural} changed by the restart (before, after): {changed}"
     assert backend.store.zk.get(backend.store.paths(ref).base)[1].mzxid == znode.mzxid
 
 
