@@ -46,11 +46,11 @@ from casque.sidecar.models import (
     SeekRequest,
     SeekResult,
     SubscriberStatsResult,
-    receive_body,
     valid_traceparent,
     valid_tracestate,
     wall_clock,
 )
+from casque.sidecar.rendering import receive_body
 from casque.sidecar.scopes import Scope
 from casque.sidecar.service import QueueService
 
