@@ -208,7 +208,7 @@ def is_json_type(content_type: str | None) -> bool:
     return media in ("application/json", "text/json") or media.endswith("+json")
 
 
-def _json_bytes(value: JsonValue) -> bytes:
+def json_bytes(value: JsonValue) -> bytes:
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     try:
         return text.encode("utf-8")
@@ -217,7 +217,7 @@ def _json_bytes(value: JsonValue) -> bytes:
         return json.dumps(value, separators=(",", ":")).encode("ascii")
 
 
-def _non_finite(value: JsonValue) -> bool:
+def non_finite(value: JsonValue) -> bool:
     """Whether a NaN or an infinity hides in the value: JSON has no such numbers, so a
     message holding one could not be delivered as JSON. Iterative: depth costs no stack."""
     stack = [value]
@@ -294,7 +294,7 @@ class PublishMessage(Body):
             except (binascii.Error, ValueError) as error:
                 raise ValueError(f"data_base64 is not valid base64: {error}") from error
         elif is_json_type(self.datacontenttype):
-            if _non_finite(self.data):
+            if non_finite(self.data):
                 raise ValueError("data holds NaN or Infinity, which JSON has no numbers for")
         elif self.data is not None:
             if not isinstance(self.data, str):
@@ -324,7 +324,7 @@ class PublishMessage(Body):
         elif "data" not in self.model_fields_set:
             payload = b""
         elif is_json_type(content_type):
-            payload = _json_bytes(self.data)
+            payload = json_bytes(self.data)
             content_type = content_type or JSON_CONTENT_TYPE
         elif self.data is None:
             payload = b""
