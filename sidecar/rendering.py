@@ -41,7 +41,8 @@ _TIME = TypeAdapter(datetime)
 _ESCAPED_ASCII = bytes(range(0x20)) + b'\x7f"\\'
 
 
-def message_json(delivery: Delivery, queue: QueueRef) -> bytes:
+def message_json(delivery: Delivery, queue: QueueRef, times: dict[float | datetime, str | None] | None = None
+                 ) -> bytes:
     """One delivered message as JSON, built on its own.
 
     A payload that its content type calls JSON but that cannot be rendered as JSON (nested
@@ -51,7 +52,7 @@ def message_json(delivery: Delivery, queue: QueueRef) -> bytes:
     every receive that includes it, and be dead-lettered with its neighbours.
     """
     try:
-        quick = render(delivery, queue)
+        quick = render(delivery, queue, {} if times is None else times)
     except (ValueError, TypeError, RecursionError):
         quick = None
     if quick is not None:
@@ -66,11 +67,18 @@ def message_json(delivery: Delivery, queue: QueueRef) -> bytes:
 
 def receive_body(deliveries: list[Delivery], queue: QueueRef) -> bytes:
     """A receive's answer (the shape of `ReceiveResult`), each message rendered on its own."""
-    return b'{"messages":[' + b",".join([message_json(d, queue) for d in deliveries]) + b"]}"
+    # The messages of a receive mostly share their visibility deadline and, batch by batch,
+    # their publish time: each is written once per receive.
+    times: dict[float | datetime, str | None] = {}
+    return b'{"messages":[' + b",".join([message_json(d, queue, times) for d in deliveries]) + b"]}"
 
 
-def render(delivery: Delivery, queue: QueueRef) -> bytes | None:
-    """The JSON `envelope(delivery, queue).wire()` encodes to, or None to leave it to that path."""
+def render(delivery: Delivery, queue: QueueRef, times: dict[float | datetime, str | None] | None = None
+           ) -> bytes | None:
+    """The JSON `envelope(delivery, queue).wire()` encodes to, or None to leave it to that path.
+    `times`: the times written so far (a publish time, or a visibility deadline) and how."""
+    if times is None:
+        times = {}
     stored = delivery.message
     attributes = dict(stored.attributes)
     pop = attributes.pop
@@ -78,7 +86,7 @@ def render(delivery: Delivery, queue: QueueRef) -> bytes | None:
     event_id = pop("ce-id", stored.message_id)
     event_type = pop("ce-type", DEFAULT_TYPE)
     source = pop("ce-source", None)
-    time = _time(stored.published_at)
+    time = _time(stored.published_at, times)
     if time is None:
         return None
     published = None
@@ -121,7 +129,9 @@ def render(delivery: Delivery, queue: QueueRef) -> bytes | None:
     parts.append(',"attributes":{')
     parts.append(",".join([encode_basestring_ascii(k) + ":" + encode_basestring_ascii(v)
                            for k, v in attributes.items()]))
-    visible = _time(wall_clock(delivery.visible_until))
+    visible = times.get(delivery.visible_until)
+    if visible is None:
+        visible = times[delivery.visible_until] = _time(wall_clock(delivery.visible_until), times)
     if visible is None:
         return None
     parts += (
@@ -130,7 +140,7 @@ def render(delivery: Delivery, queue: QueueRef) -> bytes | None:
         ',"batch":', str(position.batch), ',"seq":', str(position.seq), ',"visibleuntil":', visible,
     )
     if stored.expires_at is not None:
-        expires = _time(stored.expires_at)
+        expires = _time(stored.expires_at, times)
         if expires is None:
             return None
         parts += (',"expiresat":', expires)
@@ -140,12 +150,18 @@ def render(delivery: Delivery, queue: QueueRef) -> bytes | None:
     return "".join(parts).encode("ascii")
 
 
-def _time(moment: datetime) -> str | None:
+def _time(moment: datetime, times: dict[float | datetime, str | None] | None = None) -> str | None:
     """A UTC time as pydantic writes it (`2026-01-02T03:04:05.000006Z`, the fraction only when
-    not zero, as isoformat), quoted; None for any other zone, which the model path writes."""
+    not zero, as isoformat), quoted; None for any other zone, which the model path writes.
+    `times` keeps those written: UTC times equal as datetimes are written alike."""
     if moment.tzinfo is not timezone.utc:
         return None
-    return f'"{moment.isoformat()[:-6]}Z"'
+    text = None if times is None else times.get(moment)
+    if text is None:
+        text = f'"{moment.isoformat()[:-6]}Z"'
+        if times is not None:
+            times[moment] = text
+    return text
 
 
 def _produced_time(value: str) -> str | None:

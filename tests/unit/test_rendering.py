@@ -104,6 +104,21 @@ def test_a_receive_body_is_the_messages_in_order() -> None:
     assert receive_body([], QUEUE) == b'{"messages":[]}'
 
 
+def test_a_receive_body_writes_shared_times_as_each_message_would() -> None:
+    # Times written once per receive are the same text for every message that shares them.
+    cases = [delivery(b"1", expires_at=T0 + timedelta(seconds=30)) for _ in range(3)] + CASES
+    renderable = [c for c in cases if _renders(c)]
+    assert receive_body(renderable, QUEUE) == b'{"messages":[' + b",".join(map(model_path, renderable)) + b"]}"
+
+
+def _renders(case: Delivery) -> bool:
+    try:
+        model_path(case)
+    except (ValueError, TypeError, RecursionError):
+        return False
+    return True
+
+
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)
 json_values: Any = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | text,
