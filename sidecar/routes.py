@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.errors import CasqueError
 from casque.logs import REQUEST_ID
+from casque.sidecar.answers import acked_json, one_published_json, published_json
 from casque.sidecar.bodies import decode_body, parse_body, read_json, read_limited, validate
 from casque.sidecar.decoding import Decoded, Shape, decode_publish, with_trace_context
 from casque.sidecar.errors import RETRY_AFTER_SECONDS, error_body
@@ -91,6 +92,11 @@ def reply(body: Reply) -> web.Response:
     return web.Response(body=body.wire_json(), content_type="application/json", charset="utf-8")
 
 
+def _json(body: bytes | None) -> web.Response | None:
+    """An answer written by answers.py, as `reply` sends a model's; None if it wrote none."""
+    return None if body is None else web.Response(body=body, content_type="application/json", charset="utf-8")
+
+
 # --- publishing ---------------------------------------------------------------------------
 async def publish(request: web.Request) -> web.Response:
     """One event in structured or binary mode, or a CloudEvents batch (answered as publishBatch)."""
@@ -101,7 +107,7 @@ async def publish(request: web.Request) -> web.Response:
     else:
         message = await _parse_messages(request, "message")
     (result,) = await _publish(request, message)
-    return reply(PublishResult.of(result))
+    return _json(one_published_json(result)) or reply(PublishResult.of(result))
 
 
 async def publish_batch(request: web.Request) -> web.Response:
@@ -132,7 +138,8 @@ def _decode_messages(shape: Shape, raw: bytes) -> Messages:
 
 async def _publish_events(request: web.Request, messages: Messages) -> web.Response:
     results = await _publish(request, messages)
-    return reply(PublishBatchResult(results=[PublishResult.of(r) for r in results]))
+    return _json(published_json(results)) or reply(
+        PublishBatchResult(results=[PublishResult.of(r) for r in results]))
 
 
 def _trace_header(request: web.Request) -> tuple[str | None, str | None]:
@@ -257,10 +264,11 @@ def _settle_span(request: web.Request, operation: str, receipts: int) -> Iterato
 async def ack(request: web.Request) -> web.Response:
     body = await parse(request, AckRequest)
     queue, subscriber = request.match_info["queue"], request.match_info["subscriber"]
-    with _settle_span(request, "ack", len(body.all)):
-        outcomes = await _service(request).ack(queue, subscriber, body.all)
-    return _results(
-        body.all, outcomes, body.single,
+    receipts = body.all
+    with _settle_span(request, "ack", len(receipts)):
+        outcomes = await _service(request).ack(queue, subscriber, receipts)
+    return _json(acked_json(receipts, outcomes)) or _results(
+        receipts, outcomes, body.single,
         lambda r, newly: ReceiptResult(receipt=r, status="acked" if newly else "already_acked"),
     )
 
