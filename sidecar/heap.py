@@ -12,15 +12,17 @@ single native entry of the sidecar while it published 100 per call.
 `settle()` collects once and freezes what is left (`gc.freeze`: moved to a generation
 that is never traversed), called when the process is set up and again when the backends
 are connected; the young threshold goes up so that the objects of a call, nearly all
-freed by their reference counts, are seldom traversed at all. Cyclic garbage then waits
-longer to be freed: at most YOUNG_THRESHOLD containers' worth, a few MiB.
+freed by their reference counts, are traversed less often. Cyclic garbage then waits
+longer to be freed: at most YOUNG_THRESHOLD containers' worth.
 """
 
 from __future__ import annotations
 
 import gc
 
-YOUNG_THRESHOLD = 20_000
+# 700 by default. Higher cut little more CPU once the rest was frozen, and cost RSS: at
+# 20,000 the sidecar ended bench_sidecar's phases 7-10 MiB larger than at this.
+YOUNG_THRESHOLD = 3_000
 
 
 def settle() -> None:
