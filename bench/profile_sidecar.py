@@ -6,7 +6,8 @@
 Phases, as bench_sidecar.py makes them: `single` (one-message publishes, 32 in flight),
 `batched` (100-message publishes, 4 in flight), `consume_batched` (receive 100 + ack 100,
 4 loops, on a queue filled first), `pair` (receive 1 + ack 1, 32 loops). The phase runs
-until `py-spy record` (all threads, `--nonblocking`, idle samples left out) has sampled
+until `py-spy record` (all threads, idle samples left out; `--nonblocking` unless `--native`,
+since C frames are read only from a paused process) has sampled
 the sidecar for `--seconds`; then the sidecar's CPU per message over that window is
 printed, so a profile and the figure it explains come from the same load. The sidecar
 runs in a scratch keyspace of its own, dropped at the end, like bench_sidecar.py's.
