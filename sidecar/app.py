@@ -157,6 +157,7 @@ async def _connect(app: web.Application, lent: Store | None) -> None:
     service.on_consumer_started.append(lambda subscription: _start_push(service, subscription, token, tracing))
     runtime.service = service
     runtime.problem = ""
+    runtime.connected.set()
     service.start()
     log.info("backends connected")
 

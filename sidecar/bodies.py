@@ -25,6 +25,7 @@ is bounded by LARGE_AT_ONCE large ones and can be read from the sidecar itself.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import InvalidRequest, RequestTimeout, RequestTooLarge, TooManyValues, from_validation
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 OFFLOAD_BYTES = 256 * 1024
 LARGE_AT_ONCE = 2
@@ -157,15 +159,26 @@ async def read_limited(request: web.Request, settings: SidecarSettings) -> bytes
 
 
 async def parse_body(request: web.Request, settings: SidecarSettings, model: type[M], optional: bool = False) -> M:
+    raw = await read_json(request, settings, optional)
+    return await decode_body(raw, functools.partial(validate, model))
+
+
+async def read_json(request: web.Request, settings: SidecarSettings, optional: bool = False) -> bytes:
+    """A JSON body read within the limits and charged to the request memory, not parsed yet."""
     raw = await read_limited(request, settings)
     if not raw.strip():
         if not optional:
             raise InvalidRequest("the request needs a JSON object body", code="invalid_json")
         raw = b"{}"
     _charge(request, raw, settings.max_json_values)
+    return raw
+
+
+async def decode_body(raw: bytes, decode: Callable[[bytes], T]) -> T:
+    """decode(raw), in a worker thread for a body over OFFLOAD_BYTES."""
     if len(raw) <= OFFLOAD_BYTES:
-        return _validate(model, raw)
-    return await asyncio.to_thread(_validate, model, raw)
+        return decode(raw)
+    return await asyncio.to_thread(decode, raw)
 
 
 def _charge(request: web.Request, raw: bytes, limit: int) -> None:
@@ -181,7 +194,7 @@ def _charge(request: web.Request, raw: bytes, limit: int) -> None:
     request[_CHARGE] = request.get(_CHARGE, 0) + amount
 
 
-def _validate(model: type[M], raw: bytes) -> M:
+def validate(model: type[M], raw: bytes) -> M:
     try:
         return model.model_validate_json(raw, strict=True)
     except ValidationError as error:

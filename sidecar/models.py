@@ -27,7 +27,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import logging
 import math
 import re
 import time
@@ -61,8 +60,6 @@ from casque.engine.sequences import MAX_SEQUENCE, producer_key
 from casque.engine.stats import QueueStats, SubscriberStats
 from casque.schema import MAX_RETENTION_SECONDS, QueueRef
 from casque.specs import MAX_PRIORITIES, priority_of
-
-log = logging.getLogger(__name__)
 
 MAX_BATCH_MESSAGES = 1000
 MAX_RECEIVE = 1000
@@ -203,14 +200,15 @@ class ErrorResponse(Reply):
 
 
 # --- publishing ---------------------------------------------------------------------------
-def _is_json(content_type: str | None) -> bool:
+def is_json_type(content_type: str | None) -> bool:
+    """Whether a content type is JSON (absent: JSON too, the default of `data`)."""
     if content_type is None:
         return True
     media = content_type.split(";", 1)[0].strip().lower()
     return media in ("application/json", "text/json") or media.endswith("+json")
 
 
-def _json_bytes(value: JsonValue) -> bytes:
+def json_bytes(value: JsonValue) -> bytes:
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     try:
         return text.encode("utf-8")
@@ -219,7 +217,7 @@ def _json_bytes(value: JsonValue) -> bytes:
         return json.dumps(value, separators=(",", ":")).encode("ascii")
 
 
-def _non_finite(value: JsonValue) -> bool:
+def non_finite(value: JsonValue) -> bool:
     """Whether a NaN or an infinity hides in the value: JSON has no such numbers, so a
     message holding one could not be delivered as JSON. Iterative: depth costs no stack."""
     stack = [value]
@@ -295,8 +293,8 @@ class PublishMessage(Body):
                 base64.b64decode(self.data_base64, validate=True)
             except (binascii.Error, ValueError) as error:
                 raise ValueError(f"data_base64 is not valid base64: {error}") from error
-        elif _is_json(self.datacontenttype):
-            if _non_finite(self.data):
+        elif is_json_type(self.datacontenttype):
+            if non_finite(self.data):
                 raise ValueError("data holds NaN or Infinity, which JSON has no numbers for")
         elif self.data is not None:
             if not isinstance(self.data, str):
@@ -325,8 +323,8 @@ class PublishMessage(Body):
             content_type = content_type or BINARY_CONTENT_TYPE
         elif "data" not in self.model_fields_set:
             payload = b""
-        elif _is_json(content_type):
-            payload = _json_bytes(self.data)
+        elif is_json_type(content_type):
+            payload = json_bytes(self.data)
             content_type = content_type or JSON_CONTENT_TYPE
         elif self.data is None:
             payload = b""
@@ -505,32 +503,6 @@ def envelope(delivery: Delivery, queue: QueueRef, raw: bool = False) -> Message:
     return Message(**fields)
 
 
-def message_json(delivery: Delivery, queue: QueueRef) -> bytes:
-    """One delivered message as JSON, built on its own.
-
-    A payload that its content type calls JSON but that cannot be rendered as JSON (nested
-    deeper than the parsers go, non-finite numbers, stored before such checks existed) goes
-    as `data_base64` instead: the bytes reach the app untouched, and neither the receive that
-    carries it nor the other messages in it fail. Otherwise one such message would fail
-    every receive that includes it, and be dead-lettered with its neighbours.
-    """
-    try:
-        return _dumps(envelope(delivery, queue).wire())
-    except (ValueError, TypeError, RecursionError) as error:  # pydantic's ValidationError is a ValueError
-        log.warning("message %s at %s is not renderable as JSON (%s); delivered as data_base64",
-                    delivery.message.message_id, delivery.message.position, type(error).__name__)
-        return _dumps(envelope(delivery, queue, raw=True).wire())
-
-
-def receive_body(deliveries: list[Delivery], queue: QueueRef) -> bytes:
-    """A receive's answer (the shape of `ReceiveResult`), each message rendered on its own."""
-    return b'{"messages":[' + b",".join(message_json(d, queue) for d in deliveries) + b"]}"
-
-
-def _dumps(value: Any) -> bytes:
-    return json.dumps(value, allow_nan=False, separators=(",", ":")).encode("ascii")
-
-
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -541,7 +513,7 @@ def _data_fields(payload: bytes, content_type: str | None) -> dict[str, Any]:
         return {}
     media = (content_type or "").split(";", 1)[0].strip().lower()
     try:
-        if content_type is not None and _is_json(content_type):
+        if content_type is not None and is_json_type(content_type):
             return {"data": json.loads(payload, parse_constant=_refuse_constant)}
         if media.startswith("text/"):
             return {"data": payload.decode("utf-8")}

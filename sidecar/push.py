@@ -16,7 +16,7 @@ Every nack carries the reason (the status, or the connection error), which the e
 keeps in the message's history for the dead-letter queue.
 
 Every push ends in a settlement, whatever fails. The event is the one a receive renders
-(models.message_json: a payload its content type calls JSON but that JSON cannot carry goes
+(rendering.message_json: a payload its content type calls JSON but that JSON cannot carry goes
 as `data_base64`). A message that cannot be rendered even so is a permanent failure, as if
 the app had answered a drop status: every later try would fail the same way, since the
 rendering reads nothing but the stored message. Any other error while sending, not only a
@@ -56,7 +56,8 @@ from casque.errors import CasqueError, InvalidSpec, StaleReceipt
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings, push_target
 from casque.sidecar.metrics import SidecarMetrics
-from casque.sidecar.models import CE_ATTRIBUTES, message_json
+from casque.sidecar.models import CE_ATTRIBUTES
+from casque.sidecar.rendering import message_json
 from casque.sidecar.tracing import Tracing
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ from the same table, so the two cannot drift apart.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -18,7 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.errors import CasqueError
 from casque.logs import REQUEST_ID
-from casque.sidecar.bodies import parse_body, read_limited
+from casque.sidecar.answers import acked_json, one_published_json, published_json
+from casque.sidecar.bodies import decode_body, parse_body, read_json, read_limited, validate
+from casque.sidecar.decoding import Decoded, Shape, decode_publish, with_trace_context
 from casque.sidecar.errors import RETRY_AFTER_SECONDS, error_body
 from casque.sidecar.events import binary_event, is_batch, is_binary
 from casque.sidecar.health import readiness, refresh_gauges
@@ -46,11 +49,11 @@ from casque.sidecar.models import (
     SeekRequest,
     SeekResult,
     SubscriberStatsResult,
-    receive_body,
     valid_traceparent,
     valid_tracestate,
     wall_clock,
 )
+from casque.sidecar.rendering import receive_body
 from casque.sidecar.scopes import Scope
 from casque.sidecar.service import QueueService
 
@@ -89,28 +92,54 @@ def reply(body: Reply) -> web.Response:
     return web.Response(body=body.wire_json(), content_type="application/json", charset="utf-8")
 
 
-# --- publishing -----------------------------------------------------------------------------
+def _json(body: bytes | None) -> web.Response | None:
+    """An answer written by answers.py, as `reply` sends a model's; None if it wrote none."""
+    return None if body is None else web.Response(body=body, content_type="application/json", charset="utf-8")
+
+
+# --- publishing ---------------------------------------------------------------------------
 async def publish(request: web.Request) -> web.Response:
     """One event in structured or binary mode, or a CloudEvents batch (answered as publishBatch)."""
     if is_batch(request.content_type):
-        return await _publish_events(request, (await parse(request, PublishEventBatch)).root)
+        return await _publish_events(request, await _parse_messages(request, "events"))
     if is_binary(request.headers):
-        message = binary_event(request.headers, await read_limited(request, request.app[SETTINGS]))
+        message: Messages = [binary_event(request.headers, await read_limited(request, request.app[SETTINGS]))]
     else:
-        message = await parse(request, PublishMessage)
-    (result,) = await _publish(request, [message])
-    return reply(PublishResult.of(result))
+        message = await _parse_messages(request, "message")
+    (result,) = await _publish(request, message)
+    return _json(one_published_json(result)) or reply(PublishResult.of(result))
 
 
 async def publish_batch(request: web.Request) -> web.Response:
-    if is_batch(request.content_type):
-        return await _publish_events(request, (await parse(request, PublishEventBatch)).root)
-    return await _publish_events(request, (await parse(request, PublishBatchRequest)).messages)
+    shape: Shape = "events" if is_batch(request.content_type) else "batch"
+    return await _publish_events(request, await _parse_messages(request, shape))
 
 
-async def _publish_events(request: web.Request, messages: list[PublishMessage]) -> web.Response:
+# A publish's messages: checked by the quick path and made already (decoding.py), or models.
+Messages = list[PublishMessage] | Decoded
+
+
+async def _parse_messages(request: web.Request, shape: Shape) -> Messages:
+    raw = await read_json(request, request.app[SETTINGS])
+    return await decode_body(raw, functools.partial(_decode_messages, shape))
+
+
+def _decode_messages(shape: Shape, raw: bytes) -> Messages:
+    """The quick path's messages, or else the models' (which refuse what they refused before)."""
+    quick = decode_publish(raw, shape)
+    if quick is not None:
+        return Decoded(quick)
+    if shape == "events":
+        return validate(PublishEventBatch, raw).root
+    if shape == "batch":
+        return validate(PublishBatchRequest, raw).messages
+    return [validate(PublishMessage, raw)]
+
+
+async def _publish_events(request: web.Request, messages: Messages) -> web.Response:
     results = await _publish(request, messages)
-    return reply(PublishBatchResult(results=[PublishResult.of(r) for r in results]))
+    return _json(published_json(results)) or reply(
+        PublishBatchResult(results=[PublishResult.of(r) for r in results]))
 
 
 def _trace_header(request: web.Request) -> tuple[str | None, str | None]:
@@ -127,23 +156,28 @@ def _traced(message: PublishMessage, context: tuple[str | None, str | None]) -> 
     return message.model_copy(update={"traceparent": context[0], "tracestate": context[1]})
 
 
-async def _publish(request: web.Request, messages: list[PublishMessage]) -> list[Published]:
+def _outgoing(messages: Messages, context: tuple[str | None, str | None]) -> list[OutgoingMessage]:
+    if isinstance(messages, Decoded):
+        return with_trace_context(messages.messages, context)
+    return [_traced(m, context).outgoing() for m in messages]
+
+
+async def _publish(request: web.Request, messages: Messages) -> list[Published]:
     queue = request.match_info["queue"]
     header = _trace_header(request)
     tracing = request.app[TRACING]
     if tracing is None:
         # The request's trace context goes with the messages that have none of their own.
-        return await _service(request).publish(queue, [_traced(m, header).outgoing() for m in messages])
+        return await _service(request).publish(queue, _outgoing(messages, header))
+    count = len(messages.messages) if isinstance(messages, Decoded) else len(messages)
     parent = header
-    if parent[0] is None and len(messages) == 1:
+    if parent[0] is None and isinstance(messages, list) and len(messages) == 1:
         parent = (valid_traceparent(messages[0].traceparent), valid_tracestate(messages[0].tracestate))
     with tracing.span(f"publish {queue}", "producer", parent, attributes={
         "messaging.system": "casque", "messaging.operation.type": "send",
-        "messaging.destination.name": queue, "messaging.batch.message_count": len(messages),
+        "messaging.destination.name": queue, "messaging.batch.message_count": count,
     }) as span:
-        own = tracing.context_of(span)
-        outgoing: list[OutgoingMessage] = [_traced(m, own).outgoing() for m in messages]
-        return await _service(request).publish(queue, outgoing)
+        return await _service(request).publish(queue, _outgoing(messages, tracing.context_of(span)))
 
 
 def trace_context(delivery: Delivery) -> tuple[str, str | None] | None:
@@ -230,10 +264,11 @@ def _settle_span(request: web.Request, operation: str, receipts: int) -> Iterato
 async def ack(request: web.Request) -> web.Response:
     body = await parse(request, AckRequest)
     queue, subscriber = request.match_info["queue"], request.match_info["subscriber"]
-    with _settle_span(request, "ack", len(body.all)):
-        outcomes = await _service(request).ack(queue, subscriber, body.all)
-    return _results(
-        body.all, outcomes, body.single,
+    receipts = body.all
+    with _settle_span(request, "ack", len(receipts)):
+        outcomes = await _service(request).ack(queue, subscriber, receipts)
+    return _json(acked_json(receipts, outcomes)) or _results(
+        receipts, outcomes, body.single,
         lambda r, newly: ReceiptResult(receipt=r, status="acked" if newly else "already_acked"),
     )
 

@@ -9,7 +9,8 @@ says what is missing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 from casque.sidecar.errors import NotReady
 from casque.sidecar.service import QueueService
@@ -21,6 +22,8 @@ class Runtime:
     store: Store | None = None
     service: QueueService | None = None
     problem: str = "connecting to Cassandra and ZooKeeper"
+    # Set once `service` is.
+    connected: asyncio.Event = field(default_factory=asyncio.Event)
 
     def require(self) -> QueueService:
         if self.service is None:

@@ -23,6 +23,7 @@ from aiohttp import web
 from casque import logs
 from casque.config import Settings
 from casque.logs import LogFormat
+from casque.sidecar import heap
 from casque.sidecar.app import RUNTIME, create_app
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.guards import MAX_HEADERS
@@ -51,6 +52,8 @@ async def serve(
                            **protocol_options(settings))
     side_runners: list[web.AppRunner] = []
     await runner.setup()  # quick: the backends are connected in the background (runtime.py)
+    heap.settle()  # the modules and the app are set up: out of the collector's way
+    settling = asyncio.create_task(_settle_when_connected(app))
     try:
         site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
         await site.start()
@@ -73,10 +76,18 @@ async def serve(
         if service is not None:
             await service.drain()
     finally:
+        settling.cancel()
         for side_runner in side_runners:
             await side_runner.cleanup()
         await runner.cleanup()
     log.info("stopped")
+
+
+async def _settle_when_connected(app: web.Application) -> None:
+    """The drivers' connections and the Cassandra schema metadata are the process's too, once
+    connected: out of the collector's way as well (heap.py)."""
+    await app[RUNTIME].connected.wait()
+    heap.settle()
 
 
 async def _serve_metrics(app: web.Application, host: str, port: int) -> web.AppRunner:

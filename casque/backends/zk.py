@@ -38,6 +38,7 @@ from kazoo.retry import KazooRetry
 
 from casque.backends.tls import client_context, probe
 from casque.backends.zkacl import AclClient, Identity, Scheme, installation_policy, namespace_policy, parse_acl
+from casque.backends.zkpoll import PollingHandler
 from casque.config import Settings
 from casque.errors import AccessDenied, BackendUnavailable, InvalidSpec, TlsRefused
 
@@ -92,7 +93,8 @@ def connect(
     timeout = timeout or settings.zookeeper_session_timeout_seconds
     hosts = hosts or settings.zookeeper_hosts
     own = identities(settings)
-    options = {**tls_options(settings), **login_options(own), "connection_retry": reconnection()}
+    options = {**tls_options(settings), **login_options(own), "connection_retry": reconnection(),
+               "handler": PollingHandler()}
     client: KazooClient
     if not own:
         client = KazooClient(hosts=hosts, timeout=timeout, **options)

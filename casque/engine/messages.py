@@ -62,6 +62,25 @@ def random_uuid() -> uuid.UUID:
     return uuid.UUID(bytes=raw, version=4)
 
 
+# Bytes 6 and 8 of a random UUID carry its version (4) and variant (RFC 4122) bits.
+_VERSION_4 = bytes((b & 0x0F) | 0x40 for b in range(256))
+_VARIANT = bytes((b & 0x3F) | 0x80 for b in range(256))
+
+
+def random_ids(count: int) -> list[str]:
+    """`count` random UUIDs as strings, `str(random_uuid())` alike: one read of the OS's random
+    bytes and one hex conversion for them all, not a UUID object per id (a 100-message
+    publish spent 2-3% of the sidecar's CPU making its ids one by one)."""
+    if count == 1:
+        return [str(random_uuid())]
+    raw = bytearray(os.urandom(16 * count))
+    raw[6::16] = raw[6::16].translate(_VERSION_4)
+    raw[8::16] = raw[8::16].translate(_VARIANT)
+    text = raw.hex()
+    return [f"{text[i:i + 8]}-{text[i + 8:i + 12]}-{text[i + 12:i + 16]}-{text[i + 16:i + 20]}-{text[i + 20:i + 32]}"
+            for i in range(0, 32 * count, 32)]
+
+
 @dataclass(frozen=True)
 class OutgoingMessage:
     payload: bytes

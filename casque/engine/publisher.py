@@ -43,7 +43,7 @@ from casque.engine import totals as shard_totals
 from casque.engine.heads import HeadAdvancer
 from casque.engine.idempotency import IdempotencyGuard, IdRecord, claim_deadline, recorded
 from casque.dataschema.validation import CompiledSchema
-from casque.engine.messages import SCHEMA_VERSION_ATTRIBUTE, OutgoingMessage, Published, random_uuid
+from casque.engine.messages import SCHEMA_VERSION_ATTRIBUTE, OutgoingMessage, Published, random_ids
 from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
 from casque.specs import QueueSpec, QueueState, log_shard
@@ -489,7 +489,7 @@ class Publisher:
         """
         for message in messages:
             self.validate(message)
-        ids = list(message_ids) if message_ids is not None else [str(random_uuid()) for _ in messages]
+        ids = list(message_ids) if message_ids is not None else random_ids(len(messages))
         if len(messages) == 1:
             # The common one-message call: awaited in this task, without a gathering future.
             return [await self._start(messages[0], ids[0])]

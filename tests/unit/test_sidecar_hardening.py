@@ -28,7 +28,8 @@ from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import as_casque_error, status_of
 from casque.sidecar.guards import host_name
 from casque.sidecar.bodies import VALUE_BYTES, json_values
-from casque.sidecar.models import PublishBatchRequest, PublishMessage, SeekRequest, message_json, receive_body
+from casque.sidecar.models import PublishBatchRequest, PublishMessage, SeekRequest
+from casque.sidecar.rendering import message_json, receive_body
 from casque_client.loopback import is_loopback
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

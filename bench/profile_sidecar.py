@@ -1,0 +1,168 @@
+"""Profiles a `casque sidecar` process under one of bench_sidecar.py's cost phases.
+
+    python bench/profile_sidecar.py --phase batched [--seconds 15] [--out profile.json]
+        [--format speedscope|raw] [--rate 200] [--size 1024] [--shards 4] [--native] [--no-profile]
+
+Phases, as bench_sidecar.py makes them: `single` (one-message publishes, 32 in flight),
+`batched` (100-message publishes, 4 in flight), `consume_batched` (receive 100 + ack 100,
+4 loops, on a queue filled first), `pair` (receive 1 + ack 1, 32 loops). The phase runs
+until `py-spy record` (all threads, idle samples left out; `--nonblocking` unless `--native`,
+since C frames are read only from a paused process) has sampled
+the sidecar for `--seconds`; then the sidecar's CPU per message over that window is
+printed, so a profile and the figure it explains come from the same load. The sidecar
+runs in a scratch keyspace of its own, dropped at the end, like bench_sidecar.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from casque.engine import catalog
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+
+from bench_sidecar import BATCH, COST_BATCH_WINDOW, COST_WINDOW, RECEIVERS, cpu_seconds, start_sidecar, wait_ready
+from benchlib import drop_scratch, pipeline, scratch_settings, sidecar_url
+from keepalive import KeepAliveClient
+
+PHASES = ("single", "batched", "consume_batched", "pair")
+
+
+@dataclass
+class Load:
+    """The phase's state: set once its calls are what is measured, and the messages they moved."""
+
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    done: int = 0
+
+
+async def drive(url: str, queue: str, phase: str, text: str, load: Load) -> None:
+    """Runs `phase` until `load.stop` is set, counting the messages it publishes or consumes."""
+    base = f"/v1/queues/{queue}"
+    sub = f"{base}/subscribers/{queue}"
+    body = {"data": text, "datacontenttype": "text/plain"}
+    async with KeepAliveClient(url, limit=COST_WINDOW + 4) as http:
+        async def post(path: str, json: Any) -> Any:
+            status, answer = await http.post(path, json)
+            if status != 200:
+                raise SystemExit(f"{path}: HTTP {status}: {answer}")
+            return answer
+
+        async def publish(messages: int, window: int) -> None:
+            if messages == 1:
+                async def once() -> None:
+                    await post(f"{base}/messages", body)
+            else:
+                batch = {"messages": [body] * messages}
+
+                async def once() -> None:
+                    await post(f"{base}/messages/batch", batch)
+
+            async def loop() -> None:
+                while not load.stop.is_set():
+                    await once()
+                    load.done += messages
+
+            await asyncio.gather(*(loop() for _ in range(window)))
+
+        async def consume(per_call: int, loops: int) -> None:
+            async def loop() -> None:
+                while not load.stop.is_set():
+                    messages = (await post(f"{sub}/receive", {"max": per_call, "wait": 1}))["messages"]
+                    if not messages:
+                        continue
+                    if len(messages) == 1:
+                        await post(f"{sub}/ack", {"receipt": messages[0]["receipt"]})
+                    else:
+                        await post(f"{sub}/ack", {"receipts": [m["receipt"] for m in messages]})
+                    load.done += len(messages)
+
+            await asyncio.gather(*(loop() for _ in range(loops)))
+
+        if phase == "single":
+            load.started.set()
+            await publish(1, COST_WINDOW)
+        elif phase == "batched":
+            load.started.set()
+            await publish(BATCH, COST_BATCH_WINDOW)
+        else:
+            # The queue is filled first, with more than the phase can consume, so that every
+            # receive finds messages: the profile is then of consuming, not of waiting.
+            batch = {"messages": [body] * BATCH}
+            await pipeline(600, COST_BATCH_WINDOW, lambda i: post(f"{base}/messages/batch", batch))
+            load.started.set()
+            await (consume(BATCH, RECEIVERS) if phase == "consume_batched" else consume(1, COST_WINDOW))
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--phase", choices=PHASES, required=True)
+    parser.add_argument("--seconds", type=float, default=15)
+    parser.add_argument("--out", type=Path, default=Path("profile.json"))
+    parser.add_argument("--format", choices=("speedscope", "raw"), default="speedscope")
+    parser.add_argument("--rate", type=int, default=200)
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--native", action="store_true", help="py-spy --native: C frames too (the GC, the parsers)")
+    parser.add_argument("--no-profile", action="store_true", help="only the CPU per message, no py-spy")
+    parser.add_argument("--cassandra", default="127.0.0.1:9042")
+    parser.add_argument("--zookeeper", default="127.0.0.1:2181")
+    args = parser.parse_args()
+
+    settings = scratch_settings(args.cassandra, args.zookeeper)
+    store = Store.open(settings)
+    queue = QueueRef("default", "http")
+    text = ("casque-" * (args.size // 7 + 1))[: args.size]
+    log = Path(tempfile.gettempdir()) / f"{settings.keyspace}-sidecar.log"
+    process = None
+    try:
+        catalog.ensure_installation(store)
+        catalog.apply_queue(store, queue, QueueSpec(shards=args.shards, retention_seconds=3600, consistency="ONE",
+                                                    max_message_bytes=64 * 1024))
+        catalog.apply_subscriber(store, queue, queue.name, SubscriberSpec(queue=queue.name, start_position="earliest"))
+        process = start_sidecar(settings, queue.name, queue.name, log)
+        url = await asyncio.to_thread(sidecar_url, process, log)
+        await wait_ready(url, process, log)
+        load = Load()
+        driver = asyncio.create_task(drive(url, queue.name, args.phase, text, load))
+        await load.started.wait()
+        await asyncio.sleep(1)  # past the first calls' warm-up
+        before_cpu, before_done, before = cpu_seconds(process.pid), load.done, time.perf_counter()
+        if args.no_profile:
+            await asyncio.sleep(args.seconds)
+        else:
+            spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+            await asyncio.to_thread(subprocess.run, [
+                spy, "record", "--pid", str(process.pid), "--duration", str(int(args.seconds)),
+                "--rate", str(args.rate), "--threads",
+                # Native frames need the process paused while its stack is read.
+                *(["--native"] if args.native else ["--nonblocking"]), "--format", args.format,
+                "--output", str(args.out)], check=True)
+        cpu, seconds = cpu_seconds(process.pid) - before_cpu, time.perf_counter() - before
+        done = load.done - before_done
+        load.stop.set()
+        await driver
+        print(f"phase {args.phase}: {done} messages in {seconds:.1f} s; sidecar CPU {cpu:.2f} s "
+              f"({cpu / seconds:.0%} of a core), {cpu / max(1, done) * 1e6:.1f} µs per message", file=sys.stderr)
+    finally:
+        if process is not None and process.poll() is None:
+            process.terminate()
+            process.wait(30)
+        drop_scratch(store, settings)
+        store.close()
+    log.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
