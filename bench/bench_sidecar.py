@@ -174,11 +174,7 @@ async def http_rates(url: str, queue: str, subscriber: str, count: int, payload:
     body = {"data": payload, "datacontenttype": "text/plain"}
     # A lean keep-alive client (keepalive.py): the figure is the sidecar's, not the client's.
     async with KeepAliveClient(url, limit=SINGLE_WINDOW + RECEIVERS) as http:
-        async def post(path: str, json: Any) -> Any:
-            status, answer = await http.post(path, json)
-            if status != 200:
-                raise SystemExit(f"{path}: HTTP {status}: {answer}")
-            return answer
+        post = http.post_ok
 
         single = count / await pipeline(count, SINGLE_WINDOW, lambda i: post(f"{base}/messages", body))
         calls = max(1, count // BATCH)
@@ -258,11 +254,7 @@ async def process_cost(url: str, pid: int, queue: str, subscriber: str, payload:
     body = {"data": payload, "datacontenttype": "text/plain"}
     figures: dict[str, float] = {}
     async with KeepAliveClient(url, limit=COST_WINDOW + 4) as http:
-        async def post(path: str, json: Any) -> Any:
-            status, answer = await http.post(path, json)
-            if status != 200:
-                raise SystemExit(f"{path}: HTTP {status}: {answer}")
-            return answer
+        post = http.post_ok
 
         async def phase(name: str, messages: int, run: Callable[[], Awaitable[None]]) -> float:
             before, started = cpu_seconds(pid), time.perf_counter()

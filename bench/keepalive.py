@@ -46,6 +46,13 @@ class KeepAliveClient:
         """POST `body` as JSON; the status and the decoded JSON answer."""
         return await self.request("POST", path, json.dumps(body, separators=(",", ":")).encode())
 
+    async def post_ok(self, path: str, body: Any) -> Any:
+        """POST `body`; the answer, or the benchmark ends with the status (a bench has no retries)."""
+        status, answer = await self.post(path, body)
+        if status != 200:
+            raise SystemExit(f"{path}: HTTP {status}: {answer}")
+        return answer
+
     async def get(self, path: str) -> tuple[int, Any]:
         return await self.request("GET", path, None)
 

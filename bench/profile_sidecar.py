@@ -53,11 +53,7 @@ async def drive(url: str, queue: str, phase: str, text: str, load: Load) -> None
     sub = f"{base}/subscribers/{queue}"
     body = {"data": text, "datacontenttype": "text/plain"}
     async with KeepAliveClient(url, limit=COST_WINDOW + 4) as http:
-        async def post(path: str, json: Any) -> Any:
-            status, answer = await http.post(path, json)
-            if status != 200:
-                raise SystemExit(f"{path}: HTTP {status}: {answer}")
-            return answer
+        post = http.post_ok
 
         async def publish(messages: int, window: int) -> None:
             if messages == 1:

@@ -804,13 +804,17 @@ def test_the_namespaces_zookeeper_identity_follows_its_queues(
                         zookeeper_username=data["username"], zookeeper_password=SecretStr(data["password"]),
                         zookeeper_acl=data["acl"])
 
+    def queues_seen_by(data: dict[str, str]) -> set[str]:
+        """The namespace's queues, as a client logged in with the Secret's identity lists them."""
+        own = zk_backend.connect(sidecar_settings(data), namespace=ns)
+        try:
+            return set(own.get_children(f"{backend.zk_root}/queues/{ns}"))
+        finally:
+            own.stop()
+            own.close()
+
     # The Secret's identity works on its namespace; without it, nothing can be read.
-    own = zk_backend.connect(sidecar_settings(data), namespace=ns)
-    try:
-        assert set(own.get_children(f"{backend.zk_root}/queues/{ns}")) == {"orders", "audit"}
-    finally:
-        own.stop()
-        own.close()
+    assert queues_seen_by(data) == {"orders", "audit"}
     with pytest.raises(NoAuthError):
         backend.store.zk.get(backend.store.paths(QueueRef(ns, "orders")).base)
 
@@ -827,12 +831,7 @@ def test_the_namespaces_zookeeper_identity_follows_its_queues(
     rotated = {key: base64.b64decode(value).decode()
                for key, value in wait_for("the Secret to name the new key's identity", rewritten, timeout=300).items()}
     assert rotated["username"] == data["username"] and rotated["password"] != data["password"]
-    own = zk_backend.connect(sidecar_settings(rotated), namespace=ns)
-    try:
-        assert set(own.get_children(f"{backend.zk_root}/queues/{ns}")) == {"orders", "audit"}
-    finally:
-        own.stop()
-        own.close()
+    assert queues_seen_by(rotated) == {"orders", "audit"}
     with pytest.raises(AccessDenied):
         zk_backend.connect(sidecar_settings(data), namespace=ns)
     secret = core.read_namespaced_secret("casque-zookeeper", ns)

@@ -129,8 +129,8 @@ async def test_a_message_that_cannot_be_rendered_is_a_permanent_failure(
     assert push_errors(pusher, "render") == 1
 
 
-async def test_an_error_escaping_a_push_is_still_settled_with_backoff_and_counted() -> None:
-    consumer = RecordingConsumer(dead_letter_queue=True)
+async def deliver_through_a_broken_push(consumer: RecordingConsumer) -> PushWorker:
+    """One delivery whose push raises (a bug in it, not the app's answer)."""
     pusher = worker(consumer)
 
     async def broken(delivery: Delivery, url: str) -> None:
@@ -138,6 +138,12 @@ async def test_an_error_escaping_a_push_is_still_settled_with_backoff_and_counte
 
     pusher._push = broken  # type: ignore[method-assign]
     await pusher._deliver(delivery({}), "http://127.0.0.1:9/events")
+    return pusher
+
+
+async def test_an_error_escaping_a_push_is_still_settled_with_backoff_and_counted() -> None:
+    consumer = RecordingConsumer(dead_letter_queue=True)
+    pusher = await deliver_through_a_broken_push(consumer)
     ((how, receipt, delay, reason),) = consumer.settled
     assert (how, receipt) == ("nack", "r-1")
     assert delay is not None and 1 <= delay <= 2  # the first delivery's backoff, jittered in its upper half
@@ -149,12 +155,6 @@ async def test_a_subscribers_retry_policy_decides_a_failed_pushs_backoff() -> No
     """With `spec.retry` the push names no delay, so the engine applies the policy (not the
     sidecar's own push backoff)."""
     consumer = RecordingConsumer(dead_letter_queue=True, retry=RetryPolicy(minimum_backoff_seconds=7))
-    pusher = worker(consumer)
-
-    async def broken(delivery: Delivery, url: str) -> None:
-        raise RuntimeError("a bug in the push")
-
-    pusher._push = broken  # type: ignore[method-assign]
-    await pusher._deliver(delivery({}), "http://127.0.0.1:9/events")
+    await deliver_through_a_broken_push(consumer)
     ((how, receipt, delay, _),) = consumer.settled
     assert (how, receipt, delay) == ("nack", "r-1", None)
