@@ -564,9 +564,7 @@ def test_non_default_values_are_accepted_by_the_api_server(
     assert not any("events" in rule["resources"] for rule in cluster_rules)
     # A certificate of the user's: no Secret made for it, its CA in the configuration.
     secrets = sorted(s["metadata"]["name"].rsplit("-", 1)[1] for s in of_kind(documents, "Secret"))
-    # Only the backends' installation identities and, with ZooKeeper auth on, the derivation key
-    # the namespaces' identities derive from (<release>-derivation-key).
-    assert secrets == ["cassandra", "key", "zookeeper"]
+    assert secrets == ["cassandra", "zookeeper"]  # only the credentials: both backends' installation identities
     webhook = one(documents, "MutatingWebhookConfiguration")["webhooks"][0]
     assert webhook["clientConfig"]["caBundle"] == kube_cluster.ca_bundle
     assert webhook["failurePolicy"] == "Fail"
