@@ -4,7 +4,7 @@ A keyed message may be handed out only when no earlier message of its key is ope
 in this member's ranges (KeyLocks) or in another member's range below it. Ranges carry the
 hashes of their keys (casque.engine.claims), so this keeps, per shard, the names of the open
 claims (a children watch) and the records of other members' ranges as read; a range not
-read yet holds every key back until it is (`KeyLocks.may_deliver` gets None). A range's
+read yet holds every key back until it is (`KeyLocks.hold` gets None). A range's
 holder rewrites its key set as keys finish there; a data watch on each range read has it
 read again, and a range that completes goes from the children watch; either wakes the
 receives waiting on its keys.

@@ -14,6 +14,7 @@ message back longer than needed; it never lets one through early.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import heapq
 from collections.abc import Callable, Iterable
@@ -22,6 +23,16 @@ from casque.engine.messages import Position
 
 # Key hashes of other members' open ranges below a batch; None while one of them is unknown.
 ForeignKeys = Callable[[int], Iterable[frozenset[int]] | None]
+
+
+class Hold(enum.Enum):
+    """Why a keyed message may or may not be handed out now."""
+
+    NONE = "none"
+    # Behind an earlier message of its key that this member holds: it comes as the app acks.
+    HERE = "here"
+    # Behind another member's open range below it, or one not known yet: it waits on others.
+    ELSEWHERE = "elsewhere"
 
 
 def key_hash(key: str) -> int:
@@ -49,18 +60,18 @@ class KeyLocks:
         self._first(key)
         self._on_release()
 
-    def may_deliver(self, key: str | None, position: Position) -> bool:
+    def hold(self, key: str | None, position: Position) -> Hold:
         if key is None:
-            return True
+            return Hold.NONE
         if self._first(key) != (position.batch, position.seq):
-            return False
+            return Hold.HERE
         if self._foreign is None:
-            return True
+            return Hold.NONE
         ranges = self._foreign(position.batch)
         if ranges is None:
-            return False
+            return Hold.ELSEWHERE
         wanted = key_hash(key)
-        return not any(wanted in keys for keys in ranges)
+        return Hold.ELSEWHERE if any(wanted in keys for keys in ranges) else Hold.NONE
 
     def _first(self, key: str) -> tuple[int, int] | None:
         heap = self._pending.get(key)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from casque.engine.entries import AckStart, ByteBudget, Entry, Handout, LoadedBatch, State
-from casque.engine.keylocks import KeyLocks
+from casque.engine.keylocks import Hold, KeyLocks
 from casque.engine.messages import Position, StoredMessage
 from casque.errors import StaleReceipt
 
@@ -67,9 +67,12 @@ class ShardState:
     counters: ShardCounters = field(default_factory=ShardCounters)
     # Ordered keys (casque.engine.keylocks): a keyed message waits for the one before it.
     locks: KeyLocks | None = None
-    # Ready messages the last take held back behind an earlier message of their key: not
-    # ready for the app, so shared delivery claims more rather than wait for them.
-    held_back: int = 0
+    # Ready messages the last take held back behind another member's range (their key's
+    # earlier messages are there): not ready for the app, so shared delivery claims more
+    # rather than wait for them. Those behind an earlier message held here are not counted:
+    # the app gets them as it acks, and claiming more for them made one member take a whole
+    # backlog of a few keys while the others had none.
+    held_by_others: int = 0
     # The subscriber's retry policy (casque.specs.RetryPolicy.backoff): seconds a message
     # delivered n times waits before it is ready again after a nack naming no delay or an
     # expired visibility. None: ready at once.
@@ -156,14 +159,18 @@ class ShardState:
         self._release_due(now)
         handed: list[Handout] = []
         held_back: list[tuple[int, int]] = []
+        held_by_others = 0
         while self._ready and len(handed) < limit:
             batch, seq = heapq.heappop(self._ready)
             entry = self._entry(batch, seq)
             if entry is None or entry.state is not State.READY:
                 continue
-            if self.locks is not None and not self.locks.may_deliver(entry.message.key, entry.message.position):
-                held_back.append((batch, seq))  # an earlier message of its key is not done yet
-                continue
+            if self.locks is not None:
+                hold = self.locks.hold(entry.message.key, entry.message.position)
+                if hold is not Hold.NONE:
+                    held_back.append((batch, seq))  # an earlier message of its key is not done yet
+                    held_by_others += hold is Hold.ELSEWHERE
+                    continue
             expires = entry.message.expires_at
             if expires is not None and expires.timestamp() <= expired_ttl:
                 # An ephemeral message past its TTL is never delivered; it counts as done.
@@ -197,7 +204,7 @@ class ShardState:
             handed.append(Handout(entry, entry.nonce, redelivery))
         for item in held_back:
             heapq.heappush(self._ready, item)
-        self.held_back = len(held_back)
+        self.held_by_others = held_by_others
         return handed
 
     def ack(self, position: Position, nonce: int) -> bool:

@@ -199,9 +199,10 @@ class SharedDelivery:
 
     def ready_messages(self) -> int:
         """Messages loaded here that the app could have: not in flight and, with ordered keys,
-        not held back behind their key as the last receive found them. Counting held-back
-        ones stopped a member claiming while all it held waited for other members' ranges."""
-        return sum(max(0, r.state.loaded_messages - r.state.in_flight - r.state.held_back) for r in self.sources())
+        not held back behind other members' ranges as the last receive found them. Counting
+        those stopped a member claiming while all it held waited for the others."""
+        return sum(max(0, r.state.loaded_messages - r.state.in_flight - r.state.held_by_others)
+                   for r in self.sources())
 
     def demand(self) -> None:
         """The app asked for messages: claim more if few are ready here."""

@@ -3,7 +3,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from casque.engine.messages import Position, StoredMessage
-from casque.engine.keylocks import KeyLocks
+from casque.engine.keylocks import KeyLocks, key_hash
 from casque.engine.entries import AckStart, Handout
 from casque.engine.shard_state import HEAP_FLOOR, HEAP_SLACK, ShardState
 from casque.errors import StaleReceipt
@@ -311,13 +311,18 @@ def test_an_ordered_key_moves_on_only_when_the_ack_is_durable() -> None:
     assert ids(state.take(10, now=0, visibility=30, expired_ttl=WALL)) == ["1-1"]
 
 
-def test_messages_held_back_behind_their_key_are_counted_as_such() -> None:
-    """Shared delivery claims more while few messages are ready: those that wait for an
-    earlier message of their key are not ready, and a take says how many it held back."""
-    state = ShardState(shard=0, offset=1, locks=KeyLocks())
-    state.add_batch(1, [StoredMessage(Position(0, 1, s), f"1-{s}", T0, b"x", key="k") for s in range(3)])
+def test_messages_held_back_behind_another_members_range_are_counted_and_those_behind_our_own_are_not() -> None:
+    """Shared delivery claims more while few messages are ready: those that wait on another
+    member's range are not ready, and a take says how many it held back so; those that wait
+    for an earlier message held here come as the app acks, and claiming more for them let one
+    member take a whole backlog of a few keys."""
+    others: list[frozenset[int]] = [frozenset({key_hash("elsewhere")})]
+    state = ShardState(shard=0, offset=1, locks=KeyLocks(foreign=lambda batch: others))
+    state.add_batch(1, [StoredMessage(Position(0, 1, s), f"1-{s}", T0, b"x", key="k") for s in range(3)]
+                    + [StoredMessage(Position(0, 1, 3), "1-3", T0, b"x", key="elsewhere")])
     (first,) = state.take(10, now=0, visibility=30, expired_ttl=WALL)
-    assert state.held_back == 2
+    assert state.held_by_others == 1
+    others.clear()
     assert state.ack(first.entry.message.position, first.nonce)
-    assert ids(state.take(10, now=0, visibility=30, expired_ttl=WALL)) == ["1-1"]
-    assert state.held_back == 1
+    assert ids(state.take(10, now=0, visibility=30, expired_ttl=WALL)) == ["1-1", "1-3"]
+    assert state.held_by_others == 0
