@@ -561,6 +561,15 @@ class HoldingWorker:
             outcome = type(error).__name__
         self.history.acks.append(Ack(delivery.message.message_id, delivery.receipt, outcome, sent, History.now()))
 
+    def waiting(self) -> list[str]:
+        """Where its receive loop and its unanswered acks wait (a stalled group's clue)."""
+        def where(task: asyncio.Task[Any]) -> str:
+            frames = task.get_stack()
+            return " < ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames[-4:])) or "running"
+        acks = sorted({where(task) for task in self._acks if not task.done()})
+        return [f"receive loop at {where(self._task)}" if self.alive else "receive loop ended",
+                f"{sum(not t.done() for t in self._acks)} acks unanswered, at {acks[:3]}"]
+
     async def stop(self, drain_seconds: float = 30.0) -> None:
         """Stop receiving, let the member drain what it handed out while acks go on, then stop it."""
         self.receiving = False
@@ -582,7 +591,12 @@ def unacked(history: History, keys: dict[str, str], members: list[HoldingWorker]
         consumer = worker.consumer
         lines.append(f"  member: shards {sorted(consumer.held_shards)}, in flight {consumer.in_flight()}, "
                      f"report {consumer.report()}, receive errors {worker.receive_errors[-3:]}, "
-                     f"receiving {worker.alive}")
+                     f"{'; '.join(worker.waiting())}")
+        for shard, reader in sorted(consumer.readers.items()):
+            state = reader.state
+            lines.append(f"    shard {shard}: offset {state.offset}, loaded {state.loaded_messages}, in flight "
+                         f"{state.in_flight}, keys held {state.locks.keys_held if state.locks else 0}, caught up "
+                         f"{reader.caught_up}, releasing {reader.releasing}, problem {reader.problem!r}")
     return "\n".join(lines)
 
 
