@@ -8,14 +8,13 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from casque.derivation import MIN_DERIVATION_KEY, check_key
+
 # e.g. `openssl rand -base64 32` gives 44.
 MIN_ZOOKEEPER_PASSWORD = 32
 # Cassandra tries a password online only (nothing derived from it is handed out), but a
 # short one still falls to guessing: `cassandra` is the default superuser's.
 MIN_CASSANDRA_PASSWORD = 16
-# The key namespaces' Cassandra role passwords are derived from (casque.tenancy): random, and
-# at least this many bytes (256 bits with `openssl rand -base64 32`).
-MIN_DERIVATION_KEY = 32
 # With a keyspace per namespace, the installation keyspace prefixes the namespaces' (casque.tenancy).
 MAX_ISOLATED_KEYSPACE = 24
 
@@ -97,10 +96,6 @@ class Settings(BaseSettings):
     # reach every namespace). A sidecar never sets it: it is given its namespace's keyspace
     # as CASQUE_KEYSPACE and its namespace's role.
     cassandra_isolation: CassandraIsolation = "none"
-    # With keyspace isolation, the operator's and the CLI's: the random key each namespace's
-    # role password is derived from (casque.tenancy). Never a login password, so a namespace's
-    # Secret tells nothing about any; changing it rotates every namespace's password.
-    cassandra_derivation_key: SecretStr | None = None
     keyspace: str = Field(default="casque", pattern=r"^[a-z][a-z0-9_]{0,47}$")
     consistency: Consistency = "LOCAL_QUORUM"
     zookeeper_hosts: str = "127.0.0.1:2181"
@@ -128,6 +123,15 @@ class Settings(BaseSettings):
     # username and password above, a user of the servers' JAAS `Server` section, instead of
     # digest; its ACL entries are then `sasl:<username>`. Namespaces' identities stay digest.
     zookeeper_sasl: bool = False
+    # The installation's (operator, CLI) with keyspace isolation or ZooKeeper credentials: the
+    # random key every namespace's Cassandra role password and ZooKeeper identity password are
+    # derived from (casque.derivation). Never a login password, so a namespace's Secrets tell
+    # nothing about any; changing it rotates every namespace's passwords.
+    derivation_key: SecretStr | None = None
+    # While rotating it: the previous key. The ZooKeeper identities derived from it stay in
+    # the ACLs the operator writes, so sidecars still holding them keep working until they
+    # restart. (Cassandra keeps one password per role: its rotation has no overlap.)
+    previous_derivation_key: SecretStr | None = None
     replication: ReplicationSettings = Field(default_factory=ReplicationSettings)
     cassandra_tls: CassandraTlsSettings = Field(default_factory=CassandraTlsSettings)
     zookeeper_tls: ZooKeeperTlsSettings = Field(default_factory=ZooKeeperTlsSettings)
@@ -148,8 +152,7 @@ class Settings(BaseSettings):
                              "credentials (with CASQUE_ZOOKEEPER_ACL) log in with digest: unset CASQUE_ZOOKEEPER_SASL")
         for name, secret in (("PASSWORD", self.zookeeper_password), ("PREVIOUS_PASSWORD", self.zookeeper_previous_password)):
             # The SHA-1 digest of user:password is in every ACL (and so in every namespace's
-            # Secret), and every namespace's password is an HMAC keyed with it (SASL too):
-            # only a long random password keeps it from being guessed offline.
+            # Secret): only a long random password keeps it from being guessed offline.
             if secret is not None and len(secret.get_secret_value()) < MIN_ZOOKEEPER_PASSWORD:
                 raise ValueError(f"CASQUE_ZOOKEEPER_{name} must be at least {MIN_ZOOKEEPER_PASSWORD} characters")
         cassandra_password = self.cassandra_password
@@ -159,21 +162,37 @@ class Settings(BaseSettings):
         if self.cassandra_isolation == "keyspace" and self.cassandra_password is None:
             # The operator creates the namespaces' keyspaces and roles with it.
             raise ValueError("CASQUE_CASSANDRA_ISOLATION=keyspace needs CASQUE_CASSANDRA_USERNAME and _PASSWORD")
-        key = self.cassandra_derivation_key
-        if self.cassandra_isolation == "keyspace" and key is None:
-            raise ValueError("CASQUE_CASSANDRA_ISOLATION=keyspace needs CASQUE_CASSANDRA_DERIVATION_KEY, a random key "
-                             f"of at least {MIN_DERIVATION_KEY} bytes (e.g. `openssl rand -base64 32`) that each "
-                             "namespace's role password is derived from")
-        if key is not None and len(key.get_secret_value().encode()) < MIN_DERIVATION_KEY:
-            # Every namespace's password is an HMAC keyed with it, and each namespace holds one
-            # in its Secret: a short key could be found by guessing offline.
-            raise ValueError(f"CASQUE_CASSANDRA_DERIVATION_KEY must be at least {MIN_DERIVATION_KEY} bytes "
-                             "(e.g. `openssl rand -base64 32`)")
+        if self.derivation_key is None:
+            # A sidecar's settings name a namespace's identity and come with its ACL: only the
+            # installation's derive the namespaces' passwords.
+            if self.cassandra_isolation == "keyspace":
+                raise ValueError("CASQUE_CASSANDRA_ISOLATION=keyspace needs CASQUE_DERIVATION_KEY, a random key of "
+                                 f"at least {MIN_DERIVATION_KEY} bytes (e.g. `openssl rand -base64 32`) that each "
+                                 "namespace's role password is derived from")
+            if self.zookeeper_password is not None and self.zookeeper_acl is None:
+                raise ValueError("the installation's ZooKeeper credentials (CASQUE_ZOOKEEPER_USERNAME without "
+                                 "CASQUE_ZOOKEEPER_ACL) need CASQUE_DERIVATION_KEY, a random key of at least "
+                                 f"{MIN_DERIVATION_KEY} bytes "
+                                 "(e.g. `openssl rand -base64 32`) that each namespace's identity is derived from")
+            if self.previous_derivation_key is not None:
+                raise ValueError("CASQUE_PREVIOUS_DERIVATION_KEY needs CASQUE_DERIVATION_KEY")
+        for setting, key in (("CASQUE_DERIVATION_KEY", self.derivation_key),
+                             ("CASQUE_PREVIOUS_DERIVATION_KEY", self.previous_derivation_key)):
+            # Every namespace's passwords are HMACs keyed with it, and each namespace holds its
+            # own in its Secrets: a short key could be found by guessing offline.
+            if key is not None:
+                check_key(key.get_secret_value(), setting)
         if self.cassandra_isolation == "keyspace" and len(self.keyspace) > MAX_ISOLATED_KEYSPACE:
             # It prefixes every namespace's keyspace, which Cassandra limits to 48 characters.
             raise ValueError(f"CASQUE_KEYSPACE must be at most {MAX_ISOLATED_KEYSPACE} characters "
                              "with CASQUE_CASSANDRA_ISOLATION=keyspace")
         return self
+
+    def derivation_keys(self) -> list[str]:
+        """The derivation keys the namespaces' identities come from: the current one first,
+        then, while it is being rotated, the previous one. None without a key."""
+        keys = (self.derivation_key, self.previous_derivation_key)
+        return [key.get_secret_value() for key in keys if key is not None]
 
     @field_validator("cassandra_contact_points", mode="before")
     @classmethod

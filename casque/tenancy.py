@@ -11,22 +11,18 @@ the installation's settings alone:
   for Cassandra's 48 characters keeps a readable prefix and ends in a hash of the whole
   namespace; plain names are kept shorter than hashed ones, so the two forms never meet.
 - the role: named like the keyspace, so `LIST ROLES` and `DESCRIBE` read alike.
-- the role's password: an HMAC of the namespace keyed with the installation's derivation key
-  (`CASQUE_CASSANDRA_DERIVATION_KEY`), so the operator recomputes it at any time and stores
-  nothing. The key is random and is no login password: a namespace holds its own password
-  in its Secret, and an HMAC keyed with a login password would let it test guesses of that
-  password offline, at hundreds of thousands a second. Changing the key changes every
+- the role's password: derived from the installation's derivation key (casque.derivation,
+  `CASQUE_DERIVATION_KEY`), never from a login password. Changing the key changes every
   namespace's password (a rotation); changing the installation's password changes none.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import hmac
 from dataclasses import dataclass, field
 
-from casque.config import MAX_ISOLATED_KEYSPACE, MIN_DERIVATION_KEY
+from casque.config import MAX_ISOLATED_KEYSPACE
+from casque.derivation import CASSANDRA_ROLE, derive_password
 from casque.errors import InvalidSpec
 from casque.schema import validate_name
 
@@ -38,7 +34,6 @@ HASH_LENGTH = 12
 # Names without a hash stay below the length of every hashed name (48), so that a short
 # namespace that happens to end in `_<12 hex>` can never take a long namespace's keyspace.
 MAX_PLAIN_LENGTH = MAX_KEYSPACE_LENGTH - HASH_LENGTH - 1
-DERIVATION_CONTEXT = b"casque cassandra namespace role\x00"
 
 
 @dataclass(frozen=True)
@@ -67,10 +62,9 @@ def namespace_keyspace(installation_keyspace: str, namespace: str) -> str:
 
 def namespace_role(installation_keyspace: str, derivation_key: str, namespace: str) -> NamespaceRole:
     """The role `namespace`'s sidecars log in with, its password derived from `derivation_key`."""
-    if len(derivation_key.encode()) < MIN_DERIVATION_KEY:
-        raise InvalidSpec(f"keyspace isolation derives each namespace's password from CASQUE_CASSANDRA_DERIVATION_KEY, "
-                          f"a random key of at least {MIN_DERIVATION_KEY} bytes: set it")
     keyspace = namespace_keyspace(installation_keyspace, namespace)
-    digest = hmac.new(derivation_key.encode(), DERIVATION_CONTEXT + namespace.encode(), hashlib.sha256)
-    password = base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=")
+    try:
+        password = derive_password(derivation_key, CASSANDRA_ROLE, namespace)
+    except ValueError as error:
+        raise InvalidSpec(f"keyspace isolation derives each namespace's password from a key: {error}") from error
     return NamespaceRole(keyspace=keyspace, username=keyspace, password=password)

@@ -23,6 +23,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 from cassandra import Unauthorized
 from kazoo.exceptions import NoNodeError
+from kazoo.security import ANYONE_ID_UNSAFE
 from pydantic import ValidationError
 
 from casque.backends import cql, zk
@@ -47,6 +48,7 @@ from casque.schema import QueueRef, read_table_options, validate_name
 from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState, format_duration
 from casque.store import Store
 from casque.tenancy import NamespaceRole
+from casque.znodes import queues_root
 
 # Something that hands out the Store, opening it on first use. Flows that may not need the
 # backends at all (deleting a Queue whose policy is Retain) call it only when they must.
@@ -152,6 +154,25 @@ def prepare_namespace_cassandra(stores: StoreSource, namespace: str, role: Names
                 f"the operator's Cassandra role may not prepare namespace {namespace} (it needs CREATE and "
                 f"AUTHORIZE on all keyspaces and CREATE on all roles, or superuser): {error}"
             ) from error
+
+
+def secure_namespace_znodes(stores: StoreSource, namespace: str) -> int:
+    """Give the namespace's znodes the ACL of the current identities (blocking): before its
+    ZooKeeper Secret names a new identity. Returns how many changed.
+
+    Not while the namespace's znodes are open (an installation that ran without ZooKeeper
+    authentication): its running sidecars hold no credentials yet, and securing waits for
+    the administrators' `casque secure-znodes`, once they do (docs/security.md).
+    """
+    with backend_errors():
+        store = stores()
+        try:
+            acl, _ = store.zk.get_acls(f"{queues_root(store.zk_root)}/{namespace}")
+        except NoNodeError:
+            return 0  # its first Queue: nothing made yet
+        if any(entry.id == ANYONE_ID_UNSAFE for entry in acl):
+            return 0
+        return catalog.secure_znodes(store, namespace)
 
 
 def forget_namespace_cassandra(stores: StoreSource, role: NamespaceRole) -> None:

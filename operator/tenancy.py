@@ -6,14 +6,15 @@ identity (casque.backends.zkacl) and the ACL its sidecars put on what they creat
 Cassandra keyspace isolation (`CASQUE_CASSANDRA_ISOLATION=keyspace`), a Secret
 `casque-cassandra-role` holds the namespace's Cassandra role and keyspace (casque.tenancy).
 The injected sidecar reads those Secrets, so a pod holds its own namespace's credentials
-and never the installation's. The Secrets are derived from the operator's settings, so they
-are simply written again (never read back) when they differ, e.g. after a rotation of the
-ZooKeeper password or of the Cassandra derivation key.
+and never the installation's. The Secrets are derived from the operator's settings (the
+passwords from the derivation key, casque.derivation), so they are simply written again
+when they differ, e.g. after a rotation of the derivation key or of the ZooKeeper password.
 """
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
@@ -38,10 +39,15 @@ def zookeeper_secret(settings: Settings, namespace: str) -> dict[str, Any] | Non
     installation = zk.identities(settings)
     if not installation:
         return None
-    identity = namespace_identity(installation[0], namespace)
-    # While a rotation is under way the ACL names the previous password's identities too, so
-    # sidecars started now create znodes that the operator can still reach on either side.
-    acl = installation_policy(settings.zookeeper_root, installation).descendant_acl(namespace)
+    keys = settings.derivation_keys()
+    if not keys:
+        # Settings refuse this; a copy made without validation (model_copy) could not.
+        raise InvalidSpec("the installation's ZooKeeper credentials need CASQUE_DERIVATION_KEY")
+    identity = namespace_identity(installation[0].username, keys[0], namespace)
+    # While a rotation is under way the ACL names the previous password's and the previous
+    # key's identities too, so sidecars started now create znodes that the operator and the
+    # sidecars still holding the previous identity can reach.
+    acl = installation_policy(settings.zookeeper_root, installation, keys).descendant_acl(namespace)
     return _secret(ZOOKEEPER_SECRET, namespace, {
         USERNAME_KEY: identity.username, PASSWORD_KEY: identity.password, ACL_KEY: format_acl(acl)})
 
@@ -50,10 +56,10 @@ def cassandra_role(settings: Settings, namespace: str) -> NamespaceRole | None:
     """`namespace`'s Cassandra role; None without keyspace isolation."""
     if settings.cassandra_isolation != "keyspace":
         return None
-    if settings.cassandra_derivation_key is None:
+    if settings.derivation_key is None:
         # Settings refuse this; a copy made without validation (model_copy) could not.
-        raise InvalidSpec("CASQUE_CASSANDRA_ISOLATION=keyspace needs CASQUE_CASSANDRA_DERIVATION_KEY")
-    return namespace_role(settings.keyspace, settings.cassandra_derivation_key.get_secret_value(), namespace)
+        raise InvalidSpec("CASQUE_CASSANDRA_ISOLATION=keyspace needs CASQUE_DERIVATION_KEY")
+    return namespace_role(settings.keyspace, settings.derivation_key.get_secret_value(), namespace)
 
 
 def cassandra_secret(settings: Settings, namespace: str) -> dict[str, Any] | None:
@@ -75,14 +81,40 @@ def _secret(name: str, namespace: str, values: dict[str, str]) -> dict[str, Any]
     }
 
 
-def apply_zookeeper_secret(api: client.ApiClient, settings: Settings, namespace: str) -> bool:
-    """Create or correct the namespace's ZooKeeper Secret (blocking). True if it was written."""
-    return apply_secret(api, zookeeper_secret(settings, namespace))
+def apply_zookeeper_secret(
+    api: client.ApiClient, settings: Settings, namespace: str, secure_znodes: Callable[[], object]
+) -> bool:
+    """Create or correct the namespace's ZooKeeper Secret (blocking). True if it was written.
+
+    When the Secret is out of date (a new derivation key or installation password changed
+    the identity or its ACL), `secure_znodes` first gives every znode of the namespace the
+    ACL of the current identities: the new identity then reaches them, and an identity no
+    longer in the settings is refused from then on. The znodes before the Secret: should the
+    operator stop between the two, the next reconcile still finds the Secret out of date
+    and walks them again.
+    """
+    wanted = zookeeper_secret(settings, namespace)
+    if wanted is None or secret_is_current(api, wanted):
+        return False
+    secure_znodes()
+    return apply_secret(api, wanted)
 
 
 def apply_cassandra_secret(api: client.ApiClient, settings: Settings, namespace: str) -> bool:
     """Create or correct the namespace's Cassandra Secret (blocking). True if it was written."""
     return apply_secret(api, cassandra_secret(settings, namespace))
+
+
+def secret_is_current(api: client.ApiClient, wanted: dict[str, Any]) -> bool:
+    """Whether the Secret exists with the data of `wanted` (blocking)."""
+    try:
+        metadata = wanted["metadata"]
+        current = client.CoreV1Api(api).read_namespaced_secret(metadata["name"], metadata["namespace"])
+    except ApiException as error:
+        if error.status == 404:
+            return False
+        raise
+    return bool((current.data or {}) == wanted["data"])
 
 
 def apply_secret(api: client.ApiClient, wanted: dict[str, Any] | None) -> bool:

@@ -106,7 +106,11 @@ def connect(
         client = AclClient(namespace_policy(settings.zookeeper_root, acl), hosts=hosts, timeout=timeout, **options)
     else:
         # The installation identity (a sidecar run with it too: it computes the same ACLs).
-        policy = installation_policy(settings.zookeeper_root, own)
+        try:
+            policy = installation_policy(settings.zookeeper_root, own, settings.derivation_keys())
+        except ValueError as error:  # settings made without validation (model_copy)
+            raise InvalidSpec(f"{error}; a namespace's credentials come with CASQUE_ZOOKEEPER_ACL instead (the "
+                              "operator writes both into the casque-zookeeper Secret)") from error
         client = AclClient(policy, hosts=hosts, timeout=timeout, **options)
     keep_granted_timeout(client)
     try:

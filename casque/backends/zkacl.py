@@ -9,10 +9,11 @@ Two kinds of identity authenticate to ZooKeeper:
   file (ACL entries `sasl:<user>`, which name no password).
 - one identity per Kubernetes namespace, for that namespace's sidecars, always digest. Its
   name is `<installation user>.<namespace>` and its password is derived from the
-  installation's (HMAC-SHA256 of the namespace), so the operator can recreate it from its
-  own settings at any time and needs to store nothing; the operator hands it to the
-  namespace in a Secret. (SASL DIGEST-MD5 users are fixed in the servers' JAAS file, read
-  at their start, so the operator could not create one per namespace.)
+  installation's derivation key (casque.derivation), never from the installation password,
+  so the operator can recreate it from its own settings at any time and needs to store
+  nothing; the operator hands it to the namespace in a Secret. (SASL DIGEST-MD5 users are
+  fixed in the servers' JAAS file, read at their start, so the operator could not create one
+  per namespace.)
 
 The ACLs, by path (ZooKeeper checks only the ACL of the znode an operation names, and a
 create or delete the ACL of the parent, never the ancestors'):
@@ -36,7 +37,9 @@ below the namespace into the namespace's Secret (`CASQUE_ZOOKEEPER_ACL`, in ZooK
 `scheme:id:perms` form), and the sidecar puts exactly that on what it creates. The digests
 in it are SHA-1 hashes of high-entropy passwords (settings refuse short ones). While the
 installation password is being rotated, both passwords' identities are in every ACL, so
-sidecars holding either password keep working until they restart.
+the operator reaches every znode with either; while the derivation key is being rotated,
+each namespace's identities from both keys are, so sidecars holding either keep working
+until they restart.
 
 `AclClient` is a KazooClient that puts the ACL of this policy on every create, including the
 parents that `makepath`/`ensure_path` create and the creates of a transaction, so no code
@@ -45,9 +48,6 @@ path can create a znode with another ACL by forgetting to pass one.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -55,9 +55,10 @@ from typing import Any, Literal
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.security import ACL, Id, Permissions, make_digest_acl_credential
 
+from casque.derivation import ZOOKEEPER_IDENTITY, derive_password
+
 # What a namespace's identity may do below its namespace znode: everything but ADMIN.
 NAMESPACE_PERMS = Permissions.READ | Permissions.WRITE | Permissions.CREATE | Permissions.DELETE
-DERIVATION_CONTEXT = b"casque zookeeper namespace identity\x00"
 
 
 # How an identity logs in, and so the scheme of its ACL entries.
@@ -96,17 +97,17 @@ class Identity:
         return Id("digest", make_digest_acl_credential(self.username, self.password))
 
 
-def namespace_identity(installation: Identity, namespace: str) -> Identity:
-    """The digest identity of `namespace`'s sidecars, derived from the installation's
-    (whether that one logs in with digest or SASL).
+def namespace_identity(installation_user: str, derivation_key: str, namespace: str) -> Identity:
+    """The digest identity of `namespace`'s sidecars, `<installation user>.<namespace>`, its
+    password derived from the installation's derivation key (whether the installation logs
+    in with digest or SASL).
 
     A keyed hash rather than a random password stored somewhere: the operator (and
-    `casque apply`) can compute every namespace's ACL from its settings alone, and rotating
-    the installation password rotates every namespace's too.
+    `casque apply`) can compute every namespace's ACL from its settings alone, and a new key
+    rotates every namespace's identity. Not keyed with the installation password: each
+    namespace holds its own password, which would let it test guesses of that one offline.
     """
-    digest = hmac.new(installation.password.encode(), DERIVATION_CONTEXT + namespace.encode(), hashlib.sha256)
-    password = base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=")
-    return Identity(f"{installation.username}.{namespace}", password)
+    return Identity(f"{installation_user}.{namespace}", derive_password(derivation_key, ZOOKEEPER_IDENTITY, namespace))
 
 
 def widen(namespace_acl: Sequence[ACL]) -> list[ACL]:
@@ -165,17 +166,25 @@ class AclPolicy:
         return (namespace or None), bool(rest)
 
 
-def installation_policy(root: str, identities: Sequence[Identity]) -> AclPolicy:
+def installation_policy(root: str, identities: Sequence[Identity], derivation_keys: Sequence[str]) -> AclPolicy:
     """The operator's view: it knows every identity, so it computes every ACL.
 
-    `identities` are the installation's current identity and, while it is being rotated,
-    the previous one; each brings its namespaces' identities into the ACLs.
+    `identities` are the installation's current identity and, while its password is being
+    rotated, the previous one. `derivation_keys` are the current derivation key and, while it
+    is being rotated, the previous one; each brings every namespace's identity from that key
+    into the ACLs.
     """
+    if identities and not derivation_keys:
+        # Without one no namespace identity would be in any ACL: every sidecar refused.
+        raise ValueError("the installation's ZooKeeper credentials need CASQUE_DERIVATION_KEY, "
+                         "the key each namespace's identity is derived from")
     # With SASL both passwords' identities have one ACL entry (`sasl:<user>`): once is enough.
     admins = tuple(dict.fromkeys(ACL(Permissions.ALL, identity.acl_id) for identity in identities))
+    users = list(dict.fromkeys(identity.username for identity in identities))
 
     def namespace_acl(namespace: str) -> list[ACL]:
-        readers = [ACL(Permissions.READ, namespace_identity(i, namespace).acl_id) for i in identities]
+        readers = [ACL(Permissions.READ, namespace_identity(user, key, namespace).acl_id)
+                   for key in derivation_keys for user in users]
         return [*admins, *readers]
 
     return AclPolicy(root, admins, namespace_acl)

@@ -1,9 +1,10 @@
 """`casque secure-znodes`: give every znode the ACL of casque's ZooKeeper policy (docs/security.md).
 
-Run with the installation's credentials (CASQUE_ZOOKEEPER_USERNAME/_PASSWORD) after turning
-authentication on for an installation that ran open, or after rotating the installation
-password; it prints how many znodes changed, and a second run prints 0 once nothing without
-credentials creates znodes any more.
+Run with the installation's credentials (CASQUE_ZOOKEEPER_USERNAME/_PASSWORD and
+CASQUE_DERIVATION_KEY) after turning authentication on for an installation that ran open, or
+after rotating the installation password (the operator re-secures a namespace's znodes itself
+when a new derivation key changes its identity); it prints how many znodes changed, and a
+second run prints 0 once nothing without credentials creates znodes any more.
 """
 
 from __future__ import annotations

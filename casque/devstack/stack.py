@@ -22,6 +22,7 @@ whose password is made in `root` on first use (casque.devstack.zookeeper). `clie
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from pathlib import Path
 from casque.devstack import artifacts
 from casque.devstack.cassandra import CassandraLogin, CassandraNode
 from casque.devstack.pki import LocalPki
-from casque.devstack.zookeeper import SaslLogin, ZooKeeperEnsemble
+from casque.devstack.zookeeper import SaslLogin, ZooKeeperEnsemble, write_private
 from casque.errors import StackError
 
 Report = Callable[[str], None]
@@ -148,7 +149,18 @@ class Stack:
             env["CASQUE_ZOOKEEPER_SASL"] = "true"
             env["CASQUE_ZOOKEEPER_USERNAME"] = sasl.username
             env["CASQUE_ZOOKEEPER_PASSWORD"] = sasl.password()
+            # The installation's ZooKeeper credentials derive the namespaces' identities from it.
+            env["CASQUE_DERIVATION_KEY"] = self.derivation_key()
         return env
+
+    def derivation_key(self) -> str:
+        """The installation's derivation key (casque.derivation): made on first use and kept
+        in `<root>/derivation.key` (mode 0600), so a restarted stack's namespaces keep their
+        identities."""
+        path = self.root / "derivation.key"
+        if not path.exists():
+            write_private(path, secrets.token_urlsafe(32) + "\n")
+        return path.read_text().strip()
 
     @property
     def contact_points(self) -> list[str]:

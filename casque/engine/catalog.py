@@ -89,17 +89,22 @@ def secure_znodes(store: Store, namespace: str | None = None) -> int:
     wants, and return how many changed.
 
     For an installation that ran without ZooKeeper authentication (its znodes open to
-    anyone) and for a rotation of the installation password (ACLs naming the old identities
-    only): run it with the new settings, once the sidecars hold credentials the new ACLs
-    name. A znode created while the walk runs already gets the new ACL from its creator,
-    or, from a sidecar still without credentials, an open one that the next run fixes.
+    anyone) and for a rotation of the installation password or of the derivation key (ACLs
+    naming the old identities only): run it with the new settings, once the sidecars hold
+    credentials the new ACLs name. A znode created while the walk runs already gets the new
+    ACL from its creator, or, from a sidecar still without credentials, an open one that the
+    next run fixes.
     """
     policy = getattr(store.zk, "acl_policy", None)
     if policy is None:
         raise InvalidSpec("no ZooKeeper credentials are configured (CASQUE_ZOOKEEPER_USERNAME/_PASSWORD)")
-    start = f"{queues_root(store.zk_root)}/{validate_name('namespace', namespace)}" if namespace else store.zk_root
+    if namespace:
+        name = validate_name("namespace", namespace)
+        # Its grants too: outside its subtree, but their ACL names the namespace's identity.
+        pending = [f"{queues_root(store.zk_root)}/{name}", f"{store.zk_root.rstrip('/')}/grants/{name}"]
+    else:
+        pending = [store.zk_root]
     changed = 0
-    pending = [start]
     while pending:
         path = pending.pop()
         try:

@@ -10,6 +10,7 @@ The namespace also gets copies of the sidecar's Secrets (casque.operator.copies)
 from __future__ import annotations
 
 import asyncio
+import functools
 from datetime import datetime, timezone
 from typing import Any, cast
 
@@ -37,10 +38,11 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
         try:
             limits = await asyncio.to_thread(namespace_limits, context, resource.namespace)
             if await asyncio.to_thread(
-                tenancy.apply_zookeeper_secret, context.kube_api(), context.stores.settings, resource.namespace
+                tenancy.apply_zookeeper_secret, context.kube_api(), context.stores.settings, resource.namespace,
+                functools.partial(reconcile.secure_namespace_znodes, context.stores, resource.namespace),
             ):
                 kopf.info(body, reason="Applied", message=f"Secret {tenancy.ZOOKEEPER_SECRET} written "
-                          "(the namespace's ZooKeeper identity)")
+                          "(the namespace's ZooKeeper identity; its znodes' ACLs name it)")
             role = tenancy.cassandra_role(context.stores.settings, resource.namespace)
             if role is not None:
                 # The role before the Secret that names it.

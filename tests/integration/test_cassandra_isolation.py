@@ -66,7 +66,7 @@ def installation(secure_stack: Stack) -> Iterator[Settings]:
     keyspace = f"i{uuid.uuid4().hex[:12]}"
     with chroot_on(hosts, **secure_stack.zookeeper().client_options()) as chrooted:
         settings = secure_settings(secure_stack, keyspace, chrooted, cassandra_isolation="keyspace",
-                                   cassandra_derivation_key=SecretStr(secrets.token_urlsafe(32)))
+                                   derivation_key=SecretStr(secrets.token_urlsafe(32)))
         yield settings
         admin = Store.open(settings)
         try:
@@ -254,7 +254,7 @@ async def test_a_new_derivation_key_resets_the_namespaces_password_and_the_old_o
     on Cassandra refuses the old password, and the new one works."""
     old = sidecar_settings(installation, A)
     assert login_works(old, A)
-    rotated = installation.model_copy(update={"cassandra_derivation_key": SecretStr(secrets.token_urlsafe(32))})
+    rotated = installation.model_copy(update={"derivation_key": SecretStr(secrets.token_urlsafe(32))})
     new = sidecar_settings(rotated, A)
     assert new.cassandra_username == old.cassandra_username and new.keyspace == old.keyspace
     assert new.cassandra_password != old.cassandra_password
@@ -297,7 +297,7 @@ async def test_ids_published_through_the_installations_store_land_in_the_namespa
 @pytest.fixture
 def operator_env(secure_stack: Stack, installation: Settings, kube_cluster: KubeCluster) -> dict[str, str]:
     """`casque operator run`'s environment: the installation's settings, as the chart gives them."""
-    assert installation.cassandra_derivation_key is not None
+    assert installation.derivation_key is not None
     return {
         **{k: v for k, v in os.environ.items() if not k.startswith("CASQUE_")},
         # The installation's ZooKeeper identity is the test's (none): not the stack's SASL login.
@@ -307,7 +307,7 @@ def operator_env(secure_stack: Stack, installation: Settings, kube_cluster: Kube
         "CASQUE_ZOOKEEPER_HOSTS": installation.zookeeper_hosts,
         "CASQUE_CONSISTENCY": "ONE",
         "CASQUE_CASSANDRA_ISOLATION": "keyspace",
-        "CASQUE_CASSANDRA_DERIVATION_KEY": installation.cassandra_derivation_key.get_secret_value(),
+        "CASQUE_DERIVATION_KEY": installation.derivation_key.get_secret_value(),
     }
 
 

@@ -290,7 +290,9 @@ def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
         ({"cassandra": {"auth": {"username": "casque"}}}, "password"),
         ({"cassandra": {"auth": {"username": "casque", "password": "cassandra"}}}, "password"),  # too short to resist guessing
         ({"zookeeper": {"auth": {"username": "casque", "password": "z" * 31}}}, "password"),
-        ({"cassandra": {"derivationKey": {"existingSecret": "Not A Name"}}}, "existingSecret"),
+        ({"derivationKey": {"existingSecret": "Not A Name"}}, "existingSecret"),
+        ({"derivationKey": {"previousSecret": "Not A Name"}}, "previousSecret"),
+        ({"cassandra": {"derivationKey": {"existingSecret": "mine"}}}, "derivationKey"),  # its old place
         ({"zookeeper": {"connect": "zookeeper"}}, "connect"),
         ({"cassandra": {"tls": {"enabled": True, "clientCertificate": True}}}, "secret"),  # whose certificate?
         ({"zookeeper": {"tls": {"enabled": True, "verifyHostnames": False}}}, "verifyHostnames"),
@@ -328,29 +330,40 @@ def test_keyspace_isolation_needs_the_operators_cassandra_credentials_and_a_shor
     assert env["CASQUE_CASSANDRA_ISOLATION"] == "keyspace"
 
 
-def test_keyspace_isolation_derives_from_a_random_key_of_its_own_secret(tools: Tools) -> None:
-    values = {"cassandra": {"isolation": "keyspace", "auth": {"username": "casque", "password": "c" * 16}}}
+def key_env(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    env = {e["name"]: e for e in operator_container(documents)["env"]}
+    return {name: env[name]["valueFrom"]["secretKeyRef"] for name in env if "DERIVATION_KEY" in name}
+
+
+@pytest.mark.parametrize("values", [
+    {"cassandra": {"isolation": "keyspace", "auth": {"username": "casque", "password": "c" * 16}}},
+    {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}}},
+], ids=["keyspace-isolation", "zookeeper-auth"])
+def test_namespaces_passwords_derive_from_a_random_key_of_its_own_secret(tools: Tools, values: dict[str, Any]) -> None:
     keys = []
     for _ in range(2):
         documents = tools.render("casque", values, release="r")
         secret = next(d for d in documents if d["kind"] == "Secret" and d["metadata"]["name"] == "r-casque-derivation-key")
         key = base64.b64decode(secret["data"]["derivation-key"])
-        assert len(key) >= 32 and b"c" * 16 not in key
-        env = {e["name"]: e for e in operator_container(documents)["env"]}
-        assert env["CASQUE_CASSANDRA_DERIVATION_KEY"]["valueFrom"]["secretKeyRef"] == {
-            "name": "r-casque-derivation-key", "key": "derivation-key"}
+        assert len(key) >= 32 and b"c" * 16 not in key and b"z" * 32 not in key
+        assert key_env(documents) == {"CASQUE_DERIVATION_KEY": {"name": "r-casque-derivation-key", "key": "derivation-key"}}
         keys.append(key)
     # Random, not a function of the values (no login password goes into it); `helm upgrade`
     # keeps an installed one (lookup), which `helm template` cannot see.
     assert keys[0] != keys[1]
-    own = tools.render("casque", {"cassandra": {**values["cassandra"], "derivationKey": {"existingSecret": "mine",
-                                                                                       "key": "k"}}}, release="r")
+    own = tools.render("casque", {**values, "derivationKey": {"existingSecret": "mine", "key": "k"}}, release="r")
     assert not [d for d in own if d["kind"] == "Secret" and d["metadata"]["name"] == "r-casque-derivation-key"]
-    env = {e["name"]: e for e in operator_container(own)["env"]}
-    assert env["CASQUE_CASSANDRA_DERIVATION_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "k"}
-    # Without isolation there is no key at all.
-    plain = tools.render("casque", {"cassandra": {"auth": {"username": "casque", "password": "c" * 16}}}, release="r")
-    assert "CASQUE_CASSANDRA_DERIVATION_KEY" not in {e["name"] for e in operator_container(plain)["env"]}
+    assert key_env(own) == {"CASQUE_DERIVATION_KEY": {"name": "mine", "key": "k"}}
+    # While rotating: the previous key from a Secret of its own, under the same key.
+    rotating = tools.render("casque", {**values, "derivationKey": {"previousSecret": "old-key"}}, release="r")
+    assert key_env(rotating) == {"CASQUE_DERIVATION_KEY": {"name": "r-casque-derivation-key", "key": "derivation-key"},
+                                 "CASQUE_PREVIOUS_DERIVATION_KEY": {"name": "old-key", "key": "derivation-key"}}
+
+
+def test_without_isolation_or_zookeeper_auth_there_is_no_derivation_key(tools: Tools) -> None:
+    plain = tools.render("casque", {"cassandra": {"auth": {"username": "casque", "password": "c" * 16}},
+                                    "derivationKey": {"previousSecret": "old-key"}}, release="r")
+    assert key_env(plain) == {}
     assert not [d for d in plain if d["metadata"]["name"] == "r-casque-derivation-key"]
 
 
@@ -551,7 +564,9 @@ def test_non_default_values_are_accepted_by_the_api_server(
     assert not any("events" in rule["resources"] for rule in cluster_rules)
     # A certificate of the user's: no Secret made for it, its CA in the configuration.
     secrets = sorted(s["metadata"]["name"].rsplit("-", 1)[1] for s in of_kind(documents, "Secret"))
-    assert secrets == ["cassandra", "zookeeper"]  # only the credentials: both backends' installation identities
+    # Only the backends' installation identities and, with ZooKeeper auth on, the derivation key
+    # the namespaces' identities derive from (<release>-derivation-key).
+    assert secrets == ["cassandra", "key", "zookeeper"]
     webhook = one(documents, "MutatingWebhookConfiguration")["webhooks"][0]
     assert webhook["clientConfig"]["caBundle"] == kube_cluster.ca_bundle
     assert webhook["failurePolicy"] == "Fail"

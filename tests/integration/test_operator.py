@@ -743,6 +743,7 @@ def test_a_queue_over_the_namespaces_quota_is_refused_in_status_until_the_namesp
 
 
 ZOOKEEPER_PASSWORD = "operator-test-installation-password-0123456789"
+DERIVATION_KEY = "operator-test-derivation-key-0123456789"
 
 
 @pytest.fixture
@@ -778,34 +779,62 @@ def test_the_namespaces_zookeeper_identity_follows_its_queues(
 
     from casque.backends import zk as zk_backend
     from casque.config import Settings
+    from casque.errors import AccessDenied
 
     api = client.CustomObjectsApi(kube_client)
     core = client.CoreV1Api(kube_client)
     ns = kube_namespace
     password = ZOOKEEPER_PASSWORD
     installation = Settings(zookeeper_hosts=backend.env["CASQUE_ZOOKEEPER_HOSTS"], zookeeper_root=backend.zk_root,
-                            zookeeper_username="casque", zookeeper_password=SecretStr(password))
-    operators(env={**backend.env, "CASQUE_ZOOKEEPER_USERNAME": "casque", "CASQUE_ZOOKEEPER_PASSWORD": password})
+                            zookeeper_username="casque", zookeeper_password=SecretStr(password),
+                            derivation_key=SecretStr(DERIVATION_KEY))
+    env = {**backend.env, "CASQUE_ZOOKEEPER_USERNAME": "casque", "CASQUE_ZOOKEEPER_PASSWORD": password,
+           "CASQUE_DERIVATION_KEY": DERIVATION_KEY}
+    first = operators(env=env)
     create(api, ns, queue("orders", deletionPolicy="Delete"))
     create(api, ns, queue("audit", deletionPolicy="Delete"))
     wait_ready(api, ns, QUEUES, "orders")
     wait_ready(api, ns, QUEUES, "audit")
     secret = core.read_namespaced_secret("casque-zookeeper", ns)
     data = {key: base64.b64decode(value).decode() for key, value in secret.data.items()}
-    assert data["username"] == f"casque.{ns}" and password not in str(data)
+    assert data["username"] == f"casque.{ns}" and password not in str(data) and DERIVATION_KEY not in str(data)
+
+    def sidecar_settings(data: dict[str, str]) -> Settings:
+        return Settings(zookeeper_hosts=installation.zookeeper_hosts, zookeeper_root=backend.zk_root,
+                        zookeeper_username=data["username"], zookeeper_password=SecretStr(data["password"]),
+                        zookeeper_acl=data["acl"])
+
+    def queues_seen_by(data: dict[str, str]) -> set[str]:
+        """The namespace's queues, as a client logged in with the Secret's identity lists them."""
+        own = zk_backend.connect(sidecar_settings(data), namespace=ns)
+        try:
+            return set(own.get_children(f"{backend.zk_root}/queues/{ns}"))
+        finally:
+            own.stop()
+            own.close()
 
     # The Secret's identity works on its namespace; without it, nothing can be read.
-    sidecar = Settings(zookeeper_hosts=installation.zookeeper_hosts, zookeeper_root=backend.zk_root,
-                       zookeeper_username=data["username"], zookeeper_password=SecretStr(data["password"]),
-                       zookeeper_acl=data["acl"])
-    own = zk_backend.connect(sidecar, namespace=ns)
-    try:
-        assert set(own.get_children(f"{backend.zk_root}/queues/{ns}")) == {"orders", "audit"}
-    finally:
-        own.stop()
-        own.close()
+    assert queues_seen_by(data) == {"orders", "audit"}
     with pytest.raises(NoAuthError):
         backend.store.zk.get(backend.store.paths(QueueRef(ns, "orders")).base)
+
+    # A new derivation key: the restarted operator's reconciles re-secure the namespace's
+    # znodes for its new identity and rewrite the Secret; the old identity is refused.
+    first.stop()
+    rotated_key = "operator-test-new-derivation-key-0123456789"
+    operators(env={**env, "CASQUE_DERIVATION_KEY": rotated_key})
+
+    def rewritten() -> dict[str, str] | None:
+        current = core.read_namespaced_secret("casque-zookeeper", ns).data
+        return current if current != secret.data else None
+
+    rotated = {key: base64.b64decode(value).decode()
+               for key, value in wait_for("the Secret to name the new key's identity", rewritten, timeout=300).items()}
+    assert rotated["username"] == data["username"] and rotated["password"] != data["password"]
+    assert queues_seen_by(rotated) == {"orders", "audit"}
+    with pytest.raises(AccessDenied):
+        zk_backend.connect(sidecar_settings(data), namespace=ns)
+    secret = core.read_namespaced_secret("casque-zookeeper", ns)
 
     # One Queue deleted: the other still needs the identity. The last one: it goes.
     delete(api, ns, QUEUES, "orders")

@@ -235,14 +235,17 @@ async def test_a_spark_job_reads_over_tls_with_a_password(
 
 def test_digest_acls_keep_namespaces_apart_over_tls(settings: Settings) -> None:
     installation = Identity("casque", "installation-password-for-tls-tests-0123456789")
+    key = "derivation-key-for-tls-tests-0123456789"
 
     def as_identity(identity: Identity, acl: str | None = None) -> Settings:
-        return settings.model_copy(update={"zookeeper_username": identity.username,
+        # The installation derives the namespaces' identities; a namespace is given its own.
+        derivation_key = SecretStr(key) if acl is None else None
+        return settings.model_copy(update={"zookeeper_username": identity.username, "derivation_key": derivation_key,
                                            "zookeeper_password": SecretStr(identity.password), "zookeeper_acl": acl})
 
     def as_namespace(namespace: str) -> Settings:
-        acl = installation_policy(settings.zookeeper_root, [installation]).descendant_acl(namespace)
-        return as_identity(namespace_identity(installation, namespace), format_acl(acl))
+        acl = installation_policy(settings.zookeeper_root, [installation], [key]).descendant_acl(namespace)
+        return as_identity(namespace_identity(installation.username, key, namespace), format_acl(acl))
 
     operator = Store.open(as_identity(installation))
     try:

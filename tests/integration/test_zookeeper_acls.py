@@ -1,7 +1,8 @@
 """ZooKeeper digest authentication and per-namespace ACLs, on the real ZooKeeper.
 
 The installation identity (the operator's) reconciles queues of two namespaces; each
-namespace's identity, derived from the installation's, reaches its own namespace only: it
+namespace's identity, derived from the installation's derivation key, reaches its own
+namespace only: it
 cannot read or move another namespace's offsets, create znodes outside its namespace, or
 create queues. A sidecar with its namespace's credentials serves it in both delivery modes,
 and every znode it creates carries the policy's ACL. With open ACLs (no credentials), the
@@ -13,6 +14,7 @@ use the session's ZooKeeper, under an installation root of their own in the test
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -33,7 +35,8 @@ from casque.config import Settings
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.grants import QueueGrant
-from casque.errors import AccessDenied, QuotaExceeded
+from casque.errors import AccessDenied, InvalidSpec, QuotaExceeded
+from casque.operator import reconcile, tenancy
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, QueueState, SubscriberSpec
 from casque.store import Store
@@ -45,22 +48,38 @@ from tests.fixtures.waiting import wait_for
 ROOT = "/secure"
 INSTALLATION = Identity("casque", "installation-password-for-tests-only-0123456789")
 ROTATED = Identity(INSTALLATION.username, "the-new-installation-password-0123456789")
+KEY = "derivation-key-for-tests-only-0123456789"
+NEW_KEY = "the-new-derivation-key-for-tests-0123456789"
 A = QueueRef("team-a", "orders")
 B = QueueRef("team-b", "orders")
 REPLICATION = "{'class': 'SimpleStrategy', 'replication_factor': 1}"
 
 
-def settings(zk_hosts: str, identity: Identity | None, acl: str | None = None) -> Settings:
+def settings(zk_hosts: str, identity: Identity | None, acl: str | None = None, key: str = KEY,
+             previous_key: str | None = None) -> Settings:
+    """An installation's settings (with its derivation keys), or with `acl` a namespace's."""
     if identity is None:
         return Settings(zookeeper_hosts=zk_hosts, zookeeper_root=ROOT)
+    keys = {} if acl is not None else {
+        "derivation_key": SecretStr(key), "previous_derivation_key": SecretStr(previous_key) if previous_key else None}
     return Settings(zookeeper_hosts=zk_hosts, zookeeper_root=ROOT, zookeeper_username=identity.username,
-                    zookeeper_password=SecretStr(identity.password), zookeeper_acl=acl)
+                    zookeeper_password=SecretStr(identity.password), zookeeper_acl=acl, **keys)
 
 
-def namespace_settings(zk_hosts: str, namespace: str, installation: Sequence[Identity] = (INSTALLATION,)) -> Settings:
+def namespace_settings(zk_hosts: str, namespace: str, installation: Sequence[Identity] = (INSTALLATION,),
+                       keys: Sequence[str] = (KEY,)) -> Settings:
     """What the operator's Secret gives a namespace's sidecars."""
-    acl = format_acl(installation_policy(ROOT, installation).descendant_acl(namespace))
-    return settings(zk_hosts, namespace_identity(installation[0], namespace), acl)
+    acl = format_acl(installation_policy(ROOT, installation, keys).descendant_acl(namespace))
+    return settings(zk_hosts, namespace_identity(installation[0].username, keys[0], namespace), acl)
+
+
+def secret_settings(zk_hosts: str, installation: Settings, namespace: str) -> Settings:
+    """A sidecar's settings from the Secret the operator writes with `installation`'s settings."""
+    secret = tenancy.zookeeper_secret(installation, namespace)
+    assert secret is not None
+    data = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+    return Settings(zookeeper_hosts=zk_hosts, zookeeper_root=ROOT, zookeeper_username=data["username"],
+                    zookeeper_password=SecretStr(data["password"]), zookeeper_acl=data["acl"])
 
 
 def env_of(namespace: str) -> dict[str, str]:
@@ -203,23 +222,27 @@ def test_a_sidecar_given_another_namespaces_credentials_is_refused_clearly(
         zk.connect(wrong, namespace=A.namespace)
     # Its credentials without the ACL it must create with: refused before it creates anything.
     bare = namespace_settings(zk_hosts, A.namespace).model_copy(update={"zookeeper_acl": None})
-    with pytest.raises(AccessDenied, match="CASQUE_ZOOKEEPER_ACL"):
+    with pytest.raises(InvalidSpec, match="CASQUE_ZOOKEEPER_ACL"):
         zk.connect(bare, namespace=A.namespace)
+    # Even with a derivation key, as if they were the installation's: ZooKeeper says they are not.
+    with pytest.raises(AccessDenied, match="CASQUE_ZOOKEEPER_ACL"):
+        zk.connect(bare.model_copy(update={"derivation_key": SecretStr(KEY)}), namespace=A.namespace)
 
 
 def test_every_znode_the_operator_creates_carries_the_policys_acl(operator_store: Store) -> None:
-    policy = installation_policy(ROOT, [INSTALLATION])
-    reader = namespace_identity(INSTALLATION, A.namespace).acl_id
+    policy = installation_policy(ROOT, [INSTALLATION], [KEY])
+    reader = namespace_identity(INSTALLATION.username, KEY, A.namespace).acl_id
     assert_acls_follow(operator_store.zk, policy)
     namespace_acl, _ = operator_store.zk.get_acls(f"{ROOT}/queues/{A.namespace}")
     assert {(e.perms, e.id) for e in namespace_acl} == {(Permissions.ALL, INSTALLATION.acl_id),
                                                         (Permissions.READ, reader)}
 
 
-def assert_acls_follow(client: KazooClient, policy: Any) -> int:
-    """Walk the installation and check every znode's ACL against the policy; the count walked."""
+def assert_acls_follow(client: KazooClient, policy: Any, under: Sequence[str] = (ROOT,)) -> int:
+    """Walk the installation (or the subtrees `under`) and check every znode's ACL against
+    the policy; the count walked."""
     walked = 0
-    pending = [ROOT]
+    pending = list(under)
     while pending:
         path = pending.pop()
         try:
@@ -262,7 +285,7 @@ async def test_a_sidecar_with_its_namespaces_credentials_serves_it_and_creates_o
     pool = operator_store.paths(A).subscriber("pool")
     assert any(operator_store.zk.exists(pool.claims(s)) and operator_store.zk.get_children(pool.claims(s))
                for s in (0, 1)), "no claim of the pool to check"
-    assert assert_acls_follow(operator_store.zk, installation_policy(ROOT, [INSTALLATION])) > 30
+    assert assert_acls_follow(operator_store.zk, installation_policy(ROOT, [INSTALLATION], [KEY])) > 30
 
 
 def test_a_sidecar_serving_another_namespace_says_why_it_is_not_ready(
@@ -279,7 +302,7 @@ def test_a_sidecar_serving_another_namespace_says_why_it_is_not_ready(
     assert "another namespace" in wait_for("readyz to name the refusal", refused)
     assert sidecar.alive  # no crash loop: it keeps answering /healthz and /readyz
     assert INSTALLATION.password not in sidecar.tail(20000)
-    assert namespace_identity(INSTALLATION, A.namespace).password not in sidecar.tail(20000)
+    assert namespace_identity(INSTALLATION.username, KEY, A.namespace).password not in sidecar.tail(20000)
 
 
 def test_an_open_installation_is_secured_in_place(
@@ -299,39 +322,48 @@ def test_an_open_installation_is_secured_in_place(
     admin = zk.connect(settings(zk_hosts, INSTALLATION))
     clients.append(admin)
     secured = Store(cql, admin, keyspace, ROOT, REPLICATION)
+    # The operator's reconciles leave open znodes alone: sidecars without credentials still
+    # serve the namespace until its pods restart with the Secret, and this command runs.
+    assert reconcile.secure_namespace_znodes(lambda: secured, A.namespace) == 0
+    a.set(legacy.paths(A).subscriber("billing").offset(0), b"1")
     assert catalog.secure_znodes(secured) > 10
     # The administrators' command, run again: nothing left to change.
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("CASQUE_")},
            "CASQUE_CASSANDRA_CONTACT_POINTS": ",".join(backends.contact_points),
            "CASQUE_CASSANDRA_PORT": str(backends.cql_port), "CASQUE_KEYSPACE": keyspace,
            "CASQUE_ZOOKEEPER_HOSTS": zk_hosts, "CASQUE_ZOOKEEPER_ROOT": ROOT,
-           "CASQUE_ZOOKEEPER_USERNAME": INSTALLATION.username, "CASQUE_ZOOKEEPER_PASSWORD": INSTALLATION.password}
+           "CASQUE_ZOOKEEPER_USERNAME": INSTALLATION.username, "CASQUE_ZOOKEEPER_PASSWORD": INSTALLATION.password,
+           "CASQUE_DERIVATION_KEY": KEY}
     again = subprocess.run([sys.executable, "-m", "casque.cli", "secure-znodes"], env=env, capture_output=True,
                            text=True, timeout=120, check=False)
     assert again.returncode == 0, again.stderr
     assert again.stdout.strip() == "0 znodes of the installation given their ACL"
-    assert_acls_follow(admin, installation_policy(ROOT, [INSTALLATION]))
+    assert_acls_follow(admin, installation_policy(ROOT, [INSTALLATION], [KEY]))
     with pytest.raises(NoAuthError):
         a.set(legacy.paths(B).subscriber("billing").offset(0), b"1")
     with pytest.raises(NoAuthError):
         open_client.get(legacy.paths(A).base)  # no identity at all: nothing
 
 
-def test_rotating_the_installation_password_keeps_old_and_new_sidecars_working(
+def test_rotating_the_installation_password_keeps_the_namespaces_identities_and_refuses_the_old_password(
     operator_store: Store, zk_hosts: str, clients: list[KazooClient]
 ) -> None:
     new = ROTATED
-    rotating = Settings(zookeeper_hosts=zk_hosts, zookeeper_root=ROOT, zookeeper_username=new.username,
-                        zookeeper_password=SecretStr(new.password),
-                        zookeeper_previous_password=SecretStr(INSTALLATION.password))
+    rotating = settings(zk_hosts, new).model_copy(update={
+        "zookeeper_previous_password": SecretStr(INSTALLATION.password)})
     during = zk.connect(rotating)
     clients.append(during)
     store = Store(operator_store.session, during, operator_store.keyspace, ROOT, REPLICATION)
     assert catalog.secure_znodes(store) > 10
     offset = store.paths(A).subscriber("billing").offset(0)
+    old_operator = zk.connect(settings(zk_hosts, INSTALLATION))
+    clients.append(old_operator)
     old_sidecar = connect_as(zk_hosts, A.namespace, clients)
+    # The namespace's identity is derived from the key, not the password: the Secret written
+    # during the rotation names the same identity, with an ACL naming both installation identities.
     new_sidecar = zk.connect(namespace_settings(zk_hosts, A.namespace, (new, INSTALLATION)), namespace=A.namespace)
     clients.append(new_sidecar)
+    old_operator.set(offset, b"1")
     old_sidecar.set(offset, b"2")
     new_sidecar.set(offset, b"3")
 
@@ -339,5 +371,88 @@ def test_rotating_the_installation_password_keeps_old_and_new_sidecars_working(
     clients.append(after)
     assert catalog.secure_znodes(Store(operator_store.session, after, operator_store.keyspace, ROOT, REPLICATION)) > 10
     new_sidecar.set(offset, b"4")
+    old_sidecar.set(offset, b"5")
     with pytest.raises(NoAuthError):
-        old_sidecar.set(offset, b"5")
+        old_operator.set(offset, b"6")
+
+
+def assert_serves_its_subscriber(client: KazooClient, store: Store, member: str) -> None:
+    """What a sidecar does with its namespace's znodes: read the queue (and its grant), move
+    its subscriber's offset, register a member."""
+    paths = store.paths(A).subscriber("billing")
+    assert catalog.read_queue(Store(store.session, client, store.keyspace, ROOT, REPLICATION), A).spec.shards == 2
+    client.set(paths.offset(0), b"7")
+    client.create(paths.member(member), b"{}", ephemeral=True)
+
+
+def assert_refused_everywhere(client: KazooClient, store: Store, member: str) -> None:
+    paths = store.paths(A).subscriber("billing")
+    for refused in (lambda: client.get(paths.base), lambda: client.set(paths.offset(0), b"9"),
+                    lambda: client.create(paths.member(member), b"{}", ephemeral=True),
+                    lambda: client.get(store.paths(A).grant)):
+        with pytest.raises(NoAuthError):
+            refused()
+
+
+def test_a_new_derivation_key_gives_the_namespace_a_new_identity_and_the_old_one_is_refused(
+    operator_store: Store, zk_hosts: str, clients: list[KazooClient]
+) -> None:
+    """Rotating the derivation key: the operator, restarted with the new key, finds the
+    namespace's Secret out of date on its next reconcile, gives the namespace's znodes the
+    ACL of the new identity and writes the new Secret; from then on ZooKeeper refuses the
+    old identity, and the new one works."""
+    old = secret_settings(zk_hosts, settings(zk_hosts, INSTALLATION), A.namespace)
+    old_sidecar = zk.connect(old, namespace=A.namespace)
+    clients.append(old_sidecar)
+    assert_serves_its_subscriber(old_sidecar, operator_store, "before")
+    rotated = settings(zk_hosts, INSTALLATION, key=NEW_KEY)
+    new = secret_settings(zk_hosts, rotated, A.namespace)
+    assert new.zookeeper_username == old.zookeeper_username and new.zookeeper_password != old.zookeeper_password
+    with pytest.raises(AccessDenied):
+        zk.connect(new, namespace=A.namespace)  # the ACLs still name the old key's identity
+
+    restarted = zk.connect(rotated)
+    clients.append(restarted)
+    store = Store(operator_store.session, restarted, operator_store.keyspace, ROOT, REPLICATION)
+    assert reconcile.secure_namespace_znodes(lambda: store, A.namespace) > 5  # the reconcile's step
+
+    new_sidecar = zk.connect(new, namespace=A.namespace)
+    clients.append(new_sidecar)
+    assert_serves_its_subscriber(new_sidecar, operator_store, "after")
+    assert_refused_everywhere(old_sidecar, operator_store, "stale")
+    with pytest.raises(AccessDenied):
+        zk.connect(old, namespace=A.namespace)
+    # B is untouched until its own reconcile: each namespace's identity rotates with its Secret.
+    b = zk.connect(secret_settings(zk_hosts, settings(zk_hosts, INSTALLATION), B.namespace), namespace=B.namespace)
+    clients.append(b)
+    b.set(operator_store.paths(B).subscriber("billing").offset(0), b"2")
+    # Nothing but the namespace's znodes changed, and they follow the new key's policy.
+    assert_acls_follow(restarted, installation_policy(ROOT, [INSTALLATION], [NEW_KEY]), under=[
+        f"{ROOT}/queues/{A.namespace}", f"{ROOT}/grants/{A.namespace}"])
+
+
+def test_while_the_derivation_key_rotates_both_identities_work_until_the_previous_key_is_dropped(
+    operator_store: Store, zk_hosts: str, clients: list[KazooClient]
+) -> None:
+    """With CASQUE_PREVIOUS_DERIVATION_KEY the ACLs name both keys' identities, so sidecars
+    still holding the old Secret keep working until the app pods restart."""
+    old_sidecar = zk.connect(secret_settings(zk_hosts, settings(zk_hosts, INSTALLATION), A.namespace),
+                             namespace=A.namespace)
+    clients.append(old_sidecar)
+    during = settings(zk_hosts, INSTALLATION, key=NEW_KEY, previous_key=KEY)
+    operator = zk.connect(during)
+    clients.append(operator)
+    store = Store(operator_store.session, operator, operator_store.keyspace, ROOT, REPLICATION)
+    assert reconcile.secure_namespace_znodes(lambda: store, A.namespace) > 5
+    new_sidecar = zk.connect(secret_settings(zk_hosts, during, A.namespace), namespace=A.namespace)
+    clients.append(new_sidecar)
+    assert_serves_its_subscriber(old_sidecar, operator_store, "old")
+    assert_serves_its_subscriber(new_sidecar, operator_store, "new")
+
+    after = settings(zk_hosts, INSTALLATION, key=NEW_KEY)  # the previous key dropped
+    operator = zk.connect(after)
+    clients.append(operator)
+    store = Store(operator_store.session, operator, operator_store.keyspace, ROOT, REPLICATION)
+    assert reconcile.secure_namespace_znodes(lambda: store, A.namespace) > 5
+    assert_serves_its_subscriber(new_sidecar, operator_store, "new-again")
+    assert_refused_everywhere(old_sidecar, operator_store, "old-again")

@@ -41,6 +41,7 @@ from tests.fixtures.stack import chroot_on
 ROOT = "/sasl"
 A = QueueRef("team-a", "orders")
 B = QueueRef("team-b", "orders")
+KEY = "derivation-key-for-sasl-tests-0123456789"
 
 
 @pytest.fixture
@@ -74,7 +75,7 @@ def settings(secure_stack: Stack, zk_hosts: str, login: Identity) -> Iterator[Se
         cassandra_tls=CassandraTlsSettings(**files), zookeeper_tls=ZooKeeperTlsSettings(**files),
         zookeeper_hosts=zk_hosts, zookeeper_root=ROOT, keyspace=keyspace, consistency="ONE",
         zookeeper_username=login.username, zookeeper_password=SecretStr(login.password), zookeeper_sasl=True,
-        zookeeper_session_timeout_seconds=5,
+        derivation_key=SecretStr(KEY), zookeeper_session_timeout_seconds=5,
     )
     yield operator
     # The chroot's own cleanup has no login: the installation removes what only it may.
@@ -117,7 +118,7 @@ def clients() -> Iterator[list[KazooClient]]:
 
 
 def policy_of(login: Identity) -> AclPolicy:
-    return installation_policy(ROOT, [login])
+    return installation_policy(ROOT, [login], [KEY])
 
 
 def walk(client: KazooClient, policy: AclPolicy) -> list[str]:
@@ -144,7 +145,8 @@ def namespace_settings(operator: Settings, namespace: str) -> Settings:
     data = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
     return operator.model_copy(update={
         "zookeeper_username": data["username"], "zookeeper_password": SecretStr(data["password"]),
-        "zookeeper_acl": data["acl"], "zookeeper_sasl": False, "zookeeper_previous_password": None})
+        "zookeeper_acl": data["acl"], "zookeeper_sasl": False, "zookeeper_previous_password": None,
+        "derivation_key": None})
 
 
 def test_the_installation_logs_in_over_sasl_and_its_znodes_name_it_as_a_sasl_user(
@@ -155,7 +157,7 @@ def test_the_installation_logs_in_over_sasl_and_its_znodes_name_it_as_a_sasl_use
     root_acl, _ = operator_store.zk.get_acls(ROOT)
     assert root_acl == [installation]
     namespace_acl, _ = operator_store.zk.get_acls(f"{ROOT}/queues/{A.namespace}")
-    reader = namespace_identity(login, A.namespace)
+    reader = namespace_identity(login.username, KEY, A.namespace)
     assert reader.scheme == "digest"
     assert set(namespace_acl) == {installation, ACL(Permissions.READ, reader.acl_id)}
     walked = walk(operator_store.zk, policy_of(login))
@@ -239,7 +241,7 @@ async def test_the_operators_functions_work_over_sasl(
     assert catalog.secure_znodes(operator_store) == 1
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("CASQUE_")}, **secure_stack.client_env(),
            "CASQUE_ZOOKEEPER_HOSTS": settings.zookeeper_hosts, "CASQUE_ZOOKEEPER_ROOT": ROOT,
-           "CASQUE_KEYSPACE": settings.keyspace}
+           "CASQUE_KEYSPACE": settings.keyspace, "CASQUE_DERIVATION_KEY": KEY}
     assert env["CASQUE_ZOOKEEPER_SASL"] == "true"
     operator_store.zk.set_acls(opened, OPEN_ACL_UNSAFE)
     cli = subprocess.run([sys.executable, "-m", "casque.cli", "secure-znodes"], env=env, capture_output=True,

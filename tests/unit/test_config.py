@@ -48,7 +48,9 @@ def test_tls_files_without_tls_or_a_certificate_without_its_key_are_refused(monk
     [
         ("CASQUE_CASSANDRA_PASSWORD", "cassandra", "CASQUE_CASSANDRA_PASSWORD must be at least 16 characters"),
         ("CASQUE_ZOOKEEPER_PASSWORD", "z" * 31, "CASQUE_ZOOKEEPER_PASSWORD must be at least 32 characters"),
-        ("CASQUE_CASSANDRA_DERIVATION_KEY", "k" * 31, "CASQUE_CASSANDRA_DERIVATION_KEY must be at least 32 bytes"),
+        ("CASQUE_DERIVATION_KEY", "k" * 31, "CASQUE_DERIVATION_KEY must be a random key of at least 32 bytes"),
+        ("CASQUE_PREVIOUS_DERIVATION_KEY", "k" * 31,
+         "CASQUE_PREVIOUS_DERIVATION_KEY must be a random key of at least 32 bytes"),
     ],
 )
 def test_every_configured_secret_has_a_minimum_length(
@@ -59,6 +61,8 @@ def test_every_configured_secret_has_a_minimum_length(
     monkeypatch.setenv("CASQUE_ZOOKEEPER_USERNAME", "casque")
     monkeypatch.setenv("CASQUE_CASSANDRA_PASSWORD", "c" * 16)
     monkeypatch.setenv("CASQUE_ZOOKEEPER_PASSWORD", "z" * 32)
+    monkeypatch.setenv("CASQUE_DERIVATION_KEY", "d" * 32)
+    monkeypatch.setenv("CASQUE_PREVIOUS_DERIVATION_KEY", "e" * 32)
     Settings()  # long enough, all of them
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match=error) as refused:

@@ -39,7 +39,7 @@ def test_the_sources_are_the_secrets_a_sidecar_reads() -> None:
     assert source_names(injection, tls) == ["creds", "cass-tls", "zk-tls"]
     # With keyspace isolation the sidecar reads its namespace's own role: no shared credentials.
     isolated = Settings(cassandra_isolation="keyspace", cassandra_username="casque",
-                        cassandra_password=SecretStr("p" * 16), cassandra_derivation_key=SecretStr("k" * 40))
+                        cassandra_password=SecretStr("p" * 16), derivation_key=SecretStr("k" * 40))
     assert source_names(injection, isolated) == []
     assert source_names(InjectionSettings(), tls) == []
     # One Secret for both backends is copied once.

@@ -214,13 +214,16 @@ def test_tls_files_without_a_secret_for_sidecars_refuse_the_pod() -> None:
 
 def test_with_zookeeper_authentication_the_sidecar_gets_its_namespaces_identity_only() -> None:
     installation_password = "i" * 40
-    backends = Settings(zookeeper_username="casque", zookeeper_password=installation_password)  # type: ignore[arg-type]
+    derivation_key = "k" * 40
+    backends = Settings(zookeeper_username="casque", zookeeper_password=installation_password,  # type: ignore[arg-type]
+                        derivation_key=derivation_key)
     document = pod(ORDERS)
     patched = apply_patch(document, plan(document, InjectionSettings(), backends))
     env = env_of(container(patched, injection.SIDECAR_NAME))
     for variable, key in (("USERNAME", "username"), ("PASSWORD", "password"), ("ACL", "acl")):
         assert env[f"CASQUE_ZOOKEEPER_{variable}"] == {"secretKeyRef": {"name": "casque-zookeeper", "key": key}}
-    assert installation_password not in json.dumps(patched)
+    assert installation_password not in json.dumps(patched) and derivation_key not in json.dumps(patched)
+    assert "CASQUE_DERIVATION_KEY" not in env
     assert not any(name.startswith("CASQUE_ZOOKEEPER_") and name != "CASQUE_ZOOKEEPER_HOSTS"
                    for name in env_of(container(injected(pod(ORDERS)), injection.SIDECAR_NAME))
                    if name != "CASQUE_ZOOKEEPER_ROOT")
@@ -374,7 +377,7 @@ def test_a_volume_named_like_the_sidecars_is_refused() -> None:
 def test_with_keyspace_isolation_the_sidecar_gets_its_namespaces_keyspace_and_role_only() -> None:
     installation_password = "c" * 40
     backends = Settings(cassandra_isolation="keyspace", cassandra_username="casque", keyspace="casque",
-                        cassandra_password=installation_password, cassandra_derivation_key="k" * 40)  # type: ignore[arg-type]
+                        cassandra_password=installation_password, derivation_key="k" * 40)  # type: ignore[arg-type]
     shared = InjectionSettings(credentials_secret="cassandra-shared")
     answer = review(admission(pod(ORDERS)), shared, backends)["response"]
     patched = apply_patch(pod(ORDERS), json.loads(base64.b64decode(answer["patch"])))
@@ -395,7 +398,7 @@ def test_with_keyspace_isolation_the_sidecar_gets_its_namespaces_keyspace_and_ro
 
 def test_with_keyspace_isolation_a_pod_of_no_known_namespace_is_refused() -> None:
     backends = Settings(cassandra_isolation="keyspace", cassandra_username="casque",
-                        cassandra_password="c" * 40, cassandra_derivation_key="k" * 40)  # type: ignore[arg-type]
+                        cassandra_password="c" * 40, derivation_key="k" * 40)  # type: ignore[arg-type]
     with pytest.raises(InvalidInjection, match="namespace is unknown"):
         plan(pod(ORDERS), InjectionSettings(), backends)
 

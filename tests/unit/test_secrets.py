@@ -13,6 +13,7 @@ from tests.fixtures.waiting import refused_port
 
 CASSANDRA_PASSWORD = "cassandra-password-that-must-not-leak"
 ZOOKEEPER_PASSWORD = "zookeeper-password-that-must-not-leak-0123456789"
+DERIVATION_KEY = "derivation-key-that-must-not-leak-0123456789"
 
 
 @pytest.fixture
@@ -21,11 +22,12 @@ def settings(monkeypatch: pytest.MonkeyPatch) -> Settings:
     monkeypatch.setenv("CASQUE_CASSANDRA_PASSWORD", CASSANDRA_PASSWORD)
     monkeypatch.setenv("CASQUE_ZOOKEEPER_USERNAME", "app")
     monkeypatch.setenv("CASQUE_ZOOKEEPER_PASSWORD", ZOOKEEPER_PASSWORD)
+    monkeypatch.setenv("CASQUE_DERIVATION_KEY", DERIVATION_KEY)
     return Settings()
 
 
 def leaks(text: str) -> bool:
-    return CASSANDRA_PASSWORD in text or ZOOKEEPER_PASSWORD in text
+    return CASSANDRA_PASSWORD in text or ZOOKEEPER_PASSWORD in text or DERIVATION_KEY in text
 
 
 def test_settings_never_show_the_passwords(settings: Settings) -> None:

@@ -7,20 +7,24 @@ import base64
 import hashlib
 import hmac
 import re
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 from pydantic import SecretStr
 
 from casque.backends.zkacl import Identity, namespace_identity, parse_acl
 from casque.config import Settings
+from casque.derivation import CASSANDRA_ROLE, ZOOKEEPER_IDENTITY
 from casque.errors import InvalidSpec
 from casque.operator.quotas import MAX_LOGS, MAX_QUEUES, MAX_RETENTION, Limits, QuotaSettings, limits_for, violations
+from casque.operator import tenancy
 from casque.operator.tenancy import cassandra_secret, zookeeper_secret
 from casque.schema import NAME_PATTERN, QueueRef
 from casque.specs import QueueSpec
 from casque.store import Store
-from casque.tenancy import DERIVATION_CONTEXT, MAX_KEYSPACE_LENGTH, namespace_keyspace, namespace_role
+from casque.tenancy import MAX_KEYSPACE_LENGTH, namespace_keyspace, namespace_role
 
 PASSWORD = "i" * 40
 KEY = "k" * 40
@@ -34,15 +38,108 @@ def test_no_secret_without_zookeeper_authentication() -> None:
     assert zookeeper_secret(Settings(), "shop") is None
 
 
+def zookeeper_settings(password: str = PASSWORD, key: str = KEY, previous_key: str | None = None) -> Settings:
+    return Settings(zookeeper_username="casque", zookeeper_password=SecretStr(password), derivation_key=SecretStr(key),
+                    previous_derivation_key=SecretStr(previous_key) if previous_key else None)
+
+
+def zookeeper_secret_data(settings: Settings, namespace: str) -> dict[str, str]:
+    secret = zookeeper_secret(settings, namespace)
+    assert secret is not None
+    return {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+
+
 def test_the_secret_holds_the_namespaces_identity_and_acl_never_the_installations() -> None:
-    settings = Settings(zookeeper_username="casque", zookeeper_password=SecretStr(PASSWORD))
-    secret = zookeeper_secret(settings, "shop")
+    secret = zookeeper_secret(zookeeper_settings(), "shop")
     assert secret is not None and secret["metadata"]["namespace"] == "shop"
-    data = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
-    expected = namespace_identity(Identity("casque", PASSWORD), "shop")
+    data = zookeeper_secret_data(zookeeper_settings(), "shop")
+    expected = namespace_identity("casque", KEY, "shop")
     assert (data["username"], data["password"]) == (expected.username, expected.password)
     assert {entry.id for entry in parse_acl(data["acl"])} == {Identity("casque", PASSWORD).acl_id, expected.acl_id}
-    assert PASSWORD not in str(secret)
+    assert PASSWORD not in str(secret) and KEY not in str(secret)
+
+
+def test_during_a_key_rotation_the_secret_holds_the_new_identity_and_an_acl_naming_both() -> None:
+    data = zookeeper_secret_data(zookeeper_settings(key="r" * 40, previous_key=KEY), "shop")
+    new, old = namespace_identity("casque", "r" * 40, "shop"), namespace_identity("casque", KEY, "shop")
+    assert (data["username"], data["password"]) == (new.username, new.password)
+    installation = Identity("casque", PASSWORD).acl_id
+    assert [entry.id for entry in parse_acl(data["acl"])] == [installation, new.acl_id, old.acl_id]
+
+
+def test_a_namespaces_zookeeper_secret_gives_no_way_to_another_namespaces_identity() -> None:
+    """The guessed-derivation attack on ZooKeeper: a namespace holds its identity's password
+    and knows its own name and the derivation scheme. Were the password an HMAC keyed with
+    the installation's ZooKeeper password, it would confirm guesses of that password offline,
+    and whoever knows that password (or guessed it) would compute every other namespace's
+    password. Keyed with the derivation key, neither the installation password nor any guess
+    of it reproduces a namespace's password, and the installation password is no input."""
+    def keyed_with(login: str, namespace: str) -> str:
+        digest = hmac.new(login.encode(), ZOOKEEPER_IDENTITY + namespace.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+    settings = zookeeper_settings()
+    stolen = zookeeper_secret_data(settings, "shop")["password"]
+    other = zookeeper_secret_data(settings, "billing")["password"]
+    for guess in ["casque", "zookeeper", "password", PASSWORD]:  # the real installation password last
+        assert keyed_with(guess, "shop") != stolen, guess
+        assert keyed_with(guess, "billing") != other, guess
+    assert zookeeper_secret_data(zookeeper_settings(password="another-installation-password-0123456789"),
+                                 "shop")["password"] == stolen
+    assert zookeeper_secret_data(zookeeper_settings(key="r" * 40), "shop")["password"] != stolen
+    # One key, two uses: the namespace's Cassandra password is not its ZooKeeper one.
+    assert namespace_role("casque", KEY, "shop").password != stolen
+    assert PASSWORD not in stolen and KEY not in stolen
+
+
+class SecretsApi:
+    """The CoreV1Api calls of the operator's Secret writes, on a dict, recording each write."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.stored: dict[tuple[str, str], dict[str, str]] = {}
+        self.events = events
+        self.down = False  # the API server refuses writes, as if the operator stopped before them
+
+    def read_namespaced_secret(self, name: str, namespace: str) -> SimpleNamespace:
+        if (namespace, name) not in self.stored:
+            raise ApiException(status=404)
+        return SimpleNamespace(data=self.stored[(namespace, name)])
+
+    def create_namespaced_secret(self, namespace: str, body: dict[str, Any]) -> None:
+        if (namespace, body["metadata"]["name"]) in self.stored:
+            raise ApiException(status=409)
+        self.events.append("write")
+        self.stored[(namespace, body["metadata"]["name"])] = body["data"]
+
+    def patch_namespaced_secret(self, name: str, namespace: str, body: dict[str, Any]) -> None:
+        if self.down:
+            raise ApiException(status=503)
+        self.events.append("write")
+        self.stored[(namespace, name)] = body["data"]
+
+
+def test_the_namespaces_znodes_are_secured_before_its_secret_names_a_new_identity(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    secrets_api = SecretsApi(events)
+    monkeypatch.setattr(tenancy.client, "CoreV1Api", lambda api: secrets_api)
+
+    def apply(settings: Settings) -> bool:
+        return tenancy.apply_zookeeper_secret(cast(Any, None), settings, "shop", lambda: events.append("secure"))
+
+    assert apply(zookeeper_settings()) and events == ["secure", "write"]
+    assert not apply(zookeeper_settings()) and events == ["secure", "write"]  # up to date: nothing to do
+    assert apply(zookeeper_settings(key="r" * 40)) and events == ["secure", "write"] * 2
+    stored = secrets_api.stored[("shop", "casque-zookeeper")]
+    assert base64.b64decode(stored["password"]).decode() == namespace_identity("casque", "r" * 40, "shop").password
+    # A write that did not happen after the walk: the next reconcile walks again, then writes.
+    events.clear()
+    secrets_api.down = True
+    with pytest.raises(ApiException):
+        apply(zookeeper_settings(key="s" * 40))
+    secrets_api.down = False
+    assert apply(zookeeper_settings(key="s" * 40)) and events == ["secure", "secure", "write"]
 
 
 # Cassandra's own rule for keyspace names (unquoted, as casque writes them).
@@ -74,24 +171,24 @@ def test_a_namespace_keyspace_refuses_what_cassandra_could_not_name() -> None:
         namespace_keyspace("casque", "Shop_1")
     with pytest.raises(ValueError, match="at most 24"):
         Settings(cassandra_isolation="keyspace", keyspace="k" * 25, cassandra_username="casque",
-                 cassandra_password=SecretStr("p" * 40), cassandra_derivation_key=SecretStr(KEY))
+                 cassandra_password=SecretStr("p" * 40), derivation_key=SecretStr(KEY))
     with pytest.raises(ValueError, match="needs CASQUE_CASSANDRA_USERNAME and _PASSWORD"):
         Settings(cassandra_isolation="keyspace")
 
 
 def isolated(password: str = PASSWORD, key: str = KEY) -> Settings:
     return Settings(cassandra_isolation="keyspace", cassandra_username="cassandra",
-                    cassandra_password=SecretStr(password), cassandra_derivation_key=SecretStr(key))
+                    cassandra_password=SecretStr(password), derivation_key=SecretStr(key))
 
 
 def test_isolation_refuses_to_start_without_a_long_derivation_key() -> None:
-    with pytest.raises(ValueError, match="needs CASQUE_CASSANDRA_DERIVATION_KEY, a random key of at least 32 bytes"):
+    with pytest.raises(ValueError, match="needs CASQUE_DERIVATION_KEY, a random key of at least 32 bytes"):
         Settings(cassandra_isolation="keyspace", cassandra_username="casque", cassandra_password=SecretStr(PASSWORD))
-    with pytest.raises(ValueError, match="CASQUE_CASSANDRA_DERIVATION_KEY must be at least 32 bytes"):
+    with pytest.raises(ValueError, match="CASQUE_DERIVATION_KEY must be a random key of at least 32 bytes"):
         isolated(key="k" * 31)
     with pytest.raises(InvalidSpec, match="at least 32 bytes"):
         namespace_role("casque", "k" * 31, "shop")
-    assert isolated(key="k" * 32).cassandra_derivation_key is not None
+    assert isolated(key="k" * 32).derivation_key is not None
 
 
 def test_a_namespaces_role_password_is_derived_from_the_key_and_differs_per_namespace() -> None:
@@ -119,7 +216,7 @@ def test_a_namespaces_secret_says_nothing_of_the_installations_login_password() 
     login = "cassandra-installation-login"
     stolen = secret_password(isolated(password=login))
     for guess in ["cassandra", "casque", "password", login]:
-        digest = hmac.new(guess.encode(), DERIVATION_CONTEXT + b"shop", hashlib.sha256).digest()
+        digest = hmac.new(guess.encode(), CASSANDRA_ROLE + b"shop", hashlib.sha256).digest()
         assert base64.urlsafe_b64encode(digest).decode().rstrip("=") != stolen, guess
     assert secret_password(isolated(password="another-login-password")) == stolen
     assert secret_password(isolated(password=login, key="r" * 40)) != stolen

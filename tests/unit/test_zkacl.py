@@ -1,7 +1,12 @@
 """The ZooKeeper ACL policy as pure rules: which ACL a create gets by path, the namespace
-identities derived from the installation's, the ACL text form, and the settings' checks."""
+identities derived from the installation's derivation key, the ACL text form, and the
+settings' checks."""
 
 from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
 
 import pytest
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions
@@ -21,11 +26,13 @@ from casque.config import Settings
 
 OWNER = Identity("casque", "p" * 40)
 PREVIOUS = Identity("casque", "q" * 40)
+KEY = "k" * 40
+PREVIOUS_KEY = "j" * 40
 
 
 def test_each_path_gets_the_acl_of_its_level() -> None:
-    policy = installation_policy("/casque", [OWNER])
-    shop = namespace_identity(OWNER, "shop").acl_id
+    policy = installation_policy("/casque", [OWNER], [KEY])
+    shop = namespace_identity("casque", KEY, "shop").acl_id
     admin = ACL(Permissions.ALL, OWNER.acl_id)
     for path in ("/casque", "/casque/queues", "/elsewhere", "/casque/queuesx/shop"):
         assert policy.acl_for(path) == [admin]
@@ -38,8 +45,8 @@ def test_each_path_gets_the_acl_of_its_level() -> None:
 def test_a_namespace_reads_its_queues_grants_and_never_writes_them() -> None:
     """Grants (casque.engine.grants) bound what the engine acts on: outside the namespace's
     subtree, where the namespace has no create or delete on the parent either."""
-    policy = installation_policy("/casque", [OWNER])
-    shop = namespace_identity(OWNER, "shop").acl_id
+    policy = installation_policy("/casque", [OWNER], [KEY])
+    shop = namespace_identity("casque", KEY, "shop").acl_id
     admin = ACL(Permissions.ALL, OWNER.acl_id)
     assert policy.acl_for("/casque/grants") == [admin]
     for path in ("/casque/grants/shop", "/casque/grants/shop/orders"):
@@ -47,23 +54,56 @@ def test_a_namespace_reads_its_queues_grants_and_never_writes_them() -> None:
     assert policy.acl_for("/casque/grantsx/shop") == [admin]
 
 
-def test_during_a_rotation_both_passwords_identities_are_in_every_acl() -> None:
-    acl = installation_policy("/casque", [OWNER, PREVIOUS]).acl_for("/casque/queues/shop/orders")
-    ids = {entry.id for entry in acl}
-    assert ids == {OWNER.acl_id, PREVIOUS.acl_id, namespace_identity(OWNER, "shop").acl_id,
-                   namespace_identity(PREVIOUS, "shop").acl_id}
+def test_during_a_password_rotation_both_installation_identities_are_in_every_acl() -> None:
+    acl = installation_policy("/casque", [OWNER, PREVIOUS], [KEY]).acl_for("/casque/queues/shop/orders")
+    # The namespace's identity does not change with the installation password.
+    shop = namespace_identity("casque", KEY, "shop").acl_id
+    assert [entry.id for entry in acl] == [OWNER.acl_id, PREVIOUS.acl_id, shop]
 
 
-def test_namespace_identities_are_stable_distinct_and_tied_to_the_installation_password() -> None:
-    shop = namespace_identity(OWNER, "shop")
-    assert shop == namespace_identity(OWNER, "shop")
+def test_during_a_key_rotation_both_keys_namespace_identities_are_in_every_namespace_acl() -> None:
+    policy = installation_policy("/casque", [OWNER], [KEY, PREVIOUS_KEY])
+    new, old = (namespace_identity("casque", key, "shop").acl_id for key in (KEY, PREVIOUS_KEY))
+    assert [entry.id for entry in policy.acl_for("/casque/queues/shop/orders")] == [OWNER.acl_id, new, old]
+    assert [entry.id for entry in policy.acl_for("/casque/grants/shop")] == [OWNER.acl_id, new, old]
+    assert policy.acl_for("/casque/queues") == [ACL(Permissions.ALL, OWNER.acl_id)]
+
+
+def test_namespace_identities_are_stable_distinct_and_tied_to_the_derivation_key() -> None:
+    shop = namespace_identity("casque", KEY, "shop")
+    assert shop == namespace_identity("casque", KEY, "shop")
     assert shop.username == "casque.shop" and len(shop.password) >= 32
-    assert shop.password != namespace_identity(OWNER, "shop2").password
-    assert shop.password != namespace_identity(PREVIOUS, "shop").password
+    assert shop.password != namespace_identity("casque", KEY, "shop2").password
+    assert shop.password != namespace_identity("casque", PREVIOUS_KEY, "shop").password
+    assert KEY not in shop.password
+
+
+def test_the_identities_from_before_the_key_are_a_previous_key_equal_to_the_installation_password() -> None:
+    """docs/security.md's upgrade: namespaces' identities used to be HMACs keyed with the
+    installation password, with the same context; that password as the previous key keeps
+    them in the ACLs while sidecars still hold them."""
+    before = base64.urlsafe_b64encode(hmac.new(OWNER.password.encode(), b"casque zookeeper namespace identity\x00shop",
+                                               hashlib.sha256).digest()).decode().rstrip("=")
+    assert namespace_identity("casque", OWNER.password, "shop").password == before
+    assert namespace_identity("casque", KEY, "shop").password != before
+
+
+def test_a_policy_without_a_derivation_key_is_refused() -> None:
+    """No namespace identity could be in any ACL: every sidecar would be refused."""
+    with pytest.raises(ValueError, match="CASQUE_DERIVATION_KEY"):
+        installation_policy("/casque", [OWNER], [])
+    assert installation_policy("/casque", [], []).acl_for("/casque") == []  # no credentials: open
+
+
+def test_a_short_derivation_key_is_refused_without_showing_it() -> None:
+    weak = "w" * 31
+    with pytest.raises(ValueError, match="at least 32 bytes") as refused:
+        namespace_identity("casque", weak, "shop")
+    assert weak not in str(refused.value)
 
 
 def test_a_sidecar_creates_everything_with_the_acl_it_was_given() -> None:
-    given = installation_policy("/casque", [OWNER]).descendant_acl("shop")
+    given = installation_policy("/casque", [OWNER], [KEY]).descendant_acl("shop")
     policy = namespace_policy("/casque", given)
     for path in ("/casque/queues/shop/orders/redrive", "/casque/queues/other/x", "/casque"):
         assert policy.acl_for(path) == given
@@ -76,7 +116,7 @@ def test_widening_touches_only_read_only_entries() -> None:
 
 
 def test_the_text_form_round_trips_and_refuses_garbage() -> None:
-    acl = installation_policy("/casque", [OWNER]).descendant_acl("shop")
+    acl = installation_policy("/casque", [OWNER], [KEY]).descendant_acl("shop")
     text = format_acl(acl)
     assert text.startswith("digest:casque:") and text.endswith(":rwcd")
     assert parse_acl(text) == acl
@@ -87,8 +127,10 @@ def test_the_text_form_round_trips_and_refuses_garbage() -> None:
 
 def test_identities_never_show_their_password() -> None:
     assert OWNER.password not in repr(OWNER)
-    settings = Settings(zookeeper_username="casque", zookeeper_password=SecretStr(OWNER.password))
-    assert OWNER.password not in repr(settings) and OWNER.password not in str(settings.model_dump())
+    settings = Settings(zookeeper_username="casque", zookeeper_password=SecretStr(OWNER.password),
+                        derivation_key=SecretStr(KEY))
+    for secret in (OWNER.password, KEY):
+        assert secret not in repr(settings) and secret not in str(settings.model_dump())
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -96,7 +138,14 @@ def test_identities_never_show_their_password() -> None:
     ({"zookeeper_password": "p" * 40}, "go together"),
     ({"zookeeper_username": "casque", "zookeeper_password": "short"}, "at least 32"),
     ({"zookeeper_previous_password": "p" * 40}, "needs CASQUE_ZOOKEEPER_PASSWORD"),
+    ({"zookeeper_username": "casque", "zookeeper_password": "p" * 40}, "need CASQUE_DERIVATION_KEY"),
+    ({"zookeeper_username": "casque", "zookeeper_password": "p" * 40, "derivation_key": "k" * 31},
+     "CASQUE_DERIVATION_KEY must be a random key of at least 32 bytes"),
+    ({"zookeeper_username": "casque", "zookeeper_password": "p" * 40, "derivation_key": "k" * 40,
+      "previous_derivation_key": "j" * 31}, "CASQUE_PREVIOUS_DERIVATION_KEY must be a random key of at least 32 bytes"),
+    ({"previous_derivation_key": "j" * 40}, "CASQUE_PREVIOUS_DERIVATION_KEY needs CASQUE_DERIVATION_KEY"),
 ])
 def test_settings_refuse_half_or_weak_credentials(fields: dict[str, str], message: str) -> None:
-    with pytest.raises(ValidationError, match=message):
+    with pytest.raises(ValidationError, match=message) as refused:
         Settings(**fields)  # type: ignore[arg-type]
+    assert not [value for value in fields.values() if len(value) > 8 and value in str(refused.value)]

@@ -20,12 +20,13 @@ from casque.operator.tenancy import zookeeper_secret
 
 PASSWORD = "s" * 40
 PREVIOUS = "r" * 40
+KEY = "k" * 40
 SASL = Identity("casque", PASSWORD, "sasl")
 
 
 def sasl_settings(**changes: object) -> Settings:
     return Settings(zookeeper_username="casque", zookeeper_password=SecretStr(PASSWORD), zookeeper_sasl=True,
-                    **changes)  # type: ignore[arg-type]
+                    derivation_key=SecretStr(KEY), **changes)  # type: ignore[arg-type]
 
 
 def test_a_sasl_identitys_acl_entry_names_the_user_and_no_password() -> None:
@@ -39,10 +40,12 @@ def test_a_sasl_identitys_acl_entry_names_the_user_and_no_password() -> None:
         Identity("casque", PASSWORD).sasl_options  # noqa: B018
 
 
-def test_with_sasl_the_installation_is_sasl_and_each_namespace_digest_derived_from_its_password() -> None:
-    policy = installation_policy("/casque", [SASL])
-    shop = namespace_identity(SASL, "shop")
-    assert shop == namespace_identity(Identity("casque", PASSWORD), "shop")  # the same as with digest
+def test_with_sasl_the_installation_is_sasl_and_each_namespace_digest_derived_from_the_key() -> None:
+    policy = installation_policy("/casque", [SASL], [KEY])
+    shop = namespace_identity("casque", KEY, "shop")
+    # The same as with digest.
+    assert installation_policy("/casque", [Identity("casque", PASSWORD)], [KEY]).acl_for("/casque/queues/shop")[1:] == [
+        ACL(Permissions.READ, shop.acl_id)]
     admin = ACL(Permissions.ALL, Id("sasl", "casque"))
     assert policy.acl_for("/casque/queues") == [admin]
     assert policy.acl_for("/casque/queues/shop") == [admin, ACL(Permissions.READ, shop.acl_id)]
@@ -50,11 +53,11 @@ def test_with_sasl_the_installation_is_sasl_and_each_namespace_digest_derived_fr
     assert shop.acl_id.scheme == "digest"
 
 
-def test_during_a_sasl_rotation_the_installation_is_named_once_and_both_namespace_identities_are() -> None:
+def test_during_a_sasl_rotation_the_installation_and_the_namespace_are_each_named_once() -> None:
     previous = Identity("casque", PREVIOUS, "sasl")
-    acl = installation_policy("/casque", [SASL, previous]).acl_for("/casque/queues/shop/orders")
-    assert [entry.id for entry in acl] == [Id("sasl", "casque"), namespace_identity(SASL, "shop").acl_id,
-                                           namespace_identity(previous, "shop").acl_id]
+    acl = installation_policy("/casque", [SASL, previous], [KEY]).acl_for("/casque/queues/shop/orders")
+    # The namespace's identity is derived from the key, which this rotation leaves alone.
+    assert [entry.id for entry in acl] == [Id("sasl", "casque"), namespace_identity("casque", KEY, "shop").acl_id]
 
 
 def test_the_settings_make_sasl_identities_and_kazoo_gets_one_sasl_login() -> None:
@@ -64,7 +67,8 @@ def test_the_settings_make_sasl_identities_and_kazoo_gets_one_sasl_login() -> No
     # One login with the current password: the servers' JAAS file has one per user.
     assert zk.login_options(own) == {"sasl_options": {"mechanism": "DIGEST-MD5", "username": "casque",
                                                       "password": PASSWORD}}
-    digest = zk.identities(Settings(zookeeper_username="casque", zookeeper_password=SecretStr(PASSWORD)))
+    digest = zk.identities(Settings(zookeeper_username="casque", zookeeper_password=SecretStr(PASSWORD),
+                                    derivation_key=SecretStr(KEY)))
     assert zk.login_options(digest) == {"auth_data": [("digest", f"casque:{PASSWORD}")]}
     assert zk.login_options([]) == {}
     assert PASSWORD not in repr(rotating)
@@ -85,7 +89,7 @@ def test_the_namespaces_secret_is_digest_and_its_acl_names_the_sasl_user() -> No
     secret = zookeeper_secret(sasl_settings(), "shop")
     assert secret is not None
     data = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
-    expected = namespace_identity(SASL, "shop")
+    expected = namespace_identity("casque", KEY, "shop")
     assert (data["username"], data["password"]) == (expected.username, expected.password)
     assert parse_acl(data["acl"]) == [ACL(Permissions.ALL, Id("sasl", "casque")), ACL(NAMESPACE_PERMS, expected.acl_id)]
     assert data["acl"].startswith("sasl:casque:rwcda,digest:casque.shop:")
@@ -116,8 +120,11 @@ def test_the_local_stack_gives_zookeeper_a_private_jaas_file_and_the_sasl_provid
     env = stack.client_env()
     assert (env["CASQUE_ZOOKEEPER_SASL"], env["CASQUE_ZOOKEEPER_USERNAME"], env["CASQUE_ZOOKEEPER_PASSWORD"]) == (
         "true", "casque", password)
+    # What `dev up` prints is valid.
     Settings(zookeeper_username=env["CASQUE_ZOOKEEPER_USERNAME"], zookeeper_password=SecretStr(password),
-             zookeeper_sasl=True)  # what `dev up` prints is valid
+             zookeeper_sasl=True, derivation_key=SecretStr(env["CASQUE_DERIVATION_KEY"]))
+    assert env["CASQUE_DERIVATION_KEY"] == stack.client_env()["CASQUE_DERIVATION_KEY"]  # kept across `up`s
+    assert ((tmp_path / "derivation.key").stat().st_mode & 0o777) == 0o600
     stack._save()
     assert Stack.load(tmp_path) == stack
     plain = Stack(tmp_path / "plain").zookeeper().members()[0]

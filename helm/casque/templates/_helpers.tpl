@@ -86,18 +86,24 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
-{{/* The Secret holding the Cassandra derivation key (keyspace isolation only). */}}
+{{/* The Secret holding the derivation key the namespaces' passwords come from: with Cassandra
+     keyspace isolation or ZooKeeper authentication only. */}}
 {{- define "casque.derivationKeySecret" -}}
-{{- if eq .Values.cassandra.isolation "keyspace" -}}
-{{- default (printf "%s-derivation-key" (include "casque.fullname" .)) .Values.cassandra.derivationKey.existingSecret -}}
+{{- if or (eq .Values.cassandra.isolation "keyspace") (include "casque.zookeeperSecret" .) -}}
+{{- default (printf "%s-derivation-key" (include "casque.fullname" .)) .Values.derivationKey.existingSecret -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Whether the chart makes the derivation key's Secret itself. */}}
+{{- define "casque.generatesDerivationKey" -}}
+{{- if and (include "casque.derivationKeySecret" .) (not .Values.derivationKey.existingSecret) }}true{{ end }}
 {{- end -}}
 
 {{/* The chart's derivation key, base64: the existing Secret's, so an upgrade keeps it, else
      48 random characters (crypto/rand), made once per render and remembered in .Values so
      that the Secret and the operator's checksum annotation name the same key. */}}
 {{- define "casque.derivationKeyData" -}}
-{{- $memo := .Values.cassandra.derivationKey -}}
+{{- $memo := .Values.derivationKey -}}
 {{- if not (hasKey $memo "_rendered") -}}
 {{- $existing := lookup "v1" "Secret" .Release.Namespace (include "casque.derivationKeySecret" .) -}}
 {{- $data := "" -}}
