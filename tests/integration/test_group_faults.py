@@ -30,6 +30,7 @@ from casque.engine.publisher import Publisher
 from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from casque.znodes import decode_offset
 from tests.fixtures.group import Group, assert_sound, load_until_holding, until
 from tests.fixtures.history import History, Seek
 from tests.fixtures.sidecars import StartSidecar
@@ -149,16 +150,32 @@ async def test_shards_added_under_live_members_are_consumed_and_counted_by_readi
     assert_sound(group.history)
 
 
-async def replayed_after_the_seek(group: Group) -> None:
-    """Every message published is acked again after the last seek was answered, and the history is sound."""
+def offsets_and_epochs(group: Group, shards: list[int]) -> dict[int, tuple[int, int]]:
+    return {shard: decode_offset(group.store.zk.get(group.paths.offset(shard))[0]) for shard in shards}
+
+
+async def replayed_after_the_seek(group: Group, shards: list[int], before: dict[int, tuple[int, int]]) -> None:
+    """Every message published is acked again after the seek, and the history is sound.
+
+    Judged from the subscriber's offsets, not from when acks were sent: members learn of a
+    seek from a watch, and under load one replayed and acked messages before the seek's
+    answer reached the test, so "acked after the answer" missed them. In the seek's epoch
+    an offset passes a batch only once the app acked every message in it there (nothing
+    here expires or is dead-lettered): every shard's offset past its head in a new epoch
+    is every message delivered and acked again."""
     await group.drained()
-    replay_from = group.history.seeks[-1].answered
+
+    def heads() -> dict[int, int]:
+        return {shard: catalog.read_int(group.store, group.store.paths(QUEUE).head(shard)) for shard in shards}
+
+    def describe() -> str:
+        return f"(offsets and epochs {offsets_and_epochs(group, shards)}, before {before}, heads {heads()})"
 
     async def replayed() -> bool:
-        acked_again = {a.message_id for a in group.history.acks if a.sent > replay_from and a.outcome == "acked"}
-        return set(group.history.published) <= acked_again
+        now, top = await asyncio.to_thread(offsets_and_epochs, group, shards), await asyncio.to_thread(heads)
+        return all(now[s][1] > before[s][1] and now[s][0] > top[s] for s in shards)
 
-    await until("every message delivered again after the seek", replayed)
+    await until("every message acked again in the seek's epoch", replayed, describe=describe)
     assert_sound(group.history)
 
 
@@ -169,9 +186,10 @@ async def test_a_seek_under_load_replays_everything_and_loses_nothing(store: Sto
     await group.publish(200, "history")
     await group.drained()
     publishing = asyncio.create_task(group.publish(200, "live"))
+    before = offsets_and_epochs(group, spec.log_shards())
     await group.seek(first, {"to": "earliest"})
     await publishing
-    await replayed_after_the_seek(group)
+    await replayed_after_the_seek(group, spec.log_shards(), before)
 
 
 async def test_a_seek_across_sixteen_busy_shards_succeeds_when_first_asked(store: Store, group: Group) -> None:
@@ -193,12 +211,13 @@ async def test_a_seek_across_sixteen_busy_shards_succeeds_when_first_asked(store
 
     await until("the consumers acking live messages", busy)
     sent = History.now()
+    before = offsets_and_epochs(group, spec.log_shards())
     committing = dataclasses.replace(store, zk=_CommitsInTheWay(store, spec.log_shards()))
     # Raises BackendUnavailable (the sidecar's 503) if the seek loses to the commits.
     await asyncio.to_thread(offsets.seek, committing, QUEUE, SUBSCRIBER, offsets.SeekTarget("earliest"))
     group.history.seeks.append(Seek(sent, History.now()))
     await publishing
-    await replayed_after_the_seek(group)
+    await replayed_after_the_seek(group, spec.log_shards(), before)
 
 
 class _CommitsInTheWay:
