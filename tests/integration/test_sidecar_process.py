@@ -91,14 +91,17 @@ async def test_sigterm_drains_takes_acks_for_held_messages_and_releases_leases(
     sidecar.process.send_signal(signal.SIGTERM)
 
     async with aiohttp.ClientSession(sidecar.url) as http:  # no client retries: see the 503 itself
-        async def refused() -> bool:
-            async with http.post(f"/v1/queues/{QUEUE}/messages", json={"data": "late"}) as answer:
-                return answer.status == 503 and (await answer.json())["error"]["code"] == "not_ready"
+        async def draining() -> bool:
+            async with http.get("/healthz") as answer:
+                return (await answer.json())["status"] == "draining"
 
+        # Publishing before the signal is handled would be accepted, rightly: wait for the drain.
         deadline = time.monotonic() + 30
-        while not await refused():
+        while not await draining():
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
+        async with http.post(f"/v1/queues/{QUEUE}/messages", json={"data": "late"}) as answer:
+            assert answer.status == 503 and (await answer.json())["error"]["code"] == "not_ready"
         async with http.post(f"{SUB}/ack", json={"receipts": [m.receipt for m in held]}) as answer:
             assert answer.status == 200
             assert [r["status"] for r in (await answer.json())["results"]] == ["acked"] * 4
