@@ -30,9 +30,9 @@ from casque.engine.publisher import Publisher
 from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from casque.znodes import decode_offset
 from tests.fixtures.group import Group, assert_sound, load_until_holding, until
 from tests.fixtures.history import History, Seek
+from tests.fixtures.positions import heads_of, offsets_and_epochs
 from tests.fixtures.sidecars import StartSidecar
 
 QUEUE = QueueRef("default", "orders")
@@ -150,10 +150,6 @@ async def test_shards_added_under_live_members_are_consumed_and_counted_by_readi
     assert_sound(group.history)
 
 
-def offsets_and_epochs(group: Group, shards: list[int]) -> dict[int, tuple[int, int]]:
-    return {shard: decode_offset(group.store.zk.get(group.paths.offset(shard))[0]) for shard in shards}
-
-
 async def replayed_after_the_seek(group: Group, shards: list[int], before: dict[int, tuple[int, int]]) -> None:
     """Every message published is acked again after the seek, and the history is sound.
 
@@ -165,14 +161,13 @@ async def replayed_after_the_seek(group: Group, shards: list[int], before: dict[
     is every message delivered and acked again."""
     await group.drained()
 
-    def heads() -> dict[int, int]:
-        return {shard: catalog.read_int(group.store, group.store.paths(QUEUE).head(shard)) for shard in shards}
-
     def describe() -> str:
-        return f"(offsets and epochs {offsets_and_epochs(group, shards)}, before {before}, heads {heads()})"
+        now = offsets_and_epochs(group.store, QUEUE, SUBSCRIBER, shards)
+        return f"(offsets and epochs {now}, before {before}, heads {heads_of(group.store, QUEUE, shards)})"
 
     async def replayed() -> bool:
-        now, top = await asyncio.to_thread(offsets_and_epochs, group, shards), await asyncio.to_thread(heads)
+        now = await asyncio.to_thread(offsets_and_epochs, group.store, QUEUE, SUBSCRIBER, shards)
+        top = await asyncio.to_thread(heads_of, group.store, QUEUE, shards)
         return all(now[s][1] > before[s][1] and now[s][0] > top[s] for s in shards)
 
     await until("every message acked again in the seek's epoch", replayed, describe=describe)
@@ -186,7 +181,7 @@ async def test_a_seek_under_load_replays_everything_and_loses_nothing(store: Sto
     await group.publish(200, "history")
     await group.drained()
     publishing = asyncio.create_task(group.publish(200, "live"))
-    before = offsets_and_epochs(group, spec.log_shards())
+    before = await asyncio.to_thread(offsets_and_epochs, store, QUEUE, SUBSCRIBER, spec.log_shards())
     await group.seek(first, {"to": "earliest"})
     await publishing
     await replayed_after_the_seek(group, spec.log_shards(), before)
@@ -211,7 +206,7 @@ async def test_a_seek_across_sixteen_busy_shards_succeeds_when_first_asked(store
 
     await until("the consumers acking live messages", busy)
     sent = History.now()
-    before = offsets_and_epochs(group, spec.log_shards())
+    before = await asyncio.to_thread(offsets_and_epochs, store, QUEUE, SUBSCRIBER, spec.log_shards())
     committing = dataclasses.replace(store, zk=_CommitsInTheWay(store, spec.log_shards()))
     # Raises BackendUnavailable (the sidecar's 503) if the seek loses to the commits.
     await asyncio.to_thread(offsets.seek, committing, QUEUE, SUBSCRIBER, offsets.SeekTarget("earliest"))

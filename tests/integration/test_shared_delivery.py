@@ -23,7 +23,7 @@ from casque.errors import CasqueError, LeaseLost, StaleReceipt
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from casque.znodes import decode_offset
+from tests.fixtures.positions import heads_of, offsets_of
 
 QUEUE = QueueRef("default", "shared")
 SUBSCRIBER = "pool"
@@ -61,15 +61,6 @@ async def start(consumers: list[Consumer], store: Store) -> Consumer:
     consumers.append(consumer)
     await consumer.start()
     return consumer
-
-
-def offsets_of(store: Store, shards: list[int]) -> dict[int, int]:
-    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
-    return {s: decode_offset(store.zk.get(paths.offset(s))[0])[0] for s in shards}
-
-
-def heads_of(store: Store, shards: list[int]) -> dict[int, int]:
-    return {s: catalog.read_int(store, store.paths(QUEUE).head(s)) for s in shards}
 
 
 def open_claims(store: Store, shards: list[int]) -> list[str]:
@@ -127,7 +118,7 @@ async def test_more_members_than_shards_all_receive_and_each_message_is_acked_on
     assert all(any(c in cs for cs in received.values()) for c in group), "a member of the pool received nothing"
     shards = spec.log_shards()
     await until("the offset past every batch",
-                lambda: offsets_of(store, shards) == {s: h + 1 for s, h in heads_of(store, shards).items()})
+                lambda: offsets_of(store, QUEUE, SUBSCRIBER, shards) == {s: h + 1 for s, h in heads_of(store, QUEUE, shards).items()})
     assert open_claims(store, shards) == []
     writes = sum(c._sharing.zk_writes for c in group if c._sharing is not None)
     assert writes <= 2 * 2000 // 100 + 10 * len(group), f"{writes} ZooKeeper writes for 20 batches"
@@ -159,7 +150,7 @@ async def test_a_vanished_members_range_is_taken_over_after_its_claim_and_its_ac
     assert all(isinstance(r, (LeaseLost, StaleReceipt)) for r in results), results
     assert all(r is True for r in await second.ack_many([d.receipt for d in redelivered]))
     shards = spec.log_shards()
-    await until("the offset past the range", lambda: offsets_of(store, shards)[0] == heads_of(store, shards)[0] + 1)
+    await until("the offset past the range", lambda: offsets_of(store, QUEUE, SUBSCRIBER, shards)[0] == heads_of(store, QUEUE, shards)[0] + 1)
 
 
 async def test_a_member_that_lost_its_range_early_can_neither_ack_nor_complete_it(
@@ -188,7 +179,7 @@ async def test_a_member_that_lost_its_range_early_can_neither_ack_nor_complete_i
     assert all(isinstance(r, (LeaseLost, StaleReceipt)) for r in rest), rest
     assert all(r is True for r in await second.ack_many([d.receipt for d in redelivered]))
     shards = spec.log_shards()
-    await until("the offset past the range", lambda: offsets_of(store, shards)[0] == heads_of(store, shards)[0] + 1)
+    await until("the offset past the range", lambda: offsets_of(store, QUEUE, SUBSCRIBER, shards)[0] == heads_of(store, QUEUE, shards)[0] + 1)
 
 
 async def test_deliveries_whose_claim_cannot_be_extended_are_handed_back_uncounted(
@@ -220,10 +211,10 @@ async def test_the_offset_waits_for_the_lowest_open_range(store: Store, consumer
         later.extend(got)
         assert all(r is True for r in await fast.ack_many([d.receipt for d in got]))
     shards = spec.log_shards()
-    assert offsets_of(store, shards)[0] == 1, "the offset passed a range with unacked messages"
+    assert offsets_of(store, QUEUE, SUBSCRIBER, shards)[0] == 1, "the offset passed a range with unacked messages"
     rest = low + [d for d in await slow.receive(max_messages=500, wait=2)]
     assert all(r is True for r in await slow.ack_many([d.receipt for d in rest]))
-    await until("the offset past the completed prefix", lambda: offsets_of(store, shards)[0] > 3)
+    await until("the offset past the completed prefix", lambda: offsets_of(store, QUEUE, SUBSCRIBER, shards)[0] > 3)
 
 
 async def test_a_seek_replays_through_the_pool_in_a_new_epoch(store: Store, consumers: list[Consumer]) -> None:
@@ -365,7 +356,7 @@ async def test_a_poison_message_goes_to_the_dead_letter_queue_and_its_range_comp
     shards = spec.log_shards()
     deadline = time.monotonic() + 60
     # The app keeps asking (a receive is what finds a message over its max deliveries).
-    while offsets_of(store, shards)[0] <= heads_of(store, shards)[0]:
+    while offsets_of(store, QUEUE, SUBSCRIBER, shards)[0] <= heads_of(store, QUEUE, shards)[0]:
         assert time.monotonic() < deadline, f"{len(acked)} acked, poison {poison}"
         for consumer in (first, second):
             for d in await consumer.receive(max_messages=20, wait=0.2):
