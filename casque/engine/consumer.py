@@ -495,5 +495,5 @@ class Consumer:
             await self._sharing.stop()
         if self._leases is not None:
             await self._leases.stop()
-        for shard in list(self.readers):
-            await self._leased.released(shard)
+        for shard, reader in list(self.readers.items()):
+            await self._leased.released(shard, reader.fence)

@@ -34,9 +34,11 @@ class LeasedDelivery:
         self.readers[shard] = reader
         reader.start()
 
-    async def released(self, shard: int) -> None:
+    async def released(self, shard: int, fence: int) -> None:
+        """Hand over and stop the reader of the acquisition `fence` of `shard` (none if the
+        session was lost meanwhile: a reader of a later acquisition is not this release's)."""
         reader = self.readers.get(shard)
-        if reader is None:
+        if reader is None or reader.fence != fence:
             return
         if not self._member.stopping:
             # A rebalance moves the shard: let the app finish what it holds from it first
@@ -82,7 +84,11 @@ class LeasedDelivery:
             self._member.counters.seeks_applied += 1
 
     async def status(self, leases: ShardLeases, held: list[int]) -> ShardStatus:
-        """The shards due to this member that it does not read, and those it reads that fail."""
+        """The shards due to this member that it does not read, and those it reads that fail;
+        or, while the session is not known alive, that nothing is handed out."""
+        if not leases.trusted:
+            return ShardStatus(held, problem=f"ZooKeeper has not confirmed this member's session "
+                                             f"{leases.trust.unconfirmed}: handing out nothing until it does")
         due = await leases.assigned()
         if due is None:
             return ShardStatus(held, problem="not in the group: registering")

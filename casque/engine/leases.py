@@ -16,20 +16,8 @@ Recipe:
   shards; a lease still held by the previous owner is retried when the lease children
   change. A shard whose acquisition callback fails is released and retried with backoff.
 
-Trust: a lease is an ephemeral znode, so it lasts as long as the session, and a member
-paused past its session (GC, SIGSTOP) resumes believing it still holds shards the others
-took meanwhile. Until its client notices, it would hand out messages it no longer owns. So
-a member hands out messages only while its session is known to be alive: until half a
-session timeout after sending the last request ZooKeeper answered (a heartbeat every
-quarter timeout). The timeout is the one the server granted at the client's last connect
-(`zk.granted_session_seconds`), never the one asked for: the server bounds a request by
-its maxSessionTimeout (20 ticks by default) and expires the session on what it granted,
-so 120 s asked of a server whose maximum is 40 s would be trusted for 60 s of a session
-that ends after 40. The server cannot expire a session sooner than a full granted timeout
-after it heard from it, so the other half absorbs clock-rate differences. A reconnect
-negotiates again (another server's limits, or a new session after an expiry) and the
-window follows the latest grant, which is safe either way: a reconnect that keeps the
-session renews it for the new grant from then on.
+Trust: a member hands out messages only while its session is known to be alive
+(casque.engine.session_trust: heartbeats, and the window they confirm).
 
 Proof of a lease without asking: the fence of a shard moves only when a member creates the
 shard's lease znode (the same multi), and that create fails while our lease exists. Our
@@ -37,7 +25,7 @@ lease is ephemeral: it exists while the session that created it lives, until we 
 (the release, after our reader stopped) or the subscriber's deletion removes the tree. So
 `surely_held` answers "our acquisition is still the shard's latest" locally when the shard
 is held under that acquisition, not being released, and the session that created the lease
-is the one the last answered heartbeat confirmed, within the trust window above. An ack
+is the one the last answered heartbeat confirmed, within the trust window. An ack
 written as a row needs exactly that after its write (the next holder reads the rows only
 after it acquires); outside the window, or in doubt, the caller asks ZooKeeper instead.
 
@@ -58,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from kazoo.client import KazooClient, KazooState
@@ -66,17 +53,16 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, Roll
 from kazoo.recipe.watchers import ChildrenWatch
 
 from casque.backends import zk
+from casque.engine.session_trust import SessionTrust, session_of
 from casque.errors import BackendUnavailable
 from casque.znodes import SubscriberPaths
 
 log = logging.getLogger(__name__)
 
-# An acquisition callback gets the shard and its fence version.
-AcquiredCallback = Callable[[int, int], Awaitable[None]]
-ShardCallback = Callable[[int], Awaitable[None]]
+# Acquisition and release callbacks get the shard and the fence version of the acquisition.
+AcquisitionCallback = Callable[[int, int], Awaitable[None]]
 RETRY_MIN_SECONDS = 0.2
 RETRY_MAX_SECONDS = 5.0
-HEARTBEATS_PER_SESSION = 4
 
 
 def _score(member: str, shard: int) -> int:
@@ -119,8 +105,8 @@ class ShardLeases:
         paths: SubscriberPaths,
         member_id: str,
         shards: list[int],
-        on_acquired: AcquiredCallback,
-        on_released: ShardCallback,
+        on_acquired: AcquisitionCallback,
+        on_released: AcquisitionCallback,
         on_lost: Callable[[], Awaitable[None]],
         on_trusted: Callable[[], None] = lambda: None,
     ) -> None:
@@ -150,25 +136,16 @@ class ShardLeases:
         # Shards being handed over to other members, each by a task of its own.
         self._handing_over: dict[int, asyncio.Task[None]] = {}
         self._fences_known: set[int] = set()
-        # Shards being handed over and released.
-        self._releasing: set[int] = set()
+        # Acquisitions (shard, fence) being handed over and released.
+        self._releasing: set[tuple[int, int]] = set()
         self.last_error = ""
-        self._on_trusted = on_trusted
-        # Monotonic time at which the last request that ZooKeeper answered for our session was
-        # sent, and that session's id.
-        self._confirmed_at = float("-inf")
-        self._confirmed_session: int | None = None
+        self.trust = SessionTrust(client, paths.member(member_id), lambda: self.connected, on_trusted)
         # The session in which each held shard's lease znode was created (None: not known).
         self._sessions: dict[int, int | None] = {}
-        self._beat_now = asyncio.Event()
-        self._heartbeat: asyncio.Task[None] | None = None
-        # A client that cannot tell its granted timeout fails here rather than at the first receive.
-        zk.granted_session_seconds(client)
-
     @property
     def session_seconds(self) -> float:
-        """The session timeout the server granted at the last connect (see "Trust" above)."""
-        return zk.granted_session_seconds(self._client)
+        """The session timeout the server granted at the last connect."""
+        return self.trust.session_seconds
 
     @property
     def members(self) -> list[str]:
@@ -178,12 +155,7 @@ class ShardLeases:
     @property
     def trusted(self) -> bool:
         """Whether our session, and with it every lease we hold, is known to be alive now."""
-        if not self.connected:
-            return False
-        if time.monotonic() < self._confirmed_at + self.session_seconds / 2:
-            return True
-        self._beat_now.set()  # find out at once rather than at the next heartbeat
-        return False
+        return self.trust.trusted
 
     def vouches(self, registration: int) -> bool:
         """Whether a claim of shared delivery written during `registration` cannot have been
@@ -195,7 +167,7 @@ class ShardLeases:
     @property
     def session_id(self) -> int:
         """Our ZooKeeper session's id now (0 when there is none)."""
-        return self._session_id() or 0
+        return session_of(self._client) or 0
 
     def surely_held(self, shard: int, fence: int) -> bool:
         """Whether our lease on `shard`, acquired with `fence`, provably still exists on the
@@ -204,37 +176,17 @@ class ShardLeases:
         session = self._sessions.get(shard)
         return (
             self.held.get(shard) == fence
-            and shard not in self._releasing
+            and (shard, fence) not in self._releasing
             and not self._lost
             and self.connected
-            and session is not None
-            and session == self._confirmed_session
-            and time.monotonic() < self._confirmed_at + self.session_seconds / 2
+            and self.trust.confirms(session)
         )
 
-    def _session_id(self) -> int | None:
-        client_id = self._client.client_id
-        return int(client_id[0]) if client_id else None
-
-    async def _heartbeat_loop(self) -> None:
-        while not self._stopping:
-            sent = time.monotonic()
-            try:
-                stat = await zk.call(self._client.exists_async, self._paths.member(self.member_id))
-            except Exception:  # connection loss or expiry: trust lapses until an answer comes
-                stat = None
-            if stat is not None and stat.ephemeralOwner == self._client.client_id[0]:
-                was = self.trusted
-                if sent >= self._confirmed_at:
-                    self._confirmed_at = sent
-                    self._confirmed_session = int(stat.ephemeralOwner)
-                if not was:
-                    self._on_trusted()
-            self._beat_now.clear()
-            try:
-                await asyncio.wait_for(self._beat_now.wait(), self.session_seconds / HEARTBEATS_PER_SESSION)
-            except TimeoutError:
-                pass
+    def _current_session(self) -> int:
+        session = session_of(self._client)
+        if session is None:
+            raise BackendUnavailable("ZooKeeper: not connected")
+        return session
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -244,7 +196,7 @@ class ShardLeases:
         ChildrenWatch(self._client, self._paths.members, zk.watch_in_loop(self._loop, self._members_changed, active))
         ChildrenWatch(self._client, self._paths.leases, zk.watch_in_loop(self._loop, self._leases_changed, active))
         self._task = self._loop.create_task(self._rebalance_loop())
-        self._heartbeat = self._loop.create_task(self._heartbeat_loop())
+        self.trust.start()
 
     async def _register(self) -> None:
         path = self._paths.member(self.member_id)
@@ -255,7 +207,7 @@ class ShardLeases:
             # Ours from this session (a create whose reply was lost), or a leftover of an
             # expired session that the server has not removed yet: replace the latter.
             _, stat = await zk.call(self._client.get_async, path)
-            if stat.ephemeralOwner != self._client.client_id[0]:
+            if stat.ephemeralOwner != self._current_session():
                 await zk.call(self._client.delete_async, path, stat.version)
                 await zk.call(self._client.create_async, path, b"", ephemeral=True)
         self.registrations += 1
@@ -277,7 +229,7 @@ class ShardLeases:
         path = self._paths.member(self.member_id)
         try:
             _, stat = await zk.call(self._client.get_async, path)
-            if stat.ephemeralOwner == self._client.client_id[0]:
+            if stat.ephemeralOwner == self._current_session():
                 await zk.call(self._client.delete_async, path, stat.version)
         except NoNodeError:
             pass
@@ -361,10 +313,13 @@ class ShardLeases:
             mine = assign(self._members, self.shards).get(self.member_id, set())
         # Shards moving away are handed over each in a task of its own: a hand-over waits
         # for the deliveries in flight (up to their visibility), and meanwhile this member
-        # takes its new shards and follows further membership changes.
+        # takes its new shards and follows further membership changes. A hand-over ends one
+        # acquisition: if the session is lost meanwhile and the shard taken again, the new
+        # acquisition is not the hand-over's to end.
         for shard in sorted(set(self.held) - mine):
             if shard not in self._handing_over:
-                self._handing_over[shard] = asyncio.get_running_loop().create_task(self._hand_over(shard))
+                hand_over = self._hand_over(shard, self.held[shard])
+                self._handing_over[shard] = asyncio.get_running_loop().create_task(hand_over)
         retry = False
         for shard in sorted(mine - set(self.held)):
             fence = await self._try_acquire(shard)
@@ -407,13 +362,13 @@ class ShardLeases:
         transaction = self._client.transaction()
         transaction.create(self._paths.lease(shard), self.member_id.encode(), ephemeral=True)
         transaction.set_data(self._paths.fence(shard), self.member_id.encode())
-        before = self._session_id()
+        before = session_of(self._client)
         results = await zk.call(transaction.commit_async)
         created, fence = results
         if not isinstance(created, Exception) and not isinstance(fence, Exception):
             # The multi ran in the session current when it was sent and answered; if the
             # client changed sessions meanwhile, which one is not known (never proven held).
-            after = self._session_id()
+            after = session_of(self._client)
             self._sessions[shard] = before if before == after else None
             return int(fence.version)
         cause = next(r for r in results if isinstance(r, Exception) and not isinstance(r, RolledBackError))
@@ -427,16 +382,16 @@ class ShardLeases:
         except NoNodeError:
             self._wanted.set()  # freed meanwhile: try again
             return None
-        if data.decode() == self.member_id and stat.ephemeralOwner == self._client.client_id[0]:
+        if data.decode() == self.member_id and stat.ephemeralOwner == self._current_session():
             # Our own multi whose reply was lost: nobody can have bumped the fence since.
             _, fence_stat = await zk.call(self._client.get_async, self._paths.fence(shard))
             self._sessions[shard] = int(stat.ephemeralOwner)
             return int(fence_stat.version)
         return None
 
-    async def _hand_over(self, shard: int) -> None:
+    async def _hand_over(self, shard: int, fence: int) -> None:
         try:
-            await self._release(shard)
+            await self._release(shard, fence)
         except Exception as error:  # the lease stays ours: the next pass hands the shard over again
             log.warning("shard %s: handing over failed (%s); trying again", shard, error)
             await asyncio.sleep(self._retry_delay)
@@ -444,19 +399,23 @@ class ShardLeases:
             self._handing_over.pop(shard, None)
             self._wanted.set()
 
-    async def _release(self, shard: int) -> None:
+    async def _release(self, shard: int, fence: int) -> None:
+        """Hand the acquisition `fence` of `shard` over, then delete its lease. If the session
+        was lost meanwhile, the lease went with it and the shard may be held again, under a
+        new fence: that acquisition, its reader and its lease are left alone."""
         # From the hand-over on, an ack of this shard asks ZooKeeper: the lease is about to go.
-        self._releasing.add(shard)
+        acquisition = (shard, fence)
+        self._releasing.add(acquisition)
         try:
-            await self._on_released(shard)
+            await self._on_released(shard, fence)
         finally:
-            self._releasing.discard(shard)
-        fence = self.held.get(shard)
-        if fence is not None:
-            await self._delete_lease(shard, fence)
-            if self.held.get(shard) == fence:  # not lost (and taken again) meanwhile
-                del self.held[shard]
-                self._sessions.pop(shard, None)
+            self._releasing.discard(acquisition)
+        if self.held.get(shard) != fence:
+            return
+        await self._delete_lease(shard, fence)
+        if self.held.get(shard) == fence:
+            del self.held[shard]
+            self._sessions.pop(shard, None)
 
     async def _delete_lease(self, shard: int, fence: int) -> None:
         """Delete our lease, unless the fence moved: then the lease there is someone else's."""
@@ -480,16 +439,14 @@ class ShardLeases:
         """Release every lease (after flushing each shard) and leave the group."""
         self._stopping = True
         self._wanted.set()
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        await self.trust.stop()
         if self._task is not None:
             await self._task
         if self._handing_over:
             await asyncio.gather(*self._handing_over.values(), return_exceptions=True)
-        for shard in sorted(self.held):
+        for shard, fence in sorted(self.held.items()):
             try:
-                await self._release(shard)
+                await self._release(shard, fence)
             except BackendUnavailable as error:
                 log.warning("shard %s: lease not released (%s); it goes when the session ends", shard, error)
         self._client.remove_listener(self._on_state)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -33,7 +34,9 @@ from casque.store import Store
 from tests.fixtures.group import assert_sound
 from tests.fixtures.history import Ack, History, keys_in_flight_twice, redelivered_within_visibility
 from tests.fixtures.history import Delivery as HistoryDelivery
+from tests.fixtures.proxy import Proxy
 from tests.fixtures.stack import Backends
+from tests.fixtures.waiting import wait_for
 
 QUEUE = QueueRef("default", "group")
 
@@ -313,9 +316,69 @@ async def test_a_member_zookeeper_stopped_answering_hands_out_nothing_after_half
     await until("half a session of silence", lambda: time.monotonic() > cut_at + session / 2)
     assert await member.receive(max_messages=5) == []
     assert member_store.zk.state == KazooState.CONNECTED and member.held_shards == {0}
+    # ... and its readiness says so, rather than "holding shards 0" as if all were well.
+    ready, why = await member.health()
+    assert not ready and "ZooKeeper has not confirmed this member's session for" in why, why
     silence.answer_again()
     assert len(await take(member, 5)) == 5
     await member.ack(first.receipt)
+
+
+async def test_a_heartbeat_answered_just_before_the_connection_drops_does_not_end_the_heartbeats(
+    store: Store, zk_hosts: str, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kazoo client has no session id while it is disconnected. A heartbeat answered just
+    before its connection dropped, and handled just after (a member resumed from a pause, on a
+    loaded machine), once ended the member's heartbeats for good: half a session later it
+    handed out nothing, for ever, while its readiness said it held its shards."""
+    spec = setup(store, shards=1)
+    address, chroot = zk_hosts.split("/", 1)
+    host, port = address.rsplit(":", 1)
+    proxy = Proxy(host, int(port), "zookeeper")
+    settings = Settings(zookeeper_hosts=f"{proxy.address}/{chroot}", zookeeper_session_timeout_seconds=10)
+    client = await asyncio.to_thread(zk.connect, settings)
+    try:
+        member = await start(consumers, Store(store.session, client, store.keyspace, store.zk_root,
+                                              store.replication_cql), "member")
+        await until("the member holds shard 0", lambda: member.held_shards == {0})
+        assert member._leases is not None
+        trust = member._leases.trust
+        heartbeat, member_path = trust._task, member.paths.member("member")
+        assert heartbeat is not None
+        real_exists = client.exists_async
+        cut = threading.Event()
+        beats_before_cut: list[int] = []
+
+        def answered_then_cut(path: str, *args: Any, **kwargs: Any) -> Any:
+            answer = real_exists(path, *args, **kwargs)
+            if path == member_path and not cut.is_set():
+                # On the event loop's thread, so the heartbeat cannot handle its answer yet:
+                # the answer arrives, then the connection drops.
+                answer.get(timeout=30)
+                proxy.cut()
+                beats_before_cut.append(trust.heartbeats)
+                cut.set()
+                wait_for("the client disconnected", lambda: client.client_id is None)
+            return answer
+
+        monkeypatch.setattr(client, "exists_async", answered_then_cut)
+        trust._beat_now.set()
+        await until("the heartbeat handled that answer",
+                    lambda: cut.is_set() and (trust.heartbeats > beats_before_cut[0] or heartbeat.done()))
+        proxy.heal()
+        healed_at = time.monotonic()
+        await until("a heartbeat confirming the session after the reconnect",
+                    lambda: trust._confirmed_at >= healed_at)
+        assert not heartbeat.done()
+        published = await publish(store, spec, ["after"])
+        await drain_all(member, published)
+        assert await member.health() == (True, "holding shards 0")
+    finally:
+        for consumer in consumers:
+            await consumer.stop()
+        client.stop()
+        client.close()
+        proxy.close()
 
 
 async def test_leases_are_trusted_for_the_session_timeout_the_server_granted_not_the_one_asked_for(
@@ -511,6 +574,49 @@ async def test_a_shard_moving_to_a_new_member_is_handed_over_after_its_messages_
     await until("the joiner holding its shard", lambda: len(second.held_shards) == 1)
     assert first.held_shards == {0, 1} - second.held_shards
     assert await second.receive(max_messages=20, wait=1) == []  # nothing to redeliver
+
+
+async def test_a_hand_over_cut_short_by_a_session_loss_leaves_the_next_acquisition_alone(
+    store: Store, new_store: Callable[[], Store], zk_hosts: str, consumers: list[Consumer],
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member handing its shard over loses its session, registers again and takes the
+    shard back before that hand-over has finished (its reader's stop can wait on an offset
+    write, the app's acks, Cassandra). The hand-over ends the acquisition it began for. It
+    once went on to delete the lease of the next acquisition, left that acquisition's reader
+    running without a lease beside a third one's, and moved the fence twice."""
+    spec = setup(store, shards=1)
+    published = await publish(store, spec, ["in flight at the loss"])
+    own = new_store()
+    member = await start(consumers, own, "member")
+    await until("the member holds shard 0", lambda: member.held_shards == {0})
+    leases = member._leases
+    assert leases is not None
+    first_fence = leases.held[0]
+    await take(member, 1)  # in flight, never acked: the hand-over waits for it
+    reacquired = asyncio.Event()
+    hand_over = leases._on_released
+
+    async def outlasting_the_loss(*args: Any) -> None:
+        await hand_over(*args)
+        await reacquired.wait()
+
+    monkeypatch.setattr(leases, "_on_released", outlasting_the_loss)
+    leases.step_back()
+    await until("shard 0 being handed over", lambda: any(r.releasing for r in member.readers.values()))
+    leases.rejoin()
+    await asyncio.to_thread(expire_session, own.zk, zk_hosts)
+    await until("shard 0 held again, in a new session", lambda: leases.held.get(0, first_fence) != first_fence)
+    second_fence = leases.held[0]
+    paths = store.paths(QUEUE).subscriber("workers")
+    _, lease = store.zk.get(paths.lease(0))
+    reacquired.set()
+    await until("the first acquisition's hand-over over", lambda: not leases._handing_over)
+    assert store.zk.exists(paths.lease(0)) == lease  # the same znode, untouched
+    assert store.zk.exists(paths.fence(0)).version == second_fence
+    assert leases.held == {0: second_fence}
+    assert [(shard, reader.fence) for shard, reader in member.readers.items()] == [(0, second_fence)]
+    await drain_all(member, published)
 
 
 class HoldingWorker:
