@@ -283,7 +283,6 @@ def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
         ({"operator": {"replica": 2}}, "replica"),  # a misspelt key
         ({"operator": {"watchNamespaces": ["Shop"]}}, "watchNamespaces"),
         ({"cassandra": {"consistency": "TWO"}}, "consistency"),
-        ({"cassandra": {"contactPoints": []}}, "contactPoints"),
         ({"cassandra": {"keyspace": "Shop-Queues"}}, "keyspace"),
         ({"cassandra": {"isolation": "row"}}, "isolation"),
         ({"cassandra": {"replication": {"datacenters": None}}}, "datacenters"),
@@ -305,6 +304,11 @@ def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
         ({"networkPolicy": {"apiServer": {"ports": []}}}, "ports"),
         ({"sidecar": {"metricsPort": 0}}, "metricsPort"),
         ({"networkPolicy": {"backends": {"cassandra": {"podSelector": None}}}}, "podSelector"),
+        ({"backends": {"zookeeper": {"replicas": 2}}}, "replicas"),  # no quorum survives a loss
+        ({"backends": {"cassandra": {"replicas": 2}}}, "replicas"),
+        ({"backends": {"embedded": "yes"}}, "embedded"),
+        ({"backends": {"cassandra": {"storage": {"storageClassName": 5}}}}, "storageClassName"),
+        ({"backends": {"zookeeper": {"storageSize": "8Gi"}}}, "storageSize"),  # a misspelt key
     ],
 )
 def test_values_that_break_the_schema_fail_before_anything_is_made(
@@ -637,6 +641,97 @@ def test_minimal_values_are_accepted_by_the_api_server(
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["CASQUE_CASSANDRA_PASSWORD"] == {"secretKeyRef": {"name": "cassandra-credentials", "key": "pass"}}
     assert one(documents, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "casque-operator"
+
+
+# --- the backends the release runs (backends.embedded) -----------------------------------------
+
+
+def embedded(replicas: int, **backends: Any) -> dict[str, Any]:
+    return {"backends": {"embedded": True, "zookeeper": {"replicas": replicas}, "cassandra": {"replicas": replicas},
+                         **backends}}
+
+
+def operator_backends(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """The backends the operator reads from the chart's environment, and gives its sidecars."""
+    for name in [n for n in os.environ if n.startswith("CASQUE_")]:
+        monkeypatch.delenv(name)
+    for e in container["env"]:
+        if "value" in e:
+            monkeypatch.setenv(e["name"], e["value"])
+    return Settings()
+
+
+def test_without_embedded_backends_nothing_of_them_is_made(tools: Tools, monkeypatch: pytest.MonkeyPatch) -> None:
+    documents = tools.render("casque", release="shop")
+    assert not of_kind(documents, "StatefulSet")
+    assert not [d for d in documents if "cassandra" in d["metadata"]["name"] or "zookeeper" in d["metadata"]["name"]]
+    settings = operator_backends(operator_container(documents), monkeypatch)
+    assert (settings.cassandra_contact_points, settings.zookeeper_hosts) == (["cassandra"], "zookeeper:2181")
+
+
+def test_the_embedded_keyspace_has_a_replica_per_node_up_to_three(tools: Tools) -> None:
+    """Through casque.replication, whatever cassandra.replication says (it is for your own clusters)."""
+    for replicas, datacenters in ((1, {"ring": 1}), (3, {"ring": 3})):
+        values = embedded(replicas, cassandra={"replicas": replicas, "datacenter": "ring"})
+        values["cassandra"] = {"replication": {"strategy": "SimpleStrategy", "factor": 2}}
+        env = {e["name"]: e.get("value") for e in operator_container(tools.render("casque", values))["env"]}
+        assert env["CASQUE_REPLICATION_STRATEGY"] == "NetworkTopologyStrategy"
+        assert "CASQUE_REPLICATION_FACTOR" not in env
+        assert json.loads(env["CASQUE_REPLICATION_DATACENTERS"]) == datacenters
+        assert env["CASQUE_CASSANDRA_LOCAL_DC"] == "ring"
+
+
+@pytest.mark.parametrize(("values", "names"), [
+    ({"cassandra": {"contactPoints": ["cassandra-0.db"]}}, "cassandra.contactPoints"),
+    ({"cassandra": {"port": 9142}}, "cassandra.port"),
+    ({"cassandra": {"localDatacenter": "east"}}, "cassandra.localDatacenter"),
+    ({"zookeeper": {"connect": "zk-0.db:2181"}}, "zookeeper.connect"),
+    ({"cassandra": {"tls": {"enabled": True}}}, "cassandra.tls"),
+    ({"zookeeper": {"tls": {"enabled": True}}}, "zookeeper.tls"),
+    ({"zookeeper": {"auth": {"username": "casque", "password": "z" * 32, "sasl": True}}}, "zookeeper.auth.sasl"),
+    ({"cassandra": {"contactPoints": ["c"], "tls": {"enabled": True}}, "zookeeper": {"connect": "z:2181"}},
+     "cassandra.contactPoints, zookeeper.connect, cassandra.tls"),
+], ids=["contact-points", "port", "local-dc", "connect", "cassandra-tls", "zookeeper-tls", "sasl", "several"])
+def test_embedded_backends_refuse_settings_meant_for_external_ones(
+    tools: Tools, values: dict[str, Any], names: str
+) -> None:
+    result = tools.template("casque", {**embedded(1), **values}, check=False)
+    assert result.returncode != 0, result.stdout
+    assert (f"backends.embedded=true runs Cassandra and ZooKeeper in the release, without TLS or SASL for now, so "
+            f"{names} must be left unset (or set backends.embedded=false to use your own clusters)") in result.stderr
+    # The same settings are fine for clusters of your own.
+    tools.template("casque", values)
+
+
+def test_embedded_backends_take_the_external_defaults_or_empty_addresses(tools: Tools) -> None:
+    """checkBackends cannot tell a default from a value set to it: it takes the defaults of
+    values.yaml as unset. If those defaults change, it must change with them."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert defaults["cassandra"]["contactPoints"] == ["cassandra"] and defaults["cassandra"]["port"] == 9042
+    assert defaults["zookeeper"]["connect"] == "zookeeper:2181" and defaults["backends"]["embedded"] is False
+    as_defaults = {"cassandra": {"contactPoints": ["cassandra"], "port": 9042, "localDatacenter": "dc1"},
+                   "zookeeper": {"connect": "zookeeper:2181", "auth": {"username": "casque", "password": "z" * 32}}}
+    for values in ({}, as_defaults, {"cassandra": {"contactPoints": []}, "zookeeper": {"connect": ""}}):
+        documents = tools.render("casque", {**embedded(3), **values}, release="casque")
+        env = {e["name"]: e.get("value") for e in operator_container(documents)["env"]}
+        assert env["CASQUE_CASSANDRA_CONTACT_POINTS"].startswith("casque-cassandra.casque.svc")
+        assert env["CASQUE_ZOOKEEPER_HOSTS"].startswith("casque-zookeeper.casque.svc")
+    missing = embedded(1, cassandra={"replicas": 1, "resources": {"limits": None}})  # null: Helm drops the default
+    result = tools.template("casque", missing, check=False)
+    assert result.returncode != 0 and "backends.cassandra.resources.limits.memory is needed" in result.stderr
+
+
+@pytest.mark.parametrize(("values", "sentence"), [
+    ({"cassandra": {"contactPoints": []}}, "cassandra.contactPoints is empty: name your Cassandra nodes there, "
+                                           "or set backends.embedded=true to run Cassandra in the release"),
+    ({"zookeeper": {"connect": ""}}, "zookeeper.connect is empty: give your ZooKeeper ensemble's host:port list "
+                                     "there, or set backends.embedded=true to run ZooKeeper in the release"),
+], ids=["contact-points", "connect"])
+def test_without_embedded_backends_the_addresses_are_needed(
+    tools: Tools, values: dict[str, Any], sentence: str
+) -> None:
+    result = tools.template("casque", values, check=False)
+    assert result.returncode != 0 and sentence in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["default", "non-default"])

@@ -66,10 +66,10 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
-{{/* The client ports of zookeeper.connect (host:port[,host:port...][/chroot]), as a JSON list. */}}
+{{/* The client ports of the ZooKeeper connect string (host:port[,host:port...][/chroot]), as a JSON list. */}}
 {{- define "casque.zookeeperPorts" -}}
 {{- $ports := list }}
-{{- range splitList "," (first (splitList "/" .Values.zookeeper.connect)) }}
+{{- range splitList "," (first (splitList "/" (include "casque.zookeeperConnect" .))) | compact }}
 {{- $parts := splitList ":" (trim .) }}
 {{- $port := ternary (last $parts) "2181" (gt (len $parts) 1) | int }}
 {{- $ports = append $ports $port }}
@@ -226,4 +226,136 @@ real cluster is checked: without one (`helm template`, `helm lint`) lookup finds
 {{- fail (printf "casque needs Kubernetes 1.29 or later (native sidecar containers); this cluster runs %s" .Capabilities.KubeVersion.Version) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+The backends' addresses. With backends.embedded the release runs Cassandra and ZooKeeper
+itself (zookeeper.yaml, cassandra.yaml) and every reader of the addresses, the operator's
+environment and through it each injected sidecar's, gets those Services' names; otherwise the
+values of cassandra.* and zookeeper.*. Sidecars run in other namespaces, so the names are
+fully qualified.
+*/}}
+
+{{/* A name for one of the embedded backends' objects: (list . "zookeeper-peers"). The full
+     name is cut to 40 characters so that "-cassandra-peers" and the StatefulSet's pod and
+     revision names stay within 63. */}}
+{{- define "casque.backendName" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s-%s" (include "casque.fullname" $root | trunc 40 | trimSuffix "-") (index . 1) -}}
+{{- end -}}
+
+{{/* A Service's DNS name from anywhere in the cluster: (list . "<name>"). */}}
+{{- define "casque.serviceHost" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s.%s.svc.%s" (index . 1) $root.Release.Namespace $root.Values.backends.clusterDomain -}}
+{{- end -}}
+
+{{- define "casque.zookeeperConnect" -}}
+{{- if .Values.backends.embedded -}}
+{{- printf "%s:2181" (include "casque.serviceHost" (list . (include "casque.backendName" (list . "zookeeper")))) -}}
+{{- else -}}
+{{- .Values.zookeeper.connect -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Comma-separated, as CASQUE_CASSANDRA_CONTACT_POINTS takes them. The embedded client
+     Service is headless: its name resolves to every ready node, and the driver tries each. */}}
+{{- define "casque.cassandraContactPoints" -}}
+{{- if .Values.backends.embedded -}}
+{{- include "casque.serviceHost" (list . (include "casque.backendName" (list . "cassandra"))) -}}
+{{- else -}}
+{{- join "," .Values.cassandra.contactPoints -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "casque.cassandraPort" -}}
+{{- if .Values.backends.embedded }}9042{{ else }}{{ .Values.cassandra.port }}{{ end -}}
+{{- end -}}
+
+{{- define "casque.cassandraLocalDatacenter" -}}
+{{- if .Values.backends.embedded -}}
+{{- .Values.backends.cassandra.datacenter -}}
+{{- else -}}
+{{- .Values.cassandra.localDatacenter -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The keyspace's replication as JSON: {"strategy": ..., "factor": n} or {"strategy": ...,
+     "datacenters": {dc: n}}. The embedded ring is one datacenter of 1 or 3 nodes: as many
+     replicas as nodes, at most 3. */}}
+{{- define "casque.replication" -}}
+{{- if .Values.backends.embedded -}}
+{{- $cassandra := .Values.backends.cassandra -}}
+{{- dict "strategy" "NetworkTopologyStrategy" "datacenters" (dict $cassandra.datacenter (min 3 (int $cassandra.replicas))) | toJson -}}
+{{- else -}}
+{{- $replication := .Values.cassandra.replication -}}
+{{- if eq $replication.strategy "SimpleStrategy" -}}
+{{- dict "strategy" $replication.strategy "factor" $replication.factor | toJson -}}
+{{- else -}}
+{{- dict "strategy" $replication.strategy "datacenters" $replication.datacenters | toJson -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Refuse backend settings that cannot work together, in one sentence.
+
+With backends.embedded, the release's own Cassandra and ZooKeeper replace the external ones,
+and they run without TLS or SASL for now. Values cannot tell a value the user set from the
+chart's default once Helm has merged them, and the external defaults (contactPoints
+[cassandra], connect zookeeper:2181, port 9042) must stay as they are for every install made
+without the embedded backends. So an address counts as set when it differs from that default
+(or from empty, which says "none"): leaving it, or setting it to the default, is harmless,
+because the embedded Services win. tests/integration/test_helm.py fails if values.yaml's
+defaults move away from the ones named here.
+*/}}
+{{- define "casque.checkBackends" -}}
+{{- $cassandra := .Values.cassandra -}}
+{{- $zookeeper := .Values.zookeeper -}}
+{{- if .Values.backends.embedded -}}
+{{- $conflicts := list -}}
+{{- if and $cassandra.contactPoints (ne (toJson $cassandra.contactPoints) (toJson (list "cassandra"))) -}}
+{{- $conflicts = append $conflicts "cassandra.contactPoints" -}}
+{{- end -}}
+{{- if ne (int $cassandra.port) 9042 -}}
+{{- $conflicts = append $conflicts "cassandra.port" -}}
+{{- end -}}
+{{- if and $cassandra.localDatacenter (ne $cassandra.localDatacenter .Values.backends.cassandra.datacenter) -}}
+{{- $conflicts = append $conflicts "cassandra.localDatacenter" -}}
+{{- end -}}
+{{- if and $zookeeper.connect (ne $zookeeper.connect "zookeeper:2181") -}}
+{{- $conflicts = append $conflicts "zookeeper.connect" -}}
+{{- end -}}
+{{- if $cassandra.tls.enabled -}}
+{{- $conflicts = append $conflicts "cassandra.tls" -}}
+{{- end -}}
+{{- if $zookeeper.tls.enabled -}}
+{{- $conflicts = append $conflicts "zookeeper.tls" -}}
+{{- end -}}
+{{- if $zookeeper.auth.sasl -}}
+{{- $conflicts = append $conflicts "zookeeper.auth.sasl" -}}
+{{- end -}}
+{{- with $conflicts -}}
+{{- fail (printf "backends.embedded=true runs Cassandra and ZooKeeper in the release, without TLS or SASL for now, so %s must be left unset (or set backends.embedded=false to use your own clusters)" (join ", " .)) -}}
+{{- end -}}
+{{- if not (dig "limits" "memory" "" (.Values.backends.cassandra.resources | default dict)) -}}
+{{- fail "backends.cassandra.resources.limits.memory is needed with backends.embedded=true: Cassandra's heap is half of it" -}}
+{{- end -}}
+{{- else -}}
+{{- if not $cassandra.contactPoints -}}
+{{- fail "cassandra.contactPoints is empty: name your Cassandra nodes there, or set backends.embedded=true to run Cassandra in the release" -}}
+{{- end -}}
+{{- if not $zookeeper.connect -}}
+{{- fail "zookeeper.connect is empty: give your ZooKeeper ensemble's host:port list there, or set backends.embedded=true to run ZooKeeper in the release" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A memory quantity (2Gi, 1500M, 2147483648) in whole MiB. */}}
+{{- define "casque.mebibytes" -}}
+{{- $quantity := toString . -}}
+{{- $number := regexFind "^[0-9.]+" $quantity -}}
+{{- $units := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 -}}
+{{- $unit := get $units (trimPrefix $number $quantity) | default 1 -}}
+{{- divf (mulf $number $unit) 1048576 | floor | int -}}
 {{- end -}}
