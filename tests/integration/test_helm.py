@@ -651,6 +651,15 @@ def embedded(replicas: int, **backends: Any) -> dict[str, Any]:
                          **backends}}
 
 
+def named(documents: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [d for d in of_kind(documents, kind) if d["metadata"]["name"] == name]
+    return found
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and selector.items() <= labels.items()
+
+
 def operator_backends(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Settings:
     """The backends the operator reads from the chart's environment, and gives its sidecars."""
     for name in [n for n in os.environ if n.startswith("CASQUE_")]:
@@ -659,6 +668,108 @@ def operator_backends(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch
         if "value" in e:
             monkeypatch.setenv(e["name"], e["value"])
     return Settings()
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_the_embedded_backends_are_accepted_by_the_api_server(
+    tools: Tools, kube_namespace: str, casque_crds: None, replicas: int, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+) -> None:
+    manifest = tools.template(kube_namespace, embedded(replicas), release="shop").stdout
+    out = tools.dry_run(manifest)
+    documents = [d for d in yaml.safe_load_all(manifest) if d]
+    assert out.count("(server dry run)") == len(documents), out
+    assert sorted(d["metadata"]["name"] for d in of_kind(documents, "StatefulSet")) == ["shop-casque-cassandra",
+                                                                                      "shop-casque-zookeeper"]
+    domain = f"{kube_namespace}.svc.cluster.local"
+
+    for backend, ports, policy in (("zookeeper", {2888, 3888, 2181}, "Parallel"),
+                                   ("cassandra", {7000, 9042}, "OrderedReady")):  # fmt: skip
+        name = f"shop-casque-{backend}"
+        statefulset = named(documents, "StatefulSet", name)["spec"]
+        pod = statefulset["template"]["spec"]
+        labels = statefulset["template"]["metadata"]["labels"]
+        assert statefulset["replicas"] == replicas and statefulset["podManagementPolicy"] == policy
+        assert statefulset["serviceName"] == f"{name}-peers"
+        assert selects(statefulset["selector"]["matchLabels"], labels)
+        assert labels["app.kubernetes.io/name"] == backend  # what networkPolicy.backends selects by default
+        # Members find each other by name before they are ready.
+        peers = named(documents, "Service", f"{name}-peers")["spec"]
+        assert peers["clusterIP"] == "None" and peers["publishNotReadyAddresses"] is True
+        assert {p["port"] for p in peers["ports"]} == ports and selects(peers["selector"], labels)
+        client_service = named(documents, "Service", name)["spec"]
+        assert selects(client_service["selector"], labels) and "publishNotReadyAddresses" not in client_service
+        budget = named(documents, "PodDisruptionBudget", name)["spec"]
+        assert budget["maxUnavailable"] == 1 and budget["selector"]["matchLabels"] == statefulset["selector"]["matchLabels"]
+        # Locked down like casque's own pods.
+        assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                          "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
+        (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == statefulset["selector"]["matchLabels"]
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] is True and context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"] == {"drop": ["ALL"]} and context["runAsNonRoot"] is True
+            assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+            assert container["image"] == f"casque-{backend}:0.1.0" and container["imagePullPolicy"] == "IfNotPresent"
+        (container,) = pod["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert "emptyDir" in volumes[mounts["/tmp"]] and any("log" in path and "emptyDir" in volumes[v]
+                                                             for path, v in mounts.items())
+        (claim,) = statefulset["volumeClaimTemplates"]
+        assert claim["metadata"]["name"] in mounts.values()
+        assert "storageClassName" not in claim["spec"]  # the cluster's default class
+
+    zookeeper = named(documents, "StatefulSet", "shop-casque-zookeeper")["spec"]["template"]["spec"]
+    (member,) = zookeeper["containers"]
+    env = {e["name"]: e.get("value") for e in member["env"]}
+    peers = f"shop-casque-zookeeper-peers.{domain}"
+    assert env["ZOO_SERVERS"].split() == [
+        f"server.{i + 1}=shop-casque-zookeeper-{i}.{peers}:2888:3888;2181" for i in range(replicas)
+    ]
+    assert member["readinessProbe"]["exec"]["command"] == ["/opt/zookeeper/bin/serving"]
+    (myid,) = zookeeper["initContainers"]
+    assert "${HOSTNAME##*-} + 1" in myid["command"][-1] and "/myid" in myid["command"][-1]
+    assert named(documents, "Service", "shop-casque-zookeeper")["spec"]["type"] == "ClusterIP"
+
+    cassandra = named(documents, "StatefulSet", "shop-casque-cassandra")["spec"]["template"]["spec"]
+    (node,) = cassandra["containers"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in node["env"]}
+    assert env["CASSANDRA_SEEDS"] == f"shop-casque-cassandra-0.shop-casque-cassandra-peers.{domain}"
+    assert (env["CASSANDRA_CLUSTER_NAME"], env["CASSANDRA_DC"]) == ("shop-casque", "dc1")
+    assert env["MAX_HEAP_SIZE"] == "1024M"  # half of the 2Gi limit
+    assert node["readinessProbe"]["tcpSocket"] == {"port": "cql"}
+    assert named(documents, "Service", "shop-casque-cassandra")["spec"]["clusterIP"] == "None"
+
+    # The operator, and through its settings every sidecar it injects, use the embedded Services.
+    settings = operator_backends(operator_container(documents), monkeypatch)
+    assert settings.cassandra_contact_points == [f"shop-casque-cassandra.{domain}"]
+    assert settings.cassandra_port == 9042 and settings.cassandra_local_dc == "dc1"
+    assert settings.zookeeper_hosts == f"shop-casque-zookeeper.{domain}:2181"
+    assert settings.replication.strategy == "NetworkTopologyStrategy"
+    assert settings.replication.datacenters == {"dc1": replicas}
+    settings.replication.cql_map()
+    request = injection.SidecarRequest(queue="orders", subscribers=("billing",), port=8717, token_secret=None)
+    sidecar = injection.sidecar_container(request, injection.InjectionSettings(), settings, "shop")
+    sidecar_env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert sidecar_env["CASQUE_CASSANDRA_CONTACT_POINTS"] == f"shop-casque-cassandra.{domain}"
+    assert sidecar_env["CASQUE_ZOOKEEPER_HOSTS"] == f"shop-casque-zookeeper.{domain}:2181"
+
+
+def test_the_network_policies_cover_the_embedded_backends(tools: Tools) -> None:
+    values = {**embedded(3), "networkPolicy": {"enabled": True, "backends": {"enabled": True}}}
+    documents = tools.render("casque", values, release="shop")
+    policies = {p["metadata"]["name"]: p["spec"] for p in of_kind(documents, "NetworkPolicy")}
+    egress = {p["port"] for rule in policies["shop-casque-operator"]["egress"] for p in rule["ports"]}
+    assert {9042, 2181} <= egress
+    for backend, port in (("cassandra", 9042), ("zookeeper", 2181)):
+        labels = named(documents, "StatefulSet", f"shop-casque-{backend}")["spec"]["template"]["metadata"]["labels"]
+        policy = policies[f"shop-casque-{backend}"]
+        assert selects(policy["podSelector"]["matchLabels"], labels)
+        clients, peers = policy["ingress"]
+        assert [p["port"] for p in clients["ports"]] == [port] and "ports" not in peers  # quorum, gossip
 
 
 def test_without_embedded_backends_nothing_of_them_is_made(tools: Tools, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -679,6 +790,27 @@ def test_the_embedded_keyspace_has_a_replica_per_node_up_to_three(tools: Tools) 
         assert "CASQUE_REPLICATION_FACTOR" not in env
         assert json.loads(env["CASQUE_REPLICATION_DATACENTERS"]) == datacenters
         assert env["CASQUE_CASSANDRA_LOCAL_DC"] == "ring"
+
+
+@pytest.mark.parametrize(("storage_class", "expected"), [(None, None), ("", ""), ("fast-ssd", "fast-ssd")],
+                         ids=["default-class", "no-provisioning", "named"])
+def test_the_embedded_backends_storage_class(
+    tools: Tools, kube_namespace: str, storage_class: str | None, expected: str | None  # noqa: F811
+) -> None:
+    """null leaves storageClassName out (the cluster's default class); "" keeps it, empty (no
+    dynamic provisioning): two different requests to Kubernetes."""
+    storage = {"storage": {"size": "3Gi", "storageClassName": storage_class}}
+    values = embedded(1, zookeeper={"replicas": 1, **storage}, cassandra={"replicas": 1, **storage})
+    manifest = tools.template(kube_namespace, values).stdout
+    documents = [d for d in yaml.safe_load_all(manifest) if d]
+    statefulsets = of_kind(documents, "StatefulSet")
+    assert len(statefulsets) == 2
+    for statefulset in statefulsets:
+        (claim,) = statefulset["spec"]["volumeClaimTemplates"]
+        assert claim["spec"].get("storageClassName", "absent") == ("absent" if expected is None else expected)
+        assert claim["spec"]["resources"]["requests"]["storage"] == "3Gi"
+    out = tools.dry_run(manifest)
+    assert out.count("(server dry run)") == len(documents), out
 
 
 @pytest.mark.parametrize(("values", "names"), [

@@ -359,3 +359,92 @@ defaults move away from the ones named here.
 {{- $unit := get $units (trimPrefix $number $quantity) | default 1 -}}
 {{- divf (mulf $number $unit) 1048576 | floor | int -}}
 {{- end -}}
+
+{{/* The embedded backends' labels: (list . "zookeeper"|"cassandra"). Named for the backend,
+     so that networkPolicy.backends' default pod selectors find them. */}}
+{{- define "casque.backendSelectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ index . 1 }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+{{- end -}}
+
+{{- define "casque.backendLabels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ printf "%s-%s" $root.Chart.Name $root.Chart.Version | replace "+" "_" }}
+{{ include "casque.backendSelectorLabels" . }}
+app.kubernetes.io/part-of: {{ include "casque.name" $root }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+{{- end -}}
+
+{{/* What both embedded backends' pods share: (list . "zookeeper"|"cassandra"). No API token,
+     no Service variables, a non-root user that owns its volumes, and members on different
+     nodes where the scheduler can. */}}
+{{- define "casque.backendPodSpec" -}}
+{{- $root := index . 0 -}}
+automountServiceAccountToken: false
+enableServiceLinks: false
+{{- with $root.Values.image.pullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 10001
+  runAsGroup: 10001
+  fsGroup: 10001
+  seccompProfile:
+    type: RuntimeDefault
+affinity:
+  podAntiAffinity:
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels:
+              {{- include "casque.backendSelectorLabels" . | nindent 14 }}
+{{- end -}}
+
+{{- define "casque.backendContainerSecurityContext" -}}
+runAsNonRoot: true
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* The data volume of each member: (list . .Values.backends.<backend>). A null class leaves
+     storageClassName out (the cluster's default class); "" asks for no class at all (a
+     pre-made PersistentVolume, no dynamic provisioning). */}}
+{{- define "casque.backendVolumeClaim" -}}
+{{- $storage := (index . 1).storage -}}
+- metadata:
+    name: data
+  spec:
+    accessModes: [ReadWriteOnce]
+    {{- if not (kindIs "invalid" $storage.storageClassName) }}
+    storageClassName: {{ $storage.storageClassName | quote }}
+    {{- end }}
+    resources:
+      requests:
+        storage: {{ $storage.size | quote }}
+{{- end -}}
+
+{{/* maxUnavailable 1: a node drain takes one member at a time. */}}
+{{- define "casque.backendDisruptionBudget" -}}
+{{- $root := index . 0 -}}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "casque.backendName" . }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "casque.backendLabels" . | nindent 4 }}
+spec:
+  maxUnavailable: 1
+  selector:
+    matchLabels:
+      {{- include "casque.backendSelectorLabels" . | nindent 6 }}
+{{- end -}}
