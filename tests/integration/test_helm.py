@@ -435,6 +435,23 @@ def test_an_install_tells_the_user_what_to_do_next(
     assert "casque.io/inject: \"true\"" in notes and "examples/app-deployment.yaml" in notes
     assert "WARNING: Cassandra needs credentials, but sidecar.credentialsSecret is empty" in notes
     assert "kubectl apply -f crds/" in notes
+    assert "It connects to Cassandra at cassandra:9042" in notes and "ZooKeeper at zookeeper:2181" in notes
+    assert "Both are yours: this release runs neither (backends.embedded=false)." in notes
+
+
+def test_an_install_with_embedded_backends_says_they_run_in_it(
+    tools: Tools, kube_namespace: str, casque_crds: None  # noqa: F811
+) -> None:
+    out = tools.run(
+        tools.helm, "install", "shop", str(CHART), "--namespace", kube_namespace, "--dry-run=server",
+        "--values", tools.values_file(embedded(3)),
+    ).stdout  # fmt: skip
+    notes = out[out.index("NOTES:") :]
+    assert f"It connects to Cassandra at shop-casque-cassandra.{kube_namespace}.svc.cluster.local:9042" in notes
+    assert f"ZooKeeper at shop-casque-zookeeper.{kube_namespace}.svc.cluster.local:2181" in notes
+    assert "ZooKeeper with 3 member(s), Cassandra with 3 node(s) in datacenter dc1" in notes
+    assert f"kubectl -n {kube_namespace} rollout status statefulset/shop-casque-cassandra" in notes
+    assert "this release runs neither" not in notes
 
 
 @pytest.mark.parametrize("issuer", [None, {"name": "platform-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}],
