@@ -268,7 +268,11 @@ MINIMAL: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("values", [None, NON_DEFAULT, MINIMAL], ids=["default", "non-default", "minimal"])
+EMBEDDED: dict[str, Any] = {"backends": {"embedded": True, "zookeeper": {"replicas": 3}, "cassandra": {"replicas": 3}}}
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT, MINIMAL, EMBEDDED], ids=["default", "non-default", "minimal",
+                                                                                "embedded"])
 def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
     extra = ["--values", tools.values_file(values)] if values else []
     result = tools.run(tools.helm, "lint", "--strict", str(CHART), "--kube-version", tools.kube_version, *extra)
