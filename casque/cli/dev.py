@@ -12,7 +12,7 @@ from rich.table import Table
 
 from casque.cli.exits import ExitCode
 from casque.cli.output import MACHINE, TableOutput, check, dumps
-from casque.devstack import artifacts
+from casque.devstack import artifacts, backend_images
 from casque.devstack.paths import state_dir
 from casque.devstack.stack import MAX_DATACENTERS, MAX_NODES, Stack, StackPorts
 from casque.errors import StackError
@@ -38,6 +38,19 @@ def install() -> None:
     artifacts.ensure_all()
     console.print(f"Cassandra {artifacts.CASSANDRA_VERSION}: {artifacts.CASSANDRA.lib_dir}")
     console.print(f"ZooKeeper {artifacts.ZOOKEEPER_VERSION}: {artifacts.ZOOKEEPER.lib_dir}")
+
+
+@app.command("image-context")
+def image_context(
+    name: Annotated[str, typer.Argument(help="zookeeper or cassandra: the image of Dockerfile.<name>.")],
+    directory: Annotated[Path, typer.Argument(help="Where the context goes (empty or absent).")],
+) -> None:
+    """Write the build context of a backend image: the server's jars, SHA256SUMS, its scripts.
+
+    podman build -f Dockerfile.zookeeper DIR (or Dockerfile.cassandra) builds the image.
+    """
+    backend_images.write_context(name, directory)
+    console.print(f"{name} image context in {directory}: podman build -f Dockerfile.{name} {directory}")
 
 
 @app.command()

@@ -131,16 +131,15 @@ class ZooKeeperServer:
             own += [(int(quorum), "ZooKeeper quorum"), (int(election), "ZooKeeper election")]
         return own
 
-    def write_config(self) -> None:
-        d = self.directory.resolve()
-        (self.directory / "data").mkdir(parents=True, exist_ok=True)
-        ensemble = ""
-        if self.myid is not None:
-            (self.directory / "data" / "myid").write_text(f"{self.myid}\n")
-            ensemble = "".join(f"{line}\n" for line in self.peers)
-        (self.directory / "zoo.cfg").write_text(
+    def render_zoo_cfg(self, data_dir: Path | None = None) -> str:
+        """zoo.cfg: the data in `data_dir` (default: `data` under the server's directory), the
+        ensemble's `server.N` lines when this is a member. The backends' image renders its
+        own from this one, with the members it is given (casque/devstack/backend_images.py)."""
+        data = data_dir if data_dir is not None else self.directory.resolve() / "data"
+        ensemble = "".join(f"{line}\n" for line in self.peers) if self.myid is not None else ""
+        return (
             f"tickTime=500\ninitLimit=10\nsyncLimit=5\n"
-            f"dataDir={d}/data\nclientPort={self.client_port}\n"
+            f"dataDir={data}\nclientPort={self.client_port}\n"
             f"clientPortAddress={self.address}\n"
             f"minSessionTimeout={MIN_SESSION_TIMEOUT_MS}\nmaxSessionTimeout={MAX_SESSION_TIMEOUT_MS}\n"
             "maxClientCnxns=0\nadmin.enableServer=false\n"
@@ -150,18 +149,25 @@ class ZooKeeperServer:
             f"{self._render_tls()}"
             + (f"authProvider.sasl={SASL_PROVIDER}\n" if self.sasl is not None else "")
         )
-        if self.sasl is not None:
-            write_private(self.jaas_path, self.sasl.jaas_config())
-        (self.directory / "logback.xml").write_text(
-            f"""<configuration>
+
+    def render_logback(self, log_path: Path | None = None) -> str:
+        return f"""<configuration>
   <appender name="FILE" class="ch.qos.logback.core.FileAppender">
-    <file>{self.log_path.resolve()}</file>
+    <file>{log_path or self.log_path.resolve()}</file>
     <encoder><pattern>%date{{ISO8601}} %-5level [%thread] %logger{{20}} - %msg%n</pattern></encoder>
   </appender>
   <root level="INFO"><appender-ref ref="FILE"/></root>
 </configuration>
 """
-        )
+
+    def write_config(self) -> None:
+        (self.directory / "data").mkdir(parents=True, exist_ok=True)
+        if self.myid is not None:
+            (self.directory / "data" / "myid").write_text(f"{self.myid}\n")
+        (self.directory / "zoo.cfg").write_text(self.render_zoo_cfg())
+        if self.sasl is not None:
+            write_private(self.jaas_path, self.sasl.jaas_config())
+        (self.directory / "logback.xml").write_text(self.render_logback())
 
     def _render_tls(self) -> str:
         if self.pki is None:

@@ -1,0 +1,380 @@
+"""Build contexts for the images of the chart's own backends: casque-zookeeper, casque-cassandra.
+
+The images run the same servers the local stack runs, started the same way: the jars that
+`artifacts` resolves with Maven (strict checksums), the zoo.cfg and cassandra.yaml that
+`ZooKeeperServer` and `CassandraNode` render, and the JVM options `CassandraNode` starts
+Cassandra with. What differs in a pod is known only when the container starts (its address,
+its ensemble or ring, its memory limit), so this module writes those settings as templates,
+and a small bash script in the image fills them in from the environment, under /tmp (the root
+filesystem is read-only), before it execs the JVM.
+
+A context holds `lib/` (the jars), `conf/` (templates and logback.xml), `bin/` (the scripts)
+and `SHA256SUMS` of every other file, which the Dockerfile checks after copying them in.
+`casque dev image-context NAME DIR` writes one; the Dockerfiles (Dockerfile.zookeeper,
+Dockerfile.cassandra at the top of the repository) are built with it as the context.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from casque.devstack import artifacts
+from casque.devstack.artifacts import CASSANDRA, ZOOKEEPER, MavenBundle
+from casque.devstack.cassandra import CassandraNode
+from casque.devstack.processes import owner_marker
+from casque.devstack.zookeeper import ZooKeeperServer
+from casque.errors import StackError
+
+ZOOKEEPER_HOME = Path("/opt/zookeeper")
+CASSANDRA_HOME = Path("/opt/cassandra")
+ZOOKEEPER_DATA = Path("/data")
+ZOOKEEPER_LOGS = Path("/logs")
+CASSANDRA_DATA = Path("/var/lib/cassandra")
+CASSANDRA_LOGS = Path("/var/log/cassandra")
+ZOOKEEPER_HEAP_MB = 256
+SUMS = "SHA256SUMS"
+
+# Each script's values come from the environment only through these bash variables, which
+# the script checks before it uses them.
+_SHELL_VARIABLES = ("${heap}", "${conf}", "${jmx_port}")
+
+
+def _console(logback: str) -> str:
+    """The same logback configuration, also writing to stdout, which `kubectl logs` shows."""
+    console = ('  <appender name="STDOUT" class="ch.qos.logback.core.ConsoleAppender">\n'
+               "    <encoder><pattern>%-5level [%thread] %date{ISO8601} %logger{20} - %msg%n</pattern></encoder>\n"
+               "  </appender>\n")
+    return (logback.replace("<configuration>\n", "<configuration>\n" + console, 1)
+            .replace('<appender-ref ref="FILE"/>', '<appender-ref ref="FILE"/><appender-ref ref="STDOUT"/>'))
+
+
+def _replace(text: str, old: str, new: str) -> str:
+    """`text` with `old` replaced once: the devstack rendering it depends on must still hold it."""
+    if text.count(old) != 1:
+        raise StackError(f"the backend image templates expected {old!r} once in what casque.devstack renders")
+    return text.replace(old, new)
+
+
+def _shell_words(args: list[str]) -> str:
+    """A bash array body, one argument a line: literals single-quoted, the arguments that
+    name one of the script's variables double-quoted (and holding nothing else to expand)."""
+    lines = []
+    for arg in args:
+        if any(variable in arg for variable in _SHELL_VARIABLES):
+            rest = arg
+            for variable in _SHELL_VARIABLES:
+                rest = rest.replace(variable, "")
+            if any(c in rest for c in '$`"\\'):
+                raise StackError(f"cannot quote {arg!r} for the start script")
+            lines.append(f'  "{arg}"')
+        else:
+            lines.append(f"  {shlex.quote(arg)}")
+    return "\n".join(lines)
+
+
+# --- ZooKeeper ---------------------------------------------------------------------------------
+
+
+def zookeeper_zoo_cfg() -> str:
+    """zoo.cfg without members: the start script adds `ZOO_SERVERS`' lines and the client port."""
+    server = ZooKeeperServer(Path("/nonexistent"), address="0.0.0.0")
+    text = server.render_zoo_cfg(data_dir=ZOOKEEPER_DATA)
+    # Members bind their quorum and election ports on every address: a pod's name resolves to
+    # its address only once the peers Service publishes it.
+    return text + "quorumListenOnAllIPs=true\n"
+
+
+ZOOKEEPER_RENDER = r"""#!/bin/bash
+# Writes ZooKeeper's zoo.cfg from the environment (casque/devstack/backend_images.py made this).
+#   ZOO_SERVERS      space-separated server.<id>=<host>:2888:3888;2181 lines; empty: standalone
+#   ZOO_CLIENT_PORT  the client port (2181)
+#   ZOO_CONF_DIR     where zoo.cfg goes (/tmp/zookeeper: the root filesystem is read-only)
+set -euo pipefail
+home="${ZOO_HOME:-/opt/zookeeper}"
+conf="${ZOO_CONF_DIR:-/tmp/zookeeper}"
+data="${ZOO_DATA_DIR:-/data}"
+port="${ZOO_CLIENT_PORT:-2181}"
+fail() { echo "zookeeper: $*" >&2; exit 2; }
+[[ $port =~ ^[0-9]{1,5}$ ]] || fail "ZOO_CLIENT_PORT is not a port: $port"
+servers=()
+for server in ${ZOO_SERVERS:-}; do
+  [[ $server =~ ^server\.[0-9]+=[A-Za-z0-9._-]+:[0-9]+:[0-9]+(:(participant|observer))?(\;[0-9]+)?$ ]] \
+    || fail "not a server.<id>=<host>:<quorum>:<election>;<client> line in ZOO_SERVERS: $server"
+  servers+=("$server")
+done
+if [ ${#servers[@]} -gt 0 ]; then
+  # QuorumPeerMain reads the member's id from dataDir/myid (the chart's init container writes it).
+  [[ -r $data/myid && $(<"$data/myid") =~ ^[0-9]+$ ]] || fail "ZOO_SERVERS lists members but $data/myid holds no id"
+fi
+mkdir -p "$conf"
+{
+  while IFS= read -r line; do
+    case "$line" in
+      clientPort=*) echo "clientPort=$port" ;;
+      dataDir=*) echo "dataDir=$data" ;;
+      *) printf '%s\n' "$line" ;;
+    esac
+  done <"$home/conf/zoo.cfg.in"
+  for server in "${servers[@]}"; do printf '%s\n' "$server"; done
+} >"$conf/zoo.cfg.partial"
+mv "$conf/zoo.cfg.partial" "$conf/zoo.cfg"
+echo "$conf/zoo.cfg"
+"""
+
+ZOOKEEPER_SERVING = r"""#!/bin/bash
+# Exits 0 when the server on 127.0.0.1 answers `srvr` with a serving mode: standalone, leader or
+# follower. A member without a quorum answers no requests, and says so (no mode).
+port="${ZOO_CLIENT_PORT:-2181}"
+exec 3<>"/dev/tcp/127.0.0.1/$port" || exit 1
+printf 'srvr' >&3
+while IFS= read -r -t 5 line <&3; do
+  [[ $line =~ ^Mode:\ (standalone|leader|follower)$ ]] && exit 0
+done
+exit 1
+"""
+
+
+def zookeeper_start() -> str:
+    main = "org.apache.zookeeper.server.quorum.QuorumPeerMain"  # standalone too, with no members
+    args = [
+        "-Xms${heap}m", "-Xmx${heap}m", "-XX:+ExitOnOutOfMemoryError",
+        f"-Dlogback.configurationFile={ZOOKEEPER_HOME}/conf/logback.xml",
+        "-Dzookeeper.admin.enableServer=false",
+        "-Djava.io.tmpdir=/tmp",
+        "-cp", f"{ZOOKEEPER_HOME}/lib/*",
+        main, "${conf}/zoo.cfg",
+    ]
+    return f"""#!/bin/bash
+# Starts ZooKeeper: zoo.cfg from the environment, then the JVM in this process's place, so
+# that it gets the container's signals. ZOO_HEAP_MB: the heap in MiB ({ZOOKEEPER_HEAP_MB}).
+set -euo pipefail
+heap="${{ZOO_HEAP_MB:-{ZOOKEEPER_HEAP_MB}}}"
+[[ $heap =~ ^[0-9]+$ ]] || {{ echo "zookeeper: ZOO_HEAP_MB is not a number: $heap" >&2; exit 2; }}
+conf="${{ZOO_CONF_DIR:-/tmp/zookeeper}}"
+"$(dirname "$0")/render-config" >/dev/null
+args=(
+{_shell_words(args)}
+)
+exec java "${{args[@]}}"
+"""
+
+
+def write_zookeeper(context: Path) -> None:
+    _copy_jars(ZOOKEEPER, context)
+    server = ZooKeeperServer(Path("/nonexistent"))
+    _write(context / "conf" / "zoo.cfg.in", zookeeper_zoo_cfg())
+    _write(context / "conf" / "logback.xml", _console(server.render_logback(ZOOKEEPER_LOGS / "zookeeper.log")))
+    _write(context / "bin" / "render-config", ZOOKEEPER_RENDER, executable=True)
+    _write(context / "bin" / "serving", ZOOKEEPER_SERVING, executable=True)
+    _write(context / "bin" / "start", zookeeper_start(), executable=True)
+
+
+# --- Cassandra ---------------------------------------------------------------------------------
+
+
+def _cassandra_node() -> CassandraNode:
+    # Placeholders the render script replaces; a datacenter selects GossipingPropertyFileSnitch,
+    # whose line is replaced by CASSANDRA_ENDPOINT_SNITCH.
+    return CassandraNode(CASSANDRA_DATA, address="@ADDRESS@", seeds="@SEEDS@", cluster_name="@CLUSTER_NAME@",
+                         datacenter="@DC@")
+
+
+def cassandra_yaml() -> str:
+    node = _cassandra_node()
+    text = node.render_yaml()
+    text = _replace(text, f'seeds: "@SEEDS@:{node.storage_port}"', 'seeds: "@SEEDS@"')
+    text = _replace(text, "cluster_name: @CLUSTER_NAME@", "cluster_name: '@CLUSTER_NAME@'")
+    text = _replace(text, "endpoint_snitch: GossipingPropertyFileSnitch", "endpoint_snitch: @SNITCH@")
+    # The local stack's rings are fresh; a pod may join a ring that holds data, which it must
+    # stream to itself before it serves.
+    text = _replace(text, "# A fresh local ring has no data to stream, so joining nodes skip bootstrap.\n"
+                          "auto_bootstrap: false\n", "auto_bootstrap: true\n")
+    return text
+
+
+def cassandra_start() -> str:
+    node = _cassandra_node()
+    d = CASSANDRA_DATA
+    lib = CASSANDRA_HOME / "lib"
+    args = node.java_command()
+    swaps: dict[str, str | None] = {
+        "java": None,
+        owner_marker(node.directory): None,
+        f"-Xms{node.heap_mb}m": "-Xms${heap}",
+        f"-Xmx{node.heap_mb}m": "-Xmx${heap}",
+        f"-javaagent:{CASSANDRA.jar('jamm')}": f"-javaagent:{lib}/{CASSANDRA.jar('jamm').name}",
+        f"-Dcassandra.config=file://{d}/cassandra.yaml": "-Dcassandra.config=file://${conf}/cassandra.yaml",
+        f"-Dcassandra-rackdc.properties=file://{d}/cassandra-rackdc.properties":
+            "-Dcassandra-rackdc.properties=file://${conf}/cassandra-rackdc.properties",
+        f"-Dcassandra.logdir={d}/logs": f"-Dcassandra.logdir={CASSANDRA_LOGS}",
+        f"-Dlogback.configurationFile={d}/logback.xml": f"-Dlogback.configurationFile={CASSANDRA_HOME}/conf/logback.xml",
+        f"-Dcassandra.jmx.local.port={node.jmx_port}": "-Dcassandra.jmx.local.port=${jmx_port}",
+        # A joining node waits the ring delay for the ring's news; the local stack's fresh rings
+        # need not, a pod joining a ring in service does.
+        "-Dcassandra.ring_delay_ms=1000": None,
+        CASSANDRA.classpath(): f"{lib}/*",
+    }
+    out: list[str] = []
+    for arg in args:
+        if arg in swaps:
+            new = swaps.pop(arg)
+            if new is not None:
+                out.append(new)
+        else:
+            out.append(arg)
+    if swaps:
+        raise StackError(f"CassandraNode.java_command() no longer has {sorted(swaps)}")
+    out.insert(out.index("-XX:+ExitOnOutOfMemoryError") + 1, "-Djava.io.tmpdir=/tmp")
+    return f"""#!/bin/bash
+# Starts a Cassandra node: cassandra.yaml and cassandra-rackdc.properties from the environment
+# (bin/render-config), then the JVM in this process's place, so that it gets the container's
+# SIGTERM and drains on it.
+set -euo pipefail
+conf="${{CASSANDRA_CONF_DIR:-/tmp/cassandra}}"
+jmx_port="${{CASSANDRA_JMX_PORT:-7199}}"
+[[ $jmx_port =~ ^[0-9]{{1,5}}$ ]] || {{ echo "cassandra: CASSANDRA_JMX_PORT is not a port: $jmx_port" >&2; exit 2; }}
+"$(dirname "$0")/render-config"
+heap="$(<"$conf/heap")"
+args=(
+{_shell_words(out)}
+)
+exec java "${{args[@]}}"
+"""
+
+
+CASSANDRA_RENDER = r"""#!/bin/bash
+# Writes cassandra.yaml and cassandra-rackdc.properties from the environment, and the heap
+# into `heap` beside them (casque/devstack/backend_images.py made this):
+#   CASSANDRA_CLUSTER_NAME     (casque)
+#   CASSANDRA_LISTEN_ADDRESS   this node's address (default: what the container's host name resolves to)
+#   CASSANDRA_SEEDS            comma-separated addresses (default: this node)
+#   CASSANDRA_DC, CASSANDRA_RACK  (dc1, rack1), for GossipingPropertyFileSnitch
+#   CASSANDRA_ENDPOINT_SNITCH  (GossipingPropertyFileSnitch)
+#   MAX_HEAP_SIZE              e.g. 1024M (default: half the cgroup's memory limit, at most 8G)
+#   CASSANDRA_CONF_DIR         where the files go (/tmp/cassandra: the root filesystem is read-only)
+set -euo pipefail
+home="${CASSANDRA_HOME:-/opt/cassandra}"
+conf="${CASSANDRA_CONF_DIR:-/tmp/cassandra}"
+# cgroup v2's limit, else v1's.
+limits="${CASSANDRA_MEMORY_LIMIT_FILES:-/sys/fs/cgroup/memory.max /sys/fs/cgroup/memory/memory.limit_in_bytes}"
+meminfo="${CASSANDRA_MEMINFO:-/proc/meminfo}"
+fail() { echo "cassandra: $*" >&2; exit 2; }
+
+default_heap() {
+  local limit="" file key value unit
+  for file in $limits; do
+    if [ -r "$file" ]; then limit="$(<"$file")"; break; fi
+  done
+  # No limit: v2 says "max", v1 a number near 2^63. Then the machine's memory is the limit.
+  if ! [[ $limit =~ ^[0-9]+$ ]] || [ "${#limit}" -gt 15 ]; then
+    limit=""
+    while read -r key value unit; do
+      [ "$key" = "MemTotal:" ] && limit=$((value * 1024))
+    done <"$meminfo"
+    [ -n "$limit" ] || fail "no memory limit in $limits and no MemTotal in $meminfo; set MAX_HEAP_SIZE"
+  fi
+  local mb=$((limit / 2 / 1048576))
+  [ "$mb" -le 8192 ] || mb=8192
+  # Below this Cassandra does not start: a smaller limit gets what it needs and may be killed.
+  [ "$mb" -ge 256 ] || mb=256
+  echo "${mb}M"
+}
+
+own_address() {
+  local address rest
+  read -r address rest < <(getent ahostsv4 "$HOSTNAME" || true) || true
+  [ -n "${address:-}" ] || fail "$HOSTNAME has no IPv4 address; set CASSANDRA_LISTEN_ADDRESS"
+  echo "$address"
+}
+
+cluster="${CASSANDRA_CLUSTER_NAME:-casque}"
+listen="${CASSANDRA_LISTEN_ADDRESS:-}"
+[ -n "$listen" ] || listen="$(own_address)"
+seeds="${CASSANDRA_SEEDS:-$listen}"
+dc="${CASSANDRA_DC:-dc1}"
+rack="${CASSANDRA_RACK:-rack1}"
+snitch="${CASSANDRA_ENDPOINT_SNITCH:-GossipingPropertyFileSnitch}"
+heap="${MAX_HEAP_SIZE:-$(default_heap)}"
+
+# What goes into YAML unquoted or single-quoted must not end or extend the value.
+[[ $cluster =~ ^[A-Za-z0-9._\ -]+$ ]] || fail "CASSANDRA_CLUSTER_NAME may hold letters, digits, '.', '_', '-' and spaces: $cluster"
+[[ $listen =~ ^[A-Za-z0-9.:_-]+$ ]] || fail "CASSANDRA_LISTEN_ADDRESS is not an address: $listen"
+[[ $seeds =~ ^[A-Za-z0-9.:_-]+(,[A-Za-z0-9.:_-]+)*$ ]] || fail "CASSANDRA_SEEDS is not a comma-separated list of addresses: $seeds"
+[[ $dc =~ ^[A-Za-z0-9._-]+$ ]] || fail "CASSANDRA_DC may hold letters, digits, '.', '_' and '-': $dc"
+[[ $rack =~ ^[A-Za-z0-9._-]+$ ]] || fail "CASSANDRA_RACK may hold letters, digits, '.', '_' and '-': $rack"
+[[ $snitch =~ ^[A-Za-z0-9.]+$ ]] || fail "CASSANDRA_ENDPOINT_SNITCH is not a class name: $snitch"
+[[ $heap =~ ^[0-9]+[MmGg]$ ]] || fail "MAX_HEAP_SIZE is not a size like 1024M or 2G: $heap"
+
+template="$(<"$home/conf/cassandra.yaml.in")"
+# Quoted replacements: bash 5.2 would otherwise read '&' in them as the match.
+template="${template//@CLUSTER_NAME@/"$cluster"}"
+template="${template//@ADDRESS@/"$listen"}"
+template="${template//@SEEDS@/"$seeds"}"
+template="${template//@SNITCH@/"$snitch"}"
+mkdir -p "$conf"
+printf '%s\n' "$template" >"$conf/cassandra.yaml"
+printf 'dc=%s\nrack=%s\n' "$dc" "$rack" >"$conf/cassandra-rackdc.properties"
+printf '%s\n' "$heap" >"$conf/heap"
+echo "cassandra: cluster '$cluster', listening on $listen, seeds $seeds, $dc/$rack ($snitch), heap $heap" >&2
+"""
+
+
+def write_cassandra(context: Path) -> None:
+    _copy_jars(CASSANDRA, context)
+    node = _cassandra_node()
+    logback = _replace(node.render_logback(), str(node.log_path.resolve()), str(CASSANDRA_LOGS / "system.log"))
+    _write(context / "conf" / "cassandra.yaml.in", cassandra_yaml())
+    _write(context / "conf" / "logback.xml", _console(logback))
+    _write(context / "bin" / "render-config", CASSANDRA_RENDER, executable=True)
+    _write(context / "bin" / "start", cassandra_start(), executable=True)
+
+
+# --- the context -------------------------------------------------------------------------------
+
+
+WRITERS: dict[str, tuple[MavenBundle, Callable[[Path], None]]] = {
+    "zookeeper": (ZOOKEEPER, write_zookeeper),
+    "cassandra": (CASSANDRA, write_cassandra),
+}
+
+
+def _write(path: Path, text: str, executable: bool = False) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755 if executable else 0o644)
+
+
+def _copy_jars(bundle: MavenBundle, context: Path) -> None:
+    lib = context / "lib"
+    lib.mkdir(parents=True)
+    for jar in sorted(bundle.lib_dir.glob("*.jar")):
+        shutil.copyfile(jar, lib / jar.name)
+        (lib / jar.name).chmod(0o644)
+
+
+def sha256sums(context: Path) -> str:
+    """`sha256sum` lines of every file in `context` but SHA256SUMS, sorted by path."""
+    lines = []
+    for path in sorted(p for p in context.rglob("*") if p.is_file() and p.name != SUMS):
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        lines.append(f"{digest}  {path.relative_to(context).as_posix()}\n")
+    return "".join(lines)
+
+
+def write_context(name: str, context: Path) -> Path:
+    """Write the build context of the image `name` (zookeeper or cassandra) into `context`,
+    which must be empty or absent; the jars are resolved first if the cache lacks them."""
+    if name not in WRITERS:
+        raise StackError(f"unknown backend image {name!r}; one of: {', '.join(WRITERS)}")
+    if context.exists() and any(context.iterdir()):
+        raise StackError(f"{context} is not empty")
+    bundle, write = WRITERS[name]
+    artifacts.ensure_bundle(bundle)
+    context.mkdir(parents=True, exist_ok=True)
+    write(context)
+    (context / SUMS).write_text(sha256sums(context))
+    return context

@@ -1,0 +1,252 @@
+"""The backends' images (Dockerfile.zookeeper, Dockerfile.cassandra) and the build contexts that
+`casque dev image-context` stages for them: what the Dockerfiles copy is there, SHA256SUMS
+holds, the scripts parse, and the render scripts, run here on the host in a temporary
+directory, write the configuration the environment asks for.
+
+The jars come from the cache that `casque dev install` fills (the integration tests' session
+does too); without them the context cannot be staged and the tests say so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from casque.devstack import backend_images
+from casque.devstack.artifacts import CASSANDRA, ZOOKEEPER
+from casque.errors import StackError
+from tests.unit.test_dockerfiles import env_of, only, parse
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILES = {name: ROOT / f"Dockerfile.{name}" for name in backend_images.WRITERS}
+HOMES = {"zookeeper": "/opt/zookeeper", "cassandra": "/opt/cassandra"}
+VOLUMES = {"zookeeper": ["/data", "/logs", "/tmp"], "cassandra": ["/var/lib/cassandra", "/var/log/cassandra", "/tmp"]}
+
+
+@pytest.fixture(scope="module")
+def contexts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    for bundle in (ZOOKEEPER, CASSANDRA):
+        if not (bundle.lib_dir.parent / "complete").exists():
+            pytest.fail(f"{bundle.name} is not in the cache: run `.venv/bin/casque dev install`")
+    root = tmp_path_factory.mktemp("contexts")
+    return {name: backend_images.write_context(name, root / name) for name in backend_images.WRITERS}
+
+
+# --- the context ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", backend_images.WRITERS)
+def test_the_context_holds_the_bundles_jars_and_sums_that_match(contexts: dict[str, Path], name: str) -> None:
+    context = contexts[name]
+    bundle = backend_images.WRITERS[name][0]
+    assert sorted(p.name for p in (context / "lib").iterdir()) == sorted(p.name for p in bundle.lib_dir.glob("*.jar"))
+    listed = {}
+    for line in (context / backend_images.SUMS).read_text().splitlines():
+        digest, path = line.split("  ", 1)
+        listed[path] = digest
+    files = {p.relative_to(context).as_posix() for p in context.rglob("*") if p.is_file()} - {backend_images.SUMS}
+    assert set(listed) == files
+    for path, digest in listed.items():
+        assert hashlib.sha256((context / path).read_bytes()).hexdigest() == digest, path
+    # And the tool the Dockerfile runs agrees.
+    subprocess.run(["sha256sum", "--check", "--strict", "--quiet", backend_images.SUMS], cwd=context, check=True)
+
+
+def test_a_context_is_written_into_an_empty_directory_only(tmp_path: Path) -> None:
+    (tmp_path / "something").write_text("x")
+    with pytest.raises(StackError, match="not empty"):
+        backend_images.write_context("zookeeper", tmp_path)
+    with pytest.raises(StackError, match="unknown backend image"):
+        backend_images.write_context("kafka", tmp_path / "new")
+
+
+@pytest.mark.parametrize("name", backend_images.WRITERS)
+def test_the_scripts_parse_and_are_executable(contexts: dict[str, Path], name: str) -> None:
+    scripts = sorted((contexts[name] / "bin").iterdir())
+    expected = {"render-config", "start"} | ({"serving"} if name == "zookeeper" else set())
+    assert {p.name for p in scripts} == expected
+    for script in scripts:
+        assert os.access(script, os.X_OK), script
+        assert script.read_text().startswith("#!/bin/bash\n")
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
+        assert result.returncode == 0, (script, result.stderr)
+
+
+# --- the Dockerfiles -----------------------------------------------------------------------------
+
+
+def test_hadolint_finds_nothing_in_the_backends_dockerfiles() -> None:
+    hadolint = Path(sys.executable).parent / "hadolint"
+    result = subprocess.run([str(hadolint), "--no-color", *map(str, DOCKERFILES.values())],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", backend_images.WRITERS)
+def test_the_dockerfile_copies_the_context_checks_it_and_runs_as_10001(contexts: dict[str, Path], name: str) -> None:
+    instructions = parse(DOCKERFILES[name])
+    assert only(instructions, "FROM").args == "${BASE_IMAGE}"
+    home = HOMES[name]
+    assert only(instructions, "COPY").args == f". {home}/"
+    # The context is copied whole into the home; the sums are checked there, after the copy.
+    names = [i.name for i in instructions]
+    check = next(i for i in instructions if i.name == "RUN" and "sha256sum" in i.args)
+    assert names.index("COPY") < instructions.index(check)
+    assert check.args.startswith(f"sha256sum --check --strict --quiet {backend_images.SUMS}")
+    workdirs = [i.args for i in instructions[: instructions.index(check)] if i.name == "WORKDIR"]
+    assert workdirs[-1] == home
+    assert (contexts[name] / backend_images.SUMS).is_file()
+    # Java from Debian's package at a pinned version.
+    (install,) = [i for i in instructions if i.name == "RUN" and "apt-get install" in i.args]
+    assert '"openjdk-17-jre-headless=${JRE_VERSION}"' in install.args
+    jre = [i.args for i in instructions if i.name == "ARG" and i.args.startswith("JRE_VERSION=")]
+    assert jre and "~deb12u" in jre[0]
+    assert only(instructions, "USER").args == "10001:10001"
+    assert only(instructions, "VOLUME").exec_form() == VOLUMES[name]
+    assert env_of(instructions)["HOME"] == "/tmp"
+    entrypoint = only(instructions, "ENTRYPOINT").exec_form()
+    assert entrypoint == [f"{home}/bin/start"]
+    assert (contexts[name] / "bin" / "start").is_file()
+
+
+# --- ZooKeeper's configuration ---------------------------------------------------------------------
+
+
+def render_zookeeper(context: Path, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    base = {"PATH": os.environ["PATH"], "ZOO_HOME": str(context), "ZOO_CONF_DIR": str(tmp_path / "conf"),
+            "ZOO_DATA_DIR": str(data)}
+    return subprocess.run([str(context / "bin" / "render-config")], env={**base, **env},
+                          capture_output=True, text=True, check=False)
+
+
+def zoo_cfg(tmp_path: Path) -> dict[str, str]:
+    lines = (tmp_path / "conf" / "zoo.cfg").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines)
+
+
+def test_zookeeper_alone_without_members(contexts: dict[str, Path], tmp_path: Path) -> None:
+    result = render_zookeeper(contexts["zookeeper"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    cfg = zoo_cfg(tmp_path)
+    assert cfg["dataDir"] == str(tmp_path / "data") and cfg["clientPort"] == "2181"
+    assert not any(key.startswith("server.") for key in cfg)
+    assert "srvr" in cfg["4lw.commands.whitelist"].split(",")
+    assert cfg["admin.enableServer"] == "false"
+
+
+def test_zookeeper_members_from_zoo_servers_with_myid(contexts: dict[str, Path], tmp_path: Path) -> None:
+    servers = [f"server.{n}=zk-{n - 1}.zk-peers.ns.svc.cluster.local:2888:3888;2181" for n in (1, 2, 3)]
+    refused = render_zookeeper(contexts["zookeeper"], tmp_path, ZOO_SERVERS=" ".join(servers))
+    assert refused.returncode == 2 and "myid" in refused.stderr
+    (tmp_path / "data" / "myid").write_text("2\n")
+    result = render_zookeeper(contexts["zookeeper"], tmp_path, ZOO_SERVERS=" ".join(servers), ZOO_CLIENT_PORT="12181")
+    assert result.returncode == 0, result.stderr
+    lines = (tmp_path / "conf" / "zoo.cfg").read_text().splitlines()
+    assert lines[-3:] == servers
+    assert zoo_cfg(tmp_path)["clientPort"] == "12181"
+
+
+@pytest.mark.parametrize("servers", ["server.1=zk;rm -rf /:2888:3888", "zk-0:2888:3888", "server.x=zk:1:2"])
+def test_zookeeper_refuses_what_is_not_a_server_line(contexts: dict[str, Path], tmp_path: Path, servers: str) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "myid").write_text("1\n")
+    result = render_zookeeper(contexts["zookeeper"], tmp_path, ZOO_SERVERS=servers)
+    assert result.returncode == 2 and "ZOO_SERVERS" in result.stderr
+    assert not (tmp_path / "conf" / "zoo.cfg").exists()
+
+
+# --- Cassandra's configuration ---------------------------------------------------------------------
+
+
+def render_cassandra(context: Path, tmp_path: Path, limit: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    limit_file = tmp_path / "memory.max"
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        4026532 kB\nMemFree:          100000 kB\n")
+    if limit is not None:
+        limit_file.write_text(limit + "\n")
+    base = {"PATH": os.environ["PATH"], "HOSTNAME": "localhost", "CASSANDRA_HOME": str(context),
+            "CASSANDRA_CONF_DIR": str(tmp_path / "conf"), "CASSANDRA_MEMORY_LIMIT_FILES": str(limit_file),
+            "CASSANDRA_MEMINFO": str(meminfo)}
+    return subprocess.run([str(context / "bin" / "render-config")], env={**base, **env},
+                          capture_output=True, text=True, check=False)
+
+
+def test_cassandra_yaml_from_the_environment(contexts: dict[str, Path], tmp_path: Path) -> None:
+    result = render_cassandra(
+        contexts["cassandra"], tmp_path, limit=str(2 << 30),
+        CASSANDRA_CLUSTER_NAME="casque", CASSANDRA_SEEDS="casque-cassandra-0.peers,10.0.0.9",
+        CASSANDRA_DC="dc1", CASSANDRA_RACK="rack2", CASSANDRA_ENDPOINT_SNITCH="GossipingPropertyFileSnitch",
+        CASSANDRA_LISTEN_ADDRESS="10.244.0.7",
+    )
+    assert result.returncode == 0, result.stderr
+    conf = tmp_path / "conf"
+    config = yaml.safe_load((conf / "cassandra.yaml").read_text())
+    assert config["cluster_name"] == "casque"
+    assert config["listen_address"] == config["rpc_address"] == "10.244.0.7"
+    assert config["seed_provider"][0]["parameters"][0]["seeds"] == "casque-cassandra-0.peers,10.0.0.9"
+    assert config["endpoint_snitch"] == "GossipingPropertyFileSnitch"
+    assert config["data_file_directories"] == ["/var/lib/cassandra/data"]
+    assert config["commitlog_directory"] == "/var/lib/cassandra/commitlog"
+    assert config["auto_bootstrap"] is True
+    assert "@" not in (conf / "cassandra.yaml").read_text()
+    assert (conf / "cassandra-rackdc.properties").read_text() == "dc=dc1\nrack=rack2\n"
+    # Half of the 2 GiB limit.
+    assert (conf / "heap").read_text() == "1024M\n"
+
+
+def test_cassandra_names_that_yaml_would_misread_are_refused(contexts: dict[str, Path], tmp_path: Path) -> None:
+    for env in ({"CASSANDRA_CLUSTER_NAME": "x'\nauthenticator: none"}, {"CASSANDRA_SEEDS": "a, b"},
+                {"MAX_HEAP_SIZE": "1g; rm"}, {"CASSANDRA_DC": "dc 1"}):
+        result = render_cassandra(contexts["cassandra"], tmp_path, CASSANDRA_LISTEN_ADDRESS="10.0.0.1", **env)
+        assert result.returncode == 2, env
+        assert next(iter(env)) in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("limit", "heap"),
+    [
+        (str(2 << 30), "1024M"),  # the chart's 2Gi
+        (str(64 << 30), "8192M"),  # at most 8G
+        (str(700 << 20), "350M"),
+        (str(300 << 20), "256M"),  # small limits still get what Cassandra starts with
+        ("max", "1966M"),  # cgroup v2 without a limit: half of MemTotal (3932 MiB)
+        ("9223372036854771712", "1966M"),  # cgroup v1's "no limit"
+        (None, "1966M"),  # no cgroup file at all
+    ],
+)
+def test_cassandra_heap_is_half_the_memory_limit(contexts: dict[str, Path], tmp_path: Path, limit: str | None, heap: str) -> None:
+    result = render_cassandra(contexts["cassandra"], tmp_path, limit=limit, CASSANDRA_LISTEN_ADDRESS="10.0.0.1")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "conf" / "heap").read_text() == f"{heap}\n"
+
+
+def test_cassandra_defaults_and_max_heap_size(contexts: dict[str, Path], tmp_path: Path) -> None:
+    # HOSTNAME=localhost resolves to 127.0.0.1 on any machine: the container's own address.
+    result = render_cassandra(contexts["cassandra"], tmp_path, MAX_HEAP_SIZE="1536M")
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load((tmp_path / "conf" / "cassandra.yaml").read_text())
+    assert config["listen_address"] == "127.0.0.1"
+    assert config["seed_provider"][0]["parameters"][0]["seeds"] == "127.0.0.1"
+    assert config["cluster_name"] == "casque"
+    assert config["endpoint_snitch"] == "GossipingPropertyFileSnitch"
+    assert (tmp_path / "conf" / "cassandra-rackdc.properties").read_text() == "dc=dc1\nrack=rack1\n"
+    assert (tmp_path / "conf" / "heap").read_text() == "1536M\n"
+
+
+def test_the_start_scripts_run_what_devstack_runs(contexts: dict[str, Path]) -> None:
+    start = (contexts["cassandra"] / "bin" / "start").read_text()
+    assert "org.apache.cassandra.service.CassandraDaemon" in start
+    assert '"-Xmx${heap}"' in start and "-Dcassandra.logdir=/var/log/cassandra" in start
+    assert "exec java" in start
+    jamm = CASSANDRA.jar("jamm").name
+    assert f"-javaagent:/opt/cassandra/lib/{jamm}" in start
+    zk = (contexts["zookeeper"] / "bin" / "start").read_text()
+    assert "org.apache.zookeeper.server.quorum.QuorumPeerMain" in zk and "exec java" in zk
