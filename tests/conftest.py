@@ -15,7 +15,7 @@ import pytest
 from casque.devstack.stack import Stack
 
 from tests.fixtures.consumers import consumers  # noqa: F401
-from tests.fixtures.images import images  # noqa: F401
+from tests.fixtures.images import backend_images, images  # noqa: F401
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace  # noqa: F401
 from tests.fixtures.node import kube_node, node_address, node_cluster, node_images, node_stack  # noqa: F401
 from tests.fixtures.sidecars import start_sidecar  # noqa: F401

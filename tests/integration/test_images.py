@@ -2,13 +2,18 @@
 
 The sidecar's container serves the API on the test's Cassandra and ZooKeeper; the operator's
 container reconciles a Queue from the test's kube-apiserver. Both run as the image's user
-(10001) on a read-only root filesystem with only /tmp writable, as the chart runs them.
+(10001) on a read-only root filesystem with only /tmp writable, as the chart runs them. The
+backends' images (casque-zookeeper, casque-cassandra) run the same way, with only their data
+and log volumes writable besides /tmp: ZooKeeper serves a client, Cassandra (in 2 GiB) takes a
+keyspace and a table and stops cleanly on `podman stop`.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,7 +27,7 @@ from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from casque_client import AsyncClient
-from tests.fixtures.images import Images, hardened, podman, remove_container
+from tests.fixtures.images import BackendImages, Images, hardened, podman, remove_container
 from tests.fixtures.sidecars import SidecarProcess
 from tests.fixtures.stack import Backends
 from tests.fixtures.waiting import reserved_port, wait_for
@@ -51,7 +56,7 @@ class Containers:
     """Containers started in the foreground (`podman run --rm`), their output in a file each;
     removed at the end whatever became of them."""
 
-    def __init__(self, built: Images, tmp_path: Path) -> None:
+    def __init__(self, built: Images | BackendImages, tmp_path: Path) -> None:
         self.images = built
         self.tmp_path = tmp_path
         self.names: list[str] = []
@@ -241,3 +246,106 @@ def test_the_operator_container_reconciles_a_queue(
     ref = QueueRef(kube_namespace, "orders")
     assert catalog.read_queue(backend.store, ref).spec.shards == 2
     assert table_ttl(backend, "orders", kube_namespace) == 3600
+
+
+# --- the backends' images -------------------------------------------------------------------
+
+
+@pytest.fixture
+def backend_containers(backend_images: BackendImages, tmp_path: Path) -> Iterator[Containers]:
+    started = Containers(backend_images, tmp_path)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.mark.parametrize(("which", "volumes"), [
+    ("zookeeper", {"/data", "/logs", "/tmp"}),
+    ("cassandra", {"/var/lib/cassandra", "/var/log/cassandra", "/tmp"}),
+])
+def test_the_backend_image_runs_as_its_user_with_its_volumes(backend_images: BackendImages, which: str,
+                                                             volumes: set[str]) -> None:
+    image = getattr(backend_images, which)
+    user = podman("image", "inspect", "--format", "{{.Config.User}}", image).stdout.strip()
+    assert user == f"{IMAGE_USER}:{IMAGE_USER}"
+    declared = podman("image", "inspect", "--format", "{{range $k, $v := .Config.Volumes}}{{$k}} {{end}}", image)
+    assert set(declared.stdout.split()) == volumes
+
+
+def test_the_zookeeper_container_serves_a_client(backend_containers: Containers) -> None:
+    from kazoo.client import KazooClient
+
+    port = reserved_port()
+    process, log, name = backend_containers.start(
+        backend_containers.images.zookeeper,  # type: ignore[union-attr]
+        options=env_options({"ZOO_CLIENT_PORT": str(port), "ZOO_HEAP_MB": "128"}),
+    )
+
+    def serving() -> bool:
+        if process.poll() is not None:
+            pytest.fail(f"the ZooKeeper container exited {process.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+        return podman("exec", name, "/opt/zookeeper/bin/serving", check=False).returncode == 0
+
+    wait_for("ZooKeeper's `serving` to succeed", serving, timeout=120)
+    client = KazooClient(hosts=f"127.0.0.1:{port}", timeout=10.0)
+    client.start(timeout=30)
+    try:
+        client.create("/casque-image/probe", b"hello", makepath=True)
+        assert client.get("/casque-image/probe")[0] == b"hello"
+    finally:
+        client.stop()
+        client.close()
+    # The data went to the data volume, the log to the log volume; nothing else was writable.
+    listing = podman("exec", name, "bash", "-c", "ls /data /logs; touch /opt/zookeeper/x 2>&1; id -u", check=False)
+    assert "version-2" in listing.stdout and "zookeeper.log" in listing.stdout
+    assert "Read-only file system" in listing.stdout
+    assert listing.stdout.split()[-1] == str(IMAGE_USER)
+
+
+def test_the_cassandra_container_takes_a_table_and_stops_on_sigterm(backend_containers: Containers) -> None:
+    from cassandra.cluster import Cluster
+
+    # An address of its own on the loopback range, so that its ports (9042, 7000) meet no other
+    # server on the host's network; JMX listens on 127.0.0.1, so it gets a free port.
+    address = f"127.{random.randint(64, 250)}.{random.randint(1, 250)}.{random.randint(2, 250)}"
+    started = time.monotonic()
+    process, log, name = backend_containers.start(
+        backend_containers.images.cassandra,  # type: ignore[union-attr]
+        options=(*env_options({"CASSANDRA_LISTEN_ADDRESS": address, "CASSANDRA_CLUSTER_NAME": "casque-image-test",
+                               "CASSANDRA_JMX_PORT": str(reserved_port())}), "--memory", "2g"),
+    )
+
+    def cql_session() -> object | None:
+        if process.poll() is not None:
+            pytest.fail(f"the Cassandra container exited {process.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+        if "Starting listening for CQL clients" not in log.read_text(errors="replace"):
+            return None
+        cluster = Cluster([address], connect_timeout=5)
+        try:
+            return cluster, cluster.connect()
+        except Exception:
+            cluster.shutdown()
+            return None
+
+    cluster, session = wait_for("Cassandra to answer CQL", cql_session, timeout=300)  # type: ignore[misc]
+    print(f"Cassandra answered CQL {time.monotonic() - started:.1f}s after `podman run`")
+    try:
+        session.execute("CREATE KEYSPACE image_test WITH replication = "
+                        "{'class': 'NetworkTopologyStrategy', 'dc1': 1}")
+        session.execute("CREATE TABLE image_test.t (k text PRIMARY KEY, v int)")
+        session.execute("INSERT INTO image_test.t (k, v) VALUES ('a', 1)")
+        assert [tuple(row) for row in session.execute("SELECT k, v FROM image_test.t")] == [("a", 1)]
+        local = session.execute("SELECT cluster_name, data_center, rack FROM system.local").one()
+        assert tuple(local) == ("casque-image-test", "dc1", "rack1")
+    finally:
+        cluster.shutdown()
+    text = log.read_text(errors="replace")
+    # Half of the 2 GiB limit.
+    assert "heap 1024M" in text
+    # SIGTERM, then SIGKILL after podman's default 10 s: the JVM, PID 1, drains and exits on
+    # the first, with 143 (128 + SIGTERM); 137 would mean podman had to kill it.
+    stop = podman("stop", name, timeout=120)
+    assert stop.returncode == 0
+    assert process.wait(60) == 143, log.read_text(errors="replace")[-3000:]
+    assert "Cassandra shutdown complete" in log.read_text(errors="replace")
