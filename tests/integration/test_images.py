@@ -11,6 +11,7 @@ keyspace and a table and stops cleanly on `podman stop`.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import subprocess
 import time
@@ -301,6 +302,55 @@ def test_the_zookeeper_container_serves_a_client(backend_containers: Containers)
     assert "version-2" in listing.stdout and "zookeeper.log" in listing.stdout
     assert "Read-only file system" in listing.stdout
     assert listing.stdout.split()[-1] == str(IMAGE_USER)
+
+
+def test_three_zookeeper_containers_form_an_ensemble_from_zoo_servers(backend_containers: Containers,
+                                                                     tmp_path: Path) -> None:
+    """As the chart runs three members: the same ZOO_SERVERS for each, each its own myid in
+    /data (the chart's init container writes it; here the test, into a volume of its own)."""
+    from kazoo.client import KazooClient
+
+    ports = [(reserved_port(), reserved_port(), reserved_port()) for _ in range(3)]
+    servers = " ".join(f"server.{n}=127.0.0.1:{quorum}:{election};{client}"
+                       for n, (client, quorum, election) in enumerate(ports, start=1))
+    members = []
+    for n, (client_port, _, _) in enumerate(ports, start=1):
+        data = tmp_path / f"data-{n}"
+        data.mkdir()
+        (data / "myid").write_text(f"{n}\n")
+        os.chown(data, IMAGE_USER, IMAGE_USER)
+        members.append(backend_containers.start(
+            backend_containers.images.zookeeper,  # type: ignore[union-attr]
+            options=(*env_options({"ZOO_SERVERS": servers, "ZOO_CLIENT_PORT": str(client_port), "ZOO_HEAP_MB": "128"}),
+                     "--volume", f"{data}:/data"),
+        ))
+
+    def all_serving() -> bool:
+        for process, log, _ in members:
+            if process.poll() is not None:
+                pytest.fail(f"a ZooKeeper member exited {process.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+        return all(podman("exec", name, "/opt/zookeeper/bin/serving", check=False).returncode == 0
+                   for _, _, name in members)
+
+    wait_for("all three members' `serving` to succeed", all_serving, timeout=180)
+    modes = []
+    for (_, _, name), (client_port, _, _) in zip(members, ports):
+        answer = podman("exec", name, "bash", "-c",
+                        f"exec 3<>/dev/tcp/127.0.0.1/{client_port}; printf srvr >&3; cat <&3").stdout
+        modes += [line.split(":", 1)[1].strip() for line in answer.splitlines() if line.startswith("Mode:")]
+    assert sorted(modes) == ["follower", "follower", "leader"]
+    writer = KazooClient(hosts=f"127.0.0.1:{ports[0][0]}", timeout=10.0)
+    reader = KazooClient(hosts=f"127.0.0.1:{ports[2][0]}", timeout=10.0)
+    writer.start(timeout=30)
+    reader.start(timeout=30)
+    try:
+        writer.create("/casque-image/ensemble", b"quorum", makepath=True)
+        reader.sync("/casque-image/ensemble")
+        assert reader.get("/casque-image/ensemble")[0] == b"quorum"
+    finally:
+        for client in (writer, reader):
+            client.stop()
+            client.close()
 
 
 def test_the_cassandra_container_takes_a_table_and_stops_on_sigterm(backend_containers: Containers) -> None:
