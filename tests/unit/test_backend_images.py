@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -250,3 +252,51 @@ def test_the_start_scripts_run_what_devstack_runs(contexts: dict[str, Path]) -> 
     assert f"-javaagent:/opt/cassandra/lib/{jamm}" in start
     zk = (contexts["zookeeper"] / "bin" / "start").read_text()
     assert "org.apache.zookeeper.server.quorum.QuorumPeerMain" in zk and "exec java" in zk
+
+
+@pytest.mark.parametrize(
+    ("answer", "serving"),
+    [
+        (b"Zookeeper version: 3.9.4\nLatency min/avg/max: 0/0.0/0\nMode: leader\nNode count: 5\n", True),
+        (b"Zookeeper version: 3.9.4\nMode: follower\n", True),
+        (b"Zookeeper version: 3.9.4\nMode: standalone\n", True),
+        # A member without a quorum.
+        (b"This ZooKeeper instance is not currently serving requests\n", False),
+        # srvr not in the whitelist.
+        (b"srvr is not executed because it is not in the whitelist.\n", False),
+        (b"Mode: observer\n", False),
+    ],
+)
+def test_serving_is_true_only_for_a_serving_mode(contexts: dict[str, Path], answer: bytes, serving: bool) -> None:
+    """bin/serving against a stand-in server on 127.0.0.1 that answers `srvr` as ZooKeeper does."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    asked: list[bytes] = []
+
+    def answer_once() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            asked.append(connection.recv(16))
+            connection.sendall(answer)
+
+    thread = threading.Thread(target=answer_once, daemon=True)
+    thread.start()
+    try:
+        result = subprocess.run([str(contexts["zookeeper"] / "bin" / "serving")],
+                                env={"PATH": os.environ["PATH"], "ZOO_CLIENT_PORT": str(port)},
+                                capture_output=True, text=True, timeout=30, check=False)
+        thread.join(10)
+    finally:
+        listener.close()
+    assert asked == [b"srvr"]
+    assert (result.returncode == 0) is serving, result.stderr
+
+
+def test_serving_fails_when_nothing_listens(contexts: dict[str, Path]) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()
+    result = subprocess.run([str(contexts["zookeeper"] / "bin" / "serving")],
+                            env={"PATH": os.environ["PATH"], "ZOO_CLIENT_PORT": str(port)},
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode != 0
