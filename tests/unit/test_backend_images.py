@@ -104,11 +104,9 @@ def test_the_dockerfile_copies_the_context_checks_it_and_runs_as_10001(contexts:
     workdirs = [i.args for i in instructions[: instructions.index(check)] if i.name == "WORKDIR"]
     assert workdirs[-1] == home
     assert (contexts[name] / backend_images.SUMS).is_file()
-    # Java from Debian's package at a pinned version.
+    # Java from Debian's openjdk-17 package.
     (install,) = [i for i in instructions if i.name == "RUN" and "apt-get install" in i.args]
-    assert '"openjdk-17-jre-headless=${JRE_VERSION}"' in install.args
-    jre = [i.args for i in instructions if i.name == "ARG" and i.args.startswith("JRE_VERSION=")]
-    assert jre and "~deb12u" in jre[0]
+    assert "openjdk-17-jre-headless" in install.args
     assert only(instructions, "USER").args == "10001:10001"
     assert only(instructions, "VOLUME").exec_form() == VOLUMES[name]
     assert env_of(instructions)["HOME"] == "/tmp"
