@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install kube-apiserver, kubectl, etcd and helm for casque's Kubernetes tests, and the node's
-# kubelet, kube-scheduler, kube-controller-manager and kube-proxy (tests/integration/test_node.py).
+# kubelet, kube-scheduler, kube-controller-manager and kube-proxy, and CoreDNS, the node's cluster
+# DNS (tests/integration/test_node.py).
 #
 # Everything is built from source with the Go toolchain, fetching code only from
 # the Go module proxy, so it works on machines that can reach package registries
@@ -10,7 +11,7 @@
 #   bash scripts/install-kube-tools.sh --force    # rebuild everything
 #
 # Output:  ${CASQUE_CACHE:-$HOME/.cache/casque}/kube/bin/{kube-apiserver,kubectl,etcd,helm,
-#          kubelet,kube-scheduler,kube-controller-manager,kube-proxy}
+#          kubelet,kube-scheduler,kube-controller-manager,kube-proxy,coredns}
 # Each binary has a stamp file (bin/.stamps/<tool>) recording the pinned version
 # and build recipe; when every stamp matches, the script exits immediately.
 # The Go module and build caches (GOMODCACHE, GOCACHE) are left at their
@@ -25,6 +26,7 @@ KUBE_VERSION="v1.32.13"   # k8s.io/kubernetes (kube-apiserver, kubectl, the node
 ENDPOINTSLICE_VERSION="v0.32.12"
 ETCD_VERSION="v3.5.35"    # go.etcd.io/etcd/server/v3 (kube 1.32 wants etcd >= 3.5.11)
 HELM_VERSION="v3.22.0"    # helm.sh/helm/v3
+COREDNS_VERSION="v1.14.7" # github.com/coredns/coredns (the node's cluster DNS)
 # Bump when the build recipe (flags, layout) changes, to force a rebuild.
 RECIPE_REV="1"
 # ---------------------------------------------------------------------------
@@ -35,7 +37,7 @@ BIN_DIR="${KUBE_DIR}/bin"
 STAMP_DIR="${BIN_DIR}/.stamps"
 SRC_DIR="${KUBE_DIR}/src"
 KUBE_TOOLS=(kube-apiserver kubectl kubelet kube-scheduler kube-controller-manager kube-proxy)
-TOOLS=("${KUBE_TOOLS[@]}" etcd helm)
+TOOLS=("${KUBE_TOOLS[@]}" etcd helm coredns)
 
 FORCE=0
 for arg in "$@"; do
@@ -51,6 +53,7 @@ tool_version() {
     kube-*|kubectl|kubelet) echo "${KUBE_VERSION}" ;;
     etcd) echo "${ETCD_VERSION}" ;;
     helm) echo "${HELM_VERSION}" ;;
+    coredns) echo "${COREDNS_VERSION}" ;;
   esac
 }
 
@@ -167,6 +170,7 @@ check_version() {
     kube-*|kubelet) out="$("${BIN_DIR}/${name}" --version)" ;;
     kubectl) out="$("${BIN_DIR}/kubectl" version --client)" ;;
     helm) out="$("${BIN_DIR}/helm" version --short)" ;;
+    coredns) out="$("${BIN_DIR}/coredns" -version)"; want="CoreDNS-${want#v}" ;;
   esac
   if [[ "${out}" != *"${want}"* ]]; then
     log "${name} does not report ${want}:"
@@ -277,6 +281,18 @@ EOF
     "-X helm.sh/helm/v3/internal/version.version=${HELM_VERSION} -X helm.sh/helm/v3/internal/version.gitTreeState=clean" \
     "helm.sh/helm/v3/cmd/helm"
   log "helm built in $(elapsed "${t0}")"
+fi
+
+# ---- CoreDNS -------------------------------------------------------------------
+# Its version is a constant in its source (coremain), so no -X flag is needed.
+if wants coredns; then
+  t0="$(date +%s)"
+  coredns_src="$(module_dir "github.com/coredns/coredns@${COREDNS_VERSION}")"
+  write_module "${SRC_DIR}/coredns" "$(go_directive "${coredns_src}")" <<EOF
+require github.com/coredns/coredns ${COREDNS_VERSION}
+EOF
+  build_into_bin "${SRC_DIR}/coredns" "" "github.com/coredns/coredns"
+  log "coredns built in $(elapsed "${t0}")"
 fi
 
 log "done in $(elapsed "${START_ALL}")"

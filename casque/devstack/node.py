@@ -4,8 +4,10 @@
 everything that makes pods run: containerd (Debian's, with its own root, state, socket and
 CNI configuration, so a podman or containerd of the host is untouched), the kubelet,
 kube-scheduler, kube-controller-manager (Deployments, ServiceAccounts, Endpoints, namespace
-deletion) and kube-proxy (the ``kubernetes`` Service, which in-cluster clients dial). Binaries
-come from ``scripts/install-kube-tools.sh`` and ``scripts/install-node.sh``.
+deletion), kube-proxy (the ``kubernetes`` Service, which in-cluster clients dial) and CoreDNS
+as the cluster's DNS on the node's address (StatefulSet pods find each other by their stable
+names, ``<pod>.<service>.<namespace>.svc.cluster.local``). Binaries come from
+``scripts/install-kube-tools.sh`` and ``scripts/install-node.sh``.
 
 A node changes its host, and these machines are shared with other test sessions, so it takes
 a lock for the host (one node per machine) and `KubeNode.stop` undoes what it can:
@@ -39,6 +41,7 @@ import shlex
 import shutil
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +67,9 @@ POD_SUBNET = "10.244.0.0/24"
 CGROUP_ROOT = "casque-node"
 CGROUP_MOUNT = Path("/sys/fs/cgroup")
 CNI_BIN_DIR = "/usr/lib/cni"
+CLUSTER_DOMAIN = "cluster.local"
+# The kubelet gives pods only addresses for their nameservers, so CoreDNS serves port 53.
+DNS_PORT = 53
 # One node per machine: the bridge, the cgroup root and the iptables chains are the host's.
 HOST_LOCK = Path("/run/casque-node.lock")
 # What the kubelet sets when it starts (pkg/kubelet/cm's kernel defaults).
@@ -315,6 +321,27 @@ def cni_config(directory: Path) -> str:
     }, indent=2)
 
 
+def corefile(address: str, kubeconfig: Path, ready_port: int) -> str:
+    """CoreDNS on the node's address: the cluster's names from the API server, the rest
+    forwarded to the host's resolver, and readiness (the API server's Services and endpoints
+    read once) on a loopback port."""
+    return f"""\
+.:{DNS_PORT} {{
+    bind {address}
+    errors
+    ready 127.0.0.1:{ready_port}
+    kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
+        kubeconfig {kubeconfig}
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 5
+    }}
+    forward . /etc/resolv.conf
+    cache 5
+}}
+"""
+
+
 def kubelet_config(directory: Path, address: str, port: int, ca_file: Path) -> str:
     # JSON is YAML: the kubelet reads it as its configuration file.
     return json.dumps({
@@ -336,6 +363,9 @@ def kubelet_config(directory: Path, address: str, port: int, ca_file: Path) -> s
         "containerRuntimeEndpoint": f"unix://{socket_path(directory)}",
         "podLogsDir": str(directory / "pod-logs"),
         "resolvConf": "/etc/resolv.conf",
+        # CoreDNS, started before the kubelet, on the node's own address.
+        "clusterDNS": [address],
+        "clusterDomain": CLUSTER_DOMAIN,
         "serializeImagePulls": False,
         "maxPods": 30,
         # The shared disk may be fuller than the defaults allow; the node's pods are small.
@@ -401,7 +431,7 @@ class KubeNode:
                 self._stop(name)
             if drain is not None and "kubelet" in self.running():
                 drain()
-            for name in ("kubelet", "kube-proxy"):
+            for name in ("kubelet", "kube-proxy", "coredns"):
                 self._stop(name)
             self._remove_containers()
             self._stop("containerd")
@@ -451,6 +481,14 @@ def _wait_for(what: str, ready: Callable[[], bool], node: KubeNode, timeout: flo
         if time.monotonic() > deadline:
             raise KubeStartError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.2)
+
+
+def _serving(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
 
 
 def _node_ready(cluster: KubeCluster) -> bool:
@@ -512,6 +550,10 @@ def _start(node: KubeNode, sandbox_image: str, sandbox_archive: Callable[[KubeNo
     sandbox_archive(node)
 
     kubeconfig = str(cluster.kubeconfig_path)
+    ready_port = free_port()
+    (directory / "Corefile").write_text(corefile(address, cluster.kubeconfig_path, ready_port))
+    start("coredns", [str(kube_binary("coredns")), "-conf", str(directory / "Corefile")])
+    _wait_for("CoreDNS ready", lambda: _serving(f"http://127.0.0.1:{ready_port}/ready"), node, 60)
     (directory / "kubelet.json").write_text(kubelet_config(directory, address, free_port(), cluster.ca_cert_path))
     start("kubelet", [
         str(kube_binary("kubelet")), f"--config={directory / 'kubelet.json'}", f"--kubeconfig={kubeconfig}",

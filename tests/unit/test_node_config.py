@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from casque.devstack.node import BRIDGE, CGROUP_ROOT, cni_config, containerd_config, kubelet_config, rules_into
+from casque.devstack.node import (
+    BRIDGE,
+    CGROUP_ROOT,
+    CLUSTER_DOMAIN,
+    cni_config,
+    containerd_config,
+    corefile,
+    kubelet_config,
+    rules_into,
+)
 from casque.devstack.stack import Stack
 from casque.errors import StackError
 
@@ -38,6 +47,18 @@ def test_the_kubelet_makes_no_iptables_chains_and_keeps_its_cgroups_under_one_ro
     assert config["cgroupRoot"] == f"/{CGROUP_ROOT}"
     assert config["oomScoreAdj"] == 0
     assert config["authentication"]["anonymous"]["enabled"] is False
+
+
+def test_the_pods_resolve_through_coredns_on_the_nodes_address(tmp_path: Path) -> None:
+    config = json.loads(kubelet_config(tmp_path, "192.0.2.2", 10250, tmp_path / "ca.crt"))
+    assert (config["clusterDNS"], config["clusterDomain"]) == (["192.0.2.2"], "cluster.local")
+    lines = [line.split() for line in corefile("192.0.2.2", tmp_path / "kubeconfig", 18181).splitlines()]
+    assert ["bind", "192.0.2.2"] in lines
+    assert ["ready", "127.0.0.1:18181"] in lines
+    assert ["kubernetes", CLUSTER_DOMAIN, "in-addr.arpa", "ip6.arpa", "{"] in lines
+    assert ["kubeconfig", str(tmp_path / "kubeconfig")] in lines
+    # Names outside the cluster go to the host's resolver, not to a public one.
+    assert ["forward", ".", "/etc/resolv.conf"] in lines
 
 
 def test_the_rules_that_jump_to_new_chains_are_found_with_their_quoted_comments() -> None:
