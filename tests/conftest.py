@@ -18,6 +18,7 @@ from tests.fixtures.consumers import consumers  # noqa: F401
 from tests.fixtures.images import backend_images, images  # noqa: F401
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace  # noqa: F401
 from tests.fixtures.node import kube_node, node_address, node_cluster, node_images, node_stack  # noqa: F401
+from tests.fixtures.node_release import embedded_release  # noqa: F401
 from tests.fixtures.sidecars import start_sidecar  # noqa: F401
 from tests.fixtures.stack import (  # noqa: F401
     backends,
@@ -37,7 +38,7 @@ from tests.fixtures.stack import (  # noqa: F401
 INTEGRATION = Path(__file__).parent / "integration"
 # Fixtures that start a server (directly or through the fixtures they depend on).
 SERVER_FIXTURES = frozenset({"backends", "ring", "dc_ring", "kube_cluster", "zookeeper_ensemble", "secure_stack",
-                             "node_stack", "node_cluster", "kube_node"})
+                             "node_stack", "node_cluster", "kube_node", "embedded_release"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -35,6 +35,7 @@ from cassandra.policies import DCAwareRoundRobinPolicy, ExponentialReconnectionP
 from cassandra.protocol import ErrorMessage, IsBootstrappingErrorMessage, OverloadedErrorMessage
 from cassandra.query import UNSET_VALUE, BatchStatement, BoundStatement, PreparedStatement, Statement, tuple_factory
 
+from casque.backends.rediscovery import ContactPointRediscovery
 from casque.backends.tls import client_context, probe
 from casque.config import Settings
 from casque.errors import AccessDenied, BackendUnavailable, TlsRefused, WriteOutcomeUnknown
@@ -135,6 +136,8 @@ def connect(settings: Settings) -> tuple[Cluster, Session]:
                                                           max_attempts=None),
         **tls_options(settings),
     )
+    cluster.register_listener(ContactPointRediscovery(cluster, settings.cassandra_contact_points,
+                                                      settings.cassandra_port, settings.cassandra_local_dc))
     try:
         session = cluster.connect()
     except NoHostAvailable as error:

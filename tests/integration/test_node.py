@@ -12,6 +12,7 @@ the worker receives and bills every one of them through its sidecar.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -27,54 +28,40 @@ from casque.backends.cql import SOCKET_OPTIONS
 from casque.devstack.kube import KubeCluster, kube_binary
 from casque.devstack.node import KubeNode
 from casque.devstack.stack import Stack
+from tests.fixtures.history import check
 from tests.fixtures.node import NodeImages, pod_log
+from tests.fixtures.node_release import (
+    CHART,
+    ROOT,
+    START_TIMEOUT,
+    EmbeddedRelease,
+    Kubectl,
+    history_of,
+    image_values,
+    records,
+    run,
+)
 from tests.fixtures.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "casque"
 EXAMPLES = ROOT / "examples"
+HISTORY_APP = Path(__file__).with_name("node_history_app.py")
 ORDERS = 20
-# Generous: the first start of each image on a busy two-core machine; the conditions below are
-# awaited, never slept for.
-START_TIMEOUT = 300
+HISTORY_MESSAGES = 600
+HISTORY_RATE = 4
+# Messages published and acked after a fault before the next: the service is back.
+PROGRESS = 10
 
 
-def run(*argv: str | Path, timeout: float = START_TIMEOUT + 60) -> str:
-    result = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, check=False)
-    if result.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, argv))} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
-    return result.stdout
-
-
-def repository_and_tag(image: str) -> tuple[str, str]:
-    repository, _, tag = image.rpartition(":")
-    return repository, tag
-
-
-def helm_values(images: NodeImages, stack: Stack, keyspace: str, zk_root: str) -> list[str]:
-    operator_repository, operator_tag = repository_and_tag(images.operator)
-    sidecar_repository, sidecar_tag = repository_and_tag(images.sidecar)
-    values = {
-        "image.pullPolicy": "Never",
-        "operator.image.repository": operator_repository,
-        "operator.image.tag": operator_tag,
-        "sidecar.image.repository": sidecar_repository,
-        "sidecar.image.tag": sidecar_tag,
-        "operator.replicas": "1",
-        "cassandra.contactPoints": "{" + ",".join(stack.contact_points) + "}",
-        "cassandra.port": str(stack.ports.native),
-        "cassandra.keyspace": keyspace,
-        "cassandra.replication.strategy": "SimpleStrategy",
-        "cassandra.replication.factor": "1",
-        "zookeeper.connect": stack.zookeeper_hosts,
-        "zookeeper.root": zk_root,
-        # A pod the webhook did not answer for fails to be created instead of running without
-        # its sidecar.
-        "injection.failurePolicy": "Fail",
+def host_stack_values(images: NodeImages, stack: Stack, keyspace: str, zk_root: str) -> dict[str, Any]:
+    """The release's values with the backends outside it: the node's stack on the host."""
+    return {
+        **image_values(images),
+        "cassandra": {"contactPoints": list(stack.contact_points), "port": stack.ports.native, "keyspace": keyspace,
+                      "replication": {"strategy": "SimpleStrategy", "factor": 1}},
+        "zookeeper": {"connect": stack.zookeeper_hosts, "root": zk_root},
     }
-    return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
 
 
 def example_deployment(worker_image: str) -> dict[str, Any]:
@@ -97,46 +84,73 @@ PUBLISH = (
     "print('published', sys.argv[1], flush=True)\n"
 )
 
+RESTRICTED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 10002, "seccompProfile": {"type": "RuntimeDefault"}}
 
-def publisher_pod(worker_image: str) -> dict[str, Any]:
-    """A pod that publishes ORDERS orders through its injected sidecar and exits; its
-    sidecar, a native one, stops after it and the pod completes."""
+
+def app_pod(name: str, image: str, annotations: dict[str, str], command: list[str]) -> dict[str, Any]:
+    """A pod of one container that the operator's webhook gives a sidecar; it runs once."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": "order-desk", "annotations": {
-            "casque.io/inject": "true", "casque.io/queue": "orders", "casque.io/publish-scope": "orders"}},
+        "metadata": {"name": name, "annotations": {"casque.io/inject": "true", **annotations}},
         "spec": {
             "restartPolicy": "Never",
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 10002, "seccompProfile": {"type": "RuntimeDefault"}},
-            "containers": [{
-                "name": "desk",
-                "image": worker_image,
-                "imagePullPolicy": "Never",
-                "command": ["python3", "-c", PUBLISH, str(ORDERS)],
-                "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                    "capabilities": {"drop": ["ALL"]}},
-            }],
+            "securityContext": POD_SECURITY,
+            "containers": [{"name": "app", "image": image, "imagePullPolicy": "Never", "command": command,
+                            "securityContext": RESTRICTED}],
         },
     }
 
 
-class Kubectl:
-    def __init__(self, cluster: KubeCluster) -> None:
-        self.args = cluster.kubectl_args()
+def publisher_pod(worker_image: str) -> dict[str, Any]:
+    """A pod that publishes ORDERS orders through its injected sidecar and exits; its
+    sidecar, a native one, stops after it and the pod completes."""
+    return app_pod("order-desk", worker_image, {"casque.io/queue": "orders", "casque.io/publish-scope": "orders"},
+                   ["python3", "-c", PUBLISH, str(ORDERS)])
 
-    def __call__(self, *args: str, stdin: str | None = None, check: bool = True) -> str:
-        result = subprocess.run([*self.args, *args], input=stdin, capture_output=True, text=True,
-                                timeout=START_TIMEOUT + 60, check=False)
-        if check and result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
-        return result.stdout
 
-    def apply(self, namespace: str, manifest: dict[str, Any]) -> None:
-        self("apply", "-n", namespace, "-f", "-", stdin=json.dumps(manifest))
+def run_the_example_app(kubectl: Kubectl, node: KubeNode, images: NodeImages, shop: str) -> None:
+    """The examples' Queue, Subscriber and worker Deployment in `shop`, and a pod publishing
+    ORDERS orders: the worker bills every one, each through its own injected sidecar."""
+    kubectl("apply", "-n", shop, "-f", str(EXAMPLES / "queue.yaml"), "-f", str(EXAMPLES / "subscriber.yaml"))
+    kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/orders", "queue/orders-dlq",
+            "subscriber/billing", f"--timeout={START_TIMEOUT}s")
 
-    def json(self, *args: str) -> Any:
-        return json.loads(self("get", "-o", "json", *args))
+    kubectl.apply(shop, example_deployment(images.worker))
+    kubectl("rollout", "status", "-n", shop, "deployment/billing-worker", f"--timeout={START_TIMEOUT}s")
+    (worker,) = kubectl.json("pods", "-n", shop, "-l", "app.kubernetes.io/name=billing-worker")["items"]
+    # The webhook's output as the kubelet ran it: the sidecar first, a native sidecar.
+    sidecar = worker["spec"]["initContainers"][0]
+    assert (sidecar["name"], sidecar["image"], sidecar["restartPolicy"]) == (
+        "casque-sidecar", images.sidecar, "Always")
+    (app,) = worker["spec"]["containers"]
+    env = {item["name"]: item.get("value") for item in app["env"]}
+    assert env["CASQUE_SIDECAR_URL"] == "http://127.0.0.1:8717"
+    assert env["CASQUE_SIDECAR_SUBSCRIBERS"] == "billing"
+    statuses = {s["name"]: s for s in worker["status"]["initContainerStatuses"]}
+    assert statuses["casque-sidecar"]["ready"] is True
+
+    kubectl.apply(shop, publisher_pod(images.worker))
+    kubectl("wait", "-n", shop, "--for=jsonpath={.status.phase}=Succeeded", "pod/order-desk",
+            f"--timeout={START_TIMEOUT}s")
+    assert f"published {ORDERS}" in pod_log(node, shop, "order-desk", "app")
+
+    name = worker["metadata"]["name"]
+
+    def billed() -> set[int]:
+        log = pod_log(node, shop, name, "worker")
+        return {int(line.split()[2]) for line in log.splitlines() if line.startswith("billed order ")}
+
+    wait_for(f"{ORDERS} orders billed", lambda: billed() == set(range(ORDERS)), timeout=START_TIMEOUT)
+
+
+def remove_the_app(kubectl: Kubectl, shop: str) -> None:
+    # The app first, while the operator still runs to remove the Queues' finalizers.
+    kubectl("delete", "-n", shop, "deployments,pods", "--all", "--grace-period=1", f"--timeout={START_TIMEOUT}s",
+            check=False)
+    kubectl("delete", "-n", shop, "subscribers,queues", "--all", f"--timeout={START_TIMEOUT}s", check=False)
+    kubectl("delete", "namespace", shop, "--wait=false", check=False)
 
 
 @pytest.fixture
@@ -166,6 +180,7 @@ def test_the_chart_runs_the_operator_and_the_example_app_publishes_and_receives_
     node_images: NodeImages,
     node_stack: Stack,
     keyspace_and_root: tuple[str, str],
+    tmp_path: Path,
 ) -> None:
     kubectl = Kubectl(node_cluster)
     helm = kube_binary("helm")
@@ -173,6 +188,8 @@ def test_the_chart_runs_the_operator_and_the_example_app_publishes_and_receives_
     system, shop = f"casque-{suffix}", f"shop-{suffix}"
     keyspace, zk_root = keyspace_and_root
     kubeconfig = ["--kubeconfig", str(node_cluster.kubeconfig_path)]
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(host_stack_values(node_images, node_stack, keyspace, zk_root)))
     # Other test sessions' servers on 127.0.0.1 must keep working while the node runs: nothing
     # of the node's drops traffic to the loopback network (the kubelet's KUBE-FIREWALL would).
     rules = subprocess.run(["iptables-save"], capture_output=True, text=True, check=True).stdout.splitlines()
@@ -181,48 +198,184 @@ def test_the_chart_runs_the_operator_and_the_example_app_publishes_and_receives_
         # --wait: the operator's Deployment Available, i.e. its pod Ready on the node (its image,
         # its service-account token, the API server through the kubernetes Service).
         run(helm, "install", "casque", CHART, "--namespace", system, "--create-namespace", *kubeconfig,
-            *helm_values(node_images, node_stack, keyspace, zk_root), "--wait", "--timeout", f"{START_TIMEOUT}s")
-
+            "-f", values, "--wait", "--timeout", f"{START_TIMEOUT}s")
         kubectl("create", "namespace", shop)
-        kubectl("apply", "-n", shop, "-f", str(EXAMPLES / "queue.yaml"), "-f", str(EXAMPLES / "subscriber.yaml"))
-        kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/orders", "queue/orders-dlq",
-                "subscriber/billing", f"--timeout={START_TIMEOUT}s")
-
-        kubectl.apply(shop, example_deployment(node_images.worker))
-        kubectl("rollout", "status", "-n", shop, "deployment/billing-worker", f"--timeout={START_TIMEOUT}s")
-        (worker,) = kubectl.json("pods", "-n", shop, "-l", "app.kubernetes.io/name=billing-worker")["items"]
-        # The webhook's output as the kubelet ran it: the sidecar first, a native sidecar.
-        sidecar = worker["spec"]["initContainers"][0]
-        assert (sidecar["name"], sidecar["image"], sidecar["restartPolicy"]) == (
-            "casque-sidecar", node_images.sidecar, "Always")
-        (app,) = worker["spec"]["containers"]
-        env = {item["name"]: item.get("value") for item in app["env"]}
-        assert env["CASQUE_SIDECAR_URL"] == "http://127.0.0.1:8717"
-        assert env["CASQUE_SIDECAR_SUBSCRIBERS"] == "billing"
-        statuses = {s["name"]: s for s in worker["status"]["initContainerStatuses"]}
-        assert statuses["casque-sidecar"]["ready"] is True
-
-        kubectl.apply(shop, publisher_pod(node_images.worker))
-        kubectl("wait", "-n", shop, "--for=jsonpath={.status.phase}=Succeeded", "pod/order-desk",
-                f"--timeout={START_TIMEOUT}s")
-        assert f"published {ORDERS}" in pod_log(kube_node, shop, "order-desk", "desk")
-
-        name = worker["metadata"]["name"]
-
-        def billed() -> set[int]:
-            log = pod_log(kube_node, shop, name, "worker")
-            return {int(line.split()[2]) for line in log.splitlines() if line.startswith("billed order ")}
-
-        wait_for(f"{ORDERS} orders billed", lambda: billed() == set(range(ORDERS)), timeout=START_TIMEOUT)
+        run_the_example_app(kubectl, kube_node, node_images, shop)
     except BaseException:
         for namespace in (system, shop):
             print(kubectl("get", "pods,events", "-n", namespace, "-o", "wide", check=False))
         raise
     finally:
-        # The app first, while the operator still runs to remove the Queues' finalizers.
-        kubectl("delete", "-n", shop, "deployment/billing-worker", "pod/order-desk", "--ignore-not-found",
-                "--grace-period=1", f"--timeout={START_TIMEOUT}s", check=False)
-        kubectl("delete", "-n", shop, "subscribers,queues", "--all", f"--timeout={START_TIMEOUT}s", check=False)
+        remove_the_app(kubectl, shop)
         subprocess.run([str(helm), "uninstall", "casque", "--namespace", system, *kubeconfig, "--wait",
                         "--timeout", f"{START_TIMEOUT}s"], capture_output=True, check=False, timeout=START_TIMEOUT + 60)
-        kubectl("delete", "namespace", shop, system, "--wait=false", check=False)
+        kubectl("delete", "namespace", system, "--wait=false", check=False)
+
+
+def test_the_chart_with_its_own_zookeeper_and_cassandra_serves_the_example_app(
+    embedded_release: EmbeddedRelease, node_images: NodeImages,
+) -> None:
+    kubectl, node = embedded_release.kubectl, embedded_release.node
+    zookeepers = embedded_release.pods("zookeeper")
+    assert [pod["metadata"]["name"] for pod in zookeepers] == [f"casque-zookeeper-{i}" for i in range(3)]
+    # The members found each other by their stable names, through the node's cluster DNS: one
+    # leads, the others follow.
+    modes = sorted(zookeeper_mode(pod["status"]["podIP"]) or "" for pod in zookeepers)
+    assert modes == ["follower", "follower", "leader"]
+    # The operator was given the release's own Services, not addresses outside it.
+    (operator,) = embedded_release.pods("casque")
+    env = {item["name"]: item.get("value") for item in operator["spec"]["containers"][0]["env"]}
+    namespace = embedded_release.namespace
+    assert env["CASQUE_ZOOKEEPER_HOSTS"].startswith(f"casque-zookeeper.{namespace}.svc")
+    shop = f"shop-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", shop)
+    try:
+        run_the_example_app(kubectl, node, node_images, shop)
+    except BaseException:
+        for each in (namespace, shop):
+            print(kubectl("get", "pods,events", "-n", each, "-o", "wide", check=False))
+        raise
+    finally:
+        remove_the_app(kubectl, shop)
+
+
+def zookeeper_mode(address: str) -> str | None:
+    """The `Mode:` of a ZooKeeper member's `srvr` answer (leader, follower, standalone), or
+    None while it serves no clients."""
+    try:
+        with socket.create_connection((address, 2181), timeout=5) as connection:
+            connection.sendall(b"srvr")
+            answer = b""
+            while chunk := connection.recv(4096):
+                answer += chunk
+    except OSError:
+        return None
+    for line in answer.decode(errors="replace").splitlines():
+        if line.startswith("Mode: "):
+            return line.removeprefix("Mode: ").strip()
+    return None
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def history_pods(image: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    source = HISTORY_APP.read_text()
+    consumer = app_pod("consumer", image, {"casque.io/queue": "history", "casque.io/subscriber": "checker"},
+                       ["python3", "-c", source, "consume"])
+    publisher = app_pod("publisher", image, {"casque.io/queue": "history", "casque.io/publish-scope": "history"},
+                        ["python3", "-c", source, "publish", str(HISTORY_MESSAGES), str(HISTORY_RATE)])
+    return consumer, publisher
+
+
+HISTORY_RESOURCES = """\
+apiVersion: casque.io/v1alpha1
+kind: Queue
+metadata: {name: history}
+spec: {shards: 2, retention: 1d}
+---
+apiVersion: casque.io/v1alpha1
+kind: Subscriber
+metadata: {name: checker}
+spec: {queue: history, startPosition: earliest, visibilityTimeout: 20s}
+"""
+
+
+def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
+    embedded_release: EmbeddedRelease, node_images: NodeImages,
+) -> None:
+    """Under a paced publisher and a consumer, each in its own injected pod: the consumer's
+    sidecar killed with -9, the operator's pod deleted, the ZooKeeper leader's pod deleted, the
+    Cassandra pod deleted, one after the other, each once the service is back from the one
+    before. The pods' recorded calls then pass the history checker: every acknowledged publish
+    delivered, nothing acked delivered again, every message acked."""
+    kubectl, node, namespace = embedded_release.kubectl, embedded_release.node, embedded_release.namespace
+    shop = f"shop-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", shop)
+
+    def calls(pod: str) -> list[dict[str, Any]]:
+        return records(pod_log(node, shop, pod, "app"))
+
+    def counts() -> tuple[int, int]:
+        published = sum(1 for entry in calls("publisher") if entry["op"] == "published")
+        acked = sum(1 for entry in calls("consumer") if entry["op"] == "ack" and entry["outcome"] == "acked")
+        return published, acked
+
+    def progress_after(what: str) -> None:
+        published, acked = counts()
+        wait_for(f"{PROGRESS} more messages published and acked after {what}",
+                 lambda: (lambda now: now[0] >= min(published + PROGRESS, HISTORY_MESSAGES)
+                          and now[1] >= min(acked + PROGRESS, HISTORY_MESSAGES))(counts()),
+                 timeout=START_TIMEOUT)
+
+    def replaced(component: str, old_uid: str) -> bool:
+        pods = embedded_release.pods(component)
+        return bool(pods) and all(is_ready(p) and p["metadata"]["uid"] != old_uid for p in pods)
+
+    try:
+        kubectl("apply", "-n", shop, "-f", "-", stdin=HISTORY_RESOURCES)
+        kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/history", "subscriber/checker",
+                f"--timeout={START_TIMEOUT}s")
+        consumer, publisher = history_pods(node_images.worker)
+        kubectl.apply(shop, consumer)
+        kubectl("wait", "-n", shop, "--for=condition=Ready", "pod/consumer", f"--timeout={START_TIMEOUT}s")
+        kubectl.apply(shop, publisher)
+        progress_after("the start")
+
+        # The consumer's sidecar, killed with -9 by its runtime; the kubelet starts it again.
+        pod = kubectl.json("pod/consumer", "-n", shop)
+        (sidecar,) = [s for s in pod["status"]["initContainerStatuses"] if s["name"] == "casque-sidecar"]
+        subprocess.run(node.ctr("tasks", "kill", "--signal", "SIGKILL", sidecar["containerID"].split("://")[1]),
+                       check=True, capture_output=True)
+        wait_for("the consumer's sidecar restarted and ready", lambda: any(
+            s["name"] == "casque-sidecar" and s["restartCount"] >= 1 and s["ready"]
+            for s in kubectl.json("pod/consumer", "-n", shop)["status"]["initContainerStatuses"]),
+            timeout=START_TIMEOUT)
+        progress_after("the sidecar's kill")
+
+        (operator,) = embedded_release.pods("casque")
+        kubectl("delete", "-n", namespace, "pod", operator["metadata"]["name"], "--wait=false")
+        wait_for("a new operator pod ready", lambda: replaced("casque", operator["metadata"]["uid"]),
+                 timeout=START_TIMEOUT)
+        progress_after("the operator's pod was deleted")
+
+        zookeepers = embedded_release.pods("zookeeper")
+        (leader,) = [p for p in zookeepers if zookeeper_mode(p["status"]["podIP"]) == "leader"]
+        kubectl("delete", "-n", namespace, "pod", leader["metadata"]["name"], "--wait=false")
+
+        def ensemble_back() -> bool:
+            pods = embedded_release.pods("zookeeper")
+            if leader["metadata"]["uid"] in {p["metadata"]["uid"] for p in pods} or not all(map(is_ready, pods)):
+                return False
+            return sorted(zookeeper_mode(p["status"]["podIP"]) or "" for p in pods) == ["follower", "follower",
+                                                                                        "leader"]
+        wait_for("the ZooKeeper ensemble whole again", ensemble_back, timeout=START_TIMEOUT)
+        progress_after("the ZooKeeper leader's pod was deleted")
+
+        (cassandra,) = embedded_release.pods("cassandra")
+        kubectl("delete", "-n", namespace, "pod", cassandra["metadata"]["name"], "--wait=false")
+        wait_for("a new Cassandra pod ready", lambda: replaced("cassandra", cassandra["metadata"]["uid"]),
+                 timeout=START_TIMEOUT)
+        progress_after("the Cassandra pod was deleted")
+
+        kubectl("wait", "-n", shop, "--for=jsonpath={.status.phase}=Succeeded", "pod/publisher",
+                f"--timeout={START_TIMEOUT * 2}s")
+
+        def whole() -> bool:
+            history = history_of(calls("publisher"), [calls("consumer")])
+            return len(history.published) == HISTORY_MESSAGES and check(history).ok
+
+        wait_for("every published message delivered and acked", whole, timeout=START_TIMEOUT)
+        history = history_of(calls("publisher"), [calls("consumer")])
+        verdict = check(history)
+        assert verdict.ok, str(verdict)
+        print(f"history: {len(history.published)} published, {len(history.deliveries)} deliveries "
+              f"({history.redeliveries()} again), {len(history.acks)} acks")
+    except BaseException:
+        for each in (namespace, shop):
+            print(kubectl("get", "pods,events", "-n", each, "-o", "wide", check=False))
+        raise
+    finally:
+        remove_the_app(kubectl, shop)
