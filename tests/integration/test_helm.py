@@ -206,7 +206,11 @@ def operator_container(documents: list[dict[str, Any]]) -> dict[str, Any]:
 # --- lint and schema --------------------------------------------------------------------------
 
 
+# Backends of your own instead of the release's (backends.embedded, on by default).
+OWN_BACKENDS: dict[str, Any] = {"backends": {"embedded": False}}
+
 NON_DEFAULT: dict[str, Any] = {
+    **OWN_BACKENDS,
     "image": {"registry": "registry.example.com/platform", "pullPolicy": "Always", "pullSecrets": [{"name": "regcred"}]},
     "cassandra": {
         "contactPoints": ["cassandra-0.cassandra", "cassandra-1.cassandra"],
@@ -259,6 +263,7 @@ NON_DEFAULT: dict[str, Any] = {
 }
 
 MINIMAL: dict[str, Any] = {
+    **OWN_BACKENDS,
     "operator": {"replicas": 1, "leaderElection": {"enabled": False}, "podDisruptionBudget": {"enabled": False}},
     "cassandra": {"auth": {"existingSecret": "cassandra-credentials", "usernameKey": "user", "passwordKey": "pass"}},
     "serviceAccount": {"create": False, "name": "casque-operator"},
@@ -413,9 +418,12 @@ def test_default_values_are_accepted_by_the_api_server(
     out = tools.dry_run(manifest)
     documents = [d for d in yaml.safe_load_all(manifest) if d]
     kinds = sorted(d["kind"] for d in documents)
+    # With the release's own ZooKeeper and Cassandra (backends.embedded, on by default): a
+    # StatefulSet, a peers Service, a client Service and a disruption budget each.
     assert kinds == sorted([
         "ServiceAccount", "Secret", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service",
         "Service", "Deployment", "PodDisruptionBudget", "MutatingWebhookConfiguration",
+        *["StatefulSet", "Service", "Service", "PodDisruptionBudget"] * 2,
     ])  # fmt: skip
     assert out.count("(server dry run)") == len(documents), out
     # The CRDs come with the chart (Helm installs crds/ before the templates).
@@ -429,7 +437,8 @@ def test_an_install_tells_the_user_what_to_do_next(
     tools: Tools, kube_namespace: str, casque_crds: None  # noqa: F811
 ) -> None:
     """`helm install --dry-run=server`: the API server checks the release, Helm prints NOTES.txt."""
-    values = tools.values_file({"cassandra": {"auth": {"username": "casque", "password": "s3cret-of-16-chars"}}})
+    values = tools.values_file({**OWN_BACKENDS,
+                                "cassandra": {"auth": {"username": "casque", "password": "s3cret-of-16-chars"}}})
     out = tools.run(
         tools.helm, "install", "shop", str(CHART), "--namespace", kube_namespace, "--dry-run=server",
         "--values", values,
@@ -794,7 +803,7 @@ def test_the_network_policies_cover_the_embedded_backends(tools: Tools) -> None:
 
 
 def test_without_embedded_backends_nothing_of_them_is_made(tools: Tools, monkeypatch: pytest.MonkeyPatch) -> None:
-    documents = tools.render("casque", release="shop")
+    documents = tools.render("casque", OWN_BACKENDS, release="shop")
     assert not of_kind(documents, "StatefulSet")
     assert not [d for d in documents if "cassandra" in d["metadata"]["name"] or "zookeeper" in d["metadata"]["name"]]
     settings = operator_backends(operator_container(documents), monkeypatch)
@@ -853,7 +862,7 @@ def test_embedded_backends_refuse_settings_meant_for_external_ones(
     assert (f"backends.embedded=true runs Cassandra and ZooKeeper in the release, without TLS or SASL for now, so "
             f"{names} must be left unset (or set backends.embedded=false to use your own clusters)") in result.stderr
     # The same settings are fine for clusters of your own.
-    tools.template("casque", values)
+    tools.template("casque", {**values, **OWN_BACKENDS})
 
 
 def test_embedded_backends_take_the_external_defaults_or_empty_addresses(tools: Tools) -> None:
@@ -861,7 +870,7 @@ def test_embedded_backends_take_the_external_defaults_or_empty_addresses(tools: 
     values.yaml as unset. If those defaults change, it must change with them."""
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     assert defaults["cassandra"]["contactPoints"] == ["cassandra"] and defaults["cassandra"]["port"] == 9042
-    assert defaults["zookeeper"]["connect"] == "zookeeper:2181" and defaults["backends"]["embedded"] is False
+    assert defaults["zookeeper"]["connect"] == "zookeeper:2181" and defaults["backends"]["embedded"] is True
     as_defaults = {"cassandra": {"contactPoints": ["cassandra"], "port": 9042, "localDatacenter": "dc1"},
                    "zookeeper": {"connect": "zookeeper:2181", "auth": {"username": "casque", "password": "z" * 32}}}
     for values in ({}, as_defaults, {"cassandra": {"contactPoints": []}, "zookeeper": {"connect": ""}}):
@@ -883,7 +892,7 @@ def test_embedded_backends_take_the_external_defaults_or_empty_addresses(tools: 
 def test_without_embedded_backends_the_addresses_are_needed(
     tools: Tools, values: dict[str, Any], sentence: str
 ) -> None:
-    result = tools.template("casque", values, check=False)
+    result = tools.template("casque", {**values, **OWN_BACKENDS}, check=False)
     assert result.returncode != 0 and sentence in result.stderr, result.stderr
 
 
@@ -931,7 +940,10 @@ def test_the_operator_reads_every_setting_the_chart_gives_it(
         for backend in ("cassandra", "zookeeper"):
             assert volumes[mounts[f"/etc/casque/tls/{backend}"]]["secret"]["secretName"] == f"{backend}-tls"
     else:
-        assert backends.replication.datacenters == {"datacenter1": 3}
+        # The release's own backends (the default): one Cassandra node in dc1, so one replica.
+        assert backends.replication.datacenters == {"dc1": 1}
+        (contact_point,) = backends.cassandra_contact_points
+        assert contact_point.endswith("-casque-cassandra.casque.svc.cluster.local")
         assert sidecar.native_sidecar and sidecar.cpu_limit is None and sidecar.memory_limit == "256Mi"
         assert sidecar.image == "casque/sidecar:0.1.0" and sidecar.metrics_port == injection.DEFAULT_METRICS_PORT
 
@@ -961,7 +973,7 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
     isolation = {"cassandra": {"isolation": "keyspace", "auth": {"username": "casque", "password": "c" * 32}}}
     # The sidecar's Secrets, copied from the release's namespace into the one it serves.
     copies = {"operator": {"watchNamespaces": [other_namespace]}, "sidecar": {"credentialsSecret": "casque-cassandra"},
-              "zookeeper": {"tls": {"enabled": True, "secret": "zookeeper-tls"}}}
+              "zookeeper": {"tls": {"enabled": True, "secret": "zookeeper-tls"}}, **OWN_BACKENDS}
     for values in (None, {"operator": {"watchNamespaces": [other_namespace]}}, zookeeper_auth, isolation, copies):
         manifest = tools.template(kube_namespace, values, *show, release=release).stdout
         tools.run(*tools.kubectl, "apply", "-f", "-", input=manifest)

@@ -58,6 +58,7 @@ def host_stack_values(images: NodeImages, stack: Stack, keyspace: str, zk_root: 
     """The release's values with the backends outside it: the node's stack on the host."""
     return {
         **image_values(images),
+        "backends": {"embedded": False},
         "cassandra": {"contactPoints": list(stack.contact_points), "port": stack.ports.native, "keyspace": keyspace,
                       "replication": {"strategy": "SimpleStrategy", "factor": 1}},
         "zookeeper": {"connect": stack.zookeeper_hosts, "root": zk_root},
