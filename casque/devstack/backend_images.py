@@ -76,6 +76,23 @@ def _shell_words(args: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _swapped(args: list[str], swaps: dict[str, str | None], source: str) -> list[str]:
+    """`args` with each argument in `swaps` replaced by its value, or dropped for None. Every
+    swap must find its argument: a devstack change that moves one must change the image too."""
+    left = dict(swaps)
+    out: list[str] = []
+    for arg in args:
+        if arg in left:
+            new = left.pop(arg)
+            if new is not None:
+                out.append(new)
+        else:
+            out.append(arg)
+    if left:
+        raise StackError(f"{source} no longer has {sorted(left)}")
+    return out
+
+
 # --- ZooKeeper ---------------------------------------------------------------------------------
 
 
@@ -139,15 +156,25 @@ exit 1
 
 
 def zookeeper_start() -> str:
-    main = "org.apache.zookeeper.server.quorum.QuorumPeerMain"  # standalone too, with no members
-    args = [
-        "-Xms${heap}m", "-Xmx${heap}m", "-XX:+ExitOnOutOfMemoryError",
-        f"-Dlogback.configurationFile={ZOOKEEPER_HOME}/conf/logback.xml",
-        "-Dzookeeper.admin.enableServer=false",
-        "-Djava.io.tmpdir=/tmp",
-        "-cp", f"{ZOOKEEPER_HOME}/lib/*",
-        main, "${conf}/zoo.cfg",
-    ]
+    # A member as devstack knows it, so that its JVM runs QuorumPeerMain, which serves alone
+    # too when ZOO_SERVERS lists no members.
+    server = ZooKeeperServer(Path("/nonexistent"), heap_mb=ZOOKEEPER_HEAP_MB, myid=1)
+    d = server.directory.resolve()
+    swaps: dict[str, str | None] = {
+        "java": None,
+        owner_marker(server.directory): None,
+        f"-Xms{server.heap_mb}m": "-Xms${heap}m",
+        f"-Xmx{server.heap_mb}m": "-Xmx${heap}m",
+        f"-Dlogback.configurationFile={d}/logback.xml": f"-Dlogback.configurationFile={ZOOKEEPER_HOME}/conf/logback.xml",
+        ZOOKEEPER.classpath(): f"{ZOOKEEPER_HOME}/lib/*",
+        f"{d}/zoo.cfg": "${conf}/zoo.cfg",
+    }
+    args = _swapped(server.java_command(), swaps, "ZooKeeperServer.java_command()")
+    # The JVM is the container's PID 1: out of memory, it must exit so that the pod restarts
+    # rather than limp on.
+    args.insert(args.index("-Xmx${heap}m") + 1, "-XX:+ExitOnOutOfMemoryError")
+    # The root filesystem is read-only; /tmp is the container's scratch space.
+    args.insert(args.index("-Dzookeeper.admin.enableServer=false") + 1, "-Djava.io.tmpdir=/tmp")
     return f"""#!/bin/bash
 # Starts ZooKeeper: zoo.cfg from the environment, then the JVM in this process's place, so
 # that it gets the container's signals. ZOO_HEAP_MB: the heap in MiB ({ZOOKEEPER_HEAP_MB}).
@@ -218,16 +245,7 @@ def cassandra_start() -> str:
         "-Dcassandra.ring_delay_ms=1000": None,
         CASSANDRA.classpath(): f"{lib}/*",
     }
-    out: list[str] = []
-    for arg in args:
-        if arg in swaps:
-            new = swaps.pop(arg)
-            if new is not None:
-                out.append(new)
-        else:
-            out.append(arg)
-    if swaps:
-        raise StackError(f"CassandraNode.java_command() no longer has {sorted(swaps)}")
+    out = _swapped(args, swaps, "CassandraNode.java_command()")
     out.insert(out.index("-XX:+ExitOnOutOfMemoryError") + 1, "-Djava.io.tmpdir=/tmp")
     return f"""#!/bin/bash
 # Starts a Cassandra node: cassandra.yaml and cassandra-rackdc.properties from the environment

@@ -186,28 +186,29 @@ class ZooKeeperServer:
             f"ssl.clientAuth={'need' if self.require_client_auth else 'none'}\n"
         )
 
-    def start(self) -> int:
-        self.write_config()
-        processes.rotate(self.log_path)
+    def java_command(self) -> list[str]:
+        """The server's JVM argv. The backends' image starts ZooKeeper with this one too, its
+        paths swapped for the image's (casque/devstack/backend_images.py)."""
         d = self.directory.resolve()
         # ZooKeeperServerMain cannot join an ensemble; QuorumPeerMain reads the server.N lines.
         main = ("org.apache.zookeeper.server.ZooKeeperServerMain" if self.myid is None
                 else "org.apache.zookeeper.server.quorum.QuorumPeerMain")
-        return processes.spawn(
-            self.directory,
-            [
-                "java",
-                processes.owner_marker(self.directory),
-                f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m",
-                f"-Dlogback.configurationFile={d}/logback.xml",
-                "-Dzookeeper.admin.enableServer=false",
-                *([f"-Djava.security.auth.login.config={self.jaas_path.resolve()}"] if self.sasl else []),
-                "-cp", ZOOKEEPER.classpath(),
-                main,
-                f"{d}/zoo.cfg",
-            ],
-            "stdout.log",
-        )
+        return [
+            "java",
+            processes.owner_marker(self.directory),
+            f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m",
+            f"-Dlogback.configurationFile={d}/logback.xml",
+            "-Dzookeeper.admin.enableServer=false",
+            *([f"-Djava.security.auth.login.config={self.jaas_path.resolve()}"] if self.sasl else []),
+            "-cp", ZOOKEEPER.classpath(),
+            main,
+            f"{d}/zoo.cfg",
+        ]
+
+    def start(self) -> int:
+        self.write_config()
+        processes.rotate(self.log_path)
+        return processes.spawn(self.directory, self.java_command(), "stdout.log")
 
     def pid(self) -> int | None:
         return processes.running_pid(self.directory)

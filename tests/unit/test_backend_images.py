@@ -252,6 +252,49 @@ def test_the_start_scripts_run_what_devstack_runs(contexts: dict[str, Path]) -> 
     assert "org.apache.zookeeper.server.quorum.QuorumPeerMain" in zk and "exec java" in zk
 
 
+def run_start_with_a_stand_in_java(start: Path, tmp_path: Path, env: dict[str, str]) -> list[str]:
+    """The arguments `start` execs java with: a stand-in `java` first on the PATH writes them
+    down, one per NUL-terminated record, and exits."""
+    stand_in = tmp_path / "stand-in"
+    stand_in.mkdir()
+    argv_file = tmp_path / "argv"
+    (stand_in / "java").write_text(f"#!/bin/bash\nprintf '%s\\0' \"$@\" >{argv_file}\n")
+    (stand_in / "java").chmod(0o755)
+    result = subprocess.run([str(start)], env={**env, "PATH": f"{stand_in}:{os.environ['PATH']}"},
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    return argv_file.read_bytes().decode().split("\0")[:-1]
+
+
+def test_the_zookeeper_image_starts_the_jvm_as_the_local_server_does(contexts: dict[str, Path], tmp_path: Path) -> None:
+    """bin/start's argv is ZooKeeperServer.java_command()'s with the image's paths in place of
+    the local server's, plus what the container needs: its own flags, and nothing dropped."""
+    from casque.devstack.zookeeper import ZooKeeperServer
+
+    conf = tmp_path / "conf"
+    (tmp_path / "data").mkdir()
+    image = run_start_with_a_stand_in_java(contexts["zookeeper"] / "bin" / "start", tmp_path, {
+        "ZOO_HOME": str(contexts["zookeeper"]), "ZOO_CONF_DIR": str(conf), "ZOO_DATA_DIR": str(tmp_path / "data"),
+        "ZOO_HEAP_MB": "300",
+    })
+    # A member: the image runs QuorumPeerMain, alone or in an ensemble.
+    local = ZooKeeperServer(tmp_path / "local", heap_mb=300, myid=1, peers=("server.1=127.0.0.1:2888:3888",))
+    d = local.directory.resolve()
+    paths = {
+        f"-Dlogback.configurationFile={d}/logback.xml": "-Dlogback.configurationFile=/opt/zookeeper/conf/logback.xml",
+        ZOOKEEPER.classpath(): "/opt/zookeeper/lib/*",
+        f"{d}/zoo.cfg": f"{conf}/zoo.cfg",
+    }
+    command = local.java_command()
+    assert command[:2] == ["java", f"-Dcasque.owner={d}"]
+    expected = [paths.get(arg, arg) for arg in command[2:]]
+    image_only = ["-XX:+ExitOnOutOfMemoryError", "-Djava.io.tmpdir=/tmp"]
+    assert [arg for arg in image if arg not in image_only] == expected
+    assert [arg for arg in image if arg in image_only] == image_only
+    assert expected[-2:] == ["org.apache.zookeeper.server.quorum.QuorumPeerMain", f"{conf}/zoo.cfg"]
+    assert "-Xmx300m" in image and (conf / "zoo.cfg").is_file()
+
+
 @pytest.mark.parametrize(
     ("answer", "serving"),
     [
