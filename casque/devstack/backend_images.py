@@ -165,7 +165,8 @@ def zookeeper_start() -> str:
         owner_marker(server.directory): None,
         f"-Xms{server.heap_mb}m": "-Xms${heap}m",
         f"-Xmx{server.heap_mb}m": "-Xmx${heap}m",
-        f"-Dlogback.configurationFile={d}/logback.xml": f"-Dlogback.configurationFile={ZOOKEEPER_HOME}/conf/logback.xml",
+        f"-Dlogback.configurationFile={d}/logback.xml":
+            f"-Dlogback.configurationFile={ZOOKEEPER_HOME}/conf/logback.xml",
         ZOOKEEPER.classpath(): f"{ZOOKEEPER_HOME}/lib/*",
         f"{d}/zoo.cfg": "${conf}/zoo.cfg",
     }
