@@ -5,7 +5,9 @@ container reconciles a Queue from the test's kube-apiserver. Both run as the ima
 (10001) on a read-only root filesystem with only /tmp writable, as the chart runs them. The
 backends' images (casque-zookeeper, casque-cassandra) run the same way, with only their data
 and log volumes writable besides /tmp: ZooKeeper serves a client, Cassandra (in 2 GiB) takes a
-keyspace and a table and stops cleanly on `podman stop`.
+keyspace and a table and stops cleanly on `podman stop`. Three ZooKeeper containers form an
+ensemble, and three Cassandra containers on a podman network of their own form a ring that
+still reads at QUORUM with one node stopped.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -61,13 +65,26 @@ class Containers:
         self.images = built
         self.tmp_path = tmp_path
         self.names: list[str] = []
+        self.networks: list[str] = []
         self.processes: list[subprocess.Popen[bytes]] = []
         self.numbers = itertools.count()
 
-    def start(self, image: str, *args: str, options: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], Path, str]:
-        name = f"casque-test-{self.images.session}-{next(self.numbers)}"
+    def name(self) -> str:
+        """A name for the next container, never used before in this session."""
+        return f"casque-test-{self.images.session}-{next(self.numbers)}"
+
+    def network(self) -> str:
+        """A podman network of its own, removed after the containers."""
+        name = f"{self.name()}-net"
+        podman("network", "create", name)
+        self.networks.append(name)
+        return name
+
+    def start(self, image: str, *args: str, options: tuple[str, ...] = (), name: str | None = None,
+              network: str = "host") -> tuple[subprocess.Popen[bytes], Path, str]:
+        name = name or self.name()
         log = self.tmp_path / f"{name}.log"
-        run = hardened(image, name)
+        run = hardened(image, name, network)
         command = ["podman", *run[:-1], *options, run[-1], *args]
         self.names.append(name)
         with log.open("wb") as sink:
@@ -84,6 +101,8 @@ class Containers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(30)
+        for network in self.networks:
+            podman("network", "rm", "--force", network, check=False)
 
 
 @pytest.fixture
@@ -399,3 +418,157 @@ def test_the_cassandra_container_takes_a_table_and_stops_on_sigterm(backend_cont
     assert stop.returncode == 0
     assert process.wait(60) == 143, log.read_text(errors="replace")[-3000:]
     assert "Cassandra shutdown complete" in log.read_text(errors="replace")
+
+
+# --- a ring of casque-cassandra containers ----------------------------------------------------
+
+
+RING_HEAP = "640M"
+RING_MEMORY = "1536m"
+
+
+class RingNode:
+    """One casque-cassandra container of a ring on a podman network, and a driver session
+    that talks to it alone: in a ring, what a node says is per node."""
+
+    def __init__(self, name: str, process: subprocess.Popen[bytes], log: Path) -> None:
+        self.name = name
+        self.process = process
+        self.log = log
+        self.address = ""
+        self.cluster: Any = None
+        self.session: Any = None
+
+    def check_running(self) -> None:
+        if self.process.poll() is not None:
+            tail = self.log.read_text(errors="replace")[-4000:]
+            pytest.fail(f"{self.name} exited {self.process.returncode}:\n{tail}")
+
+    def connected(self) -> bool:
+        """Whether the node answers CQL (it starts serving clients only once it has joined
+        the ring); the session stays open for the rest of the test."""
+        from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
+        from cassandra.policies import WhiteListRoundRobinPolicy
+
+        self.check_running()
+        if self.session is not None:
+            return True
+        text = self.log.read_text(errors="replace")
+        # bin/render-config names the address the node listens on: what its host name resolves to.
+        listening = re.search(r"listening on ([0-9.]+),", text)
+        if listening is None or "Starting listening for CQL clients" not in text:
+            return False
+        self.address = listening.group(1)
+        only_this = ExecutionProfile(load_balancing_policy=WhiteListRoundRobinPolicy([self.address]))
+        cluster = Cluster([self.address], connect_timeout=5, execution_profiles={EXEC_PROFILE_DEFAULT: only_this})
+        try:
+            self.session = cluster.connect()
+        except Exception:
+            cluster.shutdown()
+            return False
+        self.cluster = cluster
+        return True
+
+    def gossip(self) -> dict[str, str]:
+        """What this node's gossip says of each node it knows, itself included: address, and
+        the state it announces (NORMAL, BOOT, shutdown ...). Other nodes announce it in
+        STATUS_WITH_PORT only; the old STATUS stays empty for them until they shut down."""
+        rows = self.session.execute("SELECT address, status_with_port FROM system_views.gossip_info")
+        return {str(row.address): (row.status_with_port or "").split(",")[0] for row in rows}
+
+    def described_peers(self) -> set[str]:
+        """The peers this node describes fully enough for a driver to use them."""
+        rows = self.session.execute("SELECT host_id, data_center, rack, native_address, tokens FROM system.peers_v2")
+        return {str(row.native_address) for row in rows
+                if row.host_id and row.data_center and row.rack and row.native_address and row.tokens}
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.shutdown()
+
+
+# Three JVMs start one after the other, each joining node waits out Cassandra's ring delay (30 s).
+@pytest.mark.timeout(1200)
+def test_three_cassandra_containers_form_a_ring_that_reads_at_quorum_with_a_node_down(
+    backend_containers: Containers,
+) -> None:
+    """As the chart runs a ring: one CASSANDRA_SEEDS for every node (the first), each node's
+    address what its name resolves to, one at a time, for Cassandra bootstraps one node at a
+    time and a node joins only once the ring it joins agrees on who is in it."""
+    from cassandra import ConsistencyLevel, Unavailable
+    from cassandra.policies import FallthroughRetryPolicy
+    from cassandra.query import SimpleStatement
+
+    network = backend_containers.network()
+    names = [backend_containers.name() for _ in range(3)]
+    nodes: list[RingNode] = []
+    first_started = time.monotonic()
+    try:
+        for n, name in enumerate(names, start=1):
+            started = time.monotonic()
+            process, log, _ = backend_containers.start(
+                backend_containers.images.cassandra,  # type: ignore[union-attr]
+                name=name, network=network,
+                options=(*env_options({"CASSANDRA_CLUSTER_NAME": "casque-ring-test", "CASSANDRA_SEEDS": names[0],
+                                       "CASSANDRA_DC": "dc1", "CASSANDRA_RACK": f"rack{n}",
+                                       "MAX_HEAP_SIZE": RING_HEAP}), "--memory", RING_MEMORY),
+            )
+            node = RingNode(name, process, log)
+            nodes.append(node)
+
+            def joined() -> bool:
+                # Up and Normal in every started node's view, and described to drivers by each.
+                for other in nodes:
+                    other.check_running()
+                if not all(other.connected() for other in nodes):
+                    return False
+                addresses = {other.address for other in nodes}
+                for other in nodes:
+                    gossip = other.gossip()
+                    if any(gossip.get(address) != "NORMAL" for address in addresses):
+                        return False
+                    if other.described_peers() != addresses - {other.address}:
+                        return False
+                return True
+
+            wait_for(f"{name} to join the ring as node {n}", joined, timeout=300)
+            print(f"node {n} answered CQL in the ring {time.monotonic() - started:.1f}s after `podman run`")
+        print(f"the ring of 3 formed {time.monotonic() - first_started:.1f}s after the first `podman run`")
+
+        first, second, third = nodes
+        assert len({node.address for node in nodes}) == 3
+        assert first.session.execute("SELECT cluster_name FROM system.local").one().cluster_name == "casque-ring-test"
+        racks = {str(row.peer): row.rack for row in first.session.execute("SELECT peer, rack FROM system.peers")}
+        assert racks == {second.address: "rack2", third.address: "rack3"}
+        first.session.execute("CREATE KEYSPACE ring_test WITH replication = "
+                              "{'class': 'NetworkTopologyStrategy', 'dc1': 3}")
+        first.session.execute("CREATE TABLE ring_test.t (k text PRIMARY KEY, v int)")
+
+        def has_table(node: RingNode) -> bool:
+            rows = node.session.execute("SELECT table_name FROM system_schema.tables WHERE keyspace_name = 'ring_test'")
+            return [row.table_name for row in rows] == ["t"]
+
+        wait_for("every node to have the table", lambda: all(has_table(node) for node in nodes), timeout=120)
+        first.session.execute(SimpleStatement("INSERT INTO ring_test.t (k, v) VALUES ('a', 1)",
+                                              consistency_level=ConsistencyLevel.QUORUM))
+        select = SimpleStatement("SELECT k, v FROM ring_test.t WHERE k = 'a'",
+                                 consistency_level=ConsistencyLevel.QUORUM)
+        assert [tuple(row) for row in second.session.execute(select)] == [("a", 1)]
+
+        # A node stops as a pod does: SIGTERM, on which it drains and tells the ring it is
+        # shutting down; the others then count it out at once.
+        assert podman("stop", third.name, timeout=120).returncode == 0
+        assert third.process.wait(60) == 143
+        wait_for(f"{second.name} to see {third.name} shut down",
+                 lambda: second.gossip().get(third.address) == "shutdown", timeout=60)
+        assert [tuple(row) for row in second.session.execute(select)] == [("a", 1)]
+        # Two of three replicas answer a QUORUM, not ALL: the read above did without the third.
+        # (Without a retry policy of its own the driver would retry on another host first.)
+        everyone = SimpleStatement("SELECT k, v FROM ring_test.t WHERE k = 'a'",
+                                   consistency_level=ConsistencyLevel.ALL, retry_policy=FallthroughRetryPolicy())
+        with pytest.raises(Unavailable) as refused:
+            second.session.execute(everyone)
+        assert (refused.value.alive_replicas, refused.value.required_replicas) == (2, 3)
+    finally:
+        for node in nodes:
+            node.close()
