@@ -295,6 +295,43 @@ def test_the_zookeeper_image_starts_the_jvm_as_the_local_server_does(contexts: d
     assert "-Xmx300m" in image and (conf / "zoo.cfg").is_file()
 
 
+def test_the_cassandra_image_starts_the_jvm_as_the_local_node_does(contexts: dict[str, Path], tmp_path: Path) -> None:
+    """bin/start's argv is CassandraNode.java_command()'s with the image's paths and the heap
+    from the environment, without the local ring's short ring delay, plus its scratch space."""
+    from casque.devstack.cassandra import CassandraNode
+
+    conf = tmp_path / "conf"
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        4026532 kB\n")
+    image = run_start_with_a_stand_in_java(contexts["cassandra"] / "bin" / "start", tmp_path, {
+        "HOSTNAME": "localhost", "CASSANDRA_HOME": str(contexts["cassandra"]), "CASSANDRA_CONF_DIR": str(conf),
+        "CASSANDRA_MEMORY_LIMIT_FILES": str(tmp_path / "none"), "CASSANDRA_MEMINFO": str(meminfo),
+        "MAX_HEAP_SIZE": "1000M",
+    })
+    local = CassandraNode(tmp_path / "local", heap_mb=1000, datacenter="dc1")
+    d = local.directory.resolve()
+    jamm = CASSANDRA.jar("jamm")
+    paths = {
+        "-Xms1000m": "-Xms1000M", "-Xmx1000m": "-Xmx1000M",
+        f"-javaagent:{jamm}": f"-javaagent:/opt/cassandra/lib/{jamm.name}",
+        f"-Dcassandra.config=file://{d}/cassandra.yaml": f"-Dcassandra.config=file://{conf}/cassandra.yaml",
+        f"-Dcassandra-rackdc.properties=file://{d}/cassandra-rackdc.properties":
+            f"-Dcassandra-rackdc.properties=file://{conf}/cassandra-rackdc.properties",
+        f"-Dcassandra.storagedir={d}": "-Dcassandra.storagedir=/var/lib/cassandra",
+        f"-Dcassandra.logdir={d}/logs": "-Dcassandra.logdir=/var/log/cassandra",
+        f"-Dlogback.configurationFile={d}/logback.xml": "-Dlogback.configurationFile=/opt/cassandra/conf/logback.xml",
+        CASSANDRA.classpath(): "/opt/cassandra/lib/*",
+    }
+    command = local.java_command()
+    assert command[:2] == ["java", f"-Dcasque.owner={d}"]
+    # A pod may join a ring in service, which Cassandra's own ring delay is for.
+    expected = [paths.get(arg, arg) for arg in command[2:] if arg != "-Dcassandra.ring_delay_ms=1000"]
+    assert [arg for arg in image if arg != "-Djava.io.tmpdir=/tmp"] == expected
+    assert image.count("-Djava.io.tmpdir=/tmp") == 1
+    assert expected[-1] == "org.apache.cassandra.service.CassandraDaemon"
+    assert (conf / "cassandra.yaml").is_file()
+
+
 @pytest.mark.parametrize(
     ("answer", "serving"),
     [
