@@ -203,8 +203,7 @@ def test_the_chart_runs_the_operator_and_the_example_app_publishes_and_receives_
         kubectl("create", "namespace", shop)
         run_the_example_app(kubectl, kube_node, node_images, shop)
     except BaseException:
-        for namespace in (system, shop):
-            print(kubectl("get", "pods,events", "-n", namespace, "-o", "wide", check=False))
+        kubectl.show(system, shop)
         raise
     finally:
         remove_the_app(kubectl, shop)
@@ -233,8 +232,7 @@ def test_the_chart_with_its_own_zookeeper_and_cassandra_serves_the_example_app(
     try:
         run_the_example_app(kubectl, node, node_images, shop)
     except BaseException:
-        for each in (namespace, shop):
-            print(kubectl("get", "pods,events", "-n", each, "-o", "wide", check=False))
+        kubectl.show(namespace, shop)
         raise
     finally:
         remove_the_app(kubectl, shop)
@@ -375,8 +373,7 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
         print(f"history: {len(history.published)} published, {len(history.deliveries)} deliveries "
               f"({history.redeliveries()} again), {len(history.acks)} acks")
     except BaseException:
-        for each in (namespace, shop):
-            print(kubectl("get", "pods,events", "-n", each, "-o", "wide", check=False))
+        kubectl.show(namespace, shop)
         raise
     finally:
         remove_the_app(kubectl, shop)
