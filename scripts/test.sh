@@ -7,6 +7,10 @@
 #
 # CASQUE_TEST_STRESS=1 runs the suite with a CPU hog beside it (one busy process per core),
 # as on a machine shared with other work: a test that fails only then is still a bug.
+#
+# Two workers run the suite (pytest-xdist; CASQUE_TEST_WORKERS changes how many, 0 runs it in
+# this process): it waits on servers far more than it computes. tests/fixtures/distribution.py
+# says which tests share a worker.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -14,6 +18,10 @@ bash scripts/install-kube-tools.sh
 bash scripts/install-spark.sh
 bash scripts/install-podman.sh
 bash scripts/install-node.sh
+workers=()
+if [ "${CASQUE_TEST_WORKERS:-2}" != "0" ]; then
+  workers=(-n "${CASQUE_TEST_WORKERS:-2}" --dist loadgroup)
+fi
 if [ "${CASQUE_TEST_STRESS:-0}" = "1" ]; then
   hogs=()
   for _ in $(seq "$(nproc)"); do
@@ -22,7 +30,7 @@ if [ "${CASQUE_TEST_STRESS:-0}" = "1" ]; then
   done
   trap 'kill "${hogs[@]}" 2>/dev/null || true' EXIT
   echo "stress: ${#hogs[@]} CPU hog(s) beside the suite (pids ${hogs[*]})"
-  .venv/bin/python -m pytest "$@"
+  .venv/bin/python -m pytest "${workers[@]}" "$@"
 else
-  exec .venv/bin/python -m pytest "$@"
+  exec .venv/bin/python -m pytest "${workers[@]}" "$@"
 fi

@@ -18,7 +18,7 @@ from kazoo.client import KazooClient
 from casque.engine import catalog
 from casque.schema import QueueRef, read_table_options
 from casque.store import Store
-from tests.fixtures.stack import Backends
+from tests.fixtures.stack import Backends, drop_keyspace
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +86,7 @@ def local(backends: Backends, cql: Session, tmp_path: Path) -> Iterator[Local]:
     try:
         yield Local(env, store, tmp_path)
     finally:
-        cql.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+        drop_keyspace(cql, keyspace)
         zk.delete(top, recursive=True)
         zk.stop()
         zk.close()

@@ -43,7 +43,9 @@ def casque(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
 
 
 def owned_processes(state: Path) -> list[str]:
-    marker = f"-Dcasque.owner={state.resolve()}"
+    # The owner is `state` or a directory below it, never one that only starts with its name:
+    # another session's dev stack lives in `<state>-1`.
+    marker = re.compile(re.escape(f"-Dcasque.owner={state.resolve()}") + "(/|\x00|$)")
     found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -51,7 +53,7 @@ def owned_processes(state: Path) -> list[str]:
                 cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
             except OSError:
                 continue
-            if marker in cmdline:
+            if marker.search(cmdline):
                 found.append(proc.name)
     return found
 

@@ -29,7 +29,7 @@ from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from tests.fixtures.history import Ack, Delivery, History, check
-from tests.fixtures.stack import chroot_on
+from tests.fixtures.stack import chroot_on, drop_keyspace
 from tests.fixtures.waiting import wait_for
 
 QUEUE = QueueRef("default", "two-dcs")
@@ -64,7 +64,7 @@ def dc_stores(dc_ring: Stack, dc_zk_hosts: str) -> Iterator[dict[str, Store]]:
         yield stores
     finally:
         if stores:
-            next(iter(stores.values())).session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+            drop_keyspace(next(iter(stores.values())).session, keyspace)
         for store in stores.values():
             store.close()
 

@@ -37,7 +37,7 @@ from casque.operator.resources import FINALIZER, GROUP, QUEUES, SUBSCRIBERS, VER
 from casque.schema import QueueRef, drop_messages_table_ddl, read_table_options
 from casque.store import Store
 from tests.fixtures.kube import kube_tool
-from tests.fixtures.stack import Backends
+from tests.fixtures.stack import Backends, drop_keyspace
 from tests.fixtures.waiting import refused_port, reserved_port, wait_for
 
 pytestmark = pytest.mark.integration
@@ -116,7 +116,7 @@ def backend(backends: Backends, cql: Session, kube_cluster: KubeCluster) -> Iter
     try:
         yield Backend(keyspace, store.zk_root, env, store)
     finally:
-        cql.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+        drop_keyspace(cql, keyspace)
         zk.delete(top, recursive=True)
         zk.stop()
         zk.close()

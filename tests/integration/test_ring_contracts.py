@@ -23,6 +23,7 @@ from casque.errors import BackendUnavailable, PublishOutcomeUnknown
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from tests.fixtures.stack import drop_keyspace
 
 QUEUE = QueueRef("default", "contended")
 SPEC = QueueSpec(shards=1, retention_seconds=3600)  # consistency: the default, LOCAL_QUORUM
@@ -41,7 +42,7 @@ def ring_store(ring: Stack, zk: KazooClient) -> Iterator[Store]:
     try:
         yield store
     finally:
-        session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+        drop_keyspace(session, keyspace)
         cluster.shutdown()
 
 

@@ -39,7 +39,7 @@ from casque.sidecar.app import create_app
 from casque.sidecar.config import SidecarSettings
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from tests.fixtures.stack import chroot_on
+from tests.fixtures.stack import chroot_on, drop_keyspace
 
 QUEUE = QueueRef("default", "payments")
 SUBSCRIBER = "ledger"
@@ -79,7 +79,7 @@ def settings(secure_stack: Stack, secure_zk_hosts: str) -> Iterator[Settings]:
     yield secure_settings(secure_stack, keyspace, secure_zk_hosts)
     admin = Store.open(secure_settings(secure_stack, keyspace, secure_zk_hosts))
     try:
-        admin.session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+        drop_keyspace(admin.session, keyspace)
     finally:
         admin.close()
 
