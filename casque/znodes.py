@@ -8,13 +8,17 @@
         .../subscribers/{sub}/fences/{shard}                  bumped by every lease acquisition of the shard
         .../subscribers/{sub}/members/{member}                ephemeral: a live consumer (sidecar)
         .../subscribers/{sub}/leases/{shard}                  ephemeral: the member consuming the shard
-        .../subscribers/{sub}/seek                            the latest seek request (JSON)
+        .../subscribers/{sub}/seek                            the latest seek request (JSON; empty before any)
         .../subscribers/{sub}/cursors/{shard}                 shared delivery: first unclaimed batch ("N@E")
         .../subscribers/{sub}/claims/{shard}/{E}-{start}      shared delivery: a member's claimed batch range (JSON)
     {root}/queues/{namespace}/{queue}/mover                   election of the delayed-message mover
-    {root}/queues/{namespace}/{queue}/redrive                 redrive watermark of a dead-letter queue (JSON)
+    {root}/queues/{namespace}/{queue}/redrive                 redrive watermark of a dead-letter queue (JSON; empty before any)
     {root}/grants/{namespace}/{queue}                         what the installation granted the queue (JSON,
                                                               casque.engine.grants): outside the namespace's subtree
+
+The installation (the operator, `casque apply`) makes the queue's and the subscriber's znodes
+down to the containers its sidecars create in (members, leases, fences, cursors, claims, the
+mover): a namespace's identity may create nowhere else (casque.backends.zkacl).
 
 Heads are decimal integers in the znode data. An offset is "N@E": the batch N and the seek
 epoch E of the shard that keys its ack records ("N" alone is epoch 0), so a reader gets both
@@ -110,11 +114,19 @@ class SubscriberPaths:
     def seek(self) -> str:
         return f"{self.base}/seek"
 
+    @property
+    def cursors(self) -> str:
+        return f"{self.base}/cursors"
+
     def cursor(self, shard: int) -> str:
-        return f"{self.base}/cursors/{shard}"
+        return f"{self.cursors}/{shard}"
+
+    @property
+    def claims_root(self) -> str:
+        return f"{self.base}/claims"
 
     def claims(self, shard: int) -> str:
-        return f"{self.base}/claims/{shard}"
+        return f"{self.claims_root}/{shard}"
 
 
 def queue_paths(root: str, queue: QueueRef) -> QueuePaths:

@@ -16,14 +16,37 @@ Two kinds of identity authenticate to ZooKeeper:
   per namespace.)
 
 The ACLs, by path (ZooKeeper checks only the ACL of the znode an operation names, and a
-create or delete the ACL of the parent, never the ancestors'):
+create or delete the ACL of the parent, never the ancestors'). Below a namespace znode a
+znode's ACL follows what the znode is (`namespace_perms`), not merely where it is: the
+installation has every right everywhere, and the namespace's identity what its sidecars
+need there and no more:
 
-    {root}, {root}/queues                  installation: all
-    {root}/queues/<ns>                     installation: all; <ns>: read (it lists its queues,
-                                           and cannot create or delete queues itself)
-    {root}/queues/<ns>/<anything below>    installation: all; <ns>: read, write, create, delete
-    {root}/grants/<ns>, and below          installation: all; <ns>: read (what the operator granted
-                                           its queues, casque.engine.grants: never the namespace's to write)
+    {root}, {root}/queues                  installation only
+    {root}/queues/<ns>                     <ns>: read (it lists its queues, and cannot create
+                                           or delete queues itself)
+    .../<ns>/<q>                           <ns>: read. The queue's spec: written, and its
+                                           children (shards, subscribers, mover, redrive)
+                                           created, by the installation alone
+    .../<q>/shards, .../shards/<s>         <ns>: read. The shard layout: no head for a shard
+                                           the queue does not have
+    .../shards/<s>/head, .../totals        <ns>: read, write (publishers advance them)
+    .../<q>/redrive                        <ns>: read, write (redrive marks)
+    .../<q>/mover, and below               <ns>: read, write, create, delete (the mover's
+                                           cursor and its election)
+    .../<q>/subscribers                    <ns>: read
+    .../subscribers/<sub>                  <ns>: read. The subscriber's spec (pushUrl,
+                                           maxDeliveries, ...), and the set of its children
+    .../<sub>/offsets                      <ns>: read (one offset per shard, made by the installation)
+    .../<sub>/offsets/<s>, .../<sub>/seek  <ns>: read, write (commits and seeks)
+    .../<sub>/members, leases, fences,     <ns>: read, write, create, delete: the znodes its
+      cursors, claims, and below           sidecars create and delete (the ACL it is given)
+    anything else below <ns>               <ns>: read
+    {root}/grants/<ns>, and below          <ns>: read (what the operator granted its queues,
+                                           casque.engine.grants: never the namespace's to write)
+
+So the installation creates every container znode (with the queue or the subscriber, or
+with a later apply for one made by an older casque), and a sidecar only ever creates below
+the containers it owns. A sidecar puts one ACL on all it creates, the owned one.
 
 No identity but the installation's has ADMIN anywhere, so a namespace can neither change
 an ACL nor lock the operator out of its znodes. Reads are restricted too: one namespace
@@ -57,8 +80,41 @@ from kazoo.security import ACL, Id, Permissions, make_digest_acl_credential
 
 from casque.derivation import ZOOKEEPER_IDENTITY, derive_password
 
-# What a namespace's identity may do below its namespace znode: everything but ADMIN.
-NAMESPACE_PERMS = Permissions.READ | Permissions.WRITE | Permissions.CREATE | Permissions.DELETE
+# What a namespace's identity may do on a znode below its namespace znode, by what the
+# znode is (`namespace_perms`). Never ADMIN.
+READ_ONLY: int = Permissions.READ
+# Made by the installation, written by sidecars: heads, totals, offsets, seek records.
+WRITABLE: int = Permissions.READ | Permissions.WRITE
+# The containers whose children sidecars create and delete, and those children. It is also
+# the ACL a sidecar puts on everything it creates (`AclPolicy.descendant_acl`).
+NAMESPACE_PERMS: int = Permissions.READ | Permissions.WRITE | Permissions.CREATE | Permissions.DELETE
+
+# Below a subscriber's znode: the containers its sidecars create and delete in (members,
+# leases, lease fences, shared delivery's cursors and claims). casque.znodes names them.
+SUBSCRIBER_OWNED = frozenset({"members", "leases", "fences", "cursors", "claims"})
+
+
+def namespace_perms(below: Sequence[str]) -> int:
+    """The namespace identity's permissions on `{root}/queues/<ns>/<below...>` (the path's
+    segments below the namespace znode, casque.znodes' layout).
+
+    Spec znodes (the queue's, its subscribers') and the znodes that give the queue its shape
+    (shards, the subscribers container, a subscriber's offsets container) are read-only: a
+    namespace can neither rewrite a spec nor create a shard, a head, a subscriber or an
+    offset. A path the layout does not know is read-only too, so a znode a future casque
+    adds is closed until this policy names it.
+    """
+    match list(below):
+        case [_, "shards", _, "head" | "totals"] | [_, "redrive"]:
+            return WRITABLE
+        case [_, "subscribers", _, "offsets", _] | [_, "subscribers", _, "seek"]:
+            return WRITABLE
+        case [_, "subscribers", _, owned, *_] if owned in SUBSCRIBER_OWNED:
+            return NAMESPACE_PERMS
+        case [_, "mover", *_]:
+            return NAMESPACE_PERMS
+        case _:
+            return READ_ONLY
 
 
 # How an identity logs in, and so the scheme of its ACL entries.
@@ -110,11 +166,11 @@ def namespace_identity(installation_user: str, derivation_key: str, namespace: s
     return Identity(f"{installation_user}.{namespace}", derive_password(derivation_key, ZOOKEEPER_IDENTITY, namespace))
 
 
-def widen(namespace_acl: Sequence[ACL]) -> list[ACL]:
-    """The ACL of the znodes below a namespace znode, from the namespace znode's own ACL:
-    the read-only entries (the namespace's identities) get read, write, create and delete."""
+def widen(namespace_acl: Sequence[ACL], perms: int = NAMESPACE_PERMS) -> list[ACL]:
+    """The ACL of a znode below a namespace znode, from the namespace znode's own ACL: the
+    read-only entries (the namespace's identities) get `perms`; the installation's keep all."""
     return [
-        ACL(NAMESPACE_PERMS, entry.id) if entry.perms == Permissions.READ else ACL(entry.perms, entry.id)
+        ACL(perms, entry.id) if entry.perms == Permissions.READ else ACL(entry.perms, entry.id)
         for entry in namespace_acl
     ]
 
@@ -123,8 +179,9 @@ def widen(namespace_acl: Sequence[ACL]) -> list[ACL]:
 class AclPolicy:
     """The ACL of a create, by path (paths as the client sees them, under its chroot).
 
-    `namespace_acl(ns)` gives the ACL of `{root}/queues/<ns>`; everything below it gets that
-    ACL widened. Anything else gets `installation_acl`.
+    `namespace_acl(ns)` gives the ACL of `{root}/queues/<ns>`; a znode below it gets that
+    ACL with the namespace's permissions of `namespace_perms`. Anything else gets
+    `installation_acl`.
     """
 
     root: str
@@ -143,10 +200,11 @@ class AclPolicy:
         if namespace is None:
             return list(self.installation_acl)
         acl = self.namespace_acl(namespace)
-        return widen(acl) if below else list(acl)
+        return widen(acl, namespace_perms(below)) if below else list(acl)
 
     def descendant_acl(self, namespace: str) -> list[ACL]:
-        """The ACL of the znodes below `namespace`'s znode: what its sidecars must create with."""
+        """The ACL its sidecars create with: the owned one (NAMESPACE_PERMS), which the
+        server lets them use only below the containers they own."""
         return widen(self.namespace_acl(namespace))
 
     def grants_of(self, path: str) -> str | None:
@@ -156,14 +214,14 @@ class AclPolicy:
             return None
         return path[len(prefix):].partition("/")[0] or None
 
-    def split(self, path: str) -> tuple[str | None, bool]:
-        """(namespace, whether the path is below the namespace znode) for a path under
-        `{root}/queues/<ns>`; (None, False) for any other path."""
+    def split(self, path: str) -> tuple[str | None, tuple[str, ...]]:
+        """(namespace, the path's segments below the namespace znode) for a path under
+        `{root}/queues/<ns>`; (None, ()) for any other path."""
         prefix = f"{self.root.rstrip('/')}/queues/"
         if not path.startswith(prefix):
-            return None, False
+            return None, ()
         namespace, _, rest = path[len(prefix):].partition("/")
-        return (namespace or None), bool(rest)
+        return (namespace or None), tuple(rest.split("/")) if rest else ()
 
 
 def installation_policy(root: str, identities: Sequence[Identity], derivation_keys: Sequence[str]) -> AclPolicy:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError, RolledBackError
+from kazoo.security import ANYONE_ID_UNSAFE
 
 from casque.engine import grants, positions, schema_versions
 from casque.engine.delayed import Cursor
@@ -95,15 +96,20 @@ def secure_znodes(store: Store, namespace: str | None = None) -> int:
     ACL from its creator, or, from a sidecar still without credentials, an open one that the
     next run fixes.
     """
-    policy = getattr(store.zk, "acl_policy", None)
-    if policy is None:
+    if getattr(store.zk, "acl_policy", None) is None:
         raise InvalidSpec("no ZooKeeper credentials are configured (CASQUE_ZOOKEEPER_USERNAME/_PASSWORD)")
     if namespace:
         name = validate_name("namespace", namespace)
         # Its grants too: outside its subtree, but their ACL names the namespace's identity.
-        pending = [f"{queues_root(store.zk_root)}/{name}", f"{store.zk_root.rstrip('/')}/grants/{name}"]
-    else:
-        pending = [store.zk_root]
+        return (secure_tree(store, f"{queues_root(store.zk_root)}/{name}")
+                + secure_tree(store, f"{store.zk_root.rstrip('/')}/grants/{name}"))
+    return secure_tree(store, store.zk_root)
+
+
+def secure_tree(store: Store, top: str) -> int:
+    """Give `top` and every znode below it the ACL of the policy where it differs; how many changed."""
+    policy = store.zk.acl_policy
+    pending = [top]
     changed = 0
     while pending:
         path = pending.pop()
@@ -211,10 +217,18 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
         if _create_if_absent(store, paths.head(shard), b"0") and current is not None:
             changes.actions.append(f"shard {shard} added")
         _create_if_absent(store, paths.totals(shard), b"")
+    _create_if_absent(store, paths.redrive, b"")  # a queue made before the installation made it
     # Subscribers read new shards from their first batch.
-    for name in list_subscribers(store, queue):
+    subscribers = list_subscribers(store, queue)
+    for name in subscribers:
         for shard in spec.log_shards():
             _create_if_absent(store, paths.subscriber(name).offset(shard), b"1")
+    if current is not None and _acl_outdated(store, paths.base):
+        # Znodes made by a casque whose namespaces could write every znode of their queues:
+        # the containers its sidecars used to create themselves first, then the ACLs.
+        for name in subscribers:
+            _ensure_subscriber_containers(store, paths.subscriber(name))
+        changes.actions.append(f"ACLs of {secure_tree(store, paths.base)} znodes restricted")
     tables = count_queue_tables(store.session, keyspace)
     if tables >= TABLE_COUNT_WARNING:
         changes.warnings.append(
@@ -239,6 +253,9 @@ def _create_queue_znodes(store: Store, queue: QueueRef, spec: QueueSpec, schema_
     store.zk.create(paths.subscribers, b"")
     # The delayed-message mover starts from the queue's creation (see casque.engine.delayed).
     store.zk.create(paths.mover, Cursor(state.created_at, state.created_at).encode())
+    # Made here, where the queue's children are made: a namespace's identity may write the
+    # marks but create nothing below its queue's spec znode (casque.backends.zkacl).
+    store.zk.create(paths.redrive, b"")
     for shard in spec.log_shards():
         store.zk.create(paths.head(shard), b"0", makepath=True)
         store.zk.create(paths.totals(shard), b"")
@@ -333,7 +350,10 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
         store.zk.ensure_path(store.paths(queue).subscribers)
         transaction = store.zk.transaction()
         transaction.create(paths.base, _subscriber_json(state))
-        for directory in (paths.offsets, paths.members, paths.leases, paths.fences):
+        # Every container of the subscriber, and its seek record: the namespace's sidecars
+        # create in these and write that, but may create nothing below the subscriber's spec
+        # znode (casque.backends.zkacl).
+        for directory in (*_subscriber_containers(paths), paths.seek):
             transaction.create(directory, b"")
         for shard, offset in offsets.items():
             transaction.create(paths.offset(shard), str(offset).encode())
@@ -344,10 +364,47 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
                 return apply_subscriber(store, queue, name, spec)  # created meanwhile by someone else
             raise cause
         changes.actions.append(f"subscriber created at {_describe(spec.start_position)}")
-    elif current.spec != spec:
-        store.zk.set(paths.base, _subscriber_json(current.model_copy(update={"spec": spec})))
-        changes.actions.append("subscriber spec updated")
+    else:
+        if current.spec != spec:
+            store.zk.set(paths.base, _subscriber_json(current.model_copy(update={"spec": spec})))
+            changes.actions.append("subscriber spec updated")
+        if _acl_outdated(store, paths.base):
+            _ensure_subscriber_containers(store, paths)
+            changes.actions.append(f"ACLs of {secure_tree(store, paths.base)} znodes restricted")
     return changes
+
+
+def _subscriber_containers(paths: SubscriberPaths) -> tuple[str, ...]:
+    return (paths.offsets, paths.members, paths.leases, paths.fences, paths.cursors, paths.claims_root)
+
+
+def _ensure_subscriber_containers(store: Store, paths: SubscriberPaths) -> None:
+    """The containers and seek record a subscriber made by an older casque may lack (its
+    sidecars created them then). Never with makepath: that would bring back a subscriber
+    deleted meanwhile, empty."""
+    for path in (*_subscriber_containers(paths), paths.seek):
+        if store.zk.exists(path) is not None:
+            continue
+        try:
+            store.zk.create(path, b"")
+        except (NodeExistsError, NoNodeError):
+            pass  # made by a sidecar meanwhile, or the subscriber is gone
+
+
+def _acl_outdated(store: Store, path: str) -> bool:
+    """Whether `path`'s ACL differs from the policy's, while the installation's znodes are
+    secured: open znodes (an installation that ran without authentication) wait for
+    `casque secure-znodes`, once sidecars hold credentials (docs/security.md)."""
+    policy = getattr(store.zk, "acl_policy", None)
+    if policy is None:
+        return False
+    try:
+        acl, _ = store.zk.get_acls(path)
+    except NoNodeError:
+        return False
+    if any(entry.id == ANYONE_ID_UNSAFE for entry in acl):
+        return False
+    return set(acl) != set(policy.acl_for(path))
 
 
 def delete_subscriber(store: Store, queue: QueueRef, name: str) -> Changes:

@@ -118,8 +118,14 @@ async def read_cursor(client: KazooClient, paths: SubscriberPaths, shard: int) -
 
 async def ensure_dirs(client: KazooClient, paths: SubscriberPaths, shard: int) -> None:
     """The shard's claims directory and the cursors directory. Never with makepath: that would
-    bring back a subscriber deleted meanwhile, empty."""
-    for path in (f"{paths.base}/cursors", f"{paths.base}/claims", paths.claims(shard)):
+    bring back a subscriber deleted meanwhile, empty.
+
+    Only the missing ones: ZooKeeper checks the parent's ACL before it says a znode exists,
+    and the cursors and claims containers are the installation's to create (they come with
+    the subscriber), so a create of one that exists is refused, not NodeExists."""
+    for path in (paths.cursors, paths.claims_root, paths.claims(shard)):
+        if await zk.call(client.exists_async, path) is not None:
+            continue
         try:
             await zk.call(client.create_async, path, b"")
         except NodeExistsError:

@@ -30,7 +30,7 @@ from kazoo.security import OPEN_ACL_UNSAFE, Permissions
 from pydantic import SecretStr
 
 from casque.backends import zk
-from casque.backends.zkacl import Identity, format_acl, installation_policy, namespace_identity
+from casque.backends.zkacl import Identity, format_acl, installation_policy, namespace_identity, widen
 from casque.config import Settings
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
@@ -38,7 +38,7 @@ from casque.engine.grants import QueueGrant
 from casque.errors import AccessDenied, InvalidSpec, QuotaExceeded
 from casque.operator import reconcile, tenancy
 from casque.schema import QueueRef
-from casque.specs import QueueSpec, QueueState, SubscriberSpec
+from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState
 from casque.store import Store
 from casque_client import AsyncClient
 from tests.fixtures.sidecars import SidecarProcess
@@ -169,22 +169,93 @@ def test_a_namespace_identity_reaches_its_own_namespace_only(
     assert catalog.delete_subscriber(operator_store, A, "billing").changed  # members of A's sidecars included
 
 
-async def test_a_namespace_that_rewrites_its_queue_spec_is_fenced_until_the_operator_restores_it(
+def test_a_namespace_writes_only_what_its_sidecars_write(
     operator_store: Store, zk_hosts: str, clients: list[KazooClient]
 ) -> None:
-    """A namespace's identity may write its own spec znode (its sidecars write below it), so
-    it can rewrite its queue to 256 shards and 10 priority levels; the quota holds anyway:
-    the engine acts on no spec beyond the queue's grant, which the namespace cannot write,
-    and the operator's next apply restores the spec (no InvalidChange for "removing" shards)."""
+    """Issue 31's attacks with a namespace's own credentials: it rewrites its Subscriber's
+    spec (pushUrl, maxDeliveries) and its Queue's (256 shards, 10 priority levels), creates
+    a head for a log its queue does not have, a subscriber and an offset of its own making,
+    and deletes what the installation made. ZooKeeper refuses each; what its sidecars write
+    (heads, offsets, seeks, members, leases, fences, cursors, claims, the mover) it still
+    writes. Every refusal below was accepted while a namespace could write every znode of
+    its queues."""
+    tenant = connect_as(zk_hosts, A.namespace, clients)
+    paths = operator_store.paths(A)
+    own = paths.subscriber("billing")
+    queue_before, _ = tenant.get(paths.base)
+    subscriber_before, _ = tenant.get(own.base)
+    state = SubscriberState.model_validate_json(subscriber_before)
+    hijacked = state.model_copy(update={"spec": state.spec.model_copy(update={
+        "push_url": "http://attacker.example/steal", "max_deliveries": 1000})})
+    queue = QueueState.model_validate_json(queue_before)
+    grown = queue.model_copy(update={"spec": queue.spec.model_copy(update={"shards": 256, "priorities": 10})})
+
+    for attack in (
+        lambda: tenant.set(own.base, hijacked.model_dump_json(exclude_none=True).encode()),
+        lambda: tenant.set(paths.base, grown.model_dump_json().encode()),
+        lambda: tenant.create(paths.head(9255), b"0", makepath=True),
+        lambda: tenant.create(f"{paths.shards}/1/head-of-nothing", b"0"),
+        lambda: tenant.delete(paths.head(1)),
+        lambda: tenant.create(paths.subscriber("rogue").base, b"{}"),
+        lambda: tenant.delete(own.base, recursive=True),
+        lambda: tenant.create(own.offset(7), b"1"),
+        lambda: tenant.delete(own.offset(0)),
+        lambda: tenant.delete(own.seek),
+        lambda: tenant.create(f"{own.base}/rogue", b""),
+        lambda: tenant.create(f"{paths.base}/rogue", b""),
+    ):
+        with pytest.raises(NoAuthError):
+            attack()
+    assert operator_store.zk.get(paths.base)[0] == queue_before
+    assert operator_store.zk.get(own.base)[0] == subscriber_before
+    assert sorted(operator_store.zk.get_children(paths.shards)) == ["0", "1"]
+    assert catalog.list_subscribers(operator_store, A) == ["billing"]
+
+    # What its sidecars do, by hand: advance a head and its totals, commit and seek an
+    # offset, register a member, take a lease and its fence, claim a range, move the mover,
+    # contend for its election, mark a redrive.
+    tenant.set(paths.head(0), b"0")
+    tenant.set(paths.totals(0), b"0 0 0")
+    tenant.set(own.offset(0), b"1")
+    tenant.set(own.seek, b"{}")
+    tenant.set(paths.redrive, b"{}")
+    tenant.create(own.member("m1"), b"{}", ephemeral=True)
+    tenant.create(own.fence(0), b"")
+    tenant.create(own.lease(0), b"m1", ephemeral=True)
+    tenant.create(own.cursor(0), b"1")
+    tenant.create(f"{own.claims(0)}/0-1", b"{}", makepath=True)
+    tenant.delete(f"{own.claims(0)}/0-1")
+    tenant.set(paths.mover, tenant.get(paths.mover)[0])
+    tenant.create(f"{paths.mover}/election/contender-", b"", ephemeral=True, sequence=True, makepath=True)
+    tenant.delete(own.lease(0))
+
+
+async def test_a_queue_from_before_the_policy_is_fenced_until_the_operator_restores_and_restricts_it(
+    operator_store: Store, zk_hosts: str, clients: list[KazooClient]
+) -> None:
+    """Znodes made by a casque whose namespaces could write every znode of their queues keep
+    that ACL until the installation re-applies them. Meanwhile the quota still holds: the
+    engine acts on no spec beyond the queue's grant, which the namespace cannot write. The
+    operator's next apply restores the spec (no InvalidChange for "removing" shards), makes
+    the containers the namespace used to create itself, and gives the queue's znodes their
+    ACL: from then on the namespace cannot write its spec."""
     approved = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    paths = operator_store.paths(A)
+    own = paths.subscriber("billing")
+    # As an older casque left them: no redrive, seek, cursors or claims znodes (its sidecars
+    # made those), and every znode below the namespace writable by it.
+    for made_by_sidecars in (paths.redrive, own.seek, own.cursors, own.claims_root):
+        operator_store.zk.delete(made_by_sidecars)
+    old_acl = widen(installation_policy(ROOT, [INSTALLATION], [KEY]).namespace_acl(A.namespace))
+    for path in walk(operator_store.zk, paths.base):
+        operator_store.zk.set_acls(path, old_acl)
+
     tenant = connect_as(zk_hosts, A.namespace, clients)
     tenant_store = Store(operator_store.session, tenant, operator_store.keyspace, ROOT, REPLICATION)
     assert catalog.read_queue(tenant_store, A).spec.shards == 2
-    paths = operator_store.paths(A)
-
     state = QueueState.model_validate_json(tenant.get(paths.base)[0])
     grown = state.model_copy(update={"spec": state.spec.model_copy(update={"shards": 256, "priorities": 10})})
-    tenant.set(paths.base, grown.model_dump_json().encode())  # the attack: allowed by the ACLs
+    tenant.set(paths.base, grown.model_dump_json().encode())  # the old ACL allows it
     tenant.create(paths.head(9255), b"0", makepath=True)
     # The grant is outside the namespace's subtree: it reads it, never writes or replaces it.
     assert QueueGrant.model_validate_json(tenant.get(paths.grant)[0]).shards == 2
@@ -201,14 +272,32 @@ async def test_a_namespace_that_rewrites_its_queue_spec_is_fenced_until_the_oper
     with pytest.raises(QuotaExceeded):
         await Consumer(tenant_store, A, "billing").start()
 
-    # The operator's next apply puts the approved spec back, and the queue serves again.
+    # The operator's next apply puts the approved spec back and restricts the ACLs, and
+    # the queue serves again.
     changes = catalog.apply_queue(operator_store, A, approved)
     assert "queue spec restored (it was changed outside the operator)" in changes.actions
+    assert any(action.startswith("ACLs of ") for action in changes.actions), changes.actions
     assert catalog.read_queue(tenant_store, A).spec == approved
+    assert not catalog.apply_subscriber(operator_store, A, "billing", SubscriberSpec(
+        queue=A.name, start_position="earliest")).changed  # its apply finds nothing left to do
+    assert_acls_follow(operator_store.zk, installation_policy(ROOT, [INSTALLATION], [KEY]), under=[paths.base])
+    with pytest.raises(NoAuthError):
+        tenant.set(paths.base, grown.model_dump_json().encode())
+    tenant.set(own.seek, b"{}")  # made by the apply, for its sidecars to write
     # Growth the installation applies is granted with it.
     catalog.apply_queue(operator_store, A, approved.model_copy(update={"shards": 3}))
     assert catalog.read_queue(tenant_store, A).spec.shards == 3
     assert QueueGrant.model_validate_json(tenant.get(paths.grant)[0]).shards == 3
+
+
+def walk(client: KazooClient, top: str) -> list[str]:
+    """`top` and every znode below it."""
+    found, pending = [], [top]
+    while pending:
+        path = pending.pop()
+        found.append(path)
+        pending.extend(f"{path}/{child}" for child in client.get_children(path))
+    return found
 
 
 def test_a_sidecar_given_another_namespaces_credentials_is_refused_clearly(
@@ -277,12 +366,26 @@ async def test_a_sidecar_with_its_namespaces_credentials_serves_it_and_creates_o
         await client.seek("earliest", subscriber="pool")
         assert await client.receive(max=5, wait=10, subscriber="pool")
 
-    # Members, leases, fences, cursors, claims, seek records, the mover's election: all
-    # made by the sidecar, walked while it still runs (its ephemeral znodes exist).
-    members = operator_store.paths(A).subscriber("pool").members
-    wait_for("the sidecar's member znodes", lambda: operator_store.zk.get_children(members))
-    # The pool's open range (five messages received, not acked) is on either shard.
+    # A second sidecar of the namespace: both consumer groups form, the leased subscriber's
+    # two shards spread over the two members.
+    start_sidecar("--queue", A.name, "--subscriber", "billing", "--subscriber", "pool", env=env_of(A.namespace))
+    billing = operator_store.paths(A).subscriber("billing")
     pool = operator_store.paths(A).subscriber("pool")
+
+    def lease_holders() -> set[bytes] | None:
+        try:
+            held = {operator_store.zk.get(f"{billing.leases}/{shard}")[0]
+                    for shard in operator_store.zk.get_children(billing.leases)}
+        except NoNodeError:
+            return None  # a lease handed over meanwhile
+        return held if len(held) == 2 else None
+
+    wait_for("billing's shards leased by both sidecars", lease_holders)
+    wait_for("both sidecars members of the pool", lambda: len(operator_store.zk.get_children(pool.members)) == 2)
+
+    # Members, leases, fences, cursors, claims, seek records, the mover's election: all
+    # made by the sidecars, walked while they still run (their ephemeral znodes exist).
+    # The pool's open range (five messages received, not acked) is on either shard.
     assert any(operator_store.zk.exists(pool.claims(s)) and operator_store.zk.get_children(pool.claims(s))
                for s in (0, 1)), "no claim of the pool to check"
     assert assert_acls_follow(operator_store.zk, installation_policy(ROOT, [INSTALLATION], [KEY])) > 30

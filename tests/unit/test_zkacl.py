@@ -14,15 +14,20 @@ from pydantic import SecretStr, ValidationError
 
 from casque.backends.zkacl import (
     NAMESPACE_PERMS,
+    SUBSCRIBER_OWNED,
+    WRITABLE,
     Identity,
     format_acl,
     installation_policy,
     namespace_identity,
+    namespace_perms,
     namespace_policy,
     parse_acl,
     widen,
 )
 from casque.config import Settings
+from casque.schema import QueueRef
+from casque.znodes import queue_paths
 
 OWNER = Identity("casque", "p" * 40)
 PREVIOUS = Identity("casque", "q" * 40)
@@ -37,9 +42,78 @@ def test_each_path_gets_the_acl_of_its_level() -> None:
     for path in ("/casque", "/casque/queues", "/elsewhere", "/casque/queuesx/shop"):
         assert policy.acl_for(path) == [admin]
     assert policy.acl_for("/casque/queues/shop") == [admin, ACL(Permissions.READ, shop)]
-    for path in ("/casque/queues/shop/orders", "/casque/queues/shop/orders/subscribers/b/offsets/0"):
-        assert policy.acl_for(path) == [admin, ACL(NAMESPACE_PERMS, shop)]
+    assert policy.acl_for("/casque/queues/shop/orders") == [admin, ACL(Permissions.READ, shop)]
+    assert policy.acl_for("/casque/queues/shop/orders/subscribers/b/offsets/0") == [admin, ACL(WRITABLE, shop)]
+    assert policy.acl_for("/casque/queues/shop/orders/subscribers/b/members/m") == [admin, ACL(NAMESPACE_PERMS, shop)]
     assert policy.descendant_acl("shop") == [admin, ACL(NAMESPACE_PERMS, shop)]
+
+
+# What a namespace's identity may do on each znode of a queue, by what the znode is.
+PATHS = queue_paths("/casque", QueueRef("shop", "orders"))
+SUB = PATHS.subscriber("billing")
+NAMESPACE_RIGHTS = [
+    # The specs, and the znodes that make the queue's shape: read only.
+    (PATHS.base, Permissions.READ),
+    (PATHS.shards, Permissions.READ),
+    (f"{PATHS.shards}/0", Permissions.READ),
+    (PATHS.subscribers, Permissions.READ),
+    (SUB.base, Permissions.READ),
+    (SUB.offsets, Permissions.READ),
+    # Made by the installation, written by publishers, consumers and seeks.
+    (PATHS.head(0), WRITABLE),
+    (PATHS.totals(3), WRITABLE),
+    (PATHS.redrive, WRITABLE),
+    (SUB.offset(0), WRITABLE),
+    (SUB.seek, WRITABLE),
+    # The containers its sidecars create and delete in, and what they create there.
+    (SUB.members, NAMESPACE_PERMS),
+    (SUB.member("m-1"), NAMESPACE_PERMS),
+    (SUB.leases, NAMESPACE_PERMS),
+    (SUB.lease(2), NAMESPACE_PERMS),
+    (SUB.fences, NAMESPACE_PERMS),
+    (SUB.fence(2), NAMESPACE_PERMS),
+    (SUB.cursors, NAMESPACE_PERMS),
+    (SUB.cursor(1), NAMESPACE_PERMS),
+    (SUB.claims_root, NAMESPACE_PERMS),
+    (SUB.claims(1), NAMESPACE_PERMS),
+    (f"{SUB.claims(1)}/0-12", NAMESPACE_PERMS),
+    (PATHS.mover, NAMESPACE_PERMS),
+    (f"{PATHS.mover}/election/abc__lock__0000000001", NAMESPACE_PERMS),
+    # Whatever the layout does not name: read only, so nothing new is open by accident.
+    (f"{PATHS.base}/rogue", Permissions.READ),
+    (f"{PATHS.shards}/0/rogue", Permissions.READ),
+    (f"{PATHS.head(0)}/below", Permissions.READ),
+    (f"{SUB.base}/rogue", Permissions.READ),
+    (f"{SUB.offset(0)}/below", Permissions.READ),
+    (f"{SUB.seek}/below", Permissions.READ),
+]
+
+
+@pytest.mark.parametrize("path, perms", NAMESPACE_RIGHTS)
+def test_a_namespace_writes_what_its_sidecars_write_and_reads_the_rest(path: str, perms: int) -> None:
+    policy = installation_policy("/casque", [OWNER], [KEY])
+    shop = namespace_identity("casque", KEY, "shop").acl_id
+    assert policy.acl_for(path) == [ACL(Permissions.ALL, OWNER.acl_id), ACL(perms, shop)]
+    assert not perms & Permissions.ADMIN
+
+
+def test_a_namespace_can_neither_rewrite_a_spec_nor_add_a_shard_a_head_a_subscriber_or_an_offset() -> None:
+    """The attacks of issue 31, as rules: a set of a spec needs WRITE on it; a create of a
+    head for a shard the queue lacks needs CREATE on `shards`; a subscriber or an offset,
+    CREATE on their containers."""
+    below = PATHS.base.removeprefix("/casque/queues/shop/").split("/")
+    for spec in ([*below], [*below, "subscribers", "billing"]):
+        assert not namespace_perms(spec) & (Permissions.WRITE | Permissions.CREATE | Permissions.DELETE)
+    for container in ([*below, "shards"], [*below, "shards", "9255"], [*below, "subscribers"],
+                      [*below, "subscribers", "billing", "offsets"]):
+        assert not namespace_perms(container) & (Permissions.CREATE | Permissions.DELETE)
+
+
+def test_a_sidecar_owns_only_the_containers_named_in_the_layout() -> None:
+    """casque.znodes is the layout's one home; the policy names its containers by their last
+    segment, so each must be one of the layout's."""
+    named = {SUB.members, SUB.leases, SUB.fences, SUB.cursors, SUB.claims_root}
+    assert {path.rsplit("/", 1)[1] for path in named} == SUBSCRIBER_OWNED
 
 
 def test_a_namespace_reads_its_queues_grants_and_never_writes_them() -> None:
@@ -111,8 +185,10 @@ def test_a_sidecar_creates_everything_with_the_acl_it_was_given() -> None:
 
 def test_widening_touches_only_read_only_entries() -> None:
     assert widen(OPEN_ACL_UNSAFE) == OPEN_ACL_UNSAFE  # an installation without ACLs stays open
+    assert widen(OPEN_ACL_UNSAFE, WRITABLE) == OPEN_ACL_UNSAFE
     reader = ACL(Permissions.READ, Id("digest", "a:b"))
     assert widen([reader]) == [ACL(NAMESPACE_PERMS, Id("digest", "a:b"))]
+    assert widen([reader], WRITABLE) == [ACL(WRITABLE, Id("digest", "a:b"))]
 
 
 def test_the_text_form_round_trips_and_refuses_garbage() -> None:

@@ -49,7 +49,9 @@ def test_with_sasl_the_installation_is_sasl_and_each_namespace_digest_derived_fr
     admin = ACL(Permissions.ALL, Id("sasl", "casque"))
     assert policy.acl_for("/casque/queues") == [admin]
     assert policy.acl_for("/casque/queues/shop") == [admin, ACL(Permissions.READ, shop.acl_id)]
-    assert policy.acl_for("/casque/queues/shop/orders/x") == [admin, ACL(NAMESPACE_PERMS, shop.acl_id)]
+    assert policy.acl_for("/casque/queues/shop/orders/subscribers/b/members/m") == [
+        admin, ACL(NAMESPACE_PERMS, shop.acl_id)]
+    assert policy.acl_for("/casque/queues/shop/orders") == [admin, ACL(Permissions.READ, shop.acl_id)]
     assert shop.acl_id.scheme == "digest"
 
 
