@@ -166,8 +166,8 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     version = (schema_versions.first_version(spec) if current is None
                else schema_versions.next_version(queue, current, spec))
     grant = grants.read(store, queue) if current is not None else None
-    # A spec beyond its grant was written by someone else than the installation (a namespace
-    # may write its spec znode): the grant, not that spec, is what the queue really has, so
+    # A spec beyond its grant was written by someone else than the installation (a namespace,
+    # through the ACL an older casque gave its spec znode): the grant, not that spec, is what the queue really has, so
     # going back to it is a repair, not a removal of shards.
     tampered = current is not None and grant is not None and bool(grants.excess(current.spec, grant))
     had = grants.QueueGrant.of(current.spec) if current is not None and not tampered else grant

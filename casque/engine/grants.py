@@ -1,9 +1,11 @@
 """What the installation granted each queue: the most the engine acts on, whatever the spec says.
 
-A namespace's identity may write every znode below its namespace znode, its queues' spec
-znodes included (casque.backends.zkacl: its sidecars write offsets, leases and claims there),
-so the spec a sidecar reads may not be the one the operator applied within the namespace's
-quota: a tenant rewrote its queue to 256 shards and 10 priority levels. So whenever the
+A namespace's identity may read its queues' spec znodes but not write them
+(casque.backends.zkacl). Znodes made by a casque from before that policy keep the ACL that
+let it write every znode below its namespace znode until the installation applies them
+again, and an installation that ran without authentication lets anyone: so the spec a
+sidecar reads may not be the one the operator applied within the namespace's quota (a tenant
+rewrote its queue to 256 shards and 10 priority levels). So whenever the
 installation applies a queue it also writes the queue's grant, `{root}/grants/<ns>/<queue>`:
 the shards, priority levels and retention it approved. Grants live outside the namespace's
 subtree, readable by the namespace and writable by the installation alone. (ZooKeeper
