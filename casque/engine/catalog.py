@@ -228,7 +228,7 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
         # the containers its sidecars used to create themselves first, then the ACLs.
         for name in subscribers:
             _ensure_subscriber_containers(store, paths.subscriber(name))
-        changes.actions.append(f"ACLs of {secure_tree(store, paths.base)} znodes restricted")
+        changes.actions.append(f"{secure_tree(store, paths.base)} znodes given their ACL")
     tables = count_queue_tables(store.session, keyspace)
     if tables >= TABLE_COUNT_WARNING:
         changes.warnings.append(
@@ -370,7 +370,7 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
             changes.actions.append("subscriber spec updated")
         if _acl_outdated(store, paths.base):
             _ensure_subscriber_containers(store, paths)
-            changes.actions.append(f"ACLs of {secure_tree(store, paths.base)} znodes restricted")
+            changes.actions.append(f"{secure_tree(store, paths.base)} znodes given their ACL")
     return changes
 
 

@@ -276,7 +276,7 @@ async def test_a_queue_from_before_the_policy_is_fenced_until_the_operator_resto
     # the queue serves again.
     changes = catalog.apply_queue(operator_store, A, approved)
     assert "queue spec restored (it was changed outside the operator)" in changes.actions
-    assert any(action.startswith("ACLs of ") for action in changes.actions), changes.actions
+    assert any(action.endswith("znodes given their ACL") for action in changes.actions), changes.actions
     assert catalog.read_queue(tenant_store, A).spec == approved
     assert not catalog.apply_subscriber(operator_store, A, "billing", SubscriberSpec(
         queue=A.name, start_position="earliest")).changed  # its apply finds nothing left to do
