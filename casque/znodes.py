@@ -8,11 +8,11 @@
         .../subscribers/{sub}/fences/{shard}                  bumped by every lease acquisition of the shard
         .../subscribers/{sub}/members/{member}                ephemeral: a live consumer (sidecar)
         .../subscribers/{sub}/leases/{shard}                  ephemeral: the member consuming the shard
-        .../subscribers/{sub}/seek                            the latest seek request (JSON; empty before any)
+        .../subscribers/{sub}/seek                            the latest seek request (JSON; empty before any seek)
         .../subscribers/{sub}/cursors/{shard}                 shared delivery: first unclaimed batch ("N@E")
         .../subscribers/{sub}/claims/{shard}/{E}-{start}      shared delivery: a member's claimed batch range (JSON)
     {root}/queues/{namespace}/{queue}/mover                   election of the delayed-message mover
-    {root}/queues/{namespace}/{queue}/redrive                 redrive watermark of a dead-letter queue (JSON; empty before any)
+    {root}/queues/{namespace}/{queue}/redrive                 redrive watermark of a dead-letter queue (JSON, or empty)
     {root}/grants/{namespace}/{queue}                         what the installation granted the queue (JSON,
                                                               casque.engine.grants): outside the namespace's subtree
 

@@ -56,8 +56,8 @@ checked by ZooKeeper, so the existence of a znode is not secret).
 A namespace's sidecar does not know the installation password, and ZooKeeper masks the
 digests in the ACLs it reads back to anyone without ADMIN, so the sidecar cannot learn the
 installation's part of the ACL from the server: the operator writes the ACL of the znodes
-its sidecars create (the owned one) into the namespace's Secret (`CASQUE_ZOOKEEPER_ACL`, in ZooKeeper's
-`scheme:id:perms` form), and the sidecar puts exactly that on what it creates. The digests
+its sidecars create (the owned one) into the namespace's Secret (`CASQUE_ZOOKEEPER_ACL`, in
+ZooKeeper's `scheme:id:perms` form), and the sidecar puts exactly that on what it creates. The digests
 in it are SHA-1 hashes of high-entropy passwords (settings refuse short ones). While the
 installation password is being rotated, both passwords' identities are in every ACL, so
 the operator reaches every znode with either; while the derivation key is being rotated,

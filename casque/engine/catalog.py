@@ -167,8 +167,8 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
                else schema_versions.next_version(queue, current, spec))
     grant = grants.read(store, queue) if current is not None else None
     # A spec beyond its grant was written by someone else than the installation (a namespace,
-    # through the ACL an older casque gave its spec znode): the grant, not that spec, is what the queue really has, so
-    # going back to it is a repair, not a removal of shards.
+    # through the ACL an older casque gave its spec znode): the grant, not that spec, is what
+    # the queue really has, so going back to it is a repair, not a removal of shards.
     tampered = current is not None and grant is not None and bool(grants.excess(current.spec, grant))
     had = grants.QueueGrant.of(current.spec) if current is not None and not tampered else grant
     if had is not None and spec.shards < had.shards:
@@ -368,8 +368,9 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
         if current.spec != spec:
             store.zk.set(paths.base, _subscriber_json(current.model_copy(update={"spec": spec})))
             changes.actions.append("subscriber spec updated")
+        # Also in an installation still open, for `casque secure-znodes` to find them there.
+        _ensure_subscriber_containers(store, paths)
         if _acl_outdated(store, paths.base):
-            _ensure_subscriber_containers(store, paths)
             changes.actions.append(f"{secure_tree(store, paths.base)} znodes given their ACL")
     return changes
 
@@ -382,8 +383,12 @@ def _ensure_subscriber_containers(store: Store, paths: SubscriberPaths) -> None:
     """The containers and seek record a subscriber made by an older casque may lack (its
     sidecars created them then). Never with makepath: that would bring back a subscriber
     deleted meanwhile, empty."""
+    try:
+        present = set(store.zk.get_children(paths.base))
+    except NoNodeError:
+        return
     for path in (*_subscriber_containers(paths), paths.seek):
-        if store.zk.exists(path) is not None:
+        if path.rsplit("/", 1)[1] in present:
             continue
         try:
             store.zk.create(path, b"")
