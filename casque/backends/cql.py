@@ -20,6 +20,7 @@ from cassandra import (
     OperationTimedOut,
     ReadTimeout,
     Unavailable,
+    UnresolvableContactPoints,
     WriteTimeout,
 )
 from cassandra.auth import PlainTextAuthProvider
@@ -125,17 +126,23 @@ def connect(settings: Settings) -> tuple[Cluster, Session]:
         consistency_level=consistency(settings.consistency),
         request_timeout=10.0,
     )
-    cluster = Cluster(
-        settings.cassandra_contact_points,
-        port=settings.cassandra_port,
-        auth_provider=auth,
-        execution_profiles={EXEC_PROFILE_DEFAULT: profile},
-        protocol_version=5,
-        sockopts=SOCKET_OPTIONS,
-        reconnection_policy=ExponentialReconnectionPolicy(RECONNECT_BASE_SECONDS, RECONNECT_MAX_SECONDS,
-                                                          max_attempts=None),
-        **tls_options(settings),
-    )
+    try:
+        cluster = Cluster(
+            settings.cassandra_contact_points,
+            port=settings.cassandra_port,
+            auth_provider=auth,
+            execution_profiles={EXEC_PROFILE_DEFAULT: profile},
+            protocol_version=5,
+            sockopts=SOCKET_OPTIONS,
+            reconnection_policy=ExponentialReconnectionPolicy(RECONNECT_BASE_SECONDS, RECONNECT_MAX_SECONDS,
+                                                              max_attempts=None),
+            **tls_options(settings),
+        )
+    except UnresolvableContactPoints as error:
+        # A Service's name resolves only once it has a ready pod (a headless one), e.g. while
+        # the release's own Cassandra starts: retryable, like a node that does not answer yet.
+        raise BackendUnavailable(
+            f"Cassandra contact points {settings.cassandra_contact_points} do not resolve (yet)") from error
     cluster.register_listener(ContactPointRediscovery(cluster, settings.cassandra_contact_points,
                                                       settings.cassandra_port, settings.cassandra_local_dc))
     try:

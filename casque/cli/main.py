@@ -18,6 +18,7 @@ app.add_typer(spark_commands.app, name="spark")
 app.command("apply")(apply.apply_file)
 app.command("delete")(apply.delete_file)
 app.command("secure-znodes")(security.secure_znodes)
+app.command("secure-cassandra")(security.secure_cassandra)
 queue_commands.register(app)
 resources.register(app)
 # Every command maps casque's errors to one line and an exit code (casque/cli/exits.py).

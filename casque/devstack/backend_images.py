@@ -217,6 +217,8 @@ def cassandra_yaml() -> str:
     text = _replace(text, f'seeds: "@SEEDS@:{node.storage_port}"', 'seeds: "@SEEDS@"')
     text = _replace(text, "cluster_name: @CLUSTER_NAME@", "cluster_name: '@CLUSTER_NAME@'")
     text = _replace(text, "endpoint_snitch: GossipingPropertyFileSnitch", "endpoint_snitch: @SNITCH@")
+    text = _replace(text, "authenticator: AllowAllAuthenticator", "authenticator: @AUTHENTICATOR@")
+    text = _replace(text, "authorizer: AllowAllAuthorizer", "authorizer: @AUTHORIZER@")
     # The local stack's rings are fresh; a pod may join a ring that holds data, which it must
     # stream to itself before it serves.
     text = _replace(text, "# A fresh local ring has no data to stream, so joining nodes skip bootstrap.\n"
@@ -273,6 +275,9 @@ CASSANDRA_RENDER = r"""#!/bin/bash
 #   CASSANDRA_SEEDS            comma-separated addresses (default: this node)
 #   CASSANDRA_DC, CASSANDRA_RACK  (dc1, rack1), for GossipingPropertyFileSnitch
 #   CASSANDRA_ENDPOINT_SNITCH  (GossipingPropertyFileSnitch)
+#   CASSANDRA_AUTHENTICATOR    (PasswordAuthenticator: logins are checked; its default superuser
+#                              cassandra/cassandra exists until whoever sets the node up replaces it)
+#   CASSANDRA_AUTHORIZER       (CassandraAuthorizer: grants are checked)
 #   MAX_HEAP_SIZE              e.g. 1024M (default: half the cgroup's memory limit, at most 8G)
 #   CASSANDRA_CONF_DIR         where the files go (/tmp/cassandra: the root filesystem is read-only)
 set -euo pipefail
@@ -317,6 +322,8 @@ seeds="${CASSANDRA_SEEDS:-$listen}"
 dc="${CASSANDRA_DC:-dc1}"
 rack="${CASSANDRA_RACK:-rack1}"
 snitch="${CASSANDRA_ENDPOINT_SNITCH:-GossipingPropertyFileSnitch}"
+authenticator="${CASSANDRA_AUTHENTICATOR:-PasswordAuthenticator}"
+authorizer="${CASSANDRA_AUTHORIZER:-CassandraAuthorizer}"
 heap="${MAX_HEAP_SIZE:-$(default_heap)}"
 
 # What goes into YAML unquoted or single-quoted must not end or extend the value.
@@ -326,6 +333,8 @@ heap="${MAX_HEAP_SIZE:-$(default_heap)}"
 [[ $dc =~ ^[A-Za-z0-9._-]+$ ]] || fail "CASSANDRA_DC may hold letters, digits, '.', '_' and '-': $dc"
 [[ $rack =~ ^[A-Za-z0-9._-]+$ ]] || fail "CASSANDRA_RACK may hold letters, digits, '.', '_' and '-': $rack"
 [[ $snitch =~ ^[A-Za-z0-9.]+$ ]] || fail "CASSANDRA_ENDPOINT_SNITCH is not a class name: $snitch"
+[[ $authenticator =~ ^[A-Za-z0-9.]+$ ]] || fail "CASSANDRA_AUTHENTICATOR is not a class name: $authenticator"
+[[ $authorizer =~ ^[A-Za-z0-9.]+$ ]] || fail "CASSANDRA_AUTHORIZER is not a class name: $authorizer"
 [[ $heap =~ ^[0-9]+[MmGg]$ ]] || fail "MAX_HEAP_SIZE is not a size like 1024M or 2G: $heap"
 
 template="$(<"$home/conf/cassandra.yaml.in")"
@@ -334,11 +343,13 @@ template="${template//@CLUSTER_NAME@/"$cluster"}"
 template="${template//@ADDRESS@/"$listen"}"
 template="${template//@SEEDS@/"$seeds"}"
 template="${template//@SNITCH@/"$snitch"}"
+template="${template//@AUTHENTICATOR@/"$authenticator"}"
+template="${template//@AUTHORIZER@/"$authorizer"}"
 mkdir -p "$conf"
 printf '%s\n' "$template" >"$conf/cassandra.yaml"
 printf 'dc=%s\nrack=%s\n' "$dc" "$rack" >"$conf/cassandra-rackdc.properties"
 printf '%s\n' "$heap" >"$conf/heap"
-echo "cassandra: cluster '$cluster', listening on $listen, seeds $seeds, $dc/$rack ($snitch), heap $heap" >&2
+echo "cassandra: cluster '$cluster', listening on $listen, seeds $seeds, $dc/$rack ($snitch), heap $heap, $authenticator, $authorizer" >&2
 """
 
 

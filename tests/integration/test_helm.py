@@ -208,6 +208,10 @@ def operator_container(documents: list[dict[str, Any]]) -> dict[str, Any]:
 
 # Backends of your own instead of the release's (backends.embedded, on by default).
 OWN_BACKENDS: dict[str, Any] = {"backends": {"embedded": False}}
+# What GitOps renders with (`helm template`, no lookup): every secret from a Secret of the user's.
+GITOPS_SECRETS: dict[str, Any] = {"cassandra": {"auth": {"existingSecret": "cassandra-login"}},
+                                  "zookeeper": {"auth": {"existingSecret": "zookeeper-login"}},
+                                  "derivationKey": {"existingSecret": "derivation-key"}}
 
 NON_DEFAULT: dict[str, Any] = {
     **OWN_BACKENDS,
@@ -332,7 +336,7 @@ def test_values_that_break_the_schema_fail_before_anything_is_made(
 
 def test_keyspace_isolation_needs_the_operators_cassandra_credentials_and_a_short_keyspace(tools: Tools) -> None:
     for values, problem in (
-        ({"cassandra": {"isolation": "keyspace"}}, "needs cassandra.auth"),
+        ({**OWN_BACKENDS, "cassandra": {"isolation": "keyspace"}}, "needs cassandra.auth"),
         ({"cassandra": {"isolation": "keyspace", "keyspace": "k" * 25, "auth": {"existingSecret": "c"}}}, "at most 24"),
     ):
         result = tools.template("casque", values, check=False)
@@ -374,7 +378,7 @@ def test_namespaces_passwords_derive_from_a_random_key_of_its_own_secret(tools: 
 
 
 def test_without_isolation_or_zookeeper_auth_there_is_no_derivation_key(tools: Tools) -> None:
-    plain = tools.render("casque", {"cassandra": {"auth": {"username": "casque", "password": "c" * 16}},
+    plain = tools.render("casque", {**OWN_BACKENDS, "cassandra": {"auth": {"username": "casque", "password": "c" * 16}},
                                     "derivationKey": {"previousSecret": "old-key"}}, release="r")
     assert key_env(plain) == {}
     assert not [d for d in plain if d["metadata"]["name"] == "r-casque-derivation-key"]
@@ -419,11 +423,14 @@ def test_default_values_are_accepted_by_the_api_server(
     documents = [d for d in yaml.safe_load_all(manifest) if d]
     kinds = sorted(d["kind"] for d in documents)
     # With the release's own ZooKeeper and Cassandra (backends.embedded, on by default): a
-    # StatefulSet, a peers Service, a client Service and a disruption budget each.
+    # StatefulSet, a peers Service, a client Service and a disruption budget each; their
+    # generated logins and the derivation key (three Secrets besides the webhook's), and the
+    # admission policy that holds the operator to the namespaces' Secrets it writes.
     assert kinds == sorted([
         "ServiceAccount", "Secret", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service",
         "Service", "Deployment", "PodDisruptionBudget", "MutatingWebhookConfiguration",
         *["StatefulSet", "Service", "Service", "PodDisruptionBudget"] * 2,
+        *["Secret"] * 3, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
     ])  # fmt: skip
     assert out.count("(server dry run)") == len(documents), out
     # The CRDs come with the chart (Helm installs crds/ before the templates).
@@ -473,8 +480,10 @@ def test_cert_manager_mode_renders_the_same_objects_every_time(
     tools: Tools, kube_namespace: str, casque_crds: None, cert_manager_crds: None,  # noqa: F811
     issuer: dict[str, str] | None,
 ) -> None:
-    """With GitOps, `helm template` runs on every sync: nothing random may be in its output."""
-    values = {"injection": {"tls": {"mode": "certManager", "certManager": {"issuerRef": issuer or {}}}}}
+    """With GitOps, `helm template` runs on every sync: nothing random may be in its output, so
+    the logins and the derivation key come from Secrets of the user's too (docs/deploy.md)."""
+    values = {"injection": {"tls": {"mode": "certManager", "certManager": {"issuerRef": issuer or {}}}},
+              **GITOPS_SECRETS}
     manifest = tools.template(kube_namespace, values, release="casque").stdout
     assert tools.template(kube_namespace, values, release="casque").stdout == manifest
     out = tools.dry_run(manifest)
@@ -502,7 +511,7 @@ def test_cert_manager_mode_renders_the_same_objects_every_time(
         assert issuers == {"casque-webhook-selfsigned", "casque-webhook-ca"}
 
 
-def test_an_upgrade_keeps_the_webhook_certificate(
+def test_an_upgrade_keeps_the_webhook_certificate_and_the_generated_logins(
     tools: Tools, kube_namespace: str, kube_client: client.ApiClient, casque_crds: None  # noqa: F811
 ) -> None:
     """A real install and upgrade: the generated CA and certificate survive the upgrade."""
@@ -519,12 +528,21 @@ def test_an_upgrade_keeps_the_webhook_certificate(
         ca_bundle = admission.read_mutating_webhook_configuration(webhook_name).webhooks[0].client_config.ca_bundle
         return dict(secret), str(ca_bundle)
 
+    def generated() -> dict[str, dict[str, str]]:
+        # The embedded backends' logins and the derivation key: a new one would lock the
+        # operator out of Cassandra (its role keeps the first password) and rotate every
+        # namespace's identities.
+        return {name: dict(core.read_namespaced_secret(f"{release}-casque-{name}", kube_namespace).data)
+                for name in ("cassandra", "zookeeper", "derivation-key")}
+
     tools.run(tools.helm, "install", release, *base)
     try:
         first, ca_bundle = installed()
         assert ca_bundle == first["ca.crt"]
+        logins = generated()
         tools.run(tools.helm, "upgrade", release, *base, "--set", "operator.replicas=3")
         assert installed() == (first, ca_bundle)
+        assert generated() == logins
         deployment = client.AppsV1Api(kube_client).read_namespaced_deployment(f"{release}-casque", kube_namespace)
         assert deployment.spec.replicas == 3
     finally:
@@ -548,7 +566,7 @@ def test_the_default_operator_leads_serves_the_webhook_and_is_locked_down(tools:
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == injection.SIDECAR_UID
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
     # The webhook's certificate and its CA, and the Service that reaches every replica.
-    secret = one(documents, "Secret")
+    secret = named(documents, "Secret", "shop-casque-webhook-tls")
     webhook = one(documents, "MutatingWebhookConfiguration")["webhooks"][0]
     assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
     assert webhook["clientConfig"]["service"]["path"] == "/inject"
@@ -694,10 +712,15 @@ def operator_backends(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch
     """The backends the operator reads from the chart's environment, and gives its sidecars."""
     for name in [n for n in os.environ if n.startswith("CASQUE_")]:
         monkeypatch.delenv(name)
-    for e in container["env"]:
-        if "value" in e:
-            monkeypatch.setenv(e["name"], e["value"])
+    for name, value in stand_in_env(container).items():
+        monkeypatch.setenv(name, value)
     return Settings()
+
+
+def stand_in_env(container: dict[str, Any]) -> dict[str, str]:
+    """A container's environment, each value read from a Secret replaced by a stand-in as long
+    as a generated one (the settings check lengths, and need a password with isolation)."""
+    return {e["name"]: e["value"] if "value" in e else "s" * 48 for e in container["env"]}
 
 
 @pytest.mark.parametrize("replicas", [1, 3])
@@ -865,6 +888,88 @@ def test_embedded_backends_refuse_settings_meant_for_external_ones(
     tools.template("casque", {**values, **OWN_BACKENDS})
 
 
+def secret_data(documents: list[dict[str, Any]], name: str) -> dict[str, str]:
+    return {key: base64.b64decode(value).decode() for key, value in named(documents, "Secret", name)["data"].items()}
+
+
+def secret_ref(container: dict[str, Any], name: str) -> dict[str, str]:
+    (entry,) = [e for e in container["env"] if e["name"] == name]
+    return dict(entry["valueFrom"]["secretKeyRef"])
+
+
+def test_the_embedded_backends_are_locked_by_default(tools: Tools) -> None:
+    """Secure by default (issue 31): Cassandra checks logins and grants, the installation's
+    login and ZooKeeper identity are random and generated, the operator's pods replace
+    Cassandra's default superuser before the operator starts, and namespaces are isolated."""
+    documents = tools.render("casque", None, release="shop")
+    cassandra_login, zookeeper_login = secret_data(documents, "shop-casque-cassandra"), secret_data(
+        documents, "shop-casque-zookeeper")
+    for login in (cassandra_login, zookeeper_login):
+        assert login["username"] == "casque" and len(login["password"]) >= 32
+    assert cassandra_login["password"] != zookeeper_login["password"]
+    assert len(secret_data(documents, "shop-casque-derivation-key")["derivation-key"]) >= 32
+
+    node = named(documents, "StatefulSet", "shop-casque-cassandra")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in node["env"]}
+    assert (env["CASSANDRA_AUTHENTICATOR"], env["CASSANDRA_AUTHORIZER"]) == ("PasswordAuthenticator",
+                                                                           "CassandraAuthorizer")
+    pod = one(documents, "Deployment")["spec"]["template"]
+    (init,) = pod["spec"]["initContainers"]
+    path, params = cli_call(init["args"])
+    assert path == ("secure-cassandra",) and params["wait"] == 600
+    assert init["image"] == operator_container(documents)["image"]
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True
+    login_ref = {"name": "shop-casque-cassandra", "key": "username"}
+    assert secret_ref(init, "CASQUE_CASSANDRA_USERNAME") == login_ref
+    init_env = {e["name"]: e.get("value") for e in init["env"]}
+    # system_auth gets the keyspace's replication: a replica per node, at most three.
+    assert json.loads(init_env["CASQUE_REPLICATION_DATACENTERS"]) == {"dc1": 1}
+
+    container = operator_container(documents)
+    assert secret_ref(container, "CASQUE_CASSANDRA_USERNAME") == login_ref
+    assert secret_ref(container, "CASQUE_ZOOKEEPER_PASSWORD") == {"name": "shop-casque-zookeeper", "key": "password"}
+    assert secret_ref(container, "CASQUE_DERIVATION_KEY") == {"name": "shop-casque-derivation-key",
+                                                              "key": "derivation-key"}
+    literal = {e["name"]: e.get("value") for e in container["env"]}
+    assert literal["CASQUE_CASSANDRA_ISOLATION"] == "keyspace"
+    # A new login restarts the operator.
+    assert "checksum/cassandra-credentials" in pod["metadata"]["annotations"]
+
+
+def test_the_embedded_backends_can_be_opened_setting_by_setting(tools: Tools) -> None:
+    open_zookeeper = tools.render("casque", embedded(1, zookeeper={"replicas": 1, "auth": False}), release="shop")
+    assert not [d for d in of_kind(open_zookeeper, "Secret") if d["metadata"]["name"] == "shop-casque-zookeeper"]
+    assert "CASQUE_ZOOKEEPER_USERNAME" not in {e["name"] for e in operator_container(open_zookeeper)["env"]}
+    no_logins = {"backends": {"embedded": True, "cassandra": {"authenticator": "AllowAllAuthenticator",
+                                                              "authorizer": "AllowAllAuthorizer"}}}
+    documents = tools.render("casque", no_logins, release="shop")
+    assert "initContainers" not in one(documents, "Deployment")["spec"]["template"]["spec"]
+    assert not [d for d in of_kind(documents, "Secret") if d["metadata"]["name"] == "shop-casque-cassandra"]
+    literal = {e["name"]: e.get("value") for e in operator_container(documents)["env"]}
+    assert literal["CASQUE_CASSANDRA_ISOLATION"] == "none"  # auto: nothing to isolate with
+    # The user's own login instead of the chart's: the init container makes it the superuser.
+    own = tools.render("casque", {"cassandra": {"auth": {"existingSecret": "mine"}}}, release="shop")
+    (init,) = one(own, "Deployment")["spec"]["template"]["spec"]["initContainers"]
+    assert secret_ref(init, "CASQUE_CASSANDRA_PASSWORD") == {"name": "mine", "key": "password"}
+    assert not [d for d in of_kind(own, "Secret") if d["metadata"]["name"] == "shop-casque-cassandra"]
+
+
+@pytest.mark.parametrize(("values", "sentence"), [
+    ({"backends": {"cassandra": {"authenticator": "AllowAllAuthenticator"}}, "cassandra": {"isolation": "keyspace"}},
+     "cassandra.isolation=keyspace needs logins: backends.cassandra.authenticator=AllowAllAuthenticator has none"),
+    ({"cassandra": {"isolation": "none"}},
+     "cassandra.isolation=none with the embedded Cassandra's PasswordAuthenticator leaves sidecars without a login"),
+    ({"cassandra": {"auth": {"username": "cassandra", "password": "c" * 16}}},
+     "cassandra.auth.username cannot be cassandra with backends.embedded=true"),
+], ids=["keyspace-without-logins", "sidecars-without-login", "default-superuser"])
+def test_embedded_backends_refuse_logins_that_cannot_work(tools: Tools, values: dict[str, Any], sentence: str) -> None:
+    result = tools.template("casque", values, check=False)
+    assert result.returncode != 0 and sentence in result.stderr, result.stderr
+    # Sidecars with a login of the user's own are fine without isolation.
+    if values == {"cassandra": {"isolation": "none"}}:
+        tools.template("casque", {**values, "sidecar": {"credentialsSecret": "casque-cassandra"}})
+
+
 def test_embedded_backends_take_the_external_defaults_or_empty_addresses(tools: Tools) -> None:
     """checkBackends cannot tell a default from a value set to it: it takes the defaults of
     values.yaml as unset. If those defaults change, it must change with them."""
@@ -901,7 +1006,7 @@ def test_the_operator_reads_every_setting_the_chart_gives_it(
     tools: Tools, values: dict[str, Any] | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     container = operator_container(tools.render("casque", values))
-    literal = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    literal = stand_in_env(container)
     names = {e["name"] for e in container["env"]}
     known = {"POD_NAMESPACE"}
     for prefix, settings in (
@@ -974,7 +1079,8 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
     # The sidecar's Secrets, copied from the release's namespace into the one it serves.
     copies = {"operator": {"watchNamespaces": [other_namespace]}, "sidecar": {"credentialsSecret": "casque-cassandra"},
               "zookeeper": {"tls": {"enabled": True, "secret": "zookeeper-tls"}}, **OWN_BACKENDS}
-    for values in (None, {"operator": {"watchNamespaces": [other_namespace]}}, zookeeper_auth, isolation, copies):
+    watching = {"operator": {"watchNamespaces": [other_namespace]}}
+    for values in (None, watching, zookeeper_auth, isolation, copies, OWN_BACKENDS):
         manifest = tools.template(kube_namespace, values, *show, release=release).stdout
         tools.run(*tools.kubectl, "apply", "-f", "-", input=manifest)
         try:
@@ -1005,7 +1111,8 @@ def test_the_rbac_allows_what_the_operator_does_and_nothing_else(
                 assert not can("get", "secrets/unrelated", served) and not can("patch", "secrets/unrelated", served)
                 for verb in ("list", "watch"):
                     assert not can(verb, "secrets", kube_namespace) and not can(verb, "secrets", served)
-            if values in (zookeeper_auth, isolation, copies):  # Secrets the operator writes
+            # Secrets the operator writes: all but without the embedded backends' defaults.
+            if values is not OWN_BACKENDS:
                 for name in ("casque-zookeeper", "casque-cassandra-role"):
                     for verb in ("get", "patch", "delete"):
                         assert can(verb, f"secrets/{name}", served)
@@ -1036,7 +1143,7 @@ def test_the_operator_can_neither_read_nor_forge_a_secret_it_does_not_own(
     token controller would fill with another account's token), cannot be created."""
     release = f"r{uuid.uuid4().hex[:6]}"
     values = {"zookeeper": {"auth": {"username": "casque", "password": "z" * 32}},
-              "sidecar": {"credentialsSecret": "casque-cassandra"}}
+              "sidecar": {"credentialsSecret": "casque-cassandra"}, **OWN_BACKENDS}
     manifest = tools.template(kube_namespace, values, "--show-only", "templates/rbac.yaml", "--show-only",
                               "templates/serviceaccount.yaml", release=release).stdout
     account = f"system:serviceaccount:{kube_namespace}:{release}-casque"

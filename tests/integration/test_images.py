@@ -4,8 +4,9 @@ The sidecar's container serves the API on the test's Cassandra and ZooKeeper; th
 container reconciles a Queue from the test's kube-apiserver. Both run as the image's user
 (10001) on a read-only root filesystem with only /tmp writable, as the chart runs them. The
 backends' images (casque-zookeeper, casque-cassandra) run the same way, with only their data
-and log volumes writable besides /tmp: ZooKeeper serves a client, Cassandra (in 2 GiB) takes a
-keyspace and a table and stops cleanly on `podman stop`. Three ZooKeeper containers form an
+and log volumes writable besides /tmp: ZooKeeper serves a client, Cassandra (in 2 GiB) refuses
+clients without a login, takes the installation's login in place of its default superuser
+(`secure_cassandra`), then a keyspace and a table, and stops cleanly on `podman stop`. Three ZooKeeper containers form an
 ensemble, and three Cassandra containers on a podman network of their own form a ring that
 still reads at QUORUM with one node stopped.
 """
@@ -16,6 +17,7 @@ import itertools
 import os
 import random
 import re
+import secrets
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +26,12 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from pydantic import SecretStr
 
+from casque.backends.cql import connect
+from casque.backends.superuser import DEFAULT_PASSWORD, DEFAULT_SUPERUSER, Secured, secure_cassandra
+from casque.config import ReplicationSettings, Settings
+from casque.errors import AccessDenied
 from casque.devstack.kube import KubeCluster
 from casque.engine import catalog
 from casque.operator.resources import QUEUES
@@ -372,8 +379,13 @@ def test_three_zookeeper_containers_form_an_ensemble_from_zoo_servers(backend_co
             client.close()
 
 
-def test_the_cassandra_container_takes_a_table_and_stops_on_sigterm(backend_containers: Containers) -> None:
-    from cassandra.cluster import Cluster
+def test_the_cassandra_container_takes_logins_only_once_secured_takes_a_table_and_stops_on_sigterm(
+    backend_containers: Containers,
+) -> None:
+    """Secure by default: the image checks logins, and `secure_cassandra` (the chart's operator
+    init container) replaces its default superuser by the installation's login, once."""
+    from cassandra.auth import PlainTextAuthProvider
+    from cassandra.cluster import Cluster, NoHostAvailable
 
     # An address of its own on the loopback range, so that its ports (9042, 7000) meet no other
     # server on the host's network; JMX listens on 127.0.0.1, so it gets a free port.
@@ -390,16 +402,50 @@ def test_the_cassandra_container_takes_a_table_and_stops_on_sigterm(backend_cont
             pytest.fail(f"the Cassandra container exited {process.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
         if "Starting listening for CQL clients" not in log.read_text(errors="replace"):
             return None
-        cluster = Cluster([address], connect_timeout=5)
+        cluster = Cluster([address], connect_timeout=5, auth_provider=PlainTextAuthProvider(*DEFAULT_LOGIN))
         try:
             return cluster, cluster.connect()
         except Exception:
             cluster.shutdown()
             return None
 
-    cluster, session = wait_for("Cassandra to answer CQL", cql_session, timeout=300)  # type: ignore[misc]
+    # The default superuser logs in before anything is secured: that is what the set-up uses.
+    default_cluster, _ = wait_for("Cassandra to answer CQL", cql_session, timeout=300)  # type: ignore[misc]
+    default_cluster.shutdown()
     print(f"Cassandra answered CQL {time.monotonic() - started:.1f}s after `podman run`")
+    # Without a login, nothing.
+    anonymous = Cluster([address], connect_timeout=5)
+    with pytest.raises(NoHostAvailable, match="AuthenticationFailed|requires authentication"):
+        anonymous.connect()
+    anonymous.shutdown()
+
+    settings = installation_settings(address, secrets.token_urlsafe(32))
+    first = secure_cassandra(settings)
+    assert (first.role_created, first.default_disabled, first.replication_changed) == (True, True, True)
+    # Every operator start runs it again: nothing left to change.
+    assert secure_cassandra(settings) == Secured(role_created=False, default_disabled=False, replication_changed=False)
+
+    def default_refused() -> bool:
+        # Logins are cached by the node for a moment (credentials_validity, 2 s).
+        refused = Cluster([address], connect_timeout=5, auth_provider=PlainTextAuthProvider(*DEFAULT_LOGIN))
+        try:
+            refused.connect()
+            return False
+        except NoHostAvailable as error:
+            return "AuthenticationFailed" in str(error)
+        finally:
+            refused.shutdown()
+
+    wait_for("the default superuser refused", default_refused, timeout=60)
+    # A Secret made anew after the set-up: neither login works, and the error says what to do.
+    with pytest.raises(AccessDenied, match="exists with another password than CASQUE_CASSANDRA_PASSWORD"):
+        secure_cassandra(installation_settings(address, secrets.token_urlsafe(32)))
+
+    cluster, session = connect(settings)
     try:
+        assert session.execute("SELECT replication FROM system_schema.keyspaces "
+                               "WHERE keyspace_name = 'system_auth'").one().replication == {
+            "class": "org.apache.cassandra.locator.NetworkTopologyStrategy", "dc1": "1"}
         session.execute("CREATE KEYSPACE image_test WITH replication = "
                         "{'class': 'NetworkTopologyStrategy', 'dc1': 1}")
         session.execute("CREATE TABLE image_test.t (k text PRIMARY KEY, v int)")
@@ -418,6 +464,16 @@ def test_the_cassandra_container_takes_a_table_and_stops_on_sigterm(backend_cont
     assert stop.returncode == 0
     assert process.wait(60) == 143, log.read_text(errors="replace")[-3000:]
     assert "Cassandra shutdown complete" in log.read_text(errors="replace")
+
+
+DEFAULT_LOGIN = (DEFAULT_SUPERUSER, DEFAULT_PASSWORD)
+
+
+def installation_settings(address: str, password: str) -> Settings:
+    """What the chart's operator init container runs `secure-cassandra` with, for one node."""
+    return Settings(cassandra_contact_points=[address], cassandra_local_dc="dc1", cassandra_username="casque",
+                    cassandra_password=SecretStr(password),
+                    replication=ReplicationSettings(strategy="NetworkTopologyStrategy", datacenters={"dc1": 1}))
 
 
 # --- a ring of casque-cassandra containers ----------------------------------------------------
@@ -511,7 +567,10 @@ def test_three_cassandra_containers_form_a_ring_that_reads_at_quorum_with_a_node
                 name=name, network=network,
                 options=(*env_options({"CASSANDRA_CLUSTER_NAME": "casque-ring-test", "CASSANDRA_SEEDS": names[0],
                                        "CASSANDRA_DC": "dc1", "CASSANDRA_RACK": f"rack{n}",
-                                       "MAX_HEAP_SIZE": RING_HEAP}), "--memory", RING_MEMORY),
+                                       "MAX_HEAP_SIZE": RING_HEAP,
+                                       # The ring's own workings, without logins.
+                                       "CASSANDRA_AUTHENTICATOR": "AllowAllAuthenticator",
+                                       "CASSANDRA_AUTHORIZER": "AllowAllAuthorizer"}), "--memory", RING_MEMORY),
             )
             node = RingNode(name, process, log)
             nodes.append(node)

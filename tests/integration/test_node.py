@@ -11,6 +11,7 @@ the worker receives and bills every one of them through its sidecar.
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
 import subprocess
@@ -21,13 +22,18 @@ from typing import Any
 
 import pytest
 import yaml
-from cassandra.cluster import Cluster
+from cassandra import AuthenticationFailed, Unauthorized
+from cassandra.auth import PlainTextAuthProvider
+from cassandra.cluster import Cluster, NoHostAvailable
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoAuthError
 
 from casque.backends.cql import SOCKET_OPTIONS
 from casque.devstack.kube import KubeCluster, kube_binary
 from casque.devstack.node import KubeNode
 from casque.devstack.stack import Stack
+from casque.schema import QueueRef
+from casque.znodes import queue_paths
 from tests.fixtures.history import check
 from tests.fixtures.node import NodeImages, pod_log
 from tests.fixtures.node_release import (
@@ -377,3 +383,121 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
         raise
     finally:
         remove_the_app(kubectl, shop)
+
+
+TENANT_QUEUE = """\
+apiVersion: casque.io/v1alpha1
+kind: Queue
+metadata: {name: ledger}
+spec: {shards: 1, retention: 1d}
+"""
+
+
+def secret_values(kubectl: Kubectl, namespace: str, name: str) -> dict[str, str]:
+    data = kubectl.json(f"secret/{name}", "-n", namespace)["data"]
+    return {key: base64.b64decode(value).decode() for key, value in data.items()}
+
+
+def cassandra_login(address: str, credentials: tuple[str, str] | None) -> tuple[Cluster, Any]:
+    auth = PlainTextAuthProvider(*credentials) if credentials else None
+    cluster = Cluster([address], connect_timeout=10, auth_provider=auth, sockopts=SOCKET_OPTIONS)
+    try:
+        return cluster, cluster.connect()
+    except BaseException:
+        cluster.shutdown()
+        raise
+
+
+def zookeeper_login(address: str, credentials: tuple[str, str] | None) -> KazooClient:
+    auth = [("digest", f"{credentials[0]}:{credentials[1]}")] if credentials else None
+    zk = KazooClient(hosts=f"{address}:2181", auth_data=auth)
+    zk.start(timeout=30)
+    return zk
+
+
+def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_data_nor_the_default_superuser(
+    embedded_release: EmbeddedRelease,
+) -> None:
+    """The tenancy attack on a default install (isolation by default, issue 31): the backends'
+    own addresses are reachable from every pod, so an attacker in namespace A holds A's
+    Secrets and tries them, no login and Cassandra's well-known default login, on B."""
+    kubectl, namespace = embedded_release.kubectl, embedded_release.namespace
+    (cassandra,) = embedded_release.pods("cassandra")
+    cassandra_address = cassandra["status"]["podIP"]
+    zookeeper_address = embedded_release.pods("zookeeper")[0]["status"]["podIP"]
+
+    # Cassandra's default superuser and anonymous clients are refused.
+    for credentials in (("cassandra", "cassandra"), None):
+        with pytest.raises(NoHostAvailable) as refused:
+            cassandra_login(cassandra_address, credentials)[0].shutdown()
+        assert all(isinstance(e, AuthenticationFailed) or "requires authentication" in str(e)
+                   for e in refused.value.errors.values()), refused.value.errors
+
+    suffix = uuid.uuid4().hex[:8]
+    tenants = [f"tenant-a-{suffix}", f"tenant-b-{suffix}"]
+    try:
+        for tenant in tenants:
+            kubectl("create", "namespace", tenant)
+            kubectl("apply", "-n", tenant, "-f", "-", stdin=TENANT_QUEUE)
+        for tenant in tenants:
+            kubectl("wait", "-n", tenant, "--for=condition=Ready", "queue/ledger", f"--timeout={START_TIMEOUT}s")
+        a, b = tenants
+        a_role, b_role = (secret_values(kubectl, t, "casque-cassandra-role") for t in tenants)
+        a_identity = secret_values(kubectl, a, "casque-zookeeper")
+        assert a_role["keyspace"] != b_role["keyspace"]
+
+        cluster, session = cassandra_login(cassandra_address, (a_role["username"], a_role["password"]))
+        try:
+            def tables(keyspace: str) -> list[str]:
+                rows = session.execute("SELECT table_name FROM system_schema.tables WHERE keyspace_name = %s",
+                                       (keyspace,))
+                return sorted(row.table_name for row in rows)
+
+            # A's role reads its own keyspace, so the refusals below are for B's, not a bad login.
+            for table in tables(a_role["keyspace"]):
+                session.execute(f'SELECT * FROM "{a_role["keyspace"]}"."{table}" LIMIT 1')
+            b_tables = tables(b_role["keyspace"])
+            assert b_tables, f"no tables in {b_role['keyspace']}"
+            for table in b_tables:
+                with pytest.raises(Unauthorized):
+                    session.execute(f'SELECT * FROM "{b_role["keyspace"]}"."{table}" LIMIT 1')
+                with pytest.raises(Unauthorized):
+                    session.execute(f'TRUNCATE "{b_role["keyspace"]}"."{table}"')
+            with pytest.raises(Unauthorized):
+                session.execute(f'GRANT SELECT ON KEYSPACE "{b_role["keyspace"]}" TO "{a_role["username"]}"')
+        finally:
+            cluster.shutdown()
+
+        root = "/casque"
+        a_paths, b_paths = (queue_paths(root, QueueRef(t, "ledger")) for t in tenants)
+        zk = zookeeper_login(zookeeper_address, (a_identity["username"], a_identity["password"]))
+        try:
+            zk.get(a_paths.base)
+            zk.get_children(a_paths.base)
+            for path in (b_paths.base, f"{root}/queues/{b}", b_paths.grant):
+                with pytest.raises(NoAuthError):
+                    zk.get(path)
+            with pytest.raises(NoAuthError):
+                zk.get_children(b_paths.base)
+            with pytest.raises(NoAuthError):
+                zk.set(b_paths.base, b"{}")
+            with pytest.raises(NoAuthError):
+                zk.create(f"{b_paths.base}/intruder", b"")
+        finally:
+            zk.stop()
+            zk.close()
+        anonymous = zookeeper_login(zookeeper_address, None)
+        try:
+            for path in (a_paths.base, b_paths.base):
+                with pytest.raises(NoAuthError):
+                    anonymous.get(path)
+        finally:
+            anonymous.stop()
+            anonymous.close()
+    except BaseException:
+        kubectl.show(namespace, *tenants)
+        raise
+    finally:
+        for tenant in tenants:
+            kubectl("delete", "-n", tenant, "queues", "--all", f"--timeout={START_TIMEOUT}s", check=False)
+            kubectl("delete", "namespace", tenant, "--wait=false", check=False)

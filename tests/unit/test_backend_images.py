@@ -196,15 +196,26 @@ def test_cassandra_yaml_from_the_environment(contexts: dict[str, Path], tmp_path
     assert config["data_file_directories"] == ["/var/lib/cassandra/data"]
     assert config["commitlog_directory"] == "/var/lib/cassandra/commitlog"
     assert config["auto_bootstrap"] is True
+    # Secure by default: logins and grants are checked unless the environment says otherwise.
+    assert (config["authenticator"], config["authorizer"]) == ("PasswordAuthenticator", "CassandraAuthorizer")
     assert "@" not in (conf / "cassandra.yaml").read_text()
     assert (conf / "cassandra-rackdc.properties").read_text() == "dc=dc1\nrack=rack2\n"
     # Half of the 2 GiB limit.
     assert (conf / "heap").read_text() == "1024M\n"
 
 
+def test_cassandra_without_logins_when_the_environment_asks(contexts: dict[str, Path], tmp_path: Path) -> None:
+    result = render_cassandra(contexts["cassandra"], tmp_path, CASSANDRA_LISTEN_ADDRESS="10.0.0.1",
+                              CASSANDRA_AUTHENTICATOR="AllowAllAuthenticator", CASSANDRA_AUTHORIZER="AllowAllAuthorizer")
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load((tmp_path / "conf" / "cassandra.yaml").read_text())
+    assert (config["authenticator"], config["authorizer"]) == ("AllowAllAuthenticator", "AllowAllAuthorizer")
+
+
 def test_cassandra_names_that_yaml_would_misread_are_refused(contexts: dict[str, Path], tmp_path: Path) -> None:
     for env in ({"CASSANDRA_CLUSTER_NAME": "x'\nauthenticator: none"}, {"CASSANDRA_SEEDS": "a, b"},
-                {"MAX_HEAP_SIZE": "1g; rm"}, {"CASSANDRA_DC": "dc 1"}):
+                {"MAX_HEAP_SIZE": "1g; rm"}, {"CASSANDRA_DC": "dc 1"},
+                {"CASSANDRA_AUTHENTICATOR": "x\nauthorizer: AllowAllAuthorizer"}, {"CASSANDRA_AUTHORIZER": "a b"}):
         result = render_cassandra(contexts["cassandra"], tmp_path, CASSANDRA_LISTEN_ADDRESS="10.0.0.1", **env)
         assert result.returncode == 2, env
         assert next(iter(env)) in result.stderr

@@ -61,9 +61,64 @@ app.kubernetes.io/component: operator
 {{- define "casque.zookeeperSecret" -}}
 {{- if .Values.zookeeper.auth.existingSecret -}}
 {{- .Values.zookeeper.auth.existingSecret -}}
-{{- else if .Values.zookeeper.auth.username -}}
+{{- else if or .Values.zookeeper.auth.username (include "casque.generatesZookeeperIdentity" .) -}}
 {{- printf "%s-zookeeper" (include "casque.fullname" .) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Whether the chart makes the installation's ZooKeeper identity itself: for the embedded
+     ensemble with backends.zookeeper.auth, when zookeeper.auth names none. */}}
+{{- define "casque.generatesZookeeperIdentity" -}}
+{{- $auth := .Values.zookeeper.auth -}}
+{{- if and .Values.backends.embedded .Values.backends.zookeeper.auth (not $auth.username) (not $auth.existingSecret) }}true{{ end }}
+{{- end -}}
+
+{{/* Whether the embedded Cassandra checks logins: the operator's pods then make the
+     installation's login its superuser before they start (casque secure-cassandra). */}}
+{{- define "casque.embeddedCassandraAuth" -}}
+{{- if and .Values.backends.embedded (eq .Values.backends.cassandra.authenticator "PasswordAuthenticator") }}true{{ end }}
+{{- end -}}
+
+{{/* Whether the chart makes the installation's Cassandra login itself: for the embedded
+     Cassandra with PasswordAuthenticator, when cassandra.auth names none. */}}
+{{- define "casque.generatesCassandraLogin" -}}
+{{- $auth := .Values.cassandra.auth -}}
+{{- if and (include "casque.embeddedCassandraAuth" .) (not $auth.username) (not $auth.existingSecret) }}true{{ end }}
+{{- end -}}
+
+{{/* cassandra.isolation with `auto` resolved: keyspace isolation where the chart holds the
+     embedded Cassandra's login, none elsewhere (external clusters keep their behaviour). */}}
+{{- define "casque.isolation" -}}
+{{- if eq .Values.cassandra.isolation "auto" -}}
+{{- ternary "keyspace" "none" (eq (include "casque.embeddedCassandraAuth" .) "true") -}}
+{{- else -}}
+{{- .Values.cassandra.isolation -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A random value the chart generates once and keeps: (list . "<secret name>" "<key>"). The
+     existing Secret's value, so that an upgrade keeps it (lookup; `helm template` has no
+     cluster and makes a new one), else 48 random characters (crypto/rand); base64. Made once
+     per render and remembered in .Values, so that the Secret and the operator's checksum
+     annotation name the same value. */}}
+{{- define "casque.keptRandom" -}}
+{{- $root := index . 0 -}}
+{{- $secret := index . 1 -}}
+{{- $key := index . 2 -}}
+{{- if not (hasKey $root.Values "_kept") -}}
+{{- $_ := set $root.Values "_kept" dict -}}
+{{- end -}}
+{{- $memo := get $root.Values "_kept" -}}
+{{- $slot := printf "%s/%s" $secret $key -}}
+{{- if not (hasKey $memo $slot) -}}
+{{- $existing := lookup "v1" "Secret" $root.Release.Namespace $secret -}}
+{{- $data := "" -}}
+{{- if $existing -}}
+{{- $data = index ($existing.data | default dict) $key | default "" -}}
+{{- end -}}
+{{- $_ := set $memo $slot ($data | default (randAlphaNum 48 | b64enc)) -}}
+{{- end -}}
+{{- get $memo $slot -}}
 {{- end -}}
 
 {{/* The client ports of the ZooKeeper connect string (host:port[,host:port...][/chroot]), as a JSON list. */}}
@@ -81,7 +136,7 @@ app.kubernetes.io/component: operator
 {{- define "casque.cassandraSecret" -}}
 {{- if .Values.cassandra.auth.existingSecret -}}
 {{- .Values.cassandra.auth.existingSecret -}}
-{{- else if .Values.cassandra.auth.username -}}
+{{- else if or .Values.cassandra.auth.username (include "casque.generatesCassandraLogin" .) -}}
 {{- printf "%s-cassandra" (include "casque.fullname" .) -}}
 {{- end -}}
 {{- end -}}
@@ -89,7 +144,7 @@ app.kubernetes.io/component: operator
 {{/* The Secret holding the derivation key the namespaces' passwords come from: with Cassandra
      keyspace isolation or ZooKeeper authentication only. */}}
 {{- define "casque.derivationKeySecret" -}}
-{{- if or (eq .Values.cassandra.isolation "keyspace") (include "casque.zookeeperSecret" .) -}}
+{{- if or (eq (include "casque.isolation" .) "keyspace") (include "casque.zookeeperSecret" .) -}}
 {{- default (printf "%s-derivation-key" (include "casque.fullname" .)) .Values.derivationKey.existingSecret -}}
 {{- end -}}
 {{- end -}}
@@ -99,20 +154,9 @@ app.kubernetes.io/component: operator
 {{- if and (include "casque.derivationKeySecret" .) (not .Values.derivationKey.existingSecret) }}true{{ end }}
 {{- end -}}
 
-{{/* The chart's derivation key, base64: the existing Secret's, so an upgrade keeps it, else
-     48 random characters (crypto/rand), made once per render and remembered in .Values so
-     that the Secret and the operator's checksum annotation name the same key. */}}
+{{/* The chart's derivation key, base64 (casque.keptRandom). */}}
 {{- define "casque.derivationKeyData" -}}
-{{- $memo := .Values.derivationKey -}}
-{{- if not (hasKey $memo "_rendered") -}}
-{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "casque.derivationKeySecret" .) -}}
-{{- $data := "" -}}
-{{- if $existing -}}
-{{- $data = index ($existing.data | default dict) $memo.key | default "" -}}
-{{- end -}}
-{{- $_ := set $memo "_rendered" ($data | default (randAlphaNum 48 | b64enc)) -}}
-{{- end -}}
-{{- get $memo "_rendered" -}}
+{{- include "casque.keptRandom" (list . (include "casque.derivationKeySecret" .) .Values.derivationKey.key) -}}
 {{- end -}}
 
 {{- define "casque.webhookService" -}}
@@ -158,7 +202,7 @@ app.kubernetes.io/component: operator
 
 {{/* Non-empty when the operator writes Secrets into the namespaces it serves. */}}
 {{- define "casque.writesSecrets" -}}
-{{- if or (include "casque.zookeeperSecret" .) (eq .Values.cassandra.isolation "keyspace") (include "casque.copiedSecrets" .) }}true{{ end }}
+{{- if or (include "casque.zookeeperSecret" .) (eq (include "casque.isolation" .) "keyspace") (include "casque.copiedSecrets" .) }}true{{ end }}
 {{- end -}}
 
 {{/* The names of the Secrets the operator writes in a namespace: each namespace's identities
@@ -172,7 +216,7 @@ app.kubernetes.io/component: operator
 {{- define "casque.copiedSecrets" -}}
 {{- $names := list -}}
 {{- if .Values.injection.enabled -}}
-{{- if and .Values.sidecar.credentialsSecret (ne .Values.cassandra.isolation "keyspace") -}}
+{{- if and .Values.sidecar.credentialsSecret (ne (include "casque.isolation" .) "keyspace") -}}
 {{- $names = append $names .Values.sidecar.credentialsSecret -}}
 {{- end -}}
 {{- range $backend := list "cassandra" "zookeeper" -}}
@@ -297,6 +341,46 @@ fully qualified.
 {{- end -}}
 {{- end -}}
 
+{{/* Where Cassandra is and the operator's login to it: the operator's environment, and its
+     init container's (secure-cassandra). */}}
+{{- define "casque.cassandraLoginEnv" -}}
+{{- $secret := include "casque.cassandraSecret" . -}}
+- name: CASQUE_CASSANDRA_CONTACT_POINTS
+  value: {{ include "casque.cassandraContactPoints" . | quote }}
+- name: CASQUE_CASSANDRA_PORT
+  value: {{ include "casque.cassandraPort" . | quote }}
+{{- with include "casque.cassandraLocalDatacenter" . }}
+- name: CASQUE_CASSANDRA_LOCAL_DC
+  value: {{ . | quote }}
+{{- end }}
+{{- if $secret }}
+- name: CASQUE_CASSANDRA_USERNAME
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ .Values.cassandra.auth.usernameKey }}
+- name: CASQUE_CASSANDRA_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ .Values.cassandra.auth.passwordKey }}
+{{- end }}
+{{- end -}}
+
+{{/* The keyspace's replication as CASQUE_REPLICATION_* (secure-cassandra gives system_auth the same). */}}
+{{- define "casque.replicationEnv" -}}
+{{- $replication := include "casque.replication" . | fromJson -}}
+- name: CASQUE_REPLICATION_STRATEGY
+  value: {{ $replication.strategy | quote }}
+{{- if eq $replication.strategy "SimpleStrategy" }}
+- name: CASQUE_REPLICATION_FACTOR
+  value: {{ $replication.factor | quote }}
+{{- else }}
+- name: CASQUE_REPLICATION_DATACENTERS
+  value: {{ toJson $replication.datacenters | quote }}
+{{- end }}
+{{- end -}}
+
 {{/*
 Refuse backend settings that cannot work together, in one sentence.
 
@@ -337,6 +421,17 @@ defaults move away from the ones named here.
 {{- end -}}
 {{- with $conflicts -}}
 {{- fail (printf "backends.embedded=true runs Cassandra and ZooKeeper in the release, without TLS or SASL for now, so %s must be left unset (or set backends.embedded=false to use your own clusters)" (join ", " .)) -}}
+{{- end -}}
+{{- $isolation := include "casque.isolation" . -}}
+{{- if include "casque.embeddedCassandraAuth" . -}}
+{{- if eq $cassandra.auth.username "cassandra" -}}
+{{- fail "cassandra.auth.username cannot be cassandra with backends.embedded=true: that is Cassandra's default superuser, which the operator's pods disable; name the installation's login otherwise, or leave it empty for the chart's" -}}
+{{- end -}}
+{{- if and (eq $isolation "none") .Values.injection.enabled (not .Values.sidecar.credentialsSecret) -}}
+{{- fail "cassandra.isolation=none with the embedded Cassandra's PasswordAuthenticator leaves sidecars without a login: set cassandra.isolation=keyspace (or auto), or sidecar.credentialsSecret to a Secret with a role you made" -}}
+{{- end -}}
+{{- else if eq $isolation "keyspace" -}}
+{{- fail "cassandra.isolation=keyspace needs logins: backends.cassandra.authenticator=AllowAllAuthenticator has none (use PasswordAuthenticator, or cassandra.isolation=none)" -}}
 {{- end -}}
 {{- if not (dig "limits" "memory" "" (.Values.backends.cassandra.resources | default dict)) -}}
 {{- fail "backends.cassandra.resources.limits.memory is needed with backends.embedded=true: Cassandra's heap is half of it" -}}
