@@ -4,9 +4,16 @@ tests/integration/test_images.py runs the whole of it on the casque-cassandra im
 from __future__ import annotations
 
 import pytest
+from pydantic import SecretStr
 
-from casque.backends.superuser import missing_nodes, quote_identifier, replication_differs, wanted_replication
-from casque.config import ReplicationSettings
+from casque.backends.superuser import (
+    missing_nodes,
+    quote_identifier,
+    replication_differs,
+    secure_cassandra,
+    wanted_replication,
+)
+from casque.config import ReplicationSettings, Settings
 from casque.errors import InvalidSettings
 
 
@@ -41,3 +48,11 @@ def test_the_replication_waits_for_as_many_nodes_up_as_replicas() -> None:
 def test_a_role_name_is_quoted_as_it_is() -> None:
     assert quote_identifier("casque") == '"casque"'
     assert quote_identifier('a"b; DROP ROLE x') == '"a""b; DROP ROLE x"'
+
+
+def test_without_an_installation_login_or_with_the_default_ones_name_it_refuses_before_connecting() -> None:
+    with pytest.raises(InvalidSettings, match="needs CASQUE_CASSANDRA_USERNAME and CASQUE_CASSANDRA_PASSWORD"):
+        secure_cassandra(Settings(cassandra_contact_points=["192.0.2.1"]))
+    with pytest.raises(InvalidSettings, match="must not be 'cassandra'"):
+        secure_cassandra(Settings(cassandra_contact_points=["192.0.2.1"], cassandra_username="cassandra",
+                                  cassandra_password=SecretStr("p" * 32)))
