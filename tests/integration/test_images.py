@@ -6,9 +6,10 @@ container reconciles a Queue from the test's kube-apiserver. Both run as the ima
 backends' images (casque-zookeeper, casque-cassandra) run the same way, with only their data
 and log volumes writable besides /tmp: ZooKeeper serves a client, Cassandra (in 2 GiB) refuses
 clients without a login, takes the installation's login in place of its default superuser
-(`secure_cassandra`), then a keyspace and a table, and stops cleanly on `podman stop`. Three ZooKeeper containers form an
-ensemble, and three Cassandra containers on a podman network of their own form a ring that
-still reads at QUORUM with one node stopped.
+(`secure_cassandra`), then a keyspace and a table, and stops cleanly on `podman stop`. Three
+ZooKeeper containers form an ensemble, and three Cassandra containers on a podman network of
+their own form a ring, secured with system_auth on every node, that still reads at QUORUM and
+takes the installation's login with one node stopped.
 """
 
 from __future__ import annotations
@@ -494,6 +495,15 @@ class RingNode:
         self.address = ""
         self.cluster: Any = None
         self.session: Any = None
+        # Until the ring is secured, the image's default superuser.
+        self.credentials = DEFAULT_LOGIN
+
+    def log_in_as(self, credentials: tuple[str, str]) -> None:
+        """A new session with other credentials (an open one stays authenticated as it was)."""
+        self.close()
+        self.cluster = self.session = None
+        self.credentials = credentials
+        assert self.connected()
 
     def check_running(self) -> None:
         if self.process.poll() is not None:
@@ -503,6 +513,7 @@ class RingNode:
     def connected(self) -> bool:
         """Whether the node answers CQL (it starts serving clients only once it has joined
         the ring); the session stays open for the rest of the test."""
+        from cassandra.auth import PlainTextAuthProvider
         from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
         from cassandra.policies import WhiteListRoundRobinPolicy
 
@@ -516,7 +527,8 @@ class RingNode:
             return False
         self.address = listening.group(1)
         only_this = ExecutionProfile(load_balancing_policy=WhiteListRoundRobinPolicy([self.address]))
-        cluster = Cluster([self.address], connect_timeout=5, execution_profiles={EXEC_PROFILE_DEFAULT: only_this})
+        cluster = Cluster([self.address], connect_timeout=5, execution_profiles={EXEC_PROFILE_DEFAULT: only_this},
+                          auth_provider=PlainTextAuthProvider(*self.credentials))
         try:
             self.session = cluster.connect()
         except Exception:
@@ -567,10 +579,7 @@ def test_three_cassandra_containers_form_a_ring_that_reads_at_quorum_with_a_node
                 name=name, network=network,
                 options=(*env_options({"CASSANDRA_CLUSTER_NAME": "casque-ring-test", "CASSANDRA_SEEDS": names[0],
                                        "CASSANDRA_DC": "dc1", "CASSANDRA_RACK": f"rack{n}",
-                                       "MAX_HEAP_SIZE": RING_HEAP,
-                                       # The ring's own workings, without logins.
-                                       "CASSANDRA_AUTHENTICATOR": "AllowAllAuthenticator",
-                                       "CASSANDRA_AUTHORIZER": "AllowAllAuthorizer"}), "--memory", RING_MEMORY),
+                                       "MAX_HEAP_SIZE": RING_HEAP}), "--memory", RING_MEMORY),
             )
             node = RingNode(name, process, log)
             nodes.append(node)
@@ -596,6 +605,15 @@ def test_three_cassandra_containers_form_a_ring_that_reads_at_quorum_with_a_node
 
         first, second, third = nodes
         assert len({node.address for node in nodes}) == 3
+        # As the chart's operator pods do, once every node is up: system_auth gets a replica on
+        # each node, so that a login survives a node's loss.
+        password = secrets.token_urlsafe(32)
+        settings = installation_settings(first.address, password).model_copy(
+            update={"replication": ReplicationSettings(strategy="NetworkTopologyStrategy", datacenters={"dc1": 3})})
+        secured = secure_cassandra(settings)
+        assert secured.role_created and secured.default_disabled and secured.replication_changed
+        for node in nodes:
+            node.log_in_as(("casque", password))
         assert first.session.execute("SELECT cluster_name FROM system.local").one().cluster_name == "casque-ring-test"
         racks = {str(row.peer): row.rack for row in first.session.execute("SELECT peer, rack FROM system.peers")}
         assert racks == {second.address: "rack2", third.address: "rack3"}
@@ -628,6 +646,13 @@ def test_three_cassandra_containers_form_a_ring_that_reads_at_quorum_with_a_node
         with pytest.raises(Unavailable) as refused:
             second.session.execute(everyone)
         assert (refused.value.alive_replicas, refused.value.required_replicas) == (2, 3)
+        # Logins are read at a quorum of system_auth's replicas, one on each node: two still
+        # answer, so the installation still logs in (a node may also answer from its cache).
+        second.log_in_as(("casque", password))
+        assert [tuple(row) for row in second.session.execute(select)] == [("a", 1)]
+        auth = second.session.execute("SELECT replication FROM system_schema.keyspaces "
+                                      "WHERE keyspace_name = 'system_auth'").one().replication
+        assert auth == {"class": "org.apache.cassandra.locator.NetworkTopologyStrategy", "dc1": "3"}
     finally:
         for node in nodes:
             node.close()
