@@ -9,8 +9,10 @@
 # as on a machine shared with other work: a test that fails only then is still a bug.
 #
 # Two workers run the suite (pytest-xdist; CASQUE_TEST_WORKERS changes how many, 0 runs it in
-# this process): it waits on servers far more than it computes. tests/fixtures/distribution.py
-# says which tests share a worker.
+# this process): it waits on servers far more than it computes. Each worker is a session with
+# its own slot of servers (tests/fixtures/stack.py). --dist loadgroup hands the tests out one
+# at a time: no test names a group (with pytest 9, xdist 3.8 cannot put a group into a test's
+# id), so a module's fixtures may start on both workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh

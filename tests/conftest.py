@@ -14,7 +14,6 @@ import pytest
 
 from casque.devstack.stack import Stack
 
-from tests.fixtures import distribution
 from tests.fixtures.consumers import consumers  # noqa: F401
 from tests.fixtures.images import backend_images, images  # noqa: F401
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace  # noqa: F401
@@ -42,16 +41,6 @@ SERVER_FIXTURES = frozenset({"backends", "ring", "dc_ring", "kube_cluster", "zoo
                              "node_stack", "node_cluster", "kube_node", "embedded_release"})
 
 
-# Fixtures whose server one worker of a distributed run (`pytest -n`, scripts/test.sh) starts
-# for all its users: every module that uses one is in that fixture's group, so one worker
-# runs them all, one after the other. The images' builds and the node share a group: the
-# node runs the images, and both rewrite the host's iptables.
-SHARED_SERVERS = {"ring": "ring", "dc_ring": "dc_ring", "secure_stack": "secure_stack",
-                  "images": "images", "backend_images": "images", "node_stack": "images",
-                  "kube_node": "images", "embedded_release": "images", "spark_cluster": "spark_cluster"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         uses = set(getattr(item, "fixturenames", ()))
@@ -59,8 +48,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
         if uses & {"ring", "dc_ring"}:
             item.add_marker(pytest.mark.ring)
-    if config.getoption("dist", "no") != "no":
-        items[:] = distribution.grouped(items, SHARED_SERVERS)
 
 
 # Stacks that a few modules use: stopped right after the last test that uses them rather than
