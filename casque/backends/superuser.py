@@ -11,7 +11,12 @@ operator pod's init container):
    three loses no login (Cassandra reads and writes roles at a quorum of `system_auth`'s
    replicas: with its default of one replica, that node's loss locks everybody out). This
    comes first: a role written while `system_auth` had one replica would, after the change,
-   be on one of three, and a quorum read could miss it;
+   be on one of three, and a quorum read could miss it. The rows already there (the default
+   superuser's) are still on their old replica alone, so a quorum read of a role may meet
+   two new, empty replicas and find no role (Cassandra then refuses even a superuser,
+   `Unauthorized`): before any other statement, a read of every `system_auth` table at ALL
+   compares every replica and writes what one lacks (blocking read repair), and statements
+   refused meanwhile are sent again for a while (nodes cache a role they did not find);
 3. as the default superuser only: creates the installation's role, a superuser with the
    installation's password (or sets that password, if the role exists: the default
    superuser still working means a set-up that stopped half-way, and the Secret is the truth);
@@ -30,10 +35,13 @@ so; setting the role's password back is an administrator's job (docs/security.md
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from cassandra import ConsistencyLevel, OperationTimedOut, ReadTimeout, Unauthorized, Unavailable
 from cassandra.cluster import Cluster, Session
+from cassandra.query import SimpleStatement
 from pydantic import SecretStr
 
 from casque.backends.cql import connect
@@ -43,6 +51,11 @@ from casque.errors import AccessDenied, BackendUnavailable, InvalidSettings
 DEFAULT_SUPERUSER = "cassandra"
 DEFAULT_PASSWORD = "cassandra"
 AUTH_KEYSPACE = "system_auth"
+# How long a statement of the set-up is sent again while Cassandra refuses a superuser:
+# until system_auth's replicas agree (module docstring, step 2) and the nodes' role caches
+# (2 s by default) have let go of a role they did not find.
+REFUSED_RETRY_SECONDS = 60.0
+REFUSED_PAUSE_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -90,9 +103,34 @@ def missing_nodes(wanted: dict[str, str], up_per_datacenter: dict[str, int]) -> 
     return None
 
 
+def _execute(session: Session, query: str | SimpleStatement, parameters: tuple[object, ...] | None = None) -> Any:
+    """Execute one idempotent statement of the set-up, again while Cassandra refuses it as
+    `Unauthorized` (module docstring, step 2); a replica set that does not answer is
+    `BackendUnavailable` (retry later)."""
+    deadline = time.monotonic() + REFUSED_RETRY_SECONDS
+    while True:
+        try:
+            return session.execute(query, parameters)
+        except Unauthorized:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(REFUSED_PAUSE_SECONDS)
+        except (Unavailable, ReadTimeout, OperationTimedOut) as error:
+            raise BackendUnavailable(f"Cassandra: {type(error).__name__}: {error}") from error
+
+
+def _copy_auth_to_every_replica(session: Session) -> None:
+    """Read every `system_auth` table whole at ALL, so that every replica holds every role
+    (module docstring, step 2). Needs every replica up."""
+    for table in sorted(session.cluster.metadata.keyspaces[AUTH_KEYSPACE].tables):
+        statement = SimpleStatement(f"SELECT * FROM {AUTH_KEYSPACE}.{table}", consistency_level=ConsistencyLevel.ALL)
+        for _ in _execute(session, statement):
+            pass
+
+
 def _ensure_replication(session: Session, settings: Settings) -> bool:
     wanted = wanted_replication(settings.replication)
-    row = session.execute("SELECT replication FROM system_schema.keyspaces WHERE keyspace_name = %s",
+    row = _execute(session, "SELECT replication FROM system_schema.keyspaces WHERE keyspace_name = %s",
                           (AUTH_KEYSPACE,)).one()
     if row is not None and not replication_differs(dict(row.replication), wanted):
         return False
@@ -104,7 +142,7 @@ def _ensure_replication(session: Session, settings: Settings) -> bool:
     if waiting is not None:
         raise BackendUnavailable(f"{AUTH_KEYSPACE} is to have the replication {settings.replication.cql_map()}, "
                                  f"which needs {waiting}")
-    session.execute(f"ALTER KEYSPACE {AUTH_KEYSPACE} WITH replication = {settings.replication.cql_map()}")
+    _execute(session, f"ALTER KEYSPACE {AUTH_KEYSPACE} WITH replication = {settings.replication.cql_map()}")
     return True
 
 
@@ -141,13 +179,15 @@ def secure_cassandra(settings: Settings) -> Secured:
             ) from error
         try:
             replication_changed = _ensure_replication(default_session, settings)
-            existed = default_session.execute("SELECT role FROM system_auth.roles WHERE role = %s",
+            # Also when an earlier run changed the replication and stopped before it was done.
+            _copy_auth_to_every_replica(default_session)
+            existed = _execute(default_session, "SELECT role FROM system_auth.roles WHERE role = %s",
                                               (username,)).one() is not None
-            default_session.execute(f"CREATE ROLE IF NOT EXISTS {role} "
+            _execute(default_session, f"CREATE ROLE IF NOT EXISTS {role} "
                                     "WITH SUPERUSER = true AND LOGIN = true AND PASSWORD = %s",
                                     (password.get_secret_value(),))
             if existed:
-                default_session.execute(f"ALTER ROLE {role} WITH SUPERUSER = true AND LOGIN = true AND PASSWORD = %s",
+                _execute(default_session, f"ALTER ROLE {role} WITH SUPERUSER = true AND LOGIN = true AND PASSWORD = %s",
                                         (password.get_secret_value(),))
             created = not existed
         finally:
@@ -162,10 +202,10 @@ def secure_cassandra(settings: Settings) -> Secured:
 
 
 def _disable_default(session: Session) -> bool:
-    row: Any = session.execute("SELECT can_login, is_superuser FROM system_auth.roles WHERE role = %s",
+    row: Any = _execute(session, "SELECT can_login, is_superuser FROM system_auth.roles WHERE role = %s",
                                (DEFAULT_SUPERUSER,)).one()
     if row is None or not (row.can_login or row.is_superuser):
         return False
-    session.execute(f"ALTER ROLE {DEFAULT_SUPERUSER} WITH LOGIN = false AND SUPERUSER = false AND PASSWORD = %s",
+    _execute(session, f"ALTER ROLE {DEFAULT_SUPERUSER} WITH LOGIN = false AND SUPERUSER = false AND PASSWORD = %s",
                     (secrets.token_urlsafe(32),))
     return True
