@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from casque.devstack.stack import Stack
 
+from tests.fixtures import scheduling
 from tests.fixtures.consumers import consumers  # noqa: F401
 from tests.fixtures.images import backend_images, images  # noqa: F401
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace  # noqa: F401
@@ -50,9 +52,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.ring)
 
 
+@pytest.hookimpl(optionalhook=True)  # the hook is xdist's: no error when it is not loaded
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> scheduling.GroupScheduling | None:
+    """Distributed runs keep modules, and the modules sharing a server, whole on one worker
+    (tests/fixtures/scheduling.py); `--dist each` (every test on every worker) stays xdist's."""
+    if config.getoption("dist") == "each":
+        return None
+    return scheduling.GroupScheduling(config, log)
+
+
 # Stacks that a few modules use: stopped right after the last test that uses them rather than
 # at the end of the session. Each is one to three idle Cassandra JVMs, and on two cores the
-# tests after them ran beside them for the rest of the session.
+# tests after them ran beside them for the rest of the session. The last user in collection
+# order is the last one a worker runs only if all users are one unit of the distributed run,
+# which hands units out in an order of its own: each of these stacks is in a group of
+# scheduling.GROUPS, and the check below holds every user to it.
 STOPPED_AFTER_LAST_USE = ("ring", "dc_ring", "secure_stack", "node_stack")
 _last_user: dict[str, str] = {}
 
@@ -62,6 +76,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     for item in session.items:
         for name in set(getattr(item, "fixturenames", ())) & set(STOPPED_AFTER_LAST_USE):
             _last_user[name] = item.nodeid
+    if session.config.getoption("dist", "no") != "no":
+        fixtures_of: dict[str, set[str]] = {}
+        for item in session.items:
+            fixtures_of.setdefault(item.nodeid.split("::", 1)[0], set()).update(getattr(item, "fixturenames", ()))
+        if strays := scheduling.misplaced(fixtures_of):
+            raise pytest.UsageError(f"modules outside the group of the server they use (add them to "
+                                    f"tests/fixtures/scheduling.py's GROUPS): {strays}")
 
 
 @pytest.hookimpl(hookwrapper=True)
