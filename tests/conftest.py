@@ -72,17 +72,21 @@ _last_user: dict[str, str] = {}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Note, once the order is final, which test is the last to use each of those stacks."""
+    """Note, once the order is final, which test is the last to use each of those stacks; in a
+    distributed run, report the modules that use a group's server outside the group."""
     for item in session.items:
         for name in set(getattr(item, "fixturenames", ())) & set(STOPPED_AFTER_LAST_USE):
             _last_user[name] = item.nodeid
-    if session.config.getoption("dist", "no") != "no":
+    # An xdist worker's options say dist "no"; it has `workerinput` instead.
+    if hasattr(session.config, "workerinput") or session.config.getoption("dist", "no") != "no":
         fixtures_of: dict[str, set[str]] = {}
         for item in session.items:
             fixtures_of.setdefault(item.nodeid.split("::", 1)[0], set()).update(getattr(item, "fixturenames", ()))
-        if strays := scheduling.misplaced(fixtures_of):
-            raise pytest.UsageError(f"modules outside the group of the server they use (add them to "
-                                    f"tests/fixtures/scheduling.py's GROUPS): {strays}")
+        for module, group in scheduling.misplaced(fixtures_of).items():
+            # As a failed collection: a worker passes it on to the controller, and the run fails.
+            report = pytest.CollectReport(module, "failed", f"uses the server of group {group!r} outside the "
+                                          "group: add it to GROUPS in tests/fixtures/scheduling.py", result=[])
+            session.ihook.pytest_collectreport(report=report)
 
 
 @pytest.hookimpl(hookwrapper=True)

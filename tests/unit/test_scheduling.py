@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from xdist.remote import Producer
+
 from tests.conftest import STOPPED_AFTER_LAST_USE
 from tests.fixtures.scheduling import GROUPS, GroupScheduling, misplaced, order, unit_of
 
@@ -54,7 +56,7 @@ def test_each_worker_gets_a_whole_unit_in_collection_order_heaviest_first() -> N
         "tests/integration/test_ring_contracts.py::test_contract",
     ]
     config = SimpleNamespace(getvalue=lambda name: ["2*popen"], option=SimpleNamespace(loadscopereorder=True))
-    scheduler = GroupScheduling(config)
+    scheduler = GroupScheduling(config, Producer("test", enabled=False))
     first, second = Worker("gw0"), Worker("gw1")
     for worker in (first, second):
         scheduler.add_node(worker)
