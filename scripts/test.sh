@@ -10,9 +10,11 @@
 #
 # Two workers run the suite (pytest-xdist; CASQUE_TEST_WORKERS changes how many, 0 runs it in
 # this process): it waits on servers far more than it computes. Each worker is a session with
-# its own slot of servers (tests/fixtures/stack.py). --dist loadgroup hands the tests out one
-# at a time: no test names a group (with pytest 9, xdist 3.8 cannot put a group into a test's
-# id), so a module's fixtures may start on both workers.
+# its own slot of servers (tests/fixtures/stack.py). tests/conftest.py gives xdist the
+# scheduler of tests/fixtures/scheduling.py: a module, or the modules sharing a costly
+# server, run whole on one worker, the heaviest first. It takes over any --dist but "each";
+# loadscope names what it is, xdist's loadscope with larger units and an order of its own
+# (loadgroup would mean xdist_group marks, which under pytest 9 xdist 3.8 cannot apply).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -22,7 +24,7 @@ bash scripts/install-podman.sh
 bash scripts/install-node.sh
 workers=()
 if [ "${CASQUE_TEST_WORKERS:-2}" != "0" ]; then
-  workers=(-n "${CASQUE_TEST_WORKERS:-2}" --dist loadgroup)
+  workers=(-n "${CASQUE_TEST_WORKERS:-2}" --dist loadscope)
 fi
 if [ "${CASQUE_TEST_STRESS:-0}" = "1" ]; then
   hogs=()
