@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install kube-apiserver, kubectl, etcd and helm for casque's Kubernetes tests, and the node's
-# kubelet, kube-scheduler, kube-controller-manager and kube-proxy, and CoreDNS, the node's cluster
-# DNS (tests/integration/test_node.py).
+# kubelet, kube-scheduler, kube-controller-manager and kube-proxy, CoreDNS, the node's cluster
+# DNS, and kube-router, whose firewall enforces the node's NetworkPolicies
+# (tests/integration/test_node.py).
 #
 # Everything is built from source with the Go toolchain, fetching code only from
 # the Go module proxy, so it works on machines that can reach package registries
@@ -11,7 +12,7 @@
 #   bash scripts/install-kube-tools.sh --force    # rebuild everything
 #
 # Output:  ${CASQUE_CACHE:-$HOME/.cache/casque}/kube/bin/{kube-apiserver,kubectl,etcd,helm,
-#          kubelet,kube-scheduler,kube-controller-manager,kube-proxy,coredns}
+#          kubelet,kube-scheduler,kube-controller-manager,kube-proxy,coredns,kube-router}
 # Each binary has a stamp file (bin/.stamps/<tool>) recording the pinned version
 # and build recipe; when every stamp matches, the script exits immediately.
 # The Go module and build caches (GOMODCACHE, GOCACHE) are left at their
@@ -27,6 +28,9 @@ ENDPOINTSLICE_VERSION="v0.32.12"
 ETCD_VERSION="v3.5.35"    # go.etcd.io/etcd/server/v3 (kube 1.32 wants etcd >= 3.5.11)
 HELM_VERSION="v3.22.0"    # helm.sh/helm/v3
 COREDNS_VERSION="v1.14.7" # github.com/coredns/coredns (the node's cluster DNS)
+# github.com/cloudnativelabs/kube-router/v2: only its network policy controller runs on the node
+# (docs/deploy.md, "NetworkPolicies on the node"). The module proxy serves no later version.
+KUBE_ROUTER_VERSION="v2.1.0"
 # Bump when the build recipe (flags, layout) changes, to force a rebuild.
 RECIPE_REV="1"
 # ---------------------------------------------------------------------------
@@ -37,19 +41,20 @@ BIN_DIR="${KUBE_DIR}/bin"
 STAMP_DIR="${BIN_DIR}/.stamps"
 SRC_DIR="${KUBE_DIR}/src"
 KUBE_TOOLS=(kube-apiserver kubectl kubelet kube-scheduler kube-controller-manager kube-proxy)
-TOOLS=("${KUBE_TOOLS[@]}" etcd helm coredns)
+TOOLS=("${KUBE_TOOLS[@]}" etcd helm coredns kube-router)
 
 FORCE=0
 for arg in "$@"; do
   case "${arg}" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "install-kube-tools: unknown argument: ${arg}" >&2; exit 2 ;;
   esac
 done
 
 tool_version() {
   case "$1" in
+    kube-router) echo "${KUBE_ROUTER_VERSION}" ;;
     kube-*|kubectl|kubelet) echo "${KUBE_VERSION}" ;;
     etcd) echo "${ETCD_VERSION}" ;;
     helm) echo "${HELM_VERSION}" ;;
@@ -167,6 +172,8 @@ check_version() {
   want="$(tool_version "${name}")"
   case "${name}" in
     etcd) out="$("${BIN_DIR}/etcd" --version)"; want="etcd Version: ${want#v}" ;;
+    # It prints its version on stderr ("Running kube-router version v2.1.0, built on ...").
+    kube-router) out="$("${BIN_DIR}/kube-router" --version 2>&1)"; want="version ${want}," ;;
     kube-*|kubelet) out="$("${BIN_DIR}/${name}" --version)" ;;
     kubectl) out="$("${BIN_DIR}/kubectl" version --client)" ;;
     helm) out="$("${BIN_DIR}/helm" version --short)" ;;
@@ -293,6 +300,20 @@ require github.com/coredns/coredns ${COREDNS_VERSION}
 EOF
   build_into_bin "${SRC_DIR}/coredns" "" "github.com/coredns/coredns"
   log "coredns built in $(elapsed "${t0}")"
+fi
+
+# ---- kube-router -----------------------------------------------------------------
+# Its version is a variable set by ldflags (empty otherwise).
+if wants kube-router; then
+  t0="$(date +%s)"
+  kube_router_src="$(module_dir "github.com/cloudnativelabs/kube-router/v2@${KUBE_ROUTER_VERSION}")"
+  write_module "${SRC_DIR}/kube-router" "$(go_directive "${kube_router_src}")" <<EOF
+require github.com/cloudnativelabs/kube-router/v2 ${KUBE_ROUTER_VERSION}
+EOF
+  build_into_bin "${SRC_DIR}/kube-router" \
+    "-X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=${KUBE_ROUTER_VERSION}" \
+    "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router"
+  log "kube-router built in $(elapsed "${t0}")"
 fi
 
 log "done in $(elapsed "${START_ALL}")"

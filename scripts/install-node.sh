@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares the node test (tests/integration/test_node.py), idempotently: Debian's containerd,
-# runc and CNI plugins (containernetworking-plugins, in /usr/lib/cni), and iptables for
-# kube-proxy. Nothing is configured or started here: the test runs containerd with a
+# runc and CNI plugins (containernetworking-plugins, in /usr/lib/cni), iptables for kube-proxy,
+# and ipset for kube-router's firewall (the node's NetworkPolicies). Nothing is configured or started here: the test runs containerd with a
 # configuration, root, state and socket of its own (casque.devstack.node), so a containerd
 # of the host, if any, is left as it is. The kubelet and the controllers come from
 # scripts/install-kube-tools.sh, the images from scripts/install-podman.sh's base.
@@ -18,7 +18,7 @@ done
 sudo_cmd=""; [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
 
 need=()
-for pkg in containerd runc containernetworking-plugins iptables iproute2; do
+for pkg in containerd runc containernetworking-plugins iptables ipset iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

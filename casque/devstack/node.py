@@ -6,18 +6,22 @@ CNI configuration, so a podman or containerd of the host is untouched), the kube
 kube-scheduler, kube-controller-manager (Deployments, ServiceAccounts, Endpoints, namespace
 deletion), kube-proxy (the ``kubernetes`` Service, which in-cluster clients dial) and CoreDNS
 as the cluster's DNS on the node's address (StatefulSet pods find each other by their stable
-names, ``<pod>.<service>.<namespace>.svc.cluster.local``). Binaries come from
-``scripts/install-kube-tools.sh`` and ``scripts/install-node.sh``.
+names, ``<pod>.<service>.<namespace>.svc.cluster.local``) and kube-router's firewall alone
+(its network policy controller: no routes, no service proxy) beside the CNI ``bridge`` plugin,
+which enforces no NetworkPolicy itself. Binaries come from ``scripts/install-kube-tools.sh`` and
+``scripts/install-node.sh``.
 
 A node changes its host, and these machines are shared with other test sessions, so it takes
 a lock for the host (one node per machine) and `KubeNode.stop` undoes what it can:
 
-- iptables: the chains that did not exist before the node started (kube-proxy's ``KUBE-*``)
-  and the rules that jump to them; the kubelet makes none of its own
-  (``makeIPTablesUtilChains: false``), so no ``KUBE-FIREWALL`` rule drops traffic to
-  127.0.0.0/8 from other addresses;
-- the sysctls the kubelet sets (``vm.overcommit_memory``, ``kernel.panic`` and others): put
-  back to what they were;
+- iptables: the chains that did not exist before the node started (kube-proxy's ``KUBE-*``,
+  kube-router's ``KUBE-ROUTER-*``, ``KUBE-NWPLCY-*`` and ``KUBE-POD-FW-*``) and the rules that
+  jump to them; the kubelet makes none of its own (``makeIPTablesUtilChains: false``), so no
+  ``KUBE-FIREWALL`` rule drops traffic to 127.0.0.0/8 from other addresses;
+- ipsets: those kube-router made (the pods each policy selects), once no rule names them;
+- the sysctls the kubelet sets (``vm.overcommit_memory``, ``kernel.panic`` and others), and
+  ``net.bridge.bridge-nf-call-iptables`` when the node had to turn it on: put back to what they
+  were;
 - the pods' bridge ``casque0`` (the CNI ``bridge`` plugin, no masquerading, no port maps);
 - the kubelet's cgroups, all under ``/casque-node`` in each cgroup v1 hierarchy;
 - mounts under the node's directory (the kubelet bind-mounts its root directory onto
@@ -48,6 +52,7 @@ from pathlib import Path
 from typing import IO
 
 from casque.devstack.kube import (
+    SERVICE_CLUSTER_IP_RANGE,
     KubeCluster,
     KubeStartError,
     free_port,
@@ -77,6 +82,13 @@ KUBELET_SYSCTLS = (
     "vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
     "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes",
 )
+# Pods on one bridge talk through it without being routed: only with this on do their packets
+# pass iptables, where kube-router's firewall is. Without it a policy holds only between the
+# host and pods.
+BRIDGE_NETFILTER = "net/bridge/bridge-nf-call-iptables"
+NODE_SYSCTLS = (*KUBELET_SYSCTLS, BRIDGE_NETFILTER)
+# kube-router's top chains, which its built-in chains jump to once its firewall is in place.
+FIREWALL_CHAINS = {"INPUT": "KUBE-ROUTER-INPUT", "FORWARD": "KUBE-ROUTER-FORWARD", "OUTPUT": "KUBE-ROUTER-OUTPUT"}
 # Fixed paths outside the node's directory that the kubelet or containerd create.
 FIXED_DIRECTORIES = (
     Path("/var/lib/kubelet"),            # the device manager's socket directory
@@ -86,7 +98,7 @@ FIXED_DIRECTORIES = (
     Path("/usr/libexec/kubernetes"),
 )
 IPTABLES_TABLES = ("filter", "nat", "mangle")
-NODE_TOOLS = ("containerd", "ctr", "runc")
+NODE_TOOLS = ("containerd", "ctr", "runc", "ipset")
 
 
 def missing_node_tools() -> list[str]:
@@ -141,9 +153,23 @@ def _remove_new_chains(command: str, before: dict[str, set[str]]) -> None:
             subprocess.run([command, "-w", "-t", table, "-X", chain], capture_output=True, check=False)
 
 
+def _ipsets() -> set[str]:
+    """kube-router's ipsets (``KUBE-SRC-*``, ``KUBE-DST-*``, ``inet6:``-prefixed for IPv6); another
+    program's sets on the host are not the node's to remove."""
+    listing = subprocess.run(["ipset", "list", "-name"], capture_output=True, text=True, check=False)
+    return {name for name in listing.stdout.split() if name.removeprefix("inet6:").startswith("KUBE-")}
+
+
+def _remove_new_ipsets(before: set[str]) -> None:
+    """Destroy the ipsets not in `before`; run after the iptables rules that match them are gone
+    (the kernel refuses to destroy a set a rule names)."""
+    for name in sorted(_ipsets() - before):
+        subprocess.run(["ipset", "destroy", name], capture_output=True, check=False)
+
+
 def _read_sysctls() -> dict[str, str]:
     values = {}
-    for name in KUBELET_SYSCTLS:
+    for name in NODE_SYSCTLS:
         path = Path("/proc/sys") / name
         if path.exists():
             values[name] = path.read_text().strip()
@@ -217,6 +243,7 @@ class HostBaseline:
     """What the host had before the node started, so that stop() removes only the node's."""
 
     iptables: dict[str, dict[str, set[str]]]
+    ipsets: set[str]
     sysctls: dict[str, str]
     absent_directories: list[Path]
     bridge_existed: bool
@@ -226,6 +253,7 @@ class HostBaseline:
         return cls(
             iptables={command: _iptables_chains(command) for command in ("iptables", "ip6tables")
                       if shutil.which(command)},
+            ipsets=_ipsets(),
             sysctls=_read_sysctls(),
             absent_directories=[d for d in FIXED_DIRECTORIES if not d.exists()],
             bridge_existed=Path(f"/sys/class/net/{BRIDGE}").exists(),
@@ -236,6 +264,7 @@ class HostBaseline:
         undone, one line each."""
         for command, before in self.iptables.items():
             _remove_new_chains(command, before)
+        _remove_new_ipsets(self.ipsets)
         _restore_sysctls(self.sysctls)
         if not self.bridge_existed:
             subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
@@ -250,6 +279,7 @@ class HostBaseline:
         for command, before in self.iptables.items():
             after = _iptables_chains(command)
             left += [f"{command} -t {t} chain {c}" for t in after for c in sorted(after[t] - before.get(t, set()))]
+        left += [f"ipset {name}" for name in sorted(_ipsets() - self.ipsets)]
         return left
 
 
@@ -431,7 +461,7 @@ class KubeNode:
                 self._stop(name)
             if drain is not None and "kubelet" in self.running():
                 drain()
-            for name in ("kubelet", "kube-proxy", "coredns"):
+            for name in ("kube-router", "kubelet", "kube-proxy", "coredns"):
                 self._stop(name)
             self._remove_containers()
             self._stop("containerd")
@@ -489,6 +519,21 @@ def _serving(url: str) -> bool:
             return bool(answer.status == 200)
     except OSError:
         return False
+
+
+def firewall_in_place() -> bool:
+    """kube-router's firewall is in the path of the pods' packets: INPUT, FORWARD and OUTPUT
+    jump to its chains, and its default policy chain marks what no NetworkPolicy selects. It
+    makes them before its first sync, and syncs again on every change of a pod, namespace or
+    policy."""
+    for chain, target in FIREWALL_CHAINS.items():
+        rules = subprocess.run(["iptables", "-w", "-t", "filter", "-S", chain], capture_output=True, text=True,
+                               check=False)
+        if f"-j {target}" not in rules.stdout:
+            return False
+    default = subprocess.run(["iptables", "-w", "-t", "filter", "-S", "KUBE-NWPLCY-DEFAULT"], capture_output=True,
+                             text=True, check=False)
+    return "MARK" in default.stdout
 
 
 def _node_ready(cluster: KubeCluster) -> bool:
@@ -586,6 +631,29 @@ def _start(node: KubeNode, sandbox_image: str, sandbox_archive: Callable[[KubeNo
         "--concurrent-deployment-syncs=2", "--concurrent-replicaset-syncs=2",
     ])
     _wait_for(f"node {NODE_NAME} Ready", lambda: _node_ready(cluster), node, timeout)
+    _start_firewall(node, start)
+
+
+def _start_firewall(node: KubeNode, start: Callable[[str, Sequence[str]], None]) -> None:
+    """kube-router's network policy controller: it reads the node's address from the Node, so
+    it starts once the kubelet has registered it."""
+    bridge_netfilter = Path("/proc/sys") / BRIDGE_NETFILTER
+    if not bridge_netfilter.exists():
+        raise KubeStartError(f"{bridge_netfilter} is missing: the kernel has no br_netfilter, so packets between "
+                             "pods on the bridge bypass iptables and no NetworkPolicy would hold")
+    if bridge_netfilter.read_text().strip() != "1":
+        bridge_netfilter.write_text("1")  # put back by HostBaseline.restore
+    start("kube-router", [
+        str(kube_binary("kube-router")), f"--kubeconfig={node.cluster.kubeconfig_path}",
+        f"--hostname-override={NODE_NAME}",
+        "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
+        # Its exemption for Service addresses must name the API server's range.
+        f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+        # No ports of its own: the health server would listen on every address (readiness is
+        # its chains, below), and metrics are off by default.
+        "--health-port=0", "--metrics-port=0", "--v=1",
+    ])
+    _wait_for("kube-router's firewall", firewall_in_place, node, 60)
 
 
 def wait_pods_gone(cluster: KubeCluster, timeout: float = 120.0) -> None:
