@@ -57,7 +57,8 @@ PUBLISH_SCOPE = f"{ANNOTATION_PREFIX}publish-scope"
 SUBSCRIBE_SCOPE = f"{ANNOTATION_PREFIX}subscribe-scope"
 
 SIDECAR_NAME = "casque-sidecar"
-# On every pod that gets the sidecar: the backends' NetworkPolicies admit pods by it.
+# On every pod that gets the sidecar: the backends' NetworkPolicies admit pods by it, in client
+# namespaces only (a pod can set its own labels, not its namespace's).
 SIDECAR_LABEL = f"{ANNOTATION_PREFIX}sidecar"
 SIDECAR_LABEL_VALUE = "injected"
 TMP_VOLUME = "casque-sidecar-tmp"

@@ -317,6 +317,9 @@ def test_helm_lint(tools: Tools, values: dict[str, Any] | None) -> None:
         ({"networkPolicy": {"apiServer": {"ports": []}}}, "ports"),
         ({"sidecar": {"metricsPort": 0}}, "metricsPort"),
         ({"networkPolicy": {"backends": {"cassandra": {"podSelector": None}}}}, "podSelector"),
+        ({"networkPolicy": {"backends": {"clients": {"namespaces": ["Shop"]}}}}, "namespaces"),
+        ({"networkPolicy": {"backends": {"clients": {"namespaceSelector": []}}}}, "namespaceSelector"),
+        ({"networkPolicy": {"enabled": "auto"}}, "enabled"),
         ({"backends": {"zookeeper": {"replicas": 2}}}, "replicas"),  # no quorum survives a loss
         ({"backends": {"cassandra": {"replicas": 2}}}, "replicas"),
         ({"backends": {"embedded": "yes"}}, "embedded"),
@@ -423,13 +426,14 @@ def test_default_values_are_accepted_by_the_api_server(
     documents = [d for d in yaml.safe_load_all(manifest) if d]
     kinds = sorted(d["kind"] for d in documents)
     # With the release's own ZooKeeper and Cassandra (backends.embedded, on by default): a
-    # StatefulSet, a peers Service, a client Service and a disruption budget each; their
-    # generated logins and the derivation key (three Secrets besides the webhook's), and the
-    # admission policy that holds the operator to the namespaces' Secrets it writes.
+    # StatefulSet, a peers Service, a client Service, a disruption budget and a NetworkPolicy
+    # each, and one for the operator (networkPolicy: on by default with embedded backends);
+    # their generated logins and the derivation key (three Secrets besides the webhook's), and
+    # the admission policy that holds the operator to the namespaces' Secrets it writes.
     assert kinds == sorted([
         "ServiceAccount", "Secret", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service",
-        "Service", "Deployment", "PodDisruptionBudget", "MutatingWebhookConfiguration",
-        *["StatefulSet", "Service", "Service", "PodDisruptionBudget"] * 2,
+        "Service", "Deployment", "PodDisruptionBudget", "MutatingWebhookConfiguration", "NetworkPolicy",
+        *["StatefulSet", "Service", "Service", "PodDisruptionBudget", "NetworkPolicy"] * 2,
         *["Secret"] * 3, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
     ])  # fmt: skip
     assert out.count("(server dry run)") == len(documents), out
@@ -457,6 +461,7 @@ def test_an_install_tells_the_user_what_to_do_next(
     assert "kubectl apply -f crds/" in notes
     assert "It connects to Cassandra at cassandra:9042" in notes and "ZooKeeper at zookeeper:2181" in notes
     assert "Both are yours: this release runs neither (backends.embedded=false)." in notes
+    assert "casque.io/backend-access" not in notes  # no policies on backends it does not run
 
 
 def test_an_install_with_embedded_backends_says_they_run_in_it(
@@ -472,6 +477,7 @@ def test_an_install_with_embedded_backends_says_they_run_in_it(
     assert "ZooKeeper with 3 member(s), Cassandra with 3 node(s) in datacenter dc1" in notes
     assert f"kubectl -n {kube_namespace} rollout status statefulset/shop-casque-cassandra" in notes
     assert "this release runs neither" not in notes
+    assert "kubectl label namespace shop casque.io/backend-access=true" in notes
 
 
 @pytest.mark.parametrize("issuer", [None, {"name": "platform-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}],
@@ -666,7 +672,10 @@ def test_non_default_values_are_accepted_by_the_api_server(
         assert policy["metadata"]["namespace"] == other_namespace
         clients, peers = policy["spec"]["ingress"]
         assert [p["port"] for p in clients["ports"]] == [port]
-        sidecars = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"casque.io/sidecar": "injected"}}}
+        # Sidecars in the watched namespaces, by the name the API server gives each namespace.
+        watched = {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [kube_namespace, other_namespace]}
+        sidecars = {"namespaceSelector": {"matchExpressions": [watched]},
+                    "podSelector": {"matchLabels": {"casque.io/sidecar": "injected"}}}
         assert sidecars in clients["from"]
         assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": kube_namespace}},
                 "podSelector": operator_policy["spec"]["podSelector"]} in clients["from"]
@@ -811,23 +820,61 @@ def test_the_embedded_backends_are_accepted_by_the_api_server(
     assert sidecar_env["CASQUE_ZOOKEEPER_HOSTS"] == f"shop-casque-zookeeper.{domain}:2181"
 
 
-def test_the_network_policies_cover_the_embedded_backends(tools: Tools) -> None:
-    values = {**embedded(3), "networkPolicy": {"enabled": True, "backends": {"enabled": True}}}
-    documents = tools.render("casque", values, release="shop")
+def test_the_network_policies_cover_the_embedded_backends_by_default(tools: Tools) -> None:
+    documents = tools.render("casque", embedded(3), release="shop")
     policies = {p["metadata"]["name"]: p["spec"] for p in of_kind(documents, "NetworkPolicy")}
+    assert set(policies) == {"shop-casque-operator", "shop-casque-cassandra", "shop-casque-zookeeper"}
     egress = {p["port"] for rule in policies["shop-casque-operator"]["egress"] for p in rule["ports"]}
     assert {9042, 2181} <= egress
+    operator = named(documents, "Deployment", "shop-casque")["spec"]["selector"]
     for backend, port in (("cassandra", 9042), ("zookeeper", 2181)):
         labels = named(documents, "StatefulSet", f"shop-casque-{backend}")["spec"]["template"]["metadata"]["labels"]
         policy = policies[f"shop-casque-{backend}"]
         assert selects(policy["podSelector"]["matchLabels"], labels)
         clients, peers = policy["ingress"]
         assert [p["port"] for p in clients["ports"]] == [port] and "ports" not in peers  # quorum, gossip
+        # The operator's pods in the release's namespace (its name, set by the API server), and
+        # sidecars only in namespaces labelled as clients: a pod can set its own labels, not
+        # its namespace's.
+        assert clients["from"] == [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "casque"}}, "podSelector": operator},
+            {"namespaceSelector": {"matchLabels": {"casque.io/backend-access": "true"}},
+             "podSelector": {"matchLabels": {"casque.io/sidecar": "injected"}}},
+        ]
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({"networkPolicy": {"enabled": False, "backends": {"enabled": False}}}, set()),
+        ({"networkPolicy": {"backends": {"enabled": False}}}, {"operator"}),
+        ({"networkPolicy": {"enabled": False}}, {"cassandra", "zookeeper"}),
+    ],
+    ids=["both-off", "operator-only", "backends-only"],
+)
+def test_the_network_policies_can_be_turned_off(tools: Tools, values: dict[str, Any], expected: set[str]) -> None:
+    documents = tools.render("casque", {**embedded(1), **values}, release="shop")
+    assert {p["metadata"]["name"].removeprefix("shop-casque-") for p in of_kind(documents, "NetworkPolicy")} == expected
+
+
+def test_the_client_namespaces_by_name_or_any(tools: Tools) -> None:
+    """Names win over the label selector; an empty selector (no names) admits every namespace."""
+    for clients, selector in (
+        ({"namespaces": ["shop", "billing"]},
+         {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["shop", "billing"]}]}),
+        ({"namespaceSelector": {}}, {}),
+    ):  # fmt: skip
+        values = {**embedded(1), "networkPolicy": {"backends": {"clients": clients}}}
+        (policy,) = [p for p in of_kind(tools.render("casque", values, release="shop"), "NetworkPolicy")
+                     if p["metadata"]["name"] == "shop-casque-cassandra"]
+        assert policy["spec"]["ingress"][0]["from"][1]["namespaceSelector"] == selector
 
 
 def test_without_embedded_backends_nothing_of_them_is_made(tools: Tools, monkeypatch: pytest.MonkeyPatch) -> None:
     documents = tools.render("casque", OWN_BACKENDS, release="shop")
     assert not of_kind(documents, "StatefulSet")
+    # Nor NetworkPolicies by default: where the backends are, and who reaches them, is yours.
+    assert not of_kind(documents, "NetworkPolicy")
     assert not [d for d in documents if "cassandra" in d["metadata"]["name"] or "zookeeper" in d["metadata"]["name"]]
     settings = operator_backends(operator_container(documents), monkeypatch)
     assert (settings.cassandra_contact_points, settings.zookeeper_hosts) == (["cassandra"], "zookeeper:2181")

@@ -7,6 +7,10 @@ Ready through it; the example worker's Deployment gets its sidecar from the oper
 webhook (called by the API server on the operator pod's address) and runs it as a native
 sidecar; a second injected pod publishes orders through its own sidecar and completes, and
 the worker receives and bills every one of them through its sidecar.
+
+With the backends in the release, its NetworkPolicies are on (the default) and the node's
+firewall (kube-router's) enforces them: the apps run in client namespaces, and a pod outside
+them, or without the sidecar's label, is refused at the backends' client ports.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from tests.fixtures.node_release import (
     START_TIMEOUT,
     EmbeddedRelease,
     Kubectl,
+    client_namespace,
     history_of,
     image_values,
     records,
@@ -234,7 +239,7 @@ def test_the_chart_with_its_own_zookeeper_and_cassandra_serves_the_example_app(
     namespace = embedded_release.namespace
     assert env["CASQUE_ZOOKEEPER_HOSTS"].startswith(f"casque-zookeeper.{namespace}.svc")
     shop = f"shop-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", shop)
+    client_namespace(kubectl, shop)
     try:
         run_the_example_app(kubectl, node, node_images, shop)
     except BaseException:
@@ -242,6 +247,90 @@ def test_the_chart_with_its_own_zookeeper_and_cassandra_serves_the_example_app(
         raise
     finally:
         remove_the_app(kubectl, shop)
+
+
+# Connects to each host:port of its arguments and prints one JSON line per target. `until-open`
+# retries a target until it connects: the firewall admits a new pod once it has synced the pod's
+# address into the policy's sets, shortly after the pod starts. `once` tries each target once:
+# a firewall that refuses answers at once (kube-router rejects), an open port accepts.
+PROBE = """\
+import errno, json, socket, sys, time
+mode, targets = sys.argv[1], sys.argv[2:]
+for target in targets:
+    host, port = target.rsplit(":", 1)
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+            outcome = "connected"
+        except OSError as e:
+            outcome = errno.errorcode.get(e.errno, str(e)) if e.errno else type(e).__name__
+        if outcome == "connected" or mode == "once":
+            break
+        time.sleep(0.5)
+    print(json.dumps({"target": target, "outcome": outcome}), flush=True)
+"""
+
+
+def probe_pod(name: str, image: str, labels: dict[str, str], mode: str, targets: list[str]) -> dict[str, Any]:
+    """A plain pod, no sidecar: it runs PROBE once against `targets`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "securityContext": POD_SECURITY,
+            "containers": [{"name": "app", "image": image, "imagePullPolicy": "Never",
+                            "command": ["python3", "-c", PROBE, mode, *targets], "securityContext": RESTRICTED}],
+        },
+    }
+
+
+def probed(kubectl: Kubectl, node: KubeNode, namespace: str, pod: dict[str, Any]) -> dict[str, str]:
+    """Run a probe pod to its end; what each target answered."""
+    kubectl.apply(namespace, pod)
+    name = pod["metadata"]["name"]
+    kubectl("wait", "-n", namespace, "--for=jsonpath={.status.phase}=Succeeded", f"pod/{name}",
+            f"--timeout={START_TIMEOUT}s")
+    return {entry["target"]: entry["outcome"] for entry in records(pod_log(node, namespace, name, "app"))}
+
+
+def test_the_backends_client_ports_refuse_pods_outside_the_client_namespaces_or_without_the_sidecar_label(
+    embedded_release: EmbeddedRelease, node_images: NodeImages,
+) -> None:
+    """The release's default NetworkPolicies, enforced by the node's firewall: a pod labelled
+    as an injected one reaches Cassandra's and every ZooKeeper member's client port from a
+    client namespace; the same pod in a namespace without the client label (a pod can set its
+    own labels, not its namespace's), and a pod without the label in the client namespace,
+    are refused. Without an enforcing firewall both would connect."""
+    kubectl, node = embedded_release.kubectl, embedded_release.node
+    targets = [f"{pod['status']['podIP']}:9042" for pod in embedded_release.pods("cassandra")]
+    targets += [f"{pod['status']['podIP']}:2181" for pod in embedded_release.pods("zookeeper")]
+    assert len(targets) == 1 + 3
+    sidecar_label = {"casque.io/sidecar": "injected"}
+    suffix = uuid.uuid4().hex[:8]
+    clients, outside = f"clients-{suffix}", f"outside-{suffix}"
+    client_namespace(kubectl, clients)
+    kubectl.namespace(outside)
+    try:
+        # First a pod that is admitted, so that what the others meet is the policy, not a
+        # network the node has yet to set up.
+        admitted = probed(kubectl, node, clients, probe_pod("admitted", node_images.worker, sidecar_label,
+                                                            "until-open", targets))
+        assert admitted == dict.fromkeys(targets, "connected")
+        other_namespace = probed(kubectl, node, outside, probe_pod("claims-the-label", node_images.worker,
+                                                                   sidecar_label, "once", targets))
+        unlabelled = probed(kubectl, node, clients, probe_pod("unlabelled", node_images.worker, {}, "once", targets))
+        assert other_namespace == dict.fromkeys(targets, "ECONNREFUSED")
+        assert unlabelled == dict.fromkeys(targets, "ECONNREFUSED")
+    except BaseException:
+        kubectl.show(clients, outside)
+        raise
+    finally:
+        for namespace in (clients, outside):
+            kubectl("delete", "-n", namespace, "pods", "--all", "--grace-period=1", f"--timeout={START_TIMEOUT}s",
+                    check=False)
+            kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def zookeeper_mode(address: str) -> str | None:
@@ -298,7 +387,7 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
     delivered, nothing acked delivered again, every message acked."""
     kubectl, node, namespace = embedded_release.kubectl, embedded_release.node, embedded_release.namespace
     shop = f"shop-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", shop)
+    client_namespace(kubectl, shop)
 
     def calls(pod: str) -> list[dict[str, Any]]:
         return records(pod_log(node, shop, pod, "app"))

@@ -455,6 +455,16 @@ defaults move away from the ones named here.
 {{- divf (mulf $number $unit) 1048576 | floor | int -}}
 {{- end -}}
 
+{{/* Whether a set of NetworkPolicies is made: (list . "operator"|"backends"). Their `enabled`
+     null (the default) follows backends.embedded. "true" or empty. */}}
+{{- define "casque.networkPolicyOn" -}}
+{{- $root := index . 0 -}}
+{{- $np := $root.Values.networkPolicy -}}
+{{- $enabled := ternary $np.enabled $np.backends.enabled (eq (index . 1) "operator") -}}
+{{- if kindIs "invalid" $enabled }}{{ $enabled = $root.Values.backends.embedded }}{{ end -}}
+{{- if $enabled }}true{{ end -}}
+{{- end -}}
+
 {{/* The embedded backends' labels: (list . "zookeeper"|"cassandra"). Named for the backend,
      so that networkPolicy.backends' default pod selectors find them. */}}
 {{- define "casque.backendSelectorLabels" -}}
