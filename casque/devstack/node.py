@@ -153,11 +153,15 @@ def _remove_new_chains(command: str, before: dict[str, set[str]]) -> None:
             subprocess.run([command, "-w", "-t", table, "-X", chain], capture_output=True, check=False)
 
 
+def kube_router_ipsets(names: Sequence[str]) -> set[str]:
+    """kube-router's among ipset names (``KUBE-SRC-*``, ``KUBE-DST-*``, ``inet6:``-prefixed for
+    IPv6); another program's sets on the host are not the node's to remove."""
+    return {name for name in names if name.removeprefix("inet6:").startswith("KUBE-")}
+
+
 def _ipsets() -> set[str]:
-    """kube-router's ipsets (``KUBE-SRC-*``, ``KUBE-DST-*``, ``inet6:``-prefixed for IPv6); another
-    program's sets on the host are not the node's to remove."""
     listing = subprocess.run(["ipset", "list", "-name"], capture_output=True, text=True, check=False)
-    return {name for name in listing.stdout.split() if name.removeprefix("inet6:").startswith("KUBE-")}
+    return kube_router_ipsets(listing.stdout.split())
 
 
 def _remove_new_ipsets(before: set[str]) -> None:
@@ -643,17 +647,22 @@ def _start_firewall(node: KubeNode, start: Callable[[str, Sequence[str]], None])
                              "pods on the bridge bypass iptables and no NetworkPolicy would hold")
     if bridge_netfilter.read_text().strip() != "1":
         bridge_netfilter.write_text("1")  # put back by HostBaseline.restore
-    start("kube-router", [
-        str(kube_binary("kube-router")), f"--kubeconfig={node.cluster.kubeconfig_path}",
-        f"--hostname-override={NODE_NAME}",
+    start("kube-router", firewall_command(kube_binary("kube-router"), node.cluster.kubeconfig_path))
+    _wait_for("kube-router's firewall", firewall_in_place, node, 60)
+
+
+def firewall_command(binary: Path, kubeconfig: Path) -> list[str]:
+    """kube-router with its network policy controller alone: no routes or BGP (the bridge
+    connects the pods), no service proxy (kube-proxy is it)."""
+    return [
+        str(binary), f"--kubeconfig={kubeconfig}", f"--hostname-override={NODE_NAME}",
         "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
         # Its exemption for Service addresses must name the API server's range.
         f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
         # No ports of its own: the health server would listen on every address (readiness is
-        # its chains, below), and metrics are off by default.
+        # its chains, firewall_in_place), and metrics are off by default.
         "--health-port=0", "--metrics-port=0", "--v=1",
-    ])
-    _wait_for("kube-router's firewall", firewall_in_place, node, 60)
+    ]
 
 
 def wait_pods_gone(cluster: KubeCluster, timeout: float = 120.0) -> None:

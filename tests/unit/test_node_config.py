@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from casque.devstack.kube import SERVICE_CLUSTER_IP_RANGE
 from casque.devstack.node import (
     BRIDGE,
     CGROUP_ROOT,
@@ -16,6 +17,8 @@ from casque.devstack.node import (
     cni_config,
     containerd_config,
     corefile,
+    firewall_command,
+    kube_router_ipsets,
     kubelet_config,
     rules_into,
 )
@@ -72,6 +75,18 @@ def test_the_rules_that_jump_to_new_chains_are_found_with_their_quoted_comments(
     ]
     assert rules_into(listing, {"KUBE-SERVICES"}) == [
         ["OUTPUT", "-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"]]
+
+
+def test_the_firewall_runs_alone_and_opens_no_port(tmp_path: Path) -> None:
+    argv = firewall_command(tmp_path / "kube-router", tmp_path / "kubeconfig")
+    assert {"--run-firewall=true", "--run-router=false", "--run-service-proxy=false"} <= set(argv)
+    assert {"--health-port=0", "--metrics-port=0"} <= set(argv)
+    assert f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}" in argv
+
+
+def test_only_kube_routers_ipsets_are_the_nodes_to_remove() -> None:
+    names = ["KUBE-SRC-ZUL76ZXAUITE3KSM", "inet6:KUBE-DST-3F57C3Q45CFJ4ZTW", "f2b-sshd", "inet6:allowed"]
+    assert kube_router_ipsets(names) == {"KUBE-SRC-ZUL76ZXAUITE3KSM", "inet6:KUBE-DST-3F57C3Q45CFJ4ZTW"}
 
 
 def test_a_stack_on_the_hosts_address_puts_cassandra_and_zookeeper_there(tmp_path: Path) -> None:
