@@ -110,24 +110,51 @@ ZOOKEEPER_RENDER = r"""#!/bin/bash
 #   ZOO_SERVERS      space-separated server.<id>=<host>:2888:3888;2181 lines; empty: standalone
 #   ZOO_CLIENT_PORT  the client port (2181)
 #   ZOO_CONF_DIR     where zoo.cfg goes (/tmp/zookeeper: the root filesystem is read-only)
+#   ZOO_TLS_DIR      a directory with tls.crt, tls.key and ca.crt (PEM): clients then connect
+#                    over TLS only, on ZOO_SECURE_CLIENT_PORT (2281); the plain client port
+#                    listens on 127.0.0.1, for the readiness probe alone
 set -euo pipefail
 home="${ZOO_HOME:-/opt/zookeeper}"
 conf="${ZOO_CONF_DIR:-/tmp/zookeeper}"
 data="${ZOO_DATA_DIR:-/data}"
 port="${ZOO_CLIENT_PORT:-2181}"
+tls_dir="${ZOO_TLS_DIR:-}"
+secure_port="${ZOO_SECURE_CLIENT_PORT:-2281}"
 fail() { echo "zookeeper: $*" >&2; exit 2; }
 [[ $port =~ ^[0-9]{1,5}$ ]] || fail "ZOO_CLIENT_PORT is not a port: $port"
+[[ $secure_port =~ ^[0-9]{1,5}$ ]] || fail "ZOO_SECURE_CLIENT_PORT is not a port: $secure_port"
 servers=()
 for server in ${ZOO_SERVERS:-}; do
   [[ $server =~ ^server\.[0-9]+=[A-Za-z0-9._-]+:[0-9]+:[0-9]+(:(participant|observer))?(\;[0-9]+)?$ ]] \
     || fail "not a server.<id>=<host>:<quorum>:<election>;<client> line in ZOO_SERVERS: $server"
+  # With TLS a member's plain client port is its own loopback's (a server line's client
+  # address wins over clientPortAddress).
+  [ -z "$tls_dir" ] || server="${server/;/;127.0.0.1:}"
   servers+=("$server")
 done
+mkdir -p "$conf"
+tls=()
+if [ -n "$tls_dir" ]; then
+  for file in tls.crt tls.key ca.crt; do
+    [ -r "$tls_dir/$file" ] || fail "ZOO_TLS_DIR=$tls_dir has no readable $file"
+  done
+  # ZooKeeper reads PKCS12 stores: made here from the PEM files, under a password made now,
+  # in this container's scratch space (bin/stores).
+  "$(dirname "$0")/stores" "$tls_dir" "$conf"
+  tls=(
+    "clientPortAddress=127.0.0.1"
+    "secureClientPort=$secure_port"
+    "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory"
+    "ssl.keyStore.location=$conf/keystore.p12" "ssl.keyStore.type=PKCS12" "ssl.keyStore.passwordPath=$conf/store-password"
+    "ssl.trustStore.location=$conf/truststore.p12" "ssl.trustStore.type=PKCS12"
+    "ssl.trustStore.passwordPath=$conf/store-password"
+    "ssl.clientAuth=none"
+  )
+fi
 if [ ${#servers[@]} -gt 0 ]; then
   # QuorumPeerMain reads the member's id from dataDir/myid (the chart's init container writes it).
   [[ -r $data/myid && $(<"$data/myid") =~ ^[0-9]+$ ]] || fail "ZOO_SERVERS lists members but $data/myid holds no id"
 fi
-mkdir -p "$conf"
 {
   while IFS= read -r line; do
     case "$line" in
@@ -136,10 +163,31 @@ mkdir -p "$conf"
       *) printf '%s\n' "$line" ;;
     esac
   done <"$home/conf/zoo.cfg.in"
+  for line in "${tls[@]}"; do printf '%s\n' "$line"; done
   for server in "${servers[@]}"; do printf '%s\n' "$server"; done
 } >"$conf/zoo.cfg.partial"
 mv "$conf/zoo.cfg.partial" "$conf/zoo.cfg"
 echo "$conf/zoo.cfg"
+"""
+
+# Shared by both images: Java servers read key stores, Kubernetes Secrets hold PEM files.
+STORES = r"""#!/bin/bash
+# stores <pem-dir> <out-dir>: <out-dir>/keystore.p12 (tls.key with tls.crt) and
+# truststore.p12 (ca.crt) from the PEM files of <pem-dir>, both under the random password
+# written to <out-dir>/store-password. The stores guard nothing the PEM files do not: the
+# password only satisfies the store format (casque/devstack/backend_images.py made this).
+set -euo pipefail
+pem="$1" out="$2"
+umask 077
+mkdir -p "$out"
+rm -f "$out/keystore.p12" "$out/truststore.p12"
+head -c 24 /dev/urandom | base64 | tr -d '/+=\n' >"$out/store-password"
+password="$(<"$out/store-password")"
+openssl pkcs12 -export -in "$pem/tls.crt" -inkey "$pem/tls.key" -name server \
+  -out "$out/keystore.p12" -passout "pass:$password"
+# A trusted certificate entry, which only keytool writes in the form Java reads as trust.
+keytool -importcert -noprompt -alias ca -file "$pem/ca.crt" -keystore "$out/truststore.p12" \
+  -storetype PKCS12 -storepass "$password" >/dev/null
 """
 
 ZOOKEEPER_SERVING = r"""#!/bin/bash
@@ -197,6 +245,7 @@ def write_zookeeper(context: Path) -> None:
     _write(context / "conf" / "zoo.cfg.in", zookeeper_zoo_cfg())
     _write(context / "conf" / "logback.xml", _console(server.render_logback(ZOOKEEPER_LOGS / "zookeeper.log")))
     _write(context / "bin" / "render-config", ZOOKEEPER_RENDER, executable=True)
+    _write(context / "bin" / "stores", STORES, executable=True)
     _write(context / "bin" / "serving", ZOOKEEPER_SERVING, executable=True)
     _write(context / "bin" / "start", zookeeper_start(), executable=True)
 
@@ -280,6 +329,8 @@ CASSANDRA_RENDER = r"""#!/bin/bash
 #   CASSANDRA_AUTHORIZER       (CassandraAuthorizer: grants are checked)
 #   MAX_HEAP_SIZE              e.g. 1024M (default: half the cgroup's memory limit, at most 8G)
 #   CASSANDRA_CONF_DIR         where the files go (/tmp/cassandra: the root filesystem is read-only)
+#   CASSANDRA_TLS_DIR          a directory with tls.crt, tls.key and ca.crt (PEM): CQL then
+#                              speaks TLS only (inter-node traffic stays plain)
 set -euo pipefail
 home="${CASSANDRA_HOME:-/opt/cassandra}"
 conf="${CASSANDRA_CONF_DIR:-/tmp/cassandra}"
@@ -346,10 +397,31 @@ template="${template//@SNITCH@/"$snitch"}"
 template="${template//@AUTHENTICATOR@/"$authenticator"}"
 template="${template//@AUTHORIZER@/"$authorizer"}"
 mkdir -p "$conf"
+tls_dir="${CASSANDRA_TLS_DIR:-}"
+if [ -n "$tls_dir" ]; then
+  for file in tls.crt tls.key ca.crt; do
+    [ -r "$tls_dir/$file" ] || fail "CASSANDRA_TLS_DIR=$tls_dir has no readable $file"
+  done
+  # Cassandra reads PKCS12 stores: made here from the PEM files, under a password made now.
+  "$(dirname "$0")/stores" "$tls_dir" "$conf"
+  password="$(<"$conf/store-password")"
+  template+="
+client_encryption_options:
+  enabled: true
+  optional: false
+  keystore: $conf/keystore.p12
+  keystore_password: \"$password\"
+  truststore: $conf/truststore.p12
+  truststore_password: \"$password\"
+  store_type: PKCS12
+  require_client_auth: false"
+fi
 printf '%s\n' "$template" >"$conf/cassandra.yaml"
 printf 'dc=%s\nrack=%s\n' "$dc" "$rack" >"$conf/cassandra-rackdc.properties"
 printf '%s\n' "$heap" >"$conf/heap"
-echo "cassandra: cluster '$cluster', listening on $listen, seeds $seeds, $dc/$rack ($snitch), heap $heap, $authenticator, $authorizer" >&2
+cql="CQL in plain text"
+[ -z "$tls_dir" ] || cql="CQL over TLS only"
+echo "cassandra: cluster '$cluster', listening on $listen, seeds $seeds, $dc/$rack ($snitch), heap $heap, $authenticator, $authorizer, $cql" >&2
 """
 
 
@@ -360,6 +432,7 @@ def write_cassandra(context: Path) -> None:
     _write(context / "conf" / "cassandra.yaml.in", cassandra_yaml())
     _write(context / "conf" / "logback.xml", _console(logback))
     _write(context / "bin" / "render-config", CASSANDRA_RENDER, executable=True)
+    _write(context / "bin" / "stores", STORES, executable=True)
     _write(context / "bin" / "start", cassandra_start(), executable=True)
 
 

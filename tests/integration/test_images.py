@@ -19,6 +19,7 @@ import os
 import random
 import re
 import secrets
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +32,9 @@ from pydantic import SecretStr
 
 from casque.backends.cql import connect
 from casque.backends.superuser import DEFAULT_PASSWORD, DEFAULT_SUPERUSER, Secured, secure_cassandra
-from casque.config import ReplicationSettings, Settings
+from casque.backends import zk
+from casque.config import CassandraTlsSettings, ReplicationSettings, Settings, ZooKeeperTlsSettings
+from casque.devstack.pki import issue_cert, make_ca
 from casque.errors import AccessDenied
 from casque.devstack.kube import KubeCluster
 from casque.engine import catalog
@@ -329,6 +332,105 @@ def test_the_zookeeper_container_serves_a_client(backend_containers: Containers)
     assert "version-2" in listing.stdout and "zookeeper.log" in listing.stdout
     assert "Read-only file system" in listing.stdout
     assert listing.stdout.split()[-1] == str(IMAGE_USER)
+
+
+def tls_secret(tmp_path: Path, hosts: list[str]) -> Path:
+    """tls.crt, tls.key and ca.crt, as the chart's Secret of a backend mounts them (readable by
+    the image's user)."""
+    pki = tmp_path / "pki"
+    ca_crt, ca_key = make_ca(pki)
+    crt, key = issue_cert(pki, ca_crt, ca_key, "backend", hosts)
+    mounted = tmp_path / "tls"
+    mounted.mkdir()
+    for source, name in ((crt, "tls.crt"), (key, "tls.key"), (ca_crt, "ca.crt")):
+        (mounted / name).write_bytes(source.read_bytes())
+        (mounted / name).chmod(0o644)
+    return mounted
+
+
+def container_address(name: str) -> str:
+    """The address of a container on its podman network."""
+    inspected = podman("inspect", "--format", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", name)
+    return inspected.stdout.strip()
+
+
+def refused(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=10).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_the_backend_containers_serve_clients_over_tls_only_from_a_secrets_pem_files(
+    backend_containers: Containers, tmp_path: Path,
+) -> None:
+    """As the chart runs them with backends.tls: the Secret's PEM files mounted, and
+    CASSANDRA_TLS_DIR and ZOO_TLS_DIR naming them. A client that trusts the CA and checks the
+    name reaches both; the plain ports refuse (ZooKeeper's plain port serves its own loopback,
+    for the readiness probe, which still answers)."""
+    from cassandra.cluster import Cluster, NoHostAvailable
+    from kazoo.client import KazooClient
+
+    name = "casque-backends.test"
+    pem = tls_secret(tmp_path, [name])
+    network = backend_containers.network()
+    mount = ("--volume", f"{pem}:/etc/casque-tls:ro")
+    zookeeper, zookeeper_log, zookeeper_name = backend_containers.start(
+        backend_containers.images.zookeeper,  # type: ignore[union-attr]
+        network=network, options=(*env_options({"ZOO_TLS_DIR": "/etc/casque-tls", "ZOO_HEAP_MB": "128"}), *mount))
+    cassandra, cassandra_log, cassandra_name = backend_containers.start(
+        backend_containers.images.cassandra,  # type: ignore[union-attr]
+        network=network, options=(*env_options({"CASSANDRA_TLS_DIR": "/etc/casque-tls",
+                                                "CASSANDRA_AUTHENTICATOR": "AllowAllAuthenticator",
+                                                "CASSANDRA_AUTHORIZER": "AllowAllAuthorizer"}),
+                                  *mount, "--memory", RING_MEMORY))
+
+    def serving() -> bool:
+        if zookeeper.poll() is not None:
+            pytest.fail(f"the ZooKeeper container exited {zookeeper.returncode}:\n"
+                        f"{zookeeper_log.read_text(errors='replace')[-4000:]}")
+        return podman("exec", zookeeper_name, "/opt/zookeeper/bin/serving", check=False).returncode == 0
+
+    wait_for("ZooKeeper's `serving` to succeed", serving, timeout=120)
+    zookeeper_address = container_address(zookeeper_name)
+    client = KazooClient(hosts=f"{zookeeper_address}:2281", timeout=10.0,
+                         **zk.tls_options(Settings(zookeeper_tls=ZooKeeperTlsSettings(
+                             enabled=True, ca_file=pem / "ca.crt", verify_hostname=False))))
+    client.start(timeout=30)
+    try:
+        client.create("/casque-image/over-tls", b"hello", makepath=True)
+        assert client.get("/casque-image/over-tls")[0] == b"hello"
+    finally:
+        client.stop()
+        client.close()
+    assert refused(zookeeper_address, 2181)
+
+    def cql_listening() -> bool:
+        if cassandra.poll() is not None:
+            pytest.fail(f"the Cassandra container exited {cassandra.returncode}:\n"
+                        f"{cassandra_log.read_text(errors='replace')[-4000:]}")
+        return "Starting listening for CQL clients" in cassandra_log.read_text(errors="replace")
+
+    wait_for("Cassandra to listen for CQL", cql_listening, timeout=300)
+    assert "CQL over TLS only" in cassandra_log.read_text(errors="replace")
+    cassandra_address = container_address(cassandra_name)
+    settings = Settings(cassandra_contact_points=[cassandra_address], cassandra_local_dc="dc1",
+                        cassandra_tls=CassandraTlsSettings(enabled=True, ca_file=pem / "ca.crt", server_hostname=name))
+    cluster, session = connect(settings)
+    try:
+        assert session.execute("SELECT cluster_name FROM system.local").one().cluster_name == "casque"
+    finally:
+        cluster.shutdown()
+    # In plain text the node answers nothing a driver understands.
+    plain = Cluster([cassandra_address], connect_timeout=5)
+    with pytest.raises(NoHostAvailable):
+        plain.connect()
+    plain.shutdown()
+    # Nor does a client that checks for another name.
+    with pytest.raises(Exception, match="(?i)hostname|certificate"):
+        connect(settings.model_copy(update={"cassandra_tls": CassandraTlsSettings(
+            enabled=True, ca_file=pem / "ca.crt", server_hostname="elsewhere.test")}))
 
 
 def test_three_zookeeper_containers_form_an_ensemble_from_zoo_servers(backend_containers: Containers,

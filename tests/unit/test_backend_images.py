@@ -22,6 +22,7 @@ import yaml
 
 from casque.devstack import backend_images
 from casque.devstack.artifacts import CASSANDRA, ZOOKEEPER
+from casque.devstack.pki import issue_cert, make_ca
 from casque.errors import StackError
 from tests.unit.test_dockerfiles import env_of, only, parse
 
@@ -71,7 +72,7 @@ def test_a_context_is_written_into_an_empty_directory_only(tmp_path: Path) -> No
 @pytest.mark.parametrize("name", backend_images.WRITERS)
 def test_the_scripts_parse_and_are_executable(contexts: dict[str, Path], name: str) -> None:
     scripts = sorted((contexts[name] / "bin").iterdir())
-    expected = {"render-config", "start"} | ({"serving"} if name == "zookeeper" else set())
+    expected = {"render-config", "start", "stores"} | ({"serving"} if name == "zookeeper" else set())
     assert {p.name for p in scripts} == expected
     for script in scripts:
         assert os.access(script, os.X_OK), script
@@ -389,3 +390,89 @@ def test_serving_fails_when_nothing_listens(contexts: dict[str, Path]) -> None:
                             env={"PATH": os.environ["PATH"], "ZOO_CLIENT_PORT": str(port)},
                             capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode != 0
+
+
+# --- TLS from a Secret's PEM files ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pem_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tls.crt, tls.key and ca.crt, as a kubernetes.io/tls Secret with its CA mounts them."""
+    pki = tmp_path_factory.mktemp("pki")
+    ca_crt, ca_key = make_ca(pki)
+    crt, key = issue_cert(pki, ca_crt, ca_key, "server", ["casque-cassandra.ns.svc.cluster.local"])
+    mounted = pki / "mounted"
+    mounted.mkdir()
+    for source, name in ((crt, "tls.crt"), (key, "tls.key"), (ca_crt, "ca.crt")):
+        (mounted / name).write_bytes(source.read_bytes())
+    return mounted
+
+
+def store_entries(store: Path, password: str) -> str:
+    """What keytool lists in a PKCS12 store: the entry kinds Java sees."""
+    result = subprocess.run(["keytool", "-list", "-keystore", str(store), "-storetype", "PKCS12",
+                             "-storepass", password], capture_output=True, text=True, check=True)
+    return result.stdout
+
+
+def test_cassandra_speaks_tls_only_with_stores_made_from_the_pem_files(
+    contexts: dict[str, Path], tmp_path: Path, pem_dir: Path,
+) -> None:
+    result = render_cassandra(contexts["cassandra"], tmp_path, CASSANDRA_LISTEN_ADDRESS="10.0.0.1",
+                              CASSANDRA_TLS_DIR=str(pem_dir))
+    assert result.returncode == 0, result.stderr
+    assert "CQL over TLS only" in result.stderr
+    conf = tmp_path / "conf"
+    options = yaml.safe_load((conf / "cassandra.yaml").read_text())["client_encryption_options"]
+    password = (conf / "store-password").read_text()
+    assert options == {"enabled": True, "optional": False, "keystore": str(conf / "keystore.p12"),
+                       "keystore_password": password, "truststore": str(conf / "truststore.p12"),
+                       "truststore_password": password, "store_type": "PKCS12", "require_client_auth": False}
+    assert len(password) >= 24
+    # Java takes the key store's entry for a key with its certificate, the trust store's for a CA.
+    assert "PrivateKeyEntry" in store_entries(conf / "keystore.p12", password)
+    assert "trustedCertEntry" in store_entries(conf / "truststore.p12", password)
+    for secret in ("keystore.p12", "truststore.p12", "store-password"):
+        assert (conf / secret).stat().st_mode & 0o077 == 0, secret
+
+
+def test_cassandra_without_tls_has_no_client_encryption(contexts: dict[str, Path], tmp_path: Path) -> None:
+    result = render_cassandra(contexts["cassandra"], tmp_path, CASSANDRA_LISTEN_ADDRESS="10.0.0.1")
+    assert result.returncode == 0, result.stderr
+    assert "client_encryption_options" not in yaml.safe_load((tmp_path / "conf" / "cassandra.yaml").read_text())
+    assert "CQL in plain text" in result.stderr
+
+
+def test_a_tls_directory_without_its_files_is_refused(contexts: dict[str, Path], tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cassandra = render_cassandra(contexts["cassandra"], tmp_path, CASSANDRA_LISTEN_ADDRESS="10.0.0.1",
+                                 CASSANDRA_TLS_DIR=str(empty))
+    assert cassandra.returncode == 2 and "has no readable tls.crt" in cassandra.stderr
+    zookeeper = render_zookeeper(contexts["zookeeper"], tmp_path, ZOO_TLS_DIR=str(empty))
+    assert zookeeper.returncode == 2 and "has no readable tls.crt" in zookeeper.stderr
+    assert not (tmp_path / "conf" / "zoo.cfg").exists()
+
+
+def test_zookeeper_serves_clients_over_tls_and_plain_text_on_its_loopback_only(
+    contexts: dict[str, Path], tmp_path: Path, pem_dir: Path,
+) -> None:
+    servers = [f"server.{n}=zk-{n - 1}.zk-peers.ns.svc.cluster.local:2888:3888;2181" for n in (1, 2, 3)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "myid").write_text("1\n")
+    result = render_zookeeper(contexts["zookeeper"], tmp_path, ZOO_SERVERS=" ".join(servers),
+                              ZOO_TLS_DIR=str(pem_dir))
+    assert result.returncode == 0, result.stderr
+    conf = tmp_path / "conf"
+    cfg = zoo_cfg(tmp_path)
+    assert (cfg["secureClientPort"], cfg["clientPort"], cfg["clientPortAddress"]) == ("2281", "2181", "127.0.0.1")
+    assert cfg["serverCnxnFactory"] == "org.apache.zookeeper.server.NettyServerCnxnFactory"
+    assert cfg["ssl.keyStore.location"] == str(conf / "keystore.p12")
+    assert cfg["ssl.trustStore.location"] == str(conf / "truststore.p12")
+    assert cfg["ssl.keyStore.passwordPath"] == cfg["ssl.trustStore.passwordPath"] == str(conf / "store-password")
+    assert cfg["ssl.clientAuth"] == "none"
+    # A server line's client address wins over clientPortAddress: each names the loopback.
+    assert [line for line in (conf / "zoo.cfg").read_text().splitlines() if line.startswith("server.")] == [
+        line.replace(";2181", ";127.0.0.1:2181") for line in servers]
+    password = (conf / "store-password").read_text()
+    assert "PrivateKeyEntry" in store_entries(conf / "keystore.p12", password)
