@@ -31,7 +31,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from casque.config import Settings
-from casque.operator.injection import ANNOTATION_PREFIX, InjectionSettings
+from casque.operator.injection import ANNOTATION_PREFIX, TLS_CA_KEY, TLS_CERT_KEY, TLS_KEY_KEY, InjectionSettings
 from casque.operator.tenancy import MANAGED_BY
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,31 @@ def source_names(settings: InjectionSettings, backends: Settings) -> list[str]:
     if settings.zookeeper_tls_secret is not None and backends.zookeeper_tls.enabled:
         names.append(settings.zookeeper_tls_secret)
     return list(dict.fromkeys(names))
+
+
+def copied_keys(settings: InjectionSettings, backends: Settings) -> dict[str, frozenset[str]]:
+    """The sources whose copy keeps only some of their keys, with those keys: a TLS Secret's
+    copy holds what the sidecar mounts of it, the CA, and the client's certificate and key
+    only when the backend asks for one. The source may hold more: the chart's certificate
+    for an embedded backend keeps the server's key beside the CA, and that key must never
+    reach an app's namespace. Other sources (the shared credentials) are copied whole."""
+    keys: dict[str, frozenset[str]] = {}
+    for name, tls in ((settings.cassandra_tls_secret, backends.cassandra_tls),
+                      (settings.zookeeper_tls_secret, backends.zookeeper_tls)):
+        if name is None or not tls.enabled:
+            continue
+        client_files = {TLS_CERT_KEY, TLS_KEY_KEY} if tls.cert_file is not None else set()
+        keys[name] = keys.get(name, frozenset()) | {TLS_CA_KEY, *client_files}
+    if settings.credentials_secret in source_names(settings, backends):
+        keys.pop(settings.credentials_secret, None)
+    return keys
+
+
+def kept(source: dict[str, Any], keys: frozenset[str] | None) -> dict[str, Any]:
+    """`source` with only `keys` of its data (all of it for None)."""
+    if keys is None:
+        return source
+    return {**source, "data": {key: value for key, value in (source.get("data") or {}).items() if key in keys}}
 
 
 def wanted_copy(source: Mapping[str, Any], namespace: str) -> dict[str, Any]:
@@ -118,8 +143,10 @@ class CopyReport:
         return found
 
 
-def read_sources(api: client.ApiClient, namespace: str, names: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
-    """The source Secrets that exist (serialised) and the names that do not (blocking)."""
+def read_sources(api: client.ApiClient, namespace: str, names: Sequence[str],
+                 keys: Mapping[str, frozenset[str]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The source Secrets that exist (serialised, with only the `keys` of `copied_keys`) and
+    the names that do not (blocking)."""
     core = client.CoreV1Api(api)
     found: list[dict[str, Any]] = []
     missing: list[str] = []
@@ -128,7 +155,7 @@ def read_sources(api: client.ApiClient, namespace: str, names: Sequence[str]) ->
         if secret is None:
             missing.append(name)
         else:
-            found.append(secret)
+            found.append(kept(secret, keys.get(name)))
     return found, missing
 
 
@@ -196,12 +223,14 @@ class WebhookCopier:
     per namespace at a time: a Deployment scaled to 100 pods makes one.
     """
 
-    def __init__(self, api: Callable[[], client.ApiClient], source_namespace: str, names: Sequence[str]) -> None:
+    def __init__(self, api: Callable[[], client.ApiClient], source_namespace: str, names: Sequence[str],
+                 keys: Mapping[str, frozenset[str]]) -> None:
         self._make_api = api
         self._client: client.ApiClient | None = None
         self._lock = threading.Lock()
         self._source_namespace = source_namespace
         self._names = list(names)
+        self._keys = dict(keys)
         self._running: dict[str, asyncio.Task[None]] = {}
 
     def schedule(self, namespace: str) -> None:
@@ -235,7 +264,7 @@ class WebhookCopier:
 
     def copy(self, namespace: str) -> CopyReport:
         api = self._api()
-        found, missing = read_sources(api, self._source_namespace, self._names)
+        found, missing = read_sources(api, self._source_namespace, self._names, self._keys)
         report = copy_into(api, found, namespace, mode="create")
         report.missing = missing
         return report

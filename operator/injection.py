@@ -603,7 +603,7 @@ async def _run_with_webhook(operator: Awaitable[int], options: WebhookOptions, s
     source_namespace = os.environ.get("POD_NAMESPACE")
     names = copies.source_names(settings, backends)
     if source_namespace and names:
-        copier = copies.WebhookCopier(kube.api_client, source_namespace, names)
+        copier = copies.WebhookCopier(kube.api_client, source_namespace, names, copies.copied_keys(settings, backends))
     webhook = asyncio.create_task(
         serve(options, settings, backends, copier.schedule if copier is not None else None), name="webhook")
     try:

@@ -61,7 +61,8 @@ async def keep_copies(context: OperatorContext, body: kopf.Body, logger: kopf.Lo
 
 def copy_all(context: OperatorContext, sources: list[str], namespace: str) -> copies.CopyReport:
     assert context.secrets_namespace is not None
-    found, missing = copies.read_sources(context.kube_api(), context.secrets_namespace, sources)
+    found, missing = copies.read_sources(context.kube_api(), context.secrets_namespace, sources,
+                                         copies.copied_keys(context.injection, context.stores.settings))
     report = copies.copy_into(context.kube_api(), found, namespace)
     report.missing = missing
     return report
@@ -101,7 +102,8 @@ def check_sources(context: OperatorContext, seen: dict[str, str] | None) -> dict
     sources = names(context)
     if not sources or context.secrets_namespace is None:
         return seen
-    found, _ = copies.read_sources(context.kube_api(), context.secrets_namespace, sources)
+    found, _ = copies.read_sources(context.kube_api(), context.secrets_namespace, sources,
+                                   copies.copied_keys(context.injection, context.stores.settings))
     versions = {secret["metadata"]["name"]: str(secret["metadata"].get("resourceVersion")) for secret in found}
     if versions == seen:
         return seen

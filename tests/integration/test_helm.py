@@ -12,6 +12,7 @@ only stored. Waits poll a condition with a bounded timeout; nothing is timed.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -428,13 +429,16 @@ def test_default_values_are_accepted_by_the_api_server(
     # With the release's own ZooKeeper and Cassandra (backends.embedded, on by default): a
     # StatefulSet, a peers Service, a client Service, a disruption budget and a NetworkPolicy
     # each, and one for the operator (networkPolicy: on by default with embedded backends);
-    # their generated logins and the derivation key (three Secrets besides the webhook's), and
-    # the admission policy that holds the operator to the namespaces' Secrets it writes.
+    # their generated logins and the derivation key (three Secrets besides the webhook's), their
+    # TLS (the CA with its key, a certificate per backend: three more) and the Role that lets
+    # the operator read the certificates' CA to copy it for sidecars, and the admission policy
+    # that holds the operator to the namespaces' Secrets it writes.
     assert kinds == sorted([
         "ServiceAccount", "Secret", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service",
         "Service", "Deployment", "PodDisruptionBudget", "MutatingWebhookConfiguration", "NetworkPolicy",
         *["StatefulSet", "Service", "Service", "PodDisruptionBudget", "NetworkPolicy"] * 2,
-        *["Secret"] * 3, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+        *["Secret"] * 3, *["Secret"] * 3, "Role", "RoleBinding",
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
     ])  # fmt: skip
     assert out.count("(server dry run)") == len(documents), out
     # The CRDs come with the chart (Helm installs crds/ before the templates).
@@ -473,7 +477,7 @@ def test_an_install_with_embedded_backends_says_they_run_in_it(
     ).stdout  # fmt: skip
     notes = out[out.index("NOTES:") :]
     assert f"It connects to Cassandra at shop-casque-cassandra.{kube_namespace}.svc.cluster.local:9042" in notes
-    assert f"ZooKeeper at shop-casque-zookeeper.{kube_namespace}.svc.cluster.local:2181" in notes
+    assert f"ZooKeeper at shop-casque-zookeeper.{kube_namespace}.svc.cluster.local:2281" in notes
     assert "ZooKeeper with 3 member(s), Cassandra with 3 node(s) in datacenter dc1" in notes
     assert f"kubectl -n {kube_namespace} rollout status statefulset/shop-casque-cassandra" in notes
     assert "this release runs neither" not in notes
@@ -507,8 +511,13 @@ def test_cert_manager_mode_renders_the_same_objects_every_time(
         "cert-manager.io/inject-ca-from": f"{kube_namespace}/casque-webhook"
     }
     assert "caBundle" not in configuration["webhooks"][0]["clientConfig"]
+    # The embedded backends' certificates come from the same issuer.
+    for backend in ("cassandra", "zookeeper"):
+        assert certificates[f"casque-{backend}-tls"]["issuerRef"] == serving["issuerRef"]
+        assert certificates[f"casque-{backend}-tls"]["dnsNames"][0] == f"casque-{backend}.{kube_namespace}.svc.cluster.local"
     if issuer:
-        assert set(certificates) == {"casque-webhook"} and not of_kind(documents, "Issuer")
+        assert set(certificates) == {"casque-webhook", "casque-cassandra-tls", "casque-zookeeper-tls"}
+        assert not of_kind(documents, "Issuer")
         assert serving["issuerRef"] == issuer
     else:  # a CA of the release's own: a self-signed root, and an issuer signing with it
         assert certificates["casque-webhook-ca"]["isCA"]
@@ -735,6 +744,7 @@ def stand_in_env(container: dict[str, Any]) -> dict[str, str]:
 @pytest.mark.parametrize("replicas", [1, 3])
 def test_the_embedded_backends_are_accepted_by_the_api_server(
     tools: Tools, kube_namespace: str, casque_crds: None, replicas: int, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     manifest = tools.template(kube_namespace, embedded(replicas), release="shop").stdout
     out = tools.dry_run(manifest)
@@ -744,7 +754,7 @@ def test_the_embedded_backends_are_accepted_by_the_api_server(
                                                                                       "shop-casque-zookeeper"]
     domain = f"{kube_namespace}.svc.cluster.local"
 
-    for backend, ports, policy in (("zookeeper", {2888, 3888, 2181}, "Parallel"),
+    for backend, ports, policy in (("zookeeper", {2888, 3888, 2281}, "Parallel"),
                                    ("cassandra", {7000, 9042}, "OrderedReady")):  # fmt: skip
         name = f"shop-casque-{backend}"
         statefulset = named(documents, "StatefulSet", name)["spec"]
@@ -809,7 +819,7 @@ def test_the_embedded_backends_are_accepted_by_the_api_server(
     settings = operator_backends(operator_container(documents), monkeypatch)
     assert settings.cassandra_contact_points == [f"shop-casque-cassandra.{domain}"]
     assert settings.cassandra_port == 9042 and settings.cassandra_local_dc == "dc1"
-    assert settings.zookeeper_hosts == f"shop-casque-zookeeper.{domain}:2181"
+    assert settings.zookeeper_hosts == f"shop-casque-zookeeper.{domain}:2281"
     assert settings.replication.strategy == "NetworkTopologyStrategy"
     assert settings.replication.datacenters == {"dc1": replicas}
     settings.replication.cql_map()
@@ -817,7 +827,37 @@ def test_the_embedded_backends_are_accepted_by_the_api_server(
     sidecar = injection.sidecar_container(request, injection.InjectionSettings(), settings, "shop")
     sidecar_env = {e["name"]: e.get("value") for e in sidecar["env"]}
     assert sidecar_env["CASQUE_CASSANDRA_CONTACT_POINTS"] == f"shop-casque-cassandra.{domain}"
-    assert sidecar_env["CASQUE_ZOOKEEPER_HOSTS"] == f"shop-casque-zookeeper.{domain}:2181"
+    assert sidecar_env["CASQUE_ZOOKEEPER_HOSTS"] == f"shop-casque-zookeeper.{domain}:2281"
+
+    # TLS to both (backends.tls): clients trust the CA of the certificates' Secrets and check
+    # the client Service's name; each backend's pods mount their own certificate.
+    assert settings.cassandra_tls.enabled and settings.zookeeper_tls.enabled
+    assert settings.cassandra_tls.verify_hostname and settings.zookeeper_tls.verify_hostname
+    assert settings.cassandra_tls.server_hostname == f"shop-casque-cassandra.{domain}"
+    for backend, variable in (("cassandra", "CASSANDRA_TLS_DIR"), ("zookeeper", "ZOO_TLS_DIR")):
+        name = f"shop-casque-{backend}-tls"
+        pem = tmp_path / backend
+        pem.mkdir()
+        for key, value in named(documents, "Secret", name)["data"].items():
+            (pem / key).write_bytes(base64.b64decode(value))
+        assert sorted(p.name for p in pem.iterdir()) == ["ca.crt", "tls.crt", "tls.key"]
+        verified = subprocess.run(["openssl", "verify", "-CAfile", str(pem / "ca.crt"), str(pem / "tls.crt")],
+                                  capture_output=True, text=True, check=False)
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+        names = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(pem / "tls.crt")],
+                               capture_output=True, text=True, check=True).stdout
+        assert re.findall(r"DNS:([^,\s]+)", names) == [f"shop-casque-{backend}.{domain}",
+                                                       f"*.shop-casque-{backend}-peers.{domain}"]
+        template = named(documents, "StatefulSet", f"shop-casque-{backend}")["spec"]["template"]
+        assert {"name": variable, "value": "/etc/casque-tls"} in template["spec"]["containers"][0]["env"]
+        assert {"name": "tls", "secret": {"secretName": name, "defaultMode": 0o440}} in template["spec"]["volumes"]
+        # A new certificate rolls the pods.
+        digest = hashlib.sha256((pem / "tls.crt").read_bytes()).hexdigest()[:16]
+        assert template["metadata"]["annotations"]["casque.io/tls-certificate"] == digest
+        assert (settings.cassandra_tls if backend == "cassandra" else settings.zookeeper_tls).ca_file == Path(
+            f"/etc/casque/tls/{backend}/ca.crt")
+        assert {"name": f"{backend}-tls", "secret": {"secretName": name, "defaultMode": 0o440}} in one(
+            documents, "Deployment")["spec"]["template"]["spec"]["volumes"]
 
 
 def test_the_network_policies_cover_the_embedded_backends_by_default(tools: Tools) -> None:
@@ -825,9 +865,9 @@ def test_the_network_policies_cover_the_embedded_backends_by_default(tools: Tool
     policies = {p["metadata"]["name"]: p["spec"] for p in of_kind(documents, "NetworkPolicy")}
     assert set(policies) == {"shop-casque-operator", "shop-casque-cassandra", "shop-casque-zookeeper"}
     egress = {p["port"] for rule in policies["shop-casque-operator"]["egress"] for p in rule["ports"]}
-    assert {9042, 2181} <= egress
+    assert {9042, 2281} <= egress
     operator = named(documents, "Deployment", "shop-casque")["spec"]["selector"]
-    for backend, port in (("cassandra", 9042), ("zookeeper", 2181)):
+    for backend, port in (("cassandra", 9042), ("zookeeper", 2281)):
         labels = named(documents, "StatefulSet", f"shop-casque-{backend}")["spec"]["template"]["metadata"]["labels"]
         policy = policies[f"shop-casque-{backend}"]
         assert selects(policy["podSelector"]["matchLabels"], labels)
@@ -929,7 +969,7 @@ def test_embedded_backends_refuse_settings_meant_for_external_ones(
 ) -> None:
     result = tools.template("casque", {**embedded(1), **values}, check=False)
     assert result.returncode != 0, result.stdout
-    assert (f"backends.embedded=true runs Cassandra and ZooKeeper in the release, without TLS or SASL for now, so "
+    assert (f"backends.embedded=true runs Cassandra and ZooKeeper in the release, with TLS of its own (backends.tls) and without SASL, so "
             f"{names} must be left unset (or set backends.embedded=false to use your own clusters)") in result.stderr
     # The same settings are fine for clusters of your own.
     tools.template("casque", {**values, **OWN_BACKENDS})

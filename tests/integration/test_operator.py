@@ -1010,7 +1010,7 @@ def test_the_webhooks_copy_makes_what_is_missing_and_nothing_else(
     core.create_namespaced_secret(users, secret("creds", {"password": "the user's"}))
     managed = {"app.kubernetes.io/managed-by": "casque-operator"}
     core.create_namespaced_secret(stale, secret("creds", {"password": "old"}, labels=managed))
-    copier = WebhookCopier(lambda: kube_client, home, ["creds", "ca", "absent"])
+    copier = WebhookCopier(lambda: kube_client, home, ["creds", "ca", "absent"], {})
 
     made = copier.copy(kube_namespace)
     assert sorted(made.written) == ["ca", "creds"] and made.missing == ["absent"]

@@ -220,13 +220,106 @@ app.kubernetes.io/component: operator
 {{- $names = append $names .Values.sidecar.credentialsSecret -}}
 {{- end -}}
 {{- range $backend := list "cassandra" "zookeeper" -}}
-{{- $tls := (index $.Values $backend).tls -}}
+{{- $tls := include "casque.clientTls" (list $ $backend) | fromJson -}}
 {{- if and $tls.enabled $tls.secret -}}
 {{- $names = append $names $tls.secret -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
 {{- $names | uniq | join ", " -}}
+{{- end -}}
+
+{{/* Whether the release's own backends speak TLS to their clients (backends.tls). */}}
+{{- define "casque.embeddedTls" -}}
+{{- if and .Values.backends.embedded .Values.backends.tls.enabled }}true{{ end -}}
+{{- end -}}
+
+{{/* Whether cert-manager issues the embedded backends' certificates: when it issues the
+     webhook's (injection.tls.mode certManager), so that `helm template` renders nothing random. */}}
+{{- define "casque.backendCertificatesByCertManager" -}}
+{{- if and (include "casque.embeddedTls" .) .Values.injection.enabled (eq .Values.injection.tls.mode "certManager") }}true{{ end -}}
+{{- end -}}
+
+{{/* TLS to one backend as the operator and the sidecars use it, as JSON: (list . "cassandra"|"zookeeper").
+     The values' cassandra.tls or zookeeper.tls; with the embedded backends' TLS, the CA in
+     the backend's certificate Secret (<name>-<backend>-tls, whose copies in the sidecars'
+     namespaces hold ca.crt alone: operator/copies.py) and the name the certificate carries,
+     the client Service's. */}}
+{{- define "casque.clientTls" -}}
+{{- $root := index . 0 -}}
+{{- $backend := index . 1 -}}
+{{- if include "casque.embeddedTls" $root -}}
+{{- $service := include "casque.serviceHost" (list $root (include "casque.backendName" (list $root $backend))) -}}
+{{- dict "enabled" true "secret" (include "casque.backendName" (list $root (printf "%s-tls" $backend))) "clientCertificate" false "verifyHostname" true "serverHostname" (ternary $service "" (eq $backend "cassandra")) | toJson -}}
+{{- else -}}
+{{- (index $root.Values $backend).tls | toJson -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The embedded backends' certificates, as JSON: {"ca": {crt, key}, "cassandra": {crt, key,
+names, renewAfter}, "zookeeper": {...}}, PEM. Made once per rendering (the StatefulSets carry
+a digest of what the Secrets hold, so every template must see the same) and kept across
+upgrades: the CA as long as its Secret exists; a backend's certificate until the first upgrade
+after half its life, or until the CA or the names it must carry change. Without a cluster to
+look in (`helm template`) everything is made anew. RSA keys: genCA and genSignedCert make no
+other kind.
+*/}}
+{{- define "casque.backendCertificates" -}}
+{{- $tls := .Values.backends.tls -}}
+{{- if not (hasKey $tls "_made") -}}
+{{- $namespace := .Release.Namespace -}}
+{{- $now := now | unixEpoch | int64 -}}
+{{- $kept := lookup "v1" "Secret" $namespace (include "casque.backendName" (list . "tls-ca-key")) -}}
+{{- $ca := dict -}}
+{{- if and $kept (index ($kept.data | default dict) "tls.crt") (index ($kept.data | default dict) "tls.key") -}}
+{{- $ca = buildCustomCert (index $kept.data "tls.crt") (index $kept.data "tls.key") -}}
+{{- else -}}
+{{- $ca = genCA (printf "%s backends CA" (include "casque.fullname" .)) (int $tls.caDays) -}}
+{{- end -}}
+{{- $made := dict "ca" (dict "crt" $ca.Cert "key" $ca.Key) -}}
+{{- range $backend := list "cassandra" "zookeeper" -}}
+{{- $service := include "casque.serviceHost" (list $ (include "casque.backendName" (list $ $backend))) -}}
+{{- $peers := include "casque.serviceHost" (list $ (include "casque.backendName" (list $ (printf "%s-peers" $backend)))) -}}
+{{- $names := list $service (printf "*.%s" $peers) -}}
+{{- $existing := lookup "v1" "Secret" $namespace (include "casque.backendName" (list $ (printf "%s-tls" $backend))) -}}
+{{- $data := $existing.data | default dict -}}
+{{- $annotations := dig "metadata" "annotations" dict $existing -}}
+{{- $renewAfter := index $annotations "casque.io/renew-after" | default "0" | int64 -}}
+{{- if and $existing (eq (index $data "ca.crt" | default "") ($ca.Cert | b64enc)) (eq (index $annotations "casque.io/names" | default "") (join "," $names)) (lt $now $renewAfter) -}}
+{{- $_ := set $made $backend (dict "crt" (index $data "tls.crt" | b64dec) "key" (index $data "tls.key" | b64dec) "names" (join "," $names) "renewAfter" (toString $renewAfter)) -}}
+{{- else -}}
+{{- $certificate := genSignedCert (include "casque.backendName" (list $ $backend)) nil $names (int $tls.certificateDays) $ca -}}
+{{- $_ := set $made $backend (dict "crt" $certificate.Cert "key" $certificate.Key "names" (join "," $names) "renewAfter" (toString (add $now (mul (div (int $tls.certificateDays) 2) 86400)))) -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $tls "_made" $made -}}
+{{- end -}}
+{{- toJson $tls._made -}}
+{{- end -}}
+
+{{/* A backend pod's TLS: its container's environment variable, mount and volume, and the
+     pod template's annotation that rolls the pods to a new certificate: (list . "cassandra"
+     "CASSANDRA_TLS_DIR" "env"|"mount"|"volume"|"annotation"). */}}
+{{- define "casque.backendTlsPod" -}}
+{{- $root := index . 0 -}}
+{{- $backend := index . 1 -}}
+{{- $part := index . 3 -}}
+{{- if include "casque.embeddedTls" $root -}}
+{{- if eq $part "env" }}
+- name: {{ index . 2 }}
+  value: /etc/casque-tls
+{{- else if eq $part "mount" }}
+- {name: tls, mountPath: /etc/casque-tls, readOnly: true}
+{{- else if eq $part "volume" }}
+- name: tls
+  secret:
+    secretName: {{ include "casque.backendName" (list $root (printf "%s-tls" $backend)) }}
+    defaultMode: 0440
+{{- else if and (eq $part "annotation") (not (include "casque.backendCertificatesByCertManager" $root)) }}
+casque.io/tls-certificate: {{ (index (include "casque.backendCertificates" $root | fromJson) $backend).crt | sha256sum | trunc 16 | quote }}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -296,7 +389,7 @@ fully qualified.
 
 {{- define "casque.zookeeperConnect" -}}
 {{- if .Values.backends.embedded -}}
-{{- printf "%s:2181" (include "casque.serviceHost" (list . (include "casque.backendName" (list . "zookeeper")))) -}}
+{{- printf "%s:%d" (include "casque.serviceHost" (list . (include "casque.backendName" (list . "zookeeper")))) (ternary 2281 2181 (eq (include "casque.embeddedTls" .) "true")) -}}
 {{- else -}}
 {{- .Values.zookeeper.connect -}}
 {{- end -}}
@@ -385,7 +478,7 @@ fully qualified.
 Refuse backend settings that cannot work together, in one sentence.
 
 With backends.embedded, the release's own Cassandra and ZooKeeper replace the external ones,
-and they run without TLS or SASL for now. Values cannot tell a value the user set from the
+and they speak TLS with certificates of the chart's own (backends.tls), without SASL. Values cannot tell a value the user set from the
 chart's default once Helm has merged them, and the external defaults (contactPoints
 [cassandra], connect zookeeper:2181, port 9042) must stay as they are for every install made
 without the embedded backends. So an address counts as set when it differs from that default
@@ -420,7 +513,7 @@ defaults move away from the ones named here.
 {{- $conflicts = append $conflicts "zookeeper.auth.sasl" -}}
 {{- end -}}
 {{- with $conflicts -}}
-{{- fail (printf "backends.embedded=true runs Cassandra and ZooKeeper in the release, without TLS or SASL for now, so %s must be left unset (or set backends.embedded=false to use your own clusters)" (join ", " .)) -}}
+{{- fail (printf "backends.embedded=true runs Cassandra and ZooKeeper in the release, with TLS of its own (backends.tls) and without SASL, so %s must be left unset (or set backends.embedded=false to use your own clusters)" (join ", " .)) -}}
 {{- end -}}
 {{- $isolation := include "casque.isolation" . -}}
 {{- if include "casque.embeddedCassandraAuth" . -}}
