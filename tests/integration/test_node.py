@@ -32,7 +32,9 @@ from cassandra.cluster import Cluster, NoHostAvailable
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
 
+from casque.backends import cql, zk as zk_backend
 from casque.backends.cql import SOCKET_OPTIONS
+from casque.config import Settings
 from casque.devstack.kube import KubeCluster, kube_binary
 from casque.devstack.node import KubeNode
 from casque.devstack.stack import Stack
@@ -231,7 +233,8 @@ def test_the_chart_with_its_own_zookeeper_and_cassandra_serves_the_example_app(
     assert [pod["metadata"]["name"] for pod in zookeepers] == [f"casque-zookeeper-{i}" for i in range(3)]
     # The members found each other by their stable names, through the node's cluster DNS: one
     # leads, the others follow.
-    modes = sorted(zookeeper_mode(pod["status"]["podIP"]) or "" for pod in zookeepers)
+    namespace = embedded_release.namespace
+    modes = sorted(zookeeper_mode(kubectl, namespace, pod["metadata"]["name"]) or "" for pod in zookeepers)
     assert modes == ["follower", "follower", "leader"]
     # The operator was given the release's own Services, not addresses outside it.
     (operator,) = embedded_release.pods("casque")
@@ -305,7 +308,7 @@ def test_the_backends_client_ports_refuse_pods_outside_the_client_namespaces_or_
     are refused. Without an enforcing firewall both would connect."""
     kubectl, node = embedded_release.kubectl, embedded_release.node
     targets = [f"{pod['status']['podIP']}:9042" for pod in embedded_release.pods("cassandra")]
-    targets += [f"{pod['status']['podIP']}:2181" for pod in embedded_release.pods("zookeeper")]
+    targets += [f"{pod['status']['podIP']}:2281" for pod in embedded_release.pods("zookeeper")]
     assert len(targets) == 1 + 3
     sidecar_label = {"casque.io/sidecar": "injected"}
     suffix = uuid.uuid4().hex[:8]
@@ -333,18 +336,15 @@ def test_the_backends_client_ports_refuse_pods_outside_the_client_namespaces_or_
             kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
-def zookeeper_mode(address: str) -> str | None:
+# Asks the member's plain client port, which with TLS serves the pod's own loopback alone.
+SRVR = "exec 3<>/dev/tcp/127.0.0.1/2181 && printf srvr >&3 && timeout 5 cat <&3"
+
+
+def zookeeper_mode(kubectl: Kubectl, namespace: str, pod: str) -> str | None:
     """The `Mode:` of a ZooKeeper member's `srvr` answer (leader, follower, standalone), or
     None while it serves no clients."""
-    try:
-        with socket.create_connection((address, 2181), timeout=5) as connection:
-            connection.sendall(b"srvr")
-            answer = b""
-            while chunk := connection.recv(4096):
-                answer += chunk
-    except OSError:
-        return None
-    for line in answer.decode(errors="replace").splitlines():
+    answer = kubectl("exec", "-n", namespace, pod, "-c", "zookeeper", "--", "bash", "-c", SRVR, check=False)
+    for line in answer.splitlines():
         if line.startswith("Mode: "):
             return line.removeprefix("Mode: ").strip()
     return None
@@ -436,15 +436,15 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
         progress_after("the operator's pod was deleted")
 
         zookeepers = embedded_release.pods("zookeeper")
-        (leader,) = [p for p in zookeepers if zookeeper_mode(p["status"]["podIP"]) == "leader"]
+        (leader,) = [p for p in zookeepers if zookeeper_mode(kubectl, namespace, p["metadata"]["name"]) == "leader"]
         kubectl("delete", "-n", namespace, "pod", leader["metadata"]["name"], "--wait=false")
 
         def ensemble_back() -> bool:
             pods = embedded_release.pods("zookeeper")
             if leader["metadata"]["uid"] in {p["metadata"]["uid"] for p in pods} or not all(map(is_ready, pods)):
                 return False
-            return sorted(zookeeper_mode(p["status"]["podIP"]) or "" for p in pods) == ["follower", "follower",
-                                                                                        "leader"]
+            modes = sorted(zookeeper_mode(kubectl, namespace, p["metadata"]["name"]) or "" for p in pods)
+            return modes == ["follower", "follower", "leader"]
         wait_for("the ZooKeeper ensemble whole again", ensemble_back, timeout=START_TIMEOUT)
         progress_after("the ZooKeeper leader's pod was deleted")
 
@@ -487,9 +487,10 @@ def secret_values(kubectl: Kubectl, namespace: str, name: str) -> dict[str, str]
     return {key: base64.b64decode(value).decode() for key, value in data.items()}
 
 
-def cassandra_login(address: str, credentials: tuple[str, str] | None) -> tuple[Cluster, Any]:
+def cassandra_login(address: str, credentials: tuple[str, str] | None, tls: Settings | None) -> tuple[Cluster, Any]:
     auth = PlainTextAuthProvider(*credentials) if credentials else None
-    cluster = Cluster([address], connect_timeout=10, auth_provider=auth, sockopts=SOCKET_OPTIONS)
+    cluster = Cluster([address], connect_timeout=10, auth_provider=auth, sockopts=SOCKET_OPTIONS,
+                      **(cql.tls_options(tls) if tls else {}))
     try:
         return cluster, cluster.connect()
     except BaseException:
@@ -497,28 +498,37 @@ def cassandra_login(address: str, credentials: tuple[str, str] | None) -> tuple[
         raise
 
 
-def zookeeper_login(address: str, credentials: tuple[str, str] | None) -> KazooClient:
+def zookeeper_login(address: str, credentials: tuple[str, str] | None, tls: Settings) -> KazooClient:
     auth = [("digest", f"{credentials[0]}:{credentials[1]}")] if credentials else None
-    zk = KazooClient(hosts=f"{address}:2181", auth_data=auth)
+    zk = KazooClient(hosts=f"{address}:2281", auth_data=auth, **zk_backend.tls_options(tls))
     zk.start(timeout=30)
     return zk
 
 
 def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_data_nor_the_default_superuser(
-    embedded_release: EmbeddedRelease,
+    embedded_release: EmbeddedRelease, tmp_path: Path,
 ) -> None:
     """The tenancy attack on a default install (isolation by default, issue 31): the backends'
     own addresses are reachable from every pod, so an attacker in namespace A holds A's
-    Secrets and tries them, no login and Cassandra's well-known default login, on B."""
+    Secrets and tries them, no login and Cassandra's well-known default login, on B. Both
+    backends speak TLS only: the attacker has the CA, which every client namespace holds."""
     kubectl, namespace = embedded_release.kubectl, embedded_release.namespace
     (cassandra,) = embedded_release.pods("cassandra")
     cassandra_address = cassandra["status"]["podIP"]
     zookeeper_address = embedded_release.pods("zookeeper")[0]["status"]["podIP"]
+    tls = embedded_release.client_tls(tmp_path)
+
+    # In plain text neither backend answers: Cassandra's CQL port speaks TLS only, and
+    # ZooKeeper's plain client port listens on its pod's loopback alone.
+    with pytest.raises(NoHostAvailable):
+        cassandra_login(cassandra_address, ("cassandra", "cassandra"), None)[0].shutdown()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((zookeeper_address, 2181), timeout=10).close()
 
     # Cassandra's default superuser and anonymous clients are refused.
     for credentials in (("cassandra", "cassandra"), None):
         with pytest.raises(NoHostAvailable) as refused:
-            cassandra_login(cassandra_address, credentials)[0].shutdown()
+            cassandra_login(cassandra_address, credentials, tls)[0].shutdown()
         assert all(isinstance(e, AuthenticationFailed) or "requires authentication" in str(e)
                    for e in refused.value.errors.values()), refused.value.errors
 
@@ -535,7 +545,7 @@ def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_d
         a_identity = secret_values(kubectl, a, "casque-zookeeper")
         assert a_role["keyspace"] != b_role["keyspace"]
 
-        cluster, session = cassandra_login(cassandra_address, (a_role["username"], a_role["password"]))
+        cluster, session = cassandra_login(cassandra_address, (a_role["username"], a_role["password"]), tls)
         try:
             def tables(keyspace: str) -> list[str]:
                 rows = session.execute("SELECT table_name FROM system_schema.tables WHERE keyspace_name = %s",
@@ -559,7 +569,7 @@ def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_d
 
         root = "/casque"
         a_paths, b_paths = (queue_paths(root, QueueRef(t, "ledger")) for t in tenants)
-        zk = zookeeper_login(zookeeper_address, (a_identity["username"], a_identity["password"]))
+        zk = zookeeper_login(zookeeper_address, (a_identity["username"], a_identity["password"]), tls)
         try:
             zk.get(a_paths.base)
             zk.get_children(a_paths.base)
@@ -575,7 +585,7 @@ def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_d
         finally:
             zk.stop()
             zk.close()
-        anonymous = zookeeper_login(zookeeper_address, None)
+        anonymous = zookeeper_login(zookeeper_address, None, tls)
         try:
             for path in (a_paths.base, b_paths.base):
                 with pytest.raises(NoAuthError):
