@@ -94,7 +94,7 @@ def test_the_webhook_copies_once_per_namespace_at_a_time_and_never_into_the_sour
             return CopyReport(namespace)
 
     async def main() -> None:
-        copier = Counting(lambda: pytest.fail("no API client needed"), "casque-system", ["casque-cassandra"])
+        copier = Counting(lambda: pytest.fail("no API client needed"), "casque-system", ["casque-cassandra"], {})
         for _ in range(5):  # a burst of pods in one namespace
             copier.schedule("shop")
         copier.schedule("casque-system")
