@@ -101,7 +101,7 @@ def test_the_webhook_copies_once_per_namespace_at_a_time_and_never_into_the_sour
         await copier.wait()
         copier.schedule("shop")  # a later pod: a new pass
         await copier.wait()
-        idle = Counting(lambda: pytest.fail("no API client needed"), "casque-system", [])
+        idle = Counting(lambda: pytest.fail("no API client needed"), "casque-system", [], {})
         idle.schedule("shop")  # nothing to copy
         await idle.wait()
 
