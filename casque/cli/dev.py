@@ -85,6 +85,9 @@ def up(
         "--zookeeper-sasl/--no-zookeeper-sasl",
         help="ZooKeeper takes SASL DIGEST-MD5 logins of the installation user 'casque' (a JAAS file with "
         "a password made in the state directory); the settings printed log in with it.")] = None,
+    locked: Annotated[bool, typer.Option(
+        "--secure", help="Everything a default install of the chart locks: --tls, --auth and --zookeeper-sasl, "
+        "and settings that give each namespace its own keyspace, role and ZooKeeper identity.")] = False,
     state: StateOption = None,
 ) -> None:
     """Start ZooKeeper and Cassandra (or find them running) and wait until both answer.
@@ -92,7 +95,8 @@ def up(
     With --datacenters 2 the nodes are split between datacenters dc1 and dc2 (`--nodes 2
     --datacenters 2`: one each), for keyspaces with NetworkTopologyStrategy.
 
-    With --tls, --auth or --zookeeper-sasl it prints the CASQUE_* settings that reach the stack.
+    With --tls, --auth, --zookeeper-sasl or --secure it prints the CASQUE_* settings that reach
+    the stack.
 
     With --zookeeper-nodes 3 ZooKeeper is an ensemble of three servers on 127.0.0.1, each
     with its own data directory, and the connect string printed lists all three.
@@ -118,6 +122,16 @@ def up(
     dc_count = datacenters or (recorded.datacenters if recorded else 1)
     node_count = nodes or (recorded.nodes if recorded else dc_count)
     heap = heap_mb or (recorded.heap_mb if recorded and recorded.nodes == node_count else (1536 if node_count == 1 else 1024))
+    if locked:
+        turned_off = [name for name, value in (("--no-tls", tls), ("--no-auth", auth),
+                                               ("--no-zookeeper-sasl", zookeeper_sasl)) if value is False]
+        if turned_off:
+            raise StackError(f"--secure turns on what {', '.join(turned_off)} turns off: give one or the other")
+        tls = auth = zookeeper_sasl = True
+    isolation = locked or (recorded.isolation if recorded else False)
+    if isolation and (tls is False or auth is False or zookeeper_sasl is False):
+        raise StackError("this stack runs --secure: it cannot drop --tls, --auth or --zookeeper-sasl "
+                         "(`casque dev down` and a new state directory start one without them)")
     secure = tls if tls is not None else (recorded.tls if recorded else False)
     client_auth = tls_client_auth if tls_client_auth is not None else (recorded.client_auth if recorded else False)
     password_auth = auth if auth is not None else (recorded.password_auth if recorded else False)
@@ -128,7 +142,7 @@ def up(
         raise StackError("--tls runs with a standalone ZooKeeper (--zookeeper-nodes 1)")
     stack = Stack(root=root, nodes=node_count, ports=ports, heap_mb=heap, zookeeper_nodes=ensemble,
                   datacenters=dc_count, tls=secure, client_auth=client_auth, password_auth=password_auth,
-                  zookeeper_sasl=sasl)
+                  zookeeper_sasl=sasl, isolation=isolation)
     stack.up(report=lambda line: console.print(f"[dim]{line}[/dim]"))
     console.print("Cassandra: " + ", ".join(
         f"{node.address}:{node.native_port}" + (f" ({node.datacenter})" if node.datacenter else "")
@@ -136,6 +150,9 @@ def up(
     console.print(f"ZooKeeper: {stack.zookeeper_hosts}" + (f", TLS on {stack.zookeeper_tls_hosts}" if secure else "")
                   + (" (SASL DIGEST-MD5 logins)" if sasl else ""))
     console.print(f"State and logs: {root}")
+    if isolation:
+        console.print("Namespaces: a keyspace, a Cassandra role and a ZooKeeper identity each, made by "
+                      "`casque apply` (as the chart's operator does)")
     if secure or password_auth or sasl:
         console.print("Settings for clients of this stack:")
         for name, value in stack.client_env().items():

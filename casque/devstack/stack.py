@@ -16,7 +16,10 @@ serves CQL over TLS only, and ZooKeeper on a TLS port next to its plaintext one;
 runs PasswordAuthenticator, and clients log in as a superuser role `casque` whose random
 password is made in `root` on first use (the default superuser's is too short for casque).
 With `zookeeper_sasl` ZooKeeper also takes SASL DIGEST-MD5 logins of the installation user,
-whose password is made in `root` on first use (casque.devstack.zookeeper). `client_env` gives the CASQUE_* settings that reach the stack.
+whose password is made in `root` on first use (casque.devstack.zookeeper). With `isolation`
+(which needs both) the clients' settings give each namespace a keyspace and a role of its
+own and a ZooKeeper identity, derived from a key made in `root`: what a default install of
+the chart does. `client_env` gives the CASQUE_* settings that reach the stack.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ class Stack:
     # pods on a node of this machine reach it (127.0.0.1 in a pod is the pod's loopback).
     address: str | None = None
     zookeeper_sasl: bool = False
+    isolation: bool = False
 
     @property
     def state_file(self) -> Path:
@@ -150,6 +154,9 @@ class Stack:
             env["CASQUE_ZOOKEEPER_USERNAME"] = sasl.username
             env["CASQUE_ZOOKEEPER_PASSWORD"] = sasl.password()
             # The installation's ZooKeeper credentials derive the namespaces' identities from it.
+            env["CASQUE_DERIVATION_KEY"] = self.derivation_key()
+        if self.isolation:
+            env["CASQUE_CASSANDRA_ISOLATION"] = "keyspace"
             env["CASQUE_DERIVATION_KEY"] = self.derivation_key()
         return env
 
@@ -220,6 +227,7 @@ class Stack:
             password_auth=bool(saved.get("password_auth", False)),
             address=saved.get("address"),
             zookeeper_sasl=bool(saved.get("zookeeper_sasl", False)),
+            isolation=bool(saved.get("isolation", False)),
         )
 
     def _save(self) -> None:
@@ -228,7 +236,7 @@ class Stack:
             "nodes": self.nodes, "ports": asdict(self.ports), "heap_mb": self.heap_mb,
             "cluster_name": self.cluster_name, "zookeeper_nodes": self.zookeeper_nodes,
             "tls": self.tls, "client_auth": self.client_auth, "password_auth": self.password_auth,
-            "zookeeper_sasl": self.zookeeper_sasl,
+            "zookeeper_sasl": self.zookeeper_sasl, "isolation": self.isolation,
         }
         if self.datacenters != 1:
             saved["datacenters"] = self.datacenters

@@ -11,7 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from casque.cli.main import app
-from casque.config import MIN_CASSANDRA_PASSWORD
+from casque.config import MIN_CASSANDRA_PASSWORD, Settings
 from casque.devstack.stack import Stack, StackPorts
 from casque.devstack.zookeeper import ZooKeeperEnsemble
 from casque.errors import StackError
@@ -89,3 +89,31 @@ def test_dev_up_refuses_tls_options_it_cannot_honour_before_starting_anything(tm
         result = runner.invoke(app, ["dev", "up", "--state-dir", str(tmp_path), *args])
         assert result.exit_code != 0 and words in result.output + result.stderr, (args, result.output)
     assert not (tmp_path / "stack.json").exists()
+
+
+def test_a_secure_stack_gives_clients_the_settings_of_a_default_install(tmp_path: Path) -> None:
+    """`dev up --secure`: TLS, logins, ZooKeeper identities and a keyspace per namespace, as
+    the chart's defaults; the settings it prints are accepted as they are."""
+    stack = Stack(tmp_path, ports=StackPorts(native=19042, zookeeper=12181), tls=True, password_auth=True,
+                  zookeeper_sasl=True, isolation=True)
+    stack._save()
+    assert Stack.load(tmp_path) == stack
+    stack.zookeeper_sasl_login.ensure()  # type: ignore[union-attr]  # `up` makes it
+    env = stack.client_env()
+    assert env["CASQUE_CASSANDRA_ISOLATION"] == "keyspace"
+    assert env["CASQUE_DERIVATION_KEY"] == stack.derivation_key()
+    settings = Settings(**{name.removeprefix("CASQUE_").lower(): value for name, value in env.items()
+                           if not name.startswith(("CASQUE_CASSANDRA_TLS_", "CASQUE_ZOOKEEPER_TLS_"))})
+    assert settings.cassandra_isolation == "keyspace" and settings.zookeeper_sasl
+    assert "CASQUE_CASSANDRA_ISOLATION" not in Stack(tmp_path / "other", password_auth=True).client_env()
+
+
+def test_dev_up_secure_refuses_to_turn_off_what_it_turns_on_before_starting_anything(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["dev", "up", "--state-dir", str(tmp_path), "--secure", "--no-tls"])
+    assert result.exit_code != 0 and "--secure turns on what --no-tls turns off" in result.output + result.stderr
+    assert not (tmp_path / "stack.json").exists()
+    # A stack recorded as secure keeps it.
+    Stack(tmp_path, tls=True, password_auth=True, zookeeper_sasl=True, isolation=True)._save()
+    result = runner.invoke(app, ["dev", "up", "--state-dir", str(tmp_path), "--no-auth"])
+    assert result.exit_code != 0 and "this stack runs --secure" in result.output + result.stderr
