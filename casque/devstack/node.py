@@ -44,6 +44,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -436,12 +437,20 @@ class KubeNode:
 
     def import_image(self, image: str) -> None:
         """Copy an image from podman's store into the node's containerd."""
-        save = subprocess.Popen(["podman", "save", "--format", "docker-archive", image], stdout=subprocess.PIPE)
-        assert save.stdout is not None
-        imported = subprocess.run(self.ctr("images", "import", "-"), stdin=save.stdout, capture_output=True,
-                                  text=True, check=False)
-        save.stdout.close()
-        if save.wait() != 0 or imported.returncode != 0:
+        with tempfile.TemporaryFile() as errors:
+            save = subprocess.Popen(["podman", "save", "--format", "docker-archive", image], stdout=subprocess.PIPE,
+                                    stderr=errors)
+            assert save.stdout is not None
+            imported = subprocess.run(self.ctr("images", "import", "-"), stdin=save.stdout, capture_output=True,
+                                      text=True, check=False)
+            save.stdout.close()
+            saved = save.wait()
+            errors.seek(0)
+            # When podman fails, what ctr says of the truncated archive only hides why.
+            if saved != 0:
+                raise KubeStartError(f"could not save {image} from podman's store: "
+                                     f"{errors.read().decode(errors='replace').strip()}")
+        if imported.returncode != 0:
             raise KubeStartError(f"could not import {image} into the node's containerd: {imported.stderr}")
 
     def log(self, name: str) -> Path:
