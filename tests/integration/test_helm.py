@@ -21,6 +21,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -529,7 +530,8 @@ def test_cert_manager_mode_renders_the_same_objects_every_time(
 def test_an_upgrade_keeps_the_webhook_certificate_and_the_generated_logins(
     tools: Tools, kube_namespace: str, kube_client: client.ApiClient, casque_crds: None  # noqa: F811
 ) -> None:
-    """A real install and upgrade: the generated CA and certificate survive the upgrade."""
+    """A real install and upgrades: the generated CA and certificates survive an upgrade, and a
+    backend's certificate past half its life is made anew by the next."""
     release = f"r{uuid.uuid4().hex[:6]}"
     # No namespace carries this label, so the (unanswered) webhook never sees a pod.
     values = tools.values_file({"injection": {"namespaceSelector": {"matchLabels": {"casque.io/test": release}}}})
@@ -550,16 +552,49 @@ def test_an_upgrade_keeps_the_webhook_certificate_and_the_generated_logins(
         return {name: dict(core.read_namespaced_secret(f"{release}-casque-{name}", kube_namespace).data)
                 for name in ("cassandra", "zookeeper", "derivation-key")}
 
+    apps = client.AppsV1Api(kube_client)
+
+    def backend_tls() -> dict[str, tuple[dict[str, str], str]]:
+        # Each backend's certificate Secret, and the digest its pods were started with.
+        return {backend: (dict(core.read_namespaced_secret(f"{release}-casque-{backend}-tls", kube_namespace).data),
+                          apps.read_namespaced_stateful_set(f"{release}-casque-{backend}", kube_namespace)
+                          .spec.template.metadata.annotations["casque.io/tls-certificate"])
+                for backend in ("cassandra", "zookeeper")}
+
     tools.run(tools.helm, "install", release, *base)
     try:
         first, ca_bundle = installed()
         assert ca_bundle == first["ca.crt"]
         logins = generated()
+        certificates = backend_tls()
         tools.run(tools.helm, "upgrade", release, *base, "--set", "operator.replicas=3")
         assert installed() == (first, ca_bundle)
         assert generated() == logins
-        deployment = client.AppsV1Api(kube_client).read_namespaced_deployment(f"{release}-casque", kube_namespace)
+        # The backends' certificates are kept too, so their pods do not roll.
+        assert backend_tls() == certificates
+        deployment = apps.read_namespaced_deployment(f"{release}-casque", kube_namespace)
         assert deployment.spec.replicas == 3
+        # Past half its life (as its annotation says), Cassandra's certificate is made anew by
+        # the next upgrade, signed by the same CA, and its pods roll; ZooKeeper's stays.
+        core.patch_namespaced_secret(f"{release}-casque-cassandra-tls", kube_namespace,
+                                     {"metadata": {"annotations": {"casque.io/renew-after": "0"}}})
+        tools.run(tools.helm, "upgrade", release, *base, "--set", "operator.replicas=3")
+        renewed = backend_tls()
+        assert renewed["zookeeper"] == certificates["zookeeper"]
+        (data, digest), (old_data, old_digest) = renewed["cassandra"], certificates["cassandra"]
+        assert data["tls.crt"] != old_data["tls.crt"] and data["tls.key"] != old_data["tls.key"]
+        assert data["ca.crt"] == old_data["ca.crt"] and digest != old_digest
+        renew_after = core.read_namespaced_secret(f"{release}-casque-cassandra-tls", kube_namespace).metadata.annotations[
+            "casque.io/renew-after"]
+        assert int(renew_after) > time.time() + 300 * 86400  # half of 730 days from now
+        # Without its CA (deleted to rotate it), the next upgrade makes a CA and both certificates anew.
+        core.delete_namespaced_secret(f"{release}-casque-tls-ca-key", kube_namespace)
+        tools.run(tools.helm, "upgrade", release, *base, "--set", "operator.replicas=3")
+        rotated = backend_tls()
+        assert {rotated[b][0]["ca.crt"] for b in rotated} == {
+            core.read_namespaced_secret(f"{release}-casque-tls-ca-key", kube_namespace).data["tls.crt"]}
+        assert all(rotated[b][0]["ca.crt"] != renewed[b][0]["ca.crt"] and rotated[b][1] != renewed[b][1]
+                   for b in rotated)
     finally:
         tools.run(tools.helm, "uninstall", release, "--namespace", kube_namespace, "--wait=false")
 
