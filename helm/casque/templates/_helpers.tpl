@@ -298,27 +298,38 @@ other kind.
 {{- toJson $tls._made -}}
 {{- end -}}
 
-{{/* A backend pod's TLS: its container's environment variable, mount and volume, and the
-     pod template's annotation that rolls the pods to a new certificate: (list . "cassandra"
-     "CASSANDRA_TLS_DIR" "env"|"mount"|"volume"|"annotation"). */}}
-{{- define "casque.backendTlsPod" -}}
-{{- $root := index . 0 -}}
-{{- $backend := index . 1 -}}
-{{- $part := index . 3 -}}
-{{- if include "casque.embeddedTls" $root -}}
-{{- if eq $part "env" }}
+{{/* A backend's TLS in its StatefulSet, with backends.tls (empty without): the container's
+     variable naming the certificate's directory (list . "cassandra" "CASSANDRA_TLS_DIR"),
+     its mount and its volume (list . "cassandra"), and the pod template's annotation that
+     rolls the pods to a new certificate (none when cert-manager renews it: the pods read it
+     at their next start, deploy.md "TLS"). */}}
+{{- define "casque.backendTlsEnv" -}}
+{{- if include "casque.embeddedTls" (index . 0) }}
 - name: {{ index . 2 }}
   value: /etc/casque-tls
-{{- else if eq $part "mount" }}
+{{- end -}}
+{{- end -}}
+
+{{- define "casque.backendTlsMount" -}}
+{{- if include "casque.embeddedTls" (index . 0) }}
 - {name: tls, mountPath: /etc/casque-tls, readOnly: true}
-{{- else if eq $part "volume" }}
+{{- end -}}
+{{- end -}}
+
+{{- define "casque.backendTlsVolume" -}}
+{{- $root := index . 0 -}}
+{{- if include "casque.embeddedTls" $root }}
 - name: tls
   secret:
-    secretName: {{ include "casque.backendName" (list $root (printf "%s-tls" $backend)) }}
+    secretName: {{ include "casque.backendName" (list $root (printf "%s-tls" (index . 1))) }}
     defaultMode: 0440
-{{- else if and (eq $part "annotation") (not (include "casque.backendCertificatesByCertManager" $root)) }}
-casque.io/tls-certificate: {{ (index (include "casque.backendCertificates" $root | fromJson) $backend).crt | sha256sum | trunc 16 | quote }}
 {{- end -}}
+{{- end -}}
+
+{{- define "casque.backendTlsAnnotation" -}}
+{{- $root := index . 0 -}}
+{{- if and (include "casque.embeddedTls" $root) (not (include "casque.backendCertificatesByCertManager" $root)) }}
+casque.io/tls-certificate: {{ (index (include "casque.backendCertificates" $root | fromJson) (index . 1)).crt | sha256sum | trunc 16 | quote }}
 {{- end -}}
 {{- end -}}
 
