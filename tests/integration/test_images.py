@@ -304,6 +304,17 @@ def test_the_backend_image_runs_as_its_user_with_its_volumes(backend_images: Bac
     assert set(declared.stdout.split()) == volumes
 
 
+def assert_round_trip(client: Any, path: str) -> None:
+    """Start `client` (a KazooClient), write `path` and read it back; stop it whatever happens."""
+    client.start(timeout=30)
+    try:
+        client.create(path, b"hello", makepath=True)
+        assert client.get(path)[0] == b"hello"
+    finally:
+        client.stop()
+        client.close()
+
+
 def test_the_zookeeper_container_serves_a_client(backend_containers: Containers) -> None:
     from kazoo.client import KazooClient
 
@@ -319,14 +330,7 @@ def test_the_zookeeper_container_serves_a_client(backend_containers: Containers)
         return podman("exec", name, "/opt/zookeeper/bin/serving", check=False).returncode == 0
 
     wait_for("ZooKeeper's `serving` to succeed", serving, timeout=120)
-    client = KazooClient(hosts=f"127.0.0.1:{port}", timeout=10.0)
-    client.start(timeout=30)
-    try:
-        client.create("/casque-image/probe", b"hello", makepath=True)
-        assert client.get("/casque-image/probe")[0] == b"hello"
-    finally:
-        client.stop()
-        client.close()
+    assert_round_trip(KazooClient(hosts=f"127.0.0.1:{port}", timeout=10.0), "/casque-image/probe")
     # The data went to the data volume, the log to the log volume; nothing else was writable.
     listing = podman("exec", name, "bash", "-c", "ls /data /logs; touch /opt/zookeeper/x 2>&1; id -u", check=False)
     assert "version-2" in listing.stdout and "zookeeper.log" in listing.stdout
@@ -394,16 +398,9 @@ def test_the_backend_containers_serve_clients_over_tls_only_from_a_secrets_pem_f
 
     wait_for("ZooKeeper's `serving` to succeed", serving, timeout=120)
     zookeeper_address = container_address(zookeeper_name)
-    client = KazooClient(hosts=f"{zookeeper_address}:2281", timeout=10.0,
-                         **zk.tls_options(Settings(zookeeper_tls=ZooKeeperTlsSettings(
-                             enabled=True, ca_file=pem / "ca.crt", verify_hostname=False))))
-    client.start(timeout=30)
-    try:
-        client.create("/casque-image/over-tls", b"hello", makepath=True)
-        assert client.get("/casque-image/over-tls")[0] == b"hello"
-    finally:
-        client.stop()
-        client.close()
+    tls = zk.tls_options(Settings(zookeeper_tls=ZooKeeperTlsSettings(enabled=True, ca_file=pem / "ca.crt",
+                                                                    verify_hostname=False)))
+    assert_round_trip(KazooClient(hosts=f"{zookeeper_address}:2281", timeout=10.0, **tls), "/casque-image/over-tls")
     assert refused(zookeeper_address, 2181)
 
     def cql_listening() -> bool:
