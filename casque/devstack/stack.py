@@ -153,10 +153,10 @@ class Stack:
             env["CASQUE_ZOOKEEPER_SASL"] = "true"
             env["CASQUE_ZOOKEEPER_USERNAME"] = sasl.username
             env["CASQUE_ZOOKEEPER_PASSWORD"] = sasl.password()
-            # The installation's ZooKeeper credentials derive the namespaces' identities from it.
-            env["CASQUE_DERIVATION_KEY"] = self.derivation_key()
         if self.isolation:
             env["CASQUE_CASSANDRA_ISOLATION"] = "keyspace"
+        if sasl is not None or self.isolation:
+            # The namespaces' ZooKeeper identities and Cassandra roles derive from it.
             env["CASQUE_DERIVATION_KEY"] = self.derivation_key()
         return env
 
