@@ -1,6 +1,6 @@
 """Every benchmark, one after the other, and the README's figures from their results.
 
-    python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,shared,keys,spark,schema,scale]
+    python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,shared,keys,spark,schema,filter,scale]
         [--out DIR] [--readme README.md] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 Runs each benchmark as its own process with `--json` (a benchmark's driver threads, Spark JVM
@@ -36,6 +36,8 @@ BENCHMARKS = {
     "spark": "bench_spark_scan.py",
     # No backend: a queue schema's check per message, fastjsonschema against jsonschema.
     "schema": "bench_schema.py",
+    # No backend: a subscriber filter's variables and CEL evaluation per message.
+    "filter": "bench_filter.py",
     # The model's inputs on the given stack and its check there (its ring check, which starts
     # a three-node ring, only when run by hand with --ring).
     "scale": "scale_model.py",

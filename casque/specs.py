@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 from casque.dataschema.validation import invalid_schema
+from casque.filters import compile_filter
 from casque.schema import MAX_RETENTION_SECONDS, MIN_RETENTION_SECONDS, NAME_PATTERN, QueueRef
 
 _DURATION = re.compile(r"^(\d+)(s|m|h|d)?$")
@@ -204,11 +205,22 @@ class SubscriberSpec(_Spec):
     # ran out; None: delivered again at once. A nack's own delay always wins. Left out of the
     # znode while unset, so sidecars of the version before still read the subscriber.
     retry: Annotated[RetryPolicy | None, Field(exclude_if=lambda v: v is None)] = None
+    # A CEL condition (casque.filters): messages it does not match are done for this
+    # subscriber without being delivered, and counted as filtered. None: every message.
+    # Left out of the znode while unset, like `retry`.
+    message_filter: Annotated[str | None, Field(alias="filter", exclude_if=lambda v: v is None)] = None
 
     @field_validator("visibility_timeout_seconds", "stall_after_seconds", mode="before")
     @classmethod
     def _durations(cls, value: object) -> int | None:
         return None if value is None else parse_duration(value)
+
+    @field_validator("message_filter")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            compile_filter(value)  # InvalidFilter is a ValueError: the checker's message is the error
+        return value
 
     @model_validator(mode="after")
     def _dead_letter_elsewhere(self) -> SubscriberSpec:

@@ -125,6 +125,8 @@ SUBSCRIBER_GAUGES = {
     "consumers": Gauge("casque_subscriber_consumers", "Live consumers (sidecars) of the subscriber", _LABELS),
     "deadLettered": Gauge("casque_subscriber_dead_lettered", "Messages sent to the dead-letter queue so far",
                           _LABELS),
+    "filtered": Gauge("casque_subscriber_filtered", "Messages the subscriber's filter did not match so far",
+                      _LABELS),
 }
 # A time, not an age: an age set at each status refresh would be stale by the refresh
 # interval between refreshes, while `time() - this` is right at every evaluation. 0 when

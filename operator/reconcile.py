@@ -499,6 +499,7 @@ def subscriber_figures(spec: SubscriberSpec, seen: SubscriberObservation) -> dic
         "consumers": seen.consumers,
         "inFlight": figures.in_flight if figures else None,
         "deadLettered": figures.dead_lettered if figures else None,
+        "filtered": figures.filtered if figures else None,
     }
 
 

@@ -48,12 +48,15 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from casque.engine.messages import (
+    DEFAULT_EVENT_TYPE,
     ENGINE_ATTRIBUTE_PREFIX,
     ENGINE_CLIENT_ID_PREFIXES,
+    EVENT_ATTRIBUTES,
     SCHEMA_VERSION_ATTRIBUTE,
     Delivery,
     OutgoingMessage,
     Published,
+    event_source_of,
     reserved_client_id,
 )
 from casque.engine.sequences import MAX_SEQUENCE, producer_key
@@ -67,12 +70,9 @@ MAX_RECEIPTS = 1000
 MAX_VISIBILITY_SECONDS = 12 * 3600
 MAX_ATTRIBUTES = 64
 SPECVERSION: Literal["1.0"] = "1.0"
-DEFAULT_TYPE = "casque.message"
+DEFAULT_TYPE = DEFAULT_EVENT_TYPE
 # CloudEvents attributes of a published event ride in these message attributes.
-CE_ATTRIBUTES = {
-    "id": "ce-id", "type": "ce-type", "source": "ce-source", "subject": "ce-subject", "time": "ce-time",
-    "dataschema": "ce-dataschema", "traceparent": "ce-traceparent", "tracestate": "ce-tracestate",
-}
+CE_ATTRIBUTES = EVENT_ATTRIBUTES
 # W3C trace context, version 00: version-traceid-parentid-flags. A later version may append
 # fields after the flags; its first four read the same way.
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
@@ -441,7 +441,7 @@ class Message(BaseModel):
 
 
 def source_of(queue: QueueRef) -> str:
-    return f"/casque/{queue.namespace}/{queue.name}"
+    return event_source_of(queue.namespace, queue.name)
 
 
 _TIME = TypeAdapter(datetime)
@@ -680,6 +680,7 @@ class SubscriberStatsResult(Reply):
     delivered: int
     redelivered: int
     dead_lettered: int
+    filtered: int
     members: list[str]
     shards: list[SubscriberShardStatsBody]
     sampled_at: datetime
@@ -699,6 +700,7 @@ class SubscriberStatsResult(Reply):
             delivered=stats.delivered,
             redelivered=stats.redelivered,
             dead_lettered=stats.dead_lettered,
+            filtered=stats.filtered,
             members=stats.members,
             shards=[
                 SubscriberShardStatsBody(

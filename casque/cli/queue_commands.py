@@ -538,14 +538,14 @@ def _stats_view(queue: QueueStats, subscribers: list[SubscriberStats], rate: flo
     )
     table = Table(title="subscribers", title_justify="left")
     table.add_column("subscriber", no_wrap=True)
-    for column in ("lag msgs", "lag batches", "oldest unacked", "in flight", "redelivered", "dead", "members"):
+    for column in ("lag msgs", "lag batches", "oldest unacked", "in flight", "redelivered", "dead", "filtered", "members"):
         table.add_column(column, justify="right")
     for s in subscribers:
         age = s.oldest_unacked_age_seconds
         table.add_row(
             s.subscriber, _number(s.lag_messages), _number(s.lag_batches),
             "-" if age is None else f"{age:,.1f}s", _number(s.in_flight), _number(s.redelivered),
-            _number(s.dead_lettered), str(len(s.members)),
+            _number(s.dead_lettered), _number(s.filtered), str(len(s.members)),
         )
     stamp = queue.sampled_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     return Group(head, table if subscribers else "[dim]no subscribers[/dim]", f"[dim]{stamp}[/dim]")

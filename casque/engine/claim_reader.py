@@ -31,7 +31,7 @@ from casque.engine.claims import ClaimRecord, Completion
 from casque.engine.clock import BackendClock
 from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.keylocks import KeyLocks, key_hash
-from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member, redelivery_backoff
+from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member, message_filter, redelivery_backoff
 from casque.engine.shard_state import ShardState
 from casque.errors import BackendUnavailable, CasqueError
 from casque.schema import bucket_of
@@ -116,7 +116,8 @@ class ClaimReader:
         # reads the shard's offset znode to tell whether a seek moved it (casque.engine.acking).
         self.seek_mark: int | None = None
         self.state = ShardState(shard=record.shard, offset=record.start, locks=sharing.locks_for(record.shard),
-                                backoff=redelivery_backoff(sharing.consumer))
+                                backoff=redelivery_backoff(sharing.consumer),
+                                matches=message_filter(sharing.consumer))
         self.problem = ""
         self.last_handout = time.monotonic()
         # Every claim version this reader wrote: the claim is still ours while it is at one of them.

@@ -40,7 +40,7 @@ from casque.engine.acking import AckTaker, Source
 from casque.engine.acks import AckLog
 from casque.engine.batches import Log
 from casque.engine.counters import QueueCounters
-from casque.engine.delivering import DeadLetters, Deliverer
+from casque.engine.delivering import Deliverer, deliverer_of
 from casque.engine.entries import ByteBudget
 from casque.engine.leases import ShardLeases
 from casque.engine.member import Backoff, ConsumerCounters, ConsumerStopped, LeasedReader, ShardStatus
@@ -91,7 +91,6 @@ class Consumer:
         self._stopped = False
         self._resync_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._dead_letters: DeadLetters | None = None
         self._background: set[asyncio.Task[None]] = set()
         # Why this consumer ended by itself (its subscriber was deleted); empty while it serves.
         self.gone_reason = ""
@@ -110,18 +109,9 @@ class Consumer:
                            spec.retention_seconds)
         self.paths = self.store.paths(self.queue).subscriber(self.subscriber)
         subscriber_spec = self.subscriber_state.spec
-        max_deliveries = 0
-        if subscriber_spec.dead_letter_queue and subscriber_spec.max_deliveries:
-            # Without a dead-letter queue, redelivery is unlimited: nothing is ever dropped.
-            dead_letter_queue = QueueRef(self.queue.namespace, subscriber_spec.dead_letter_queue)
-            dlq_store = self.store.for_namespace(dead_letter_queue.namespace)
-            dlq_state = await asyncio.to_thread(catalog.read_queue, dlq_store, dead_letter_queue)
-            self._dead_letters = DeadLetters(
-                self, dlq_store, Publisher(dlq_store, dead_letter_queue, dlq_state),
-                QueueCounters(self.store.for_namespace(self.queue.namespace), self.queue_state.shared_key(self.queue)),
-                lambda: self.queue_state.spec.retention_seconds)
-            max_deliveries = subscriber_spec.max_deliveries
-        self._deliverer = Deliverer(self, self.sources, self._source_for, max_deliveries, self._dead_letters)
+        self._deliverer = await deliverer_of(self, self.sources, self._source_for,
+                                             self.queue_state.shared_key(self.queue),
+                                             lambda: self.queue_state.spec.retention_seconds)
         self._ack_taker = AckTaker(self, self._deliverer.source_of)
         shared = subscriber_spec.delivery == "shared"
         # In shared delivery the leases only keep the member registered (no shard is leased).
@@ -153,6 +143,7 @@ class Consumer:
             "delivered": self.counters.deliveries,
             "redelivered": self.counters.redeliveries,
             "dead_lettered": self.counters.dead_lettered,
+            "filtered": self.counters.filtered,
             "acked": self.counters.acks,
             "shards": len(self.held_shards),
         }

@@ -1,4 +1,4 @@
-"""Durable running counts per queue, for statistics: delayed in and out, dead-lettered."""
+"""Durable running counts per queue, for statistics: delayed in and out, dead-lettered, filtered."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ DELAYED_OUT = "delayed_out"
 def dead_lettered(subscriber_key: str) -> str:
     """`subscriber_key`: the subscriber's incarnation key (`SubscriberState.ack_key`)."""
     return f"dead_lettered:{subscriber_key}"
+
+
+def filtered(subscriber_key: str) -> str:
+    """Messages the subscriber's filter did not match; `subscriber_key` as for dead_lettered."""
+    return f"filtered:{subscriber_key}"
 
 
 class QueueCounters:

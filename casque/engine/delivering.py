@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 from kazoo.exceptions import KazooException
 
@@ -21,13 +22,14 @@ from casque.engine.acking import Source
 from casque.engine.acks import DEAD, AckEvent
 from casque.engine.claim_reader import ClaimReader
 from casque.engine.clock import clock_of
-from casque.engine.counters import QueueCounters, dead_lettered
+from casque.engine.counters import QueueCounters, dead_lettered, filtered
 from casque.engine.deadletters import dead_letter_copy
 from casque.engine.member import Member
 from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
 from casque.engine.publisher import Publisher
 from casque.engine.entries import ByteBudget, Handout
 from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, StaleReceipt
+from casque.schema import QueueRef
 from casque.specs import priority_of
 from casque.store import Store
 
@@ -97,12 +99,73 @@ class DeadLetters:
         return known
 
 
+class FilteredCount:
+    """The subscriber's durable count of the messages its filter did not match (statistics):
+    added up in memory and written in the background, one counter write at a time, what came
+    meanwhile going into the next. A count a stopped member had not written yet is lost, and
+    messages filtered again after a restart before their offset was committed count twice."""
+
+    def __init__(self, member: Member, queue_counters: Callable[[], QueueCounters]) -> None:
+        """`queue_counters` makes the counters at the first write (it prepares statements)."""
+        self._member = member
+        self._make_counters = queue_counters
+        self._queue_counters: QueueCounters | None = None
+        self._unwritten = 0
+        self._writing = False
+
+    def add(self, count: int) -> None:
+        if count <= 0:
+            return
+        self._member.counters.filtered += count
+        self._unwritten += count
+        if not self._writing:
+            self._writing = True
+            self._member.in_background(self._write())
+
+    async def _write(self) -> None:
+        name = filtered(self._member.subscriber_state.ack_key(self._member.subscriber))
+        try:
+            while self._unwritten:
+                count, self._unwritten = self._unwritten, 0
+                try:
+                    if self._queue_counters is None:
+                        self._queue_counters = await asyncio.to_thread(self._make_counters)
+                    await self._queue_counters.add(name, count)
+                except Exception as error:  # every driver error: the count waits for the next write
+                    self._unwritten += count
+                    log.debug("filtered count not written (%r); it goes with the next", error)
+                    return
+        finally:
+            self._writing = False
+
+
+async def deliverer_of(member: Member, sources: Callable[[], list[Source]],
+                       source_for: Callable[[Position], Source | None], queue_key: str,
+                       retention_seconds: Callable[[], int]) -> Deliverer:
+    """The member's deliverer, moving messages over the subscriber's max deliveries to its
+    dead-letter queue when it has one; without one, redelivery is unlimited (nothing is ever
+    dropped). `queue_key`: the queue's incarnation key (QueueState.shared_key);
+    `retention_seconds`: the queue's, as it is at each use (dead letters keep it)."""
+    spec = member.subscriber_state.spec
+    queue = member.queue
+    queue_counters = partial(QueueCounters, member.store.for_namespace(queue.namespace), queue_key)
+    if not (spec.dead_letter_queue and spec.max_deliveries):
+        return Deliverer(member, sources, source_for, 0, None, queue_counters)
+    dead_letter_queue = QueueRef(queue.namespace, spec.dead_letter_queue)
+    dlq_store = member.store.for_namespace(dead_letter_queue.namespace)
+    dlq_state = await asyncio.to_thread(catalog.read_queue, dlq_store, dead_letter_queue)
+    dead_letters = DeadLetters(member, dlq_store, Publisher(dlq_store, dead_letter_queue, dlq_state),
+                               queue_counters(), retention_seconds)
+    return Deliverer(member, sources, source_for, spec.max_deliveries, dead_letters, queue_counters)
+
+
 class Deliverer:
     def __init__(self, member: Member, sources: Callable[[], list[Source]],
                  source_for: Callable[[Position], Source | None], max_deliveries: int,
-                 dead_letters: DeadLetters | None) -> None:
+                 dead_letters: DeadLetters | None, queue_counters: Callable[[], QueueCounters]) -> None:
         """`max_deliveries`: 0 for unlimited (no dead-letter queue: nothing is ever dropped)."""
         self._member = member
+        self._filtered = FilteredCount(member, queue_counters)
         self._sources = sources
         self._source_for = source_for
         self._max_deliveries = max_deliveries
@@ -166,6 +229,9 @@ class Deliverer:
                 take = min(share, want - len(deliveries))
                 if take <= 0:
                     break
+                counters = reader.state.counters
+                finished_before = counters.filtered + counters.expired_ttl
+                filtered_before = counters.filtered
                 for handout in reader.state.take(take, now, visibility, wall, self._max_deliveries, budget):
                     progressed = True
                     if handout.dead:
@@ -183,6 +249,11 @@ class Deliverer:
                     self._member.counters.deliveries += 1
                     if handout.redelivery:
                         self._member.counters.redeliveries += 1
+                if counters.filtered + counters.expired_ttl != finished_before:
+                    # Done without a delivery: their batches may be complete now.
+                    progressed = True
+                    self._filtered.add(counters.filtered - filtered_before)
+                    reader.schedule_commit()
                 reader.space_freed()
             if not progressed:
                 break

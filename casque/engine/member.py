@@ -1,5 +1,6 @@
 """What the parts of a consumer-group member share: its counters, its retry backoff, the
-subscriber's redelivery backoff, and the view of the member that its shard readers, claimed ranges and shared delivery work through.
+subscriber's redelivery backoff and filter, and the view of the member that its shard
+readers, claimed ranges and shared delivery work through.
 
 The member (casque.engine.consumer.Consumer) sits above all of them; they see it only as the
 `Member` protocol below, so no module of the group imports the one that owns it.
@@ -14,9 +15,11 @@ from typing import Any, Protocol
 from casque.engine.acks import AckLog
 from casque.engine.batches import Log
 from casque.engine.leases import ShardLeases
+from casque.engine.messages import StoredMessage, event_source_of, filter_variables
 from casque.errors import CasqueError
+from casque.filters import compile_filter
 from casque.schema import QueueRef
-from casque.specs import SubscriberState
+from casque.specs import SubscriberState, priority_of
 from casque.store import Store
 from casque.znodes import SubscriberPaths
 
@@ -36,6 +39,8 @@ class ConsumerCounters:
     acks: int = 0
     nacks: int = 0
     dead_lettered: int = 0
+    # Messages the subscriber's filter did not match: done without being delivered.
+    filtered: int = 0
     offset_commits: int = 0
     batch_reads: int = 0
     ack_bucket_reads: int = 0
@@ -160,6 +165,22 @@ class Member(Protocol):
 
     def resync(self) -> None:
         """Compare the held shards' epochs with their offsets (a seek may have moved them)."""
+
+
+def message_filter(member: Member) -> Callable[[StoredMessage], bool]:
+    """The subscriber's filter as a shard's state asks for it (ShardState.matches): read at
+    each use, so a changed filter applies to every message not yet delivered."""
+    queue = member.queue
+    default_source = event_source_of(queue.namespace, queue.name)
+
+    def matches(message: StoredMessage) -> bool:
+        expression = member.subscriber_state.spec.message_filter
+        if expression is None:
+            return True
+        return compile_filter(expression).matches(
+            filter_variables(message, priority_of(message.position.shard), default_source))
+
+    return matches
 
 
 def redelivery_backoff(member: Member) -> Callable[[int], float]:

@@ -31,6 +31,21 @@ ENGINE_ATTRIBUTE_PREFIX = "casque-"
 SCHEMA_VERSION_ATTRIBUTE = "casque-schema-version"
 
 
+# A published CloudEvent's own attributes ride in these message attributes (apps cannot use
+# `ce-` names); a message published without a type has DEFAULT_EVENT_TYPE, without a source
+# its queue's (event_source_of).
+EVENT_ATTRIBUTES = {
+    "id": "ce-id", "type": "ce-type", "source": "ce-source", "subject": "ce-subject", "time": "ce-time",
+    "dataschema": "ce-dataschema", "traceparent": "ce-traceparent", "tracestate": "ce-tracestate",
+}
+EVENT_ATTRIBUTE_PREFIX = "ce-"
+DEFAULT_EVENT_TYPE = "casque.message"
+
+
+def event_source_of(namespace: str, queue: str) -> str:
+    return f"/casque/{namespace}/{queue}"
+
+
 def reserved_client_id(client_id: str) -> bool:
     return client_id.startswith(ENGINE_CLIENT_ID_PREFIXES)
 
@@ -150,6 +165,21 @@ class StoredMessage:
     @property
     def size(self) -> int:
         return len(self.payload)
+
+
+def filter_variables(message: StoredMessage, priority: int, default_source: str) -> dict[str, object]:
+    """What a subscriber filter (casque.filters.VARIABLES) sees of a message: the attributes
+    and event fields the app would be delivered, absent ones as empty strings."""
+    attributes = message.attributes
+    return {
+        "attributes": {name: value for name, value in attributes.items()
+                       if not name.startswith((EVENT_ATTRIBUTE_PREFIX, ENGINE_ATTRIBUTE_PREFIX))},
+        "key": message.key or "",
+        "priority": priority,
+        "source": attributes.get(EVENT_ATTRIBUTES["source"], default_source),
+        "eventType": attributes.get(EVENT_ATTRIBUTES["type"], DEFAULT_EVENT_TYPE),
+        "subject": attributes.get(EVENT_ATTRIBUTES["subject"], ""),
+    }
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from casque.engine.acks import BatchMarks
 from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.heads import HeadAdvancer
 from casque.engine.keylocks import KeyLocks
-from casque.engine.member import Backoff, Member, redelivery_backoff
+from casque.engine.member import Backoff, Member, message_filter, redelivery_backoff
 from casque.engine.offsets import CommitOutcome, OffsetRecord
 from casque.engine.shard_state import ShardState
 from casque.errors import BackendUnavailable, CasqueError
@@ -61,7 +61,7 @@ class ShardReader:
         ordered = consumer.subscriber_state.spec.ordered_keys
         self.state = ShardState(shard=shard, offset=record.offset,
                                 locks=KeyLocks(on_release=consumer.notify) if ordered else None,
-                                backoff=redelivery_backoff(consumer))
+                                backoff=redelivery_backoff(consumer), matches=message_filter(consumer))
         # What went wrong last in this shard's reading or committing; empty while all is well.
         self.problem = ""
         self._committed = record.offset

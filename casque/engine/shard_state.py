@@ -54,6 +54,7 @@ class ShardCounters:
     acked: int = 0
     expired_visibility: int = 0
     expired_ttl: int = 0
+    filtered: int = 0
 
 
 @dataclass
@@ -77,6 +78,9 @@ class ShardState:
     # delivered n times waits before it is ready again after a nack naming no delay or an
     # expired visibility. None: ready at once.
     backoff: Callable[[int], float] | None = None
+    # The subscriber's filter (casque.engine.member.message_filter): a message it does not
+    # match is done when its turn comes, never delivered. None: every message matches.
+    matches: Callable[[StoredMessage], bool] | None = None
     _ready: list[tuple[int, int]] = field(default_factory=list)
     _delayed: list[tuple[float, int, int]] = field(default_factory=list)
     _deadlines: list[tuple[float, int, int, int]] = field(default_factory=list)
@@ -153,6 +157,7 @@ class ShardState:
         """Hand out up to `limit` messages, lowest position first, each with a new nonce.
 
         `expired_ttl` is the wall-clock now, to drop ephemeral messages past their TTL. A
+        message the filter does not match is done instead of delivered (counted filtered). A
         message already delivered `max_deliveries` times (if > 0) comes out as `dead`. With a
         `budget`, taking stops at the first message whose payload no longer fits in it.
         """
@@ -164,6 +169,11 @@ class ShardState:
             batch, seq = heapq.heappop(self._ready)
             entry = self._entry(batch, seq)
             if entry is None or entry.state is not State.READY:
+                continue
+            if self.matches is not None and not self.matches(entry.message):
+                # Never delivered, so it need not wait for its key's earlier messages either.
+                self.counters.filtered += 1
+                self._finish(batch, entry)
                 continue
             if self.locks is not None:
                 hold = self.locks.hold(entry.message.key, entry.message.position)

@@ -22,7 +22,7 @@ from casque.backends import zk
 from casque.engine import catalog
 from casque.engine import totals as shard_totals
 from casque.engine.batches import Header, Log
-from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters, dead_lettered
+from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters, dead_lettered, filtered
 from casque.engine.stalls import read_progress, stall_threshold
 from casque.schema import QueueRef
 from casque.specs import QueueState, priority_of
@@ -98,6 +98,8 @@ class SubscriberStats:
     sampled_at: datetime
     member_reports: dict[str, dict[str, int]] = field(default_factory=dict)
     dead_lettered: int = 0
+    # Messages the subscriber's filter did not match (done without a delivery), so far.
+    filtered: int = 0
     # Lag with no offset move for this long is a stall (casque.engine.stalls).
     stall_after_seconds: float = 0.0
 
@@ -223,6 +225,8 @@ async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> Su
             continue
         if data:
             reports[member] = {k: int(v) for k, v in json.loads(data).items()}
+    counts = await _counts(store, queue, state)
+    key = subscriber_state.ack_key(subscriber)
     return SubscriberStats(
         queue=str(queue),
         subscriber=subscriber,
@@ -233,6 +237,7 @@ async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> Su
         redelivered=sum(r.get("redelivered", 0) for r in reports.values()),
         sampled_at=datetime.now(timezone.utc),
         member_reports=reports,
-        dead_lettered=(await _counts(store, queue, state)).get(dead_lettered(subscriber_state.ack_key(subscriber)), 0),
+        dead_lettered=counts.get(dead_lettered(key), 0),
+        filtered=counts.get(filtered(key), 0),
         stall_after_seconds=threshold,
     )

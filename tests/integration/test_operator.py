@@ -898,6 +898,36 @@ def test_an_incompatible_schema_change_is_refused_and_a_compatible_one_accepted(
     assert catalog.read_queue(backend.store, ref).schema_version == 2
 
 
+def test_a_filter_that_does_not_compile_is_refused_with_the_checkers_words_and_a_good_one_applied(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    ref = QueueRef(ns, "orders")
+    operators()
+    create(api, ns, queue("orders", shards=1, retention="1h", deletionPolicy="Delete"))
+    wait_ready(api, ns, QUEUES, "orders")
+    create(api, ns, subscriber("eu-billing", queue="orders", filter='atributes.region == "eu"'))
+    invalid = wait_ready(api, ns, SUBSCRIBERS, "eu-billing", status="False", reason="InvalidSpec")
+    assert "undeclared reference to 'atributes.region'" in ready_of(invalid)["message"]
+    assert "eu-billing" not in catalog.list_subscribers(backend.store, ref)  # nothing was written
+
+    patch_spec(api, ns, SUBSCRIBERS, "eu-billing", filter='attributes.region == "eu" && "yes"')
+    refused = wait_ready(api, ns, SUBSCRIBERS, "eu-billing", status="False", reason="InvalidSpec")
+    assert "no matching overload for '_&&_'" in ready_of(refused)["message"]
+
+    patch_spec(api, ns, SUBSCRIBERS, "eu-billing", filter='has(attributes.region) && attributes.region == "eu"')
+    wait_ready(api, ns, SUBSCRIBERS, "eu-billing")
+    # Its figures, read from the engine's statistics, count what the filter passed over: nothing yet.
+    wait_for("the subscriber's filtered count",
+             lambda: (get(api, ns, SUBSCRIBERS, "eu-billing") or {}).get("status", {}).get("filtered") == 0)
+    stored = catalog.read_subscriber(backend.store, ref, "eu-billing")
+    assert stored.spec.message_filter == 'has(attributes.region) && attributes.region == "eu"'
+
+
 # --- the sidecar's Secrets, copied ----------------------------------------------------------
 
 

@@ -278,6 +278,93 @@ async def _ready_count(client: Client, expected: int) -> bool:
     return bool(stats["lagMessages"] == expected)
 
 
+async def receive_of(client: Client, subscriber: str, count: int, limit_s: float = 30.0) -> list[dict[str, Any]]:
+    """Receive and ack `count` messages of `subscriber`, then make sure no more come."""
+    got: list[dict[str, Any]] = []
+    deadline = time.monotonic() + limit_s
+    path = f"{BASE}/subscribers/{subscriber}"
+    while len(got) < count and time.monotonic() < deadline:
+        messages = (await call(client, f"{path}/receive", {"max": 100, "wait": 1}))["messages"]
+        if messages:
+            await call(client, f"{path}/ack", {"receipts": [m["receipt"] for m in messages]})
+        got.extend(messages)
+    assert (await call(client, f"{path}/receive", {"max": 100, "wait": 0.5}))["messages"] == []
+    return got
+
+
+async def filtered_count(client: Client, subscriber: str, expected: int) -> None:
+    """Wait until the subscriber's stats count `expected` filtered messages and no lag (the
+    count is written in the background, after the messages were passed over)."""
+    async def counted() -> bool:
+        stats = await call(client, f"{BASE}/subscribers/{subscriber}/stats")
+        assert stats["filtered"] <= expected, stats
+        return bool(stats["filtered"] == expected and stats["lagMessages"] == 0)
+
+    await until(counted)
+
+
+@pytest.mark.parametrize("delivery", ["leased", "shared"])
+async def test_two_subscribers_of_one_queue_get_what_their_filters_match_and_count_the_rest(
+    store: Store, make_sidecar: MakeSidecar, delivery: str
+) -> None:
+    create_queue(store, shards=2, subscribers=(), priorities=2)
+    filters = {"eu": 'has(attributes.region) && attributes.region == "eu"',
+               "urgent-orders": 'priority > 0 && eventType.startsWith("order.")'}
+    for name, expression in filters.items():
+        catalog.apply_subscriber(store, REF, name, SubscriberSpec(
+            queue=QUEUE, start_position="earliest", delivery=delivery, message_filter=expression,
+            ordered_keys=delivery == "leased"))
+    client = await make_sidecar(subscribers=tuple(filters))
+    wanted: dict[str, set[str]] = {name: set() for name in filters}
+    for n in range(40):
+        region = ("eu", "us", None, "eu")[n % 4]
+        body: dict[str, Any] = {"data": {"n": n}, "priority": n % 2, "partitionkey": f"customer-{n % 3}",
+                                "type": "order.created" if n % 3 else "audit.logged"}
+        if region:
+            body["attributes"] = {"region": region}
+        published = await call(client, f"{BASE}/messages", body)
+        if region == "eu":
+            wanted["eu"].add(published["messageId"])
+        if n % 2 and n % 3:
+            wanted["urgent-orders"].add(published["messageId"])
+    for name, ids in wanted.items():
+        got = await receive_of(client, name, len(ids))
+        assert {m["messageid"] for m in got} == ids and len(got) == len(ids), name
+        assert all(m["deliverycount"] == 1 for m in got)
+        await filtered_count(client, name, 40 - len(ids))
+
+
+async def test_a_filter_changed_under_a_live_consumer_applies_to_every_message_not_yet_delivered(
+    store: Store, make_sidecar: MakeSidecar
+) -> None:
+    create_queue(store, shards=1, subscribers=())
+    spec = SubscriberSpec(queue=QUEUE, start_position="earliest", message_filter='attributes.region == "eu"')
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, spec)
+    client = await make_sidecar()
+    ids: dict[str, list[str]] = {"eu": [], "us": []}
+    for n in range(6):
+        region = "eu" if n < 2 else "us"
+        ids[region].append((await call(client, f"{BASE}/messages",
+                                       {"data": n, "attributes": {"region": region}}))["messageId"])
+    (in_flight,) = (await call(client, f"{SUB}/receive", {"max": 1, "wait": 5}))["messages"]
+    assert in_flight["messageid"] == ids["eu"][0]
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, spec.model_copy(update={"message_filter": 'attributes.region == "us"'}))
+
+    async def us_only() -> bool:
+        """The first receive after the change: the second eu message meets the new filter."""
+        got = (await call(client, f"{SUB}/receive", {"max": 100, "wait": 0.2}))["messages"]
+        if not got:
+            return False
+        assert [m["messageid"] for m in got] == ids["us"], got
+        await call(client, f"{SUB}/ack", {"receipts": [m["receipt"] for m in got]})
+        return True
+
+    await until(us_only)
+    # The delivery in flight before the change is still the app's to ack.
+    assert (await call(client, f"{SUB}/ack", {"receipt": in_flight["receipt"]}))["results"][0]["status"] == "acked"
+    await filtered_count(client, SUBSCRIBER, 1)
+
+
 async def test_nack_redelivers_now_or_after_its_delay(store: Store, make_sidecar: MakeSidecar) -> None:
     create_queue(store, shards=1)
     client = await make_sidecar()

@@ -206,6 +206,7 @@ def test_subscriber_readiness() -> None:
         "consumers": 1,
         "inFlight": None,
         "deadLettered": None,
+        "filtered": None,
     }
 
     no_queue = SubscriberObservation(False, None, {}, {}, 0, None)
