@@ -346,10 +346,15 @@ ADDED_COLUMNS = [
 ]
 
 
+# A schema change waits for every live node to agree on the new schema: on a ring of busy
+# nodes that outlasts the driver's 10 s request timeout, while the change itself goes on.
+SCHEMA_CHANGE_TIMEOUT_SECONDS = 60.0
+
+
 def ensure_keyspace(session: Any, keyspace: str, replication_cql: str) -> None:
-    session.execute(keyspace_ddl(keyspace, replication_cql))
+    session.execute(keyspace_ddl(keyspace, replication_cql), timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
     for ddl in shared_tables_ddl(keyspace):
-        session.execute(ddl)
+        session.execute(ddl, timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
     # An installation made by an earlier version gets the columns it lacks.
     existing = {
         (row.table_name, row.column_name)
@@ -360,14 +365,15 @@ def ensure_keyspace(session: Any, keyspace: str, replication_cql: str) -> None:
     tables = {table for table, _ in existing}
     for table, column, kind in ADDED_COLUMNS:
         if table in tables and (table, column) not in existing:
-            session.execute(f"ALTER TABLE {keyspace}.{table} ADD {column} {kind}")
+            session.execute(f"ALTER TABLE {keyspace}.{table} ADD {column} {kind}",
+                            timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
 
 
 def ensure_queue_table(session: Any, keyspace: str, queue: QueueRef, retention_seconds: int) -> bool:
     """Create the queue's table, or change its retention if it differs. Returns whether anything changed."""
     current = read_table_options(session, keyspace, queue)
     if not current.exists:
-        session.execute(messages_table_ddl(keyspace, queue, retention_seconds))
+        session.execute(messages_table_ddl(keyspace, queue, retention_seconds), timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
         return True
     unit, size = twcs_window(retention_seconds)
     compaction = current.compaction or {}
@@ -376,7 +382,7 @@ def ensure_queue_table(session: Any, keyspace: str, queue: QueueRef, retention_s
         or compaction.get("compaction_window_unit") != unit
         or compaction.get("compaction_window_size") != str(size)
     ):
-        session.execute(alter_retention_ddl(keyspace, queue, retention_seconds))
+        session.execute(alter_retention_ddl(keyspace, queue, retention_seconds), timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
         return True
     return False
 

@@ -56,7 +56,9 @@ from tests.fixtures.node_release import (
 )
 from tests.fixtures.waiting import wait_for
 
-pytestmark = pytest.mark.integration
+# Above the release fixture's own guard (helm install --wait: START_TIMEOUT * 2 + 60 s) plus
+# a test's work: pytest-timeout's default of 600 s cut a slow install short on a loaded machine.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(START_TIMEOUT * 2 + 60 + 900)]
 
 EXAMPLES = ROOT / "examples"
 HISTORY_APP = Path(__file__).with_name("node_history_app.py")

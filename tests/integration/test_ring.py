@@ -3,10 +3,10 @@
 import re
 
 from cassandra import ConsistencyLevel
-from cassandra.cluster import Cluster
 from cassandra.query import SimpleStatement
 
 from casque.devstack.stack import Stack
+from tests.fixtures.stack import ring_cluster
 
 
 def test_three_nodes_up_normal_and_quorum_writes(ring: Stack) -> None:
@@ -14,7 +14,7 @@ def test_three_nodes_up_normal_and_quorum_writes(ring: Stack) -> None:
     up_normal = re.findall(r"^UN\s+(127\.0\.0\.\d)", status, flags=re.MULTILINE)
     assert sorted(up_normal) == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 
-    cluster = Cluster(ring.contact_points, port=ring.ports.native)
+    cluster = ring_cluster(ring)
     session = cluster.connect()
     try:
         session.execute(

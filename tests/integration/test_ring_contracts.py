@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import pytest
 from cassandra import ConsistencyLevel
-from cassandra.cluster import Cluster
 from cassandra.query import SimpleStatement
 from kazoo.client import KazooClient
 
@@ -23,7 +22,7 @@ from casque.errors import BackendUnavailable, PublishOutcomeUnknown
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from tests.fixtures.stack import drop_keyspace
+from tests.fixtures.stack import drop_keyspace, ring_cluster
 
 QUEUE = QueueRef("default", "contended")
 SPEC = QueueSpec(shards=1, retention_seconds=3600)  # consistency: the default, LOCAL_QUORUM
@@ -33,7 +32,7 @@ RETRIES = 20
 @pytest.fixture
 def ring_store(ring: Stack, zk: KazooClient) -> Iterator[Store]:
     """A Store on a keyspace of its own with three replicas on the ring."""
-    cluster = Cluster(ring.contact_points, port=ring.ports.native)
+    cluster = ring_cluster(ring)
     session = cluster.connect()
     keyspace = f"r_{uuid.uuid4().hex[:16]}"
     store = Store(session, zk, keyspace, "/casque",

@@ -44,7 +44,10 @@ from tests.integration.test_spark import (  # noqa: F401
     history,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.spark]
+# A job's own guard (JOB_TIMEOUT) stays below the test's, so a slow job on a loaded machine
+# fails with its output rather than with pytest-timeout's stack dump.
+JOB_TIMEOUT = 1200
+pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.timeout(JOB_TIMEOUT + 600)]
 
 # The `casque` command as a script file, which spark-submit runs as the driver's program.
 CLI_SCRIPT = Path(casque.cli.__file__).with_name("__main__.py")
@@ -67,7 +70,7 @@ def on_cluster(cluster: SparkCluster, environment: dict[str, str], *args: str, s
         command = [sys.executable, "-m", "casque.cli", "spark", *args, "--master", cluster.url,
                    "--connector", "local", *settings]
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=600,
+        command, capture_output=True, text=True, timeout=JOB_TIMEOUT,
         env={**os.environ, **environment, "COLUMNS": "200",
              # spark-submit's driver: this interpreter, with casque and its packages.
              "PYSPARK_DRIVER_PYTHON": sys.executable, "PYSPARK_PYTHON": sys.executable},
