@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from casque.cli.exits import UsageError
@@ -147,10 +148,18 @@ def queue_table(documents: list[dict[str, Any]], namespaces: bool) -> Table:
     return table
 
 
+def print_whole(table: Table) -> None:
+    """Print a listing at its own width, as kubectl does: a line longer than the terminal
+    wraps, while a table fitted to the terminal would cut names short (`billi…`)."""
+    natural = Measurement.get(out, out.options.update_width(10_000), table).maximum
+    # A console of that width: print(width=...) is capped at the console's own.
+    Console(width=max(out.width, natural)).print(table)
+
+
 def subscriber_table(documents: list[dict[str, Any]], namespaces: bool) -> Table:
     table = Table(box=None, pad_edge=False)
     columns = (["NAMESPACE"] if namespaces else []) + [
-        "QUEUE", "NAME", "LAG", "OLDEST UNACKED", "STALLED", "IN FLIGHT", "DEAD", "MEMBERS", "AGE"]
+        "QUEUE", "NAME", "LAG", "OLDEST UNACKED", "STALLED", "IN FLIGHT", "DEAD", "FILTERED", "MEMBERS", "AGE"]
     for column in columns:
         table.add_column(column, no_wrap=True)
     for d in documents:
@@ -160,7 +169,8 @@ def subscriber_table(documents: list[dict[str, Any]], namespaces: bool) -> Table
             spec["queue"], meta["name"], _count(status.get("lagMessages")),
             "-" if oldest is None else f"{oldest:,.1f}s", _stalled(status.get("stalledShards")),
             _count(status.get("inFlight")),
-            _count(status.get("deadLettered")), str(len(status.get("members", []))), _age(meta["creationTimestamp"])]
+            _count(status.get("deadLettered")), _count(status.get("filtered")), str(len(status.get("members", []))),
+            _age(meta["creationTimestamp"])]
         table.add_row(*row)
     return table
 
@@ -225,7 +235,7 @@ def get_queues(
     if output in MACHINE:
         typer.echo(dumps_all(documents, output) if documents or output == "json" else "")
     elif documents:
-        out.print(queue_table(documents, all_namespaces))
+        print_whole(queue_table(documents, all_namespaces))
     else:
         typer.echo("no queues" + ("" if all_namespaces else f" in namespace {namespace}"), err=True)
 
@@ -259,7 +269,7 @@ def get_subscribers(
     if output in MACHINE:
         typer.echo(dumps_all(documents, output) if documents or output == "json" else "")
     elif documents:
-        out.print(subscriber_table(documents, all_namespaces))
+        print_whole(subscriber_table(documents, all_namespaces))
     else:
         typer.echo("no subscribers", err=True)
 

@@ -26,7 +26,8 @@ def env(store: Store, backends: Backends, keyspace: str, zk_hosts: str) -> dict[
     catalog.apply_queue(store, QueueRef("staging", "audit"), QueueSpec(shards=1, retention_seconds=3600,
                                                                         consistency="ONE"))
     catalog.apply_subscriber(store, REF, "billing", SubscriberSpec(queue="orders", start_position="earliest",
-                                                                   visibility_timeout_seconds=45))
+                                                                   visibility_timeout_seconds=45,
+                                                                   message_filter='has(attributes.region)'))
     return backends.client_env(keyspace, zk_hosts, store.zk_root)
 
 
@@ -52,13 +53,18 @@ def test_get_queues_as_a_table_and_as_documents(env: dict[str, str]) -> None:
 
 
 def test_get_subscribers_and_describe(env: dict[str, str]) -> None:
-    assert "billing" in run(env, "get", "subscribers").stdout
+    header, row = run(env, "get", "subscribers").stdout.splitlines()[:2]
+    assert "billing" in row.split()
+    assert row[header.index("FILTERED"):].split()[0] == "0"
     (document,) = yaml.safe_load_all(run(env, "get", "subscribers", "orders", "-o", "yaml").stdout)
     assert document["kind"] == "Subscriber" and document["spec"]["visibilityTimeout"] == 45
+    assert document["spec"]["filter"] == "has(attributes.region)"
     assert document["status"]["subscriber"] == "billing" and "lagMessages" in document["status"]
+    assert document["status"]["filtered"] == 0
 
     text = run(env, "describe", "subscriber", "orders", "billing").stdout
     assert text.startswith("Subscriber: default/billing") and "visibilityTimeout: 45" in text
+    assert "filter: has(attributes.region)" in text
     queue = json.loads(run(env, "describe", "queue", "orders", "-o", "json").stdout)
     assert queue["metadata"]["name"] == "orders" and queue["status"]["subscribers"] == ["billing"]
     assert "Queue: staging/audit" in run(env, "describe", "queue", "staging/audit").stdout

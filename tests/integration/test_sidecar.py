@@ -348,7 +348,19 @@ async def test_a_filter_changed_under_a_live_consumer_applies_to_every_message_n
                                        {"data": n, "attributes": {"region": region}}))["messageId"])
     (in_flight,) = (await call(client, f"{SUB}/receive", {"max": 1, "wait": 5}))["messages"]
     assert in_flight["messageid"] == ids["eu"][0]
-    catalog.apply_subscriber(store, REF, SUBSCRIBER, spec.model_copy(update={"message_filter": 'attributes.region == "us"'}))
+    consumer = service_of(client.app).subscriptions[SUBSCRIBER].consumer
+    assert consumer is not None
+
+    async def in_force(expression: str | None) -> None:
+        """Wait until the sidecar's consumer has the spec written last (through its watch)."""
+        async def seen() -> bool:
+            return consumer.subscriber_state.spec.message_filter == expression
+
+        await until(seen)
+
+    us = 'attributes.region == "us"'
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, spec.model_copy(update={"message_filter": us}))
+    await in_force(us)
 
     async def us_only() -> bool:
         """The first receive after the change: the second eu message meets the new filter."""
@@ -363,6 +375,15 @@ async def test_a_filter_changed_under_a_live_consumer_applies_to_every_message_n
     # The delivery in flight before the change is still the app's to ack.
     assert (await call(client, f"{SUB}/ack", {"receipt": in_flight["receipt"]}))["results"][0]["status"] == "acked"
     await filtered_count(client, SUBSCRIBER, 1)
+
+    # A seek applies the filter in force to the history it goes back over: the eu messages,
+    # one acked and one passed over before, come again under a filter that matches them.
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, spec)
+    await in_force(spec.message_filter)
+    await call(client, f"{SUB}/seek", {"to": "earliest"})
+    replayed = await receive_of(client, SUBSCRIBER, 2)
+    assert [m["messageid"] for m in replayed] == ids["eu"]
+    await filtered_count(client, SUBSCRIBER, 1 + 4)
 
 
 async def test_nack_redelivers_now_or_after_its_delay(store: Store, make_sidecar: MakeSidecar) -> None:
