@@ -61,7 +61,7 @@ from casque.engine.messages import (
 )
 from casque.engine.sequences import MAX_SEQUENCE, producer_key
 from casque.engine.stats import QueueStats, SubscriberStats
-from casque.schema import MAX_RETENTION_SECONDS, QueueRef
+from casque.schema import MAX_RETENTION_SECONDS, NAME_PATTERN, QueueRef
 from casque.specs import MAX_PRIORITIES, priority_of
 
 MAX_BATCH_MESSAGES = 1000
@@ -560,8 +560,69 @@ class _Receipts(Body):
         return [self.receipt] if self.receipt is not None else list(self.receipts or [])
 
 
-class AckRequest(_Receipts):
-    pass
+class PipelineOutputs(Body):
+    """The messages an acked delivery resulted in (casque.engine.pipelines)."""
+
+    queue: Annotated[str, Field(pattern=NAME_PATTERN.pattern)] = Field(
+        description="The queue of this namespace the messages go to."
+    )
+    messages: Annotated[list[PublishMessage], Field(min_length=1, max_length=MAX_BATCH_MESSAGES)] = Field(
+        description="Published all or none, each exactly once per acked delivery's message and subscriber."
+    )
+
+    @model_validator(mode="after")
+    def _keys_derived(self) -> PipelineOutputs:
+        for index, message in enumerate(self.messages):
+            if message.id is not None or message.producerid is not None or message.producerseq is not None:
+                raise ValueError(f"messages[{index}]: an output's idempotency key is derived from the message "
+                                 "it results from: leave out id, producerid and producerseq")
+        return self
+
+
+class PipelineAck(Body):
+    receipt: Receipt
+    publish: PipelineOutputs | None = Field(default=None, description="What the message resulted in.")
+
+
+class AckRequest(Body):
+    receipt: Receipt | None = Field(default=None, description="One delivery; errors are answered with a 4xx.")
+    receipts: Annotated[list[Receipt] | None, Field(min_length=1, max_length=MAX_RECEIPTS)] = Field(
+        default=None, description="Several deliveries; each gets its own result, errors included."
+    )
+    publish: PipelineOutputs | None = Field(
+        default=None, description="With `receipt`: messages to publish as the result of the acked one, exactly "
+        "once however often the ack is sent again or the message delivered again.",
+    )
+    acks: Annotated[list[PipelineAck] | None, Field(min_length=1, max_length=MAX_RECEIPTS)] = Field(
+        default=None, description="Several deliveries, each with the messages it resulted in; each gets its own "
+        "result, errors included.",
+    )
+
+    @model_validator(mode="after")
+    def _one_form(self) -> AckRequest:
+        if sum(form is not None for form in (self.receipt, self.receipts, self.acks)) != 1:
+            raise ValueError("give one of receipt, receipts or acks")
+        if self.publish is not None and self.receipt is None:
+            raise ValueError("publish goes with receipt; for several deliveries, give acks")
+        return self
+
+    @property
+    def single(self) -> bool:
+        return self.receipt is not None
+
+    @property
+    def all(self) -> list[str]:
+        if self.acks is not None:
+            return [item.receipt for item in self.acks]
+        return [self.receipt] if self.receipt is not None else list(self.receipts or [])
+
+    @property
+    def pipelined(self) -> list[PipelineAck] | None:
+        """Each delivery with its outputs, when any has some; None for a plain ack."""
+        if self.publish is not None:
+            assert self.receipt is not None
+            return [PipelineAck(receipt=self.receipt, publish=self.publish)]
+        return self.acks if self.acks is not None and any(a.publish for a in self.acks) else None
 
 
 class NackRequest(_Receipts):
@@ -582,6 +643,10 @@ class ReceiptResult(Reply):
     receipt: str
     status: Literal["acked", "already_acked", "nacked", "extended"] | None = None
     visible_until: datetime | None = None
+    published: list[PublishResult] | None = Field(
+        default=None, description="An ack with `publish`: where its messages are (`duplicate` when an earlier "
+        "ack of the same message published them). Absent when the delivery was acked before.",
+    )
     error: ErrorBody | None = None
 
 

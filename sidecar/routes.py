@@ -7,6 +7,7 @@ from the same table, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -37,6 +38,7 @@ from casque.sidecar.models import (
     NackRequest,
     PublishBatchRequest,
     PublishBatchResult,
+    PipelineAck,
     PublishEventBatch,
     PublishMessage,
     PublishResult,
@@ -54,7 +56,7 @@ from casque.sidecar.models import (
     wall_clock,
 )
 from casque.sidecar.rendering import receive_body
-from casque.sidecar.scopes import Scope
+from casque.sidecar.scopes import Scope, Scopes
 from casque.sidecar.service import QueueService
 
 B = TypeVar("B", bound=Body | PublishEventBatch)
@@ -264,6 +266,9 @@ def _settle_span(request: web.Request, operation: str, receipts: int) -> Iterato
 async def ack(request: web.Request) -> web.Response:
     body = await parse(request, AckRequest)
     queue, subscriber = request.match_info["queue"], request.match_info["subscriber"]
+    pipelined = body.pipelined
+    if pipelined is not None:
+        return await _ack_publishing(request, pipelined, body.single)
     receipts = body.all
     with _settle_span(request, "ack", len(receipts)):
         outcomes = await _service(request).ack(queue, subscriber, receipts)
@@ -271,6 +276,36 @@ async def ack(request: web.Request) -> web.Response:
         receipts, outcomes, body.single,
         lambda r, newly: ReceiptResult(receipt=r, status="acked" if newly else "already_acked"),
     )
+
+
+async def _ack_publishing(request: web.Request, items: list[PipelineAck], single: bool) -> web.Response:
+    """Acks that publish what their messages resulted in (casque.engine.pipelines), each
+    delivery on its own: its outputs published, then it is acked."""
+    queue, subscriber = request.match_info["queue"], request.match_info["subscriber"]
+    settings = request.app[SETTINGS]
+    scopes = Scopes.of(settings.publish_scope, settings.subscribe_scope)
+    for item in items:
+        if item.publish is not None:
+            scopes.check("publish", item.publish.queue)
+    service = _service(request)
+
+    async def one(item: PipelineAck) -> tuple[list[Published] | None, bool | CasqueError]:
+        if item.publish is None:
+            (outcome,) = await service.ack(queue, subscriber, [item.receipt])
+            return None, outcome
+        outputs = [message.outgoing() for message in item.publish.messages]
+        return await service.ack_publishing(queue, subscriber, item.receipt, item.publish.queue, outputs)
+
+    with _settle_span(request, "ack", len(items)):
+        results = await asyncio.gather(*(one(item) for item in items))
+    if single and isinstance(results[0][1], CasqueError):
+        raise results[0][1]
+    return reply(ReceiptResults(results=[
+        ReceiptResult(receipt=item.receipt, error=error_body(outcome)) if isinstance(outcome, CasqueError)
+        else ReceiptResult(receipt=item.receipt, status="acked" if outcome else "already_acked",
+                           published=None if published is None else [PublishResult.of(p) for p in published])
+        for item, (published, outcome) in zip(items, results)
+    ]))
 
 
 async def nack(request: web.Request) -> web.Response:
@@ -373,8 +408,9 @@ OPERATIONS: tuple[Operation, ...] = (
               "Receive up to `max` messages, waiting up to `wait` seconds for the first",
               ReceiveRequest, ReceiveResult, (400, 403, 404, 503), body_optional=True, scope="subscribe"),
     Operation("ack", "POST", f"{SUBSCRIBER_PATH}/ack", ack,
-              "Acknowledge deliveries: they are done and never delivered again", AckRequest, ReceiptResults,
-              _CONSUMER_ERRORS, scope="subscribe"),
+              "Acknowledge deliveries: they are done and never delivered again; with `publish` or `acks`, "
+              "first publish what each resulted in, exactly once", AckRequest, ReceiptResults,
+              tuple(sorted({*_CONSUMER_ERRORS, 413})), scope="subscribe"),
     Operation("nack", "POST", f"{SUBSCRIBER_PATH}/nack", nack,
               "Hand deliveries back, to be delivered again after `delay` seconds (or the retry backoff)", NackRequest, ReceiptResults,
               _CONSUMER_ERRORS, scope="subscribe"),

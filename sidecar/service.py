@@ -33,6 +33,7 @@ from casque.engine.consumer import Consumer
 from casque.engine.delayed import DelayMover
 from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.engine.offsets import SeekTarget, seek
+from casque.engine.pipelines import keyed_outputs
 from casque.engine.publisher import Publisher
 from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
 from casque.errors import (
@@ -381,6 +382,26 @@ class QueueService:
         if acked:
             self.metrics.acked.labels(queue, subscriber).inc(acked)
         return outcomes
+
+    async def ack_publishing(
+        self, queue: str, subscriber: str, receipt: str, target: str, outputs: Sequence[OutgoingMessage]
+    ) -> tuple[list[Published] | None, bool | CasqueError]:
+        """Ack a delivery with the messages it resulted in (casque.engine.pipelines): they are
+        published first, under keys derived from the delivered message, then it is acked. What
+        was published (None if nothing was, the delivery being acked before) and the ack's
+        outcome; a refused publish is the outcome, and the delivery stays in flight."""
+        _, consumer = await self.served(queue, subscriber)
+        published = None
+        try:
+            message = consumer.held_message(receipt)
+            if message is not None:
+                keyed = keyed_outputs(outputs, consumer.subscriber_state.ack_key(subscriber), message.message_id,
+                                      consumer.queue_state.spec.retention_seconds)
+                published = await self.publish(target, keyed)
+        except CasqueError as error:
+            return None, error
+        (outcome,) = await self.ack(queue, subscriber, [receipt])
+        return published, outcome
 
     async def nack(
         self, queue: str, subscriber: str, receipts: Sequence[str], delay: float | None, error: str | None = None

@@ -44,7 +44,7 @@ from casque.engine.delivering import Deliverer, deliverer_of
 from casque.engine.entries import ByteBudget
 from casque.engine.leases import ShardLeases
 from casque.engine.member import Backoff, ConsumerCounters, ConsumerStopped, LeasedReader, ShardStatus
-from casque.engine.messages import Delivery, Position
+from casque.engine.messages import Delivery, Position, StoredMessage
 from casque.engine.publisher import Publisher
 from casque.engine.leased_delivery import LeasedDelivery
 from casque.engine.reachability import CassandraReach
@@ -417,6 +417,10 @@ class Consumer:
         """Acknowledge several deliveries at once; one result (or error) per receipt, in order.
         Each is answered only once it is durable (casque.engine.acking)."""
         return await self._ack_taker.ack_many(receipts)
+
+    def held_message(self, receipt: str) -> StoredMessage | None:
+        """The message of a delivery the app holds; None once done (acked); StaleReceipt if not its."""
+        return self._deliverer.held_message(receipt)
 
     async def nack(self, receipt: str, delay: float | None = None, error: str | None = None) -> None:
         """Make a delivery visible again after `delay` seconds (None: the subscriber's retry

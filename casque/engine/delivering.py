@@ -25,7 +25,7 @@ from casque.engine.clock import clock_of
 from casque.engine.counters import QueueCounters, dead_lettered, filtered
 from casque.engine.deadletters import dead_letter_copy
 from casque.engine.member import Member
-from casque.engine.messages import Delivery, Position, decode_receipt, encode_receipt
+from casque.engine.messages import Delivery, Position, StoredMessage, decode_receipt, encode_receipt
 from casque.engine.publisher import Publisher
 from casque.engine.entries import ByteBudget, Handout
 from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, StaleReceipt
@@ -309,6 +309,17 @@ class Deliverer:
                 raise StaleReceipt(f"batch {position.shard}/{position.batch} is no longer claimed by this consumer")
             raise StaleReceipt(f"shard {position.shard} is no longer leased by this consumer")
         return reader, position, nonce
+
+    def held_message(self, receipt: str) -> StoredMessage | None:
+        """The message of a delivery the app still holds (in flight, or its ack being
+        recorded); None once it is done. StaleReceipt if it went to another delivery or member."""
+        reader, position, nonce = self.source_of(receipt)
+        entry = reader.state.held_entry(position, nonce)
+        if entry is not None:
+            return entry.message
+        if reader.state.has_entry(position):  # ready, waiting, or delivered again since
+            raise StaleReceipt("receipt is stale: the message's visibility expired or it was delivered again")
+        return None
 
     def nack(self, receipt: str, delay: float | None, error: str | None) -> None:
         reader, position, nonce = self.source_of(receipt)

@@ -21,9 +21,10 @@ class InvalidReceipt(CasqueError):
 
 
 # Client ids the engine gives its own publishes: delayed messages moved into the log, dead
-# letters, redrives, Spark replays. An app using one could make the engine's own publish
-# pass for a duplicate of it, and be dropped: the API refuses them.
-ENGINE_CLIENT_ID_PREFIXES = ("delayed/", "dlq/", "redrive/", "replay:")
+# letters, redrives, Spark replays, the outputs of an ack (casque.engine.pipelines). An app
+# using one could make the engine's own publish pass for a duplicate of it, and be dropped:
+# the API refuses them.
+ENGINE_CLIENT_ID_PREFIXES = ("delayed/", "dlq/", "redrive/", "replay:", "pipe/")
 # Attributes the engine writes (dead-letter history, redrive addressing); the API refuses them.
 ENGINE_ATTRIBUTE_PREFIX = "casque-"
 # The version of the queue's schema a message was checked against at publish (casque.dataschema);

@@ -314,6 +314,16 @@ class ShardState:
         heapq.heappush(self._ready, (position.batch, position.seq))
         return True
 
+    def has_entry(self, position: Position) -> bool:
+        """Whether the message is loaded and not done."""
+        return self._entry(position.batch, position.seq) is not None
+
+    def held_entry(self, position: Position, nonce: int) -> Entry | None:
+        """The entry of the delivery under `nonce` while the app holds it (in flight, or its
+        ack being recorded); None once it is done or was delivered again."""
+        entry = self._entry(position.batch, position.seq)
+        return entry if entry is not None and entry.state in _HELD and entry.nonce == nonce else None
+
     def in_flight_entry_or_none(self, position: Position) -> Entry | None:
         entry = self._entry(position.batch, position.seq)
         return entry if entry is not None and entry.state is State.IN_FLIGHT else None

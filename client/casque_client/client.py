@@ -172,6 +172,23 @@ def _parse_time(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """What a message resulted in, published by its ack exactly once (the sidecar derives each
+    output's idempotency key from the message, so `message(...)` bodies here take no `id`).
+    A `subscribe()` handler may return one."""
+
+    queue: str
+    messages: Sequence[Mapping[str, Any]]
+
+    def body(self) -> dict[str, Any]:
+        return {"queue": self.queue, "messages": [dict(m) for m in self.messages]}
+
+
+def _outputs_field(outputs: Outputs | None) -> dict[str, Any]:
+    return {} if outputs is None else {"publish": outputs.body()}
+
+
 def message(
     data: Any = _MISSING,
     *,
@@ -443,9 +460,13 @@ class Client:
         answer = self._send(self._calls.receive(max, wait, visibility, queue, subscriber))
         return [Message.of(event) for event in answer["messages"]]
 
-    def ack(self, receipt: str, *, queue: str | None = None, subscriber: str | None = None) -> str:
-        """'acked', or 'already_acked'; a stale receipt raises ApiError(code='stale_receipt')."""
-        answer = self._send(self._calls.settle("ack", [receipt], True, {}, queue, subscriber))
+    def ack(
+        self, receipt: str, *, outputs: Outputs | None = None, queue: str | None = None,
+        subscriber: str | None = None,
+    ) -> str:
+        """'acked', or 'already_acked'; a stale receipt raises ApiError(code='stale_receipt').
+        With `outputs`, they are published first, exactly once however often this is sent."""
+        answer = self._send(self._calls.settle("ack", [receipt], True, _outputs_field(outputs), queue, subscriber))
         return str(answer["results"][0]["status"])
 
     def ack_batch(
@@ -573,8 +594,12 @@ class AsyncClient:
         answer = await self._send(self._calls.receive(max, wait, visibility, queue, subscriber))
         return [Message.of(event) for event in answer["messages"]]
 
-    async def ack(self, receipt: str, *, queue: str | None = None, subscriber: str | None = None) -> str:
-        answer = await self._send(self._calls.settle("ack", [receipt], True, {}, queue, subscriber))
+    async def ack(
+        self, receipt: str, *, outputs: Outputs | None = None, queue: str | None = None,
+        subscriber: str | None = None,
+    ) -> str:
+        answer = await self._send(self._calls.settle("ack", [receipt], True, _outputs_field(outputs), queue,
+                                                     subscriber))
         return str(answer["results"][0]["status"])
 
     async def ack_batch(

@@ -14,7 +14,8 @@ What it guarantees:
   of what is left has passed, so a slow handler is not raced by a redelivery to another
   worker. Half, not "just before": an extend is an HTTP call that may be retried, and the
   margin has to cover those retries on a loaded machine;
-- a handler that returns acks its message; one that raises nacks it, with the exception's
+- a handler that returns acks its message; one that returns `Outputs` acks it with them, so
+  they are published exactly once however often the message comes back; one that raises nacks it, with the exception's
   text (kept in the message's history, and in the dead-letter queue after `maxDeliveries`)
   and a delay from `nack_delay` (by default exponential on the delivery count, jittered, so
   messages that failed together do not all come back together; None leaves the delay to
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from casque_client.client import AsyncClient, Message, RetryPolicy
+from casque_client.client import AsyncClient, Message, Outputs, RetryPolicy
 from casque_client.errors import ApiError, ClientError, SidecarUnreachable
 from casque_client.tracing import handler_span
 
@@ -237,7 +238,7 @@ class _Subscription:
                     outcome = (await asyncio.to_thread(self.handler, message) if self.threaded
                                else self.handler(message))
                     if inspect.isawaitable(outcome):
-                        await outcome
+                        outcome = await outcome
             finally:
                 extender.cancel()
         except asyncio.CancelledError:
@@ -250,14 +251,15 @@ class _Subscription:
             delay = self.nack_delay(message, error) if callable(self.nack_delay) else self.nack_delay
             await self._settle("nack", message, delay=delay, error=error_text(error))
         else:
-            await self._settle("ack", message)
+            await self._settle("ack", message, outputs=outcome if isinstance(outcome, Outputs) else None)
 
     async def _settle(
-        self, action: str, message: Message, delay: float | None = 0.0, error: str | None = None
+        self, action: str, message: Message, delay: float | None = 0.0, error: str | None = None,
+        outputs: Outputs | None = None,
     ) -> None:
         try:
             if action == "ack":
-                await self.client.ack(message.receipt, queue=self.queue, subscriber=self.subscriber)
+                await self.client.ack(message.receipt, outputs=outputs, queue=self.queue, subscriber=self.subscriber)
             else:
                 await self.client.nack(message.receipt, delay, error=error, queue=self.queue,
                                        subscriber=self.subscriber)

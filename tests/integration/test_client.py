@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -18,7 +19,17 @@ from casque.sidecar.app import create_app
 from casque.sidecar.config import SidecarSettings
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from casque_client import ApiError, AsyncClient, Client, Message, RetryPolicy, SidecarUnreachable, message, subscribe
+from casque_client import (
+    ApiError,
+    AsyncClient,
+    Client,
+    Message,
+    Outputs,
+    RetryPolicy,
+    SidecarUnreachable,
+    message,
+    subscribe,
+)
 
 QUEUE = "mail"
 SUBSCRIBER = "sender"
@@ -190,6 +201,39 @@ async def test_subscribe_nacks_a_failing_handler_and_the_message_comes_back(side
         # The second delivery was acked by subscribe(): nothing is left to hand out.
         assert await client.ack(receipts[1]) == "already_acked"
         assert await client.receive(max=10) == []
+
+
+async def test_a_handler_that_returns_outputs_gets_them_published_with_its_ack_once(
+    sidecar_url: str, store: Store
+) -> None:
+    receipts_queue = QueueRef("default", "receipts")
+    catalog.apply_queue(store, receipts_queue, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    handled: list[Message] = []
+    done = asyncio.Event()
+
+    def outputs_of(m: Message) -> Outputs:
+        return Outputs("receipts", [message({"for": m.data["order"], "copy": i}) for i in range(2)])
+
+    async def handle(m: Message) -> Outputs:
+        handled.append(m)
+        done.set()
+        return outputs_of(m)
+
+    async with AsyncClient(sidecar_url, queue=QUEUE, subscriber=SUBSCRIBER, retry=FAST) as client:
+        await client.publish({"order": "o-7"})
+        stop = asyncio.Event()
+        task = asyncio.create_task(subscribe(QUEUE, SUBSCRIBER, handle, client=client, wait=1, stop=stop))
+        await asyncio.wait_for(done.wait(), 60)
+        stop.set()
+        await asyncio.wait_for(task, 60)
+        (m,) = handled
+        # The ack subscribe() sent, sent again with its outputs (an answer lost on the way):
+        # acked before, and nothing published anew.
+        assert await client.ack(m.receipt, outputs=outputs_of(m)) == "already_acked"
+        assert await client.receive(max=10) == []
+    stored = [json.loads(row.payload) for row in store.session.execute(
+        f"SELECT seq, payload FROM {store.table(receipts_queue)}") if row.seq >= 0]
+    assert sorted(s["copy"] for s in stored) == [0, 1] and all(s["for"] == "o-7" for s in stored)
 
 
 async def test_subscribe_extends_a_slow_handler_past_its_visibility_timeout(sidecar_url: str) -> None:

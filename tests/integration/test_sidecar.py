@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
@@ -17,10 +18,12 @@ from aiohttp.web_runner import BaseRunner
 from casque.config import Settings
 from casque.engine import catalog, shard_reader
 from casque.engine.messages import OutgoingMessage
+from casque.engine.pipelines import keyed_outputs
 from casque.engine.publisher import Publisher
 from casque.schema import QueueRef
 from casque.sidecar.app import create_app, service_of
 from casque.sidecar.config import SidecarSettings
+from casque.sidecar.models import PipelineOutputs
 from casque.specs import QueueSpec, RetryPolicy, SubscriberSpec
 from casque.store import Store
 
@@ -384,6 +387,73 @@ async def test_a_filter_changed_under_a_live_consumer_applies_to_every_message_n
     replayed = await receive_of(client, SUBSCRIBER, 2)
     assert [m["messageid"] for m in replayed] == ids["eu"]
     await filtered_count(client, SUBSCRIBER, 1 + 4)
+
+
+async def test_an_ack_that_publishes_what_its_message_resulted_in_publishes_each_output_once(
+    store: Store, make_sidecar: MakeSidecar
+) -> None:
+    """Each order results in two invoice lines. The ack is sent twice, and one order's lines
+    are published as a sidecar killed between its outputs and its ack would leave them; its
+    next delivery's ack then publishes nothing anew. The invoices hold each line once."""
+    create_queue(store, shards=2)
+    create_queue(store, name="invoices", shards=2, subscribers=())
+    client = await make_sidecar(subscribers=(SUBSCRIBER,))
+    for n in range(3):
+        await call(client, f"{BASE}/messages", {"data": {"order": n}})
+    orders = await receive_all(client, 3, ack=False)
+
+    def lines(order: dict[str, Any]) -> dict[str, Any]:
+        n = order["data"]["order"]
+        return {"queue": "invoices", "messages": [{"data": {"order": n, "line": i}, "partitionkey": f"o{n}"}
+                                                  for i in range(2)]}
+
+    first = await call(client, f"{SUB}/ack", {"receipt": orders[0]["receipt"], "publish": lines(orders[0])})
+    (result,) = first["results"]
+    assert result["status"] == "acked" and [p["duplicate"] for p in result["published"]] == [False, False]
+    again = await call(client, f"{SUB}/ack", {"receipt": orders[0]["receipt"], "publish": lines(orders[0])})
+    assert again["results"][0]["status"] == "already_acked" and again["results"][0].get("published") is None
+
+    # Order 1: its lines published as the first half of its ack, and then the sidecar "dies".
+    consumer = service_of(client.app).subscriptions[SUBSCRIBER].consumer
+    assert consumer is not None
+    held = consumer.held_message(orders[1]["receipt"])
+    assert held is not None
+    outputs = [m.outgoing() for m in PipelineOutputs.model_validate(lines(orders[1])).messages]
+    await service_of(client.app).publish("invoices", keyed_outputs(
+        outputs, consumer.subscriber_state.ack_key(SUBSCRIBER), held.message_id, 3600))
+    await call(client, f"{SUB}/nack", {"receipt": orders[1]["receipt"]})  # as its visibility would end
+    (redelivered,) = (await call(client, f"{SUB}/receive", {"max": 1, "wait": 5}))["messages"]
+    assert redelivered["messageid"] == orders[1]["messageid"] and redelivered["deliverycount"] == 2
+    batch = await call(client, f"{SUB}/ack", {"acks": [
+        {"receipt": redelivered["receipt"], "publish": lines(redelivered)},
+        {"receipt": orders[2]["receipt"], "publish": lines(orders[2])},
+    ]})
+    replayed, fresh = batch["results"]
+    assert replayed["status"] == "acked" and [p["duplicate"] for p in replayed["published"]] == [True, True]
+    assert fresh["status"] == "acked" and [p["duplicate"] for p in fresh["published"]] == [False, False]
+
+    stored = [json.loads(row.payload) for row in store.session.execute(
+        f"SELECT seq, payload FROM {store.table(QueueRef('default', 'invoices'))}") if row.seq >= 0]
+    assert sorted((line["order"], line["line"]) for line in stored) == [(n, i) for n in range(3) for i in range(2)]
+
+
+async def test_an_ack_that_publishes_refuses_keys_of_its_own_and_a_mixed_form(
+    store: Store, make_sidecar: MakeSidecar
+) -> None:
+    create_queue(store, shards=1)
+    create_queue(store, name="invoices", shards=1, subscribers=())
+    client = await make_sidecar()
+    await call(client, f"{BASE}/messages", {"data": "order"})
+    (order,) = await receive_all(client, 1, ack=False)
+    keyed = {"queue": "invoices", "messages": [{"data": "line", "id": "line-1"}]}
+    refused = await client.post(f"{SUB}/ack", json={"receipt": order["receipt"], "publish": keyed})
+    assert await error_code(refused, 400) == "invalid_request"
+    mixed = {"receipts": [order["receipt"]], "publish": {"queue": "invoices", "messages": [{"data": "line"}]}}
+    assert await error_code(await client.post(f"{SUB}/ack", json=mixed), 400) == "invalid_request"
+    nowhere = {"receipt": order["receipt"], "publish": {"queue": "nowhere", "messages": [{"data": "line"}]}}
+    assert await error_code(await client.post(f"{SUB}/ack", json=nowhere), 404) == "queue_not_found"
+    # Nothing refused was acked: the order is still in flight, and its ack goes through.
+    assert (await call(client, f"{SUB}/ack", {"receipt": order["receipt"]}))["results"][0]["status"] == "acked"
 
 
 async def test_nack_redelivers_now_or_after_its_delay(store: Store, make_sidecar: MakeSidecar) -> None:
