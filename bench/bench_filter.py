@@ -17,7 +17,6 @@ the listed ones, so that each expression both matches and does not. It takes ben
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import Any, cast
 
-from benchlib import Figure, repeat, report
+from benchlib import Figure, run_in_process
 
 from casque.engine.member import Member, message_filter
 from casque.engine.messages import Position, StoredMessage, event_source_of, filter_variables
@@ -111,19 +110,7 @@ def once(messages: int, seed: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--messages", type=int, default=20000)
-    parser.add_argument("--runs", type=int, default=3, help="runs per figure; the median and min-max are reported")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    parser.add_argument("--smoke", action="store_true", help="one run with small counts: proves it works")
-    parser.add_argument("--cassandra", help="ignored: no backend is needed")
-    parser.add_argument("--zookeeper", help="ignored: no backend is needed")
-    args = parser.parse_args()
-    if args.smoke:
-        args.runs, args.messages = 1, 200
-    samples = repeat(args.runs, lambda run: once(args.messages, seed=run))
-    report("filter", args, {"messages": args.messages, "CPU": "process time"}, FIGURES, samples)
-
+    run_in_process("filter", (__doc__ or "").splitlines()[0], lambda messages, run: once(messages, seed=run), FIGURES)
 
 if __name__ == "__main__":
     main()

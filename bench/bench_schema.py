@@ -16,7 +16,6 @@ JSON parse (the same for both) is reported on its own row for scale. It takes be
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 import fastjsonschema
 import jsonschema
-from benchlib import Figure, repeat, report
+from benchlib import Figure, run_in_process
 
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -141,19 +140,7 @@ def once(messages: int, seed: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--messages", type=int, default=20000)
-    parser.add_argument("--runs", type=int, default=3, help="runs per figure; the median and min-max are reported")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    parser.add_argument("--smoke", action="store_true", help="one run with small counts: proves it works")
-    parser.add_argument("--cassandra", help="ignored: no backend is needed")
-    parser.add_argument("--zookeeper", help="ignored: no backend is needed")
-    args = parser.parse_args()
-    if args.smoke:
-        args.runs, args.messages = 1, 200
-    samples = repeat(args.runs, lambda run: once(args.messages, seed=run))
-    report("schema", args, {"messages": args.messages, "CPU": "process time"}, FIGURES, samples)
-
+    run_in_process("schema", (__doc__ or "").splitlines()[0], lambda messages, run: once(messages, seed=run), FIGURES)
 
 if __name__ == "__main__":
     main()

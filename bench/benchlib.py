@@ -107,6 +107,24 @@ def report(name: str, args: argparse.Namespace, context: dict[str, Any], figures
         print(f"  {f.label:{width}s}  {cell(document['figures'][f.key], f.unit)} {f.unit}")
 
 
+def run_in_process(name: str, description: str, once: Callable[[int, int], dict[str, float]],
+                   figures: Iterable[Figure]) -> None:
+    """The command line of a benchmark that needs no backend: `once(messages, seed)` per run,
+    reported as the others are (--messages, --runs, --json, --smoke)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--messages", type=int, default=20000)
+    parser.add_argument("--runs", type=int, default=3, help="runs per figure; the median and min-max are reported")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    parser.add_argument("--smoke", action="store_true", help="one run with small counts: proves it works")
+    parser.add_argument("--cassandra", help="ignored: no backend is needed")
+    parser.add_argument("--zookeeper", help="ignored: no backend is needed")
+    args = parser.parse_args()
+    if args.smoke:
+        args.runs, args.messages = 1, 200
+    samples = repeat(args.runs, lambda run: once(args.messages, run))
+    report(name, args, {"messages": args.messages, "CPU": "process time"}, figures, samples)
+
+
 async def pipeline(count: int, window: int, submit: Callable[[int], Awaitable[Any]]) -> float:
     """Run submit(i) for i < count with `window` calls in flight; returns seconds."""
     next_index = 0

@@ -547,9 +547,15 @@ class _Receipts(Body):
 
     @model_validator(mode="after")
     def _one_form(self) -> _Receipts:
-        if (self.receipt is None) == (self.receipts is None):
-            raise ValueError("give either receipt or receipts")
+        problem = self._form_problem()
+        if problem is not None:
+            raise ValueError(problem)
         return self
+
+    def _form_problem(self) -> str | None:
+        if (self.receipt is None) == (self.receipts is None):
+            return "give either receipt or receipts"
+        return None
 
     @property
     def single(self) -> bool:
@@ -584,11 +590,7 @@ class PipelineAck(Body):
     publish: PipelineOutputs | None = Field(default=None, description="What the message resulted in.")
 
 
-class AckRequest(Body):
-    receipt: Receipt | None = Field(default=None, description="One delivery; errors are answered with a 4xx.")
-    receipts: Annotated[list[Receipt] | None, Field(min_length=1, max_length=MAX_RECEIPTS)] = Field(
-        default=None, description="Several deliveries; each gets its own result, errors included."
-    )
+class AckRequest(_Receipts):
     publish: PipelineOutputs | None = Field(
         default=None, description="With `receipt`: messages to publish as the result of the acked one, exactly "
         "once however often the ack is sent again or the message delivered again.",
@@ -598,23 +600,18 @@ class AckRequest(Body):
         "result, errors included.",
     )
 
-    @model_validator(mode="after")
-    def _one_form(self) -> AckRequest:
+    def _form_problem(self) -> str | None:
         if sum(form is not None for form in (self.receipt, self.receipts, self.acks)) != 1:
-            raise ValueError("give one of receipt, receipts or acks")
+            return "give one of receipt, receipts or acks"
         if self.publish is not None and self.receipt is None:
-            raise ValueError("publish goes with receipt; for several deliveries, give acks")
-        return self
-
-    @property
-    def single(self) -> bool:
-        return self.receipt is not None
+            return "publish goes with receipt; for several deliveries, give acks"
+        return None
 
     @property
     def all(self) -> list[str]:
         if self.acks is not None:
             return [item.receipt for item in self.acks]
-        return [self.receipt] if self.receipt is not None else list(self.receipts or [])
+        return super().all
 
     @property
     def pipelined(self) -> list[PipelineAck] | None:

@@ -62,12 +62,19 @@ async def ack_until_answered(consumer: Consumer, deliveries: list[Delivery]) -> 
         pending = again
 
 
-async def main(keyspace: str, cassandra: str, zk_hosts: str, ack_calls: int, batch: int) -> None:
+def connect_store(keyspace: str, cassandra: str, zk_hosts: str) -> Store:
+    """A Store on the test's keyspace and chroot, with a short ZooKeeper session: a killed
+    process's leases go soon after it."""
     host, _, port = cassandra.rpartition(":")
     cluster, session = cql.connect(Settings(cassandra_contact_points=[host], cassandra_port=int(port), consistency="ONE"))
     client = zk.keep_granted_timeout(KazooClient(hosts=zk_hosts, timeout=2.0))
     client.start(timeout=15)
     store = Store(session, client, keyspace, "/casque", "", cluster)
+    return store
+
+
+async def main(keyspace: str, cassandra: str, zk_hosts: str, ack_calls: int, batch: int) -> None:
+    store = connect_store(keyspace, cassandra, zk_hosts)
     consumer = Consumer(store, QUEUE, SUBSCRIBER)
     await consumer.start()
     emit(kind="member", member=consumer.member_id)

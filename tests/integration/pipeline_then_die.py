@@ -18,23 +18,15 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from kazoo.client import KazooClient
-
-from casque.backends import cql, zk
-from casque.config import Settings
 from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage, Published
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.metrics import SidecarMetrics
 from casque.sidecar.service import QueueService
-from casque.store import Store
+from tests.integration.ack_then_die import connect_store, emit
 
 ORDERS, SUBSCRIBER, LINES = "orders", "billing", "lines"
 LINES_PER_ORDER = 3
-
-
-def emit(**line: object) -> None:
-    print(json.dumps(line), flush=True)
 
 
 def die() -> None:
@@ -81,11 +73,7 @@ async def consumer_of(service: QueueService) -> Consumer:
 
 
 async def main(keyspace: str, cassandra: str, zk_hosts: str, step: str, orders: int) -> None:
-    host, _, port = cassandra.rpartition(":")
-    cluster, session = cql.connect(Settings(cassandra_contact_points=[host], cassandra_port=int(port), consistency="ONE"))
-    client = zk.keep_granted_timeout(KazooClient(hosts=zk_hosts, timeout=2.0))
-    client.start(timeout=15)
-    store = Store(session, client, keyspace, "/casque", "", cluster)
+    store = connect_store(keyspace, cassandra, zk_hosts)
     service = QueueService(store, SidecarSettings(queue=ORDERS, subscribers=[SUBSCRIBER]), SidecarMetrics())
     service.start()
     consumer = await consumer_of(service)
