@@ -48,6 +48,18 @@ class SubscriberNotFound(CasqueError):
     code = "subscriber_not_found"
 
 
+class MessageNotFound(CasqueError):
+    """No message of the queue has the id (casque.engine.history)."""
+
+    code = "message_not_found"
+
+
+class UntraceableId(CasqueError):
+    """An id that carries no time to find its message by: made before ids did, or not a message id."""
+
+    code = "untraceable_id"
+
+
 class InvalidChange(InvalidSpec):
     """An update that would break existing data, such as fewer shards."""
 

@@ -27,6 +27,7 @@ from casque.errors import (
     CasqueError,
     InvalidChange,
     InvalidSpec,
+    MessageNotFound,
     MessageTooLarge,
     PositionOutOfRange,
     QueueNotFound,
@@ -34,6 +35,7 @@ from casque.errors import (
     SchemaViolation,
     StaleReceipt,
     SubscriberNotFound,
+    UntraceableId,
 )
 from casque.sidecar.models import ErrorBody, ErrorDetail, ErrorResponse
 
@@ -148,6 +150,8 @@ STATUS: Mapping[type[CasqueError], int] = {
     PositionOutOfRange: 400,
     QueueNotFound: 404,
     SubscriberNotFound: 404,
+    MessageNotFound: 404,
+    UntraceableId: 400,
     StaleReceipt: 409,
     SchemaViolation: 400,
     MessageTooLarge: 413,

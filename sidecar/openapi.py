@@ -53,6 +53,10 @@ def build(operations: Iterable[Operation], version: str, bearer_token: bool) -> 
         parameters = [_name_parameter("queue", "The queue's name (in the sidecar's namespace).")]
         if "{subscriber}" in operation.path:
             parameters.append(_name_parameter("subscriber", "The subscriber's name."))
+        if "{messageId}" in operation.path:
+            parameters.append({"name": "messageId", "in": "path", "required": True,
+                               "description": "The id the publish answered with.",
+                               "schema": {"type": "string", "maxLength": 64}})
         spec: dict[str, Any] = {
             "operationId": operation.operation_id,
             "summary": operation.summary,

@@ -27,6 +27,7 @@ from casque.sidecar.errors import RETRY_AFTER_SECONDS, error_body
 from casque.sidecar.events import binary_event, is_batch, is_binary
 from casque.sidecar.health import readiness, refresh_gauges
 from casque.sidecar.keys import METRICS, OPENAPI, RUNTIME, SETTINGS, TRACING
+from casque.sidecar.history import MessageHistoryResult
 from casque.sidecar.logs import REQUEST_ID_HEADER
 from casque.sidecar.models import (
     CE_ATTRIBUTES,
@@ -337,6 +338,12 @@ async def seek(request: web.Request) -> web.Response:
     return reply(SeekResult(offsets={str(shard): batch for shard, batch in sorted(offsets.items())}))
 
 
+# --- message history --------------------------------------------------------------------------
+async def message_history(request: web.Request) -> web.Response:
+    history = await _service(request).message_history(request.match_info["queue"], request.match_info["messageId"])
+    return reply(MessageHistoryResult.of(history))
+
+
 # --- stats ----------------------------------------------------------------------------------
 async def queue_stats(request: web.Request) -> web.Response:
     stats = await _service(request).queue_stats(request.match_info["queue"])
@@ -420,6 +427,10 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("seek", "POST", f"{SUBSCRIBER_PATH}/seek", seek,
               "Move a subscriber to the earliest or latest message, a time, or given batches",
               SeekRequest, SeekResult, (400, 403, 404, 503), scope="subscribe"),
+    Operation("messageHistory", "GET", f"{QUEUE_PATH}/messages/{{messageId}}", message_history,
+              "Where a message is and, for each subscriber, whether it is pending, in flight, nacked, acked, "
+              "filtered or dead-lettered (metadata only, never its data)", None, MessageHistoryResult,
+              (400, 404, 503)),
     Operation("queueStats", "GET", f"{QUEUE_PATH}/stats", queue_stats,
               "Messages and bytes published, per shard and in total", None, QueueStatsResult, (404, 503)),
     Operation("subscriberStats", "GET", f"{SUBSCRIBER_PATH}/stats", subscriber_stats,

@@ -31,6 +31,7 @@ from kazoo.recipe.watchers import DataWatch
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.delayed import DelayMover
+from casque.engine.history import MessageHistory, message_history
 from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.engine.offsets import SeekTarget, seek
 from casque.engine.pipelines import keyed_outputs
@@ -435,6 +436,9 @@ class QueueService:
         except InvalidSpec as error:
             raise SubscriberNotFound(f"no subscriber {subscriber!r}: {error}") from error
         return await _guarded(subscriber_stats(self.store, ref, subscriber))
+
+    async def message_history(self, queue: str, message_id: str) -> MessageHistory:
+        return await _guarded(message_history(self.store, self.queue_ref(queue), message_id))
 
     async def seek(self, queue: str, subscriber: str, request: SeekRequest) -> dict[int, int]:
         ref = self.queue_ref(queue)

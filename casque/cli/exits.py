@@ -22,7 +22,7 @@ from typing import ParamSpec, TypeVar
 
 import typer
 
-from casque.errors import BackendUnavailable, CasqueError, QueueNotFound, SubscriberNotFound
+from casque.errors import BackendUnavailable, CasqueError, MessageNotFound, QueueNotFound, SubscriberNotFound
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -46,7 +46,7 @@ class UsageError(CasqueError):
 def exit_code(error: CasqueError) -> ExitCode:
     if isinstance(error, UsageError):
         return ExitCode.USAGE
-    if isinstance(error, QueueNotFound | SubscriberNotFound):
+    if isinstance(error, QueueNotFound | SubscriberNotFound | MessageNotFound):
         return ExitCode.NOT_FOUND
     if isinstance(error, BackendUnavailable):
         return ExitCode.BACKEND_UNAVAILABLE

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from casque.cli import apply, dev, queue_commands, resources, security, spark_commands
+from casque.cli import apply, dev, queue_commands, resources, security, spark_commands, trace
 from casque.cli.exits import guard_all, report
 from casque.errors import CasqueError
 from casque.operator import cli as operator_cli
@@ -21,6 +21,7 @@ app.command("secure-znodes")(security.secure_znodes)
 app.command("secure-cassandra")(security.secure_cassandra)
 queue_commands.register(app)
 resources.register(app)
+trace.register(app)
 # Every command maps casque's errors to one line and an exit code (casque/cli/exits.py).
 guard_all(app)
 

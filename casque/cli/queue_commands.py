@@ -108,7 +108,7 @@ async def opened(settings: Settings, namespace: str | None = None) -> AsyncItera
         await asyncio.to_thread(store.close)
 
 
-def _queue(namespace: str, name: str) -> QueueRef:
+def queue_of(namespace: str, name: str) -> QueueRef:
     return QueueRef.parse(name) if "/" in name else QueueRef(namespace, name)
 
 
@@ -262,7 +262,7 @@ def publish(
         messages = [one] * count
     if count > 1 and message_id is not None:
         raise UsageError("--id with --count would publish one message: drop one of them")
-    ref = _queue(namespace, queue)
+    ref = queue_of(namespace, queue)
     settings = backend_settings(cassandra, zookeeper, keyspace)
     asyncio.run(_publish(settings, ref, [m.outgoing() for m in messages], output))
 
@@ -358,7 +358,7 @@ def consume(
     """Receive messages as SUBSCRIBER, print them and ack them."""
     check(output, ("text", *MACHINE))
     settings = backend_settings(cassandra, zookeeper, keyspace)
-    asyncio.run(_consume(settings, _queue(namespace, queue), subscriber, max_messages, idle, ack, output))
+    asyncio.run(_consume(settings, queue_of(namespace, queue), subscriber, max_messages, idle, ack, output))
 
 
 async def _consume(
@@ -412,7 +412,7 @@ def tail(
     """Print new messages of a queue as they are published, without consuming them."""
     check(output, ("text", *MACHINE))
     settings = backend_settings(cassandra, zookeeper, keyspace)
-    asyncio.run(_tail(settings, _queue(namespace, queue), last, max_messages, follow, output))
+    asyncio.run(_tail(settings, queue_of(namespace, queue), last, max_messages, follow, output))
 
 
 async def _tail(
@@ -479,7 +479,7 @@ def stats(
     if watch and output in MACHINE:
         raise UsageError("--watch refreshes a table: it takes no --output json or yaml")
     settings = backend_settings(cassandra, zookeeper, keyspace)
-    asyncio.run(_stats(settings, _queue(namespace, queue), subscriber, watch, interval, output))
+    asyncio.run(_stats(settings, queue_of(namespace, queue), subscriber, watch, interval, output))
 
 
 async def _sample(store: Store, ref: QueueRef, names: list[str] | None) -> tuple[QueueStats, list[SubscriberStats]]:
@@ -581,9 +581,9 @@ def seek(
     else:
         target = SeekTarget(kind="batch", batches=_shard_batches(batch or []))
     settings = backend_settings(cassandra, zookeeper, keyspace)
-    offsets = asyncio.run(_seek(settings, _queue(namespace, queue), subscriber, target))
+    offsets = asyncio.run(_seek(settings, queue_of(namespace, queue), subscriber, target))
     if output in MACHINE:
-        typer.echo(dumps({"queue": str(_queue(namespace, queue)), "subscriber": subscriber, "target": target.kind,
+        typer.echo(dumps({"queue": str(queue_of(namespace, queue)), "subscriber": subscriber, "target": target.kind,
                           "offsets": {str(shard): offset for shard, offset in sorted(offsets.items())}}, output))
         return
     table = Table("shard", "next batch")
@@ -641,7 +641,7 @@ def redrive(
         return moment.replace(tzinfo=timezone.utc)
 
     async def run() -> RedriveResult:
-        dead_letters = _queue(namespace, dead_letter_queue)
+        dead_letters = queue_of(namespace, dead_letter_queue)
         async with opened(settings, dead_letters.namespace) as store:
             return await redrive_dead_letters(store, dead_letters, utc(since), utc(until), limit)
 

@@ -31,8 +31,8 @@ from casque.cli.queue_commands import (
     KeyspaceOption,
     NamespaceOption,
     ZookeeperOption,
-    _queue,
     backend_settings,
+    queue_of,
 )
 from casque.config import Settings
 from casque.errors import CasqueError
@@ -164,7 +164,7 @@ def stats(
     from casque.spark.progress import stage_progress
     from casque.spark.stats import compute
 
-    ref = _queue(namespace, queue)
+    ref = queue_of(namespace, queue)
     spec = _range(range_, since, until)
     settings = backend_settings(cassandra, zookeeper, keyspace)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -215,7 +215,7 @@ def export(
 
     if fmt not in FORMATS:
         raise SparkJobError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    ref = _queue(namespace, queue)
+    ref = queue_of(namespace, queue)
     spec = _range(range_, from_, to)
     settings = backend_settings(cassandra, zookeeper, keyspace)
     store, resolved = _resolve(settings, ref, spec)
@@ -249,8 +249,8 @@ def replay(
     from casque.spark.progress import rich_progress
     from casque.spark.replay import replay as run_replay
 
-    ref = _queue(namespace, queue)
-    target = _queue(namespace, into)
+    ref = queue_of(namespace, queue)
+    target = queue_of(namespace, into)
     if target == ref:
         raise SparkJobError(f"cannot replay {ref} into itself")
     spec = _range(range_, from_, to)

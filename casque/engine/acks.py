@@ -21,6 +21,11 @@ from casque.store import Store
 
 ACK = "ack"
 DEAD = "dead"
+# A nack of delivery `deliveries`: the message is visible again at `visible_until_ms`. Its
+# row carries no seqs, so readers that take a row's seqs as done (load_bucket) pass it by; it
+# records, for a message's history and a member taking the range over, when the message may
+# be delivered again.
+NACK = "nack"
 
 
 class AckEvent(NamedTuple):
@@ -31,7 +36,7 @@ class AckEvent(NamedTuple):
     shard: int
     batch: int
     seq: int
-    outcome: str | None = None  # ACK or DEAD
+    outcome: str | None = None  # ACK, DEAD or NACK
     deliveries: int | None = None
     # Until when the delivery (or its extension) is invisible, in ms on Cassandra's clock: a
     # member that takes a departed member's range over keeps it in flight until then.
@@ -62,6 +67,10 @@ class AckLog:
         self._insert_deliveries = store.session.prepare(
             f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, entry, deliveries, "
             f"visible_until) VALUES (?, ?, ?, ?, ?, ?, now(), ?, ?) USING TTL {int(retention_seconds)}"
+        )
+        self._insert_nack = store.session.prepare(
+            f"INSERT INTO {table} (queue, subscriber, epoch, shard, bucket, batch_no, entry, outcome, deliveries, "
+            f"visible_until) VALUES (?, ?, ?, ?, ?, ?, now(), '{NACK}', ?, ?) USING TTL {int(retention_seconds)}"
         )
         self._select = store.session.prepare(
             f"SELECT batch_no, outcome, seqs, deliveries, visible_until FROM {table} WHERE queue = ? "
@@ -133,7 +142,12 @@ class AckLog:
         outcomes: dict[tuple[int, str], set[int]] = defaultdict(set)
         deliveries: dict[int, dict[int, int]] = defaultdict(dict)
         visible_until: dict[int, dict[int, int]] = defaultdict(dict)
+        nacks: dict[int, tuple[dict[int, int], dict[int, int]]] = defaultdict(lambda: ({}, {}))
         for e in events:
+            if e.outcome == NACK:
+                nacked, until = nacks[e.batch]
+                nacked[e.seq], until[e.seq] = e.deliveries or 0, e.visible_until_ms or 0
+                continue
             if e.outcome is not None:
                 outcomes[(e.batch, e.outcome)].add(e.seq)
             if e.deliveries is not None:
@@ -148,6 +162,8 @@ class AckLog:
         for batch in deliveries.keys() | visible_until.keys():
             statement.add(self._insert_deliveries,
                           (*partition, batch, deliveries.get(batch) or None, visible_until.get(batch) or None))
+        for batch, (nacked, until) in nacks.items():
+            statement.add(self._insert_nack, (*partition, batch, nacked, until))
         await cql.execute(self._store.session, statement)
         self.statements += 1
         self.rows_written += len(events)

@@ -25,7 +25,7 @@ from kazoo.exceptions import NoNodeError
 from casque.backends import zk
 from casque.engine import catalog, positions
 from casque.engine.batches import Log
-from casque.engine.messages import OutgoingMessage, StoredMessage
+from casque.engine.messages import OutgoingMessage, Position, StoredMessage
 from casque.engine.publisher import Publisher
 from casque.errors import InvalidSpec
 from casque.schema import QueueRef
@@ -43,6 +43,13 @@ HISTORY = (SOURCE, SUBSCRIBER, MESSAGE_ID, POSITION, DELIVERIES, PUBLISHED_AT, D
 # On a redriven message: only this subscriber of the source queue receives it.
 FOR_SUBSCRIBER = "casque-for-subscriber"
 REDRIVEN_FROM = "casque-redriven-from"
+
+
+def dead_letter_client_id(queue: QueueRef, subscriber_key: str, epoch: int, position: Position) -> str:
+    """The client id of the dead-letter copy of the message at `position`, as the subscriber
+    incarnation `subscriber_key` gave up on it in seek epoch `epoch`."""
+    p = position
+    return f"dlq/{queue.key}/{subscriber_key}/{epoch}/{p.shard}/{p.batch}/{p.seq}"
 
 
 def dead_letter_copy(
@@ -73,7 +80,7 @@ def dead_letter_copy(
         key=message.key,
         attributes={**attributes, **history},
         content_type=message.content_type,
-        client_id=f"dlq/{queue.key}/{subscriber_key or subscriber}/{epoch}/{p.shard}/{p.batch}/{p.seq}",
+        client_id=dead_letter_client_id(queue, subscriber_key or subscriber, epoch, p),
         client_id_window_seconds=retention_seconds,
     )
 

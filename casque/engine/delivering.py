@@ -19,7 +19,7 @@ from kazoo.exceptions import KazooException
 
 from casque.engine import catalog
 from casque.engine.acking import Source
-from casque.engine.acks import DEAD, AckEvent
+from casque.engine.acks import DEAD, NACK, AckEvent
 from casque.engine.claim_reader import ClaimReader
 from casque.engine.clock import clock_of
 from casque.engine.counters import QueueCounters, dead_lettered, filtered
@@ -27,7 +27,7 @@ from casque.engine.deadletters import dead_letter_copy
 from casque.engine.member import Member
 from casque.engine.messages import Delivery, Position, StoredMessage, decode_receipt, encode_receipt
 from casque.engine.publisher import Publisher
-from casque.engine.entries import ByteBudget, Handout
+from casque.engine.entries import ByteBudget, Handout, State
 from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, StaleReceipt
 from casque.schema import QueueRef
 from casque.specs import priority_of
@@ -323,9 +323,22 @@ class Deliverer:
 
     def nack(self, receipt: str, delay: float | None, error: str | None) -> None:
         reader, position, nonce = self.source_of(receipt)
-        reader.state.nack(position, nonce, delay, time.monotonic(), error)
+        now = time.monotonic()
+        entry = reader.state.nack(position, nonce, delay, now, error)
         self._member.counters.nacks += 1
         self._member.notify()
+        # Recorded for the message's history (and a member taking the range over), not
+        # awaited: the nack itself lives in this member's memory, as it did before the record.
+        visible_at = entry.deadline if entry.state is State.DELAYED else now
+        self._member.in_background(self._record_nack(AckEvent(
+            reader.epoch, position.shard, position.batch, position.seq, outcome=NACK, deliveries=entry.deliveries,
+            visible_until_ms=int(self._clock.wall_of(visible_at) * 1000))))
+
+    async def _record_nack(self, event: AckEvent) -> None:
+        try:
+            await self._member.acks.record(event)
+        except Exception as error:  # every driver error: the history misses one nack, nothing else
+            log.info("nack of %s/%s/%s not recorded (%r)", event.shard, event.batch, event.seq, error)
 
     async def extend(self, receipt: str, visibility: float) -> float:
         reader, position, nonce = self.source_of(receipt)

@@ -43,7 +43,7 @@ from casque.engine import totals as shard_totals
 from casque.engine.heads import HeadAdvancer
 from casque.engine.idempotency import IdempotencyGuard, IdRecord, claim_deadline, recorded
 from casque.dataschema.validation import CompiledSchema
-from casque.engine.messages import SCHEMA_VERSION_ATTRIBUTE, OutgoingMessage, Published, random_ids
+from casque.engine.messages import SCHEMA_VERSION_ATTRIBUTE, OutgoingMessage, Published, time_ordered_ids
 from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
 from casque.specs import QueueSpec, QueueState, log_shard
@@ -489,21 +489,24 @@ class Publisher:
         """
         for message in messages:
             self.validate(message)
-        ids = list(message_ids) if message_ids is not None else random_ids(len(messages))
+        drawn = message_ids is None
+        ids = time_ordered_ids(len(messages), self.clock.time()) if message_ids is None else list(message_ids)
         if len(messages) == 1:
             # The common one-message call: awaited in this task, without a gathering future.
-            return [await self._start(messages[0], ids[0])]
+            return [await self._start(messages[0], ids[0], drawn=drawn)]
         # The call's messages without a key go to one shard per priority level, chosen once:
         # they share a batch, and a producer's numbered keys stay in runs (see sequences).
         chosen: dict[int, int] = {}
-        return list(await asyncio.gather(*(self._start(m, i, chosen) for m, i in zip(messages, ids))))
+        return list(await asyncio.gather(*(self._start(m, i, chosen, drawn) for m, i in zip(messages, ids))))
 
     def _start(self, message: OutgoingMessage, message_id: str,
-               chosen: dict[int, int] | None = None) -> asyncio.Future[Published]:
+               chosen: dict[int, int] | None = None, drawn: bool = False) -> asyncio.Future[Published]:
         """Start publishing one message: the future of its result. A message for the log is
         handed to its shard writer at once, with a future and no task of its own: a task per
         message cost as much as the rest of a batch call's work on it. One with a delivery time
-        (its own or the queue's delay) takes the coroutine path, in a task."""
+        (its own or the queue's delay) takes the coroutine path, in a task. `drawn`: the id
+        was made for this call, so a delayed message's is made again for its due time (ids
+        carry when the message is due in the log, see messages.time_ordered_ids)."""
         guard = self.idempotency
         client_id = message.client_id
         if client_id is not None:
@@ -511,6 +514,8 @@ class Publisher:
             if earlier is not None:
                 return earlier
         due = self._due(message)
+        if due is not None and drawn:
+            (message_id,) = time_ordered_ids(1, due.timestamp())
         publication = (self._to_log(message, message_id, chosen) if due is None
                        else asyncio.get_running_loop().create_task(self._route(message, message_id, due)))
         if client_id is not None:

@@ -344,6 +344,9 @@ class _Requests:
     def subscriber_stats(self, queue: str | None, subscriber: str | None) -> _Call:
         return _Call("GET", f"{self._subscriber_path(queue, subscriber)}/stats")
 
+    def message_history(self, message_id: str, queue: str | None) -> _Call:
+        return _Call("GET", f"{self._queue_path(queue)}/messages/{urllib.parse.quote(message_id, safe='')}")
+
     @staticmethod
     def error(status: int, raw: bytes, retry_after: str | None) -> ApiError:
         try:
@@ -511,6 +514,11 @@ class Client:
     ) -> dict[str, Any]:
         return dict(self._send(self._calls.subscriber_stats(queue, subscriber)))
 
+    def message_history(self, message_id: str, *, queue: str | None = None) -> dict[str, Any]:
+        """Where a published message is and each subscriber's state of it (pending, in_flight,
+        nacked, acked, dead_lettered, filtered, ...): the sidecar's messageHistory answer."""
+        return dict(self._send(self._calls.message_history(message_id, queue)))
+
 
 class AsyncClient:
     """asyncio client on aiohttp; use it as `async with AsyncClient(...) as queue:`."""
@@ -640,3 +648,7 @@ class AsyncClient:
         self, *, queue: str | None = None, subscriber: str | None = None
     ) -> dict[str, Any]:
         return dict(await self._send(self._calls.subscriber_stats(queue, subscriber)))
+
+    async def message_history(self, message_id: str, *, queue: str | None = None) -> dict[str, Any]:
+        """See Client.message_history."""
+        return dict(await self._send(self._calls.message_history(message_id, queue)))

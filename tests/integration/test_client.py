@@ -118,6 +118,10 @@ async def test_sync_client_covers_the_api(sidecar_url: str) -> None:
             with pytest.raises(ApiError) as stale:
                 client.nack("AAAAAQAAAAAAAAABAAAAACnit9BDrPMR")
             assert stale.value.code == "stale_receipt"
+            history = client.message_history(published[0])
+            # The client numbers what it publishes: the history names its producer and the number.
+            assert (history["messageId"], history["producerSeq"]) == (published[0], 0) and history["producerId"]
+            assert [(s["subscriber"], s["state"]) for s in history["subscribers"]] == [(SUBSCRIBER, "acked")]
             return published, client.queue_stats()
 
     published, stats = await asyncio.to_thread(session)

@@ -46,7 +46,7 @@ def env(store: Store, backends: Backends, keyspace: str, zk_hosts: str) -> dict[
 
 @pytest.fixture
 def run(env: dict[str, str]) -> Run:
-    def invoke(*args: str, code: int = 0) -> Result:
+    def invoke(*args: str, code: int = 0, env: dict[str, str] = env) -> Result:
         result = CliRunner().invoke(app, list(args), env=env)
         assert result.exit_code == code, (result.output, result.stderr, result.exception)
         return result
@@ -194,6 +194,35 @@ def test_redrive_sends_dead_letters_back_to_the_subscriber_that_failed_them_once
     # The subscriber that never failed it does not get it twice.
     other = run("consume", QUEUE, "other", "--idle", "2")
     assert [line.rsplit(" ", 1)[-1] for line in other.stdout.splitlines()] == ["poison"]
+
+
+def test_trace_follows_a_message_to_its_dead_letter_and_refuses_unknown_ids(
+    run: Run, store: Store, env: dict[str, str]
+) -> None:
+    dead = QueueRef("default", "cli-dead")
+    catalog.apply_queue(store, dead, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, REF, "reader", SubscriberSpec(
+        queue=QUEUE, start_position="earliest", dead_letter_queue=dead.name))
+    (published,) = json.loads(run("publish", QUEUE, "poison", "--id", "p-1", "--output", "json").stdout)["results"]
+    message_id = published["messageId"]
+    assert asyncio.run(dead_letter_next(store, "reader", "cannot parse")) == b"poison"
+
+    document = json.loads(run("trace", QUEUE, message_id, "--output", "json").stdout)
+    assert (document["place"]["batch"], document["place"]["seq"]) == (published["batch"], published["seq"])
+    assert document["eventId"] == "p-1"
+    states = {s["subscriber"]: s for s in document["subscribers"]}
+    assert (states["reader"]["state"], states["other"]["state"]) == ("dead_lettered", "pending")
+    copy_id = states["reader"]["deadLetterMessageId"]
+    assert copy_id and json.loads(run("trace", dead.name, copy_id, "--output", "json").stdout)["state"] == "logged"
+    table = run("trace", QUEUE, message_id, env={**env, "COLUMNS": "200"}).stdout
+    assert f"batch {published['batch']}, seq {published['seq']}" in table
+    assert "dead_lettered" in table and f"cli-dead/{copy_id}" in table
+
+    unknown = message_id[:24] + ("0" * 12 if not message_id.endswith("0" * 12) else "1" * 12)
+    done = subprocess.run([sys.executable, "-m", "casque.cli", "trace", QUEUE, unknown], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3 and done.stderr.startswith(f"casque: message {unknown} is not in queue default/cli")
+    assert done.stderr.count("\n") == 1
 
 
 def test_stats_watch_refreshes_until_interrupted(store: Store, env: dict[str, str]) -> None:

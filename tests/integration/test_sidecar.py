@@ -513,6 +513,95 @@ async def test_a_retry_policy_spaces_out_redeliveries_and_a_nacks_own_delay_wins
     assert (await call(client, f"{SUB}/ack", {"receipt": message["receipt"]}))["results"][0]["status"] == "acked"
 
 
+async def test_a_message_is_followed_from_publish_through_nack_redelivery_ack_and_dead_letter(
+    store: Store, make_sidecar: MakeSidecar
+) -> None:
+    """GET .../messages/{id} for one message as three subscribers handle it: billing fails it
+    twice into its dead-letter queue, audit acks it, eu-only filters it out."""
+    create_queue(store, shards=2, subscribers=("audit",))
+    catalog.apply_queue(store, QueueRef("default", "orders-dead"), QueueSpec(shards=1, retention_seconds=3600,
+                                                                             consistency="ONE"))
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE, start_position="earliest", max_deliveries=2, dead_letter_queue="orders-dead"))
+    catalog.apply_subscriber(store, REF, "eu-only", SubscriberSpec(
+        queue=QUEUE, start_position="earliest", filter='attributes.region == "eu"'))
+    client = await make_sidecar(subscribers=(SUBSCRIBER, "audit", "eu-only"))
+    billing, audit = SUB, f"{BASE}/subscribers/audit"
+
+    published = await call(client, f"{BASE}/messages", {"id": "order-7", "data": {"total": 12},
+                                                        "attributes": {"region": "us"}})
+    message_id = published["messageId"]
+
+    async def history() -> dict[str, Any]:
+        return await call(client, f"{BASE}/messages/{message_id}")
+
+    async def states() -> dict[str, tuple[str, int]]:
+        return {s["subscriber"]: (s["state"], s["deliveries"]) for s in (await history())["subscribers"]}
+
+    traced = await history()
+    assert (traced["state"], traced["messageId"], traced["eventId"]) == ("logged", message_id, "order-7")
+    assert traced["place"] == {"shard": published["shard"], "priority": 0, "batch": published["batch"],
+                               "seq": published["seq"]}
+    assert traced["publishedAt"] and traced["size"] > 0 and traced["publisher"]
+    assert "data" not in traced and "attributes" not in traced  # metadata only
+    assert await states() == {SUBSCRIBER: ("pending", 0), "audit": ("pending", 0), "eu-only": ("filtered", 0)}
+
+    async def delivered(path: str) -> dict[str, Any]:
+        (got,) = [m for m in (await call(client, f"{path}/receive", {"max": 10, "wait": 5}))["messages"]
+                  if m["messageid"] == message_id]
+        return got
+
+    first = await delivered(billing)
+    billing_now = [s for s in (await history())["subscribers"] if s["subscriber"] == SUBSCRIBER][0]
+    assert (billing_now["state"], billing_now["deliveries"]) == ("in_flight", 1)
+    assert datetime.fromisoformat(billing_now["until"]) > datetime.now(timezone.utc)
+    await call(client, f"{billing}/nack", {"receipt": first["receipt"], "error": "downstream 503"})
+
+    async def billing_visible_again() -> bool:
+        return (await states())[SUBSCRIBER] == ("pending", 1)
+
+    await until(billing_visible_again)  # the nack's record is written after it is answered
+    second = await delivered(billing)
+    assert second["deliverycount"] == 2 and (await states())[SUBSCRIBER] == ("in_flight", 2)
+
+    acked_by_audit = await delivered(audit)
+    await call(client, f"{audit}/ack", {"receipt": acked_by_audit["receipt"]})
+    assert (await states())["audit"] == ("acked", 1)
+
+    await call(client, f"{billing}/nack", {"receipt": second["receipt"], "error": "downstream 503"})
+
+    async def dead_lettered() -> bool:
+        await call(client, f"{billing}/receive", {"max": 10})  # a take finds it past its deliveries
+        return (await states())[SUBSCRIBER] == ("dead_lettered", 2)
+
+    await until(dead_lettered)
+    (final,) = [s for s in (await history())["subscribers"] if s["subscriber"] == SUBSCRIBER]
+    assert final["deadLetterQueue"] == "orders-dead"
+    copy = await call(client, f"/v1/queues/orders-dead/messages/{final['deadLetterMessageId']}")
+    assert copy["state"] == "logged" and copy["place"]["shard"] == 0
+    assert copy["messageId"] == final["deadLetterMessageId"] != message_id
+
+
+async def test_a_delayed_message_and_ids_that_name_no_message(store: Store, make_sidecar: MakeSidecar) -> None:
+    create_queue(store, shards=1)
+    client = await make_sidecar()
+    later = await call(client, f"{BASE}/messages", {"data": "in an hour", "delay": 3600})
+    traced = await call(client, f"{BASE}/messages/{later['messageId']}")
+    assert (traced["state"], traced["subscribers"]) == ("delayed", [])
+    due, deliver_at = datetime.fromisoformat(traced["dueAt"]), datetime.fromisoformat(later["deliverAt"])
+    assert timedelta(0) <= deliver_at - due < timedelta(milliseconds=1) and "place" not in traced  # ids carry ms
+    now = await call(client, f"{BASE}/messages", {"data": "now"})
+    other = await call(client, f"{BASE}/messages", {"data": "now too"})
+    # A made-up id with the time of a real one: the search covers that time and finds nothing.
+    made_up = now["messageId"][:24] + "0" * 12
+    assert made_up not in (now["messageId"], other["messageId"])
+    assert await error_code(await client.get(f"{BASE}/messages/{made_up}"), 404) == "message_not_found"
+    for untraceable in ("3b241101-e2bb-4255-8caf-4136c566a962", "not-an-id"):
+        assert await error_code(await client.get(f"{BASE}/messages/{untraceable}"), 400) == "untraceable_id"
+    assert await error_code(await client.get(f"/v1/queues/nosuch/messages/{now['messageId']}"), 404) == \
+        "queue_not_found"
+
+
 async def test_extend_keeps_a_message_and_expiry_makes_the_old_receipt_stale(
     store: Store, make_sidecar: MakeSidecar
 ) -> None:
@@ -661,7 +750,7 @@ async def test_health_readiness_metrics_and_openapi(store: Store, make_sidecar: 
     document = await call(client, "/openapi.json")
     operations = {op["operationId"] for path in document["paths"].values() for op in path.values()}
     assert operations == {"publish", "publishBatch", "receive", "ack", "nack", "extendVisibility", "seek",
-                          "queueStats", "subscriberStats"}
+                          "queueStats", "subscriberStats", "messageHistory"}
 
 
 # --- errors ----------------------------------------------------------------------------------------

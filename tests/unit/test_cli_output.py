@@ -16,16 +16,19 @@ from casque.errors import (
     BackendUnavailable,
     CasqueError,
     InvalidSpec,
+    MessageNotFound,
     PublishOutcomeUnknown,
     QueueNotFound,
     SubscriberNotFound,
+    UntraceableId,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(("error", "code"), [
-    (UsageError("x"), 2), (QueueNotFound("x"), 3), (SubscriberNotFound("x"), 3), (BackendUnavailable("x"), 4),
+    (UsageError("x"), 2), (QueueNotFound("x"), 3), (SubscriberNotFound("x"), 3), (MessageNotFound("x"), 3),
+    (UntraceableId("x"), 1), (BackendUnavailable("x"), 4),
     (PublishOutcomeUnknown("x"), 4), (InvalidSpec("x"), 1), (CasqueError("x"), 1),
 ])
 def test_each_error_has_one_exit_code(error: CasqueError, code: int) -> None:

@@ -1,18 +1,38 @@
-"""Message ids made a call at a time are random version 4 UUIDs, as uuid4() makes them."""
+"""Message ids are version 7 UUIDs that carry when the message is due in the log."""
 
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timezone
 
 import pytest
 
-from casque.engine.messages import random_ids
+from casque.engine.messages import id_time, time_ordered_ids
+
+MOMENT = datetime(2026, 11, 28, 18, 30, 15, 123456, tzinfo=timezone.utc)
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 100, 1000])
-def test_random_ids_are_distinct_version_4_uuids_in_their_usual_form(count: int) -> None:
-    ids = random_ids(count)
+def test_ids_are_distinct_version_7_uuids_in_their_usual_form(count: int) -> None:
+    ids = time_ordered_ids(count, MOMENT.timestamp())
     assert len(ids) == len(set(ids)) == count
     for text in ids:
         parsed = uuid.UUID(text)
-        assert (parsed.version, parsed.variant, str(parsed)) == (4, uuid.RFC_4122, text)
+        assert (parsed.version, parsed.variant, str(parsed)) == (7, uuid.RFC_4122, text)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_an_id_gives_back_its_time_to_the_millisecond(count: int) -> None:
+    for text in time_ordered_ids(count, MOMENT.timestamp()):
+        assert id_time(text) == MOMENT.replace(microsecond=123000)
+
+
+def test_ids_of_later_times_sort_after_earlier_ones() -> None:
+    earlier = time_ordered_ids(50, MOMENT.timestamp())
+    later = time_ordered_ids(50, MOMENT.timestamp() + 0.002)
+    assert max(earlier) < min(later)
+
+
+@pytest.mark.parametrize("text", [str(uuid.uuid4()), str(uuid.uuid1()), "not-an-id", ""])
+def test_ids_without_a_time_have_none(text: str) -> None:
+    assert id_time(text) is None

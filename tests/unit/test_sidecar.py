@@ -60,7 +60,7 @@ from casque_client import Message, RetryPolicy, message
 from casque_client.client import _Requests
 
 OPERATION_IDS = {"publish", "publishBatch", "receive", "ack", "nack", "extendVisibility", "seek", "queueStats",
-                 "subscriberStats"}
+                 "subscriberStats", "messageHistory"}
 
 
 def test_status_lists() -> None:

@@ -1,0 +1,74 @@
+"""A subscriber's state of a message, folded from its ack rows (casque.engine.history)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+
+from casque.engine.acks import ACK, DEAD, NACK
+from casque.engine.history import read_marks, subscriber_state
+
+SEQ = 3
+NOW = 1_000_000
+
+
+class Row(NamedTuple):
+    outcome: str | None = None
+    seqs: frozenset[int] | None = None
+    deliveries: dict[int, int] | None = None
+    visible_until: dict[int, int] | None = None
+
+
+def delivered(count: int, until: int) -> Row:
+    return Row(deliveries={SEQ: count}, visible_until={SEQ: until})
+
+
+def nacked(count: int, until: int) -> Row:
+    return Row(outcome=NACK, deliveries={SEQ: count}, visible_until={SEQ: until})
+
+
+def state_of(*rows: Row, batch: int = 10, offset: int = 5, matches: bool = True, expired: bool = False,
+             addressed: bool = True) -> tuple[str, int | None]:
+    return subscriber_state(read_marks(list(rows), SEQ), batch, offset, matches, expired, addressed, NOW)
+
+
+@pytest.mark.parametrize("rows, expected", [
+    ((), ("pending", None)),
+    ((delivered(1, NOW + 500),), ("in_flight", NOW + 500)),
+    ((delivered(1, NOW - 1),), ("pending", None)),  # its visibility ran out: visible again
+    ((delivered(1, NOW + 500), nacked(1, NOW + 9000)), ("nacked", NOW + 9000)),
+    ((delivered(1, NOW + 500), nacked(1, NOW - 1)), ("pending", None)),
+    # a nack of an earlier delivery says nothing of the current one, in whatever order the rows come
+    ((nacked(1, NOW + 9000), delivered(2, NOW + 500), delivered(1, NOW + 100)), ("in_flight", NOW + 500)),
+    # an extension (a row with a deadline and no count) lengthens the current delivery
+    ((delivered(2, NOW - 1), Row(visible_until={SEQ: NOW + 700})), ("in_flight", NOW + 700)),
+    ((delivered(2, NOW + 5), Row(outcome=ACK, seqs=frozenset({SEQ}))), ("acked", None)),
+    ((delivered(3, NOW + 5), Row(outcome=DEAD, seqs=frozenset({SEQ}))), ("dead_lettered", None)),
+    # another message's rows of the same batch do not count
+    ((Row(outcome=ACK, seqs=frozenset({SEQ + 1})), Row(deliveries={SEQ + 1: 4}, visible_until={SEQ + 1: NOW + 5})),
+     ("pending", None)),
+])
+def test_rows_fold_into_the_state(rows: tuple[Row, ...], expected: tuple[str, int | None]) -> None:
+    assert state_of(*rows) == expected
+
+
+def test_delivery_counts_are_the_highest_recorded() -> None:
+    marks = read_marks([delivered(2, NOW), delivered(4, NOW + 1), nacked(4, NOW + 2), delivered(3, NOW)], SEQ)
+    assert (marks.deliveries, marks.nacked) == (4, 4)
+
+
+def test_what_the_subscriber_did_outranks_where_its_offset_is() -> None:
+    acked = Row(outcome=ACK, seqs=frozenset({SEQ}))
+    assert state_of(acked, batch=4, offset=5) == ("acked", None)
+    assert state_of(batch=4, offset=5) == ("passed", None)
+    assert state_of(batch=4, offset=5, matches=False) == ("filtered", None)
+
+
+def test_a_message_for_another_subscriber_is_not_addressed_whatever_the_rows_say() -> None:
+    assert state_of(delivered(1, NOW + 5), addressed=False) == ("not_addressed", None)
+
+
+def test_an_expired_message_never_delivered_again_is_expired() -> None:
+    assert state_of(expired=True) == ("expired", None)
+    assert state_of(delivered(1, NOW + 5), expired=True) == ("in_flight", NOW + 5)
