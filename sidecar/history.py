@@ -9,8 +9,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from casque.engine.history import MessageHistory, SubscriberHistory, SubscriberStateName
+from casque.engine.history import MessageHistory, Origin, OriginKind, SubscriberHistory, SubscriberStateName
 from casque.sidecar.models import Reply
+from casque.specs import priority_of
 
 
 class MessagePlace(Reply):
@@ -18,6 +19,30 @@ class MessagePlace(Reply):
     priority: int
     batch: int
     seq: int
+
+
+class OriginBody(Reply):
+    kind: OriginKind = Field(description=(
+        "pipeline_output: published by an ack of `messageId` (its output number `index`) by `subscriber`; "
+        "dead_letter: `subscriber` gave up on `messageId` at `place` of `queue`; redrive: the dead letter "
+        "`messageId` sent back; replay: a Spark replay of `place` of `queue`; delayed: moved from the "
+        "delayed table when due"))
+    queue: str | None = None
+    subscriber: str | None = None
+    message_id: str | None = None
+    place: MessagePlace | None = None
+    index: int | None = None
+
+    @classmethod
+    def of(cls, origin: Origin) -> OriginBody:
+        body = cls(kind=origin.kind)
+        for name in ("queue", "subscriber", "message_id", "index"):
+            if getattr(origin, name) is not None:
+                setattr(body, name, getattr(origin, name))
+        if origin.position is not None:
+            p = origin.position
+            body.place = MessagePlace(shard=p.shard, priority=priority_of(p.shard), batch=p.batch, seq=p.seq)
+        return body
 
 
 class SubscriberHistoryBody(Reply):
@@ -62,6 +87,7 @@ class MessageHistoryResult(Reply):
     producer_id: str | None = None
     producer_seq: int | None = None
     publisher: str | None = Field(default=None, description="The publisher id of the sidecar that wrote it")
+    origin: OriginBody | None = Field(default=None, description="For a message casque published: what it came from")
     subscribers: list[SubscriberHistoryBody]
 
     @classmethod
@@ -75,6 +101,8 @@ class MessageHistoryResult(Reply):
         body.published_at, body.expires_at = history.published_at, history.expires_at
         body.size, body.content_type = history.size, history.content_type
         body.publisher, body.producer_id, body.producer_seq = history.publisher, history.producer_id, history.producer_seq
+        if history.origin is not None:
+            body.origin = OriginBody.of(history.origin)
         if history.client_id is not None:
             # A key made of (source, id) starts with NUL (models.dedup_key); a bare id is itself.
             if history.client_id.startswith("\x00"):

@@ -16,7 +16,7 @@ from casque.cli.queue_commands import (
     CassandraOption, KeyspaceOption, NamespaceOption, ZookeeperOption, backend_settings, opened, queue_of,
 )
 from casque.config import Settings
-from casque.engine.history import MessageHistory, message_history
+from casque.engine.history import MessageHistory, Origin, message_history
 from casque.schema import QueueRef
 from casque.sidecar.history import MessageHistoryResult
 
@@ -51,6 +51,20 @@ def _time(moment: datetime | None) -> str:
     return "-" if moment is None else moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
 
 
+def origin_text(origin: Origin) -> str:
+    place = "" if origin.position is None else (
+        f" at shard {origin.position.shard}, batch {origin.position.batch}, seq {origin.position.seq}")
+    if origin.kind == "pipeline_output":
+        return f"output {origin.index} of message {origin.message_id}, acked by subscriber {origin.subscriber}"
+    if origin.kind == "dead_letter":
+        return f"dead letter of message {origin.message_id or '?'} of {origin.queue}{place}, given up by {origin.subscriber}"
+    if origin.kind == "redrive":
+        return f"redrive of dead letter {origin.message_id}"
+    if origin.kind == "replay":
+        return f"replay of {origin.queue}{place}"
+    return "moved from the delayed table when due"
+
+
 def history_view(history: MessageHistory) -> Group:
     where = Table.grid(padding=(0, 2))
     where.add_column(style="bold")
@@ -67,6 +81,8 @@ def history_view(history: MessageHistory) -> Group:
         where.add_row("producer", f"{history.producer_id} #{history.producer_seq}")
     elif history.client_id is not None:
         where.add_row("id key", history.client_id.replace("\x00", " "))
+    if history.origin is not None:
+        where.add_row("origin", origin_text(history.origin))
     if history.expires_at is not None:
         where.add_row("expires", _time(history.expires_at))
     table = Table(title="subscribers", title_justify="left")

@@ -30,11 +30,12 @@ from casque.backends import cql, zk
 from casque.engine import catalog, offsets, positions
 from casque.engine.acks import ACK, DEAD, NACK
 from casque.engine.batches import Log
-from casque.engine.deadletters import FOR_SUBSCRIBER, dead_letter_client_id
-from casque.engine.delayed import due_bucket
+from casque.engine.deadletters import FOR_SUBSCRIBER, MESSAGE_ID as DEAD_LETTER_SOURCE_ID, dead_letter_client_id
+from casque.engine.delayed import MOVED_PREFIX, due_bucket
 from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.messages import (Position, StoredMessage, event_source_of, filter_variables, id_time,
                                     reserved_client_id)
+from casque.engine.pipelines import PIPELINE_CLIENT_ID_PREFIX
 from casque.engine.publisher import SETTLE_SECONDS
 from casque.engine.sequences import parse_producer_key
 from casque.errors import CasqueError, MessageNotFound, UntraceableId
@@ -73,6 +74,46 @@ class SubscriberHistory:
     dead_letter_id: str | None = None
 
 
+OriginKind = Literal["pipeline_output", "dead_letter", "redrive", "replay", "delayed"]
+
+
+@dataclass(frozen=True)
+class Origin:
+    """What published a message the engine made: read from the client id it was given."""
+
+    kind: OriginKind
+    # The message it came from (a pipeline's input, a dead letter's or a redrive's source), and
+    # where that one is, as far as the id says.
+    queue: str | None = None
+    subscriber: str | None = None
+    message_id: str | None = None
+    position: Position | None = None
+    index: int | None = None  # a pipeline output's index among its input's outputs
+
+
+def origin_of(client_id: str, attributes: dict[str, str]) -> Origin | None:
+    """The origin an engine-made client id names (see ENGINE_CLIENT_ID_PREFIXES); None for an
+    app's own id. `attributes`: the message's, where a dead letter keeps its source's id."""
+    kind, _, rest = client_id.partition("/")
+    if client_id.startswith(PIPELINE_CLIENT_ID_PREFIX):
+        subscriber, input_id, index = rest.rsplit("/", 2)
+        return Origin("pipeline_output", subscriber=subscriber.partition("#")[0], message_id=input_id,
+                      index=int(index))
+    if kind == "dlq":
+        namespace, name, subscriber, _, shard, batch, seq = rest.split("/")
+        return Origin("dead_letter", queue=f"{namespace}/{name}", subscriber=subscriber.partition("#")[0],
+                      message_id=attributes.get(DEAD_LETTER_SOURCE_ID),
+                      position=Position(int(shard), int(batch), int(seq)))
+    if kind == "redrive":
+        return Origin("redrive", message_id=rest)
+    if client_id.startswith(MOVED_PREFIX):
+        return Origin("delayed")
+    if client_id.startswith("replay:"):  # casque.spark.replay: replay:<namespace>/<queue>:<shard>:<batch>:<seq>
+        queue, shard, batch, seq = client_id.removeprefix("replay:").rsplit(":", 3)
+        return Origin("replay", queue=queue, position=Position(int(shard), int(batch), int(seq)))
+    return None
+
+
 @dataclass(frozen=True)
 class MessageHistory:
     queue: str
@@ -93,6 +134,8 @@ class MessageHistory:
     producer_seq: int | None = None
     # The sidecar process that wrote its batch (its publisher id).
     publisher: str | None = None
+    # For a message the engine published: what it came from.
+    origin: Origin | None = None
     subscribers: list[SubscriberHistory] = field(default_factory=list)
 
 
@@ -116,6 +159,12 @@ async def message_history(store: Store, queue: QueueRef, message_id: str,
     subscribers = await asyncio.gather(*(_subscriber_history(store, queue, n, message, now) for n in names))
     producer = parse_producer_key(client_id) if client_id else None
     engine_made = client_id is not None and reserved_client_id(client_id)
+    origin = None
+    if client_id is not None and engine_made:
+        try:
+            origin = origin_of(client_id, dict(message.attributes))
+        except ValueError:
+            origin = None  # an id of a form this version does not know: no origin, the rest stands
     return MessageHistory(
         queue=str(queue), message_id=message_id, due_at=due, state="logged", position=message.position,
         priority=priority_of(message.position.shard), published_at=message.published_at,
@@ -123,7 +172,7 @@ async def message_history(store: Store, queue: QueueRef, message_id: str,
         client_id=None if producer is not None or engine_made else client_id,
         producer_id=None if producer is None else producer.producer,
         producer_seq=None if producer is None else producer.sequence,
-        publisher=writer.rpartition("/")[0] or None if writer else None,
+        publisher=writer.rpartition("/")[0] or None if writer else None, origin=origin,
         subscribers=[s for s in subscribers if s is not None],
     )
 

@@ -213,7 +213,10 @@ def test_trace_follows_a_message_to_its_dead_letter_and_refuses_unknown_ids(
     states = {s["subscriber"]: s for s in document["subscribers"]}
     assert (states["reader"]["state"], states["other"]["state"]) == ("dead_lettered", "pending")
     copy_id = states["reader"]["deadLetterMessageId"]
-    assert copy_id and json.loads(run("trace", dead.name, copy_id, "--output", "json").stdout)["state"] == "logged"
+    copy = json.loads(run("trace", dead.name, copy_id, "--output", "json").stdout)
+    assert copy["state"] == "logged" and copy["origin"]["kind"] == "dead_letter"
+    assert (copy["origin"]["messageId"], copy["origin"]["subscriber"]) == (message_id, "reader")
+    assert f"dead letter of message {message_id}" in run("trace", dead.name, copy_id, env={**env, "COLUMNS": "300"}).stdout
     table = run("trace", QUEUE, message_id, env={**env, "COLUMNS": "200"}).stdout
     assert f"batch {published['batch']}, seq {published['seq']}" in table
     assert "dead_lettered" in table and f"cli-dead/{copy_id}" in table

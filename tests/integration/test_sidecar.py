@@ -435,6 +435,11 @@ async def test_an_ack_that_publishes_what_its_message_resulted_in_publishes_each
     stored = [json.loads(row.payload) for row in store.session.execute(
         f"SELECT seq, payload FROM {store.table(QueueRef('default', 'invoices'))}") if row.seq >= 0]
     assert sorted((line["order"], line["line"]) for line in stored) == [(n, i) for n in range(3) for i in range(2)]
+    # An output's history leads back to the message whose ack published it.
+    second_line = result["published"][1]["messageId"]
+    traced = await call(client, f"/v1/queues/invoices/messages/{second_line}")
+    assert traced["origin"] == {"kind": "pipeline_output", "subscriber": SUBSCRIBER,
+                                "messageId": orders[0]["messageid"], "index": 1}
 
 
 async def test_an_ack_that_publishes_refuses_keys_of_its_own_and_a_mixed_form(

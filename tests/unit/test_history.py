@@ -7,7 +7,12 @@ from typing import NamedTuple
 import pytest
 
 from casque.engine.acks import ACK, DEAD, NACK
-from casque.engine.history import read_marks, subscriber_state
+from casque.engine.deadletters import MESSAGE_ID, dead_letter_client_id
+from casque.engine.delayed import moved_client_id
+from casque.engine.history import Origin, origin_of, read_marks, subscriber_state
+from casque.engine.messages import Position
+from casque.engine.pipelines import output_client_id
+from casque.schema import QueueRef
 
 SEQ = 3
 NOW = 1_000_000
@@ -72,3 +77,18 @@ def test_a_message_for_another_subscriber_is_not_addressed_whatever_the_rows_say
 def test_an_expired_message_never_delivered_again_is_expired() -> None:
     assert state_of(expired=True) == ("expired", None)
     assert state_of(delivered(1, NOW + 5), expired=True) == ("in_flight", NOW + 5)
+
+
+def test_the_origin_of_an_engine_made_message_is_read_back_from_its_client_id() -> None:
+    orders = QueueRef("default", "orders")
+    output = origin_of(output_client_id("billing#4", "019ac3b4-62f1-7a1c-9e0b-3f5d2c41a8e7", 2), {})
+    assert output == Origin("pipeline_output", subscriber="billing", message_id="019ac3b4-62f1-7a1c-9e0b-3f5d2c41a8e7",
+                            index=2)
+    dead = origin_of(dead_letter_client_id(orders, "billing", 3, Position(1, 44, 7)), {MESSAGE_ID: "m-1"})
+    assert dead == Origin("dead_letter", queue="default/orders", subscriber="billing", message_id="m-1",
+                          position=Position(1, 44, 7))
+    assert origin_of(moved_client_id("m-2"), {}) == Origin("delayed")
+    assert origin_of("redrive/m-3", {}) == Origin("redrive", message_id="m-3")
+    assert origin_of("replay:default/orders:2:9:0", {}) == Origin("replay", queue="default/orders",
+                                                                 position=Position(2, 9, 0))
+    assert origin_of("order-7", {}) is None
