@@ -1,6 +1,6 @@
 """Every benchmark, one after the other, and the README's figures from their results.
 
-    python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,shared,keys,spark,schema,filter,history,scale]
+    python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,shared,keys,spark,schema,filter,history,pipeline,scale]
         [--out DIR] [--readme README.md] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 Runs each benchmark as its own process with `--json` (a benchmark's driver threads, Spark JVM
@@ -40,6 +40,8 @@ BENCHMARKS = {
     "filter": "bench_filter.py",
     # A message's history read back (casque trace), and the ids that make it possible.
     "history": "bench_history.py",
+    # An ack that publishes: the derived keys' extra requests and CPU per output.
+    "pipeline": "bench_pipeline.py",
     # The model's inputs on the given stack and its check there (its ring check, which starts
     # a three-node ring, only when run by hand with --ring).
     "scale": "scale_model.py",
