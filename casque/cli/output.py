@@ -13,6 +13,8 @@ from typing import Annotated, Any
 
 import typer
 import yaml
+from rich.console import Console, RenderableType
+from rich.measure import Measurement
 
 from casque.cli.exits import UsageError
 
@@ -45,3 +47,11 @@ def dumps_all(documents: Sequence[Any], output: str) -> str:
 
 def emit(data: Any, output: str) -> None:
     typer.echo(dumps(data, output))
+
+
+def print_whole(renderable: RenderableType, console: Console) -> None:
+    """Print a listing at its own width, as kubectl does: a line longer than the terminal
+    wraps, while a table fitted to the terminal would cut names and ids short (`billi…`)."""
+    natural = Measurement.get(console, console.options.update_width(10_000), renderable).maximum
+    # A console of that width: print(width=...) is capped at the console's own.
+    Console(width=max(console.width, natural)).print(renderable)

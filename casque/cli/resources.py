@@ -16,11 +16,10 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.measure import Measurement
 from rich.table import Table
 
 from casque.cli.exits import UsageError
-from casque.cli.output import MACHINE, TableOutput, TextOutput, check, dumps, dumps_all
+from casque.cli.output import MACHINE, TableOutput, TextOutput, check, dumps, dumps_all, print_whole
 from casque.cli.queue_commands import (
     CassandraOption,
     KeyspaceOption,
@@ -148,14 +147,6 @@ def queue_table(documents: list[dict[str, Any]], namespaces: bool) -> Table:
     return table
 
 
-def print_whole(table: Table) -> None:
-    """Print a listing at its own width, as kubectl does: a line longer than the terminal
-    wraps, while a table fitted to the terminal would cut names short (`billi…`)."""
-    natural = Measurement.get(out, out.options.update_width(10_000), table).maximum
-    # A console of that width: print(width=...) is capped at the console's own.
-    Console(width=max(out.width, natural)).print(table)
-
-
 def subscriber_table(documents: list[dict[str, Any]], namespaces: bool) -> Table:
     table = Table(box=None, pad_edge=False)
     columns = (["NAMESPACE"] if namespaces else []) + [
@@ -235,7 +226,7 @@ def get_queues(
     if output in MACHINE:
         typer.echo(dumps_all(documents, output) if documents or output == "json" else "")
     elif documents:
-        print_whole(queue_table(documents, all_namespaces))
+        print_whole(queue_table(documents, all_namespaces), out)
     else:
         typer.echo("no queues" + ("" if all_namespaces else f" in namespace {namespace}"), err=True)
 
@@ -269,7 +260,7 @@ def get_subscribers(
     if output in MACHINE:
         typer.echo(dumps_all(documents, output) if documents or output == "json" else "")
     elif documents:
-        print_whole(subscriber_table(documents, all_namespaces))
+        print_whole(subscriber_table(documents, all_namespaces), out)
     else:
         typer.echo("no subscribers", err=True)
 

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console, Group
 from rich.table import Table
 
-from casque.cli.output import MACHINE, TableOutput, check, dumps
+from casque.cli.output import MACHINE, TableOutput, check, dumps, print_whole
 from casque.cli.queue_commands import (
     CassandraOption, KeyspaceOption, NamespaceOption, ZookeeperOption, backend_settings, opened, queue_of,
 )
@@ -39,7 +39,7 @@ def trace(
     if output in MACHINE:
         typer.echo(dumps(MessageHistoryResult.of(history).wire(), output))
     else:
-        out.print(history_view(history))
+        print_whole(history_view(history), out)
 
 
 async def _read(settings: Settings, ref: QueueRef, message_id: str) -> MessageHistory:
@@ -68,7 +68,7 @@ def origin_text(origin: Origin) -> str:
 def history_view(history: MessageHistory) -> Group:
     where = Table.grid(padding=(0, 2))
     where.add_column(style="bold")
-    where.add_column()
+    where.add_column(no_wrap=True)
     where.add_row("message", history.message_id)
     where.add_row("queue", history.queue)
     if history.position is None:

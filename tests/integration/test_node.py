@@ -401,10 +401,18 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
 
     def progress_after(what: str) -> None:
         published, acked = counts()
-        wait_for(f"{PROGRESS} more messages published and acked after {what}",
-                 lambda: (lambda now: now[0] >= min(published + PROGRESS, HISTORY_MESSAGES)
-                          and now[1] >= min(acked + PROGRESS, HISTORY_MESSAGES))(counts()),
-                 timeout=START_TIMEOUT)
+        try:
+            wait_for(f"{PROGRESS} more messages published and acked after {what}",
+                     lambda: (lambda now: now[0] >= min(published + PROGRESS, HISTORY_MESSAGES)
+                              and now[1] >= min(acked + PROGRESS, HISTORY_MESSAGES))(counts()),
+                     timeout=START_TIMEOUT)
+        except pytest.fail.Exception:
+            # What the apps and their sidecars last said: where the service is stuck.
+            for pod in ("publisher", "consumer"):
+                for container in ("app", "casque-sidecar"):
+                    tail = pod_log(node, shop, pod, container).splitlines()[-40:]
+                    print(f"--- {pod}/{container}, last {len(tail)} lines", *tail, sep="\n")
+            raise
 
     def replaced(component: str, old_uid: str) -> bool:
         pods = embedded_release.pods(component)
