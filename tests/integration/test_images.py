@@ -407,7 +407,14 @@ def test_the_backend_containers_serve_clients_over_tls_only_from_a_secrets_pem_f
         if cassandra.poll() is not None:
             pytest.fail(f"the Cassandra container exited {cassandra.returncode}:\n"
                         f"{cassandra_log.read_text(errors='replace')[-4000:]}")
-        return "Starting listening for CQL clients" in cassandra_log.read_text(errors="replace")
+        # Cassandra logs this line just before its port is bound: the port is asked too.
+        if "Starting listening for CQL clients" not in cassandra_log.read_text(errors="replace"):
+            return False
+        try:
+            socket.create_connection((container_address(cassandra_name), 9042), timeout=10).close()
+        except OSError:
+            return False
+        return True
 
     wait_for("Cassandra to listen for CQL", cql_listening, timeout=300)
     assert "CQL over TLS only" in cassandra_log.read_text(errors="replace")
