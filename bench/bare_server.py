@@ -7,7 +7,8 @@ without access log, the same keep-alive and header limits), it reads each reques
 whole and answers with a body of the shape the sidecar would send: a publish result per
 message published, `max` canned messages (1 KiB of data each) per receive, a result per
 receipt acked. What this process spends in CPU per request is what aiohttp itself costs on
-this machine: bench_sidecar.py divides the sidecar's CPU per request by it. It logs
+this machine: bench_sidecar.py divides the sidecar's CPU per request by it. A publish with
+`?after=S` is answered S seconds after it is read, for the floor at the sidecar's pace. It logs
 `bare server listening on http://...` once it listens on the port the kernel gave it.
 """
 
@@ -37,6 +38,11 @@ def _many(item: bytes, count: int) -> bytes:
 
 async def publish(request: web.Request) -> web.Response:
     await request.read()
+    # `?after=S`: answered S seconds later, as a publish is once its batch is written; the
+    # floor at the sidecar's own pace (fewer requests per turn of the loop cost more each).
+    after = request.query.get("after")
+    if after:
+        await asyncio.sleep(float(after))
     return web.Response(body=RESULT, content_type="application/json")
 
 

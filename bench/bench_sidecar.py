@@ -19,7 +19,11 @@ app. Reports, each figure the median of `--runs` runs:
   100 per call with producer sequences; receive 100 + ack 100, receive 1 + ack 1), its
   RSS idle and after each phase, and the same requests answered by a bare aiohttp server
   of its own process (bare_server.py, same loop setup): its CPU per request is the floor,
-  and each sidecar figure is also given as a ratio to it, measured in the same run.
+  and each sidecar figure is also given as a ratio to it, measured in the same run. The
+  bare server answers at once, so it serves many times the sidecar's rate and shares each
+  turn of its event loop among more requests; the one-message publish is also measured
+  against the bare server answering each call after the sidecar's mean latency for it, the
+  floor at the sidecar's own pace.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from casque.store import Store
 from benchlib import (
     Figure,
     arguments,
+    cpu_seconds,
     drop_scratch,
     parse,
     percentiles,
@@ -105,6 +110,9 @@ FIGURES = [
            "µs"),
     Figure("cpu_single", f"  sidecar, per one-message publish ({COST_WINDOW} in flight)", "µs"),
     Figure("cpu_single_ratio", "  sidecar / bare (goal <= 2)", "x"),
+    Figure("single_latency", "  its calls' mean latency on the sidecar", "ms"),
+    Figure("cpu_bare_paced", "  bare, answering each after that latency (the floor at the sidecar's pace)", "µs"),
+    Figure("cpu_single_paced_ratio", "  sidecar / bare at its pace", "x"),
     Figure("cpu_batched", f"  sidecar, per message published {BATCH} per call", "µs"),
     Figure("cpu_batched_bare", "  bare, per message of those calls", "µs"),
     Figure("cpu_keyed", f"  sidecar, per message published {BATCH} per call with producer sequences", "µs"),
@@ -230,13 +238,6 @@ async def http_rates(url: str, queue: str, subscriber: str, count: int, payload:
 
 
 # --- the sidecar process's own cost -----------------------------------------------------------
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process so far (its threads included), from /proc/<pid>/stat."""
-    # The command name (field 2) may hold spaces: the fields that follow come after its ")".
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def rss_bytes(pid: int) -> int:
     found = re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.MULTILINE)
     return int(found.group(1)) * 1024 if found else 0
@@ -257,10 +258,11 @@ async def process_cost(url: str, pid: int, queue: str, subscriber: str, payload:
         post = http.post_ok
 
         async def phase(name: str, messages: int, run: Callable[[], Awaitable[None]]) -> float:
-            before, started = cpu_seconds(pid), time.perf_counter()
+            before, started = cpu_seconds([pid]), time.perf_counter()
             await run()
             seconds = time.perf_counter() - started
-            figures[f"cpu_{name}"] = (cpu_seconds(pid) - before) / messages * 1e6
+            figures[f"cpu_{name}"] = (cpu_seconds([pid]) - before) / messages * 1e6
+            figures[f"seconds_{name}"] = seconds
             figures[f"rss_{name}"] = rss_bytes(pid) / MIB
             return messages / seconds
 
@@ -298,6 +300,18 @@ async def process_cost(url: str, pid: int, queue: str, subscriber: str, payload:
     return figures
 
 
+async def paced_floor(url: str, pid: int, queue: str, payload: str, calls: int, latency: float) -> float:
+    """CPU µs per one-message publish of the bare server at `url` (pid) answering each after
+    `latency` seconds, with as many in flight as the sidecar's phase had: its requests then
+    come at the sidecar's rate, so fewer of them share each turn of the event loop."""
+    body = {"data": payload, "datacontenttype": "text/plain"}
+    path = f"/v1/queues/{queue}/messages?after={latency:.6f}"
+    async with KeepAliveClient(url, limit=COST_WINDOW + 4) as http:
+        before = cpu_seconds([pid])
+        await pipeline(calls, COST_WINDOW, lambda i: http.post_ok(path, body))
+        return (cpu_seconds([pid]) - before) / calls * 1e6
+
+
 def start_bare_server(log: Path) -> tuple[subprocess.Popen[bytes], str]:
     with log.open("wb") as sink:
         process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("bare_server.py"))],
@@ -319,9 +333,13 @@ async def sidecar_cost(url: str, pid: int, bare_url: str, bare_pid: int, queue: 
     singles, batches = (200, 10) if smoke else (COST_SINGLE, COST_BATCHES)
     bare = await process_cost(bare_url, bare_pid, queue, queue, text, singles, batches, f"bench-bare-{run}")
     sidecar = await process_cost(url, pid, queue, queue, text, singles, batches, f"bench-{run}")
+    # Each of the window's calls took this long on the sidecar, on average.
+    latency = sidecar["seconds_single"] * COST_WINDOW / singles
+    paced = await paced_floor(bare_url, bare_pid, queue, text, singles, latency)
     return {
         "cpu_bare_request": bare["cpu_single"],
         "cpu_single": sidecar["cpu_single"], "cpu_single_ratio": sidecar["cpu_single"] / bare["cpu_single"],
+        "single_latency": latency * 1e3, "cpu_bare_paced": paced, "cpu_single_paced_ratio": sidecar["cpu_single"] / paced,
         "cpu_batched": sidecar["cpu_batched"], "cpu_batched_bare": bare["cpu_batched"],
         "cpu_keyed": sidecar["cpu_keyed"], "keyed_rate_ratio": sidecar["keyed_rate_ratio"],
         "cpu_consume_batched": sidecar["cpu_consume_batched"],
@@ -334,8 +352,9 @@ async def sidecar_cost(url: str, pid: int, bare_url: str, bare_pid: int, queue: 
     }
 
 
-def start_sidecar(settings: Settings, queue: str, subscriber: str, log: Path) -> subprocess.Popen[bytes]:
-    """`casque sidecar` on port 0: it logs the port it got (see `sidecar_url`)."""
+def start_sidecar(settings: Settings, queue: str, subscriber: str | None, log: Path) -> subprocess.Popen[bytes]:
+    """`casque sidecar` on port 0: it logs the port it got (see `sidecar_url`); consuming for
+    `subscriber`, or for none."""
     env = dict(
         os.environ,
         CASQUE_CASSANDRA_CONTACT_POINTS=",".join(settings.cassandra_contact_points),
@@ -348,7 +367,7 @@ def start_sidecar(settings: Settings, queue: str, subscriber: str, log: Path) ->
     with log.open("wb") as sink:
         return subprocess.Popen(
             [sys.executable, "-m", "casque.cli", "sidecar", "--port", "0", "--queue", queue,
-             "--subscriber", subscriber, "--drain-seconds", "1"],
+             *(["--subscriber", subscriber] if subscriber else []), "--drain-seconds", "1"],
             env=env, stdout=sink, stderr=subprocess.STDOUT,
         )
 

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -33,6 +34,47 @@ from casque.backends import cql
 from casque.config import Settings
 from casque.schema import bucket_of
 from casque.store import Store
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_cpu(path: Path) -> float:
+    """utime + stime from a /proc stat file, in seconds."""
+    # The command name (field 2) may hold spaces: the fields that follow come after its ")".
+    fields = path.read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU time so far of the processes, all their threads (the drivers' too);
+    one that has ended counts nothing. (This process's own: time.process_time().)"""
+    total = 0.0
+    for pid in pids:
+        try:
+            total += _stat_cpu(Path(f"/proc/{pid}/stat"))
+        except OSError:
+            continue
+    return total
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """Each live thread's user + system CPU time so far, by its thread id."""
+    found: dict[int, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found[int(task.name)] = _stat_cpu(task / "stat")
+        except OSError:
+            continue  # ended meanwhile
+    return found
+
+
+def thread_names(pid: int, spy: str) -> dict[int, str]:
+    """The Python name of each thread of a Python process, by thread id (from `py-spy dump`);
+    threads Python did not start are absent."""
+    dump = subprocess.run([spy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
+                          check=True).stdout
+    return {int(tid): name for tid, name in re.findall(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump, re.MULTILINE)}
 
 
 @dataclass(frozen=True)

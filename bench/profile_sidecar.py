@@ -2,6 +2,7 @@
 
     python bench/profile_sidecar.py --phase batched [--seconds 15] [--out profile.json]
         [--format speedscope|raw] [--rate 200] [--size 1024] [--shards 4] [--native] [--no-profile]
+        [--no-subscriber]
 
 Phases, as bench_sidecar.py makes them: `single` (one-message publishes, 32 in flight),
 `batched` (100-message publishes, 4 in flight), `consume_batched` (receive 100 + ack 100,
@@ -9,14 +10,19 @@ Phases, as bench_sidecar.py makes them: `single` (one-message publishes, 32 in f
 until `py-spy record` (all threads, idle samples left out; `--nonblocking` unless `--native`,
 since C frames are read only from a paused process) has sampled
 the sidecar for `--seconds`; then the sidecar's CPU per message over that window is
-printed, so a profile and the figure it explains come from the same load. The sidecar
-runs in a scratch keyspace of its own, dropped at the end, like bench_sidecar.py's.
+printed, so a profile and the figure it explains come from the same load, and split by
+thread (from /proc/<pid>/task, named by `py-spy dump`): the event loop, the Cassandra
+driver's I/O loop, kazoo's connection and callback threads, the executors. The sidecar
+runs in a scratch keyspace of its own, dropped at the end, like bench_sidecar.py's; it
+consumes for the queue's subscriber (whose reader then follows the publishes), or with
+`--no-subscriber` for none, as a publishing app's would.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import shutil
 import subprocess
 import sys
@@ -31,8 +37,8 @@ from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
-from bench_sidecar import BATCH, COST_BATCH_WINDOW, COST_WINDOW, RECEIVERS, cpu_seconds, start_sidecar, wait_ready
-from benchlib import drop_scratch, pipeline, scratch_settings, sidecar_url
+from bench_sidecar import BATCH, COST_BATCH_WINDOW, COST_WINDOW, RECEIVERS, start_sidecar, wait_ready
+from benchlib import cpu_seconds, drop_scratch, pipeline, scratch_settings, sidecar_url, thread_cpu_seconds, thread_names
 from keepalive import KeepAliveClient
 
 PHASES = ("single", "batched", "consume_batched", "pair")
@@ -101,6 +107,18 @@ async def drive(url: str, queue: str, phase: str, text: str, load: Load) -> None
             await (consume(BATCH, RECEIVERS) if phase == "consume_batched" else consume(1, COST_WINDOW))
 
 
+def by_thread(before: dict[int, float], after: dict[int, float], names: dict[int, str]) -> list[tuple[str, float]]:
+    """CPU seconds spent between the two readings, per thread name (threads of one name,
+    such as a pool's workers, summed; those Python did not start named by their id),
+    largest first."""
+    spent: dict[str, float] = {}
+    for tid, now in after.items():
+        # "Thread-3 (_run_loop)" is its target's; a pool's workers ("…_0", "…_1") are one.
+        name = re.sub(r"_\d+$", "", re.sub(r"^Thread-\d+ \((.*)\)$", r"\1", names.get(tid, "(not Python's)")))
+        spent[name] = spent.get(name, 0.0) + now - before.get(tid, 0.0)
+    return sorted(spent.items(), key=lambda item: -item[1])
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--phase", choices=PHASES, required=True)
@@ -112,9 +130,13 @@ async def main() -> None:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--native", action="store_true", help="py-spy --native: C frames too (the GC, the parsers)")
     parser.add_argument("--no-profile", action="store_true", help="only the CPU per message, no py-spy")
+    parser.add_argument("--no-subscriber", action="store_true",
+                        help="the sidecar consumes for no subscriber (a publishing app's): publish phases only")
     parser.add_argument("--cassandra", default="127.0.0.1:9042")
     parser.add_argument("--zookeeper", default="127.0.0.1:2181")
     args = parser.parse_args()
+    if args.no_subscriber and args.phase not in ("single", "batched"):
+        parser.error("--no-subscriber: only the publish phases (single, batched) consume nothing")
 
     settings = scratch_settings(args.cassandra, args.zookeeper)
     store = Store.open(settings)
@@ -127,30 +149,37 @@ async def main() -> None:
         catalog.apply_queue(store, queue, QueueSpec(shards=args.shards, retention_seconds=3600, consistency="ONE",
                                                     max_message_bytes=64 * 1024))
         catalog.apply_subscriber(store, queue, queue.name, SubscriberSpec(queue=queue.name, start_position="earliest"))
-        process = start_sidecar(settings, queue.name, queue.name, log)
+        process = start_sidecar(settings, queue.name, None if args.no_subscriber else queue.name, log)
         url = await asyncio.to_thread(sidecar_url, process, log)
         await wait_ready(url, process, log)
         load = Load()
         driver = asyncio.create_task(drive(url, queue.name, args.phase, text, load))
         await load.started.wait()
         await asyncio.sleep(1)  # past the first calls' warm-up
-        before_cpu, before_done, before = cpu_seconds(process.pid), load.done, time.perf_counter()
+        spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+        names = thread_names(process.pid, spy)
+        before_threads = thread_cpu_seconds(process.pid)
+        before_cpu, before_done, before = cpu_seconds([process.pid]), load.done, time.perf_counter()
         if args.no_profile:
             await asyncio.sleep(args.seconds)
         else:
-            spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
             await asyncio.to_thread(subprocess.run, [
                 spy, "record", "--pid", str(process.pid), "--duration", str(int(args.seconds)),
                 "--rate", str(args.rate), "--threads",
                 # Native frames need the process paused while its stack is read.
                 *(["--native"] if args.native else ["--nonblocking"]), "--format", args.format,
                 "--output", str(args.out)], check=True)
-        cpu, seconds = cpu_seconds(process.pid) - before_cpu, time.perf_counter() - before
+        cpu, seconds = cpu_seconds([process.pid]) - before_cpu, time.perf_counter() - before
+        after_threads = thread_cpu_seconds(process.pid)
         done = load.done - before_done
         load.stop.set()
         await driver
         print(f"phase {args.phase}: {done} messages in {seconds:.1f} s; sidecar CPU {cpu:.2f} s "
               f"({cpu / seconds:.0%} of a core), {cpu / max(1, done) * 1e6:.1f} µs per message", file=sys.stderr)
+        names.update(thread_names(process.pid, spy))
+        for name, spent in by_thread(before_threads, after_threads, names):
+            print(f"  {name:<40} {spent / max(1, done) * 1e6:8.1f} µs per message ({spent / cpu:.0%})",
+                  file=sys.stderr)
     finally:
         if process is not None and process.poll() is None:
             process.terminate()

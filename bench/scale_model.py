@@ -53,13 +53,12 @@ from casque.schema import BATCHES_PER_BUCKET, MAX_BATCH_BYTES, TWCS_TARGET_WINDO
 from casque.specs import MAX_SHARDS, QueueSpec, SubscriberSpec
 from casque.store import Store
 
-from benchlib import Figure, arguments, drop_scratch, parse, pipeline, report
+from benchlib import CLOCK_TICKS, Figure, arguments, cpu_seconds, drop_scratch, parse, pipeline, report
 
 ROOT = Path(__file__).resolve().parents[1]
 # The three-node ring of the check: ports no test slot, dev stack or other benchmark uses.
 RING_PORTS = StackPorts(native=55042, storage=55000, jmx=55199, zookeeper=55181,
                         zookeeper_quorum=55881, zookeeper_election=55981)
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 # Assumptions of the model (stated in docs/scaling.md with the results).
 NODE_CORES = 8            # cores per production Cassandra node
@@ -173,18 +172,6 @@ def zookeeper_pids(port: int) -> list[int]:
         if re.search(rf"^clientPort={port}$", text, re.MULTILINE):
             pids.append(int(entry.name))
     return pids
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of the processes (all their threads) so far."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / CLOCK_TICKS
 
 
 def zxid(zookeeper: str) -> int:

@@ -69,6 +69,16 @@ SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 RECONNECT_BASE_SECONDS = 0.2
 RECONNECT_MAX_SECONDS = 2.0
 
+# Whether the driver prepares every statement it knows on a node as it comes up, before the
+# node is used. Off: with protocol v5 the driver (3.30) sends its list in chunks of ten but
+# sends the chunks so far again after each new one, about N²/20 PREPAREs for N statements,
+# on a connection of its own, and then opens the pools; each step that times out on a
+# node just restarted under load starts the node's reconnection over. Cassandra keeps its
+# prepared statements across restarts (system.prepared_statements), and a node that lost
+# one answers UNPREPARED, which the driver handles by preparing it there and sending the
+# request again.
+REPREPARE_ON_UP = False
+
 
 def consistency(name: str) -> int:
     return int(ConsistencyLevel.name_to_value[name])
@@ -136,6 +146,7 @@ def connect(settings: Settings) -> tuple[Cluster, Session]:
             sockopts=SOCKET_OPTIONS,
             reconnection_policy=ExponentialReconnectionPolicy(RECONNECT_BASE_SECONDS, RECONNECT_MAX_SECONDS,
                                                               max_attempts=None),
+            reprepare_on_up=REPREPARE_ON_UP,
             **tls_options(settings),
         )
     except UnresolvableContactPoints as error:

@@ -1,10 +1,10 @@
-"""`casque sidecar`, `publish`, `consume`, `tail`, `stats`, `seek`, `redrive`: the queue from a terminal.
+"""`casque publish`, `consume`, `tail`, `stats`, `seek`, `redrive`: the queue from a terminal.
 
-Apart from `sidecar`, which serves the HTTP API, these commands work on the backends
-directly (the CASQUE_* settings, the local stack by default), so an operator needs no
-sidecar to look at or move a queue. `consume` joins the subscriber's group like any
-sidecar, and leaves it cleanly on Ctrl-C; `tail` reads the log and joins nothing, so it
-takes no messages from anyone.
+These commands work on the backends directly (the CASQUE_* settings, the local stack by
+default), so an operator needs no sidecar to look at or move a queue (`casque sidecar`,
+which serves the HTTP API, is in sidecar_command.py). `consume` joins the subscriber's
+group like any sidecar, and leaves it cleanly on Ctrl-C; `tail` reads the log and joins
+nothing, so it takes no messages from anyone.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import asyncio
 import json
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
@@ -29,6 +29,14 @@ from rich.table import Table
 
 from casque.backends import zk
 from casque.cli.exits import UsageError
+from casque.cli.options import (
+    CassandraOption,
+    KeyspaceOption,
+    NamespaceOption,
+    ZookeeperOption,
+    backend_settings,
+    readable_errors,
+)
 from casque.cli.output import MACHINE, TableOutput, TextOutput, check, dumps
 from casque.config import Settings
 from casque.engine import catalog
@@ -40,9 +48,7 @@ from casque.engine.offsets import SeekTarget, seek as seek_offsets
 from casque.engine.publisher import Publisher
 from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
 from casque.errors import InvalidSpec
-from casque.logs import LOG_FORMAT_ENV, LogFormat
 from casque.schema import QueueRef
-from casque.sidecar.config import DEFAULT_PORT, SidecarSettings
 from casque.sidecar.models import PublishMessage
 from casque.store import Store
 
@@ -53,48 +59,6 @@ err = Console(stderr=True)
 PUBLISH_CHUNK = 500
 # Show a progress bar for operations on at least this many messages.
 PROGRESS_FROM = 200
-
-
-# --- shared options -----------------------------------------------------------------------------
-NamespaceOption = Annotated[str, typer.Option("--namespace", "-n", help="The queues' namespace.")]
-CassandraOption = Annotated[
-    str | None,
-    typer.Option("--cassandra", help="Cassandra contact points HOST[,HOST...][:PORT] (default: CASQUE_* settings)."),
-]
-ZookeeperOption = Annotated[
-    str | None, typer.Option("--zookeeper", help="ZooKeeper connect string (default: CASQUE_ZOOKEEPER_HOSTS).")
-]
-KeyspaceOption = Annotated[str | None, typer.Option("--keyspace", help="The installation's keyspace.")]
-LogFormatOption = Annotated[
-    LogFormat, typer.Option("--log-format", envvar=LOG_FORMAT_ENV, help="Log lines as text, or one JSON object each."),
-]
-
-
-def backend_settings(cassandra: str | None, zookeeper: str | None, keyspace: str | None) -> Settings:
-    overrides: dict[str, Any] = {}
-    if cassandra:
-        hosts, _, port = cassandra.rpartition(":") if cassandra.rsplit(":", 1)[-1].isdigit() else (cassandra, "", "")
-        overrides["cassandra_contact_points"] = hosts
-        if port:
-            overrides["cassandra_port"] = int(port)
-    if zookeeper:
-        overrides["zookeeper_hosts"] = zookeeper
-    if keyspace:
-        overrides["keyspace"] = keyspace
-    with _readable_errors():
-        return Settings(**overrides)
-
-
-@contextmanager
-def _readable_errors() -> Iterator[None]:
-    """Settings and message validation failures as one line, like every other refusal."""
-    try:
-        yield
-    except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in error.errors(include_url=False)
-        )
-        raise UsageError(problems) from None
 
 
 @asynccontextmanager
@@ -138,46 +102,6 @@ def _progress(total: int, what: str) -> Progress:
     )
 
 
-# --- sidecar ------------------------------------------------------------------------------------
-def sidecar(
-    queue: Annotated[str | None, typer.Option("--queue", "-q", help="The queue whose subscribers to serve.")] = None,
-    subscriber: Annotated[
-        list[str] | None, typer.Option("--subscriber", "-s", help="A subscriber to consume for (repeatable).")
-    ] = None,
-    host: Annotated[str | None, typer.Option(help="Address to listen on (default 127.0.0.1: the pod only).")] = None,
-    port: Annotated[int | None, typer.Option(help=f"Port to listen on (default {DEFAULT_PORT}).")] = None,
-    namespace: Annotated[str | None, typer.Option("--namespace", "-n", help="The queues' namespace.")] = None,
-    # No --token: a flag's value is visible to every user of the node in `ps`.
-    token_file: Annotated[
-        Path | None,
-        typer.Option(help="Require the bearer token in this file (or set CASQUE_SIDECAR_TOKEN).", show_default=False),
-    ] = None,
-    drain_seconds: Annotated[float | None, typer.Option(help="On SIGTERM, time to let the app settle what it holds.")] = None,
-    max_wait: Annotated[float | None, typer.Option(help="Longest long poll, in seconds.")] = None,
-    push_url: Annotated[str | None, typer.Option(help="POST messages to this URL instead of waiting for receives.")] = None,
-    push_concurrency: Annotated[int | None, typer.Option(help="Pushes under way at once.")] = None,
-    log_format: LogFormatOption = "text",
-    access_log: Annotated[
-        bool | None, typer.Option("--access-log/--no-access-log", help="Log a line per request (off by default).",
-                                  show_default=False),
-    ] = None,
-    cassandra: CassandraOption = None,
-    zookeeper: ZookeeperOption = None,
-    keyspace: KeyspaceOption = None,
-) -> None:
-    """Serve the localhost HTTP API (CASQUE_SIDECAR_* settings, overridden by these flags)."""
-    from casque.sidecar.server import run
-
-    given: dict[str, Any] = {
-        "queue": queue, "subscribers": subscriber or None, "host": host, "port": port, "namespace": namespace,
-        "token_file": token_file, "drain_seconds": drain_seconds, "max_wait_seconds": max_wait, "push_url": push_url,
-        "push_concurrency": push_concurrency, "access_log": access_log,
-    }
-    with _readable_errors():
-        settings = SidecarSettings(**{k: v for k, v in given.items() if v is not None})
-    run(settings, backend_settings(cassandra, zookeeper, keyspace), log_format)
-
-
 # --- publish ------------------------------------------------------------------------------------
 def _message_from_text(
     data: str, key: str | None, attributes: list[str], content_type: str | None, message_id: str | None,
@@ -203,7 +127,7 @@ def _message_from_text(
     body.update({k: v for k, v in optional.items() if v is not None})
     if pairs:
         body["attributes"] = pairs
-    with _readable_errors():
+    with readable_errors():
         return PublishMessage.model_validate(body)
 
 
@@ -657,7 +581,6 @@ def redrive(
 
 def register(app: typer.Typer) -> None:
     app.command("redrive")(redrive)
-    app.command("sidecar")(sidecar)
     app.command("publish")(publish)
     app.command("consume")(consume)
     app.command("tail")(tail)

@@ -20,13 +20,8 @@ from rich.table import Table
 
 from casque.cli.exits import UsageError
 from casque.cli.output import MACHINE, TableOutput, TextOutput, check, dumps, dumps_all, print_whole
-from casque.cli.queue_commands import (
-    CassandraOption,
-    KeyspaceOption,
-    ZookeeperOption,
-    backend_settings,
-    opened,
-)
+from casque.cli.options import CassandraOption, KeyspaceOption, ZookeeperOption, backend_settings
+from casque.cli.queue_commands import opened
 from casque.engine import catalog
 from casque.engine.stats import queue_stats, subscriber_stats
 from casque.schema import QueueRef

@@ -26,14 +26,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from casque.cli.queue_commands import (
-    CassandraOption,
-    KeyspaceOption,
-    NamespaceOption,
-    ZookeeperOption,
-    backend_settings,
-    queue_of,
-)
+from casque.cli.options import CassandraOption, KeyspaceOption, NamespaceOption, ZookeeperOption, backend_settings
+from casque.cli.queue_commands import queue_of
 from casque.config import Settings
 from casque.errors import CasqueError
 from casque.schema import QueueRef

@@ -12,9 +12,8 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from casque.cli.output import MACHINE, TableOutput, check, dumps, print_whole
-from casque.cli.queue_commands import (
-    CassandraOption, KeyspaceOption, NamespaceOption, ZookeeperOption, backend_settings, opened, queue_of,
-)
+from casque.cli.options import CassandraOption, KeyspaceOption, NamespaceOption, ZookeeperOption, backend_settings
+from casque.cli.queue_commands import opened, queue_of
 from casque.config import Settings
 from casque.engine.history import MessageHistory, Origin, message_history
 from casque.schema import QueueRef

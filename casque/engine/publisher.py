@@ -127,7 +127,7 @@ class ShardWriter:
             # Busy from now on, not from when the task first runs: the shard choice of the
             # publishes arriving meanwhile depends on it.
             self.busy = True
-            self._task = asyncio.get_running_loop().create_task(self._drain())
+            self._task = self._publisher.loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         try:
@@ -443,10 +443,20 @@ class Publisher:
         self.idempotency = IdempotencyGuard(self.store, self.state.shared_key(self.queue), self.log,
                                             self.spec.deduplication_window)
         self._background: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
         # Compiled once per schema version (casque.dataschema.validation keeps them): a spec
         # change gives the process a new Publisher, so this is the version in force.
         schema = self.spec.data_schema
         self.schema = None if schema is None else CompiledSchema.of(schema, self.state.schema_version)
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running event loop, kept while it runs: on Python 3.11 every
+        `asyncio.get_running_loop()` makes a getpid(2) call, a few µs per message here. (A
+        publisher is used from one thread; one used again under a new loop finds the old
+        one stopped and asks again.)"""
+        if self._loop is None or not self._loop.is_running():
+            self._loop = asyncio.get_running_loop()
+        return self._loop
 
     def checked(self, message: OutgoingMessage) -> OutgoingMessage:
         """`message` checked against the queue's schema and limits, and marked with the schema
@@ -536,7 +546,7 @@ class Publisher:
     def _to_log(self, message: OutgoingMessage, message_id: str,
                 chosen: dict[int, int] | None = None) -> asyncio.Future[Published]:
         """Hand a message to its shard's writer: the future of where it was written."""
-        future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Published] = self.loop().create_future()
         self._writers[self._choose_shard(message, chosen)].submit(_Pending(message_id, message, future))
         return future
 
