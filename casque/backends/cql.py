@@ -71,9 +71,9 @@ RECONNECT_MAX_SECONDS = 2.0
 
 # Whether the driver prepares every statement it knows on a node as it comes up, before the
 # node is used. Off: with protocol v5 the driver (3.30) sends its list in chunks of ten but
-# sends the chunks so far again after each new one, about N²/20 PREPAREs for N statements,
-# on a connection of its own, and then opens the pools; each step that times out on a
-# node just restarted under load starts the node's reconnection over. Cassandra keeps its
+# sends the chunks so far again after each new one, about N²/20 PREPAREs for N statements
+# (a sidecar of one queue holds 20, and each queue's table has statements of its own), on a
+# connection of its own, before it opens the node's pools. Cassandra keeps its
 # prepared statements across restarts (system.prepared_statements), and a node that lost
 # one answers UNPREPARED, which the driver handles by preparing it there and sending the
 # request again.
