@@ -109,8 +109,7 @@ async def drive(url: str, queue: str, phase: str, text: str, load: Load) -> None
 
 def by_thread(before: dict[int, float], after: dict[int, float], names: dict[int, str]) -> list[tuple[str, float]]:
     """CPU seconds spent between the two readings, per thread name (threads of one name,
-    such as a pool's workers, summed; those Python did not start named by their id),
-    largest first."""
+    such as a pool's workers, summed, and so are those Python did not start), largest first."""
     spent: dict[str, float] = {}
     for tid, now in after.items():
         # "Thread-3 (_run_loop)" is its target's; a pool's workers ("…_0", "…_1") are one.
