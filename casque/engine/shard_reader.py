@@ -211,6 +211,10 @@ class ShardReader:
             return False
         self._full = False
         first = state.next_batch
+        # The head as the read starts: a batch the watch reports while the read is under way
+        # may have landed after the read was served. It is new, not missing: the watch's wake
+        # reads again at once.
+        head = self._head
         batches = await consumer.log.read_from(self.shard, first)
         consumer.counters.batch_reads += 1
         if batches:
@@ -230,10 +234,10 @@ class ShardReader:
             consumer.notify()
             self.schedule_commit()
             return True
-        if first <= self._head:
+        if first <= head:
             # Batches up to the head exist unless they expired, in whatever order (a lowered
             # retention expires newer ones first): find the next one that exists.
-            live = await gaps.next_live(consumer.log, self.shard, first, self._head + 1)
+            live = await gaps.next_live(consumer.log, self.shard, first, head + 1)
             if live == first:
                 raise BackendUnavailable(f"batch {first} exists but the read did not return it")
             self._skip(first, live)

@@ -22,7 +22,7 @@ from casque.backends import zk
 from casque.config import Settings
 from casque.devstack.zookeeper import MAX_SESSION_TIMEOUT_MS
 from casque.engine import catalog, offsets, shard_reader
-from casque.engine.batches import Log
+from casque.engine.batches import Batch, Log
 from casque.engine.consumer import Consumer
 from casque.engine.messages import Delivery, OutgoingMessage
 from casque.engine.offsets import SeekTarget, seek
@@ -456,6 +456,35 @@ async def test_a_deleted_subscriber_ends_receives_and_acks_with_an_error(
         await consumer.receive(max_messages=1, wait=5)
     (result,) = await asyncio.wait_for(consumer.ack_many([first.receipt]), 30)
     assert not isinstance(result, bool)
+
+
+async def test_a_batch_published_while_a_caught_up_read_is_under_way_is_read_next_without_a_retry(
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read is served before the publish lands, and the head's watch moves past it before
+    the read returns: the batch is not missing, it is new. The reader reads again at once; it
+    neither reports a failure nor backs off."""
+    spec = setup(store, shards=1)
+    consumer = await start(consumers, store)
+    await until("the member holds shard 0", lambda: consumer.held_shards == {0})
+    reader = consumer.readers[0]
+    await until("the reader is caught up", lambda: reader.caught_up)
+    original = Log.read_from
+    late: set[str] = set()
+
+    async def served_before_the_publish(self: Log, shard: int, first: int) -> list[Batch]:
+        found = await original(self, shard, first)
+        if not late and not found:
+            late.update(await publish(store, spec, ["late"]))
+            await until("the head's watch saw the publish", lambda: reader._head >= first)
+        return found
+
+    monkeypatch.setattr(Log, "read_from", served_before_the_publish)
+    reader.wake()
+    await until("the read raced the publish", lambda: bool(late))
+    delivered = await drain_all(consumer, late)
+    assert [d.message.message_id for d in delivered] == list(late)
+    assert consumer.counters.retries == 0, reader.problem
 
 
 # --- 4. gaps ------------------------------------------------------------------------------
