@@ -175,6 +175,12 @@ async def main() -> None:
         await driver
         print(f"phase {args.phase}: {done} messages in {seconds:.1f} s; sidecar CPU {cpu:.2f} s "
               f"({cpu / seconds:.0%} of a core), {cpu / max(1, done) * 1e6:.1f} µs per message", file=sys.stderr)
+        if args.phase in ("single", "batched"):
+            # Every batch up to a shard's head was written by this run (the queue is new).
+            batches = sum(int(store.zk.get(store.paths(queue).head(shard))[0] or b"0")
+                          for shard in range(args.shards))
+            print(f"  {load.done} messages published in {batches} batches, "
+                  f"{load.done / max(1, batches):.1f} per batch", file=sys.stderr)
         names.update(thread_names(process.pid, spy))
         for name, spent in by_thread(before_threads, after_threads, names):
             print(f"  {name:<40} {spent / max(1, done) * 1e6:8.1f} µs per message ({spent / cpu:.0%})",

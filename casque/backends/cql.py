@@ -30,11 +30,20 @@ from cassandra.cluster import (
     ExecutionProfile,
     NoHostAvailable,
     ResponseFuture,
+    ResultSet,
     Session,
 )
 from cassandra.policies import DCAwareRoundRobinPolicy, ExponentialReconnectionPolicy, TokenAwarePolicy
 from cassandra.protocol import ErrorMessage, IsBootstrappingErrorMessage, OverloadedErrorMessage
-from cassandra.query import UNSET_VALUE, BatchStatement, BoundStatement, PreparedStatement, Statement, tuple_factory
+from cassandra.query import (
+    UNSET_VALUE,
+    BatchStatement,
+    BoundStatement,
+    PreparedStatement,
+    Statement,
+    named_tuple_factory,
+    tuple_factory,
+)
 
 from casque.backends.rediscovery import ContactPointRediscovery
 from casque.backends.tls import client_context, probe
@@ -135,6 +144,7 @@ def connect(settings: Settings) -> tuple[Cluster, Session]:
         load_balancing_policy=TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=settings.cassandra_local_dc)),
         consistency_level=consistency(settings.consistency),
         request_timeout=10.0,
+        row_factory=named_rows,
     )
     try:
         cluster = Cluster(
@@ -185,6 +195,44 @@ def _tls_refusal(settings: Settings) -> str | None:
     host = settings.cassandra_contact_points[0]
     reason = probe(client_context(tls, "Cassandra"), host, settings.cassandra_port, tls.server_hostname)
     return None if reason is None else f"Cassandra at {host}:{settings.cassandra_port}: {reason}"
+
+
+# The row classes of `named_rows`, by the column names of a result. Statements are few and
+# fixed; the bound only keeps an unforeseen stream of ad-hoc column lists from growing it.
+_ROW_CLASSES: dict[tuple[str, ...], type[tuple[Any, ...]]] = {}
+_ROW_CLASSES_MAX = 512
+
+
+def named_rows(colnames: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[Any]:
+    """Rows as the driver's `named_tuple_factory` makes them (the same names, cleaned the
+    same way), with the row class made once per column list.
+
+    The driver's factory makes a new namedtuple class for every result with rows, about
+    30 µs on its I/O thread, which holds the GIL the event loop needs: once for every
+    conditional write (a batch's claim), every header or offset read. Runs on the driver's
+    I/O threads: a dict read or write is atomic under the GIL, and two threads making the
+    same class at once make two equal ones.
+    """
+    if not rows:
+        return []
+    names = tuple(colnames)
+    row_class = _ROW_CLASSES.get(names)
+    if row_class is None:
+        (first, *_) = named_tuple_factory(colnames, rows[:1])
+        row_class = type(first)
+        if len(_ROW_CLASSES) >= _ROW_CLASSES_MAX:
+            _ROW_CLASSES.clear()
+        _ROW_CLASSES[names] = row_class
+    return [row_class(*row) for row in rows]
+
+
+def applied(result: ResultSet) -> bool:
+    """Whether a conditional write (or a batch holding one) was applied. The driver's
+    `ResultSet.was_applied` answers for its own row factories only, not for `named_rows`."""
+    names = result.column_names
+    if not names or names[0] != "[applied]":
+        raise RuntimeError(f"not the result of a conditional write (columns {names})")
+    return bool(result.current_rows[0][0])
 
 
 # Each session's default execution profile with rows as plain tuples (see `tuple_rows`).

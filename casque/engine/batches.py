@@ -152,7 +152,7 @@ class Log:
                     seq, message_id, message.key, dict(message.attributes) or None, message.payload,
                     message.content_type, message.client_id, None))
         result = await cql.execute(self.store.session, statement)
-        if result.was_applied:
+        if cql.applied(result):
             return Claim(True, Header(batch, published_at, writer, len(messages), total_messages, total_bytes))
         return Claim(False, _header_from_row(batch, result.one()))
 

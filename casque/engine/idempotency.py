@@ -430,7 +430,7 @@ class IdempotencyGuard:
             result = await cql.execute(self._store.session, self._take_over, (
                 self._ttl(message), record.message_id, shard, writer, self._queue, bucket, message.client_id,
                 record.writer))
-        return bool(result.was_applied)
+        return cql.applied(result)
 
     async def complete(self, client_id: str, message_id: str, shard: int, batch: int, seq: int | None,
                        ttl: int | None = None) -> Published:

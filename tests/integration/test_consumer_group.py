@@ -783,18 +783,25 @@ async def test_scaling_up_and_down_under_load_never_redelivers_a_message_within_
         # (load average 17) the ordered-keys group took over 120 s to reach four members holding.
         deadline = time.monotonic() + 300
         while not condition():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n" + "\n".join(
+                f"  member {w.consumer.member_id}: shards {sorted(w.consumer.held_shards)}, in flight "
+                f"{w.consumer.in_flight()}, {w.consumer.counters}, {'; '.join(w.waiting())}"
+                for w in members_now)
             await publish_round()
             await asyncio.sleep(0.2)
 
+    members_now: list[HoldingWorker] = []
     first = await group(2)
+    members_now[:] = first
     await load_until(lambda: in_flight_everywhere(first), "both members holding messages")
     second = await group(2)  # 2 -> 4: shards move from the first two, with messages held
     everyone = first + second
+    members_now[:] = everyone
     await load_until(lambda: all(len(w.consumer.held_shards) == 2 for w in everyone), "four members, two shards each")
     await load_until(lambda: in_flight_everywhere(everyone), "all four members holding messages")
     for worker in second:  # 4 -> 2: the joiners leave after draining what they hold
         await worker.stop()
+    members_now[:] = first
     await load_until(lambda: all(len(w.consumer.held_shards) == 4 for w in first), "two members, four shards each")
     # The moves are over: the apps stop holding messages. Every message of a third of the keys
     # is held (24 keys, every third message), so with ordered keys those keys go one message
