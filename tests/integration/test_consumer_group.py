@@ -725,17 +725,23 @@ def unacked(history: History, keys: dict[str, str], members: list[HoldingWorker]
         deliveries = [(d.member, d.delivery_count) for d in history.deliveries if d.message_id == message_id]
         acks = [a.outcome for a in history.acks if a.message_id == message_id]
         lines.append(f"  {message_id} key {keys.get(message_id)}: delivered {deliveries}, acks {acks}")
+    return "\n".join(lines + where_members_stand(members))
+
+
+def where_members_stand(members: list[HoldingWorker]) -> list[str]:
+    """Each member's shards, deliveries, counters and waits, and each of its readers' state."""
+    lines = []
     for worker in members:
         consumer = worker.consumer
-        lines.append(f"  member: shards {sorted(consumer.held_shards)}, in flight {consumer.in_flight()}, "
-                     f"report {consumer.report()}, receive errors {worker.receive_errors[-3:]}, "
+        lines.append(f"  member {consumer.member_id}: shards {sorted(consumer.held_shards)}, in flight "
+                     f"{consumer.in_flight()}, {consumer.counters}, receive errors {worker.receive_errors[-3:]}, "
                      f"{'; '.join(worker.waiting())}")
         for shard, reader in sorted(consumer.readers.items()):
             state = reader.state
             lines.append(f"    shard {shard}: offset {state.offset}, loaded {state.loaded_messages}, in flight "
                          f"{state.in_flight}, keys held {state.locks.keys_held if state.locks else 0}, caught up "
                          f"{reader.caught_up}, releasing {reader.releasing}, problem {reader.problem!r}")
-    return "\n".join(lines)
+    return lines
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered-keys"])
@@ -783,10 +789,8 @@ async def test_scaling_up_and_down_under_load_never_redelivers_a_message_within_
         # (load average 17) the ordered-keys group took over 120 s to reach four members holding.
         deadline = time.monotonic() + 300
         while not condition():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n" + "\n".join(
-                f"  member {w.consumer.member_id}: shards {sorted(w.consumer.held_shards)}, in flight "
-                f"{w.consumer.in_flight()}, {w.consumer.counters}, {'; '.join(w.waiting())}"
-                for w in members_now)
+            assert time.monotonic() < deadline, "\n".join(
+                [f"timed out waiting for {what}:", *where_members_stand(members_now)])
             await publish_round()
             await asyncio.sleep(0.2)
 
