@@ -141,6 +141,80 @@ async def test_a_linger_lets_a_publish_wait_for_the_next_one_to_share_its_batch(
     assert first.batch == second.batch and (first.seq, second.seq) == (0, 1)
 
 
+def places(stored: dict[int, dict[int, list[str]]]) -> dict[str, tuple[int, int, int]]:
+    """message id -> (shard, batch, seq) as read back from the log."""
+    return {message_id: (shard, batch, seq) for shard, batches in stored.items()
+            for batch, ids in batches.items() for seq, message_id in enumerate(ids)}
+
+
+async def test_a_call_mixing_plain_identified_and_delayed_messages_answers_each_where_it_landed(
+    store: Store,
+) -> None:
+    """A call's plain messages are answered together, its messages with an id or a delivery
+    time each on its own path: every answer names the message's place, in the call's order."""
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    messages = [
+        OutgoingMessage(b"plain-0"), OutgoingMessage(b"keyed-a", key="a"),
+        OutgoingMessage(b"with-id", client_id="mixed-1"), OutgoingMessage(b"later", delay_seconds=600),
+        OutgoingMessage(b"keyed-b", key="b"), OutgoingMessage(b"plain-1"),
+    ]
+    results = await publisher.publish(messages)
+    await publisher.flush_heads()
+    logged = places(await read_all(store, spec))
+    assert len(results) == len(messages)
+    assert results[3].batch == -1 and results[3].deliver_at is not None
+    in_log = [r for i, r in enumerate(results) if i != 3]
+    assert {r.message_id: (r.shard, r.batch, r.seq) for r in in_log} == logged
+    # The call's order holds within each shard.
+    for shard in range(spec.shards):
+        on_shard = [logged[r.message_id] for r in in_log if r.shard == shard]
+        assert on_shard == sorted(on_shard)
+    (again,) = await publisher.publish([OutgoingMessage(b"with-id", client_id="mixed-1")])
+    assert again.message_id == results[2].message_id
+
+
+async def test_a_call_larger_than_a_batch_is_answered_with_every_batch_it_took(store: Store) -> None:
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    messages = [OutgoingMessage(bytes([65 + i]) * 200_000) for i in range(12)]  # 2.4 MB: over one batch's bytes
+    results = await publisher.publish(messages)
+    await publisher.flush_heads()
+    logged = places(await read_all(store, spec))
+    assert len({r.batch for r in results}) >= 3
+    assert [logged[r.message_id] for r in results] == [(r.shard, r.batch, r.seq) for r in results]
+    assert [(r.batch, r.seq) for r in results] == sorted((r.batch, r.seq) for r in results)
+
+
+async def test_a_call_whose_later_batch_is_not_written_fails_as_a_retryable_whole(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its first batch is written, its second certainly not: the call is answered with a
+    retryable failure (not left waiting), and what was written stays written."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    claim = Log.claim
+    claims = 0
+
+    async def second_claim_lost(self: Log, *args: Any, **kwargs: Any) -> Claim:
+        nonlocal claims
+        claims += 1
+        if claims == 2:
+            raise WriteOutcomeUnknown("timed out before reaching anyone")
+        return await claim(self, *args, **kwargs)
+
+    monkeypatch.setattr(Log, "claim", second_claim_lost)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    with pytest.raises(BackendUnavailable) as raised:
+        await publisher.publish([OutgoingMessage(bytes([65 + i]) * 200_000) for i in range(12)])
+    assert not isinstance(raised.value, PublishOutcomeUnknown)
+    await publisher.flush_heads()
+    stored = await read_all(store, spec)
+    assert stored[0].get(1), "the first batch of the call was written"
+
+
 async def test_idempotent_publish_returns_the_first_result(store: Store, key: Key) -> None:
     spec = QueueSpec(shards=2, retention_seconds=3600)
     catalog.apply_queue(store, QUEUE, spec)
