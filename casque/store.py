@@ -41,8 +41,9 @@ class Store:
     @classmethod
     def open(cls, settings: Settings, namespace: str | None = None) -> Store:
         """Connect to both backends. `namespace`: this process serves that namespace only
-        (a sidecar), with its namespace's ZooKeeper identity when the settings carry one."""
-        cluster, session = cql.connect(settings)
+        (a sidecar), with its namespace's ZooKeeper identity when the settings carry one,
+        and the Cassandra schema of its keyspace only (`cql.connect`'s `schema_of`)."""
+        cluster, session = cql.connect(settings, schema_of=None if namespace is None else settings.keyspace)
         try:
             client = zk.connect(settings, namespace=namespace)
         except Exception:

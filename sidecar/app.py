@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from importlib import metadata
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -83,7 +85,9 @@ def create_app(
     app[METRICS] = metrics
     app[RUNTIME] = Runtime()
     app[TRACING] = tracing if tracing is not None else from_environment()
-    app[OPENAPI] = build(OPERATIONS, _version(), bearer_token=settings.token is not None)
+    openapi: Callable[[], dict[str, Any]] = functools.cache(
+        functools.partial(build, OPERATIONS, _version(), bearer_token=settings.token is not None))
+    app[OPENAPI] = openapi
     bodies.install(app)
     memory = bodies.memory_of(app)
     metrics.track_request_memory(lambda: memory.charged, lambda: memory.peak)

@@ -33,3 +33,15 @@ def settle() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, older, oldest)
+
+
+def release_free_pages() -> None:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`), once the
+    backends are connected: connecting (TLS contexts, the schema read, the drivers'
+    handshakes) frees memory in the middle of the heap, which glibc keeps resident. Nothing
+    where the C library has no such call."""
+    import ctypes  # here, not at import: the sidecar loads it once, other processes never
+
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -16,6 +17,7 @@ SETTINGS = web.AppKey("settings", SidecarSettings)
 BACKENDS = web.AppKey("backends", Settings)
 METRICS = web.AppKey("metrics", SidecarMetrics)
 RUNTIME = web.AppKey("runtime", Runtime)
-OPENAPI = web.AppKey("openapi", dict[str, Any])
+# The OpenAPI document, made at its first request (it builds every model's JSON schema).
+OPENAPI: web.AppKey[Callable[[], dict[str, Any]]] = web.AppKey("openapi")
 # None unless an exporter is configured (tracing.py): each operation checks it once.
 TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")

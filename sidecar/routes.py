@@ -399,7 +399,7 @@ async def metrics_of(app: web.Application) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(request.app[OPENAPI])
+    return web.json_response(request.app[OPENAPI]())
 
 
 _CONSUMER_ERRORS = (400, 403, 404, 409, 503)

@@ -85,9 +85,11 @@ async def serve(
 
 async def _settle_when_connected(app: web.Application) -> None:
     """The drivers' connections and the Cassandra schema metadata are the process's too, once
-    connected: out of the collector's way as well (heap.py)."""
+    connected: out of the collector's way as well, and what connecting freed goes back to
+    the system (heap.py)."""
     await app[RUNTIME].connected.wait()
     heap.settle()
+    heap.release_free_pages()
 
 
 async def _serve_metrics(app: web.Application, host: str, port: int) -> web.AppRunner:

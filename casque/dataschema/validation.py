@@ -16,9 +16,10 @@ import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import fastjsonschema
+if TYPE_CHECKING:
+    import fastjsonschema
 
 from casque.dataschema.keywords import pointer, problems
 from casque.errors import SchemaViolation
@@ -55,6 +56,8 @@ class Failure:
 
 def invalid_schema(schema: object) -> str | None:
     """Why `schema` cannot be a queue schema, as one line (None: it can)."""
+    import fastjsonschema  # in the functions: a process whose queues have no schema never loads it
+
     found = problems(schema)
     if not found:
         try:
@@ -71,6 +74,8 @@ def invalid_schema(schema: object) -> str | None:
 def _compiled(text: str) -> Callable[[Any], Any]:
     # Formats are not asserted (2020-12's default; keywords.py), and defaults never fill in
     # the data: a check must not change the message it checks.
+    import fastjsonschema
+
     check: Callable[[Any], Any] = fastjsonschema.compile(json.loads(text), use_default=False, use_formats=False)
     return check
 
@@ -107,6 +112,8 @@ class CompiledSchema:
             value = json.loads(payload)
         except ValueError:
             return Failure("", "contentType", "the queue has a schema, so data must be JSON; this is not")
+        import fastjsonschema  # loaded already, by `_compiled`
+
         try:
             self.check_value(value)
         except fastjsonschema.JsonSchemaValueException as error:
