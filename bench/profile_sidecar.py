@@ -5,7 +5,8 @@
         [--no-subscriber]
 
 Phases, as bench_sidecar.py makes them: `single` (one-message publishes, 32 in flight),
-`batched` (100-message publishes, 4 in flight), `consume_batched` (receive 100 + ack 100,
+`batched` (100-message publishes, 4 in flight), `keyed` (the same with producer
+sequences, each call the next 100 numbers of one producer), `consume_batched` (receive 100 + ack 100,
 4 loops, on a queue filled first), `pair` (receive 1 + ack 1, 32 loops). The phase runs
 until `py-spy record` (all threads, idle samples left out; `--nonblocking` unless `--native`,
 since C frames are read only from a paused process) has sampled
@@ -41,7 +42,7 @@ from bench_sidecar import BATCH, COST_BATCH_WINDOW, COST_WINDOW, RECEIVERS, star
 from benchlib import cpu_seconds, drop_scratch, pipeline, scratch_settings, sidecar_url, thread_cpu_seconds, thread_names
 from keepalive import KeepAliveClient
 
-PHASES = ("single", "batched", "consume_batched", "pair")
+PHASES = ("single", "batched", "keyed", "consume_batched", "pair")
 
 
 @dataclass
@@ -61,8 +62,15 @@ async def drive(url: str, queue: str, phase: str, text: str, load: Load) -> None
     async with KeepAliveClient(url, limit=COST_WINDOW + 4) as http:
         post = http.post_ok
 
-        async def publish(messages: int, window: int) -> None:
-            if messages == 1:
+        async def publish(messages: int, window: int, producer: str | None = None) -> None:
+            if producer is not None:
+                numbered = iter(range(10**9))
+
+                async def once() -> None:
+                    first = next(numbered) * messages
+                    await post(f"{base}/messages/batch", {"messages": [
+                        {**body, "producerid": producer, "producerseq": first + n} for n in range(messages)]})
+            elif messages == 1:
                 async def once() -> None:
                     await post(f"{base}/messages", body)
             else:
@@ -98,6 +106,9 @@ async def drive(url: str, queue: str, phase: str, text: str, load: Load) -> None
         elif phase == "batched":
             load.started.set()
             await publish(BATCH, COST_BATCH_WINDOW)
+        elif phase == "keyed":
+            load.started.set()
+            await publish(BATCH, COST_BATCH_WINDOW, producer=f"profile-{time.time_ns()}")
         else:
             # The queue is filled first, with more than the phase can consume, so that every
             # receive finds messages: the profile is then of consuming, not of waiting.
@@ -134,8 +145,8 @@ async def main() -> None:
     parser.add_argument("--cassandra", default="127.0.0.1:9042")
     parser.add_argument("--zookeeper", default="127.0.0.1:2181")
     args = parser.parse_args()
-    if args.no_subscriber and args.phase not in ("single", "batched"):
-        parser.error("--no-subscriber: only the publish phases (single, batched) consume nothing")
+    if args.no_subscriber and args.phase not in ("single", "batched", "keyed"):
+        parser.error("--no-subscriber: only the publish phases (single, batched, keyed) consume nothing")
 
     settings = scratch_settings(args.cassandra, args.zookeeper)
     store = Store.open(settings)

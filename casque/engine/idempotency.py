@@ -53,7 +53,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Protocol
 
 from cassandra import InvalidRequest
 from cassandra.query import UNSET_VALUE, BatchStatement, BatchType, PreparedStatement
@@ -108,6 +108,13 @@ RESOLVE_POLL_SECONDS = 0.25
 
 _COLUMNS = "client_id, message_id, shard, batch_no, seq, writer, TTL(writer) AS intent_ttl"
 _LEGACY_COLUMNS = f"{_COLUMNS}, since_batch, claim_deadline"
+
+
+class CallSlots(Protocol):
+    """Messages of one publish call that share the call's future (the publisher's): a
+    future for one of them alone is made only when asked."""
+
+    def watch(self, index: int) -> asyncio.Future[Published]: ...
 
 
 @dataclass(frozen=True)
@@ -247,7 +254,8 @@ class IdempotencyGuard:
         # second early: memory forgets a second before the rows can, so it never answers a
         # retry as a duplicate that another sidecar would publish anew.
         self._recent = RecentIds(window_seconds=self._window - TTL_GRANULARITY_SECONDS)
-        self._inflight: dict[str, asyncio.Future[Published]] = {}
+        # This process's publishes under way, by id: a future, or a slot of a publish call.
+        self._inflight: dict[str, asyncio.Future[Published] | tuple[CallSlots, int]] = {}
         self.resolved_intents = 0
         self._statements = 0
 
@@ -255,6 +263,11 @@ class IdempotencyGuard:
     def statements(self) -> int:
         """Cassandra statements sent for ids so far (each touches one partition)."""
         return self._statements + (self._blocks.statements if self._blocks is not None else 0)
+
+    @property
+    def under_way(self) -> int:
+        """Ids whose publish in this process has not ended yet."""
+        return len(self._inflight)
 
     def _sequenced(self, client_id: str) -> Sequenced | None:
         """The producer and number of a producer key kept in blocks; None for any other id."""
@@ -270,9 +283,12 @@ class IdempotencyGuard:
             answer.set_result(_as_duplicate(known))
             return answer
         running = self._inflight.get(client_id)
-        if running is not None:
-            return asyncio.get_running_loop().create_task(_duplicate_of(running))
-        return None
+        if running is None:
+            return None
+        if isinstance(running, tuple):
+            call, index = running
+            running = call.watch(index)
+        return asyncio.get_running_loop().create_task(_duplicate_of(running))
 
     def track(self, client_id: str, publication: asyncio.Future[Published]) -> None:
         """`publication` is this process's publish of `client_id`: until it ends, publishes of
@@ -289,6 +305,22 @@ class IdempotencyGuard:
                 self._recent.remember(client_id, done.result(), started)
 
         publication.add_done_callback(ended)
+
+    def track_slot(self, client_id: str, call: CallSlots, index: int) -> None:
+        """As `track`, for a message answered through its call's shared future: the call
+        reports when it lands (`slot_ended`), and makes a future for it only for a publish
+        of the same id that waits meanwhile."""
+        self._inflight[client_id] = (call, index)
+
+    def slot_ended(self, client_id: str, call: CallSlots, index: int, result: Published | None,
+                   started: float) -> None:
+        """The message of a `track_slot` landed (`result`) or failed (None). `started`: when
+        its call's ids were first checked, before their intents were written."""
+        running = self._inflight.get(client_id)
+        if isinstance(running, tuple) and running[0] is call and running[1] == index:
+            del self._inflight[client_id]
+        if result is not None and not client_id.startswith(PRODUCER_KEY_PREFIX):
+            self._recent.remember(client_id, result, started)
 
     async def lookup(self, client_ids: Sequence[str]) -> dict[str, IdRecord]:
         """The records of these ids, by client id: one read per bucket partition the client
@@ -359,20 +391,25 @@ class IdempotencyGuard:
         sequenced = []
         ttl = 0
         for message, message_id, seq in intents:
-            if not message.client_id:
+            client_id = message.client_id
+            if not client_id:
                 continue
-            ttl = max(ttl, self._ttl(message))
-            parsed = self._sequenced(message.client_id)
+            message_ttl = self._ttl(message)
+            ttl = max(ttl, message_ttl)
+            parsed = self._sequenced(client_id)
             if parsed is None:
-                rows.append((self._queue, client_id_bucket(message.client_id), message.client_id, message_id, shard,
-                             seq, writer, self._ttl(message)))
+                rows.append((self._queue, client_id_bucket(client_id), client_id, message_id, shard, seq, writer,
+                             message_ttl))
             else:
                 sequenced.append(BlockRecord(parsed, message_id, shard, seq))
-        if rows or sequenced:
-            await asyncio.gather(
-                self._write_writer(writer, shard, since_batch, deadline, ttl),
-                self._write_rows(self._insert_intent, rows),
-                self._write_blocks(sequenced, writer, ttl))
+        if not (rows or sequenced):
+            return
+        writes = [self._write_writer(writer, shard, since_batch, deadline, ttl)]
+        if rows:
+            writes.append(self._write_rows(self._insert_intent, rows))
+        if sequenced:
+            writes.append(self._write_blocks(sequenced, writer, ttl))
+        await asyncio.gather(*writes)
 
     async def _write_blocks(self, records: Sequence[BlockRecord], writer: str, ttl: int,
                             batch_no: int | None = None) -> None:

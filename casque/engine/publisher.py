@@ -72,29 +72,72 @@ RESYNC_AFTER_CONFLICTS = 3
 
 
 class _Call:
-    """The plain messages of one publish call (no client id, no delivery time), answered
-    together: one future for the call instead of one per message, which with its gathering
-    cost about as much as the rest of a batch call's work on a message. Results land at the
-    messages' places in the call; the first failure fails the call, as a gather would."""
+    """The messages of one publish call that go straight to the log (those without a
+    delivery time), answered together: one future for the call instead of one per message,
+    which with its gathering cost about as much as the rest of a batch call's work on a
+    message. Results land at the messages' places in the call; the first failure fails the
+    call, as a gather would.
 
-    __slots__ = ("future", "results", "remaining")
+    A message with a client id (or producer key) is tracked by the idempotency guard as
+    this call's slot (`keys`, by index): a publish of the same id meanwhile waits on a
+    future made for that slot alone (`watch`), and the guard hears when each slot lands
+    (`IdempotencyGuard.slot_ended`), whatever became of the call."""
 
-    def __init__(self, future: asyncio.Future[list[Published | None]], size: int) -> None:
+    __slots__ = ("future", "results", "remaining", "guard", "keys", "started", "watchers")
+
+    def __init__(self, future: asyncio.Future[list[Published | None]], size: int, guard: IdempotencyGuard) -> None:
         self.future = future
         self.results: list[Published | None] = [None] * size
         self.remaining = 0
+        self.guard = guard
+        self.keys: dict[int, str] | None = None
+        # When its first id was tracked, before any intent of the call is written: what memory
+        # keeps of its ids ends before their rows do.
+        self.started = 0.0
+        self.watchers: dict[int, asyncio.Future[Published]] | None = None
+
+    def track(self, index: int, client_id: str) -> None:
+        if self.keys is None:
+            self.keys = {}
+            self.started = time.monotonic()
+        self.keys[index] = client_id
+        self.guard.track_slot(client_id, self, index)
+
+    def watch(self, index: int) -> asyncio.Future[Published]:
+        """A future of the message at `index` alone (made for a publish of its id that waits)."""
+        if self.watchers is None:
+            self.watchers = {}
+        watcher = self.watchers.get(index)
+        if watcher is None:
+            watcher = self.watchers[index] = self.future.get_loop().create_future()
+        return watcher
 
     def resolve(self, index: int, result: Published) -> None:
+        if self.results[index] is not None:
+            return  # answered already
+        self.results[index] = result
+        self._ended(index, result, None)
         if self.future.done():
             return  # failed, or its caller went away
-        self.results[index] = result
         self.remaining -= 1
         if self.remaining == 0:
             self.future.set_result(self.results)
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, index: int, error: BaseException) -> None:
+        self._ended(index, None, error)
         if not self.future.done():
             self.future.set_exception(error)
+
+    def _ended(self, index: int, result: Published | None, error: BaseException | None) -> None:
+        if self.keys is not None and index in self.keys:
+            self.guard.slot_ended(self.keys[index], self, index, result, self.started)
+        if self.watchers is not None:
+            watcher = self.watchers.pop(index, None)
+            if watcher is not None and not watcher.done():
+                if result is not None:
+                    watcher.set_result(result)
+                else:
+                    watcher.set_exception(error or asyncio.CancelledError())
 
 
 @dataclass
@@ -122,7 +165,7 @@ class _Pending:
     def fail(self, error: BaseException) -> None:
         if self.future is None:
             assert self.call is not None
-            self.call.fail(error)
+            self.call.fail(self.index, error)
         elif not self.future.done():
             self.future.set_exception(error)
 
@@ -543,19 +586,25 @@ class Publisher:
         ids = time_ordered_ids(len(messages), self.clock.time()) if message_ids is None else list(message_ids)
         if len(messages) == 1:
             # The common one-message call: awaited in this task, without a gathering future.
-            return [await self._start(messages[0], ids[0], drawn=drawn)]
+            return [await self._start(messages[0], ids[0], self._due(messages[0]), drawn=drawn)]
         # The call's messages without a key go to one shard per priority level, chosen once:
         # they share a batch, and a producer's numbered keys stay in runs (see sequences).
         chosen: dict[int, int] = {}
-        call = _Call(self.loop().create_future(), len(messages))
+        guard = self.idempotency
+        call = _Call(self.loop().create_future(), len(messages), guard)
         apart: dict[int, asyncio.Future[Published]] = {}
         for index, (message, message_id) in enumerate(zip(messages, ids)):
-            if message.client_id is None and self._due(message) is None:
+            due = self._due(message)
+            client_id = message.client_id
+            earlier = None if client_id is None or due is not None else guard.earlier_here(client_id)
+            if due is None and earlier is None:
                 call.remaining += 1
+                if client_id is not None:
+                    call.track(index, client_id)
                 self._writers[self._choose_shard(message, chosen)].submit(
                     _Pending(message_id, message, None, call=call, index=index))
-            else:  # its id tracked, or its own route to a delivery time
-                apart[index] = self._start(message, message_id, chosen, drawn)
+            else:  # a publish of its id under way or done, or its own route to a delivery time
+                apart[index] = earlier if earlier is not None else self._start(message, message_id, due, chosen, drawn)
         if not apart:
             return cast(list[Published], await call.future)
         waits = [call.future] if call.remaining else []
@@ -565,21 +614,20 @@ class Publisher:
             results[index] = result
         return cast(list[Published], results)
 
-    def _start(self, message: OutgoingMessage, message_id: str,
+    def _start(self, message: OutgoingMessage, message_id: str, due: datetime | None,
                chosen: dict[int, int] | None = None, drawn: bool = False) -> asyncio.Future[Published]:
-        """Start publishing one message: the future of its result. A message for the log is
-        handed to its shard writer at once, with a future and no task of its own: a task per
-        message cost as much as the rest of a batch call's work on it. One with a delivery time
-        (its own or the queue's delay) takes the coroutine path, in a task. `drawn`: the id
-        was made for this call, so a delayed message's is made again for its due time (ids
-        carry when the message is due in the log, see messages.time_ordered_ids)."""
+        """Start publishing one message, to be delivered at `due` (None: at once): the future
+        of its result. A message for the log is handed to its shard writer at once, with a
+        future and no task of its own: a task per message cost as much as the rest of a batch
+        call's work on it. One with a delivery time takes the coroutine path, in a task.
+        `drawn`: the id was made for this call, so a delayed message's is made again for its
+        due time (ids carry when the message is due in the log, see messages.time_ordered_ids)."""
         guard = self.idempotency
         client_id = message.client_id
         if client_id is not None:
             earlier = guard.earlier_here(client_id)
             if earlier is not None:
                 return earlier
-        due = self._due(message)
         if due is not None and drawn:
             (message_id,) = time_ordered_ids(1, due.timestamp())
         publication = (self._to_log(message, message_id, chosen) if due is None

@@ -24,6 +24,7 @@ client id; a key found here is therefore also looked up there, and what is there
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -56,8 +57,10 @@ def producer_key(producer: str, sequence: int) -> str:
     return f"{PRODUCER_KEY_PREFIX}{producer}\x00{sequence}"
 
 
+@functools.lru_cache(maxsize=1024)
 def parse_producer_key(key: str) -> Sequenced | None:
-    """The (producer, sequence) of a producer key; None for any other client id."""
+    """The (producer, sequence) of a producer key; None for any other client id. Kept for
+    the last keys parsed: a batch's keys are parsed for its lookup and again for its intents."""
     if not key.startswith(PRODUCER_KEY_PREFIX):
         return None
     producer, _, sequence = key[len(PRODUCER_KEY_PREFIX):].rpartition("\x00")

@@ -215,6 +215,57 @@ async def test_a_call_whose_later_batch_is_not_written_fails_as_a_retryable_whol
     assert stored[0].get(1), "the first batch of the call was written"
 
 
+async def test_a_publish_of_an_id_a_failing_call_holds_answers_that_messages_own_outcome(
+    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
+) -> None:
+    """A call of identified messages spans three batches and its second is certainly not
+    written, so the call fails. Publishes of its ids sent meanwhile (the client retrying a
+    call it gave up on) wait for each message alone: the ones written are answered as
+    duplicates at their places, the others fail retryable. Retried once more, every id is
+    in the log once, and no publish of them is left under way in the process."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    claim = Log.claim
+    claims = 0
+    started = asyncio.Event()
+
+    async def second_claim_lost(self: Log, *args: Any, **kwargs: Any) -> Claim:
+        nonlocal claims
+        claims += 1
+        if claims == 1:
+            started.set()
+            await asyncio.sleep(0)  # the waiting publishes go in while this claim is out
+        if claims == 2:
+            raise WriteOutcomeUnknown("timed out before reaching anyone")
+        return await claim(self, *args, **kwargs)
+
+    monkeypatch.setattr(Log, "claim", second_claim_lost)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    ids = [key(f"held-{n}") for n in range(12)]
+    messages = [OutgoingMessage(bytes([65 + n]) * 200_000, client_id=ids[n]) for n in range(12)]  # 3+ batches
+    call = asyncio.create_task(publisher.publish(messages))
+    await asyncio.wait_for(started.wait(), 60)
+    waiting = [asyncio.create_task(publisher.publish([message])) for message in messages]
+    with pytest.raises(BackendUnavailable):
+        await call
+    outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+    landed = {n: o[0] for n, o in enumerate(outcomes) if isinstance(o, list)}
+    failed = [n for n, o in enumerate(outcomes) if isinstance(o, BackendUnavailable)]
+    assert len(landed) + len(failed) == 12, outcomes
+    assert landed and failed
+    for n, result in landed.items():
+        assert result.duplicate and copies_of(store, ids[n]) == [(result.shard, result.batch, result.seq)]
+    for n in failed:
+        assert copies_of(store, ids[n]) == []
+    assert publisher.idempotency.under_way == 0
+    again = await publisher.publish(messages)
+    for n, result in enumerate(again):
+        assert copies_of(store, ids[n]) == [(result.shard, result.batch, result.seq)]
+        if n in landed:
+            assert result.message_id == landed[n].message_id
+    assert publisher.idempotency.under_way == 0
+
+
 async def test_idempotent_publish_returns_the_first_result(store: Store, key: Key) -> None:
     spec = QueueSpec(shards=2, retention_seconds=3600)
     catalog.apply_queue(store, QUEUE, spec)
