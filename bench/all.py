@@ -1,7 +1,7 @@
 """Every benchmark, one after the other, and the README's figures from their results.
 
-    python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,shared,keys,spark,schema,filter,history,pipeline,scale]
-        [--out DIR] [--readme README.md] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
+    python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,shared,keys,spark,schema,filter,history,pipeline,scale,soak]
+        [--out DIR] [--reuse DIR] [--readme README.md] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 Runs each benchmark as its own process with `--json` (a benchmark's driver threads, Spark JVM
 and sidecar never outlive it), keeps each JSON document in `--out`, and renders one Markdown
@@ -45,13 +45,22 @@ BENCHMARKS = {
     # The model's inputs on the given stack and its check there (its ring check, which starts
     # a three-node ring, only when run by hand with --ring).
     "scale": "scale_model.py",
+    # A sidecar's memory under a long run of mixed traffic (--minutes by hand for hours).
+    "soak": "soak_sidecar.py",
 }
+# Benchmarks that run once whatever --runs says: one run is their measure (a soak's length).
+ONE_RUN = {"soak"}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
 def run(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any] | None:
     """One benchmark's JSON document, or None when it failed (its stderr is kept in out)."""
-    command = [sys.executable, str(HERE / BENCHMARKS[name]), "--json", "--runs", str(args.runs),
+    if args.reuse is not None:
+        document = json.loads((args.reuse / f"{name}.json").read_text())
+        (out / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
+        return document
+    runs = 1 if name in ONE_RUN else args.runs
+    command = [sys.executable, str(HERE / BENCHMARKS[name]), "--json", "--runs", str(runs),
                "--cassandra", args.cassandra, "--zookeeper", args.zookeeper]
     if args.smoke:
         command.append("--smoke")
@@ -123,6 +132,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="where the JSON documents go (default: a new temporary directory)")
     parser.add_argument("--readme", type=Path, help="update this README's benchmark section")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per benchmark")
+    parser.add_argument("--reuse", type=Path, help="render the JSON documents a run left in this directory "
+                        "(its --out, or a benchmark's own --json output saved as <name>.json) instead of running")
     parser.add_argument("--cassandra", default=os.environ.get("CASQUE_BENCH_CASSANDRA", "127.0.0.1:9042"))
     parser.add_argument("--zookeeper", default=os.environ.get("CASQUE_BENCH_ZOOKEEPER", "127.0.0.1:2181"))
     args = parser.parse_args()

@@ -57,6 +57,12 @@ class KeepAliveClient:
         return await self.request("GET", path, None)
 
     async def request(self, method: str, path: str, payload: bytes | None) -> tuple[int, Any]:
+        """The status and the decoded JSON answer."""
+        status, body = await self.request_raw(method, path, payload)
+        return status, json.loads(body) if body else None
+
+    async def request_raw(self, method: str, path: str, payload: bytes | None) -> tuple[int, bytes]:
+        """The status and the answer's bytes (a page that is not JSON: /metrics)."""
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method.encode(), path.encode(), self._header_host)
         if payload is not None:
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(payload)
@@ -87,7 +93,7 @@ class KeepAliveClient:
                 self._idle.append((reader, writer))
             else:
                 writer.close()
-        return status, json.loads(body) if body else None
+        return status, body
 
 
 async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:

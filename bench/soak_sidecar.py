@@ -1,0 +1,283 @@
+"""Soak: a sidecar's memory under a long run of mixed traffic, after its buffers have filled.
+
+    python bench/soak_sidecar.py [--minutes 10] [--rate 300] [--size 1024] [--runs 1]
+        [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
+
+One `casque sidecar` (its own process, in a keyspace of its own, dropped at the end) serves
+the mix of calls apps make, paced to about `--rate` messages per second published, for
+`--minutes`: one-message publishes; 100-message publishes; one-message publishes with a new
+CloudEvents id each (the idempotency guard remembers up to 50,000 ids or 8 MiB of them); calls
+of 20 messages numbered by a producer, which a new producer id replaces every 2,000 numbers
+(an app that restarts); delayed messages; receive 50 + ack (one in 20 nacked, so it comes
+again), receive 1 + ack 1, each with a long poll; a malformed call now and then (its 4xx is
+expected); the queue's and the subscriber's stats and the metrics page, scraped. Everything
+published is consumed as it comes, so the backlog stays small.
+
+The RSS of the sidecar is read from /proc every few seconds. The first quarter of the run is
+its warm-up: connections, caches and the id memory fill there. Reported, each figure the
+median of `--runs` runs: the RSS idle, at the end of the warm-up, at the end and at most;
+its growth after the warm-up as the least-squares slope of the samples, in MiB per hour,
+and as the end minus the end of the warm-up; the sidecar's CPU per message moved; what was
+published and consumed; calls answered other than as expected (0, or the run fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from casque.engine import catalog
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+
+from bench_sidecar import MIB, rss_bytes, start_sidecar, wait_ready
+from benchlib import (
+    Figure,
+    arguments,
+    cpu_seconds,
+    drop_scratch,
+    parse,
+    report,
+    repeat_async,
+    scratch_settings,
+    sidecar_url,
+)
+from keepalive import KeepAliveClient
+
+SAMPLE_SECONDS = 5.0
+SMOKE_SAMPLE_SECONDS = 1.0
+WARMUP_SHARE = 0.25
+# The mix, per tick: each kind is (messages per call, calls per tick).
+MIX = {
+    "single": (1, 4),
+    "batch": (100, 1),
+    "identified": (1, 2),
+    "producer": (20, 1),
+    "delayed": (1, 1),
+}
+PRODUCER_SPAN = 2_000  # numbers per producer id before the "app" restarts with a new one
+NACK_EVERY = 20
+DELAY_SECONDS = 2.0
+# A malformed call every this many ticks, and a scrape of stats and metrics.
+BAD_EVERY = 10
+SCRAPE_EVERY = 20
+
+FIGURES = [
+    Figure("minutes", "minutes of mixed traffic", "min"),
+    Figure("published", "messages published", ""),
+    Figure("consumed", "messages received and acked", ""),
+    Figure("cpu_per_message", "sidecar CPU per message published", "µs"),
+    Figure("rss_idle", "RSS idle", "MiB"),
+    Figure("rss_warm", "RSS at the end of the warm-up (first quarter)", "MiB"),
+    Figure("rss_end", "RSS at the end", "MiB"),
+    Figure("rss_max", "RSS at most", "MiB"),
+    Figure("growth_per_hour", "growth after the warm-up, least-squares slope", "MiB/h"),
+    Figure("growth", "growth after the warm-up, end minus its start", "MiB"),
+    Figure("unexpected", "calls answered other than expected (must be 0)", ""),
+]
+
+
+@dataclass
+class Traffic:
+    """What the run has done so far."""
+
+    published: Counter[str] = field(default_factory=Counter)
+    consumed: int = 0
+    nacked: int = 0
+    unexpected: list[str] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def slope_per_hour(samples: list[tuple[float, float]]) -> float:
+    """The least-squares slope of (seconds, MiB) samples, in MiB per hour."""
+    if len(samples) < 2:
+        return 0.0
+    xs = [t for t, _ in samples]
+    ys = [m for _, m in samples]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread == 0:
+        return 0.0
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread * 3600
+
+
+async def drive(http: KeepAliveClient, queue: str, text: str, tick: float, traffic: Traffic) -> None:
+    """The publishing side: one tick's calls each `tick` seconds until told to stop."""
+    base = f"/v1/queues/{queue}"
+    body = {"data": text, "datacontenttype": "text/plain"}
+    counter = 0
+    sequence = 0
+    producer = 0
+
+    async def expect(kind: str, messages: int, call: Awaitable[tuple[int, Any]]) -> None:
+        status, answer = await call
+        if status == 200:
+            traffic.published[kind] += messages
+        else:
+            traffic.unexpected.append(f"{kind}: HTTP {status}: {str(answer)[:200]}")
+
+    ticks = 0
+    next_tick = time.monotonic()
+    while not traffic.stop.is_set():
+        calls: list[Awaitable[None]] = []
+        for _ in range(MIX["single"][1]):
+            calls.append(expect("single", 1, http.post(f"{base}/messages", body)))
+        calls.append(expect("batch", 100, http.post(f"{base}/messages/batch", {"messages": [body] * 100})))
+        for _ in range(MIX["identified"][1]):
+            counter += 1
+            calls.append(expect("identified", 1, http.post(
+                f"{base}/messages", {**body, "id": f"soak-{counter}", "source": "soak"})))
+        size = MIX["producer"][0]
+        if sequence + size > PRODUCER_SPAN:
+            producer, sequence = producer + 1, 0
+        numbered = [{**body, "producerid": f"soak-app-{producer}", "producerseq": sequence + n} for n in range(size)]
+        sequence += size
+        calls.append(expect("producer", size, http.post(f"{base}/messages/batch", {"messages": numbered})))
+        calls.append(expect("delayed", 1, http.post(f"{base}/messages", {**body, "delay": DELAY_SECONDS})))
+        if ticks % BAD_EVERY == 0:
+            calls.append(_expect_refused(http, f"{base}/messages", traffic))
+        if ticks % SCRAPE_EVERY == 0:
+            calls.append(_scrape(http, queue, traffic))
+        await asyncio.gather(*calls)
+        ticks += 1
+        next_tick += tick
+        await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+
+
+async def _expect_refused(http: KeepAliveClient, path: str, traffic: Traffic) -> None:
+    status, answer = await http.request("POST", path, b'{"data": "x", "unknown": NaN')
+    if status != 400:
+        traffic.unexpected.append(f"malformed body: HTTP {status}: {str(answer)[:200]}")
+
+
+async def _scrape(http: KeepAliveClient, queue: str, traffic: Traffic) -> None:
+    for path in (f"/v1/queues/{queue}/stats", f"/v1/queues/{queue}/subscribers/{queue}/stats", "/metrics"):
+        status, answer = await http.request_raw("GET", path, None)
+        if status != 200:
+            traffic.unexpected.append(f"GET {path}: HTTP {status}: {str(answer)[:200]}")
+
+
+async def consume(http: KeepAliveClient, queue: str, per_call: int, traffic: Traffic) -> None:
+    """Receive and ack (nacking one in NACK_EVERY) until told to stop."""
+    sub = f"/v1/queues/{queue}/subscribers/{queue}"
+    while not traffic.stop.is_set():
+        status, answer = await http.post(f"{sub}/receive", {"max": per_call, "wait": 1})
+        if status != 200:
+            traffic.unexpected.append(f"receive: HTTP {status}: {str(answer)[:200]}")
+            continue
+        receipts = [m["receipt"] for m in answer["messages"]]
+        nack = [r for n, r in enumerate(receipts) if (traffic.consumed + n) % NACK_EVERY == NACK_EVERY - 1]
+        ack = [r for r in receipts if r not in nack]
+        if nack:
+            status, answer = await http.post(f"{sub}/nack", {"receipts": nack, "delay": 1})
+            if status != 200:
+                traffic.unexpected.append(f"nack: HTTP {status}: {str(answer)[:200]}")
+            traffic.nacked += len(nack)
+        if ack:
+            status, answer = await http.post(f"{sub}/ack", {"receipts": ack} if len(ack) > 1 else {"receipt": ack[0]})
+            if status != 200:
+                traffic.unexpected.append(f"ack: HTTP {status}: {str(answer)[:200]}")
+                continue
+            traffic.consumed += len(ack)
+
+
+async def soak_once(url: str, pid: int, queue: str, text: str, seconds: float, rate: float, sample_every: float,
+                    rss_idle: float) -> dict[str, float]:
+    per_tick = sum(messages * calls for messages, calls in MIX.values())
+    traffic = Traffic()
+    samples: list[tuple[float, float]] = []
+    async with KeepAliveClient(url, limit=32) as http:
+        started = time.monotonic()
+        cpu_before = cpu_seconds([pid])
+        workers = [asyncio.create_task(drive(http, queue, text, per_tick / rate, traffic))]
+        workers += [asyncio.create_task(consume(http, queue, 50, traffic)) for _ in range(3)]
+        workers += [asyncio.create_task(consume(http, queue, 1, traffic)) for _ in range(2)]
+        while (elapsed := time.monotonic() - started) < seconds:
+            samples.append((elapsed, rss_bytes(pid) / MIB))
+            if any(w.done() for w in workers):
+                break  # a worker failed: its exception is raised below
+            await asyncio.sleep(sample_every)
+        traffic.stop.set()
+        await asyncio.gather(*workers)
+        cpu = cpu_seconds([pid]) - cpu_before
+        samples.append((time.monotonic() - started, rss_bytes(pid) / MIB))
+    if traffic.unexpected:
+        raise SystemExit("soak: unexpected answers:\n" + "\n".join(traffic.unexpected[:20]))
+    warm_until = samples[-1][0] * WARMUP_SHARE
+    after = [s for s in samples if s[0] >= warm_until]
+    published = sum(traffic.published.values())
+    print(f"soak: published {dict(traffic.published)}, consumed {traffic.consumed}, nacked {traffic.nacked}; "
+          f"RSS every {sample_every:.0f}s: " + " ".join(f"{m:.1f}" for _, m in samples[:: max(1, len(samples) // 40)]),
+          file=sys.stderr, flush=True)
+    return {
+        "minutes": samples[-1][0] / 60,
+        "published": published,
+        "consumed": traffic.consumed,
+        "cpu_per_message": cpu / max(1, published) * 1e6,
+        "rss_idle": rss_idle,
+        "rss_warm": after[0][1],
+        "rss_end": samples[-1][1],
+        "rss_max": max(m for _, m in samples),
+        "growth_per_hour": slope_per_hour(after),
+        "growth": samples[-1][1] - after[0][1],
+        "unexpected": len(traffic.unexpected),
+    }
+
+
+async def main() -> None:
+    parser = arguments((__doc__ or "").splitlines()[0], 0, 1024)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--rate", type=float, default=300.0, help="messages published per second, about")
+    parser.set_defaults(runs=1)
+    args = parse(parser, smoke_messages=0)
+    seconds = 20.0 if args.smoke else args.minutes * 60
+    sample_every = SMOKE_SAMPLE_SECONDS if args.smoke else SAMPLE_SECONDS
+
+    settings = scratch_settings(args.cassandra, args.zookeeper)
+    store = Store.open(settings)
+    queue = QueueRef("default", "soak")
+    text = ("casque-" * (args.size // 7 + 1))[: args.size]
+    log = Path(tempfile.gettempdir()) / f"{settings.keyspace}-soak-sidecar.log"
+    process = None
+    try:
+        catalog.ensure_installation(store)
+        catalog.apply_queue(store, queue, QueueSpec(shards=args.shards, retention_seconds=3600, consistency="ONE"))
+        catalog.apply_subscriber(store, queue, queue.name, SubscriberSpec(
+            queue=queue.name, start_position="earliest", visibility_timeout_seconds=30))
+
+        async def once(run: int) -> dict[str, float]:
+            nonlocal process
+            process = start_sidecar(settings, queue.name, queue.name, log)
+            url = await asyncio.to_thread(sidecar_url, process, log)
+            await wait_ready(url, process, log)
+            await asyncio.sleep(2)  # idle: connected, its consumer started, no request yet
+            try:
+                return await soak_once(url, process.pid, queue.name, text, seconds, args.rate, sample_every,
+                                       rss_bytes(process.pid) / MIB)
+            finally:
+                process.terminate()
+                process.wait(30)
+
+        samples = await repeat_async(args.runs, once)
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+        drop_scratch(store, settings)
+        store.close()
+    log.unlink(missing_ok=True)
+    report("soak", args, {"minutes": round(seconds / 60, 1), "rate": args.rate, "size": args.size,
+                          "shards": args.shards, "sidecar": "own process"}, FIGURES, samples)
+
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
