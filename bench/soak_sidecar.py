@@ -5,9 +5,10 @@
 
 One `casque sidecar` (its own process, in a keyspace of its own, dropped at the end) serves
 the mix of calls apps make, paced to about `--rate` messages per second published, for
-`--minutes`: one-message publishes; 100-message publishes; one-message publishes with a new
-CloudEvents id each (the idempotency guard remembers up to 50,000 ids or 8 MiB of them); calls
-of 20 messages numbered by a producer, which a new producer id replaces every 2,000 numbers
+`--minutes`: one-message publishes; 100-message publishes; publishes of one and of 20
+messages with a new CloudEvents id each (the idempotency guard remembers up to 50,000 ids or
+8 MiB of them by its estimate: at the default rate that memory is full within the warm-up);
+calls of 20 messages numbered by a producer, which a new producer id replaces every 2,000 numbers
 (an app that restarts); delayed messages; receive 50 + ack (one in 20 nacked, so it comes
 again), receive 1 + ack 1, each with a long poll; a malformed call now and then (its 4xx is
 expected); the queue's and the subscriber's stats and the metrics page, scraped. Everything
@@ -61,6 +62,7 @@ MIX = {
     "single": (1, 4),
     "batch": (100, 1),
     "identified": (1, 2),
+    "identified_batch": (20, 1),
     "producer": (20, 1),
     "delayed": (1, 1),
 }
@@ -136,6 +138,10 @@ async def drive(http: KeepAliveClient, queue: str, text: str, tick: float, traff
             counter += 1
             calls.append(expect("identified", 1, http.post(
                 f"{base}/messages", {**body, "id": f"soak-{counter}", "source": "soak"})))
+        size = MIX["identified_batch"][0]
+        identified = [{**body, "id": f"soak-{counter + n}", "source": "soak"} for n in range(1, size + 1)]
+        counter += size
+        calls.append(expect("identified_batch", size, http.post(f"{base}/messages/batch", {"messages": identified})))
         size = MIX["producer"][0]
         if sequence + size > PRODUCER_SPAN:
             producer, sequence = producer + 1, 0
