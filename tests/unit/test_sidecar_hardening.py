@@ -194,6 +194,22 @@ def test_recent_ids_are_bounded_by_bytes_as_well_as_by_count() -> None:
     assert [small.get(str(n)) is not None for n in range(5)] == [False, False, True, True, True]
 
 
+@pytest.mark.parametrize("id_length", [8, 250])
+def test_the_id_memorys_count_of_its_bytes_is_not_below_what_it_holds(id_length: int) -> None:
+    """Its byte bound (REMEMBERED_BYTES) is a bound on the memory only if each remembered id
+    is charged at least what it holds: the strings, the dict's entry, the result, the time."""
+    recent = RecentIds(ids=10**9, max_bytes=10**12)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(5000):
+            recent.remember(f"\x00source\x00{n:0>{id_length}}", Published(f"{n:032x}", 3, 100_000 + n, n % 100))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert recent.bytes >= held * 0.95, (recent.bytes / 5000, held / 5000)
+
+
 # --- bodies charged by their JSON values ------------------------------------------------------------
 @pytest.mark.parametrize(("body", "values"), [
     (b"{}", 1), (b"[]", 1), (b"1", 1), (b'"a,b[{"', 1), (b"[1,2,3]", 4), (b"[{},[],{}]", 4),
