@@ -9,16 +9,12 @@ secret.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from casque.sidecar.errors import Unauthorized
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
+from casque.sidecar.guards import Handler, is_open
 
 
 def bearer_middleware(token: str) -> Middleware:
@@ -26,7 +22,7 @@ def bearer_middleware(token: str) -> Middleware:
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
+        if not is_open(request):
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             # Constant time, so the answer's timing does not reveal how much of a guess was right.
             if not hmac.compare_digest(given, expected):

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from casque.engine.messages import ENGINE_ATTRIBUTE_PREFIX, OutgoingMessage, reserved_client_id
 from casque.engine.sequences import MAX_SEQUENCE, producer_key
 from casque.schema import MAX_RETENTION_SECONDS
+from casque.sidecar import strictjson
 from casque.sidecar.models import (
     BINARY_CONTENT_TYPE,
     CE_ATTRIBUTES,
@@ -71,7 +72,7 @@ def decode_publish(raw: bytes, shape: Shape) -> list[OutgoingMessage] | None:
     """The messages of a publish body (one message, `{"messages": [...]}`, or a CloudEvents
     batch array), as the models would make them, or None to leave the body to the models."""
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_refuse)
+        body = strictjson.loads(raw.decode("utf-8"))
         if b"\\u" in raw and _SURROGATE_ESCAPE.search(raw):
             # Escaped surrogates: a pair reads as one character, but a lone one stays a
             # surrogate, which pydantic's parser refuses and UTF-8 cannot encode.
@@ -261,6 +262,3 @@ def _shallow(value: Any) -> bool:
         level = inner
     return False
 
-
-def _refuse(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")

@@ -37,6 +37,8 @@ from casque_client.loopback import is_loopback
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# Probes, metrics and the OpenAPI document carry no message data: kubelet and Prometheus
+# reach them by the pod's address, with no token.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 JSON_MEDIA_TYPES = frozenset({"application/json", CLOUDEVENTS_JSON, CLOUDEVENTS_BATCH})
 MAX_HEADERS = 32  # given to the HTTP parser (server.py); apps send fewer than ten
@@ -60,6 +62,12 @@ def loopback_host(host_header: str) -> bool:
     return is_loopback(host_name(host_header))
 
 
+def is_open(request: web.Request) -> bool:
+    """Whether the request is for one of the OPEN_PATHS, as the router decoded its path (kept
+    from routing: `request.path` would decode it once more, per request)."""
+    return request.rel_url.path_safe in OPEN_PATHS
+
+
 def check(request: web.Request, settings: SidecarSettings, loopback_only: bool) -> None:
     """Raise the refusal for a request that must not reach its handler."""
     raw = request.raw_headers
@@ -67,7 +75,7 @@ def check(request: web.Request, settings: SidecarSettings, loopback_only: bool) 
         size = sum(len(name) + len(value) for name, value in raw)
         if size > MAX_HEADER_BYTES:
             raise HeadersTooLarge(f"the headers hold {size} bytes; this sidecar takes at most {MAX_HEADER_BYTES}")
-    if loopback_only and request.path not in OPEN_PATHS:
+    if loopback_only and not is_open(request):
         host = request.headers.get("Host", "")
         if not loopback_host(host):
             raise ForeignHost(f"Host {host[:100]!r} is not this sidecar: call it as 127.0.0.1 or localhost")

@@ -62,6 +62,7 @@ from casque.engine.messages import (
 from casque.engine.sequences import MAX_SEQUENCE, producer_key
 from casque.engine.stats import QueueStats, SubscriberStats
 from casque.schema import MAX_RETENTION_SECONDS, NAME_PATTERN, QueueRef
+from casque.sidecar import strictjson
 from casque.specs import MAX_PRIORITIES, priority_of
 
 MAX_BATCH_MESSAGES = 1000
@@ -509,9 +510,6 @@ def envelope(delivery: Delivery, queue: QueueRef, raw: bool = False) -> Message:
     return Message(**fields)
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
 
 def _data_fields(payload: bytes, content_type: str | None) -> dict[str, Any]:
     """`data` when the payload reads as its content type says (JSON or text), else `data_base64`."""
@@ -520,7 +518,7 @@ def _data_fields(payload: bytes, content_type: str | None) -> dict[str, Any]:
     media = (content_type or "").split(";", 1)[0].strip().lower()
     try:
         if content_type is not None and is_json_type(content_type):
-            return {"data": json.loads(payload, parse_constant=_refuse_constant)}
+            return {"data": strictjson.loads(payload)}
         if media.startswith("text/"):
             return {"data": payload.decode("utf-8")}
     except ValueError:  # not what the content type claims: hand the bytes over untouched

@@ -27,6 +27,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from casque.engine.messages import SCHEMA_VERSION_ATTRIBUTE, Delivery
 from casque.schema import QueueRef
+from casque.sidecar import strictjson
 from casque.sidecar.models import DEFAULT_TYPE, envelope, is_json_type, source_of, wall_clock
 from casque.specs import priority_of
 
@@ -182,7 +183,7 @@ def _data(payload: bytes, content_type: str | None) -> str | None:
         if payload.count(b"[") + payload.count(b"{") > MAX_QUICK_BRACKETS:
             return None
         try:
-            value = json.loads(payload, parse_constant=_refuse_constant)
+            value = strictjson.loads(payload)
         except ValueError:
             return _base64(payload)
         # allow_nan=False raises for 1e999 (read as infinity): the model path decides then.
@@ -201,9 +202,6 @@ def _data(payload: bytes, content_type: str | None) -> str | None:
 def _base64(payload: bytes) -> str:
     return ',"data_base64":"' + base64.b64encode(payload).decode("ascii") + '"'
 
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _dumps(value: Any) -> bytes:

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from aiohttp.test_utils import make_mocked_request
 from cassandra import OperationTimedOut, ReadTimeout
 from cassandra.cluster import NoHostAvailable
 from cassandra.protocol import ServerError
@@ -26,7 +27,7 @@ from casque.errors import AccessDenied, BackendUnavailable, QueueNotFound
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import as_casque_error, status_of
-from casque.sidecar.guards import host_name
+from casque.sidecar.guards import host_name, is_open
 from casque.sidecar.bodies import VALUE_BYTES, json_values
 from casque.sidecar.models import PublishBatchRequest, PublishMessage, SeekRequest
 from casque.sidecar.rendering import message_json, receive_body
@@ -261,3 +262,12 @@ def test_the_api_metrics_and_health_ports_must_differ(ports: dict[str, int], cla
     with pytest.raises(ValidationError, match=clash):
         SidecarSettings(**ports)  # type: ignore[arg-type]
     SidecarSettings(port=0, metrics_port=0, health_port=0)  # each a free port of its own
+
+
+# --- the paths open to probes and scrapers ------------------------------------------------------
+@pytest.mark.parametrize(("target", "open_"), [
+    ("/healthz", True), ("/readyz?verbose=1", True), ("/%6Detrics", True), ("/openapi.json", True),
+    ("/v1/queues/q/messages", False), ("/healthz/", False), ("/healthz%2Fx", False), ("/metrics2", False),
+])
+def test_a_path_is_open_as_the_router_reads_it(target: str, open_: bool) -> None:
+    assert is_open(make_mocked_request("GET", target)) is open_
