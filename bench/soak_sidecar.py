@@ -3,6 +3,8 @@
     python bench/soak_sidecar.py [--minutes 10] [--rate 300] [--size 1024] [--runs 1]
         [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
+SIGINT or SIGTERM ends a run early: its figures so far are reported, and its keyspace dropped.
+
 One `casque sidecar` (its own process, in a keyspace of its own, dropped at the end) serves
 the mix of calls apps make, paced to about `--rate` messages per second published, for
 `--minutes`: one-message publishes; 100-message publishes; publishes of one and of 20
@@ -25,6 +27,7 @@ published and consumed; calls answered other than as expected (0, or the run fai
 from __future__ import annotations
 
 import asyncio
+import signal
 import statistics
 import sys
 import tempfile
@@ -197,7 +200,8 @@ async def consume(http: KeepAliveClient, queue: str, per_call: int, traffic: Tra
 
 
 async def soak_once(url: str, pid: int, queue: str, text: str, seconds: float, rate: float, sample_every: float,
-                    rss_idle: float) -> dict[str, float]:
+                    rss_idle: float, stop: asyncio.Event) -> dict[str, float]:
+    """One run of `seconds`, or until `stop` is set (SIGINT, SIGTERM): its figures so far."""
     per_tick = sum(messages * calls for messages, calls in MIX.values())
     traffic = Traffic()
     samples: list[tuple[float, float]] = []
@@ -211,11 +215,17 @@ async def soak_once(url: str, pid: int, queue: str, text: str, seconds: float, r
             samples.append((elapsed, rss_bytes(pid) / MIB))
             if any(w.done() for w in workers):
                 break  # a worker failed: its exception is raised below
-            await asyncio.sleep(sample_every)
+            try:
+                await asyncio.wait_for(stop.wait(), sample_every)
+                break  # ended early: what was measured so far is reported
+            except asyncio.TimeoutError:
+                pass
         traffic.stop.set()
         await asyncio.gather(*workers)
         cpu = cpu_seconds([pid]) - cpu_before
-        samples.append((time.monotonic() - started, rss_bytes(pid) / MIB))
+        final = rss_bytes(pid) / MIB
+        if final > 0:  # 0: the sidecar went first (a signal to the whole process group)
+            samples.append((time.monotonic() - started, final))
     if traffic.unexpected:
         raise SystemExit("soak: unexpected answers:\n" + "\n".join(traffic.unexpected[:20]))
     warm_until = samples[-1][0] * WARMUP_SHARE
@@ -260,6 +270,10 @@ async def main() -> None:
         catalog.apply_subscriber(store, queue, queue.name, SubscriberSpec(
             queue=queue.name, start_position="earliest", visibility_timeout_seconds=30))
 
+        stop = asyncio.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+
         async def once(run: int) -> dict[str, float]:
             nonlocal process
             process = start_sidecar(settings, queue.name, queue.name, log)
@@ -268,7 +282,7 @@ async def main() -> None:
             await asyncio.sleep(2)  # idle: connected, its consumer started, no request yet
             try:
                 return await soak_once(url, process.pid, queue.name, text, seconds, args.rate, sample_every,
-                                       rss_bytes(process.pid) / MIB)
+                                       rss_bytes(process.pid) / MIB, stop)
             finally:
                 process.terminate()
                 process.wait(30)
