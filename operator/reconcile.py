@@ -227,6 +227,7 @@ class QueueStats:
 
     published_messages: int | None = None  # over the queue's life, from the batch headers' running totals
     depth: int | None = None  # messages the slowest subscriber has yet to consume
+    lag_batches: int | None = None  # batches the slowest subscriber has yet to consume, as of `depth`
     oldest_pending: datetime | None = None  # publish time of the oldest message some subscriber has not consumed
 
 
@@ -289,6 +290,7 @@ async def collect_queue_stats(store: Store, ref: QueueRef, subscribers: list[str
     return QueueStats(
         published_messages=queue.published_messages,
         depth=None if any(lag is None for lag in lags) else max((lag or 0 for lag in lags), default=0),
+        lag_batches=max((s.lag_batches for s in per_subscriber), default=0) if per_subscriber else None,
         oldest_pending=min(oldest, default=None),
     )
 
@@ -474,13 +476,15 @@ def may_repair(status: Mapping[str, Any] | None, generation: int | None) -> bool
 
 
 def queue_figures(seen: QueueObservation) -> dict[str, Any]:
+    # The lag in batches from the reads that gave the depth, when there were any: the heads
+    # read before them may be older, and a status must not show messages in no batch.
     lags = [lag_batches(seen.heads, offsets) for offsets in seen.offsets.values()]
     oldest = seen.stats.oldest_pending
     return {
         "shards": len(seen.heads),
         "publishedBatches": sum(seen.heads.values()),
         "publishedMessages": seen.stats.published_messages,
-        "lagBatches": max(lags, default=0),
+        "lagBatches": seen.stats.lag_batches if seen.stats.lag_batches is not None else max(lags, default=0),
         "subscribers": len(seen.offsets),
         "depth": seen.stats.depth,
         "oldestPendingTime": conditions.timestamp(_utc(oldest)) if oldest is not None else None,
@@ -491,9 +495,11 @@ def queue_figures(seen: QueueObservation) -> dict[str, Any]:
 def subscriber_figures(spec: SubscriberSpec, seen: SubscriberObservation) -> dict[str, Any]:
     figures = seen.stats
     oldest = [_utc(s.oldest_unacked_at) for s in figures.shards if s.oldest_unacked_at] if figures else []
+    # As for the queue: the lag in batches from the same reads as the lag in messages.
+    batches = figures.lag_batches if figures else lag_batches(seen.heads, seen.offsets)
     return {
         "queue": spec.queue,
-        "lagBatches": lag_batches(seen.heads, seen.offsets) if seen.stored is not None else None,
+        "lagBatches": batches if seen.stored is not None else None,
         "lagMessages": figures.lag_messages if figures else None,
         "oldestPendingTime": conditions.timestamp(min(oldest)) if oldest else None,
         "consumers": seen.consumers,

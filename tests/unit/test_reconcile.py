@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from casque.engine.stats import SubscriberShardStats, SubscriberStats
 from casque.errors import (
     BackendUnavailable,
     IncompatibleSchema,
@@ -190,6 +191,27 @@ def test_queue_figures() -> None:
         "oldestPendingTime": "2026-03-01T11:00:00Z",
         "schemaVersion": 0,
     }
+
+
+def test_the_lag_in_batches_comes_from_the_reads_that_gave_the_lag_in_messages() -> None:
+    """The heads are read before the engine's stats: a publish landing between the two must
+    not give a status with seven messages of lag in no batch."""
+    spec = SubscriberSpec(queue="orders")
+    at = datetime(2026, 3, 1, 11, 0, tzinfo=timezone.utc)
+    stats = SubscriberStats(queue="orders", subscriber="billing", members=[], in_flight=0, delivered=0,
+                            redelivered=0, sampled_at=at, shards=[
+                                SubscriberShardStats(0, offset=1, head=1, lag_batches=1, lag_messages=4,
+                                                     oldest_unacked_at=at, leased_by=None),
+                                SubscriberShardStats(1, offset=1, head=1, lag_batches=1, lag_messages=3,
+                                                     oldest_unacked_at=at, leased_by=None)])
+    before_the_publish = {0: 0, 1: 0}
+    seen = SubscriberObservation(queue_exists=True, stored=spec, heads=before_the_publish, offsets={0: 1, 1: 1},
+                                 consumers=0, dead_letter_queue_exists=None, stats=stats)
+    figures = reconcile.subscriber_figures(spec, seen)
+    assert (figures["lagBatches"], figures["lagMessages"]) == (2, 7)
+    queue = in_place(heads=before_the_publish, offsets={"billing": {0: 1, 1: 1}},
+                     stats=QueueStats(published_messages=7, depth=7, lag_batches=2, oldest_pending=at))
+    assert reconcile.queue_figures(queue)["lagBatches"] == 2
 
 
 def test_subscriber_readiness() -> None:
