@@ -38,11 +38,15 @@ Root lacks CAP_SYS_RESOURCE on the test machines, so no process may lower an
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import ipaddress
 import json
+import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -62,6 +66,8 @@ from casque.devstack.kube import (
     spawn,
     terminate,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["INSTALL_SCRIPT", "NODE_NAME", "KubeNode", "host_address", "missing_node_tools", "start_node"]
 
@@ -498,6 +504,53 @@ class KubeNode:
             subprocess.run(self.ctr("containers", "delete", container), capture_output=True, check=False)
 
 
+def _pod_namespaces() -> list[str]:
+    """The network namespaces in /var/run/netns that hold an address of the pods' subnet."""
+    subnet = ipaddress.ip_network(POD_SUBNET)
+    found = []
+    for name in sorted(os.listdir("/var/run/netns")) if Path("/var/run/netns").is_dir() else []:
+        shown = subprocess.run(["ip", "-netns", name, "-4", "-o", "addr", "show"], capture_output=True, text=True,
+                               check=False)
+        addresses = [word.split("/")[0] for line in shown.stdout.splitlines() for word in line.split()[3:4]]
+        if any(ipaddress.ip_address(a) in subnet for a in addresses):
+            found.append(name)
+    return found
+
+
+def _shims_of_dead_nodes() -> list[int]:
+    """containerd shims of the node's namespace (`k8s.io`) left running after their node's
+    containerd is gone: their sockets (`-address`) answer no more."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or not argv[0].endswith(b"containerd-shim-runc-v2") or b"k8s.io" not in argv:
+            continue
+        address = argv[argv.index(b"-address") + 1].decode() if b"-address" in argv else ""
+        if address and not Path(address).exists():
+            pids.append(int(proc.name))
+    return pids
+
+
+def clear_dead_node() -> None:
+    """Undo what a node killed before it could stop (kill -9 of its test session) left on the
+    host, before a new one starts; called with the host lock held, so no node is running.
+    Its pods' network namespaces would keep their addresses on the bridge, and the new node's
+    pods, numbered from the subnet's start again, would get the same ones."""
+    for pid in _shims_of_dead_nodes():
+        log.warning("stopping containerd shim %d of a node that is gone", pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for name in _pod_namespaces():
+        log.warning("removing network namespace %s of a node that is gone", name)
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+    if Path(f"/sys/class/net/{BRIDGE}").exists():
+        log.warning("removing the bridge %s of a node that is gone", BRIDGE)
+        subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
+
+
 def _take_host_lock(timeout: float) -> IO[bytes]:
     """The machine's node lock; another session's node is waited out for up to `timeout`."""
     lock = open(HOST_LOCK, "wb")
@@ -576,6 +629,7 @@ def start_node(
     directory.mkdir(parents=True, exist_ok=True)
     lock = _take_host_lock(lock_timeout)
     try:
+        clear_dead_node()
         baseline = HostBaseline.record()
     except BaseException:
         lock.close()

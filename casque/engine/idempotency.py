@@ -317,7 +317,7 @@ class IdempotencyGuard:
     def slot_ended(self, client_id: str, call: CallSlots, index: int, result: Published | None,
                    started: float) -> None:
         """The message of a `track_slot` landed (`result`) or failed (None). `started`: when
-        its call's ids were first checked, before their intents were written."""
+        its call tracked its first id, before any of the call's intents was written."""
         running = self._inflight.get(client_id)
         if isinstance(running, tuple) and running[0] is call and running[1] == index:
             del self._inflight[client_id]
