@@ -65,6 +65,7 @@ from benchlib import (
     report,
     scratch_settings,
     sidecar_url,
+    text_payload,
 )
 from keepalive import KeepAliveClient
 
@@ -447,7 +448,7 @@ async def main() -> None:
     store = Store.open(settings)
     spec = QueueSpec(shards=args.shards, retention_seconds=3600, consistency="ONE", max_message_bytes=64 * 1024)
     http_queue = QueueRef("default", "http")
-    text = ("casque-" * (args.size // 7 + 1))[: args.size]
+    text = text_payload(args.size)
     log = Path(tempfile.gettempdir()) / f"{keyspace}-sidecar.log"
     process = bare = None
     bare_log = Path(tempfile.gettempdir()) / f"{keyspace}-bare.log"

@@ -287,6 +287,11 @@ def sidecar_url(process: subprocess.Popen[bytes], log: Path, limit_s: float = 12
     raise SystemExit(f"sidecar not listening after {limit_s:.0f}s: {log.read_text()[-2000:]}")
 
 
+def text_payload(size: int) -> str:
+    """A text message body of `size` characters, the same in every benchmark of the sidecar."""
+    return ("casque-" * (size // 7 + 1))[:size]
+
+
 def scratch_settings(cassandra: str, zookeeper: str, keyspace: str | None = None) -> Settings:
     """Settings for a keyspace and znode root of the benchmark's own (see `drop_scratch`).
     A benchmark's child processes pass the keyspace their parent's settings name, to share it."""

@@ -39,7 +39,16 @@ from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
 from bench_sidecar import BATCH, COST_BATCH_WINDOW, COST_WINDOW, RECEIVERS, start_sidecar, wait_ready
-from benchlib import cpu_seconds, drop_scratch, pipeline, scratch_settings, sidecar_url, thread_cpu_seconds, thread_names
+from benchlib import (
+    cpu_seconds,
+    drop_scratch,
+    pipeline,
+    scratch_settings,
+    sidecar_url,
+    text_payload,
+    thread_cpu_seconds,
+    thread_names,
+)
 from keepalive import KeepAliveClient
 
 PHASES = ("single", "batched", "keyed", "consume_batched", "pair")
@@ -151,7 +160,7 @@ async def main() -> None:
     settings = scratch_settings(args.cassandra, args.zookeeper)
     store = Store.open(settings)
     queue = QueueRef("default", "http")
-    text = ("casque-" * (args.size // 7 + 1))[: args.size]
+    text = text_payload(args.size)
     log = Path(tempfile.gettempdir()) / f"{settings.keyspace}-sidecar.log"
     process = None
     try:

@@ -54,6 +54,7 @@ from benchlib import (
     repeat_async,
     scratch_settings,
     sidecar_url,
+    text_payload,
 )
 from keepalive import KeepAliveClient
 
@@ -261,7 +262,7 @@ async def main() -> None:
     settings = scratch_settings(args.cassandra, args.zookeeper)
     store = Store.open(settings)
     queue = QueueRef("default", "soak")
-    text = ("casque-" * (args.size // 7 + 1))[: args.size]
+    text = text_payload(args.size)
     log = Path(tempfile.gettempdir()) / f"{settings.keyspace}-soak-sidecar.log"
     process = None
     try:
