@@ -353,11 +353,13 @@ async def sidecar_cost(url: str, pid: int, bare_url: str, bare_pid: int, queue: 
     }
 
 
-def start_sidecar(settings: Settings, queue: str, subscriber: str | None, log: Path) -> subprocess.Popen[bytes]:
+def start_sidecar(settings: Settings, queue: str, subscriber: str | None, log: Path,
+                  extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """`casque sidecar` on port 0: it logs the port it got (see `sidecar_url`); consuming for
-    `subscriber`, or for none."""
+    `subscriber`, or for none; `extra_env`: its own settings beyond the backends'."""
     env = dict(
         os.environ,
+        **(extra_env or {}),
         CASQUE_CASSANDRA_CONTACT_POINTS=",".join(settings.cassandra_contact_points),
         CASQUE_CASSANDRA_PORT=str(settings.cassandra_port),
         CASQUE_KEYSPACE=settings.keyspace,

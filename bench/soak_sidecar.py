@@ -1,7 +1,7 @@
 """Soak: a sidecar's memory under a long run of mixed traffic, after its buffers have filled.
 
     python bench/soak_sidecar.py [--minutes 10] [--rate 300] [--size 1024] [--runs 1]
-        [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
+        [--trace-memory FRAMES] [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 SIGINT or SIGTERM ends a run early: its figures so far are reported, and its keyspace dropped.
 
@@ -22,11 +22,18 @@ median of `--runs` runs: the RSS idle, at the end of the warm-up, at the end and
 its growth after the warm-up as the least-squares slope of the samples, in MiB per hour,
 and as the end minus the end of the warm-up; the sidecar's CPU per message moved; what was
 published and consumed; calls answered other than as expected (0, or the run fails).
+
+With `--trace-memory FRAMES` the sidecar traces its allocations (sidecar/memory_report.py)
+and writes a snapshot at the end of the warm-up and at the end; the source lines whose live
+allocations grew between the two are printed, to say where a growth comes from. Its CPU
+and RSS then include the tracing's own: compare a traced run with traced runs only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import signal
 import statistics
 import sys
@@ -39,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from casque.engine import catalog
+from casque.sidecar.memory_report import SNAPSHOT_SUFFIX, growth
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
@@ -70,6 +78,9 @@ MIX = {
     "producer": (20, 1),
     "delayed": (1, 1),
 }
+# How long a sidecar may take to write an allocation snapshot, and the lines of growth shown.
+SNAPSHOT_WAIT_SECONDS = 120.0
+GROWTH_LINES = 15
 PRODUCER_SPAN = 2_000  # numbers per producer id before the "app" restarts with a new one
 NACK_EVERY = 20
 DELAY_SECONDS = 2.0
@@ -201,8 +212,10 @@ async def consume(http: KeepAliveClient, queue: str, per_call: int, traffic: Tra
 
 
 async def soak_once(url: str, pid: int, queue: str, text: str, seconds: float, rate: float, sample_every: float,
-                    rss_idle: float, stop: asyncio.Event) -> dict[str, float]:
-    """One run of `seconds`, or until `stop` is set (SIGINT, SIGTERM): its figures so far."""
+                    rss_idle: float, stop: asyncio.Event, snapshots: Path | None = None) -> dict[str, float]:
+    """One run of `seconds`, or until `stop` is set (SIGINT, SIGTERM): its figures so far.
+    `snapshots`: the directory a tracing sidecar writes its snapshots to; one is asked for at
+    the end of the warm-up and one at the end, and the lines that grew between are printed."""
     per_tick = sum(messages * calls for messages, calls in MIX.values())
     traffic = Traffic()
     samples: list[tuple[float, float]] = []
@@ -212,8 +225,11 @@ async def soak_once(url: str, pid: int, queue: str, text: str, seconds: float, r
         workers = [asyncio.create_task(drive(http, queue, text, per_tick / rate, traffic))]
         workers += [asyncio.create_task(consume(http, queue, 50, traffic)) for _ in range(3)]
         workers += [asyncio.create_task(consume(http, queue, 1, traffic)) for _ in range(2)]
+        warm_snapshot: Path | None = None
         while (elapsed := time.monotonic() - started) < seconds:
             samples.append((elapsed, rss_bytes(pid) / MIB))
+            if snapshots is not None and warm_snapshot is None and elapsed >= seconds * WARMUP_SHARE:
+                warm_snapshot = await take_snapshot(pid, snapshots)
             if any(w.done() for w in workers):
                 break  # a worker failed: its exception is raised below
             try:
@@ -227,6 +243,8 @@ async def soak_once(url: str, pid: int, queue: str, text: str, seconds: float, r
         final = rss_bytes(pid) / MIB
         if final > 0:  # 0: the sidecar went first (a signal to the whole process group)
             samples.append((time.monotonic() - started, final))
+            if warm_snapshot is not None and snapshots is not None:
+                print_growth(warm_snapshot, await take_snapshot(pid, snapshots))
     if traffic.unexpected:
         raise SystemExit("soak: unexpected answers:\n" + "\n".join(traffic.unexpected[:20]))
     warm_until = samples[-1][0] * WARMUP_SHARE
@@ -250,10 +268,36 @@ async def soak_once(url: str, pid: int, queue: str, text: str, seconds: float, r
     }
 
 
+async def take_snapshot(pid: int, directory: Path) -> Path:
+    """A new allocation snapshot of the tracing sidecar: SIGUSR2, then its file once written
+    (the sidecar renames it into place whole)."""
+    known = set(directory.glob(f"*{SNAPSHOT_SUFFIX}"))
+    os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + SNAPSHOT_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        new = set(directory.glob(f"*{SNAPSHOT_SUFFIX}")) - known
+        if new:
+            return new.pop()
+        await asyncio.sleep(0.2)
+    raise SystemExit(f"soak: the sidecar wrote no memory snapshot to {directory} in {SNAPSHOT_WAIT_SECONDS:.0f}s")
+
+
+def print_growth(before: Path, after: Path) -> None:
+    print("soak: live allocations grown from the end of the warm-up to the end, by source line:", file=sys.stderr)
+    for line in growth(before, after, GROWTH_LINES):
+        print(f"  {line.size_change_bytes / 1024:+10.1f} KiB {line.count_change:+9d} blocks  {line.where}"
+              f" (now {line.size_bytes / 1024:.1f} KiB)", file=sys.stderr)
+    print(file=sys.stderr, flush=True)
+
+
 async def main() -> None:
     parser = arguments((__doc__ or "").splitlines()[0], 0, 1024)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=300.0, help="messages published per second, about")
+    parser.add_argument("--trace-memory", type=int, default=0, metavar="FRAMES",
+                        help="trace the sidecar's allocations (this many frames each) and print the source lines "
+                             "whose live allocations grew after the warm-up; its CPU and RSS then include the "
+                             "tracing's own")
     parser.set_defaults(runs=1)
     args = parse(parser, smoke_messages=0)
     seconds = 20.0 if args.smoke else args.minutes * 60
@@ -264,6 +308,9 @@ async def main() -> None:
     queue = QueueRef("default", "soak")
     text = text_payload(args.size)
     log = Path(tempfile.gettempdir()) / f"{settings.keyspace}-soak-sidecar.log"
+    snapshots = Path(tempfile.mkdtemp(prefix="casque-soak-memory-")) if args.trace_memory > 0 else None
+    tracing = {} if snapshots is None else {"CASQUE_SIDECAR_MEMORY_TRACE_FRAMES": str(args.trace_memory),
+                                            "CASQUE_SIDECAR_MEMORY_SNAPSHOT_DIR": str(snapshots)}
     process = None
     try:
         catalog.ensure_installation(store)
@@ -277,13 +324,13 @@ async def main() -> None:
 
         async def once(run: int) -> dict[str, float]:
             nonlocal process
-            process = start_sidecar(settings, queue.name, queue.name, log)
+            process = start_sidecar(settings, queue.name, queue.name, log, tracing)
             url = await asyncio.to_thread(sidecar_url, process, log)
             await wait_ready(url, process, log)
             await asyncio.sleep(2)  # idle: connected, its consumer started, no request yet
             try:
                 return await soak_once(url, process.pid, queue.name, text, seconds, args.rate, sample_every,
-                                       rss_bytes(process.pid) / MIB, stop)
+                                       rss_bytes(process.pid) / MIB, stop, snapshots)
             finally:
                 process.terminate()
                 process.wait(30)
@@ -295,6 +342,8 @@ async def main() -> None:
         drop_scratch(store, settings)
         store.close()
     log.unlink(missing_ok=True)
+    if snapshots is not None:
+        shutil.rmtree(snapshots, ignore_errors=True)
     report("soak", args, {"minutes": round(seconds / 60, 1), "rate": args.rate, "size": args.size,
                           "shards": args.shards, "sidecar": "own process"}, FIGURES, samples)
 

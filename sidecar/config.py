@@ -106,6 +106,12 @@ class SidecarSettings(BaseSettings):
     # (concurrent publishers): a publish that comes alone is never held. 1 ms took a third
     # off the sidecar's CPU per one-message publish with 32 in flight (docs/architecture.md).
     publish_group_linger_seconds: Annotated[float, Field(ge=0, le=1)] = 0.001
+    # SIGUSR2 logs a memory report (memory_report.py). With this above 0, allocations are
+    # traced too, keeping this many frames each, and each report writes a snapshot to
+    # `memory_snapshot_dir` ($TMPDIR or /tmp if unset). Tracing costs CPU and memory on
+    # every allocation: for diagnosis only.
+    memory_trace_frames: Annotated[int, Field(ge=0, le=64)] = 0
+    memory_snapshot_dir: Path | None = None
 
     # Push delivery: POST each message to this URL (overrides the Subscriber's pushUrl).
     push_url: str | None = None

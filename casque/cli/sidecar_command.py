@@ -62,5 +62,21 @@ def sidecar(
     run(settings, backend_settings(cassandra, zookeeper, keyspace), log_format)
 
 
+def memory_growth(
+    before: Annotated[Path, typer.Argument(help="A sidecar's earlier snapshot (SIGUSR2).", exists=True, dir_okay=False)],
+    after: Annotated[Path, typer.Argument(help="A later snapshot of the same sidecar.", exists=True, dir_okay=False)],
+    top: Annotated[int, typer.Option(min=1, help="Source lines to show.")] = 20,
+) -> None:
+    """The source lines whose live allocations grew most between two snapshots a sidecar
+    wrote (CASQUE_SIDECAR_MEMORY_TRACE_FRAMES set, a SIGUSR2 for each). Snapshots are
+    pickles: read only your own."""
+    from casque.sidecar.memory_report import growth
+
+    for line in growth(before, after, top):
+        typer.echo(f"{line.size_change_bytes / 1024:+10.1f} KiB {line.count_change:+9d} blocks"
+                   f"  {line.where} (now {line.size_bytes / 1024:.1f} KiB)")
+
+
 def register(app: typer.Typer) -> None:
     app.command("sidecar")(sidecar)
+    app.command("memory-growth")(memory_growth)

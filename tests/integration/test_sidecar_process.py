@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -27,6 +28,7 @@ from schemathesis.checks import (
 from casque.engine import catalog
 from casque.engine.stats import queue_stats
 from casque.schema import QueueRef
+from casque.sidecar.memory_report import SNAPSHOT_SUFFIX, growth
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from casque_client import AsyncClient
@@ -220,3 +222,49 @@ def test_fuzzing_the_api_from_its_openapi_document_finds_no_5xx(
     assert calls >= 9 * 4 * 10
     assert sidecar.process.poll() is None  # still serving
     assert "Traceback" not in sidecar.log.read_text()
+
+
+async def test_sigusr2_reports_memory_and_a_tracing_sidecar_names_the_lines_that_grew(
+    store: Store, start_sidecar: Callable[..., SidecarProcess], tmp_path: Path
+) -> None:
+    create_queue(store)
+    # Not tracing: a census in the log, and the process serves on (SIGUSR2 would end it by default).
+    plain = await asyncio.to_thread(start_sidecar, "--queue", QUEUE, "--subscriber", SUBSCRIBER)
+    plain.process.send_signal(signal.SIGUSR2)
+    await wait_for_log(plain, "memory report 1: RSS")
+    async with AsyncClient(plain.url, queue=QUEUE) as client:
+        assert (await client.publish({"data": "after the report"})).message_id
+    assert plain.alive
+
+    snapshots = tmp_path / "snapshots"
+    traced = await asyncio.to_thread(start_sidecar, "--queue", QUEUE, "--subscriber", SUBSCRIBER, env={
+        "CASQUE_SIDECAR_MEMORY_TRACE_FRAMES": "4", "CASQUE_SIDECAR_MEMORY_SNAPSHOT_DIR": str(snapshots)})
+    async with AsyncClient(traced.url, queue=QUEUE) as client:
+        await client.publish_batch([{"id": f"warm-{i}", "data": i} for i in range(50)])
+        traced.process.send_signal(signal.SIGUSR2)
+        before = await wait_for_snapshot(traced, snapshots, 1)
+        # Each identified publish leaves its id in the sidecar's memory of recent ids.
+        for start in range(0, 3000, 500):
+            await client.publish_batch([{"id": f"grow-{i:06d}", "data": i} for i in range(start, start + 500)])
+        traced.process.send_signal(signal.SIGUSR2)
+        after = await wait_for_snapshot(traced, snapshots, 2)
+        assert (await client.publish({"data": "after the snapshots"})).message_id
+    grown = growth(before, after, top=10)
+    assert any("casque/engine/idempotency.py" in line.where.replace("\\", "/") and line.size_change_bytes > 0
+               for line in grown), grown
+    assert traced.alive
+
+
+async def wait_for_log(sidecar: SidecarProcess, text: str) -> None:
+    deadline = time.monotonic() + 60
+    while text not in sidecar.tail(20_000):
+        assert time.monotonic() < deadline, f"{text!r} never logged: {sidecar.tail()}"
+        assert sidecar.alive, f"sidecar exited: {sidecar.tail()}"
+        await asyncio.sleep(0.1)
+
+
+async def wait_for_snapshot(sidecar: SidecarProcess, directory: Path, number: int) -> Path:
+    """The sidecar's `number`th snapshot, once written whole (it is renamed into place)."""
+    await wait_for_log(sidecar, f"memory report {number}: RSS")
+    (path,) = [p for p in directory.glob(f"*-{number:04d}{SNAPSHOT_SUFFIX}")]
+    return path
