@@ -48,6 +48,8 @@ async def serve(
     backends: Settings | None = None,
     on_listening: Callable[[str], None] | None = None,
 ) -> None:
+    # First: SIGUSR2's default action would end the process.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, MemoryReports(settings.memory_snapshot_dir).report)
     app = create_app(settings, backends)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=CLOSE_TIMEOUT_SECONDS, access_log=None,
                            **protocol_options(settings))
@@ -69,8 +71,6 @@ async def serve(
         if settings.health_port is not None:
             side_runners.append(await _serve_health(app, settings.health_host, settings.health_port))
         log.info("casque sidecar listening on %s", address)
-        reports = MemoryReports(settings.memory_snapshot_dir)
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, reports.report)
         if on_listening is not None:
             on_listening(address)
         await _until_signalled()
