@@ -20,19 +20,23 @@ The RSS of the sidecar is read from /proc every few seconds. The first quarter o
 its warm-up: connections, caches and the id memory fill there. Reported, each figure the
 median of `--runs` runs: the RSS idle, at the end of the warm-up, at the end and at most;
 its growth after the warm-up as the least-squares slope of the samples, in MiB per hour,
-and as the end minus the end of the warm-up; the sidecar's CPU per message moved; what was
-published and consumed; calls answered other than as expected (0, or the run fails).
+and as the end minus the end of the warm-up; the live containers (Python objects that hold
+others) the sidecar's memory reports (SIGUSR2, sidecar/memory_report.py) count at the end of
+the warm-up and at the end (those made since the sidecar started): objects that pile up
+show there whatever the allocator does with its pages; the sidecar's CPU per message moved; what was published and consumed;
+calls answered other than as expected (0, or the run fails).
 
-With `--trace-memory FRAMES` the sidecar traces its allocations (sidecar/memory_report.py)
-and writes a snapshot at the end of the warm-up and at the end; the source lines whose live
-allocations grew between the two are printed, to say where a growth comes from. Its CPU
-and RSS then include the tracing's own: compare a traced run with traced runs only.
+With `--trace-memory FRAMES` the sidecar traces its allocations, and those two reports write
+snapshots; the source lines whose live allocations grew between them are printed, to say
+where a growth comes from. Its CPU and RSS then include the tracing's own: compare a traced
+run with traced runs only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -46,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from casque.engine import catalog
-from casque.sidecar.memory_report import SNAPSHOT_SUFFIX, growth
+from casque.sidecar.memory_report import growth
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
@@ -78,8 +82,9 @@ MIX = {
     "producer": (20, 1),
     "delayed": (1, 1),
 }
-# How long a sidecar may take to write an allocation snapshot, and the lines of growth shown.
-SNAPSHOT_WAIT_SECONDS = 120.0
+# How long a sidecar may take to log a memory report (and write its snapshot), and the lines
+# of growth shown.
+REPORT_WAIT_SECONDS = 120.0
 GROWTH_LINES = 15
 PRODUCER_SPAN = 2_000  # numbers per producer id before the "app" restarts with a new one
 NACK_EVERY = 20
@@ -99,6 +104,9 @@ FIGURES = [
     Figure("rss_max", "RSS at most", "MiB"),
     Figure("growth_per_hour", "growth after the warm-up, least-squares slope", "MiB/h"),
     Figure("growth", "growth after the warm-up, end minus its start", "MiB"),
+    Figure("objects_warm", "live containers at the end of the warm-up (memory report)", ""),
+    Figure("objects_end", "live containers at the end", ""),
+    Figure("object_growth", "live containers gained after the warm-up", ""),
     Figure("unexpected", "calls answered other than expected (must be 0)", ""),
 ]
 
@@ -211,11 +219,12 @@ async def consume(http: KeepAliveClient, queue: str, per_call: int, traffic: Tra
             traffic.consumed += len(ack)
 
 
-async def soak_once(url: str, pid: int, queue: str, text: str, seconds: float, rate: float, sample_every: float,
-                    rss_idle: float, stop: asyncio.Event, snapshots: Path | None = None) -> dict[str, float]:
+async def soak_once(url: str, pid: int, log: Path, queue: str, text: str, seconds: float, rate: float,
+                    sample_every: float, rss_idle: float, stop: asyncio.Event) -> dict[str, float]:
     """One run of `seconds`, or until `stop` is set (SIGINT, SIGTERM): its figures so far.
-    `snapshots`: the directory a tracing sidecar writes its snapshots to; one is asked for at
-    the end of the warm-up and one at the end, and the lines that grew between are printed."""
+    The sidecar (logging to `log`) is asked for a memory report at the end of the warm-up and
+    at the end; a tracing sidecar's reports carry snapshots, and the lines that grew between
+    the two are printed."""
     per_tick = sum(messages * calls for messages, calls in MIX.values())
     traffic = Traffic()
     samples: list[tuple[float, float]] = []
@@ -225,11 +234,11 @@ async def soak_once(url: str, pid: int, queue: str, text: str, seconds: float, r
         workers = [asyncio.create_task(drive(http, queue, text, per_tick / rate, traffic))]
         workers += [asyncio.create_task(consume(http, queue, 50, traffic)) for _ in range(3)]
         workers += [asyncio.create_task(consume(http, queue, 1, traffic)) for _ in range(2)]
-        warm_snapshot: Path | None = None
+        warm: MemoryReport | None = None
         while (elapsed := time.monotonic() - started) < seconds:
             samples.append((elapsed, rss_bytes(pid) / MIB))
-            if snapshots is not None and warm_snapshot is None and elapsed >= seconds * WARMUP_SHARE:
-                warm_snapshot = await take_snapshot(pid, snapshots)
+            if warm is None and elapsed >= seconds * WARMUP_SHARE:
+                warm = await memory_report(pid, log, 1)
             if any(w.done() for w in workers):
                 break  # a worker failed: its exception is raised below
             try:
@@ -243,8 +252,10 @@ async def soak_once(url: str, pid: int, queue: str, text: str, seconds: float, r
         final = rss_bytes(pid) / MIB
         if final > 0:  # 0: the sidecar went first (a signal to the whole process group)
             samples.append((time.monotonic() - started, final))
-            if warm_snapshot is not None and snapshots is not None:
-                print_growth(warm_snapshot, await take_snapshot(pid, snapshots))
+        end = await memory_report(pid, log, 2 if warm is not None else 1)
+        warm = warm or end  # stopped within the warm-up: no growth to tell
+        if warm.snapshot is not None and end.snapshot is not None and end is not warm:
+            print_growth(warm.snapshot, end.snapshot)
     if traffic.unexpected:
         raise SystemExit("soak: unexpected answers:\n" + "\n".join(traffic.unexpected[:20]))
     warm_until = samples[-1][0] * WARMUP_SHARE
@@ -264,22 +275,35 @@ async def soak_once(url: str, pid: int, queue: str, text: str, seconds: float, r
         "rss_max": max(m for _, m in samples),
         "growth_per_hour": slope_per_hour(after),
         "growth": samples[-1][1] - after[0][1],
+        "objects_warm": warm.objects,
+        "objects_end": end.objects,
+        "object_growth": end.objects - warm.objects,
         "unexpected": len(traffic.unexpected),
     }
 
 
-async def take_snapshot(pid: int, directory: Path) -> Path:
-    """A new allocation snapshot of the tracing sidecar: SIGUSR2, then its file once written
-    (the sidecar renames it into place whole)."""
-    known = set(directory.glob(f"*{SNAPSHOT_SUFFIX}"))
+@dataclass(frozen=True)
+class MemoryReport:
+    """What the sidecar's `number`th memory report said: its live containers, and its
+    allocation snapshot when it traces."""
+
+    objects: int
+    snapshot: Path | None
+
+
+async def memory_report(pid: int, log: Path, number: int) -> MemoryReport:
+    """SIGUSR2 to the sidecar, then its report's line in `log` (logged once the snapshot, if
+    any, is written whole)."""
     os.kill(pid, signal.SIGUSR2)
-    deadline = time.monotonic() + SNAPSHOT_WAIT_SECONDS
+    line = re.compile(rf"memory report {number}: RSS [\d.]+ MiB, (\d+) tracked objects[^\n]*?(?:, snapshot (\S+))?$",
+                      re.MULTILINE)
+    deadline = time.monotonic() + REPORT_WAIT_SECONDS
     while time.monotonic() < deadline:
-        new = set(directory.glob(f"*{SNAPSHOT_SUFFIX}")) - known
-        if new:
-            return new.pop()
+        found = line.search(log.read_text(errors="replace"))
+        if found:
+            return MemoryReport(int(found.group(1)), Path(found.group(2)) if found.group(2) else None)
         await asyncio.sleep(0.2)
-    raise SystemExit(f"soak: the sidecar wrote no memory snapshot to {directory} in {SNAPSHOT_WAIT_SECONDS:.0f}s")
+    raise SystemExit(f"soak: the sidecar logged no memory report {number} in {REPORT_WAIT_SECONDS:.0f}s")
 
 
 def print_growth(before: Path, after: Path) -> None:
@@ -329,8 +353,8 @@ async def main() -> None:
             await wait_ready(url, process, log)
             await asyncio.sleep(2)  # idle: connected, its consumer started, no request yet
             try:
-                return await soak_once(url, process.pid, queue.name, text, seconds, args.rate, sample_every,
-                                       rss_bytes(process.pid) / MIB, stop, snapshots)
+                return await soak_once(url, process.pid, log, queue.name, text, seconds, args.rate, sample_every,
+                                       rss_bytes(process.pid) / MIB, stop)
             finally:
                 process.terminate()
                 process.wait(30)
