@@ -11,10 +11,12 @@ the mix of calls apps make, paced to about `--rate` messages per second publishe
 messages with a new CloudEvents id each (the idempotency guard remembers up to 50,000 ids or
 8 MiB of them by its estimate: at the default rate that memory is full within the warm-up);
 calls of 20 messages numbered by a producer, which a new producer id replaces every 2,000 numbers
-(an app that restarts); delayed messages; receive 50 + ack (one in 20 nacked, so it comes
-again), receive 1 + ack 1, each with a long poll; a malformed call now and then (its 4xx is
-expected); the queue's and the subscriber's stats and the metrics page, scraped. Everything
-published is consumed as it comes, so the backlog stays small.
+(an app that restarts); delayed messages with an id each; receive 50 + ack (one in 20
+nacked, so it comes again), receive 1 + ack 1, each with a long poll; a malformed call now
+and then (its 4xx is expected); the queue's and the subscriber's stats and the metrics page,
+scraped. Everything published is consumed as it comes, so the backlog stays small. A call
+answered 503 (a backend slow to answer, on a loaded machine) is sent again with backoff, as
+casque's clients do, and counted.
 
 The RSS of the sidecar is read from /proc every few seconds. The first quarter of the run is
 its warm-up: connections, caches and the id memory fill there. Reported, each figure the
@@ -23,8 +25,9 @@ its growth after the warm-up as the least-squares slope of the samples, in MiB p
 and as the end minus the end of the warm-up; the live containers (Python objects that hold
 others) the sidecar's memory reports (SIGUSR2, sidecar/memory_report.py) count at the end of
 the warm-up and at the end (those made since the sidecar started): objects that pile up
-show there whatever the allocator does with its pages; the sidecar's CPU per message moved; what was published and consumed;
-calls answered other than as expected (0, or the run fails).
+show there whatever the allocator does with its pages; the sidecar's CPU per message moved;
+what was published and consumed; the calls sent again after a 503; calls answered other
+than as expected, after those retries (0, or the run fails).
 
 With `--trace-memory FRAMES` the sidecar traces its allocations, and those two reports write
 snapshots; the source lines whose live allocations grew between them are printed, to say
@@ -44,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +89,9 @@ MIX = {
 # of growth shown.
 REPORT_WAIT_SECONDS = 120.0
 GROWTH_LINES = 15
+# A call answered 503 is sent again this many times, the first after this long, doubling.
+RETRIES = 5
+RETRY_BACKOFF_SECONDS = 0.5
 PRODUCER_SPAN = 2_000  # numbers per producer id before the "app" restarts with a new one
 NACK_EVERY = 20
 DELAY_SECONDS = 2.0
@@ -107,7 +113,8 @@ FIGURES = [
     Figure("objects_warm", "live containers at the end of the warm-up (memory report)", ""),
     Figure("objects_end", "live containers at the end", ""),
     Figure("object_growth", "live containers gained after the warm-up", ""),
-    Figure("unexpected", "calls answered other than expected (must be 0)", ""),
+    Figure("retried", "calls answered 503 and sent again, as clients do", ""),
+    Figure("unexpected", "calls answered other than expected, retries included (must be 0)", ""),
 ]
 
 
@@ -118,6 +125,7 @@ class Traffic:
     published: Counter[str] = field(default_factory=Counter)
     consumed: int = 0
     nacked: int = 0
+    retried: int = 0
     unexpected: list[str] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -135,6 +143,20 @@ def slope_per_hour(samples: list[tuple[float, float]]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread * 3600
 
 
+async def retrying(traffic: Traffic, call: Callable[[], Awaitable[tuple[int, Any]]]) -> tuple[int, Any]:
+    """A call made again on 503 (a backend that did not answer in time, or the sidecar not
+    ready), with backoff, as casque's clients do: the answer it ends with."""
+    backoff = RETRY_BACKOFF_SECONDS
+    for _ in range(RETRIES):
+        status, answer = await call()
+        if status != 503:
+            return status, answer
+        traffic.retried += 1
+        await asyncio.sleep(backoff)
+        backoff *= 2
+    return await call()
+
+
 async def drive(http: KeepAliveClient, queue: str, text: str, tick: float, traffic: Traffic) -> None:
     """The publishing side: one tick's calls each `tick` seconds until told to stop."""
     base = f"/v1/queues/{queue}"
@@ -143,8 +165,9 @@ async def drive(http: KeepAliveClient, queue: str, text: str, tick: float, traff
     sequence = 0
     producer = 0
 
-    async def expect(kind: str, messages: int, call: Awaitable[tuple[int, Any]]) -> None:
-        status, answer = await call
+    async def expect(kind: str, messages: int, path: str, payload: Any) -> None:
+        # The same body again on a 503: an identified message is stored once however often it is sent.
+        status, answer = await retrying(traffic, lambda: http.post(path, payload))
         if status == 200:
             traffic.published[kind] += messages
         else:
@@ -155,23 +178,25 @@ async def drive(http: KeepAliveClient, queue: str, text: str, tick: float, traff
     while not traffic.stop.is_set():
         calls: list[Awaitable[None]] = []
         for _ in range(MIX["single"][1]):
-            calls.append(expect("single", 1, http.post(f"{base}/messages", body)))
-        calls.append(expect("batch", 100, http.post(f"{base}/messages/batch", {"messages": [body] * 100})))
+            calls.append(expect("single", 1, f"{base}/messages", body))
+        calls.append(expect("batch", 100, f"{base}/messages/batch", {"messages": [body] * 100}))
         for _ in range(MIX["identified"][1]):
             counter += 1
-            calls.append(expect("identified", 1, http.post(
-                f"{base}/messages", {**body, "id": f"soak-{counter}", "source": "soak"})))
+            calls.append(expect("identified", 1, f"{base}/messages", {**body, "id": f"soak-{counter}", "source": "soak"}))
         size = MIX["identified_batch"][0]
         identified = [{**body, "id": f"soak-{counter + n}", "source": "soak"} for n in range(1, size + 1)]
         counter += size
-        calls.append(expect("identified_batch", size, http.post(f"{base}/messages/batch", {"messages": identified})))
+        calls.append(expect("identified_batch", size, f"{base}/messages/batch", {"messages": identified}))
         size = MIX["producer"][0]
         if sequence + size > PRODUCER_SPAN:
             producer, sequence = producer + 1, 0
         numbered = [{**body, "producerid": f"soak-app-{producer}", "producerseq": sequence + n} for n in range(size)]
         sequence += size
-        calls.append(expect("producer", size, http.post(f"{base}/messages/batch", {"messages": numbered})))
-        calls.append(expect("delayed", 1, http.post(f"{base}/messages", {**body, "delay": DELAY_SECONDS})))
+        calls.append(expect("producer", size, f"{base}/messages/batch", {"messages": numbered}))
+        # With an id, as a delayed publish answered 503 asks: its row may be stored already.
+        counter += 1
+        calls.append(expect("delayed", 1, f"{base}/messages",
+                            {**body, "id": f"soak-{counter}", "source": "soak", "delay": DELAY_SECONDS}))
         if ticks % BAD_EVERY == 0:
             calls.append(_expect_refused(http, f"{base}/messages", traffic))
         if ticks % SCRAPE_EVERY == 0:
@@ -199,7 +224,7 @@ async def consume(http: KeepAliveClient, queue: str, per_call: int, traffic: Tra
     """Receive and ack (nacking one in NACK_EVERY) until told to stop."""
     sub = f"/v1/queues/{queue}/subscribers/{queue}"
     while not traffic.stop.is_set():
-        status, answer = await http.post(f"{sub}/receive", {"max": per_call, "wait": 1})
+        status, answer = await retrying(traffic, lambda: http.post(f"{sub}/receive", {"max": per_call, "wait": 1}))
         if status != 200:
             traffic.unexpected.append(f"receive: HTTP {status}: {str(answer)[:200]}")
             continue
@@ -207,12 +232,13 @@ async def consume(http: KeepAliveClient, queue: str, per_call: int, traffic: Tra
         nack = [r for n, r in enumerate(receipts) if (traffic.consumed + n) % NACK_EVERY == NACK_EVERY - 1]
         ack = [r for r in receipts if r not in nack]
         if nack:
-            status, answer = await http.post(f"{sub}/nack", {"receipts": nack, "delay": 1})
+            status, answer = await retrying(traffic, lambda: http.post(f"{sub}/nack", {"receipts": nack, "delay": 1}))
             if status != 200:
                 traffic.unexpected.append(f"nack: HTTP {status}: {str(answer)[:200]}")
             traffic.nacked += len(nack)
         if ack:
-            status, answer = await http.post(f"{sub}/ack", {"receipts": ack} if len(ack) > 1 else {"receipt": ack[0]})
+            body = {"receipts": ack} if len(ack) > 1 else {"receipt": ack[0]}
+            status, answer = await retrying(traffic, lambda: http.post(f"{sub}/ack", body))
             if status != 200:
                 traffic.unexpected.append(f"ack: HTTP {status}: {str(answer)[:200]}")
                 continue
@@ -278,6 +304,7 @@ async def soak_once(url: str, pid: int, log: Path, queue: str, text: str, second
         "objects_warm": warm.objects,
         "objects_end": end.objects,
         "object_growth": end.objects - warm.objects,
+        "retried": traffic.retried,
         "unexpected": len(traffic.unexpected),
     }
 
