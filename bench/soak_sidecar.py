@@ -335,9 +335,8 @@ async def memory_report(pid: int, log: Path, number: int) -> MemoryReport:
 
 def print_growth(before: Path, after: Path) -> None:
     print("soak: live allocations grown from the end of the warm-up to the end, by source line:", file=sys.stderr)
-    for line in growth(before, after, GROWTH_LINES):
-        print(f"  {line.size_change_bytes / 1024:+10.1f} KiB {line.count_change:+9d} blocks  {line.where}"
-              f" (now {line.size_bytes / 1024:.1f} KiB)", file=sys.stderr)
+    for grown in growth(before, after, GROWTH_LINES):
+        print(f"  {grown.line()}", file=sys.stderr)
     print(file=sys.stderr, flush=True)
 
 

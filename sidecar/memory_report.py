@@ -18,6 +18,7 @@ import logging
 import os
 import pickle
 import resource
+import tempfile
 import tracemalloc
 from collections import Counter
 from dataclasses import dataclass
@@ -49,6 +50,11 @@ class LineGrowth:
     size_bytes: int
     size_change_bytes: int
     count_change: int
+
+    def line(self) -> str:
+        """One line of a growth listing: the change, then where, then what lives there now."""
+        return (f"{self.size_change_bytes / 1024:+10.1f} KiB {self.count_change:+9d} blocks  {self.where}"
+                f" (now {self.size_bytes / 1024:.1f} KiB)")
 
 
 def start_tracing(frames: int) -> None:
@@ -100,7 +106,7 @@ class MemoryReports:
         return snapshot
 
     def _write_snapshot(self, number: int) -> Path | None:
-        directory = self._snapshot_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+        directory = self._snapshot_dir or Path(tempfile.gettempdir())
         path = directory / f"casque-sidecar-{os.getpid()}-{number:04d}{SNAPSHOT_SUFFIX}"
         partial = path.with_name(path.name + ".partial")
         try:

@@ -72,9 +72,8 @@ def memory_growth(
     pickles: read only your own."""
     from casque.sidecar.memory_report import growth
 
-    for line in growth(before, after, top):
-        typer.echo(f"{line.size_change_bytes / 1024:+10.1f} KiB {line.count_change:+9d} blocks"
-                   f"  {line.where} (now {line.size_bytes / 1024:.1f} KiB)")
+    for grown in growth(before, after, top):
+        typer.echo(grown.line())
 
 
 def register(app: typer.Typer) -> None:
