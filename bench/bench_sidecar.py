@@ -23,7 +23,11 @@ app. Reports, each figure the median of `--runs` runs:
   bare server answers at once, so it serves many times the sidecar's rate and shares each
   turn of its event loop among more requests; the one-message publish is also measured
   against the bare server answering each call after the sidecar's mean latency for it, the
-  floor at the sidecar's own pace.
+  floor at the sidecar's own pace;
+- the drivers' floor: the same publishes answered by driver_floor_server.py, which writes them
+  durably (one conditional batch for the calls side by side, a watermark znode after) with
+  the same drivers and nothing else: what any publish on these components costs, the
+  sidecar's figures as a ratio to it, and its own ratio to the bare server.
 """
 
 from __future__ import annotations
@@ -114,8 +118,13 @@ FIGURES = [
     Figure("single_latency", "  its calls' mean latency on the sidecar", "ms"),
     Figure("cpu_bare_paced", "  bare, answering each after that latency (the floor at the sidecar's pace)", "µs"),
     Figure("cpu_single_paced_ratio", "  sidecar / bare at its pace", "x"),
+    Figure("cpu_floor_single", "  the drivers' floor: the same publishes written durably and nothing else", "µs"),
+    Figure("floor_single_batch", "    messages per conditional batch it wrote", "msgs"),
+    Figure("cpu_floor_single_ratio", "    drivers' floor / bare", "x"),
+    Figure("cpu_single_floor_ratio", "  sidecar / drivers' floor", "x"),
     Figure("cpu_batched", f"  sidecar, per message published {BATCH} per call", "µs"),
     Figure("cpu_batched_bare", "  bare, per message of those calls", "µs"),
+    Figure("cpu_batched_floor", "  drivers' floor, per message of those calls", "µs"),
     Figure("cpu_keyed", f"  sidecar, per message published {BATCH} per call with producer sequences", "µs"),
     Figure("keyed_rate_ratio", "  msgs/s with producer sequences / without (goal >= 0.8)", "x"),
     Figure("cpu_consume_batched", f"  sidecar, per message received and acked, {BATCH} per call", "µs"),
@@ -313,31 +322,56 @@ async def paced_floor(url: str, pid: int, queue: str, payload: str, calls: int, 
         return (cpu_seconds([pid]) - before) / calls * 1e6
 
 
-def start_bare_server(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+async def floor_cost(url: str, pid: int, queue: str, payload: str, singles: int, batches: int) -> dict[str, float]:
+    """CPU µs per message of the drivers' floor at `url` (pid) for the sidecar's two publish
+    phases, the same calls with as many in flight, and the messages per batch it wrote."""
+    body = {"data": payload, "datacontenttype": "text/plain"}
+    base = f"/v1/queues/{queue}"
+    figures: dict[str, float] = {}
+    async with KeepAliveClient(url, limit=COST_WINDOW + 4) as http:
+        _, before_stats = await http.get("/stats")
+        before = cpu_seconds([pid])
+        await pipeline(singles, COST_WINDOW, lambda i: http.post_ok(f"{base}/messages", body))
+        figures["cpu_floor_single"] = (cpu_seconds([pid]) - before) / singles * 1e6
+        _, stats = await http.get("/stats")
+        figures["floor_single_batch"] = singles / (stats["batches"] - before_stats["batches"])
+        batch_body = {"messages": [body] * BATCH}
+        before = cpu_seconds([pid])
+        await pipeline(batches, COST_BATCH_WINDOW, lambda i: http.post_ok(f"{base}/messages/batch", batch_body))
+        figures["cpu_batched_floor"] = (cpu_seconds([pid]) - before) / (batches * BATCH) * 1e6
+    return figures
+
+
+def start_server(script: str, log: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """bench/`script` in a process of its own; its URL, from the `listening on` line it logs."""
     with log.open("wb") as sink:
-        process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("bare_server.py"))],
+        process = subprocess.Popen([sys.executable, str(Path(__file__).with_name(script))], env=env,
                                    stdout=sink, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        found = re.search(rb"bare server listening on (http://\S+)", log.read_bytes())
+        found = re.search(rb"listening on (http://\S+)", log.read_bytes())
         if found:
             return process, found.group(1).decode()
         if process.poll() is not None:
             break
         time.sleep(0.05)
     process.kill()
-    raise SystemExit(f"the bare server did not start: {log.read_text()[-2000:]}")
+    raise SystemExit(f"{script} did not start: {log.read_text()[-2000:]}")
 
 
-async def sidecar_cost(url: str, pid: int, bare_url: str, bare_pid: int, queue: str, text: str, smoke: bool,
-                       run: int, rss_idle: float) -> dict[str, float]:
+async def sidecar_cost(processes: Processes, queue: str, text: str, smoke: bool, run: int) -> dict[str, float]:
+    url, pid, bare_pid = processes.url, processes.pid, processes.bare_pid
     singles, batches = (200, 10) if smoke else (COST_SINGLE, COST_BATCHES)
-    bare = await process_cost(bare_url, bare_pid, queue, queue, text, singles, batches, f"bench-bare-{run}")
+    bare = await process_cost(processes.bare_url, bare_pid, queue, queue, text, singles, batches, f"bench-bare-{run}")
+    floor = await floor_cost(processes.floor_url, processes.floor_pid, queue, text, singles, batches)
     sidecar = await process_cost(url, pid, queue, queue, text, singles, batches, f"bench-{run}")
     # Each of the window's calls took this long on the sidecar, on average.
     latency = sidecar["seconds_single"] * COST_WINDOW / singles
-    paced = await paced_floor(bare_url, bare_pid, queue, text, singles, latency)
+    paced = await paced_floor(processes.bare_url, bare_pid, queue, text, singles, latency)
     return {
+        **floor,
+        "cpu_floor_single_ratio": floor["cpu_floor_single"] / bare["cpu_single"],
+        "cpu_single_floor_ratio": sidecar["cpu_single"] / floor["cpu_floor_single"],
         "cpu_bare_request": bare["cpu_single"],
         "cpu_single": sidecar["cpu_single"], "cpu_single_ratio": sidecar["cpu_single"] / bare["cpu_single"],
         "single_latency": latency * 1e3, "cpu_bare_paced": paced, "cpu_single_paced_ratio": sidecar["cpu_single"] / paced,
@@ -347,19 +381,16 @@ async def sidecar_cost(url: str, pid: int, bare_url: str, bare_pid: int, queue: 
         "cpu_consume_batched_bare": bare["cpu_consume_batched"],
         "cpu_pair": sidecar["cpu_pair"], "cpu_pair_bare": bare["cpu_pair"],
         "cpu_pair_ratio": sidecar["cpu_pair"] / bare["cpu_pair"],
-        "rss_bare": rss_bytes(bare_pid) / MIB, "rss_idle": rss_idle,
+        "rss_bare": rss_bytes(bare_pid) / MIB, "rss_idle": processes.rss_idle,
         "rss_single": sidecar["rss_single"], "rss_pair": sidecar["rss_pair"], "rss_batched": sidecar["rss_keyed"],
         "rss_end": sidecar["rss_consume_batched"],
     }
 
 
-def start_sidecar(settings: Settings, queue: str, subscriber: str | None, log: Path,
-                  extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """`casque sidecar` on port 0: it logs the port it got (see `sidecar_url`); consuming for
-    `subscriber`, or for none; `extra_env`: its own settings beyond the backends'."""
-    env = dict(
+def backend_env(settings: Settings) -> dict[str, str]:
+    """This process's environment with the backends `settings` name, for a child to connect to."""
+    return dict(
         os.environ,
-        **(extra_env or {}),
         CASQUE_CASSANDRA_CONTACT_POINTS=",".join(settings.cassandra_contact_points),
         CASQUE_CASSANDRA_PORT=str(settings.cassandra_port),
         CASQUE_KEYSPACE=settings.keyspace,
@@ -367,6 +398,13 @@ def start_sidecar(settings: Settings, queue: str, subscriber: str | None, log: P
         CASQUE_ZOOKEEPER_ROOT=settings.zookeeper_root,
         CASQUE_CONSISTENCY=settings.consistency,
     )
+
+
+def start_sidecar(settings: Settings, queue: str, subscriber: str | None, log: Path,
+                  extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`casque sidecar` on port 0: it logs the port it got (see `sidecar_url`); consuming for
+    `subscriber`, or for none; `extra_env`: its own settings beyond the backends'."""
+    env = dict(backend_env(settings), **(extra_env or {}))
     with log.open("wb") as sink:
         return subprocess.Popen(
             [sys.executable, "-m", "casque.cli", "sidecar", "--port", "0", "--queue", queue,
@@ -393,12 +431,15 @@ async def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> N
 
 @dataclass(frozen=True)
 class Processes:
-    """The sidecar's and the bare server's URLs and pids, and the sidecar's RSS when idle."""
+    """The sidecar's, the bare server's and the drivers' floor's URLs and pids, and the
+    sidecar's RSS when idle."""
 
     url: str
     pid: int
     bare_url: str
     bare_pid: int
+    floor_url: str
+    floor_pid: int
     rss_idle: float
 
 
@@ -408,8 +449,7 @@ async def run_once(store: Store, args: argparse.Namespace, run: int, processes: 
     runs before), then the engine on a queue of its own, HTTP on the sidecar's queue (each
     run consumes everything it publishes), limits on the engine's table."""
     url = processes.url
-    cost = await sidecar_cost(url, processes.pid, processes.bare_url, processes.bare_pid, http_queue.name, text,
-                              args.smoke, run, processes.rss_idle)
+    cost = await sidecar_cost(processes, http_queue.name, text, args.smoke, run)
     probes = 20 if args.smoke else PROBES
     engine_queue = QueueRef("default", f"engine-{run}")
     catalog.apply_queue(store, engine_queue, spec)
@@ -452,8 +492,9 @@ async def main() -> None:
     http_queue = QueueRef("default", "http")
     text = text_payload(args.size)
     log = Path(tempfile.gettempdir()) / f"{keyspace}-sidecar.log"
-    process = bare = None
+    process = bare = floor = None
     bare_log = Path(tempfile.gettempdir()) / f"{keyspace}-bare.log"
+    floor_log = Path(tempfile.gettempdir()) / f"{keyspace}-floor.log"
     try:
         catalog.ensure_installation(store)
         catalog.apply_queue(store, http_queue, spec)
@@ -462,13 +503,16 @@ async def main() -> None:
         process = start_sidecar(settings, http_queue.name, http_queue.name, log)
         url = await asyncio.to_thread(sidecar_url, process, log)
         await wait_ready(url, process, log)
-        bare, bare_url = start_bare_server(bare_log)
+        bare, bare_url = start_server("bare_server.py", bare_log)
+        floor, floor_url = await asyncio.to_thread(start_server, "driver_floor_server.py", floor_log,
+                                                   backend_env(settings))
         await asyncio.sleep(2)  # idle: connected, its consumer started, no request yet
-        processes = Processes(url, process.pid, bare_url, bare.pid, rss_bytes(process.pid) / MIB)
+        processes = Processes(url, process.pid, bare_url, bare.pid, floor_url, floor.pid,
+                              rss_bytes(process.pid) / MIB)
         samples = await repeat_async(args.runs, lambda run: run_once(store, args, run, processes, http_queue, spec,
                                                                      text))
     finally:
-        for child in (process, bare):
+        for child in (process, bare, floor):
             if child is not None and child.poll() is None:
                 child.terminate()
                 child.wait(30)
@@ -476,6 +520,7 @@ async def main() -> None:
         store.close()
     log.unlink(missing_ok=True)
     bare_log.unlink(missing_ok=True)
+    floor_log.unlink(missing_ok=True)
     report("sidecar", args, {"messages per publish form": args.messages, "size": args.size, "shards": args.shards,
                              "sidecar": "own process"}, FIGURES, samples)
 
