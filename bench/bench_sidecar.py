@@ -129,9 +129,13 @@ FIGURES = [
     Figure("keyed_rate_ratio", "  msgs/s with producer sequences / without (goal >= 0.8)", "x"),
     Figure("cpu_consume_batched", f"  sidecar, per message received and acked, {BATCH} per call", "µs"),
     Figure("cpu_consume_batched_bare", "  bare, per message of those calls", "µs"),
+    Figure("cpu_consume_batched_floor", "  drivers' floor, per message of those calls", "µs"),
     Figure("cpu_pair", f"  sidecar, per receive 1 + ack 1 ({COST_WINDOW} loops)", "µs"),
     Figure("cpu_pair_bare", "  bare, per receive 1 + ack 1 (floor)", "µs"),
     Figure("cpu_pair_ratio", "  sidecar / bare (goal <= 3)", "x"),
+    Figure("cpu_pair_floor", "  drivers' floor, per receive 1 + ack 1", "µs"),
+    Figure("cpu_pair_floor_ratio", "    drivers' floor / bare", "x"),
+    Figure("cpu_pair_over_floor", "  sidecar / drivers' floor", "x"),
     Figure("rss_bare", "sidecar process RSS: bare aiohttp server at the end", "MiB"),
     Figure("rss_idle", "  sidecar idle, backends connected (goal <= 72)", "MiB"),
     Figure("rss_single", "  after one-message publishes", "MiB"),
@@ -276,23 +280,8 @@ async def process_cost(url: str, pid: int, queue: str, subscriber: str, payload:
             figures[f"rss_{name}"] = rss_bytes(pid) / MIB
             return messages / seconds
 
-        async def consume(total: int, per_call: int, loops: int) -> None:
-            received = 0
-
-            async def loop() -> None:
-                nonlocal received
-                while received < total:
-                    got = (await post(f"{sub}/receive", {"max": min(per_call, total - received), "wait": 1}))
-                    messages = got["messages"]
-                    if not messages:
-                        continue
-                    received += len(messages)
-                    if len(messages) == 1:
-                        await post(f"{sub}/ack", {"receipt": messages[0]["receipt"]})
-                    else:
-                        await post(f"{sub}/ack", {"receipts": [m["receipt"] for m in messages]})
-
-            await asyncio.gather(*(loop() for _ in range(loops)))
+        def consume(total: int, per_call: int, loops: int) -> Awaitable[None]:
+            return receive_and_ack(post, sub, total, per_call, loops)
 
         batch_body = {"messages": [body] * BATCH}
         await phase("single", singles, lambda: pipeline(singles, COST_WINDOW, lambda i: post(f"{base}/messages", body)))
@@ -310,6 +299,27 @@ async def process_cost(url: str, pid: int, queue: str, subscriber: str, payload:
     return figures
 
 
+async def receive_and_ack(post: Callable[[str, Any], Awaitable[Any]], sub: str, total: int, per_call: int,
+                          loops: int) -> None:
+    """`total` messages received `per_call` at a time and acked, by `loops` loops side by side."""
+    received = 0
+
+    async def loop() -> None:
+        nonlocal received
+        while received < total:
+            got = (await post(f"{sub}/receive", {"max": min(per_call, total - received), "wait": 1}))
+            messages = got["messages"]
+            if not messages:
+                continue
+            received += len(messages)
+            if len(messages) == 1:
+                await post(f"{sub}/ack", {"receipt": messages[0]["receipt"]})
+            else:
+                await post(f"{sub}/ack", {"receipts": [m["receipt"] for m in messages]})
+
+    await asyncio.gather(*(loop() for _ in range(loops)))
+
+
 async def paced_floor(url: str, pid: int, queue: str, payload: str, calls: int, latency: float) -> float:
     """CPU µs per one-message publish of the bare server at `url` (pid) answering each after
     `latency` seconds, with as many in flight as the sidecar's phase had: its requests then
@@ -323,22 +333,32 @@ async def paced_floor(url: str, pid: int, queue: str, payload: str, calls: int, 
 
 
 async def floor_cost(url: str, pid: int, queue: str, payload: str, singles: int, batches: int) -> dict[str, float]:
-    """CPU µs per message of the drivers' floor at `url` (pid) for the sidecar's two publish
-    phases, the same calls with as many in flight, and the messages per batch it wrote."""
+    """CPU µs per message of the drivers' floor at `url` (pid) for the sidecar's phases (not
+    the producer sequences, which it has not), the same calls with as many in flight, and the
+    messages per batch its one-message publishes shared. Each phase consumes what the one
+    before it published."""
     body = {"data": payload, "datacontenttype": "text/plain"}
     base = f"/v1/queues/{queue}"
+    sub = f"{base}/subscribers/{queue}"
     figures: dict[str, float] = {}
     async with KeepAliveClient(url, limit=COST_WINDOW + 4) as http:
+
+        async def phase(name: str, messages: int, run: Awaitable[Any]) -> None:
+            before = cpu_seconds([pid])
+            await run
+            figures[name] = (cpu_seconds([pid]) - before) / messages * 1e6
+
         _, before_stats = await http.get("/stats")
-        before = cpu_seconds([pid])
-        await pipeline(singles, COST_WINDOW, lambda i: http.post_ok(f"{base}/messages", body))
-        figures["cpu_floor_single"] = (cpu_seconds([pid]) - before) / singles * 1e6
+        await phase("cpu_floor_single", singles,
+                    pipeline(singles, COST_WINDOW, lambda i: http.post_ok(f"{base}/messages", body)))
         _, stats = await http.get("/stats")
         figures["floor_single_batch"] = singles / (stats["batches"] - before_stats["batches"])
+        await phase("cpu_pair_floor", singles, receive_and_ack(http.post_ok, sub, singles, 1, COST_WINDOW))
         batch_body = {"messages": [body] * BATCH}
-        before = cpu_seconds([pid])
-        await pipeline(batches, COST_BATCH_WINDOW, lambda i: http.post_ok(f"{base}/messages/batch", batch_body))
-        figures["cpu_batched_floor"] = (cpu_seconds([pid]) - before) / (batches * BATCH) * 1e6
+        await phase("cpu_batched_floor", batches * BATCH, pipeline(
+            batches, COST_BATCH_WINDOW, lambda i: http.post_ok(f"{base}/messages/batch", batch_body)))
+        await phase("cpu_consume_batched_floor", batches * BATCH,
+                    receive_and_ack(http.post_ok, sub, batches * BATCH, BATCH, RECEIVERS))
     return figures
 
 
@@ -372,6 +392,8 @@ async def sidecar_cost(processes: Processes, queue: str, text: str, smoke: bool,
         **floor,
         "cpu_floor_single_ratio": floor["cpu_floor_single"] / bare["cpu_single"],
         "cpu_single_floor_ratio": sidecar["cpu_single"] / floor["cpu_floor_single"],
+        "cpu_pair_floor_ratio": floor["cpu_pair_floor"] / bare["cpu_pair"],
+        "cpu_pair_over_floor": sidecar["cpu_pair"] / floor["cpu_pair_floor"],
         "cpu_bare_request": bare["cpu_single"],
         "cpu_single": sidecar["cpu_single"], "cpu_single_ratio": sidecar["cpu_single"] / bare["cpu_single"],
         "single_latency": latency * 1e3, "cpu_bare_paced": paced, "cpu_single_paced_ratio": sidecar["cpu_single"] / paced,

@@ -1,22 +1,28 @@
-"""The least a durable publish costs with these drivers: aiohttp, the Cassandra driver and kazoo.
+"""The least a durable queue costs with these drivers: aiohttp, the Cassandra driver and kazoo.
 
     CASQUE_*=... python bench/driver_floor_server.py
 
 Run as its own process on the sidecar's event loop setup (uvloop, an AppRunner without
 access log, the same keep-alive and header limits) and connected as the sidecar connects
 (`Store.open` with the same settings, so the same driver options), it answers the sidecar's
-publish requests after doing only what any queue on these backends must do before answering
-one: read the body and decode its JSON, give each message an id, write the messages of the
-requests side by side in one conditional batch (a header row `IF NOT EXISTS` and a row per
-message, one partition, as a claim writes them) and advance a watermark znode in ZooKeeper
-for readers (in the background, one write in flight, as the head is). No idempotency, no
-schema, no metrics, no routing of delayed messages, no consumer.
+publish, receive and ack requests after doing only what any queue on these backends must do
+before answering them:
+- publish: read the body and decode its JSON, give each message an id, write the messages of
+  the requests side by side in one conditional batch (a header row `IF NOT EXISTS` and a row
+  per message, one partition, as a claim writes them) and advance a watermark znode in
+  ZooKeeper for readers (in the background, one write in flight, as the head is);
+- receive: hand out messages in order from batches read whole, one partition read each,
+  and render them with a receipt;
+- ack: write an ack row per receipt, the acks of the calls side by side in one batch.
+No idempotency, schema, metrics, leases, visibility timeouts, redelivery, offsets or
+watches: one process, one shard, one reader, which learns the batches from its own writer.
 
 What this process spends in CPU per message is what the components themselves cost per
-publish on this machine, at the batch sizes its own group commit reaches: a floor no design
-on these drivers goes below. bench_sidecar.py reports it beside the bare server's floor (which
-writes nothing) and the sidecar. It logs `driver floor listening on http://...` once it listens
-on the port the kernel gave it; `GET /stats` answers the batches and messages written so far.
+message on this machine, at the batch sizes its own group commits reach: a floor no design on
+these drivers goes below. bench_sidecar.py reports it beside the bare server's floor (which
+stores nothing) and the sidecar. It logs `driver floor listening on http://...` once it
+listens on the port the kernel gave it; `GET /stats` answers the batches and messages written
+so far.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import uuid
+import time
 from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
 import uvloop
 from aiohttp import web
@@ -33,94 +41,92 @@ from cassandra.query import BatchStatement, BatchType
 
 from casque.backends import cql, zk
 from casque.config import Settings
+from casque.engine.messages import time_ordered_ids
 from casque.store import Store
 
 TABLE = "driver_floor"
+ACKS_TABLE = "driver_floor_acks"
 # A call's messages are written in one batch; calls side by side share one up to this many.
 MAX_BATCH_MESSAGES = 100
 SHARD = 0
 
 
-class Call:
-    """One publish request's messages, waiting for the batch that holds them."""
-
-    __slots__ = ("ids", "payloads", "done")
-
-    def __init__(self, payloads: list[bytes], done: asyncio.Future[int]) -> None:
-        self.ids = [uuid.uuid4() for _ in payloads]
-        self.payloads = payloads
-        self.done = done
+def _invalid(what: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(text=json.dumps({"code": "invalid_request", "message": what}),
+                              content_type="application/json")
 
 
-class GroupWriter:
-    """Writes the calls side by side in one conditional batch each, and a watermark after."""
+class GroupCommit:
+    """Calls side by side written in one batch: a subclass says how; each call waits for it."""
+
+    def __init__(self) -> None:
+        self._pending: deque[tuple[Sequence[Any], asyncio.Future[int]]] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self.batches = 0
+        self.items = 0
+
+    async def submit(self, items: Sequence[Any]) -> int:
+        """Waits until `items` are written; the number of the batch that held them."""
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._pending.append((items, done))
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return await done
+
+    async def _drain(self) -> None:
+        while self._pending:
+            calls = [self._pending.popleft()]
+            size = len(calls[0][0])
+            while self._pending and size + len(self._pending[0][0]) <= MAX_BATCH_MESSAGES:
+                size += len(self._pending[0][0])
+                calls.append(self._pending.popleft())
+            try:
+                batch = await self.write([item for items, _ in calls for item in items])
+            except Exception as error:  # each waiting request is answered with it
+                for _, done in calls:
+                    done.set_exception(error)
+                continue
+            self.batches += 1
+            self.items += size
+            for _, done in calls:
+                done.set_result(batch)
+
+    async def write(self, items: list[Any]) -> int:
+        raise NotImplementedError
+
+
+class LogWriter(GroupCommit):
+    """Messages, (id, payload) each, in one conditional batch per group; the watermark after."""
 
     def __init__(self, store: Store, head_path: str) -> None:
+        super().__init__()
         self._store = store
         self._head_path = head_path
-        self._pending: deque[Call] = deque()
-        self._task: asyncio.Task[None] | None = None
-        self._batch = 0
+        self.last_batch = 0
         self._head_target = 0
         self._head_task: asyncio.Task[None] | None = None
         session, keyspace = store.session, store.keyspace
-        session.execute(f"CREATE TABLE IF NOT EXISTS {keyspace}.{TABLE} (shard int, number bigint, seq int, "
-                        f"id uuid, data blob, PRIMARY KEY ((shard, number), seq))")
         self._header = session.prepare(f"INSERT INTO {keyspace}.{TABLE} (shard, number, seq) VALUES (?, ?, -1) "
                                        "IF NOT EXISTS")
         # Rows serialized as the sidecar's claims serialize them (cql.BatchRows: the driver's
         # own binding per row costs about as much again), so that this is a floor.
         self._rows = cql.BatchRows(session.prepare(f"INSERT INTO {keyspace}.{TABLE} (shard, number, seq, id, data) "
                                                    "VALUES (?, ?, ?, ?, ?)"))
-        store.zk.ensure_path(head_path)
-        self.batches = 0
-        self.messages = 0
 
-    async def publish(self, payloads: list[bytes]) -> tuple[list[uuid.UUID], int]:
-        call = Call(payloads, asyncio.get_running_loop().create_future())
-        self._pending.append(call)
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._drain())
-        return call.ids, await call.done
-
-    async def _drain(self) -> None:
-        while self._pending:
-            calls = [self._pending.popleft()]
-            size = len(calls[0].payloads)
-            while self._pending and size + len(self._pending[0].payloads) <= MAX_BATCH_MESSAGES:
-                size += len(self._pending[0].payloads)
-                calls.append(self._pending.popleft())
-            self._batch += 1
-            batch = self._batch
-            try:
-                await self._write(batch, calls)
-            except Exception as error:  # each waiting request is answered with it
-                for call in calls:
-                    call.done.set_exception(error)
-                continue
-            self.batches += 1
-            self.messages += size
-            self._advance(batch)
-            for call in calls:
-                call.done.set_result(batch)
-
-    async def _write(self, batch: int, calls: list[Call]) -> None:
+    async def write(self, items: list[tuple[str, bytes]]) -> int:
+        batch = self.last_batch + 1
         statement = BatchStatement(batch_type=BatchType.UNLOGGED)
         statement.add(self._header, (SHARD, batch))
         shared = self._rows.shared((SHARD, batch))
-        seq = 0
-        for call in calls:
-            for message_id, payload in zip(call.ids, call.payloads):
-                self._rows.add(statement, shared, (seq, message_id, payload))
-                seq += 1
-        result = await cql.execute(self._store.session, statement)
-        if not cql.applied(result):
+        for seq, (message_id, payload) in enumerate(items):
+            self._rows.add(statement, shared, (seq, message_id, payload))
+        if not cql.applied(await cql.execute(self._store.session, statement)):
             raise RuntimeError(f"batch {batch} was claimed by another writer")
-
-    def _advance(self, batch: int) -> None:
+        self.last_batch = batch
         self._head_target = batch
         if self._head_task is None or self._head_task.done():
             self._head_task = asyncio.get_running_loop().create_task(self._write_head())
+        return batch
 
     async def _write_head(self) -> None:
         written = 0
@@ -129,52 +135,134 @@ class GroupWriter:
             await zk.call(self._store.zk.set_async, self._head_path, str(written).encode())
 
 
-def _result(message_id: uuid.UUID, batch: int, seq: int) -> dict[str, object]:
-    return {"messageId": str(message_id), "shard": SHARD, "batch": batch, "seq": seq, "duplicate": False}
+class AckWriter(GroupCommit):
+    """Acks, (batch, seq) each, one row each, in one batch per group."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__()
+        self._store = store
+        self._row = store.session.prepare(f"INSERT INTO {store.keyspace}.{ACKS_TABLE} (shard, number, seq) "
+                                          "VALUES (?, ?, ?)")
+
+    async def write(self, items: list[tuple[int, int]]) -> int:
+        statement = BatchStatement(batch_type=BatchType.UNLOGGED)
+        for number, seq in items:
+            statement.add(self._row, (SHARD, number, seq))
+        await cql.execute(self._store.session, statement)
+        return 0
 
 
-def _payload(message: object) -> bytes:
-    data = message.get("data") if isinstance(message, dict) else None
-    if not isinstance(data, str):
-        raise web.HTTPBadRequest(text='{"code":"invalid_message","message":"a message needs data"}',
-                                 content_type="application/json")
-    return data.encode()
+class Reader:
+    """Hands out the log's messages in order, reading each batch whole once its writer wrote it."""
+
+    def __init__(self, store: Store, writer: LogWriter) -> None:
+        self._store = store
+        self._writer = writer
+        self._read_to = 0
+        self._ready: deque[tuple[int, int, str, bytes]] = deque()
+        self._reading = asyncio.Lock()
+        self._select = store.session.prepare(f"SELECT seq, id, data FROM {store.keyspace}.{TABLE} "
+                                             "WHERE shard = ? AND number = ? AND seq >= 0")
+
+    async def take(self, most: int) -> list[tuple[int, int, str, bytes]]:
+        async with self._reading:
+            while len(self._ready) < most and self._read_to < self._writer.last_batch:
+                number = self._read_to + 1
+                rows = await cql.execute(self._store.session, self._select, (SHARD, number),
+                                         cql.tuple_rows(self._store.session))
+                self._ready.extend((number, seq, message_id, data) for seq, message_id, data in rows.current_rows)
+                self._read_to = number
+        return [self._ready.popleft() for _ in range(min(most, len(self._ready)))]
 
 
-def routes(writer: GroupWriter) -> web.Application:
+def _result(message_id: str, batch: int, seq: int) -> dict[str, object]:
+    return {"messageId": message_id, "shard": SHARD, "batch": batch, "seq": seq, "duplicate": False}
+
+
+def _delivery(queue: str, number: int, seq: int, message_id: str, data: bytes) -> dict[str, object]:
+    return {"specversion": "1.0", "id": message_id, "source": f"/casque/default/{queue}", "type": "casque.message",
+            "datacontenttype": "text/plain", "data": data.decode(), "messageid": message_id,
+            "receipt": f"{number}-{seq}", "shard": SHARD, "batch": number, "seq": seq, "deliverycount": 1}
+
+
+def _payloads(messages: list[object]) -> list[tuple[str, bytes]]:
+    """Each message's id (made as the sidecar makes them) and its data."""
+    payloads = []
+    for message in messages:
+        data = message.get("data") if isinstance(message, dict) else None
+        if not isinstance(data, str):
+            raise _invalid("a message needs data")
+        payloads.append(data.encode())
+    return list(zip(time_ordered_ids(len(payloads), time.time()), payloads))
+
+
+def _receipt(text: object) -> tuple[int, int]:
+    number, _, seq = str(text).partition("-")
+    if not (number.isdigit() and seq.isdigit()):
+        raise _invalid(f"not a receipt: {text!r}")
+    return int(number), int(seq)
+
+
+def routes(writer: LogWriter, reader: Reader, acks: AckWriter) -> web.Application:
     async def publish(request: web.Request) -> web.Response:
-        ids, batch = await writer.publish([_payload(json.loads(await request.read()))])
-        return web.json_response(_result(ids[0], batch, 0))
+        messages = _payloads([json.loads(await request.read())])
+        batch = await writer.submit(messages)
+        return web.json_response(_result(messages[0][0], batch, 0))
 
     async def publish_batch(request: web.Request) -> web.Response:
-        body = json.loads(await request.read())
-        ids, batch = await writer.publish([_payload(message) for message in body.get("messages", [])])
+        messages = _payloads(json.loads(await request.read()).get("messages", []))
+        batch = await writer.submit(messages)
         # The seqs within the batch are the call's own order: enough for an answer's shape.
-        return web.json_response({"results": [_result(i, batch, seq) for seq, i in enumerate(ids)]})
+        return web.json_response({"results": [_result(m[0], batch, seq) for seq, m in enumerate(messages)]})
+
+    async def receive(request: web.Request) -> web.Response:
+        raw = await request.read()
+        most = json.loads(raw).get("max", 10) if raw else 10
+        queue = request.match_info["queue"]
+        return web.json_response({"messages": [_delivery(queue, *taken) for taken in await reader.take(most)]})
+
+    async def ack(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        receipts = body["receipts"] if "receipts" in body else [body.get("receipt")]
+        await acks.submit([_receipt(receipt) for receipt in receipts])
+        return web.json_response({"results": [{"receipt": receipt, "status": "acked"} for receipt in receipts]})
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response({"batches": writer.batches, "messages": writer.messages})
+        return web.json_response({"batches": writer.batches, "messages": writer.items,
+                                  "ack_batches": acks.batches, "acks": acks.items})
 
     app = web.Application()
     app.router.add_post("/v1/queues/{queue}/messages", publish)
     app.router.add_post("/v1/queues/{queue}/messages/batch", publish_batch)
+    app.router.add_post("/v1/queues/{queue}/subscribers/{subscriber}/receive", receive)
+    app.router.add_post("/v1/queues/{queue}/subscribers/{subscriber}/ack", ack)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", healthz)
     app.router.add_get("/stats", stats)
     return app
 
 
+def _prepare(store: Store, head_path: str) -> web.Application:
+    session, keyspace = store.session, store.keyspace
+    session.execute(f"CREATE TABLE IF NOT EXISTS {keyspace}.{TABLE} (shard int, number bigint, seq int, "
+                    "id text, data blob, PRIMARY KEY ((shard, number), seq))")
+    session.execute(f"CREATE TABLE IF NOT EXISTS {keyspace}.{ACKS_TABLE} (shard int, number bigint, seq int, "
+                    "PRIMARY KEY ((shard, number), seq))")
+    store.zk.ensure_path(head_path)
+    writer = LogWriter(store, head_path)
+    return routes(writer, Reader(store, writer), AckWriter(store))
+
+
 async def serve() -> None:
     settings = Settings()
     # The namespace of the benchmark's queues, as the sidecar opens its store for it.
     store = await asyncio.to_thread(Store.open, settings, "default")
-    writer = GroupWriter(store, f"{settings.zookeeper_root}/driver-floor/head")
+    app = await asyncio.to_thread(_prepare, store, f"{settings.zookeeper_root}/driver-floor/head")
     # The sidecar's own protocol options (server.protocol_options): keep-alive and header limits.
-    runner = web.AppRunner(routes(writer), handle_signals=False, access_log=None, keepalive_timeout=15,
-                           max_headers=32)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=15, max_headers=32)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, reuse_address=True)
     await site.start()
