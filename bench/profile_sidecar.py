@@ -2,7 +2,7 @@
 
     python bench/profile_sidecar.py --phase batched [--seconds 15] [--out profile.json]
         [--format speedscope|raw] [--rate 200] [--size 1024] [--shards 4] [--native] [--no-profile]
-        [--no-subscriber]
+        [--no-subscriber] [--floor]
 
 Phases, as bench_sidecar.py makes them: `single` (one-message publishes, 32 in flight),
 `batched` (100-message publishes, 4 in flight), `keyed` (the same with producer
@@ -16,7 +16,9 @@ thread (from /proc/<pid>/task, named by `py-spy dump`): the event loop, the Cass
 driver's I/O loop, kazoo's connection and callback threads, the executors. The sidecar
 runs in a scratch keyspace of its own, dropped at the end, like bench_sidecar.py's; it
 consumes for the queue's subscriber (whose reader then follows the publishes), or with
-`--no-subscriber` for none, as a publishing app's would.
+`--no-subscriber` for none, as a publishing app's would. `--floor` profiles the drivers'
+floor (driver_floor_server.py: the same calls written durably and nothing else) instead of
+the sidecar, under the same load, so that the two can be set side by side.
 """
 
 from __future__ import annotations
@@ -38,7 +40,16 @@ from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
-from bench_sidecar import BATCH, COST_BATCH_WINDOW, COST_WINDOW, RECEIVERS, start_sidecar, wait_ready
+from bench_sidecar import (
+    BATCH,
+    COST_BATCH_WINDOW,
+    COST_WINDOW,
+    RECEIVERS,
+    backend_env,
+    start_server,
+    start_sidecar,
+    wait_ready,
+)
 from benchlib import (
     cpu_seconds,
     drop_scratch,
@@ -127,6 +138,14 @@ async def drive(url: str, queue: str, phase: str, text: str, load: Load) -> None
             await (consume(BATCH, RECEIVERS) if phase == "consume_batched" else consume(1, COST_WINDOW))
 
 
+async def batches_written(url: str, store: Store, queue: QueueRef, shards: int, floor: bool) -> int:
+    if floor:
+        async with KeepAliveClient(url, limit=1) as http:
+            return int((await http.get("/stats"))[1]["batches"])
+    # Every batch up to a shard's head was written by this run (the queue is new).
+    return sum(int(store.zk.get(store.paths(queue).head(shard))[0] or b"0") for shard in range(shards))
+
+
 def by_thread(before: dict[int, float], after: dict[int, float], names: dict[int, str]) -> list[tuple[str, float]]:
     """CPU seconds spent between the two readings, per thread name (threads of one name,
     such as a pool's workers, summed, and so are those Python did not start), largest first."""
@@ -151,9 +170,13 @@ async def main() -> None:
     parser.add_argument("--no-profile", action="store_true", help="only the CPU per message, no py-spy")
     parser.add_argument("--no-subscriber", action="store_true",
                         help="the sidecar consumes for no subscriber (a publishing app's): publish phases only")
+    parser.add_argument("--floor", action="store_true",
+                        help="profile the drivers' floor (driver_floor_server.py) instead of the sidecar")
     parser.add_argument("--cassandra", default="127.0.0.1:9042")
     parser.add_argument("--zookeeper", default="127.0.0.1:2181")
     args = parser.parse_args()
+    if args.floor and (args.phase == "keyed" or args.no_subscriber):
+        parser.error("--floor: it has no producer sequences (keyed) and always serves its one reader")
     if args.no_subscriber and args.phase not in ("single", "batched", "keyed"):
         parser.error("--no-subscriber: only the publish phases (single, batched, keyed) consume nothing")
 
@@ -161,16 +184,19 @@ async def main() -> None:
     store = Store.open(settings)
     queue = QueueRef("default", "http")
     text = text_payload(args.size)
-    log = Path(tempfile.gettempdir()) / f"{settings.keyspace}-sidecar.log"
+    log = Path(tempfile.gettempdir()) / f"{settings.keyspace}-{'floor' if args.floor else 'sidecar'}.log"
     process = None
     try:
         catalog.ensure_installation(store)
         catalog.apply_queue(store, queue, QueueSpec(shards=args.shards, retention_seconds=3600, consistency="ONE",
                                                     max_message_bytes=64 * 1024))
         catalog.apply_subscriber(store, queue, queue.name, SubscriberSpec(queue=queue.name, start_position="earliest"))
-        process = start_sidecar(settings, queue.name, None if args.no_subscriber else queue.name, log)
-        url = await asyncio.to_thread(sidecar_url, process, log)
-        await wait_ready(url, process, log)
+        if args.floor:
+            process, url = await asyncio.to_thread(start_server, "driver_floor_server.py", log, backend_env(settings))
+        else:
+            process = start_sidecar(settings, queue.name, None if args.no_subscriber else queue.name, log)
+            url = await asyncio.to_thread(sidecar_url, process, log)
+            await wait_ready(url, process, log)
         load = Load()
         driver = asyncio.create_task(drive(url, queue.name, args.phase, text, load))
         await load.started.wait()
@@ -193,12 +219,11 @@ async def main() -> None:
         done = load.done - before_done
         load.stop.set()
         await driver
-        print(f"phase {args.phase}: {done} messages in {seconds:.1f} s; sidecar CPU {cpu:.2f} s "
+        print(f"phase {args.phase}: {done} messages in {seconds:.1f} s; {'floor' if args.floor else 'sidecar'} "
+              f"CPU {cpu:.2f} s "
               f"({cpu / seconds:.0%} of a core), {cpu / max(1, done) * 1e6:.1f} µs per message", file=sys.stderr)
         if args.phase in ("single", "batched"):
-            # Every batch up to a shard's head was written by this run (the queue is new).
-            batches = sum(int(store.zk.get(store.paths(queue).head(shard))[0] or b"0")
-                          for shard in range(args.shards))
+            batches = await batches_written(url, store, queue, args.shards, args.floor)
             print(f"  {load.done} messages published in {batches} batches, "
                   f"{load.done / max(1, batches):.1f} per batch", file=sys.stderr)
         names.update(thread_names(process.pid, spy))
