@@ -103,6 +103,8 @@ class LogWriter(GroupCommit):
         self._store = store
         self._head_path = head_path
         self.last_batch = 0
+        # Resolved (and replaced) at each batch written: receives that found nothing wait on it.
+        self.written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._head_target = 0
         self._head_task: asyncio.Task[None] | None = None
         session, keyspace = store.session, store.keyspace
@@ -123,6 +125,8 @@ class LogWriter(GroupCommit):
         if not cql.applied(await cql.execute(self._store.session, statement)):
             raise RuntimeError(f"batch {batch} was claimed by another writer")
         self.last_batch = batch
+        self.written.set_result(None)
+        self.written = asyncio.get_running_loop().create_future()
         self._head_target = batch
         if self._head_task is None or self._head_task.done():
             self._head_task = asyncio.get_running_loop().create_task(self._write_head())
@@ -164,7 +168,18 @@ class Reader:
         self._select = store.session.prepare(f"SELECT seq, id, data FROM {store.keyspace}.{TABLE} "
                                              "WHERE shard = ? AND number = ? AND seq >= 0")
 
-    async def take(self, most: int) -> list[tuple[int, int, str, bytes]]:
+    async def take(self, most: int, wait: float) -> list[tuple[int, int, str, bytes]]:
+        """Up to `most` messages; when there are none, waits up to `wait` seconds for a batch."""
+        taken = await self._take(most)
+        if not taken and wait > 0:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._writer.written), wait)
+            except asyncio.TimeoutError:
+                return []
+            taken = await self._take(most)
+        return taken
+
+    async def _take(self, most: int) -> list[tuple[int, int, str, bytes]]:
         async with self._reading:
             while len(self._ready) < most and self._read_to < self._writer.last_batch:
                 number = self._read_to + 1
@@ -217,9 +232,10 @@ def routes(writer: LogWriter, reader: Reader, acks: AckWriter) -> web.Applicatio
 
     async def receive(request: web.Request) -> web.Response:
         raw = await request.read()
-        most = json.loads(raw).get("max", 10) if raw else 10
+        body = json.loads(raw) if raw else {}
+        taken = await reader.take(body.get("max", 10), body.get("wait", 0))
         queue = request.match_info["queue"]
-        return web.json_response({"messages": [_delivery(queue, *taken) for taken in await reader.take(most)]})
+        return web.json_response({"messages": [_delivery(queue, *message) for message in taken]})
 
     async def ack(request: web.Request) -> web.Response:
         body = json.loads(await request.read())
@@ -245,22 +261,24 @@ def routes(writer: LogWriter, reader: Reader, acks: AckWriter) -> web.Applicatio
     return app
 
 
-def _prepare(store: Store, head_path: str) -> web.Application:
+def _create(store: Store, head_path: str) -> None:
+    """Its tables and its watermark znode (blocking: before it serves)."""
     session, keyspace = store.session, store.keyspace
     session.execute(f"CREATE TABLE IF NOT EXISTS {keyspace}.{TABLE} (shard int, number bigint, seq int, "
                     "id text, data blob, PRIMARY KEY ((shard, number), seq))")
     session.execute(f"CREATE TABLE IF NOT EXISTS {keyspace}.{ACKS_TABLE} (shard int, number bigint, seq int, "
                     "PRIMARY KEY ((shard, number), seq))")
     store.zk.ensure_path(head_path)
-    writer = LogWriter(store, head_path)
-    return routes(writer, Reader(store, writer), AckWriter(store))
 
 
 async def serve() -> None:
     settings = Settings()
     # The namespace of the benchmark's queues, as the sidecar opens its store for it.
     store = await asyncio.to_thread(Store.open, settings, "default")
-    app = await asyncio.to_thread(_prepare, store, f"{settings.zookeeper_root}/driver-floor/head")
+    head_path = f"{settings.zookeeper_root}/driver-floor/head"
+    await asyncio.to_thread(_create, store, head_path)
+    writer = LogWriter(store, head_path)
+    app = routes(writer, Reader(store, writer), AckWriter(store))
     # The sidecar's own protocol options (server.protocol_options): keep-alive and header limits.
     runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=15, max_headers=32)
     await runner.setup()
