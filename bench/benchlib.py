@@ -72,9 +72,17 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
 def thread_names(pid: int, spy: str) -> dict[int, str]:
     """The Python name of each thread of a Python process, by thread id (from `py-spy dump`);
     threads Python did not start are absent."""
-    dump = subprocess.run([spy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
-                          check=True).stdout
-    return {int(tid): name for tid, name in re.findall(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump, re.MULTILINE)}
+    command = [spy, "dump", "--nonblocking", "--pid", str(pid)]
+    # A dump that does not pause the process now and then reads a stack as it changes, and
+    # fails: the third failure in a row is an error.
+    for _ in range(2):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode == 0:
+            break
+    else:
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return {int(tid): name for tid, name in re.findall(r'^Thread (\d+) \([^)]*\): "([^"]*)"', done.stdout,
+                                                         re.MULTILINE)}
 
 
 @dataclass(frozen=True)
