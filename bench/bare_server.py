@@ -78,12 +78,17 @@ async def serve() -> None:
     app.router.add_post("/v1/queues/{queue}/subscribers/{subscriber}/ack", ack)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", healthz)
-    # The sidecar's own protocol options (server.protocol_options): keep-alive and header limits.
+    await serve_until_stopped(app, "bare server")
+
+
+async def serve_until_stopped(app: web.Application, name: str) -> None:
+    """`app` on a port the kernel gives, with the sidecar's own protocol options
+    (server.protocol_options: keep-alive and header limits); logs `<name> listening on <url>`."""
     runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=15, max_headers=32)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, reuse_address=True)
     await site.start()
-    print(f"bare server listening on http://127.0.0.1:{runner.addresses[0][1]}", file=sys.stderr, flush=True)
+    print(f"{name} listening on http://127.0.0.1:{runner.addresses[0][1]}", file=sys.stderr, flush=True)
     try:
         await asyncio.Event().wait()
     finally:

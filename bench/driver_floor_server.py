@@ -32,7 +32,7 @@ import json
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import uvloop
@@ -43,6 +43,8 @@ from casque.backends import cql, zk
 from casque.config import Settings
 from casque.engine.messages import time_ordered_ids
 from casque.store import Store
+
+from bare_server import serve_until_stopped
 
 TABLE = "driver_floor"
 ACKS_TABLE = "driver_floor_acks"
@@ -57,9 +59,11 @@ def _invalid(what: str) -> web.HTTPBadRequest:
 
 
 class GroupCommit:
-    """Calls side by side written in one batch: a subclass says how; each call waits for it."""
+    """Calls side by side written in one batch by `write` (which answers the batch's number);
+    each call waits for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, write: Callable[[list[Any]], Awaitable[int]]) -> None:
+        self._write = write
         self._pending: deque[tuple[Sequence[Any], asyncio.Future[int]]] = deque()
         self._task: asyncio.Task[None] | None = None
         self.batches = 0
@@ -81,7 +85,7 @@ class GroupCommit:
                 size += len(self._pending[0][0])
                 calls.append(self._pending.popleft())
             try:
-                batch = await self.write([item for items, _ in calls for item in items])
+                batch = await self._write([item for items, _ in calls for item in items])
             except Exception as error:  # each waiting request is answered with it
                 for _, done in calls:
                     done.set_exception(error)
@@ -91,15 +95,12 @@ class GroupCommit:
             for _, done in calls:
                 done.set_result(batch)
 
-    async def write(self, items: list[Any]) -> int:
-        raise NotImplementedError
 
-
-class LogWriter(GroupCommit):
+class LogWriter:
     """Messages, (id, payload) each, in one conditional batch per group; the watermark after."""
 
     def __init__(self, store: Store, head_path: str) -> None:
-        super().__init__()
+        self.commit = GroupCommit(self._write_batch)
         self._store = store
         self._head_path = head_path
         self.last_batch = 0
@@ -115,7 +116,7 @@ class LogWriter(GroupCommit):
         self._rows = cql.BatchRows(session.prepare(f"INSERT INTO {keyspace}.{TABLE} (shard, number, seq, id, data) "
                                                    "VALUES (?, ?, ?, ?, ?)"))
 
-    async def write(self, items: list[tuple[str, bytes]]) -> int:
+    async def _write_batch(self, items: list[tuple[str, bytes]]) -> int:
         batch = self.last_batch + 1
         statement = BatchStatement(batch_type=BatchType.UNLOGGED)
         statement.add(self._header, (SHARD, batch))
@@ -139,16 +140,16 @@ class LogWriter(GroupCommit):
             await zk.call(self._store.zk.set_async, self._head_path, str(written).encode())
 
 
-class AckWriter(GroupCommit):
+class AckWriter:
     """Acks, (batch, seq) each, one row each, in one batch per group."""
 
     def __init__(self, store: Store) -> None:
-        super().__init__()
+        self.commit = GroupCommit(self._write_batch)
         self._store = store
         self._row = store.session.prepare(f"INSERT INTO {store.keyspace}.{ACKS_TABLE} (shard, number, seq) "
                                           "VALUES (?, ?, ?)")
 
-    async def write(self, items: list[tuple[int, int]]) -> int:
+    async def _write_batch(self, items: list[tuple[int, int]]) -> int:
         statement = BatchStatement(batch_type=BatchType.UNLOGGED)
         for number, seq in items:
             statement.add(self._row, (SHARD, number, seq))
@@ -221,12 +222,12 @@ def _receipt(text: object) -> tuple[int, int]:
 def routes(writer: LogWriter, reader: Reader, acks: AckWriter) -> web.Application:
     async def publish(request: web.Request) -> web.Response:
         messages = _payloads([json.loads(await request.read())])
-        batch = await writer.submit(messages)
+        batch = await writer.commit.submit(messages)
         return web.json_response(_result(messages[0][0], batch, 0))
 
     async def publish_batch(request: web.Request) -> web.Response:
         messages = _payloads(json.loads(await request.read()).get("messages", []))
-        batch = await writer.submit(messages)
+        batch = await writer.commit.submit(messages)
         # The seqs within the batch are the call's own order: enough for an answer's shape.
         return web.json_response({"results": [_result(m[0], batch, seq) for seq, m in enumerate(messages)]})
 
@@ -240,15 +241,15 @@ def routes(writer: LogWriter, reader: Reader, acks: AckWriter) -> web.Applicatio
     async def ack(request: web.Request) -> web.Response:
         body = json.loads(await request.read())
         receipts = body["receipts"] if "receipts" in body else [body.get("receipt")]
-        await acks.submit([_receipt(receipt) for receipt in receipts])
+        await acks.commit.submit([_receipt(receipt) for receipt in receipts])
         return web.json_response({"results": [{"receipt": receipt, "status": "acked"} for receipt in receipts]})
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response({"batches": writer.batches, "messages": writer.items,
-                                  "ack_batches": acks.batches, "acks": acks.items})
+        return web.json_response({"batches": writer.commit.batches, "messages": writer.commit.items,
+                                  "ack_batches": acks.commit.batches, "acks": acks.commit.items})
 
     app = web.Application()
     app.router.add_post("/v1/queues/{queue}/messages", publish)
@@ -278,17 +279,9 @@ async def serve() -> None:
     head_path = f"{settings.zookeeper_root}/driver-floor/head"
     await asyncio.to_thread(_create, store, head_path)
     writer = LogWriter(store, head_path)
-    app = routes(writer, Reader(store, writer), AckWriter(store))
-    # The sidecar's own protocol options (server.protocol_options): keep-alive and header limits.
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=15, max_headers=32)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, reuse_address=True)
-    await site.start()
-    print(f"driver floor listening on http://127.0.0.1:{runner.addresses[0][1]}", file=sys.stderr, flush=True)
     try:
-        await asyncio.Event().wait()
+        await serve_until_stopped(routes(writer, Reader(store, writer), AckWriter(store)), "driver floor")
     finally:
-        await runner.cleanup()
         store.close()
 
 
