@@ -49,7 +49,8 @@ class SubscriberHistoryBody(Reply):
     subscriber: str
     state: SubscriberStateName = Field(description=(
         "pending: not yet delivered, or visible again; in_flight: delivered, invisible until `until`; nacked: "
-        "handed back, visible again at `until`; acked; dead_lettered; filtered: its filter does not match; "
+        "handed back, or waiting out its retry backoff after its visibility ran out: visible again at `until`; "
+        "acked; dead_lettered; filtered: its filter does not match; "
         "expired: its TTL passed first; passed: behind the subscriber's offset (done before its last seek, or "
         "before it started); not_addressed: a redriven copy for another subscriber"))
     deliveries: int

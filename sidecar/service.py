@@ -408,7 +408,7 @@ class QueueService:
         self, queue: str, subscriber: str, receipts: Sequence[str], delay: float | None, error: str | None = None
     ) -> list[None | CasqueError]:
         _, consumer = await self.served(queue, subscriber)
-        outcomes = await _each(receipts, lambda receipt: consumer.nack(receipt, delay, error))
+        outcomes = await consumer.nack_many(list(receipts), delay, error)
         nacked = sum(1 for o in outcomes if o is None)
         if nacked:
             self.metrics.nacked.labels(queue, subscriber).inc(nacked)

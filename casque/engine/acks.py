@@ -45,12 +45,60 @@ class AckEvent(NamedTuple):
 
 @dataclass
 class BatchMarks:
-    """What the ack table says about one batch."""
+    """What the ack table says about one batch.
+
+    Two kinds of time are kept apart: a delivery row's `visible_until` says until when that
+    delivery is in flight (an app may hold it); a NACK row's says when the message it handed
+    back is visible again (nobody holds it, and it waits until then). A NACK row speaks for
+    the message only while no later delivery was recorded: its delivery count is at least
+    the highest one.
+    """
 
     done: set[int] = field(default_factory=set)
+    # The highest delivery count recorded for each seq (by a delivery or a NACK row).
     deliveries: dict[int, int] = field(default_factory=dict)
-    # The latest visibility deadline recorded for each seq (ms on Cassandra's clock).
+    # The latest visibility deadline of each seq's deliveries and extensions (ms on
+    # Cassandra's clock); NACK rows are not in it.
     visible_until: dict[int, int] = field(default_factory=dict)
+    # Per seq, the delivery count the latest NACK row names, and when that row makes the
+    # message visible again (ms on Cassandra's clock).
+    nacked: dict[int, int] = field(default_factory=dict)
+    nacked_until: dict[int, int] = field(default_factory=dict)
+
+    def add_row(self, outcome: str | None, seqs: set[int] | frozenset[int] | None,
+                deliveries: dict[int, int] | None, visible_until: dict[int, int] | None) -> None:
+        """Fold one ack row in (rows come in any order)."""
+        if outcome in (ACK, DEAD):
+            self.done.update(seqs or ())
+            return
+        for seq, count in (deliveries or {}).items():
+            self.deliveries[seq] = max(count, self.deliveries.get(seq, 0))
+        if outcome == NACK:
+            for seq, count in (deliveries or {}).items():
+                until = (visible_until or {}).get(seq, 0)
+                known = self.nacked.get(seq, 0)
+                if count > known:
+                    self.nacked[seq], self.nacked_until[seq] = count, until
+                elif count == known:
+                    self.nacked_until[seq] = max(until, self.nacked_until.get(seq, 0))
+            return
+        for seq, until in (visible_until or {}).items():
+            self.visible_until[seq] = max(until, self.visible_until.get(seq, 0))
+
+    def waiting_until(self, seq: int) -> int | None:
+        """When a nacked (or backing-off) message is visible again, if its last record is a
+        NACK row; None when a delivery was recorded after it, or it was never nacked."""
+        count = self.nacked.get(seq)
+        if count is None or count < self.deliveries.get(seq, 0):
+            return None
+        return self.nacked_until[seq]
+
+    def in_flight_until(self, seq: int) -> int | None:
+        """Until when the message's latest recorded delivery may be in an app's hands; None
+        when it was handed back (nacked) since, or never delivered."""
+        if seq in self.done or self.waiting_until(seq) is not None:
+            return None
+        return self.visible_until.get(seq)
 
 
 class AckLog:
@@ -88,13 +136,7 @@ class AckLog:
         )
         marks: dict[int, BatchMarks] = defaultdict(BatchMarks)
         for row in rows:
-            mark = marks[row.batch_no]
-            if row.seqs:
-                mark.done.update(row.seqs)
-            for seq, count in (row.deliveries or {}).items():
-                mark.deliveries[seq] = max(count, mark.deliveries.get(seq, 0))
-            for seq, until in (row.visible_until or {}).items():
-                mark.visible_until[seq] = max(until, mark.visible_until.get(seq, 0))
+            marks[row.batch_no].add_row(row.outcome, row.seqs, row.deliveries, row.visible_until)
         return dict(marks)
 
     def record(self, event: AckEvent) -> asyncio.Future[None]:

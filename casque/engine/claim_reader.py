@@ -31,7 +31,8 @@ from casque.engine.claims import ClaimRecord, Completion
 from casque.engine.clock import BackendClock
 from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.keylocks import KeyLocks, key_hash
-from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member, message_filter, redelivery_backoff
+from casque.engine.member import (RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member, dead_letter_limit, message_filter,
+                                  redelivery_backoff)
 from casque.engine.shard_state import ShardState
 from casque.errors import BackendUnavailable, CasqueError
 from casque.schema import bucket_of
@@ -219,11 +220,14 @@ class ClaimReader:
 
     # --- claim upkeep ---------------------------------------------------------------------------
     def in_use(self, now: float) -> bool:
-        """Worth renewing: messages in flight, or ready ones and an app that asks for them."""
+        """Worth renewing: messages in flight, messages waiting to be dead-lettered, or ready
+        ones and an app that asks for them."""
         # (The renewal loop expired what ran out first: an app that stopped asking for
         # messages holds nothing in flight once their visibility ends.)
         if self.state.in_flight:
             return True
+        if self.state.waits_for_dead_letters(dead_letter_limit(self.sharing.consumer)):
+            return True  # their wait ends in the dead-letter queue: this member moves them then
         return self.state.loaded_messages > 0 and now - self.sharing.last_demand < DEMAND_SECONDS
 
     async def renew_past(self, wall_deadline: float) -> bool:
@@ -318,9 +322,10 @@ class ClaimReader:
 
 async def load_claim_reader(keeper: RangeKeeper, record: ClaimRecord, registration: int, batches: list[Batch],
                             alongside: Awaitable[object]) -> ClaimReader:
-    """A reader of the range, loaded with its batches and what the ack rows say: done, and
-    in flight at a member that had the range before (until the deadline recorded with the
-    delivery, plus the skew margin). `registration`: the member's when it wrote the claim.
+    """A reader of the range, loaded with its batches and what the ack rows say: done, in
+    flight at a member that had the range before (until the deadline recorded with the
+    delivery, plus the skew margin), and nacked (waiting until the time the nack recorded).
+    `registration`: the member's when it wrote the claim.
     `alongside` is awaited with the reads (they are all on the way from publish to delivery)."""
     reader = ClaimReader(keeper, record, registration)
     member = keeper.consumer
@@ -343,8 +348,11 @@ async def load_claim_reader(keeper: RangeKeeper, record: ClaimRecord, registrati
             reader.state.add_batch(number, [])  # expired or done: nothing left to deliver
             continue
         skipped = {m.position.seq for m in batch.messages if addressed_elsewhere(m, member.subscriber)}
-        held = {seq: now + (until + margin_ms - now_ms) / 1000 for seq, until in mark.visible_until.items()
-                if until + margin_ms > now_ms and seq not in mark.done}
-        reader.state.add_batch(number, batch.messages, mark.done | skipped, mark.deliveries, held)
+        held = {seq: now + (until + margin_ms - now_ms) / 1000 for seq in mark.visible_until
+                if (until := mark.in_flight_until(seq)) is not None and until + margin_ms > now_ms}
+        # A nacked message waits until the time its nack recorded, no margin: nobody holds it.
+        waiting = {seq: now + (until - now_ms) / 1000 for seq in mark.nacked
+                   if seq not in mark.done and (until := mark.waiting_until(seq)) is not None and until > now_ms}
+        reader.state.add_batch(number, batch.messages, mark.done | skipped, mark.deliveries, held, waiting)
         reader.held_at_load += len(held)
     return reader

@@ -135,7 +135,8 @@ class Consumer:
         self._reach = CassandraReach(lambda: self.log.read_header(probed, 0), lambda: leases.session_seconds,
                                      self._reach_changed)
         self._reach.start()
-        self._tasks = [loop.create_task(self._report_loop()), loop.create_task(self._resync_loop())]
+        self._tasks = [loop.create_task(self._report_loop()), loop.create_task(self._resync_loop()),
+                       loop.create_task(self._deliverer.run_timers(lambda: self._stopped))]
 
     def report(self) -> dict[str, int]:
         return {
@@ -423,9 +424,14 @@ class Consumer:
         return self._deliverer.held_message(receipt)
 
     async def nack(self, receipt: str, delay: float | None = None, error: str | None = None) -> None:
-        """Make a delivery visible again after `delay` seconds (None: the subscriber's retry
-        backoff, or at once); `error` is kept for its history."""
-        self._deliverer.nack(receipt, delay, error)
+        """Visible again after `delay` seconds (None: the retry backoff, or at once); answered once durable."""
+        (result,) = await self.nack_many([receipt], delay, error)
+        if result is not None:
+            raise result
+
+    async def nack_many(self, receipts: list[str], delay: float | None, error: str | None) -> list[None | CasqueError]:
+        """Nack deliveries in one write: None or the error per receipt (casque.engine.delivering)."""
+        return await self._deliverer.nack_many(receipts, delay, error)
 
     async def extend(self, receipt: str, visibility: float) -> float:
         """Keep a delivery invisible for `visibility` more seconds; returns seconds until it is visible."""

@@ -1,6 +1,8 @@
 """Handing out a member's messages: which sources a receive takes from, the delivery counts
 made durable before a receive returns, deliveries handed back that never reached the app,
-and messages over the subscriber's max deliveries moved to its dead-letter queue.
+nacks answered once their NACK rows are durable, and messages over the subscriber's max
+deliveries moved to its dead-letter queue when their time ends (`Deliverer.run_timers`,
+whether or not anybody receives).
 
 Taking is pure bookkeeping on the sources' ShardState (no I/O): higher priority levels
 first, with every PRIORITY_FAIRNESS-th delivery reserved for lower levels that have
@@ -27,7 +29,7 @@ from casque.engine.deadletters import dead_letter_copy
 from casque.engine.member import Member
 from casque.engine.messages import Delivery, Position, StoredMessage, decode_receipt, encode_receipt
 from casque.engine.publisher import Publisher
-from casque.engine.entries import ByteBudget, Handout, State
+from casque.engine.entries import ByteBudget, Handout
 from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, StaleReceipt
 from casque.schema import QueueRef
 from casque.specs import priority_of
@@ -37,6 +39,11 @@ log = logging.getLogger(__name__)
 
 # With several priority levels ready, at least one delivery in this many comes from a lower level.
 PRIORITY_FAIRNESS = 10
+# The member's timers look at its sources at least this often (a nack with no wait, or a
+# range loaded with a wait already over, is settled within this), and at most this often:
+# acked deliveries leave their deadlines in the heap, and waking for each costs CPU for nothing.
+TIMER_SECONDS = 1.0
+TIMER_GRAIN_SECONDS = 0.05
 
 
 class DeadLetters:
@@ -321,24 +328,87 @@ class Deliverer:
             raise StaleReceipt("receipt is stale: the message's visibility expired or it was delivered again")
         return None
 
-    def nack(self, receipt: str, delay: float | None, error: str | None) -> None:
-        reader, position, nonce = self.source_of(receipt)
-        now = time.monotonic()
-        entry = reader.state.nack(position, nonce, delay, now, error)
-        self._member.counters.nacks += 1
-        self._member.notify()
-        # Recorded for the message's history (and a member taking the range over), not
-        # awaited: the nack itself lives in this member's memory, as it did before the record.
-        visible_at = entry.deadline if entry.state is State.DELAYED else now
-        self._member.in_background(self._record_nack(AckEvent(
-            reader.epoch, position.shard, position.batch, position.seq, outcome=NACK, deliveries=entry.deliveries,
-            visible_until_ms=int(self._clock.wall_of(visible_at) * 1000))))
+    async def nack_many(self, receipts: list[str], delay: float | None,
+                        error: str | None) -> list[None | CasqueError]:
+        """Hand deliveries back, visible again after `delay` seconds (None: the retry policy's
+        backoff, or at once); one result (None or the error) per receipt, in order.
 
-    async def _record_nack(self, event: AckEvent) -> None:
+        Each is answered only once its NACK row (when it is visible again) is durable, so a
+        member that loads the message later, after a restart, a kill or a hand-over, keeps it
+        waiting until the same time. Until then the delivery stays in flight as it was: a
+        write that fails answers BackendUnavailable and changes nothing (the receipt stays
+        valid until its visibility ends). All the call's rows go in one group-committed write.
+        """
+        now = time.monotonic()
+        outcomes: list[None | CasqueError] = [None] * len(receipts)
+        events: list[AckEvent] = []
+        planned: list[tuple[int, Source, Position, int]] = []
+        for index, receipt in enumerate(receipts):
+            try:
+                reader, position, nonce = self.source_of(receipt)
+                entry, visible_at = reader.state.nack_due(position, nonce, delay, now)
+            except CasqueError as refused:
+                outcomes[index] = refused
+                continue
+            events.append(AckEvent(reader.epoch, position.shard, position.batch, position.seq, outcome=NACK,
+                                   deliveries=entry.deliveries,
+                                   visible_until_ms=int(self._clock.wall_of(visible_at) * 1000)))
+            planned.append((index, reader, position, nonce))
         try:
-            await self._member.acks.record(event)
-        except Exception as error:  # every driver error: the history misses one nack, nothing else
-            log.info("nack of %s/%s/%s not recorded (%r)", event.shard, event.batch, event.seq, error)
+            await self._member.acks.record_many(events)
+        except Exception as unwritten:  # every driver error: nothing changed, the nack may be sent again
+            failure = unwritten if isinstance(unwritten, CasqueError) else BackendUnavailable(
+                f"nack not recorded: {unwritten!r}")
+            for index, *_ in planned:
+                outcomes[index] = failure
+            return outcomes
+        for index, reader, position, nonce in planned:
+            try:
+                # Its visibility may have ended during the write, or an ack begun: then the row
+                # speaks of a delivery that is over, and the nack is refused as stale.
+                reader.state.nack(position, nonce, delay, now, error)
+            except StaleReceipt as stale:
+                outcomes[index] = stale
+                continue
+            self._member.counters.nacks += 1
+        self._member.notify()
+        return outcomes
+
+    # --- what happens when times end ---------------------------------------------------------------
+    async def run_timers(self, stopped: Callable[[], bool]) -> None:
+        """Settle every source as its times end, whether or not anybody receives: move the
+        messages whose wait or visibility ended over max deliveries to the dead-letter queue,
+        and record the retry backoff of deliveries whose visibility ended (ShardState.settle)."""
+        while not stopped():
+            now = time.monotonic()
+            due = now + TIMER_SECONDS
+            for reader in self._sources():
+                try:
+                    if reader.current:
+                        self._settle(reader, now)
+                except Exception:  # a bug here must not stop the timers of every other source
+                    log.exception("shard %s: settling ended times failed", reader.shard)
+                if (next_due := reader.state.next_due()) is not None:
+                    due = min(due, next_due)
+            await asyncio.sleep(max(TIMER_GRAIN_SECONDS, due - time.monotonic()))
+
+    def _settle(self, reader: Source, now: float) -> None:
+        dead, waits = reader.state.settle(now, self._max_deliveries)
+        if dead and self._dead_letters is not None:
+            self._member.in_background(self._dead_letters.move([(reader, handout) for handout in dead]))
+        if waits:
+            # Nobody was answered about these: written in the background, and a failed write
+            # costs only that a restart delivers them without their backoff.
+            self._member.in_background(self._record_waits([AckEvent(
+                reader.epoch, e.message.position.shard, e.message.position.batch, e.message.position.seq,
+                outcome=NACK, deliveries=e.deliveries, visible_until_ms=int(self._clock.wall_of(e.deadline) * 1000))
+                for e in waits]))
+
+    async def _record_waits(self, events: list[AckEvent]) -> None:
+        try:
+            await self._member.acks.record_many(events)
+        except Exception as error:  # every driver error: see _settle
+            log.info("retry backoff of %d messages not recorded (%r)", len(events), error)
 
     async def extend(self, receipt: str, visibility: float) -> float:
         reader, position, nonce = self.source_of(receipt)

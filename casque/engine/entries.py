@@ -11,13 +11,37 @@ from casque.engine.messages import StoredMessage
 
 
 class State(Enum):
+    r"""Where a loaded message is in its life at the member that holds it (ShardState moves it).
+
+    ::
+
+        READY --take--> IN_FLIGHT --ack--> ACKING --row written--> DONE
+          ^               |  |  ^             \--write failed--> IN_FLIGHT
+          |               |  |  \--hand back (never reached the app)--> READY
+          |               |  \--nack (row written) or visibility ends--> DELAYED or READY
+          \--due---------DELAYED
+        IN_FLIGHT or DELAYED whose time ends after maxDeliveries --> dead-lettering --> DONE
+
+    A message's waiting time (DELAYED) is recorded in a NACK row before anybody is told about
+    it, so a member that loads the message later (after a restart, a lease hand-over or a
+    range take-over) loads it DELAYED until the same time.
+    """
+
     READY = "ready"
+    """Visible: the next receive may hand it out, once the messages of its key before it are done."""
     DELAYED = "delayed"
+    """Waiting until `Entry.deadline`: nacked with a delay, or backing off under the retry
+    policy after a nack naming none or an expired visibility. Then READY, or dead-lettered
+    when its deliveries reached the subscriber's maxDeliveries (and it has a dead-letter queue)."""
     IN_FLIGHT = "in_flight"
-    # An ack of the current delivery is being made durable: still in flight (its key held,
-    # counted in flight, never expired), done only once the write is confirmed.
+    """In the app's hands until `Entry.deadline` (its key held, counted in flight); only the
+    receipt of this delivery (`Entry.nonce`) may ack, nack or extend it. Also a message being
+    moved to the dead-letter queue: if the move fails, its deadline ends and it is tried again."""
     ACKING = "acking"
+    """An ack of the current delivery is being made durable: still in flight (its key held,
+    counted in flight, never expired), done only once the write is confirmed."""
     DONE = "done"
+    """Acked, dead-lettered, filtered out or past its TTL: its entry is dropped at once."""
 
 
 # Which of an ack's answers applies (ShardState.start_ack).
@@ -36,6 +60,16 @@ class Entry:
     deadline: float = 0.0  # in flight: visible again at this time; delayed: due at this time
     first_delivered_at: float | None = None
     last_error: str | None = None
+
+
+@dataclass
+class ShardCounters:
+    delivered: int = 0
+    redelivered: int = 0
+    acked: int = 0
+    expired_visibility: int = 0
+    expired_ttl: int = 0
+    filtered: int = 0
 
 
 @dataclass

@@ -28,7 +28,7 @@ from kazoo.exceptions import NoNodeError
 
 from casque.backends import cql, zk
 from casque.engine import catalog, offsets, positions
-from casque.engine.acks import ACK, DEAD, NACK
+from casque.engine.acks import ACK, DEAD, BatchMarks
 from casque.engine.batches import Log
 from casque.engine.deadletters import FOR_SUBSCRIBER, MESSAGE_ID as DEAD_LETTER_SOURCE_ID, dead_letter_client_id
 from casque.engine.delayed import MOVED_PREFIX, due_bucket
@@ -261,29 +261,18 @@ class _Marks:
 
 
 def read_marks(rows: Sequence[Any], seq: int) -> _Marks:
-    """Fold ack rows (outcome, seqs, deliveries, visible_until), in any order, for one message."""
-    marks = _Marks()
-    extended = 0
+    """Fold ack rows (outcome, seqs, deliveries, visible_until), in any order, for one message,
+    as a member loading its batch folds them (acks.BatchMarks): what it shows is what a
+    member restarted now would do with the message."""
+    batch = BatchMarks()
+    dead = False
     for row in rows:
-        if row.outcome in (ACK, DEAD) and seq in (row.seqs or ()):
-            marks.outcome = DEAD if DEAD in (marks.outcome, row.outcome) else ACK
-            continue
-        count = (row.deliveries or {}).get(seq)
-        until = (row.visible_until or {}).get(seq)
-        if row.outcome == NACK:
-            if count is not None and count > marks.nacked:
-                marks.nacked, marks.nacked_until_ms = count, until or 0
-            elif count is not None and count == marks.nacked:
-                marks.nacked_until_ms = max(marks.nacked_until_ms, until or 0)
-        elif count is not None:
-            if count > marks.deliveries:
-                marks.deliveries, marks.visible_until_ms = count, until or 0
-            elif count == marks.deliveries:
-                marks.visible_until_ms = max(marks.visible_until_ms, until or 0)
-        elif until is not None:
-            extended = max(extended, until)  # an extension of whichever delivery is current
-    if marks.deliveries:
-        marks.visible_until_ms = max(marks.visible_until_ms, extended)
+        batch.add_row(row.outcome, row.seqs, row.deliveries, row.visible_until)
+        dead = dead or (row.outcome == DEAD and seq in (row.seqs or ()))
+    marks = _Marks(deliveries=batch.deliveries.get(seq, 0), visible_until_ms=batch.visible_until.get(seq, 0),
+                   nacked=batch.nacked.get(seq, 0), nacked_until_ms=batch.nacked_until.get(seq, 0))
+    if seq in batch.done:
+        marks.outcome = DEAD if dead else ACK
     return marks
 
 

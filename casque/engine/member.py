@@ -192,3 +192,10 @@ def redelivery_backoff(member: Member) -> Callable[[int], float]:
         return 0.0 if retry is None else retry.backoff(deliveries)
 
     return backoff
+
+
+def dead_letter_limit(member: Member) -> int:
+    """The deliveries after which a message goes to the dead-letter queue; 0 without one
+    (redelivery is unlimited then: nothing is ever dropped)."""
+    spec = member.subscriber_state.spec
+    return spec.max_deliveries if spec.dead_letter_queue else 0

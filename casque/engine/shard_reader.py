@@ -25,6 +25,7 @@ from kazoo.recipe.watchers import DataWatch
 from casque.backends import zk
 from casque.engine import gaps, offsets
 from casque.engine.acks import BatchMarks
+from casque.engine.clock import clock_of
 from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.heads import HeadAdvancer
 from casque.engine.keylocks import KeyLocks
@@ -222,6 +223,9 @@ class ShardReader:
             # loaded (casque.engine.gaps); if one exists after all, this raises: read again.
             before = {high: low for low, high in await gaps.prove_read(consumer.log, self.shard, first, batches)}
             marks = await self._marks_for(batches[0].header.batch)
+            # Nacked messages wait until their recorded time, whoever nacked them (this member
+            # before a restart, or the shard's holder before a hand-over or a kill).
+            now, now_ms = time.monotonic(), clock_of(consumer.store.session).ms()
             for batch in batches:
                 if batch.header.batch in before:
                     self._skip(before[batch.header.batch], batch.header.batch)
@@ -229,7 +233,8 @@ class ShardReader:
                 # Redriven messages addressed to another subscriber are done for this one.
                 skipped = {m.position.seq for m in batch.messages
                            if m.attributes and addressed_elsewhere(m, consumer.subscriber)}
-                state.add_batch(batch.header.batch, batch.messages, mark.done | skipped, mark.deliveries)
+                state.add_batch(batch.header.batch, batch.messages, mark.done | skipped, mark.deliveries,
+                                waiting_until=_waiting(mark, now, now_ms))
             self._loaded_to = max(self._loaded_to, batches[-1].header.batch)
             consumer.notify()
             self.schedule_commit()
@@ -379,3 +384,9 @@ class ShardReader:
         self._commit_wanted.set()
         if self._commit_task is not None:
             await asyncio.gather(self._commit_task, return_exceptions=True)
+
+
+def _waiting(mark: BatchMarks, now: float, now_ms: int) -> dict[int, float]:
+    """The seqs of a batch that wait until a NACK row's time still to come, on this clock."""
+    return {seq: now + (until - now_ms) / 1000 for seq in mark.nacked
+            if seq not in mark.done and (until := mark.waiting_until(seq)) is not None and until > now_ms}

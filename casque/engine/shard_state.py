@@ -1,24 +1,18 @@
-"""What one consumer knows about one leased shard: loaded batches and each message's state.
+"""What one consumer knows about one leased shard or claimed range: loaded batches and each
+message's state (casque.engine.entries.State: its life, state by state).
 
 Pure logic, no I/O: the consumer feeds it batches, acks and the clock. Every operation is
-O(log n) in the number of loaded messages. Ready messages sit in a heap by log position,
-delayed ones in a heap by due time, in-flight ones in a heap by visibility deadline; stale
-heap entries are skipped when they surface. So one long-invisible message never makes a
-receive scan the messages behind it.
+O(log n) in the number of loaded messages: ready messages sit in a heap by log position,
+delayed ones by due time, in-flight ones by visibility deadline, stale items skipped when
+they surface and pruned once they dominate (casque.engine.heaps). So one long-invisible
+message never makes a receive scan the messages behind it.
 
-The offset is the first batch with a message not yet done (acked or dead-lettered); it
-moves forward only over complete batches.
-
-Memory: a done message's entry is dropped at once, and a batch is dropped the moment its
-last message is done: `batches` holds only batches with a message not done, in batch order,
-and every batch below `next_batch` that is not in it is complete (or proven gone). So the
-offset is the first batch held, else `next_batch`, and one message nacked for hours costs
-its own entry and those of its batch still open, not a marker per batch behind it (one
-kept each complete batch until the offset passed: ~740 bytes a batch, a 256 MiB sidecar's
-worth after hours behind a poison message). The prefetch budget (`loaded_messages`,
-`loaded_bytes`) counts exactly what is held.
-Stale heap entries (from extends, nacks and redeliveries) are compacted away once they
-outnumber the live ones, so no sequence of calls grows a heap without bound.
+The offset is the first batch with a message not yet done; it moves forward only over
+complete batches. A done message's entry is dropped at once, and a batch the moment its last
+message is done: `batches` holds only batches with a message not done, in batch order, and
+every batch below `next_batch` not in it is complete (or proven gone). So one message nacked
+for hours costs its own entry and those of its batch, not a marker per batch behind it. The
+prefetch budget (`loaded_messages`, `loaded_bytes`) counts exactly what is held.
 """
 
 from __future__ import annotations
@@ -28,19 +22,13 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from casque.engine.entries import AckStart, ByteBudget, Entry, Handout, LoadedBatch, State
+from casque.engine.entries import AckStart, ByteBudget, Entry, Handout, LoadedBatch, ShardCounters, State
+from casque.engine.heaps import pruned
 from casque.engine.keylocks import Hold, KeyLocks
+from casque.engine.shard_views import HELD, ShardViews
 from casque.engine.messages import Position, StoredMessage
 from casque.errors import StaleReceipt
 
-
-# States of a delivery still in the app's hands (counted in flight).
-_HELD = (State.IN_FLIGHT, State.ACKING)
-
-# A heap is rebuilt without its stale entries when it holds more than this many times
-# the live ones (plus a floor, so small heaps are left alone).
-HEAP_SLACK = 4
-HEAP_FLOOR = 1024
 
 # A message being dead-lettered stays invisible this long; if moving it fails, it comes
 # back and the move is tried again.
@@ -48,17 +36,7 @@ DEAD_LETTER_RETRY_SECONDS = 30.0
 
 
 @dataclass
-class ShardCounters:
-    delivered: int = 0
-    redelivered: int = 0
-    acked: int = 0
-    expired_visibility: int = 0
-    expired_ttl: int = 0
-    filtered: int = 0
-
-
-@dataclass
-class ShardState:
+class ShardState(ShardViews):
     shard: int
     offset: int
     # Every batch below this has been loaded (or skipped as done); the next read starts here.
@@ -84,6 +62,11 @@ class ShardState:
     _ready: list[tuple[int, int]] = field(default_factory=list)
     _delayed: list[tuple[float, int, int]] = field(default_factory=list)
     _deadlines: list[tuple[float, int, int, int]] = field(default_factory=list)
+    # Messages whose time ended (a wait, a visibility, or a wait found over at load) since the
+    # last `settle`: it dead-letters those over max deliveries. And deliveries whose
+    # visibility ended into a retry backoff: `settle` hands them out to be recorded.
+    _ended: list[tuple[int, int]] = field(default_factory=list)
+    _backed_off: list[tuple[float, int, int]] = field(default_factory=list)
     _in_flight: int = 0
     _loaded_messages: int = 0
     _loaded_bytes: int = 0
@@ -99,15 +82,19 @@ class ShardState:
         done: set[int] | None = None,
         deliveries: dict[int, int] | None = None,
         in_flight_until: dict[int, float] | None = None,
+        waiting_until: dict[int, float] | None = None,
     ) -> None:
         """Load a batch read from the log; `done` seqs were acked before (by any lease holder).
         `in_flight_until` seqs may still be in an app's hands (delivered by a member that has
-        gone): in flight until then, holding their keys, and delivered again after."""
+        gone): in flight until then, holding their keys, and delivered again after.
+        `waiting_until` seqs were nacked (or are backing off) until then: DELAYED until then,
+        READY after, with no backoff on top (the recorded time already has it)."""
         if batch < self.next_batch:
             return
         done = done or set()
         deliveries = deliveries or {}
         in_flight_until = in_flight_until or {}
+        waiting_until = waiting_until or {}
         loaded = LoadedBatch({}, 0)
         entries = loaded.entries
         locks = self.locks
@@ -130,6 +117,13 @@ class ShardState:
                 heapq.heappush(self._deadlines, (deadline, batch, seq, entry.nonce))
                 self._in_flight += 1
                 continue
+            due = waiting_until.get(seq)
+            if due is not None:
+                entry.state, entry.deadline = State.DELAYED, due
+                heapq.heappush(self._delayed, (due, batch, seq))
+                continue
+            if entry.deliveries:
+                self._ended.append((batch, seq))  # its wait may have ended while nobody held it
             if seq > top:
                 ready.append((batch, seq))
                 top = seq
@@ -187,20 +181,16 @@ class ShardState:
                 self.counters.expired_ttl += 1
                 self._finish(batch, entry)
                 continue
-            dead = bool(max_deliveries and entry.deliveries >= max_deliveries)
-            if budget is not None and not dead:
+            if max_deliveries and entry.deliveries >= max_deliveries:
+                handed.append(self._to_dead_letters(batch, entry, now))
+                continue
+            if budget is not None:
                 if not budget.fits(entry.message.size):
                     heapq.heappush(self._ready, (batch, seq))  # stays first in line for the next receive
                     break
                 budget.spend(entry.message.size)
             entry.state = State.IN_FLIGHT
             entry.nonce = random.getrandbits(63) | 1
-            if dead:
-                entry.deadline = now + DEAD_LETTER_RETRY_SECONDS
-                heapq.heappush(self._deadlines, (entry.deadline, batch, seq, entry.nonce))
-                self._in_flight += 1
-                handed.append(Handout(entry, entry.nonce, redelivery=False, dead=True))
-                continue
             entry.deliveries += 1
             entry.deadline = now + visibility
             if entry.first_delivered_at is None:
@@ -266,6 +256,14 @@ class ShardState:
         # Its deadline's heap entry may have surfaced (and been dropped) while it was acking.
         heapq.heappush(self._deadlines, (entry.deadline, position.batch, position.seq, nonce))
 
+    def nack_due(self, position: Position, nonce: int, delay: float | None, now: float) -> tuple[Entry, float]:
+        """What a nack at `now` of the delivery under `nonce` would do, changing nothing: the
+        entry, and when it would be visible again (`now` for at once). The caller makes that
+        durable, then calls `nack` with the same arguments. StaleReceipt as `nack`."""
+        entry = self.in_flight_entry(position, nonce)
+        wait = self._backoff(entry) if delay is None else delay
+        return entry, now + wait if wait > 0 else now
+
     def nack(
         self, position: Position, nonce: int, delay: float | None, now: float, error: str | None = None
     ) -> Entry:
@@ -274,22 +272,25 @@ class ShardState:
         entry = self.in_flight_entry(position, nonce)
         entry.last_error = error or entry.last_error
         self._in_flight -= 1
-        self._wait_or_ready(entry, now, self._backoff(entry) if delay is None else delay)
+        if not self._wait_or_ready(entry, now, self._backoff(entry) if delay is None else delay):
+            self._ended.append((position.batch, position.seq))  # no wait: its time ended now
         self._compact()
         return entry
 
     def _backoff(self, entry: Entry) -> float:
         return 0.0 if self.backoff is None else self.backoff(entry.deliveries)
 
-    def _wait_or_ready(self, entry: Entry, since: float, delay: float) -> None:
+    def _wait_or_ready(self, entry: Entry, since: float, delay: float) -> bool:
+        """DELAYED until `since + delay` (True), or READY when there is no delay (False)."""
         position = entry.message.position
         if delay > 0:
             entry.state = State.DELAYED
             entry.deadline = since + delay
             heapq.heappush(self._delayed, (entry.deadline, position.batch, position.seq))
-        else:
-            entry.state = State.READY
-            heapq.heappush(self._ready, (position.batch, position.seq))
+            return True
+        entry.state = State.READY
+        heapq.heappush(self._ready, (position.batch, position.seq))
+        return False
 
     def extend(self, position: Position, nonce: int, visibility: float, now: float) -> float:
         entry = self.in_flight_entry(position, nonce)
@@ -314,26 +315,12 @@ class ShardState:
         heapq.heappush(self._ready, (position.batch, position.seq))
         return True
 
-    def has_entry(self, position: Position) -> bool:
-        """Whether the message is loaded and not done."""
-        return self._entry(position.batch, position.seq) is not None
-
-    def held_entry(self, position: Position, nonce: int) -> Entry | None:
-        """The entry of the delivery under `nonce` while the app holds it (in flight, or its
-        ack being recorded); None once it is done or was delivered again."""
-        entry = self._entry(position.batch, position.seq)
-        return entry if entry is not None and entry.state in _HELD and entry.nonce == nonce else None
-
-    def in_flight_entry_or_none(self, position: Position) -> Entry | None:
-        entry = self._entry(position.batch, position.seq)
-        return entry if entry is not None and entry.state is State.IN_FLIGHT else None
-
     def dead_letter(self, position: Position) -> Entry | None:
         """Mark a message done because it went to the dead-letter queue."""
         entry = self._entry(position.batch, position.seq)
         if entry is None or entry.state is State.DONE:
             return None
-        if entry.state in _HELD:
+        if entry.state in HELD:
             self._in_flight -= 1
         self._finish(position.batch, entry, counted=False)
         return entry
@@ -353,30 +340,6 @@ class ShardState:
         self.offset = max(self.offset, first)
         return self.offset
 
-    @property
-    def ready_count(self) -> int:
-        return sum(
-            1 for loaded in self.batches.values() for e in loaded.entries.values() if e.state is State.READY
-        )
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    @property
-    def loaded_messages(self) -> int:
-        """Messages held in memory: loaded and not done."""
-        return self._loaded_messages
-
-    @property
-    def loaded_bytes(self) -> int:
-        """Payload bytes of the messages held in memory."""
-        return self._loaded_bytes
-
-    @property
-    def heap_entries(self) -> int:
-        return len(self._ready) + len(self._delayed) + len(self._deadlines)
-
     def expire(self, now: float) -> None:
         """Make visible again what is due by `now`: deliveries whose visibility ended and nacked
         messages whose delay ran out (taking messages does this too, but an app may stop asking)."""
@@ -392,14 +355,31 @@ class ShardState:
             heapq.heappop(self._ready)
         return False
 
-    def next_due(self) -> float | None:
-        """The earliest time a delayed or in-flight message may become ready."""
-        times = []
-        if self._delayed:
-            times.append(self._delayed[0][0])
-        if self._deadlines:
-            times.append(self._deadlines[0][0])
-        return min(times) if times else None
+    def settle(self, now: float, max_deliveries: int) -> tuple[list[Handout], list[Entry]]:
+        """What the member must do now that times ended, whether or not anybody receives.
+
+        Returns the messages to move to the dead-letter queue (their wait or visibility ended
+        and they were delivered `max_deliveries` times, if > 0: each is in flight to the
+        dead-letter queue under a new nonce, as `take` hands them out) and the deliveries
+        whose visibility ended into a retry backoff (DELAYED until `deadline`), whose wait
+        the caller records so that a restart honours it.
+        """
+        self._release_due(now)
+        dead: list[Handout] = []
+        if max_deliveries:
+            for batch, seq in self._ended:
+                entry = self._entry(batch, seq)
+                if (entry is not None and entry.state in (State.READY, State.DELAYED)
+                        and entry.deliveries >= max_deliveries):
+                    dead.append(self._to_dead_letters(batch, entry, now))
+        self._ended.clear()
+        waits: list[Entry] = []
+        for due, batch, seq in self._backed_off:
+            entry = self._entry(batch, seq)
+            if entry is not None and entry.state is State.DELAYED and entry.deadline == due:
+                waits.append(entry)
+        self._backed_off.clear()
+        return dead, waits
 
     # --- internals -----------------------------------------------------------------------
     def _release_due(self, now: float) -> None:
@@ -416,36 +396,30 @@ class ShardState:
             ):
                 self._in_flight -= 1
                 self.counters.expired_visibility += 1
-                self._wait_or_ready(entry, deadline, self._backoff(entry))
+                self._ended.append((batch, seq))
+                if self._wait_or_ready(entry, deadline, self._backoff(entry)):
+                    self._backed_off.append((entry.deadline, batch, seq))
         while self._delayed and self._delayed[0][0] <= now:
             due, batch, seq = heapq.heappop(self._delayed)
             entry = self._entry(batch, seq)
             if entry is not None and entry.state is State.DELAYED and entry.deadline == due:
                 entry.state = State.READY
                 heapq.heappush(self._ready, (batch, seq))
+                self._ended.append((batch, seq))
 
-    def _entry(self, batch: int, seq: int) -> Entry | None:
-        loaded = self.batches.get(batch)
-        return None if loaded is None else loaded.entries.get(seq)
-
-    def _require_current(self, entry: Entry, nonce: int) -> None:
-        if entry.state is State.ACKING and entry.nonce == nonce:
-            raise StaleReceipt("an ack of this delivery is being recorded; it can no longer be nacked or extended")
-        if entry.state is not State.IN_FLIGHT or entry.nonce != nonce:
-            raise StaleReceipt(
-                "receipt is stale: the message's visibility expired or it was delivered again"
-            )
-
-    def in_flight_entry(self, position: Position, nonce: int) -> Entry:
-        """The entry of a message in flight under this nonce; StaleReceipt otherwise."""
-        entry = self._entry(position.batch, position.seq)
-        if entry is None:
-            raise StaleReceipt(f"message {position.batch}/{position.seq} is not held by this consumer")
-        self._require_current(entry, nonce)
-        return entry
+    def _to_dead_letters(self, batch: int, entry: Entry, now: float) -> Handout:
+        """Hand a ready or waiting message out to the dead-letter queue (not to the app): in
+        flight under a new nonce until the move marks it done, or, if the move fails, until
+        DEAD_LETTER_RETRY_SECONDS pass and it is tried again."""
+        entry.state = State.IN_FLIGHT
+        entry.nonce = random.getrandbits(63) | 1
+        entry.deadline = now + DEAD_LETTER_RETRY_SECONDS
+        heapq.heappush(self._deadlines, (entry.deadline, batch, entry.message.position.seq, entry.nonce))
+        self._in_flight += 1
+        return Handout(entry, entry.nonce, redelivery=False, dead=True)
 
     def _finish(self, batch: int, entry: Entry, counted: bool = True) -> None:
-        if entry.state in _HELD and counted:
+        if entry.state in HELD and counted:
             self._in_flight -= 1
         entry.state = State.DONE
         loaded = self.batches[batch]
@@ -465,30 +439,19 @@ class ShardState:
             if self.locks is not None:
                 for entry in loaded.entries.values():
                     self.locks.release(entry.message.key, entry.message.position)
-            self._in_flight -= sum(1 for e in loaded.entries.values() if e.state in _HELD)
+            self._in_flight -= sum(1 for e in loaded.entries.values() if e.state in HELD)
             self._loaded_messages -= loaded.remaining
             self._loaded_bytes -= sum(e.message.size for e in loaded.entries.values())
 
     def _compact(self) -> None:
-        """Drop stale heap entries once they dominate (lazy deletion leaves them behind)."""
-        live = self._loaded_messages
-        if len(self._deadlines) > HEAP_FLOOR + HEAP_SLACK * self._in_flight:
-            self._deadlines = [
-                item for item in self._deadlines
-                if (e := self._entry(item[1], item[2])) is not None and e.state is State.IN_FLIGHT
-                and e.nonce == item[3] and e.deadline == item[0]
-            ]
-            heapq.heapify(self._deadlines)
-        if len(self._ready) > HEAP_FLOOR + HEAP_SLACK * live:
-            ready = {
-                (b, s) for b, s in self._ready if (e := self._entry(b, s)) is not None and e.state is State.READY
-            }
-            self._ready = list(ready)
-            heapq.heapify(self._ready)
-        if len(self._delayed) > HEAP_FLOOR + HEAP_SLACK * live:
-            self._delayed = [
-                item for item in self._delayed
-                if (e := self._entry(item[1], item[2])) is not None and e.state is State.DELAYED
-                and e.deadline == item[0]
-            ]
-            heapq.heapify(self._delayed)
+        """Drop stale heap items once they dominate (casque.engine.heaps)."""
+        live, entry = self._loaded_messages, self._entry
+        self._deadlines = pruned(self._deadlines, self._in_flight, lambda i: (e := entry(i[1], i[2])) is not None
+                                 and e.state is State.IN_FLIGHT and e.nonce == i[3] and e.deadline == i[0])
+        self._ready = pruned(self._ready, live, lambda i: (e := entry(*i)) is not None and e.state is State.READY)
+        self._delayed = pruned(self._delayed, live, lambda i: (e := entry(i[1], i[2])) is not None
+                               and e.state is State.DELAYED and e.deadline == i[0])
+        # Noted for `settle`, which a state nobody runs timers for never calls.
+        self._ended = pruned(self._ended, live, lambda i: entry(*i) is not None)
+        self._backed_off = pruned(self._backed_off, live,
+                                  lambda i: (e := entry(i[1], i[2])) is not None and e.deadline == i[0])

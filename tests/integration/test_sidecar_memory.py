@@ -16,7 +16,7 @@ import pytest
 from casque.engine import batches, catalog, shard_reader, sharing
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
-from casque.engine.shard_state import HEAP_FLOOR, HEAP_SLACK
+from casque.engine.heaps import HEAP_FLOOR, HEAP_SLACK
 from casque.sidecar.app import service_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import pytest
 
-from casque.engine.acks import ACK, DEAD, NACK
+from casque.engine.acks import ACK, DEAD, NACK, BatchMarks
 from casque.engine.deadletters import MESSAGE_ID, dead_letter_client_id
 from casque.engine.delayed import moved_client_id
 from casque.engine.history import Origin, origin_of, read_marks, subscriber_state
@@ -92,3 +92,19 @@ def test_the_origin_of_an_engine_made_message_is_read_back_from_its_client_id() 
     assert origin_of("replay:default/orders:2:9:0", {}) == Origin("replay", queue="default/orders",
                                                                  position=Position(2, 9, 0))
     assert origin_of("order-7", {}) is None
+
+
+def test_a_batchs_marks_tell_a_nacked_message_from_one_in_flight() -> None:
+    marks = BatchMarks()
+    for row in (delivered(1, NOW + 500), nacked(1, NOW + 9000)):
+        marks.add_row(row.outcome, row.seqs, row.deliveries, row.visible_until)
+    assert (marks.waiting_until(SEQ), marks.in_flight_until(SEQ)) == (NOW + 9000, None)
+    marks.add_row(None, None, {SEQ: 2}, {SEQ: NOW + 700})  # delivered again: the nack is over
+    assert (marks.waiting_until(SEQ), marks.in_flight_until(SEQ)) == (None, NOW + 700)
+    marks.add_row(ACK, frozenset({SEQ}), None, None)
+    assert marks.in_flight_until(SEQ) is None and SEQ in marks.done
+
+
+def test_a_retry_backoff_recorded_after_an_expired_visibility_shows_as_nacked_until_it_ends() -> None:
+    # The member records the wait of a delivery whose visibility ended under a retry policy.
+    assert state_of(delivered(2, NOW - 10), nacked(2, NOW + 4000)) == ("nacked", NOW + 4000)

@@ -5,7 +5,8 @@ import pytest
 from casque.engine.messages import Position, StoredMessage
 from casque.engine.keylocks import KeyLocks, key_hash
 from casque.engine.entries import AckStart, Handout
-from casque.engine.shard_state import HEAP_FLOOR, HEAP_SLACK, ShardState
+from casque.engine.heaps import HEAP_FLOOR, HEAP_SLACK
+from casque.engine.shard_state import ShardState
 from casque.errors import StaleReceipt
 from casque.specs import RetryPolicy
 
@@ -326,3 +327,82 @@ def test_messages_held_back_behind_another_members_range_are_counted_and_those_b
     assert state.ack(first.entry.message.position, first.nonce)
     assert ids(state.take(10, now=0, visibility=30, expired_ttl=WALL)) == ["1-1", "1-3"]
     assert state.held_by_others == 0
+
+
+# --- waits recorded in NACK rows, and dead letters on time ----------------------------------------
+def test_a_message_loaded_as_waiting_is_ready_at_its_time_with_no_backoff_on_top() -> None:
+    state = ShardState(shard=0, offset=1, backoff=lambda deliveries: 100.0)
+    state.add_batch(1, msgs(1, 2), deliveries={0: 1}, waiting_until={0: 10.0})
+    assert ids(state.take(10, 0, 30, WALL)) == ["1-1"]
+    assert state.next_due() is not None and state.next_due() <= 10.0
+    assert state.take(10, 9.9, 30, WALL) == []
+    again = state.take(10, 10.0, 30, WALL)
+    assert ids(again) == ["1-0"] and again[0].entry.deliveries == 2
+
+
+def test_a_nack_says_when_it_makes_the_message_visible_before_it_changes_anything() -> None:
+    state = ShardState(shard=0, offset=1, backoff=lambda deliveries: 4.0)
+    state.add_batch(1, msgs(1, 1))
+    (h,) = state.take(1, 0, 30, WALL)
+    p = h.entry.message.position
+    assert state.nack_due(p, h.nonce, 8.0, now=1.0)[1] == 9.0
+    assert state.nack_due(p, h.nonce, None, now=1.0)[1] == 5.0  # the retry policy's backoff
+    assert state.in_flight == 1  # still in flight: the caller records the nack first
+    state.nack(p, h.nonce, 8.0, now=1.0)
+    assert state.in_flight == 0 and state.next_due() == 9.0
+    with pytest.raises(StaleReceipt):
+        state.nack_due(p, h.nonce, 8.0, now=2.0)
+
+
+def test_a_nacked_message_over_max_deliveries_is_dead_lettered_when_its_delay_ends() -> None:
+    state = ShardState(shard=0, offset=1)
+    state.add_batch(1, msgs(1, 2))
+    first, second = state.take(2, 0, 30, WALL)
+    state.nack(first.entry.message.position, first.nonce, 8.0, now=1.0)
+    state.nack(second.entry.message.position, second.nonce, 8.0, now=1.0)
+    assert state.settle(8.9, max_deliveries=1) == ([], [])
+    dead, waits = state.settle(9.0, max_deliveries=1)
+    assert sorted(ids(dead)) == ["1-0", "1-1"] and all(h.dead for h in dead) and waits == []
+    assert state.settle(9.5, max_deliveries=1) == ([], [])  # handed out once
+    assert state.dead_letter(dead[0].entry.message.position) is not None
+
+
+def test_an_expired_delivery_over_max_deliveries_is_dead_lettered_without_waiting_its_backoff() -> None:
+    state = ShardState(shard=0, offset=1, backoff=lambda deliveries: 50.0)
+    state.add_batch(1, msgs(1, 1))
+    state.take(1, 0, visibility=5, expired_ttl=WALL)
+    dead, waits = state.settle(5.0, max_deliveries=1)
+    assert ids(dead) == ["1-0"] and waits == []
+
+
+def test_under_max_deliveries_an_expired_delivery_backs_off_and_its_wait_is_handed_out_to_be_recorded() -> None:
+    state = ShardState(shard=0, offset=1, backoff=lambda deliveries: 50.0)
+    state.add_batch(1, msgs(1, 1))
+    state.take(1, 0, visibility=5, expired_ttl=WALL)
+    dead, waits = state.settle(5.0, max_deliveries=3)
+    assert dead == [] and [(e.message.message_id, e.deadline) for e in waits] == [("1-0", 55.0)]
+    assert state.settle(6.0, max_deliveries=3) == ([], [])  # each wait is handed out once
+
+
+def test_without_a_dead_letter_queue_nothing_is_dead_lettered_on_time() -> None:
+    state = ShardState(shard=0, offset=1)
+    state.add_batch(1, msgs(1, 1))
+    (h,) = state.take(1, 0, 30, WALL)
+    state.nack(h.entry.message.position, h.nonce, 1.0, now=0.0)
+    assert state.settle(2.0, max_deliveries=0) == ([], [])
+    assert ids(state.take(1, 2.0, 30, WALL)) == ["1-0"]
+
+
+def test_a_message_loaded_over_max_deliveries_with_its_wait_over_is_dead_lettered_by_the_timer() -> None:
+    state = ShardState(shard=0, offset=1)
+    state.add_batch(1, msgs(1, 2), deliveries={0: 3})
+    dead, _ = state.settle(0.0, max_deliveries=3)
+    assert ids(dead) == ["1-0"]
+    assert state.waits_for_dead_letters(3) is False
+
+
+def test_a_waiting_message_at_max_deliveries_keeps_its_holder() -> None:
+    state = ShardState(shard=0, offset=1)
+    state.add_batch(1, msgs(1, 1), deliveries={0: 3}, waiting_until={0: 10.0})
+    assert state.waits_for_dead_letters(3) and not state.waits_for_dead_letters(4)
+    assert not state.waits_for_dead_letters(0)
