@@ -1,0 +1,173 @@
+"""Nack delays and retry backoffs outlive the member that made them, and a message over its
+max deliveries is dead-lettered when its wait ends, whether or not anybody receives.
+
+Each test runs `casque sidecar` processes for one subscriber in both delivery modes, nacks a
+delivery with a delay (or with none, under a retry policy), then restarts the sidecar with
+SIGTERM, kills it with SIGKILL right after the nack was answered, or lets another sidecar
+take its shard (leased) or range (shared) over. The message must not come back before its
+due time, and must come back after it.
+
+The sidecars ask for 4 s ZooKeeper sessions and a 3 s visibility, so a killed member's
+shard or range moves on well before the delay ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from casque.engine import catalog
+from casque.schema import QueueRef
+from casque.specs import QueueSpec, RetryPolicy, SubscriberSpec
+from casque.store import Store
+from casque_client import AsyncClient, Client
+from casque_client.client import Message
+from tests.fixtures.sidecars import SidecarProcess, StartSidecar
+from tests.fixtures.waiting import wait_for
+
+QUEUE = "orders"
+DEAD_LETTERS = "orders-dead"
+SUBSCRIBER = "billing"
+REF = QueueRef("default", QUEUE)
+SESSION = {"CASQUE_ZOOKEEPER_SESSION_TIMEOUT_SECONDS": "4"}
+DELAY = 9.0
+VISIBILITY = 3
+# Each sidecar turns the recorded due time (Cassandra's clock) into its own monotonic clock
+# from its own sample of that clock: on one machine the samples agree to a few ms.
+CLOCK_SLACK = 0.2
+
+
+@pytest.fixture(params=["leased", "shared"])
+def delivery(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def create(store: Store, delivery: str, shards: int = 1, retry: RetryPolicy | None = None,
+           max_deliveries: int = 10, dead_letters: bool = False) -> None:
+    catalog.apply_queue(store, REF, QueueSpec(shards=shards, retention_seconds=3600, consistency="ONE"))
+    if dead_letters:
+        catalog.apply_queue(store, QueueRef("default", DEAD_LETTERS),
+                            QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE, start_position="earliest", visibility_timeout_seconds=VISIBILITY, delivery=delivery,
+        retry=retry, max_deliveries=max_deliveries, dead_letter_queue=DEAD_LETTERS if dead_letters else None))
+
+
+def start(start_sidecar: StartSidecar) -> SidecarProcess:
+    return start_sidecar("--queue", QUEUE, "--subscriber", SUBSCRIBER, env=SESSION)
+
+
+async def nack_all(sidecar: SidecarProcess, count: int, delay: float | None) -> dict[str, float]:
+    """Publish `count` messages (one per shard key), receive them all and nack them: the
+    time before each nack was sent plus its wait, by message id."""
+    async with AsyncClient(sidecar.url, queue=QUEUE, subscriber=SUBSCRIBER) as client:
+        await client.publish_batch([{"data": i, "partitionkey": f"k{i}"} for i in range(count)])
+        held: list[Message] = []
+        while len(held) < count:
+            held.extend(await client.receive(max=count, wait=5))
+        due: dict[str, float] = {}
+        for message in held:
+            assert message.delivery_count == 1
+            sent = time.time()
+            await client.nack(message.receipt, delay)
+            due[message.message_id] = sent + DELAY
+        return due
+
+
+async def redeliveries(sidecars: list[SidecarProcess], due: dict[str, float],
+                       by: dict[str, SidecarProcess] | None = None) -> dict[str, float]:
+    """Receive from every sidecar until each message of `due` came back; when each did (and
+    into `by`, which sidecar delivered it)."""
+    back: dict[str, float] = {}
+
+    async def take(sidecar: SidecarProcess) -> None:
+        async with AsyncClient(sidecar.url, queue=QUEUE, subscriber=SUBSCRIBER) as client:
+            while not due.keys() <= back.keys():
+                for message in await client.receive(max=10, wait=2):
+                    back.setdefault(message.message_id, time.time())
+                    if by is not None:
+                        by[message.message_id] = sidecar
+                    assert message.delivery_count == 2, message
+                    await client.ack(message.receipt)
+
+    await asyncio.wait_for(asyncio.gather(*(take(s) for s in sidecars)), 90)
+    return back
+
+
+def assert_not_early(due: dict[str, float], back: dict[str, float]) -> None:
+    early = {m: round(due[m] - back[m], 2) for m in due if back[m] < due[m] - CLOCK_SLACK}
+    assert not early, f"delivered again this many seconds before their due time: {early}"
+
+
+Fault = Callable[[SidecarProcess], None]
+
+
+def sigterm(sidecar: SidecarProcess) -> None:
+    assert sidecar.terminate() == 0, sidecar.tail()
+
+
+def sigkill(sidecar: SidecarProcess) -> None:
+    sidecar.kill()  # no drain, no lease or claim release, nothing flushed
+
+
+@pytest.mark.parametrize("fault", [sigterm, sigkill], ids=["sigterm", "sigkill"])
+async def test_a_nack_delay_outlives_the_sidecar(
+    store: Store, start_sidecar: StartSidecar, delivery: str, fault: Fault
+) -> None:
+    create(store, delivery)
+    first = start(start_sidecar)
+    due = await nack_all(first, 1, DELAY)
+    fault(first)
+    second = await asyncio.to_thread(start, start_sidecar)
+    assert_not_early(due, await redeliveries([second], due))
+
+
+@pytest.mark.parametrize("fault", [sigterm, sigkill], ids=["sigterm", "sigkill"])
+async def test_a_retry_backoff_outlives_the_sidecar(
+    store: Store, start_sidecar: StartSidecar, delivery: str, fault: Fault
+) -> None:
+    create(store, delivery, retry=RetryPolicy(minimum_backoff_seconds=int(DELAY), maximum_backoff_seconds=60))
+    first = start(start_sidecar)
+    due = await nack_all(first, 1, None)  # no delay named: the policy's backoff after one delivery
+    fault(first)
+    second = await asyncio.to_thread(start, start_sidecar)
+    assert_not_early(due, await redeliveries([second], due))
+
+
+async def test_a_nack_delay_holds_at_the_member_that_takes_the_shard_or_range_over(
+    store: Store, start_sidecar: StartSidecar, delivery: str
+) -> None:
+    create(store, delivery, shards=2)
+    first = start(start_sidecar)
+    due = await nack_all(first, 8, DELAY)  # keys k0-k3 go to one shard, k4-k7 to the other
+    second = await asyncio.to_thread(start, start_sidecar)
+    # Leased, the newcomer gets one of the two shards. Shared, the first sidecar's app asks
+    # for nothing more, so it gives up its ranges and the newcomer takes them over.
+    takers = [first, second] if delivery == "leased" else [second]
+    by: dict[str, SidecarProcess] = {}
+    assert_not_early(due, await redeliveries(takers, due, by))
+    assert second in by.values()  # what it delivered, it loaded from the first one's nacks
+
+
+async def test_a_message_over_max_deliveries_is_dead_lettered_when_its_delay_ends_with_no_receive(
+    store: Store, start_sidecar: StartSidecar, delivery: str
+) -> None:
+    create(store, delivery, max_deliveries=1, dead_letters=True)
+    sidecar = start(start_sidecar)
+    (message_id, due), = (await nack_all(sidecar, 1, DELAY)).items()
+    seen: list[tuple[float, str]] = []
+
+    def dead_letter_id() -> str | None:
+        with Client(sidecar.url, queue=QUEUE, subscriber=SUBSCRIBER) as client:
+            (history,) = client.message_history(message_id)["subscribers"]
+        seen.append((time.time(), history["state"]))
+        return history.get("deadLetterMessageId") if history["state"] == "dead_lettered" else None
+
+    # Nobody receives: the sidecar's own timer moves it when the delay ends.
+    copy = await asyncio.to_thread(wait_for, "the message in the dead-letter queue", dead_letter_id, DELAY + 30)
+    assert copy
+    early = [(round(due - at, 2), state) for at, state in seen if at < due - CLOCK_SLACK and state != "nacked"]
+    assert not early, f"before its delay ended (seconds before, state): {early}"
