@@ -15,12 +15,12 @@ class State(Enum):
 
     ::
 
-        READY --take--> IN_FLIGHT --ack--> ACKING --row written--> DONE
-          ^               |  |  ^             \--write failed--> IN_FLIGHT
-          |               |  |  \--hand back (never reached the app)--> READY
-          |               |  \--nack (row written) or visibility ends--> DELAYED or READY
-          \--due---------DELAYED
-        IN_FLIGHT or DELAYED whose time ends after maxDeliveries --> dead-lettering --> DONE
+        READY --take--> IN_FLIGHT --visibility ends, or nack--> DELAYED (a wait), or READY
+          ^  ^            |  \--hand back (it never reached the app)--> READY
+          |  |            \--ack--> ACKING --row written--> DONE
+          |  |                       \--write failed--> IN_FLIGHT
+          |  \--due-- DELAYED
+        DELAYED or IN_FLIGHT whose time ends after maxDeliveries --> IN_FLIGHT to the dead-letter queue --> DONE
 
     A message's waiting time (DELAYED) is recorded in a NACK row before anybody is told about
     it, so a member that loads the message later (after a restart, a lease hand-over or a
