@@ -5,7 +5,7 @@ import pytest
 from casque.engine.messages import Position, StoredMessage
 from casque.engine.keylocks import KeyLocks, key_hash
 from casque.engine.entries import AckStart, Handout
-from casque.engine.heaps import HEAP_FLOOR, HEAP_SLACK
+from casque.engine.heaps import HEAP_FLOOR, HEAP_SLACK, pruned
 from casque.engine.shard_state import ShardState
 from casque.errors import StaleReceipt
 from casque.specs import RetryPolicy
@@ -406,3 +406,11 @@ def test_a_waiting_message_at_max_deliveries_keeps_its_holder() -> None:
     state.add_batch(1, msgs(1, 1), deliveries={0: 3}, waiting_until={0: 10.0})
     assert state.waits_for_dead_letters(3) and not state.waits_for_dead_letters(4)
     assert not state.waits_for_dead_letters(0)
+
+
+def test_a_heap_is_pruned_of_stale_and_repeated_items_only_once_they_dominate() -> None:
+    small = [(1, 0), (1, 0), (2, 0)]
+    assert pruned(small, live=0, keep=lambda item: False) is small  # under HEAP_FLOOR: left alone
+    big = [(b, 0) for b in range(HEAP_FLOOR + 10)] + [(3, 0)]
+    kept = pruned(big, live=1, keep=lambda item: item[0] < 5)
+    assert sorted(kept) == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0)] and kept[0] == (0, 0)
