@@ -13,7 +13,8 @@ Reports, for the same rows on the same node, each figure the median of `--runs` 
   (each touches one partition); publish with ids also as a ratio of the same publish without;
 - the cost of the conditional claim against a plain batch of the same rows;
 - publish-to-receive latency p50/p99 at a moderate rate with a consumer waiting;
-- ZooKeeper and Cassandra round trips per 1,000 messages.
+- ZooKeeper and Cassandra round trips per 1,000 messages, and of those the checkpoints of
+  heads and offsets (casque.engine.checkpoints: grouped, at most one a second per shard).
 
 `--only receive` publishes the same messages and writes the rows of the paged read, then
 measures receive+ack against that read and nothing else (the publish limits, ids, claim
@@ -90,6 +91,7 @@ FIGURES = [
     Figure("latency_p99", "publish-to-receive latency p99", "ms"),
     Figure("zookeeper_per_1000", "ZooKeeper round trips per 1,000 messages", ""),
     Figure("cassandra_per_1000", "Cassandra round trips per 1,000 messages", ""),
+    Figure("checkpoints_per_1000", "  of them checkpoints of heads and offsets (at most 1/s per shard)", ""),
     Figure("lost_claims", "lost claims", ""),
     Figure("unknown_outcomes", "unknown outcomes", ""),
 ]
@@ -271,7 +273,8 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
     p50, p99 = percentiles(latencies)
 
     zk_ops = publisher.zookeeper_operations() + consumer.counters.offset_commits + consumer.counters.lease_checks
-    cassandra_ops = counters.cassandra_writes + consumer.counters.batch_reads + consumer.acks.statements
+    checkpoints = publisher.checkpoints.writes + (consumer.checkpoints.writer.writes if consumer.checkpoints else 0)
+    cassandra_ops = counters.cassandra_writes + consumer.counters.batch_reads + consumer.acks.statements + checkpoints
     return {
         "raw_insert_rows_per_s": raw_insert,
         "plain_batch_single_rows_per_s": plain_single,
@@ -294,6 +297,7 @@ async def run_once(store: Store, args: argparse.Namespace, run: int) -> dict[str
         "latency_p99": p99,
         "zookeeper_per_1000": zk_ops * 1000 / total,
         "cassandra_per_1000": cassandra_ops * 1000 / total,
+        "checkpoints_per_1000": checkpoints * 1000 / total,
         "lost_claims": counters.conflicts,
         "unknown_outcomes": counters.unknown_outcomes,
     }

@@ -136,3 +136,10 @@ class IncompatibleSchema(InvalidChange):
     """A new queue schema that would refuse messages the one in force accepts."""
 
     code = "incompatible_schema"
+
+
+class NewerFormat(CasqueError):
+    """A stored record written by a later version of casque, in a format this one cannot read:
+    refused rather than misread. Retrying cannot help until this process is upgraded."""
+
+    code = "newer_format"

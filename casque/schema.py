@@ -60,6 +60,11 @@ LEGACY_PUBLISH_IDS_TABLE = "publish_ids"
 PRODUCER_SEQS_TABLE = "producer_seqs"
 DELAYED_TABLE = "delayed"
 COUNTERS_TABLE = "counters"
+# Queues' and subscribers' states as the installation applied them, and the positions ZooKeeper
+# coordinates, checkpointed so that a ZooKeeper that lost its data is rebuilt from them
+# (casque.engine.checkpoints).
+CATALOG_TABLE = "catalog"
+CHECKPOINTS_TABLE = "checkpoints"
 # Delayed messages are grouped in partitions of this many seconds of due time.
 DELAY_BUCKET_SECONDS = 60
 
@@ -249,6 +254,31 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     name text,
     value counter,
     PRIMARY KEY ((queue), name)
+)""",
+        # Each queue's and subscriber's state as applied (JSON), read only when ZooKeeper lost
+        # them: the queue's incarnation, which keys every other shared row, comes back with
+        # it. Used in the installation's keyspace only, which no namespace can write.
+        f"""CREATE TABLE IF NOT EXISTS {keyspace}.{CATALOG_TABLE} (
+    queue text,
+    subscriber text,
+    state text,
+    format int,
+    PRIMARY KEY ((queue), subscriber)
+)""",
+        # Positions per queue incarnation, owner (a shard's head, or a subscriber incarnation's
+        # offset) and shard: max registers, written USING TIMESTAMP of the position itself
+        # (epoch above batch), so the highest ever written wins whatever order writes land in.
+        # One row per shard for the queue's life: no TTL, nothing deleted.
+        f"""CREATE TABLE IF NOT EXISTS {keyspace}.{CHECKPOINTS_TABLE} (
+    queue text,
+    owner text,
+    shard int,
+    epoch int,
+    batch_no bigint,
+    total_messages bigint,
+    total_bytes bigint,
+    format int,
+    PRIMARY KEY ((queue, owner), shard)
 )""",
         # Client message ids of recent publishes, for idempotent publish; rows expire
         # after the deduplication window. Written as an intent before the claim (writer, and

@@ -56,6 +56,12 @@ DRIFT_REPAIRS = Counter(
     "Drift a status refresh found and put right (a dropped table, a lost znode ...), one per thing repaired",
     ["kind"],
 )
+REBUILDS = Counter(
+    "casque_operator_rebuilds",
+    "State ZooKeeper had lost or held older than Cassandra's checkpoints (a queue, a subscriber, a head, an "
+    "offset, a seek epoch), rebuilt from them; one per thing rebuilt",
+    ["kind"],
+)
 
 
 class Failed(Protocol):
@@ -82,9 +88,11 @@ def observe_reconcile(kind: Kind, action: Action, seconds: float, failure: Faile
         RECONCILE_ERRORS.labels(kind, failure.reason).inc()
 
 
-def count_repairs(kind: Kind, repaired: Sequence[str]) -> None:
+def count_repairs(kind: Kind, repaired: Sequence[str], rebuilt: Sequence[str] = ()) -> None:
     if repaired:
         DRIFT_REPAIRS.labels(kind).inc(len(repaired))
+    if rebuilt:
+        REBUILDS.labels(kind).inc(len(rebuilt))
 
 
 # --- leadership ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from casque.errors import (
     MessageNotFound,
     MessageTooLarge,
     PositionOutOfRange,
+    NewerFormat,
     QueueNotFound,
     QuotaExceeded,
     SchemaViolation,
@@ -163,6 +164,9 @@ STATUS: Mapping[type[CasqueError], int] = {
     # The queue's spec in ZooKeeper is beyond what the operator granted (casque.engine.grants):
     # it conflicts with the queue's state until the operator restores it.
     QuotaExceeded: 409,
+    # A record written by a later casque (a rollback over its data): refused, not misread;
+    # it answers once this sidecar runs that version again.
+    NewerFormat: 503,
 }
 
 

@@ -159,6 +159,23 @@ class _GrantKeeper(ConnectionHandler):  # type: ignore[misc]  # kazoo is untyped
     """
 
     granted_ms: int | None = None
+    # When the connection was lost (monotonic), while it is; kept by `keep_granted_timeout`.
+    lost_since: float | None = None
+
+    def _connect(self, host: str, hostip: str, port: int) -> Any:
+        # A session that no server has heard from for longer than it was granted has expired
+        # on every server. Say so before connecting: a server that lost its data (a wiped
+        # ensemble) has never seen this client's zxid and refuses its reconnect for good,
+        # without ever reporting the expiry (kazoo would try forever); a new session, from
+        # zxid 0, is taken. Members learn it as any expiry (LOST) and rejoin.
+        lost_since, granted = self.lost_since, self.granted_ms
+        if (lost_since is not None and granted is not None and self.client._session_id
+                and time.monotonic() - lost_since > granted / 1000):
+            log.warning("ZooKeeper: no server answered for %.0fs, longer than the session's %gs: taking the "
+                        "session as expired and opening a new one", time.monotonic() - lost_since, granted / 1000)
+            self.lost_since = None
+            self.client._session_callback(KeeperState.EXPIRED_SESSION)
+        return super()._connect(host, hostip, port)
 
     def _invoke(self, timeout: float, request: Any, xid: int | None = None) -> Any:
         # kazoo sends its Connect through here while it sets a connection up, and returns
@@ -180,14 +197,24 @@ class _GrantKeeper(ConnectionHandler):  # type: ignore[misc]  # kazoo is untyped
 
 def keep_granted_timeout(client: KazooClient) -> KazooClient:
     """`client`, made to keep the session timeout each connect grants it (read with
-    `granted_session_seconds`); before its start. `connect` does it for its clients."""
+    `granted_session_seconds`), and to take its session as expired once no server has
+    answered for longer than that (`_GrantKeeper._connect`); before its start. `connect`
+    does it for its clients."""
     handler = client._connection
     if isinstance(handler, _GrantKeeper):
         return client
     if not client._stopped.is_set():
         raise ValueError("keep_granted_timeout needs a client that has not been started")
-    client._connection = _GrantKeeper(client, handler.retry_sleeper, logger=handler.logger,
-                                      sasl_options=handler.sasl_options)
+    keeper = _GrantKeeper(client, handler.retry_sleeper, logger=handler.logger, sasl_options=handler.sasl_options)
+    client._connection = keeper
+
+    def on_state(state: str) -> None:
+        if state == KazooState.SUSPENDED:
+            keeper.lost_since = keeper.lost_since or time.monotonic()
+        else:
+            keeper.lost_since = None
+
+    client.add_listener(on_state)
     return client
 
 

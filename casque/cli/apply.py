@@ -143,9 +143,11 @@ async def _run(steps: list[tuple[Document, Flow]]) -> None:
         for document, flow in steps:
             resource = reconcile.Resource(namespace=document.namespace, name=document.name, spec=document.spec)
             outcome = await flow(lambda: store, resource)
+            for rebuilt in outcome.changes.rebuilt:
+                typer.echo(f"{document.label}: rebuilt: {rebuilt}")
             for action in outcome.changes.actions:
                 typer.echo(f"{document.label}: {action}")
-            if not outcome.changes.actions and outcome.failure is None:
+            if not outcome.changes.changed and outcome.failure is None:
                 typer.echo(f"{document.label}: unchanged")
             for warning in outcome.changes.warnings:
                 typer.echo(f"{document.label}: warning: {warning}")

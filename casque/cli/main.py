@@ -19,7 +19,17 @@ HELP = "casque: a replayable queue on Cassandra and ZooKeeper."
 
 
 def whole_app() -> typer.Typer:
-    from casque.cli import apply, dev, queue_commands, resources, security, sidecar_command, spark_commands, trace
+    from casque.cli import (
+        apply,
+        backup_commands,
+        dev,
+        queue_commands,
+        resources,
+        security,
+        sidecar_command,
+        spark_commands,
+        trace,
+    )
     from casque.operator import cli as operator_cli
 
     app = typer.Typer(help=HELP, no_args_is_help=True)
@@ -34,6 +44,7 @@ def whole_app() -> typer.Typer:
     queue_commands.register(app)
     resources.register(app)
     trace.register(app)
+    backup_commands.register(app)
     # Every command maps casque's errors to one line and an exit code (casque/cli/exits.py).
     guard_all(app)
     return app

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError, RolledBackError
 from kazoo.security import ANYONE_ID_UNSAFE
 
-from casque.engine import grants, positions, schema_versions
+from casque.engine import checkpoints, grants, positions, rebuild, schema_versions
 from casque.engine.delayed import Cursor
 from casque.errors import BackendUnavailable, InvalidChange, InvalidSpec, QueueNotFound, SubscriberNotFound
 from casque.schema import (
@@ -47,10 +47,12 @@ class Changes:
 
     actions: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # What ZooKeeper had lost and was rebuilt from Cassandra (casque.engine.rebuild).
+    rebuilt: list[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
-        return bool(self.actions)
+        return bool(self.actions or self.rebuilt)
 
 
 def ensure_installation(store: Store) -> None:
@@ -162,6 +164,8 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
         current: QueueState | None = read_queue(store, queue, granted=False)
     except QueueNotFound:
         current = None
+    if current is None:
+        current = _rebuilt(store, queue, keyspace, changes)
     # Before anything is written: a refused schema leaves the queue as it was.
     version = (schema_versions.first_version(spec) if current is None
                else schema_versions.next_version(queue, current, spec))
@@ -213,10 +217,14 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
             changes.actions.append(f"schema version {version}")
     if widened != wanted:
         grants.write(store, queue, wanted)
+    # The state as applied, for a ZooKeeper that loses it (casque.engine.rebuild).
+    applied = read_queue(store, queue, granted=False)
+    checkpoints.record_queue(store, queue, applied)
     for shard in spec.log_shards():
         if _create_if_absent(store, paths.head(shard), b"0") and current is not None:
             changes.actions.append(f"shard {shard} added")
         _create_if_absent(store, paths.totals(shard), b"")
+    changes.rebuilt.extend(rebuild.raise_heads(store, queue, applied))
     _create_if_absent(store, paths.redrive, b"")  # a queue made before the installation made it
     # Subscribers read new shards from their first batch.
     subscribers = list_subscribers(store, queue)
@@ -237,6 +245,16 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     return changes
 
 
+def _rebuilt(store: Store, queue: QueueRef, keyspace: str, changes: Changes) -> QueueState | None:
+    """The queue as Cassandra recorded it, its znodes made again, when ZooKeeper lost them
+    while its table was kept; None for a queue to create (casque.engine.rebuild)."""
+    recorded = checkpoints.recorded_queue(store, queue)
+    if recorded is None or not read_table_options(store.session, keyspace, queue).exists:
+        return None
+    changes.rebuilt.extend(rebuild.rebuild_queue(store, queue, recorded))
+    return recorded
+
+
 def _create_queue_znodes(store: Store, queue: QueueRef, spec: QueueSpec, schema_version: int) -> None:
     """A new incarnation of the queue: its znodes first, its data (what makes it exist) last.
 
@@ -247,6 +265,8 @@ def _create_queue_znodes(store: Store, queue: QueueRef, spec: QueueSpec, schema_
     """
     paths = store.paths(queue)
     _delete_tree(store, paths.base, f"queue {queue}")
+    # Records of an earlier incarnation (its table was dropped) must not come back with this one.
+    checkpoints.forget_queue(store, queue)
     state = QueueState(spec=spec, created_at=datetime.now(timezone.utc), incarnation=uuid.uuid4().hex[:12],
                        schema_version=schema_version)
     store.zk.create(paths.base, b"", makepath=True)
@@ -273,6 +293,8 @@ def delete_queue(store: Store, queue: QueueRef, policy: str) -> Changes:
         changes.actions.append("retained table and znodes")
         return changes
     base = store.paths(queue).base
+    # Forgotten first: a ZooKeeper lost from here on must not bring the queue back.
+    checkpoints.forget_queue(store, queue)
     try:
         store.zk.set(base, b"")
     except NoNodeError:
@@ -339,12 +361,19 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
     except SubscriberNotFound:
         current = None
     if current is None:
+        current = _rebuilt_subscriber(store, queue, queue_state, name, changes)
+    if current is None:
         offsets = {
             shard: start_offset(store, queue, shard, read_int(store, store.paths(queue).head(shard)), spec,
                                 queue_state.expiry_in_order(datetime.now(timezone.utc)))
             for shard in queue_state.spec.log_shards()
         }
         state = SubscriberState(spec=spec, created_at=datetime.now(timezone.utc), incarnation=uuid.uuid4().hex[:12])
+        # Recorded first, with its start: a ZooKeeper lost right after still has it to rebuild.
+        checkpoints.record_subscriber(store, queue, name, state)
+        positions_of = checkpoints.Checkpoints(store, queue, queue_state.shared_key(queue))
+        for shard, offset in offsets.items():
+            positions_of.write_sync(state.ack_key(name), shard, checkpoints.Position(offset))
         # One transaction: nobody ever sees a subscriber znode without its settings or its
         # offsets (a sidecar reading it midway would fail to parse it or find no offset).
         store.zk.ensure_path(store.paths(queue).subscribers)
@@ -366,13 +395,29 @@ def apply_subscriber(store: Store, queue: QueueRef, name: str, spec: SubscriberS
         changes.actions.append(f"subscriber created at {_describe(spec.start_position)}")
     else:
         if current.spec != spec:
-            store.zk.set(paths.base, _subscriber_json(current.model_copy(update={"spec": spec})))
+            current = current.model_copy(update={"spec": spec})
+            store.zk.set(paths.base, _subscriber_json(current))
             changes.actions.append("subscriber spec updated")
+        checkpoints.record_subscriber(store, queue, name, current)
+        changes.rebuilt.extend(rebuild.raise_epoch(store, queue, queue_state, name, current))
+        changes.rebuilt.extend(rebuild.raise_shared_offsets(store, queue, queue_state, name, current))
         # Also in an installation still open, for `casque secure-znodes` to find them there.
         _ensure_subscriber_containers(store, paths)
         if _acl_outdated(store, paths.base):
             changes.actions.append(f"{secure_tree(store, paths.base)} znodes given their ACL")
     return changes
+
+
+def _rebuilt_subscriber(store: Store, queue: QueueRef, queue_state: QueueState, name: str,
+                        changes: Changes) -> SubscriberState | None:
+    """The subscriber as Cassandra recorded it, its znodes made again with its offsets, when
+    ZooKeeper lost them; None for a subscriber to create."""
+    recorded = checkpoints.recorded_subscribers(store, queue).get(name)
+    if recorded is None:
+        return None
+    offsets = checkpoints.Checkpoints(store, queue, queue_state.shared_key(queue)).read(recorded.ack_key(name))
+    changes.rebuilt.extend(rebuild.rebuild_subscriber(store, queue, queue_state, name, recorded, offsets))
+    return recorded
 
 
 def _subscriber_containers(paths: SubscriberPaths) -> tuple[str, ...]:
@@ -413,12 +458,15 @@ def _acl_outdated(store: Store, path: str) -> bool:
 
 
 def delete_subscriber(store: Store, queue: QueueRef, name: str) -> Changes:
-    """A subscriber's state lives only in ZooKeeper (and TTL'd ack rows), so deleting it is always safe.
+    """A subscriber's state lives in ZooKeeper, its record in the catalog and its positions in
+    rows keyed by its incarnation (never read again once it is gone), so deleting it is always safe.
 
     Emptying the subscriber's data first tells every member it is going (they stop) before
     its znodes go.
     """
     path = store.paths(queue).subscriber(name).base
+    # Forgotten first: a ZooKeeper lost from here on must not bring the subscriber back.
+    checkpoints.forget_subscriber(store, queue, name)
     try:
         store.zk.set(path, b"")
     except NoNodeError:

@@ -93,7 +93,7 @@ class RangeKeeper(Protocol):
 
     def forget(self, reader: ClaimReader) -> None: ...
 
-    def completed(self, reader: ClaimReader, offset: int) -> None: ...
+    def completed(self, reader: ClaimReader, offset: int, written: bool) -> None: ...
 
     def space_freed(self) -> None: ...
 
@@ -312,7 +312,7 @@ class ClaimReader:
                     self.drop("taken over before it was completed")
                     return
                 # DONE, or MOOT (a seek replays or skips the range).
-                self.sharing.completed(self, offset)
+                self.sharing.completed(self, offset, written=outcome is Completion.DONE)
                 self._dropped = True
                 self.sharing.forget(self)
                 return

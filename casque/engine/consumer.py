@@ -39,6 +39,7 @@ from casque.engine import catalog, grants, offsets
 from casque.engine.acking import AckTaker, Source
 from casque.engine.acks import AckLog
 from casque.engine.batches import Log
+from casque.engine.checkpoints import CheckpointWriter, Checkpoints, OffsetCheckpoints
 from casque.engine.counters import QueueCounters
 from casque.engine.delivering import Deliverer, deliverer_of
 from casque.engine.entries import ByteBudget
@@ -50,12 +51,7 @@ from casque.engine.leased_delivery import LeasedDelivery
 from casque.engine.reachability import CassandraReach
 from casque.engine.shard_reader import ShardReader
 from casque.engine.sharing import SharedDelivery
-from casque.errors import (
-    BackendUnavailable,
-    CasqueError,
-    QuotaExceeded,
-    SubscriberNotFound,
-)
+from casque.errors import BackendUnavailable, CasqueError, QuotaExceeded, SubscriberNotFound
 from casque.schema import QueueRef
 from casque.specs import QueueState, SubscriberState
 from casque.store import Store
@@ -82,12 +78,12 @@ class Consumer:
         self._leased = LeasedDelivery(self)
         self.prefetch_blocked = False
         self._available = asyncio.Event()
-        # Receives waiting for a message to become available (long polls).
-        self.waiting_receives = 0
+        self.waiting_receives = 0  # receives waiting for a message to become available (long polls)
         self._leases: ShardLeases | None = None
         # Shared delivery (spec.delivery == "shared"): claimed batch ranges instead of leased shards.
         self._sharing: SharedDelivery | None = None
         self._reach: CassandraReach | None = None
+        self.checkpoints: OffsetCheckpoints | None = None
         self._stopped = False
         self._resync_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -107,6 +103,8 @@ class Consumer:
         self.log = Log(self.store, self.queue, spec.consistency)
         self.acks = AckLog(self.store, self.queue, self.subscriber_state.ack_key(self.subscriber),
                            spec.retention_seconds)
+        self.checkpoints = CheckpointWriter(Checkpoints(self.store, self.queue, self.queue_state.shared_key(self.queue))
+                                            ).offset(self.subscriber_state.ack_key(self.subscriber))
         self.paths = self.store.paths(self.queue).subscriber(self.subscriber)
         subscriber_spec = self.subscriber_state.spec
         self._deliverer = await deliverer_of(self, self.sources, self._source_for,
@@ -498,3 +496,5 @@ class Consumer:
             await self._leases.stop()
         for shard, reader in list(self.readers.items()):
             await self._leased.released(shard, reader.fence)
+        if self.checkpoints is not None:
+            await self.checkpoints.flush()

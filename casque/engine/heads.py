@@ -55,8 +55,12 @@ def _stopped(client: KazooClient) -> bool:
 
 
 class HeadAdvancer:
-    def __init__(self, client: KazooClient, path: str, totals_path: str | None = None) -> None:
+    def __init__(self, client: KazooClient, path: str, totals_path: str | None = None,
+                 written: Callable[[int, tuple[int, int] | None], None] | None = None) -> None:
+        """`written`: told of every batch asked for (it is written), with its totals, at once:
+        the head's checkpoint (casque.engine.checkpoints) need not wait for ZooKeeper."""
         self._client = client
+        self._written = written
         self._path = path
         self._totals_path = totals_path
         self._target = 0
@@ -74,6 +78,8 @@ class HeadAdvancer:
         `totals`: the shard's running totals as of `batch`, written with the head."""
         if batch <= max(self._target, self._known):
             return
+        if self._written is not None:
+            self._written(batch, totals)
         self._target = batch
         self._target_totals = totals
         if self._task is None or self._task.done():

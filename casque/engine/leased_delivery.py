@@ -30,9 +30,35 @@ class LeasedDelivery:
     async def acquired(self, shard: int, fence: int) -> None:
         mark = await offsets.read_seek_mark(self._member.store.zk, self._member.paths)
         record = await offsets.read_offset(self._member.store.zk, self._member.paths, shard)
+        record = await self._up_to_checkpoint(shard, fence, record)
         reader = ShardReader(self._member, shard, record, fence, mark)
         self.readers[shard] = reader
         reader.start()
+
+    async def _up_to_checkpoint(self, shard: int, fence: int, record: offsets.OffsetRecord) -> offsets.OffsetRecord:
+        """The shard's offset, moved up to its checkpoint in Cassandra if ZooKeeper holds an
+        older one (restored from a snapshot): what was done is not delivered again. Under the
+        lease's fence, as any commit; a checkpoint that cannot be read leaves the offset as
+        it is (the ack rows still skip what was acked)."""
+        member = self._member
+        checkpoints = member.checkpoints
+        if checkpoints is None:
+            return record
+        try:
+            found = await checkpoints.read(shard)
+        except Exception as error:  # every driver error: see above
+            log.info("shard %s: offset checkpoint not read (%r)", shard, error)
+            return record
+        if found is None or found.order <= (record.epoch, record.offset):
+            return record
+        outcome, version = await offsets.commit_offset(member.store.zk, member.paths, shard, found.batch, found.epoch,
+                                                       record.version, fence)
+        if outcome is not offsets.CommitOutcome.WRITTEN:
+            return record  # a seek or another holder came first: the reader learns it as always
+        member.counters.offsets_rebuilt += 1
+        log.warning("shard %s: offset %d@%d in ZooKeeper was behind its checkpoint; moved up to %d@%d", shard,
+                    record.offset, record.epoch, found.batch, found.epoch)
+        return offsets.OffsetRecord(found.batch, found.epoch, version)
 
     async def released(self, shard: int, fence: int) -> None:
         """Hand over and stop the reader of the acquisition `fence` of `shard` (none if the

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from casque.engine.acks import AckLog
 from casque.engine.batches import Log
+from casque.engine.checkpoints import OffsetCheckpoints
 from casque.engine.leases import ShardLeases
 from casque.engine.messages import StoredMessage, event_source_of, filter_variables
 from casque.errors import CasqueError
@@ -48,6 +49,8 @@ class ConsumerCounters:
     retries: int = 0
     leases_lost: int = 0
     seeks_applied: int = 0
+    # Offsets found behind their checkpoint at a lease acquisition and moved up to it.
+    offsets_rebuilt: int = 0
     # Deliveries put back because the app never got them (its connection had closed).
     handed_back: int = 0
     # Lease checks after ack rows: answered by ZooKeeper, and proven without asking it.
@@ -105,6 +108,8 @@ class Member(Protocol):
 
     # Set by a reader that found the member's whole prefetch budget spent; cleared when space frees.
     prefetch_blocked: bool
+    # The offsets' checkpoints in Cassandra (casque.engine.checkpoints); None before start.
+    checkpoints: OffsetCheckpoints | None
 
     @property
     def store(self) -> Store: ...
@@ -165,6 +170,7 @@ class Member(Protocol):
 
     def resync(self) -> None:
         """Compare the held shards' epochs with their offsets (a seek may have moved them)."""
+
 
 
 def message_filter(member: Member) -> Callable[[StoredMessage], bool]:

@@ -33,10 +33,11 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 
 from casque.backends import zk
-from casque.engine import catalog, positions
+from casque.engine import catalog, checkpoints, positions
 from casque.engine.clock import clock_of
 from casque.errors import BackendUnavailable, PositionOutOfRange, SubscriberNotFound
 from casque.schema import QueueRef
+from casque.specs import QueueState
 from casque.store import Store
 from casque.znodes import SubscriberPaths, decode_offset, encode_offset
 
@@ -154,13 +155,26 @@ def seek(store: Store, queue: QueueRef, subscriber: str, target: SeekTarget) -> 
                 )
             offsets[shard] = wanted
     for _ in range(SEEK_ATTEMPTS):
-        if _try_seek(store.zk, paths, target, offsets):
+        epoch = _try_seek(store.zk, paths, target, offsets)
+        if epoch is not None:
+            _checkpoint(store, queue, queue_state, subscriber, offsets, epoch)
             return offsets
     raise BackendUnavailable(f"subscriber {subscriber}: other seeks kept coming first; try again")
 
 
-def _try_seek(client: KazooClient, paths: SubscriberPaths, target: SeekTarget, offsets: dict[int, int]) -> bool:
-    """Every moved offset, and the seek record compared-and-set; False if another seek came first."""
+def _checkpoint(store: Store, queue: QueueRef, queue_state: QueueState, subscriber: str, offsets: dict[int, int],
+                epoch: int) -> None:
+    """The sought offsets checkpointed at once (casque.engine.checkpoints): a ZooKeeper lost
+    after the seek is rebuilt with its epoch, and a replay keeps its own ack rows."""
+    state = catalog.read_subscriber(store, queue, subscriber)
+    positions_of = checkpoints.Checkpoints(store, queue, queue_state.shared_key(queue))
+    for shard, offset in offsets.items():
+        positions_of.write_sync(state.ack_key(subscriber), shard, checkpoints.Position(offset, epoch))
+
+
+def _try_seek(client: KazooClient, paths: SubscriberPaths, target: SeekTarget, offsets: dict[int, int]) -> int | None:
+    """Every moved offset, and the seek record compared-and-set: the new epoch, or None if
+    another seek came first."""
     epoch, version = read_epoch(client, paths)
     new_epoch = epoch + 1
     transaction = client.transaction()
@@ -182,10 +196,10 @@ def _try_seek(client: KazooClient, paths: SubscriberPaths, target: SeekTarget, o
     results = transaction.commit()
     failures = [r for r in results if isinstance(r, Exception)]
     if not failures:
-        return True
+        return new_epoch
     cause = next(f for f in failures if not isinstance(f, RolledBackError))
     if isinstance(cause, (BadVersionError, NodeExistsError)):
-        return False
+        return None
     if isinstance(cause, NoNodeError):
         raise SubscriberNotFound(f"subscriber {paths.name} was removed during the seek")
     raise cause

@@ -40,6 +40,7 @@ from casque.engine.delayed import (
     read_cursor,
 )
 from casque.engine import totals as shard_totals
+from casque.engine.checkpoints import HEAD, CheckpointWriter, Checkpoints, Position
 from casque.engine.heads import HeadAdvancer
 from casque.engine.idempotency import IdempotencyGuard, IdRecord, claim_deadline, recorded
 from casque.dataschema.validation import CompiledSchema
@@ -205,7 +206,9 @@ class ShardWriter:
         # side, so the next batch is worth a short wait (Publisher.group_linger).
         self._shared = False
         paths = publisher.store.paths(publisher.queue)
-        self.heads = HeadAdvancer(publisher.store.zk, paths.head(shard), paths.totals(shard))
+        checkpoints = publisher.checkpoints
+        self.heads = HeadAdvancer(publisher.store.zk, paths.head(shard), paths.totals(shard),
+                                  written=lambda batch, totals: checkpoints.note(HEAD, shard, Position(batch, 0, totals)))
 
     def submit(self, item: _Pending) -> None:
         self.pending.append(item)
@@ -335,6 +338,15 @@ class ShardWriter:
             size += nxt
         return items
 
+    async def _checkpointed_head(self) -> int:
+        publisher = self._publisher
+        try:
+            found = await publisher.checkpoints.checkpoints.read_shard(HEAD, self.shard)
+        except Exception as error:  # every driver error: walking on is slower, not wrong
+            log.info("shard %d: head checkpoint not read (%r)", self.shard, error)
+            return 0
+        return 0 if found is None else found.batch
+
     async def _read_head(self) -> int:
         """The shard's head watermark: every batch up to it exists."""
         store = self._publisher.store
@@ -372,7 +384,10 @@ class ShardWriter:
                 await self._sync()
                 assert self._last_batch is not None
                 if previous is not None and self._last_batch < previous:
-                    self._last_batch = previous  # the head lags what we learned: keep the larger
+                    # The head lags what we learned (a repair pending, or a ZooKeeper restored
+                    # from an older snapshot): go on from the head's checkpoint if it is further,
+                    # rather than walk the log one lost claim at a time.
+                    self._last_batch = max(previous, await self._checkpointed_head())
                     self._totals = None
                 conflicts = 0
             if self._totals is None:
@@ -521,6 +536,8 @@ class Publisher:
         # Delayed rows this publisher moved itself, the mover having passed them (see _move_if_passed).
         self.delayed_moves = 0
         self.counters = PublisherCounters()
+        # The heads written, checkpointed in Cassandra for a ZooKeeper that loses them.
+        self.checkpoints = CheckpointWriter(Checkpoints(self.store, self.queue, self.state.shared_key(self.queue)))
         self._writers = {shard: ShardWriter(self, shard) for shard in self.spec.log_shards()}
         self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
         self.idempotency = IdempotencyGuard(self.store, self.state.shared_key(self.queue), self.log,
@@ -788,6 +805,8 @@ class Publisher:
         return self.counters.zookeeper_reads + sum(w.heads.reads + w.heads.writes for w in self._writers.values())
 
     async def flush_heads(self) -> None:
-        """Wait until head watermarks reflect every batch written (shutdown and tests)."""
+        """Wait until head watermarks reflect every batch written, and their checkpoints
+        (shutdown and tests)."""
         for writer in self._writers.values():
             await writer.heads.wait()
+        await self.checkpoints.flush()

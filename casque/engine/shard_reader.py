@@ -320,6 +320,8 @@ class ShardReader:
         if outcome is CommitOutcome.WRITTEN:
             self._version = version
             self._committed = offset
+            if consumer.checkpoints is not None:
+                consumer.checkpoints.note(self.shard, offset, self.epoch)
             self.problem = ""
             consumer.counters.offset_commits += 1
             return True

@@ -155,8 +155,11 @@ class SharedDelivery:
     def locks_for(self, shard: int) -> KeyLocks | None:
         return self.foreign.locks_for(shard) if self.foreign is not None else None
 
-    def completed(self, reader: ClaimReader, offset: int) -> None:
+    def completed(self, reader: ClaimReader, offset: int, written: bool) -> None:
+        """`written`: the range wrote `offset` in its epoch (not moot after a seek): checkpoint it."""
         self.consumer.counters.offset_commits += 1
+        if written and self.consumer.checkpoints is not None:
+            self.consumer.checkpoints.note(reader.record.shard, offset, reader.record.epoch)
 
     def set_shards(self, shards: list[int]) -> None:
         added = [shard for shard in shards if shard not in self.shards]

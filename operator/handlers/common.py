@@ -47,7 +47,7 @@ async def run_locked(
             metrics.observe_reconcile(kind, action, time.monotonic() - started, classify(error))
             raise
         metrics.observe_reconcile(kind, action, time.monotonic() - started, outcome.failure)
-        metrics.count_repairs(kind, outcome.repaired)
+        metrics.count_repairs(kind, outcome.repaired, outcome.changes.rebuilt)
         return outcome
 
 
@@ -59,6 +59,8 @@ def report(body: kopf.Body, patch: kopf.Patch, outcome: Outcome, logger: kopf.Lo
         kopf.info(body, reason="Applied", message="; ".join(outcome.changes.actions))
     for warning in outcome.changes.warnings:
         kopf.warn(body, reason="Warning", message=warning)
+    for rebuilt in outcome.changes.rebuilt:
+        kopf.warn(body, reason="Rebuilt", message=rebuilt)
     if outcome.repaired:
         kopf.warn(body, reason="Repaired", message="; ".join(outcome.repaired))
     failure = outcome.failure

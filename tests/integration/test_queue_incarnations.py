@@ -116,7 +116,9 @@ async def test_a_recreated_queue_moves_only_its_own_delayed_messages(store: Stor
 
     await until("the new incarnation's delayed message to be moved", moved, 60)
     assert await payloads(store) == [b"new, delayed"]
-    assert mover.delayed is not None and mover.moved == 1
+    # Moved once: by the mover, or, on a machine slow enough that the mover's pass went past
+    # its due time before the row landed, by its publisher (casque.engine.delayed).
+    assert mover.delayed is not None and mover.moved + new.delayed_moves == 1
     assert (await queue_stats(store, QUEUE)).delayed == 0
 
 
