@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The previous releases of casque that the tests run beside main (mixed versions in one group,
+# upgrades and rollbacks), from scripts/releases.txt: each built from its commit (`git
+# archive`, so this needs the repository's history, as any clone has) into a virtualenv of
+# its own under $CASQUE_CACHE/releases/<version>, with that commit's locked runtime
+# dependencies (hash-checked) and casque and its client installed as packages, not editable:
+# its processes import that release whatever their working directory. Once per commit (a stamp).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cache="${CASQUE_CACHE:-$HOME/.cache/casque}/releases"
+python=${PYTHON:-python3}
+while read -r version commit; do
+  case "$version" in ''|'#'*) continue ;; esac
+  target="$cache/$version"
+  [ -f "$target/.installed-$commit" ] && continue
+  echo "building release $version ($commit) into $target"
+  rm -rf "$target"
+  mkdir -p "$target/src"
+  git archive "$commit" | tar -x -C "$target/src"
+  "$python" -m venv "$target/venv"
+  "$target/venv/bin/python" -m pip install -q --require-hashes --no-deps -r "$target/src/requirements/build.lock"
+  "$target/venv/bin/python" -m pip install -q --require-hashes --no-deps -r "$target/src/requirements/runtime.lock"
+  "$target/venv/bin/python" -m pip install -q --no-deps --no-build-isolation "$target/src/client" "$target/src"
+  touch "$target/.installed-$commit"
+done < scripts/releases.txt
