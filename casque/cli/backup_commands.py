@@ -3,6 +3,8 @@ into empty backends (casque.engine.backup; docs/operations.md says when and how)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -31,6 +33,15 @@ def _report(report: backups.Report, verb: str, directory: Path, output: str) -> 
               f"{directory}")
 
 
+@contextmanager
+def _installation(cassandra: str | None, zookeeper: str | None, keyspace: str | None) -> Iterator[Store]:
+    store = Store.open(backend_settings(cassandra, zookeeper, keyspace))
+    try:
+        yield store
+    finally:
+        store.close()
+
+
 def backup(
     directory: DirectoryArgument,
     output: TextOutput = "text",
@@ -40,11 +51,8 @@ def backup(
 ) -> None:
     """Write every queue, message within retention, ack, position, schema and filter into a new directory."""
     check(output, ("text", *MACHINE))
-    store = Store.open(backend_settings(cassandra, zookeeper, keyspace))
-    try:
+    with _installation(cassandra, zookeeper, keyspace) as store:
         _report(backups.backup(store, directory), "backed up", directory, output)
-    finally:
-        store.close()
 
 
 def restore(
@@ -56,18 +64,15 @@ def restore(
 ) -> None:
     """Write a backup into empty backends; applying the queues then rebuilds ZooKeeper from it."""
     check(output, ("text", *MACHINE))
-    store = Store.open(backend_settings(cassandra, zookeeper, keyspace))
-    try:
+    with _installation(cassandra, zookeeper, keyspace) as store:
         report = backups.restore(store, directory)
-        _report(report, "restored", directory, output)
-        if output not in MACHINE:
-            queues = ", ".join(str(ref) for ref, _ in backups.queues_in(directory)) or "none"
-            out.print(f"queues: {queues}. Apply them (the operator does at its next refresh, or `casque apply -f`) "
-                      "to rebuild their znodes from what was restored.")
-            if report.expired_cells:
-                out.print(f"{report.expired_cells} cell(s) expired since the backup and were left out")
-    finally:
-        store.close()
+    _report(report, "restored", directory, output)
+    if output not in MACHINE:
+        queues = ", ".join(str(ref) for ref, _ in backups.queues_in(directory)) or "none"
+        out.print(f"queues: {queues}. Apply them (the operator does at its next refresh, or `casque apply -f`) "
+                  "to rebuild their znodes from what was restored.")
+        if report.expired_cells:
+            out.print(f"{report.expired_cells} cell(s) expired since the backup and were left out")
 
 
 def register(app: typer.Typer) -> None:

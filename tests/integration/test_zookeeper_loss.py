@@ -70,6 +70,16 @@ def create(store: Store, delivery: str, shards: int = 3) -> QueueSpec:
     return spec
 
 
+async def serving(store: Store, group: Group, published: int) -> QueueSpec:
+    """The queue and three members serving it, `published` messages through them, all acked."""
+    spec = create(store, group.delivery)
+    await group.add(3)
+    await group.whole(spec.log_shards())
+    await group.publish(published, "before")
+    await group.drained()
+    return spec
+
+
 def data_dirs(backends: Backends) -> list[Path]:
     assert backends.stack is not None
     return [member.directory / "data" / "version-2" for member in backends.stack.zookeeper().members()]
@@ -130,11 +140,7 @@ async def log_read_back(store: Store, spec: QueueSpec) -> dict[str, tuple[int, i
 async def test_a_wiped_zookeeper_is_rebuilt_from_cassandra_and_nothing_acked_comes_back(
     store: Store, group: Group, backends: Backends, zk_hosts: str, root_client: KazooClient
 ) -> None:
-    spec = create(store, group.delivery)
-    await group.add(3)
-    await group.whole(spec.log_shards())
-    await group.publish(300, "before")
-    await group.drained()
+    spec = await serving(store, group, 300)
     rebuilt_before = REBUILDS.get("queue", 0)
     publishing = asyncio.create_task(group.publish(300, "during"))
     await asyncio.to_thread(replace_zookeeper_data, backends, zk_hosts[zk_hosts.index("/"):], root_client)
@@ -153,11 +159,7 @@ async def test_a_wiped_zookeeper_is_rebuilt_from_cassandra_and_nothing_acked_com
 async def test_a_zookeeper_restored_from_an_older_snapshot_writes_over_no_batch_and_moves_no_offset_back(
     store: Store, group: Group, backends: Backends, zk_hosts: str, root_client: KazooClient, tmp_path: Path
 ) -> None:
-    spec = create(store, group.delivery)
-    await group.add(3)
-    await group.whole(spec.log_shards())
-    await group.publish(150, "before")
-    await group.drained()
+    spec = await serving(store, group, 150)
     snapshot = await asyncio.to_thread(copy_data, backends, tmp_path)
     # After the snapshot: more batches, more acks, offsets further on.
     await group.publish(300, "since")
