@@ -22,6 +22,8 @@ MACHINE = ("json", "yaml")
 
 
 TableOutput = Annotated[str, typer.Option("--output", "-o", help="table, json or yaml.")]
+# Listings (`get`): `wide` adds the columns `kubectl get -o wide` shows.
+ListOutput = Annotated[str, typer.Option("--output", "-o", help="table, wide, json or yaml.")]
 TextOutput = Annotated[str, typer.Option("--output", "-o", help="text, json or yaml.")]
 
 

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from casque.cli.exits import UsageError
-from casque.cli.output import MACHINE, TableOutput, TextOutput, check, dumps, dumps_all, print_whole
+from casque.cli.output import MACHINE, ListOutput, TextOutput, check, dumps, dumps_all, print_whole
 from casque.cli.options import CassandraOption, KeyspaceOption, ZookeeperOption, backend_settings
 from casque.cli.queue_commands import opened
 from casque.engine import catalog
@@ -127,10 +127,12 @@ def _stalled(shards: list[int] | None) -> str:
     return "-" if not shards else ",".join(map(str, shards))
 
 
-def queue_table(documents: list[dict[str, Any]], namespaces: bool) -> Table:
+def queue_table(documents: list[dict[str, Any]], namespaces: bool, wide: bool = False) -> Table:
+    """`wide` adds what `kubectl get queues -o wide` shows beyond the default columns."""
     table = Table(box=None, pad_edge=False)
     columns = (["NAMESPACE"] if namespaces else []) + [
-        "NAME", "SHARDS", "PRIORITIES", "RETENTION", "SCHEMA", "MESSAGES", "SUBSCRIBERS", "AGE"]
+        "NAME", "SHARDS", "PRIORITIES", "RETENTION", "SCHEMA", "MESSAGES", "SUBSCRIBERS", "AGE"] + (
+        ["CONSISTENCY", "MAX MESSAGE"] if wide else [])
     for column in columns:
         table.add_column(column, no_wrap=True)
     for d in documents:
@@ -138,14 +140,18 @@ def queue_table(documents: list[dict[str, Any]], namespaces: bool) -> Table:
         row = ([meta["namespace"]] if namespaces else []) + [
             meta["name"], str(spec["shards"]), str(spec["priorities"]), format_duration(spec["retention"]),
             _schema(status.get("schemaVersion")), _count(status.get("publishedMessages")), str(len(status["subscribers"])), _age(meta["creationTimestamp"])]
+        if wide:
+            row += [str(spec.get("consistency", "-")), str(spec.get("maxMessageBytes", "-"))]
         table.add_row(*row)
     return table
 
 
-def subscriber_table(documents: list[dict[str, Any]], namespaces: bool) -> Table:
+def subscriber_table(documents: list[dict[str, Any]], namespaces: bool, wide: bool = False) -> Table:
+    """`wide` adds the delivery mode and the filter, as `kubectl get subscribers -o wide` does."""
     table = Table(box=None, pad_edge=False)
     columns = (["NAMESPACE"] if namespaces else []) + [
-        "QUEUE", "NAME", "LAG", "OLDEST UNACKED", "STALLED", "IN FLIGHT", "DEAD", "FILTERED", "MEMBERS", "AGE"]
+        "QUEUE", "NAME", "LAG", "OLDEST UNACKED", "STALLED", "IN FLIGHT", "DEAD", "FILTERED", "MEMBERS", "AGE"] + (
+        ["DELIVERY", "FILTER"] if wide else [])
     for column in columns:
         table.add_column(column, no_wrap=True)
     for d in documents:
@@ -157,6 +163,8 @@ def subscriber_table(documents: list[dict[str, Any]], namespaces: bool) -> Table
             _count(status.get("inFlight")),
             _count(status.get("deadLettered")), _count(status.get("filtered")), str(len(status.get("members", []))),
             _age(meta["creationTimestamp"])]
+        if wide:
+            row += [str(spec.get("delivery", "leased")), str(spec.get("filter", "-"))]
         table.add_row(*row)
     return table
 
@@ -198,13 +206,13 @@ def get_queues(
     names: Annotated[list[str] | None, typer.Argument(help="Queues to show (default: all).", show_default=False)] = None,
     namespace: NamespaceOption = "default",
     all_namespaces: AllNamespaces = False,
-    output: TableOutput = "table",
+    output: ListOutput = "table",
     cassandra: CassandraOption = None,
     zookeeper: ZookeeperOption = None,
     keyspace: KeyspaceOption = None,
 ) -> None:
     """List queues: shards, priorities, retention, published messages, subscribers, age."""
-    check(output, ("table", *MACHINE))
+    check(output, ("table", "wide", *MACHINE))
     if names and all_namespaces:
         raise UsageError("name queues or give --all-namespaces, not both")
     settings = backend_settings(cassandra, zookeeper, keyspace)
@@ -221,7 +229,7 @@ def get_queues(
     if output in MACHINE:
         typer.echo(dumps_all(documents, output) if documents or output == "json" else "")
     elif documents:
-        print_whole(queue_table(documents, all_namespaces), out)
+        print_whole(queue_table(documents, all_namespaces, output == "wide"), out)
     else:
         typer.echo("no queues" + ("" if all_namespaces else f" in namespace {namespace}"), err=True)
 
@@ -230,13 +238,13 @@ def get_subscribers(
     queue: Annotated[str | None, typer.Argument(help="Only this queue's (or namespace/name).", show_default=False)] = None,
     namespace: NamespaceOption = "default",
     all_namespaces: AllNamespaces = False,
-    output: TableOutput = "table",
+    output: ListOutput = "table",
     cassandra: CassandraOption = None,
     zookeeper: ZookeeperOption = None,
     keyspace: KeyspaceOption = None,
 ) -> None:
     """List subscribers: queue, lag, oldest unacked age, stalled shards, in flight, dead-lettered, members, age."""
-    check(output, ("table", *MACHINE))
+    check(output, ("table", "wide", *MACHINE))
     if queue and all_namespaces:
         raise UsageError("name a queue or give --all-namespaces, not both")
     settings = backend_settings(cassandra, zookeeper, keyspace)
@@ -255,7 +263,7 @@ def get_subscribers(
     if output in MACHINE:
         typer.echo(dumps_all(documents, output) if documents or output == "json" else "")
     elif documents:
-        print_whole(subscriber_table(documents, all_namespaces), out)
+        print_whole(subscriber_table(documents, all_namespaces, output == "wide"), out)
     else:
         typer.echo("no subscribers", err=True)
 

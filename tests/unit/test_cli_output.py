@@ -74,3 +74,21 @@ def test_usage_errors_exit_2_before_any_backend_is_touched() -> None:
 
 def test_completion_is_offered() -> None:
     assert "--install-completion" in CliRunner().invoke(app, ["--help"]).output
+
+
+def test_the_wide_subscriber_listing_shows_the_delivery_mode_and_the_filter() -> None:
+    from rich.console import Console
+
+    from casque.cli.resources import subscriber_table
+
+    document = {"spec": {"queue": "orders", "delivery": "shared", "filter": "priority >= 1"},
+                "status": {"lagMessages": 3, "members": []},
+                "metadata": {"name": "big-orders", "namespace": "shop", "creationTimestamp": "2026-12-01T00:00:00Z"}}
+    console = Console(width=300, record=True)
+    console.print(subscriber_table([document], namespaces=False, wide=True))
+    header, row = console.export_text().splitlines()[:2]
+    assert header.split()[-2:] == ["DELIVERY", "FILTER"]
+    assert row.split()[-4:] == ["shared", "priority", ">=", "1"]
+    narrow = Console(width=300, record=True)
+    narrow.print(subscriber_table([document], namespaces=False))
+    assert narrow.export_text().splitlines()[0].split()[-1] == "AGE"  # no DELIVERY nor FILTER column
