@@ -11,7 +11,11 @@ answered, every member in its group, whichever version published, delivered or a
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +26,7 @@ from casque.store import Store
 from tests.fixtures.group import Group, assert_sound
 from tests.fixtures.releases import release_python
 from tests.fixtures.sidecars import StartSidecar
+from tests.fixtures.stack import Backends
 
 QUEUE = QueueRef("default", "shipments")
 SUBSCRIBER = "carriers"
@@ -68,3 +73,63 @@ async def test_a_rolling_upgrade_and_a_rollback_lose_nothing_and_redeliver_nothi
     await group.publish(150, "rolled-back", via=back)
     await group.drained()
     assert_sound(group.history)
+
+
+RESOURCES = """\
+apiVersion: casque.io/v1alpha1
+kind: Queue
+metadata: {{name: shipments}}
+spec: {{shards: {shards}, retention: 1h, consistency: ONE}}
+---
+apiVersion: casque.io/v1alpha1
+kind: Subscriber
+metadata: {{name: carriers}}
+spec: {{queue: shipments, startPosition: earliest, delivery: {delivery}}}
+"""
+
+
+def apply_with(python: Path | str, env: dict[str, str], file: Path) -> subprocess.CompletedProcess[str]:
+    """`casque apply -f` of one installation: the reconcile its operator runs (casque.engine.catalog)."""
+    return subprocess.run([str(python), "-m", "casque.cli", "apply", "-f", str(file)], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=file.parent)
+
+
+@pytest.mark.parametrize("delivery", ["leased", "shared"])
+async def test_the_installation_of_main_takes_over_what_the_previous_made_and_hands_it_back(
+    store: Store, backends: Backends, keyspace: str, zk_hosts: str, start_sidecar: StartSidecar, tmp_path: Path,
+    delivery: str,
+) -> None:
+    previous = release_python()
+    env = {**os.environ, **backends.client_env(keyspace, zk_hosts, store.zk_root)}
+    file = tmp_path / "shipments.yaml"
+    file.write_text(RESOURCES.format(shards=2, delivery=delivery))
+    made = apply_with(previous, env, file)
+    assert made.returncode == 0, made.stderr
+    incarnation = catalog.read_queue(store, QUEUE).incarnation
+    group = Group(start_sidecar, store, QUEUE, SUBSCRIBER, env=SESSION, delivery=delivery)
+    try:
+        await group.add(2, python=previous)
+        await group.whole([0, 1])
+        await group.publish(150, "by-previous")
+        await group.drained()
+        # The operator upgraded: it applies what the previous one made; nothing is made anew.
+        taken = apply_with(sys.executable, env, file)
+        assert taken.returncode == 0, taken.stderr
+        assert catalog.read_queue(store, QUEUE).incarnation == incarnation
+        await group.add(1)
+        file.write_text(RESOURCES.format(shards=3, delivery=delivery))  # a change made by the new one
+        grown = apply_with(sys.executable, env, file)
+        assert grown.returncode == 0 and "shard 2 added" in grown.stdout, grown.stdout + grown.stderr
+        await group.whole([0, 1, 2])
+        await group.publish(150, "by-main")
+        await group.drained()
+        # Rolled back: the previous operator applies the same resources over what main wrote.
+        back = apply_with(previous, env, file)
+        assert back.returncode == 0, back.stderr
+        assert back.stdout.splitlines() == ["queue default/shipments: unchanged",
+                                            "subscriber default/carriers (queue shipments): unchanged"]
+        await group.publish(150, "after-rollback")
+        await group.drained()
+        assert_sound(group.history)
+    finally:
+        await group.stop()
