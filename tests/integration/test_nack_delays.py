@@ -8,7 +8,8 @@ take its shard (leased) or range (shared) over. The message must not come back b
 due time, and must come back after it.
 
 The sidecars ask for 4 s ZooKeeper sessions and a 3 s visibility, so a killed member's
-shard or range moves on well before the delay ends.
+shard or range moves on well before the delay ends. A nack whose row cannot be written is
+refused and changes nothing (a member in this process, its row write failing at the driver).
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from collections.abc import Callable
 import pytest
 
 from casque.engine import catalog
+from casque.engine.acks import NACK, AckEvent, AckLog
+from casque.engine.consumer import Consumer
+from casque.engine.messages import OutgoingMessage
+from casque.engine.publisher import Publisher
+from casque.errors import BackendUnavailable, StaleReceipt
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, RetryPolicy, SubscriberSpec
 from casque.store import Store
@@ -171,3 +177,36 @@ async def test_a_message_over_max_deliveries_is_dead_lettered_when_its_delay_end
     assert copy
     early = [(round(due - at, 2), state) for at, state in seen if at < due - CLOCK_SLACK and state != "nacked"]
     assert not early, f"before its delay ended (seconds before, state): {early}"
+
+
+async def test_a_nack_whose_row_is_not_written_answers_unavailable_and_changes_nothing(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    create(store, "leased")
+    publisher = Publisher(store, REF, catalog.read_queue(store, REF))
+    await publisher.publish([OutgoingMessage(b"x", key="k0")])
+    await publisher.flush_heads()
+    consumer = Consumer(store, REF, SUBSCRIBER)
+    await consumer.start()
+    try:
+        (delivery,) = await consumer.receive(1, wait=30, visibility=120)
+        written = AckLog._write
+
+        async def failing(self: AckLog, events: list[AckEvent]) -> None:
+            if any(e.outcome == NACK for e in events):
+                raise BackendUnavailable("Cassandra: OperationTimedOut: errors={}, last_host=injected")
+            await written(self, events)
+
+        monkeypatch.setattr(AckLog, "_write", failing)
+        with pytest.raises(BackendUnavailable):
+            await consumer.nack(delivery.receipt, DELAY)
+        assert consumer.held_message(delivery.receipt) is not None  # in flight under its receipt, as it was
+        monkeypatch.setattr(AckLog, "_write", written)
+        sent = time.time()
+        await consumer.nack(delivery.receipt, DELAY)  # sent again, as a client does after a 503
+        with pytest.raises(StaleReceipt):
+            consumer.held_message(delivery.receipt)  # waiting now
+        (again,) = await consumer.receive(1, wait=DELAY + 30)
+        assert time.time() >= sent + DELAY - CLOCK_SLACK and again.delivery_count == 2
+    finally:
+        await consumer.stop()
