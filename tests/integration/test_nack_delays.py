@@ -143,12 +143,14 @@ async def test_a_retry_backoff_outlives_the_sidecar(
     assert_not_early(due, await redeliveries([second], due))
 
 
+@pytest.mark.parametrize("delay", [DELAY, None], ids=["delay", "backoff"])
 async def test_a_nack_delay_holds_at_the_member_that_takes_the_shard_or_range_over(
-    store: Store, start_sidecar: StartSidecar, delivery: str
+    store: Store, start_sidecar: StartSidecar, delivery: str, delay: float | None
 ) -> None:
-    create(store, delivery, shards=2)
+    create(store, delivery, shards=2,
+           retry=RetryPolicy(minimum_backoff_seconds=int(DELAY), maximum_backoff_seconds=60))
     first = start(start_sidecar)
-    due = await nack_all(first, 8, DELAY)  # keys k0-k3 go to one shard, k4-k7 to the other
+    due = await nack_all(first, 8, delay)  # keys k0-k3 go to one shard, k4-k7 to the other
     second = await asyncio.to_thread(start, start_sidecar)
     # Leased, the newcomer gets one of the two shards. Shared, the first sidecar's app asks
     # for nothing more, so it gives up its ranges and the newcomer takes them over.
