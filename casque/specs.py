@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 from casque.dataschema.validation import invalid_schema
+from casque.errors import NewerFormat
 from casque.filters import compile_filter
 from casque.schema import MAX_RETENTION_SECONDS, MIN_RETENTION_SECONDS, NAME_PATTERN, QueueRef
 
@@ -229,10 +230,24 @@ class SubscriberSpec(_Spec):
         return self
 
 
+# The format of the queue's and subscriber's znode data this version writes; a reader refuses
+# a later one (NewerFormat) rather than misread it. Readers before the field existed ignore it.
+STATE_FORMAT = 1
+
+
+def _readable(format_: int, what: str) -> None:
+    if format_ > STATE_FORMAT:
+        raise NewerFormat(f"{what} was written in format {format_}; this version of casque reads up to "
+                          f"{STATE_FORMAT}: upgrade it")
+
+
 class QueueState(BaseModel):
     """A queue's znode data: its spec plus what is fixed when the queue is created."""
 
     model_config = ConfigDict(frozen=True)
+
+    # Which format wrote it (STATE_FORMAT).
+    format: int = STATE_FORMAT
 
     spec: QueueSpec
     created_at: datetime
@@ -250,6 +265,11 @@ class QueueState(BaseModel):
     # under the longer retention has gone. None: always in order (oldest first).
     expiry_mixed_until: datetime | None = None
 
+    @model_validator(mode="after")
+    def _known_format(self) -> QueueState:
+        _readable(self.format, "the queue's state")
+        return self
+
     def expiry_in_order(self, now: datetime) -> bool:
         """Whether a shard's live batches are, at `now`, exactly those after an expired prefix."""
         return self.expiry_mixed_until is None or now >= self.expiry_mixed_until
@@ -264,12 +284,20 @@ class SubscriberState(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
+    # Which format wrote it (STATE_FORMAT).
+    format: int = STATE_FORMAT
+
     spec: SubscriberSpec
     created_at: datetime
     # Set once at creation: a subscriber deleted and created again under the same name is a
     # new incarnation and inherits nothing (ack rows are keyed by it). Empty for subscribers
     # created before incarnations existed.
     incarnation: str = ""
+
+    @model_validator(mode="after")
+    def _known_format(self) -> SubscriberState:
+        _readable(self.format, "the subscriber's state")
+        return self
 
     def ack_key(self, name: str) -> str:
         """The `subscriber` key of this incarnation's ack rows."""

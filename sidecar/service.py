@@ -42,6 +42,7 @@ from casque.errors import (
     CasqueError,
     InvalidSpec,
     MessageTooLarge,
+    NewerFormat,
     PositionOutOfRange,
     QueueNotFound,
     SchemaViolation,
@@ -67,7 +68,10 @@ T = TypeVar("T")
 # "a backend did not answer" and become 503s like the engine's BackendUnavailable.
 _UNAVAILABLE = BACKEND_FAILURES
 # A consumer that cannot start yet (its queue or subscriber not created, a backend down) is retried.
-_NOT_STARTED: tuple[type[BaseException], ...] = (QueueNotFound, SubscriberNotFound, BackendUnavailable, *_UNAVAILABLE)
+# A queue or subscriber written by a later casque (NewerFormat) waits too, in readiness, until
+# this sidecar is upgraded or the installation rolled back.
+_NOT_STARTED: tuple[type[BaseException], ...] = (QueueNotFound, SubscriberNotFound, BackendUnavailable, NewerFormat,
+                                                 *_UNAVAILABLE)
 # A long poll checks for shutdown this often, so a stopping sidecar answers its waiting
 # receives at once instead of after their full wait.
 POLL_SLICE_SECONDS = 1.0
@@ -185,7 +189,7 @@ class QueueService:
         assert queue is not None
         try:
             await self.publisher(queue.name)  # the queue exists
-        except (QueueNotFound, BackendUnavailable) as error:
+        except (QueueNotFound, BackendUnavailable, NewerFormat) as error:
             log.info("delayed-message mover of %s not started yet: %s", queue, error)
             return
 

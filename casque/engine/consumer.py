@@ -51,7 +51,7 @@ from casque.engine.leased_delivery import LeasedDelivery
 from casque.engine.reachability import CassandraReach
 from casque.engine.shard_reader import ShardReader
 from casque.engine.sharing import SharedDelivery
-from casque.errors import BackendUnavailable, CasqueError, QuotaExceeded, SubscriberNotFound
+from casque.errors import BackendUnavailable, CasqueError, NewerFormat, QuotaExceeded, SubscriberNotFound
 from casque.schema import QueueRef
 from casque.specs import QueueState, SubscriberState
 from casque.store import Store
@@ -80,8 +80,7 @@ class Consumer:
         self._available = asyncio.Event()
         self.waiting_receives = 0  # receives waiting for a message to become available (long polls)
         self._leases: ShardLeases | None = None
-        # Shared delivery (spec.delivery == "shared"): claimed batch ranges instead of leased shards.
-        self._sharing: SharedDelivery | None = None
+        self._sharing: SharedDelivery | None = None  # shared delivery: claimed ranges instead of leases
         self._reach: CassandraReach | None = None
         self.checkpoints: OffsetCheckpoints | None = None
         self._stopped = False
@@ -266,11 +265,11 @@ class Consumer:
             return  # the queue's deletion removes the subscriber too, which ends this consumer
         try:
             state = QueueState.model_validate_json(data)
-        except ValidationError:
+        except (ValidationError, NewerFormat) as error:
+            log.error("queue %s changed to a state this consumer cannot read, it keeps its own: %s", self.queue, error)
             return
         if grants.excess(state.spec, grants.QueueGrant.of(self.queue_state.spec)):
-            # More shards, levels or retention than this consumer acts on: only within the
-            # queue's grant (a namespace may write its own spec znode), checked off the loop.
+            # More than this consumer acts on: only within the queue's grant (a namespace may write its spec znode).
             self.in_background(self._adopt_checked_queue_state())
             return
         self._adopt_queue_state(state)
@@ -301,7 +300,8 @@ class Consumer:
             return
         try:
             state = SubscriberState.model_validate_json(data)
-        except ValidationError:
+        except (ValidationError, NewerFormat) as error:
+            log.error("subscriber %s changed to a state this consumer cannot read: %s", self.subscriber, error)
             return
         if state.incarnation != self.subscriber_state.incarnation:
             self.subscriber_gone(f"subscriber {self.subscriber} was deleted and created again")

@@ -1,12 +1,16 @@
-"""The checkpoint rows' max register: write timestamps ordered as (epoch, batch)."""
+"""The checkpoint rows' max register (write timestamps ordered as (epoch, batch)), the grouped
+writer, and the formats of stored states."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from casque.engine.checkpoints import HEAD, CheckpointWriter, Position, register_timestamp
+from casque.errors import NewerFormat
+from casque.specs import STATE_FORMAT, QueueState, SubscriberState
 
 
 def test_a_later_epoch_orders_above_any_batch_of_an_earlier_one() -> None:
@@ -76,3 +80,14 @@ async def test_noted_positions_are_written_in_the_background_after_the_interval(
     while not sink.written:
         await asyncio.sleep(0.01)
     assert sink.written == [("billing", 0, Position(3))]
+
+
+@pytest.mark.parametrize("kind", [QueueState, SubscriberState])
+def test_a_state_of_a_later_format_is_refused_and_one_without_a_format_is_the_first(
+    kind: type[QueueState] | type[SubscriberState],
+) -> None:
+    spec = ({"shards": 1, "retention": "1h"} if kind is QueueState else {"queue": "orders"})
+    written = {"spec": spec, "created_at": "2026-12-01T00:00:00Z"}
+    assert kind.model_validate_json(json.dumps(written)).format == STATE_FORMAT == 1
+    with pytest.raises(NewerFormat, match=f"format {STATE_FORMAT + 1}; this version of casque reads up to"):
+        kind.model_validate_json(json.dumps({**written, "format": STATE_FORMAT + 1}))

@@ -1,0 +1,86 @@
+"""Records of a later format than this version reads, crafted, and refused by each reader with a
+clear error rather than misread: the queue's and subscriber's znode data (a sidecar: 503
+`newer_format` and not ready, saying why), the catalog and checkpoint rows (an apply that
+would rebuild from them), a backup's manifest (a restore)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from casque.engine import catalog, checkpoints
+from casque.engine.rebuild import rebuild_queue
+from casque.errors import NewerFormat
+from casque.schema import CATALOG_TABLE, CHECKPOINTS_TABLE, QueueRef
+from casque.specs import QueueSpec, SubscriberSpec
+from casque.store import Store
+from tests.fixtures.sidecars import StartSidecar
+from tests.fixtures.stack import Backends
+from tests.fixtures.waiting import wait_for
+
+QUEUE = QueueRef("default", "parcels")
+SPEC = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+
+
+def later(data: bytes) -> bytes:
+    return json.dumps({**json.loads(data), "format": 99}).encode()
+
+
+def test_a_sidecar_refuses_a_queue_written_in_a_later_format_and_says_so(
+    store: Store, start_sidecar: StartSidecar
+) -> None:
+    catalog.apply_queue(store, QUEUE, SPEC)
+    catalog.apply_subscriber(store, QUEUE, "couriers", SubscriberSpec(queue=QUEUE.name))
+    path = store.paths(QUEUE).base
+    data, _ = store.zk.get(path)
+    store.zk.set(path, later(data))
+    sidecar = start_sidecar("--queue", QUEUE.name, "--subscriber", "couriers", wait=False)
+
+    def refusing() -> bool:
+        return "NewerFormat" in sidecar.readiness()[1].get("checks", {}).get("subscriber/couriers", "")
+
+    wait_for("the sidecar to refuse the queue's state", refusing, timeout=60)
+    request = urllib.request.Request(f"{sidecar.url}/v1/queues/{QUEUE.name}/messages", method="POST",
+                                     data=b'{"data": 1}', headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request, timeout=30)
+    assert answer.value.code == 503
+    assert json.loads(answer.value.read())["error"]["code"] == "newer_format"
+    status, body = sidecar.readiness()
+    assert status == 503
+    assert "format 99; this version of casque reads up to 1" in body["checks"]["subscriber/couriers"]
+
+
+def test_an_apply_refuses_to_rebuild_from_catalog_or_checkpoint_rows_of_a_later_format(store: Store) -> None:
+    catalog.apply_queue(store, QUEUE, SPEC)
+    state = catalog.read_queue(store, QUEUE)
+    store.session.execute(f"UPDATE {store.keyspace}.{CATALOG_TABLE} SET format = 99 WHERE queue = %s "
+                          "AND subscriber = %s", (QUEUE.key, checkpoints.QUEUE_RECORD))
+    store.zk.delete(store.paths(QUEUE).base, recursive=True)  # ZooKeeper lost it
+    with pytest.raises(NewerFormat, match="catalog record of queue default/parcels was written in format 99"):
+        catalog.apply_queue(store, QUEUE, SPEC)
+    assert not store.zk.exists(store.paths(QUEUE).base), "nothing is made from a record it cannot read"
+    checkpoints.record_queue(store, QUEUE, state)  # the record readable again; a head's checkpoint is not
+    store.session.execute(
+        f"INSERT INTO {store.keyspace}.{CHECKPOINTS_TABLE} (queue, owner, shard, epoch, batch_no, format) "
+        "VALUES (%s, %s, 0, 0, 7, 99) USING TIMESTAMP 7", (state.shared_key(QUEUE), checkpoints.HEAD))
+    with pytest.raises(NewerFormat, match="checkpoint of the head in shard 0 was written in format 99"):
+        rebuild_queue(store, QUEUE, state)
+
+
+def test_a_restore_refuses_a_backup_of_a_later_format_in_one_line(
+    store: Store, backends: Backends, keyspace: str, zk_hosts: str, tmp_path: Path
+) -> None:
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 99, "installationKeyspace": keyspace}))
+    env = {**os.environ, **backends.client_env(keyspace, zk_hosts, store.zk_root)}
+    done = subprocess.run([sys.executable, "-m", "casque.cli", "restore", str(tmp_path)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [
+        f"casque: the backup in {tmp_path} is in format 99; this version of casque restores up to 1"]
