@@ -22,7 +22,9 @@ from typing import Any
 
 from casque.errors import InvalidSpec
 
-# Kubernetes object names for queues and subscribers: DNS labels.
+# Kubernetes object names for queues and subscribers: DNS labels. The text keeps `^...$` for
+# the CRDs' and pydantic's patterns, where `$` ends the text; Python's `$` also matches before
+# a final newline, so Python code checks names with `fullmatch` (is_name), never `match`.
 NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 # The header row of a batch has this seq; message rows count from 0.
@@ -69,8 +71,13 @@ CHECKPOINTS_TABLE = "checkpoints"
 DELAY_BUCKET_SECONDS = 60
 
 
+def is_name(text: str) -> bool:
+    """Whether `text` is a DNS label, the whole of it (a trailing newline included)."""
+    return NAME_PATTERN.fullmatch(text) is not None
+
+
 def validate_name(kind: str, name: str) -> str:
-    if not NAME_PATTERN.match(name):
+    if not is_name(name):
         raise InvalidSpec(
             f"{kind} name {name!r} must be a DNS label: lowercase letters, digits and '-', at most 63"
         )

@@ -41,7 +41,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from casque.config import Settings
 from casque.errors import InvalidSpec
 from casque.operator import metrics
-from casque.schema import NAME_PATTERN
+from casque.schema import is_name
 from casque.tenancy import namespace_keyspace
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def parse_request(annotations: Mapping[str, str]) -> SidecarRequest:
     token_secret = _secret_name(annotations, TOKEN_SECRET)
     push_token_secret = _secret_name(annotations, PUSH_TOKEN_SECRET)
     for what, name in [(QUEUE, queue), *((SUBSCRIBER, s) for s in subscribers)]:
-        if name is not None and not NAME_PATTERN.match(name):
+        if name is not None and not is_name(name):
             raise InvalidInjection(f"annotation {what}: {name!r} is not a queue or subscriber name (a DNS label)")
     if subscribers and queue is None:
         raise InvalidInjection(f"annotation {SUBSCRIBER} needs {QUEUE}, the queue the subscribers belong to")
@@ -187,12 +187,12 @@ def parse_request(annotations: Mapping[str, str]) -> SidecarRequest:
         raise InvalidInjection(f"annotation {PORT}: {text!r} is not a port number (1-65535)")
     publish_scope = _names(annotations, PUBLISH_SCOPE)
     for name in publish_scope or ():
-        if not NAME_PATTERN.match(name):
+        if not is_name(name):
             raise InvalidInjection(f"annotation {PUBLISH_SCOPE}: {name!r} is not a queue name (a DNS label)")
     subscribe_scope = _names(annotations, SUBSCRIBE_SCOPE)
     for entry in subscribe_scope or ():
         scoped_queue, _, subscriber = entry.partition("/")
-        if not NAME_PATTERN.match(scoped_queue) or not (subscriber == "*" or NAME_PATTERN.match(subscriber)):
+        if not is_name(scoped_queue) or not (subscriber == "*" or is_name(subscriber)):
             raise InvalidInjection(f"annotation {SUBSCRIBE_SCOPE}: {entry!r} is not queue/subscriber or queue/*")
     if subscribe_scope is not None and queue is not None:
         # The scope says what this pod may consume, yet its sidecar would lease shards and
@@ -214,7 +214,7 @@ def parse_request(annotations: Mapping[str, str]) -> SidecarRequest:
 
 def _secret_name(annotations: Mapping[str, str], key: str) -> str | None:
     name = (annotations.get(key) or "").strip() or None
-    if name is not None and not _SECRET_NAME.match(name):
+    if name is not None and not _SECRET_NAME.fullmatch(name):
         raise InvalidInjection(f"annotation {key}: {name!r} is not a Secret name")
     return name
 

@@ -16,7 +16,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from casque.engine.stalls import RECEIVE_WAIT_SECONDS
-from casque.schema import NAME_PATTERN
+from casque.schema import NAME_PATTERN, is_name
 from casque_client.loopback import is_loopback
 
 DEFAULT_PORT = 8717
@@ -32,7 +32,7 @@ def parse_statuses(text: str) -> frozenset[int]:
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        match = _STATUS_RANGE.match(part)
+        match = _STATUS_RANGE.fullmatch(part)
         if match is None:
             raise ValueError(f"{part!r} is not an HTTP status or a range like 500-599")
         low = int(match.group(1))
@@ -144,7 +144,7 @@ class SidecarSettings(BaseSettings):
     @classmethod
     def _valid_names(cls, value: list[str]) -> list[str]:
         for name in value:
-            if not NAME_PATTERN.match(name):
+            if not is_name(name):
                 raise ValueError(f"subscriber name {name!r} must be a DNS label")
         return list(dict.fromkeys(value))
 
@@ -152,7 +152,7 @@ class SidecarSettings(BaseSettings):
     @classmethod
     def _valid_queues(cls, value: list[str] | None) -> list[str] | None:
         for name in value or ():
-            if not NAME_PATTERN.match(name):
+            if not is_name(name):
                 raise ValueError(f"queue name {name!r} must be a DNS label")
         return value
 
@@ -161,7 +161,7 @@ class SidecarSettings(BaseSettings):
     def _valid_subscriptions(cls, value: list[str] | None) -> list[str] | None:
         for entry in value or ():
             queue, _, subscriber = entry.partition("/")
-            if not NAME_PATTERN.match(queue) or not (subscriber == "*" or NAME_PATTERN.match(subscriber)):
+            if not is_name(queue) or not (subscriber == "*" or is_name(subscriber)):
                 raise ValueError(f"subscribe scope entry {entry!r} must be queue/subscriber or queue/*")
         return value
 

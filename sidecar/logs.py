@@ -38,7 +38,7 @@ _made_ids = itertools.count(1)
 
 def request_id_of(request: web.Request) -> str:
     given = request.headers.get(REQUEST_ID_HEADER, "")
-    return given if _ACCEPTED_ID.match(given) else f"{_ID_PREFIX}-{next(_made_ids):x}"
+    return given if _ACCEPTED_ID.fullmatch(given) else f"{_ID_PREFIX}-{next(_made_ids):x}"
 
 
 def request_middleware(access_log: bool) -> Middleware:

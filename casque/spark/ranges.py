@@ -46,7 +46,7 @@ _RFC3339 = re.compile(
 def parse_time(text: str) -> datetime:
     """An RFC3339 time such as 2026-11-22T10:00:00Z or 2026-11-22T11:00:00.5+01:00, in UTC."""
     value = text.strip()
-    if not _RFC3339.match(value):
+    if not _RFC3339.fullmatch(value):
         raise InvalidRange(f"{text!r} is not an RFC3339 time (e.g. 2026-11-22T10:00:00Z)")
     try:
         # Python 3.11 reads RFC3339 whole (Z, offsets, any number of fractional digits).
@@ -116,7 +116,7 @@ def parse_range(text: str | None) -> RangeSpec:
             since = parse_time(left) if left.strip() else None
             until = parse_time(right) if right.strip() else None
             continue
-        match = _BATCHES.match(term)
+        match = _BATCHES.fullmatch(term)
         if match is None:
             raise InvalidRange(
                 f"range term {term!r}: expected TIME..TIME or SHARD:FIRST-LAST (e.g. 0:1-100, *:50-)"

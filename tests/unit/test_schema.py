@@ -8,7 +8,9 @@ from casque.schema import (
     bucket_of,
     messages_table_ddl,
     twcs_window,
+    validate_name,
 )
+from casque.sidecar.config import SidecarSettings
 
 
 @pytest.mark.parametrize(
@@ -48,6 +50,25 @@ def test_table_names_are_valid_distinct_and_stable() -> None:
 def test_queue_names_must_be_dns_labels(bad: str) -> None:
     with pytest.raises(InvalidSpec):
         QueueRef("default", bad)
+
+
+@pytest.mark.parametrize("kind", ["queue", "subscriber", "namespace"])
+def test_a_name_is_matched_whole_so_a_trailing_newline_is_refused(kind: str) -> None:
+    # Python's `$` also matches before a final newline: `re.match` with it took "orders\n".
+    with pytest.raises(InvalidSpec, match="DNS label"):
+        validate_name(kind, "orders\n")
+    with pytest.raises(InvalidSpec):
+        QueueRef("default\n", "orders") if kind == "namespace" else QueueRef("default", "orders\n")
+    assert validate_name(kind, "orders") == "orders"
+
+
+def test_the_sidecars_settings_refuse_names_with_a_trailing_newline() -> None:
+    with pytest.raises(ValueError, match="DNS label"):
+        SidecarSettings(queue="orders", subscribers=["billing\n"])
+    with pytest.raises(ValueError, match="DNS label"):
+        SidecarSettings(publish_scope=["orders\n"])
+    with pytest.raises(ValueError, match="queue/subscriber"):
+        SidecarSettings(subscribe_scope=["orders/billing\n"])
 
 
 def test_parse_defaults_namespace() -> None:

@@ -21,7 +21,7 @@ from casque.errors import InvalidSpec
 from casque.operator.quotas import MAX_LOGS, MAX_QUEUES, MAX_RETENTION, Limits, QuotaSettings, limits_for, violations
 from casque.operator import tenancy
 from casque.operator.tenancy import cassandra_secret, zookeeper_secret
-from casque.schema import NAME_PATTERN, QueueRef
+from casque.schema import QueueRef, is_name
 from casque.specs import QueueSpec
 from casque.store import Store
 from casque.tenancy import MAX_KEYSPACE_LENGTH, namespace_keyspace, namespace_role
@@ -158,7 +158,7 @@ def test_keyspace_names_are_valid_and_distinct_for_any_namespaces(installation: 
     names = ["a", "a-b", "a--b", "ab", "team-1", longest, longest[:-1] + "m", "a" * 40, "a" * 41,
              # A short namespace that ends like a long one's hash cannot take its keyspace.
              namespace_keyspace(installation, longest)[len(installation) + 1:].replace("_", "-")]
-    keyspaces = [namespace_keyspace(installation, name) for name in names if NAME_PATTERN.match(name)]
+    keyspaces = [namespace_keyspace(installation, name) for name in names if is_name(name)]
     assert all(KEYSPACE_NAME.match(keyspace) for keyspace in keyspaces), keyspaces
     assert len(set(keyspaces)) == len(keyspaces), keyspaces
     assert namespace_keyspace(installation, longest).startswith(f"{installation}_nnn")
