@@ -572,8 +572,12 @@ def redrive(
     result = asyncio.run(run())
     if output in MACHINE:
         typer.echo(dumps({"redriven": result.redriven, "duplicates": result.duplicates,
-                          "bySource": dict(sorted(result.by_source.items()))}, output))
+                          "bySource": dict(sorted(result.by_source.items())),
+                          "skipped": dict(sorted(result.skipped.items()))}, output))
         return
+    skipped = result.skipped_line(queue_of(namespace, dead_letter_queue))
+    if skipped is not None:
+        out.print(skipped, markup=False, highlight=False, soft_wrap=True)
     for source, count in sorted(result.by_source.items()):
         out.print(f"redrove {count} message(s) to {source}")
     out.print(f"{result.redriven} redriven, {result.duplicates} already redriven before")

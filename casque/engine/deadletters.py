@@ -11,13 +11,21 @@ had processed the message already, skip it. A run that takes every dead letter (
 filter) records per shard the batch it got to, and every run starts there (or at the
 earliest retained batch): a rerun reads only what was dead-lettered since. A run cut short
 between publishing and recording its mark is covered by the copies' client ids.
+
+A dead letter's source is only what its `casque-dlq-source` attribute says, and a tenant
+writes its dead-letter queue's rows itself (its sidecars, or its own keyspace's role), while
+a redrive may run with the installation's rights. So a redrive follows only sources that
+name, as `namespace/name`, another queue of the dead-letter queue's own namespace; a dead
+letter naming a queue elsewhere, its own queue, or nothing readable is skipped and counted
+by what it named (`RedriveResult.skipped`), never published and never an error that stops
+the run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from kazoo.exceptions import NoNodeError
@@ -96,6 +104,30 @@ class RedriveResult:
     redriven: int
     duplicates: int
     by_source: dict[str, int]
+    # Dead letters not followed, by the source they named (see the module's docstring).
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skipped_line(self, dead_letter_queue: QueueRef, shown: int = 5) -> str | None:
+        """The skipped dead letters in one line for people (None: none was skipped)."""
+        if not self.skipped:
+            return None
+        named = sorted(self.skipped.items())
+        listed = ", ".join(f"{source!r} ({count})" for source, count in named[:shown])
+        more = f" and {len(named) - shown} more" if len(named) > shown else ""
+        return (f"skipped {sum(self.skipped.values())} dead letter(s) whose source is not a queue of namespace "
+                f"{dead_letter_queue.namespace}: {listed}{more}")
+
+
+def source_queue(source: str, dead_letter_queue: QueueRef) -> QueueRef | None:
+    """The queue a dead letter's source attribute names, if a redrive may follow it: another
+    queue of the dead-letter queue's namespace, written `namespace/name` (None otherwise)."""
+    try:
+        ref = QueueRef.parse(source)
+    except InvalidSpec:
+        return None
+    if ref.key != source or ref.namespace != dead_letter_queue.namespace or ref == dead_letter_queue:
+        return None
+    return ref
 
 
 async def redrive(
@@ -116,15 +148,14 @@ async def redrive(
     publishers: dict[str, Publisher] = {}
     redriven = duplicates = 0
     by_source: dict[str, int] = {}
+    skipped: dict[str, int] = {}
 
-    async def publisher_of(source: str) -> Publisher:
-        if source not in publishers:
-            ref = QueueRef.parse(source)
-            if ref == dead_letter_queue:
-                raise InvalidSpec("a dead letter names its own queue as its source")
+    async def publisher_of(ref: QueueRef) -> Publisher:
+        if ref.key not in publishers:
             source_state = await asyncio.to_thread(catalog.read_queue, store, ref)
-            publishers[source] = await asyncio.to_thread(Publisher, store.for_namespace(ref.namespace), ref, source_state)
-        return publishers[source]
+            publishers[ref.key] = await asyncio.to_thread(Publisher, store.for_namespace(ref.namespace), ref,
+                                                          source_state)
+        return publishers[ref.key]
 
     marks = RedriveMarks(store, dead_letter_queue)
     everything = since is None and until is None
@@ -138,7 +169,7 @@ async def redrive(
             if not chunk:
                 batch += 1  # expired since the search above: move on
                 continue
-            copies: dict[str, list[OutgoingMessage]] = {}
+            copies: dict[QueueRef, list[OutgoingMessage]] = {}
             taken = redriven + duplicates
             for message in (m for entry in chunk for m in entry.messages):
                 source = message.attributes.get(SOURCE)
@@ -146,16 +177,20 @@ async def redrive(
                     continue
                 if limit is not None and taken >= limit:
                     break
-                copies.setdefault(source, []).append(
+                ref = source_queue(source, dead_letter_queue)
+                if ref is None:
+                    skipped[source] = skipped.get(source, 0) + 1
+                    continue
+                copies.setdefault(ref, []).append(
                     redrive_copy(message, dead_letter_queue, state.spec.retention_seconds))
                 taken += 1
-            for source, messages in copies.items():
-                results = await (await publisher_of(source)).publish(messages)
+            for ref, messages in copies.items():
+                results = await (await publisher_of(ref)).publish(messages)
                 fresh = sum(1 for r in results if not r.duplicate)
                 redriven += fresh
                 duplicates += len(results) - fresh
                 if fresh:
-                    by_source[source] = by_source.get(source, 0) + fresh
+                    by_source[ref.key] = by_source.get(ref.key, 0) + fresh
             if limit is not None and taken >= limit:
                 break
             batch = chunk[-1].header.batch + 1
@@ -165,7 +200,7 @@ async def redrive(
             break
     for publisher in publishers.values():
         await publisher.flush_heads()
-    return RedriveResult(redriven, duplicates, by_source)
+    return RedriveResult(redriven, duplicates, by_source, skipped)
 
 
 class RedriveMarks:

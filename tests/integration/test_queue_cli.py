@@ -196,6 +196,26 @@ def test_redrive_sends_dead_letters_back_to_the_subscriber_that_failed_them_once
     assert [line.rsplit(" ", 1)[-1] for line in other.stdout.splitlines()] == ["poison"]
 
 
+def test_redrive_skips_forged_sources_and_says_so_in_one_line(run: Run, store: Store) -> None:
+    dead = QueueRef("default", "cli-dead")
+    catalog.apply_queue(store, dead, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+
+    async def forge() -> None:
+        publisher = Publisher(store, dead, catalog.read_queue(store, dead))
+        for i, source in enumerate(["other/cli", "other/cli", "Not\nA Queue"]):
+            await publisher.publish([OutgoingMessage(b"forged", attributes={
+                "casque-dlq-source": source, "casque-dlq-message-id": f"f-{i}"})])
+        await publisher.flush_heads()
+
+    asyncio.run(forge())
+    result = run("redrive", dead.name)
+    assert result.stdout.splitlines() == [
+        "skipped 3 dead letter(s) whose source is not a queue of namespace default: "
+        "'Not\\nA Queue' (1), 'other/cli' (2)",
+        "0 redriven, 0 already redriven before",
+    ]
+
+
 def test_trace_follows_a_message_to_its_dead_letter_and_refuses_unknown_ids(
     run: Run, store: Store, env: dict[str, str]
 ) -> None:

@@ -222,3 +222,25 @@ async def test_redrive_in_parts_sends_every_dead_letter_back_once(store: Store) 
     await write_dead_letters(store, [other], first=7)
     assert (await redrive(store, DEAD)).by_source == {other.key: 1}
     assert [(await queue_stats(store, q)).published_messages for q in (ORDERS, other)] == [3, 5]
+
+
+async def test_redrive_follows_no_dead_letter_whose_source_is_outside_its_namespace(store: Store) -> None:
+    # A tenant writes its dead-letter queue's rows itself (its own keyspace): a forged dead
+    # letter may name any source. The redrive, run with the installation's rights, must not
+    # publish into another namespace's queue, nor stop at a source it cannot read.
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    elsewhere = QueueRef("other", "orders")
+    for queue in (ORDERS, DEAD, elsewhere):
+        catalog.apply_queue(store, queue, spec)
+    await write_dead_letters(store, [ORDERS])
+    forged = Publisher(store, DEAD, catalog.read_queue(store, DEAD))
+    for i, source in enumerate([elsewhere.key, "Not A Queue", "a/b/c", DEAD.key, elsewhere.key], start=1):
+        await forged.publish([OutgoingMessage(b"forged", attributes={SOURCE: source, MESSAGE_ID: f"f-{i}"})])
+    await forged.flush_heads()
+
+    result = await redrive(store, DEAD)
+    assert (result.redriven, result.by_source) == (1, {ORDERS.key: 1})
+    assert result.skipped == {elsewhere.key: 2, "Not A Queue": 1, "a/b/c": 1, DEAD.key: 1}
+    assert (await queue_stats(store, elsewhere)).published_messages == 0
+    again = await redrive(store, DEAD)  # skipped ones are passed, as redriven ones are
+    assert (again.redriven, again.skipped) == (0, {})
