@@ -132,6 +132,13 @@ class SchemaViolation(CasqueError):
         self.version = version
 
 
+class DataTooDeep(SchemaViolation):
+    """Data nested deeper than a schema check goes (casque.dataschema.validation.MAX_DATA_DEPTH):
+    refused unchecked, since checking it would cost a stack frame or more per level."""
+
+    code = "data_too_deep"
+
+
 class IncompatibleSchema(InvalidChange):
     """A new queue schema that would refuse messages the one in force accepts."""
 

@@ -140,7 +140,7 @@ def schema_refusal(error: SchemaViolation, index: int | None) -> InvalidRequest:
     where = "" if index is None else f"messages[{index}]: "
     detail = ErrorDetail(field=field, problem=str(error), path=error.path, rule=error.rule,
                          schema_version=error.version)
-    return InvalidRequest(f"{where}{error}", [detail], code=SchemaViolation.code)
+    return InvalidRequest(f"{where}{error}", [detail], code=error.code)  # data_too_deep keeps its own
 
 
 # Most specific class first: the first match in an error's MRO wins.

@@ -8,12 +8,19 @@ every queue with the same schema, shares one.
 Only JSON data is checked, and on a queue with a schema only JSON data is accepted: data
 that is not JSON (another content type, bytes that do not parse) is refused under the rule
 `contentType`, since nothing else could be checked.
+
+Data nested deeper than MAX_DATA_DEPTH is refused unchecked (DataTooDeep, rule `maxDepth`):
+the json module and the compiled check each spend a stack frame or more per level, and past
+about a thousand Python raises RecursionError. The depth is measured without recursion, and
+only for data with more brackets than the limit, which a typical message never has. Patterns
+are matched by RE2 (patterns.py).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,11 +29,16 @@ if TYPE_CHECKING:
     import fastjsonschema
 
 from casque.dataschema.keywords import pointer, problems
-from casque.errors import SchemaViolation
+from casque.errors import DataTooDeep, SchemaViolation
 
 JSON_MEDIA_TYPES = ("application/json", "text/json")
 # Compiled checks kept at once; a sidecar serves a handful of queues, each with one version in force.
 CACHED_SCHEMAS = 64
+# How deep checked data may nest: `[]` and `{}` are one level, `[[]]` two. Far beyond what
+# messages use, and far within the stack: a recursive schema costs a frame or two per level.
+MAX_DATA_DEPTH = 128
+DEPTH_RULE = "maxDepth"
+_TOO_DEEP = f"nests deeper than {MAX_DATA_DEPTH} levels, the most a schema check takes"
 
 
 def is_json(content_type: str | None) -> bool:
@@ -64,6 +76,8 @@ def invalid_schema(schema: object) -> str | None:
             _compiled(canonical(schema))  # type: ignore[arg-type]  # problems() proved a dict
         except fastjsonschema.JsonSchemaDefinitionException as error:
             found = [str(error)]
+        except re.error as error:  # RE2 took the pattern, Python's parser (fastjsonschema's) did not
+            found = [f"pattern {error.pattern!r} is not one both RE2 and Python read: {error}"]
     if not found:
         return None
     more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
@@ -73,10 +87,19 @@ def invalid_schema(schema: object) -> str | None:
 @functools.lru_cache(maxsize=CACHED_SCHEMAS)
 def _compiled(text: str) -> Callable[[Any], Any]:
     # Formats are not asserted (2020-12's default; keywords.py), and defaults never fill in
-    # the data: a check must not change the message it checks.
-    import fastjsonschema
+    # the data: a check must not change the message it checks. fastjsonschema.compile with
+    # the generator of patterns.py: the same four steps.
+    from fastjsonschema.ref_resolver import RefResolver
 
-    check: Callable[[Any], Any] = fastjsonschema.compile(json.loads(text), use_default=False, use_formats=False)
+    from casque.dataschema.patterns import Re2CodeGenerator
+
+    definition = json.loads(text)
+    resolver = RefResolver.from_schema(definition, store={})
+    generator = Re2CodeGenerator(  # type: ignore[no-untyped-call]
+        definition, resolver=resolver, use_default=False, use_formats=False)
+    namespace = generator.global_state
+    exec(generator.func_code, namespace)  # noqa: S102 - fastjsonschema's own way to build the check
+    check: Callable[[Any], Any] = namespace[resolver.get_scope_name()]
     return check
 
 
@@ -110,21 +133,42 @@ class CompiledSchema:
             return Failure("", "contentType", f"the queue has a schema, so data must be JSON, not {content_type}")
         try:
             value = json.loads(payload)
+        except RecursionError:
+            return Failure("", DEPTH_RULE, _TOO_DEEP)
         except ValueError:
             return Failure("", "contentType", "the queue has a schema, so data must be JSON; this is not")
+        # Brackets counted in C (strings' included) bound the depth from above: most data is
+        # proved shallow without a walk.
+        if payload.count(b"[") + payload.count(b"{") > MAX_DATA_DEPTH and not nests_within(value, MAX_DATA_DEPTH):
+            return Failure("", DEPTH_RULE, _TOO_DEEP)
         import fastjsonschema  # loaded already, by `_compiled`
 
         try:
             self.check_value(value)
         except fastjsonschema.JsonSchemaValueException as error:
             return failure_of(error)
+        except RecursionError:  # a schema whose every level costs many frames
+            return Failure("", DEPTH_RULE, _TOO_DEEP)
         return None
 
     def check(self, payload: bytes, content_type: str | None) -> None:
         """Raise SchemaViolation unless the data matches."""
         failure = self.failure(payload, content_type)
         if failure is not None:
-            raise SchemaViolation(
+            refusal = DataTooDeep if failure.rule == DEPTH_RULE else SchemaViolation
+            raise refusal(
                 f"{failure.describe()} (schema version {self.version})",
                 path=failure.path, rule=failure.rule, version=self.version,
             )
+
+
+def nests_within(value: Any, levels: int) -> bool:
+    """Whether JSON `value` nests at most `levels` deep (a scalar is 0, `[]` 1), measured a
+    level at a time, without recursion."""
+    level = [value]
+    for _ in range(levels):
+        level = [c for item in level if type(item) in (list, dict)
+                 for c in (item.values() if type(item) is dict else item)]
+        if not level:
+            return True
+    return not any(type(item) in (list, dict) for item in level)
