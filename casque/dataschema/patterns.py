@@ -71,7 +71,9 @@ class Re2CodeGenerator(CodeGeneratorDraft07):
 
     def generate_pattern(self) -> None:
         pattern = self._here()["pattern"]
-        regex = compiled(pattern) if isinstance(pattern, str) else None  # not a string: the parent refuses it
+        if not isinstance(pattern, str):  # fastjsonschema would fail with a TypeError
+            raise JsonSchemaDefinitionException(f"{self._variable_name}: pattern must be a string")
+        regex = compiled(pattern)
         super().generate_pattern()  # type: ignore[no-untyped-call]
         self._compile_regexps[pattern] = regex
 

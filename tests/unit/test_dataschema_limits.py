@@ -80,6 +80,10 @@ def test_a_pattern_re2_cannot_compile_is_refused_when_the_schema_is_applied(patt
         assert problem is not None and why in problem and repr(pattern) in problem, problem
 
 
+def test_a_pattern_that_is_no_string_is_refused_not_raised() -> None:
+    assert invalid_schema({"properties": {"id": {"pattern": 5}}}) == "data.id: pattern must be a string"
+
+
 def test_a_required_name_against_pattern_properties_is_judged_by_re2() -> None:
     # fastjsonschema checks at compile time whether a required name is allowed, with Python's re.
     schema = {"additionalProperties": False, "patternProperties": {"^(a+)+$": {}}, "required": ["a" * 35 + "!"]}
