@@ -48,7 +48,7 @@ from casque.backends import cql, zk
 from casque.engine import grants
 from casque.engine.clock import clock_of
 from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters
-from casque.engine.messages import OutgoingMessage
+from casque.engine.messages import OutgoingMessage, id_time, time_ordered_ids
 from casque.errors import CasqueError, QueueNotFound, QuotaExceeded
 from casque.schema import DELAY_BUCKET_SECONDS, DELAYED_TABLE, QueueRef
 from casque.specs import QueueState
@@ -73,6 +73,7 @@ PASS_ROWS = 1000
 CURSOR_READ_SECONDS = 5.0
 # A mover whose queue was deleted looks for it again this often.
 ABSENT_QUEUE_RECHECK_SECONDS = 5.0
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def due_bucket(moment: datetime) -> int:
@@ -122,7 +123,8 @@ class DelayedStore:
         self.rows_read = 0
 
     async def insert(self, message_id: str, due_at: datetime, message: OutgoingMessage, count: bool = True) -> None:
-        """Store a row; `count`: a new message (not a row stored again for one, see Publisher._keep_delayed)."""
+        """Store a row (a row stored again, same message id and due time, is the same row);
+        `count`: a new message (not a row stored again for one, see Publisher._keep_delayed)."""
         now = self._clock.now()
         ttl = int((due_at - now).total_seconds()) + self._retention
         values: list[Any] = [
@@ -155,6 +157,25 @@ class DelayedStore:
         row = (await cql.execute(self._store.session, self._next, (self._queue, due_bucket(after), after))).one()
         return None if row is None else row.due_at.replace(tzinfo=timezone.utc)
 
+
+
+def due_and_id(due: datetime) -> tuple[datetime, str]:
+    """The due time a delayed message is stored at (`due` rounded up to the millisecond,
+    Cassandra's precision, so never earlier) and a new message id that carries exactly that
+    time (message ids carry when the message is due in the log, to the millisecond)."""
+    millis = -(-((due - _EPOCH) // timedelta(microseconds=1)) // 1000)
+    # Half a millisecond in: the id's own float conversion cannot round it to the one before.
+    (message_id,) = time_ordered_ids(1, (millis + 0.5) / 1000)
+    return _EPOCH + timedelta(milliseconds=millis), message_id
+
+
+def stored_due(message_id: str, fallback: datetime) -> datetime:
+    """The due time of the row a delayed message's first attempt stored, from its message id
+    (see `due_and_id`): a retry that knows only the id stores that same row again. An id
+    that carries no time (made by a version before ids did) gives `fallback`, the retry's
+    own due time: a second row, moved under the same client id, so still stored once in the log."""
+    carried = id_time(message_id)
+    return fallback if carried is None else carried
 
 
 def moved_client_id(message_id: str) -> str:

@@ -36,8 +36,10 @@ from casque.engine.delayed import (
     MOVED_PREFIX,
     CursorReads,
     DelayedStore,
+    due_and_id,
     moved_message,
     read_cursor,
+    stored_due,
 )
 from casque.engine import totals as shard_totals
 from casque.engine.checkpoints import HEAD, CheckpointWriter, Checkpoints, Position
@@ -181,6 +183,43 @@ class TakeOver:
     claims_until: float
     fence_batch: int | None
     replaces: frozenset[str]
+
+
+class DelayedPublish:
+    """The states of a delayed publish with an id (a client id or a producer key) on its
+    way to the log (`Publisher._route`), and what a retry of the id does in each: whatever
+    fails in between, the message is stored once, and moved into the log once.
+
+    A delayed message's id carries its due time, and its row is stored at exactly that time
+    (`delayed.due_and_id`), so the id alone finds the row again (`delayed.stored_due`).
+    """
+
+    NEW = "NEW"
+    """Nothing holds the id. A retry publishes it as a first attempt, under a new message id:
+    no row was stored either (the record comes first)."""
+
+    RECORDED = "RECORDED"
+    """The id's record names the message id, as a delayed message (shard, batch and seq -1);
+    the row may not be stored yet. A record written before its row, not after: a row stored
+    (or applied unanswered) with no record was found by nobody, and the retry stored a
+    second message. A retry, through any sidecar, stores the row again at the due time the
+    id carries (the same row), checks it against the mover, and answers the first publish,
+    `duplicate: true` (`Publisher._keep_delayed`). A record write that failed may have been
+    applied or not: the retry finds RECORDED or NEW, one message either way."""
+
+    STORED = "STORED"
+    """The row is in `delayed` and counted in (`delayed_in`; a count that failed leaves the
+    retry to answer, uncounted: counts are statistics). The mover may have passed its due
+    time before the row landed, so the publish is not answered yet."""
+
+    CHECKED = "CHECKED"
+    """The mover's cursor was read after the row landed: the mover will read the row, or this
+    writer moved it (`Publisher._move_if_passed`). Answered now; any failure before this
+    is answered 503, and the retry completes the publish from RECORDED."""
+
+    MOVED = "MOVED"
+    """In the log under the client id `delayed/<message id>`: moved twice (the mover and the
+    writer, a failover, a retry's check), it is stored once."""
 
 
 @dataclass
@@ -646,7 +685,7 @@ class Publisher:
             if earlier is not None:
                 return earlier
         if due is not None and drawn:
-            (message_id,) = time_ordered_ids(1, due.timestamp())
+            due, message_id = due_and_id(due)
         publication = (self._to_log(message, message_id, chosen) if due is None
                        else asyncio.get_running_loop().create_task(self._route(message, message_id, due)))
         if client_id is not None:
@@ -672,34 +711,49 @@ class Publisher:
         return future
 
     async def _route(self, message: OutgoingMessage, message_id: str, due: datetime) -> Published:
-        """A message with a delivery time: into the delayed table, or into the log if due already."""
+        """A message with a delivery time: into the delayed table, or into the log if due
+        already. With an id, through the states of DelayedPublish."""
         if message.client_id:
             earlier = await self.idempotency.earlier(message.client_id)
             if earlier is not None:
-                if earlier.batch < 0:
-                    await self._keep_delayed(earlier.message_id, due, message)
-                return earlier
-        if self._is_later(due):
-            await self._delayed_store().insert(message_id, due, message)
-            result = Published(message_id, -1, -1, -1, deliver_at=due)
+                if earlier.batch >= 0:
+                    return earlier
+                return await self._keep_delayed(earlier, due, message)  # RECORDED, by an attempt before
+        if not self._is_later(due):
+            return await self._to_log(message, message_id)
+        result = Published(message_id, -1, -1, -1, deliver_at=due)
+        state = DelayedPublish.NEW
+        try:
             if message.client_id:
+                # Before the row: whatever fails from here on, a retry finds the message id.
                 await self.idempotency.record_positions([(message, result)])
+                state = DelayedPublish.RECORDED
+            await self._delayed_store().insert(message_id, due, message)
+            state = DelayedPublish.STORED
             await self._move_if_passed(message_id, due, message)
-            return result
-        return await self._to_log(message, message_id)
+        except Exception as error:
+            if message.client_id:
+                log.info("queue %s: delayed message %s failed after %s (%s): a retry with its id stores it once",
+                         self.queue, message_id, state, error)
+            raise
+        return result
 
-    async def _keep_delayed(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
-        """A retry of a delayed publish whose first attempt stored its row: that attempt may
-        have been answered with an error because its row could not be checked against the
-        mover (and its process may be gone since), so the row may lie behind the mover,
-        unread. The row is stored again under the same message id, due at the retry's time
-        (the same for a `deliverAt`), and checked; or moved now if due. Both rows move under
-        one client id, so the message is stored once. Not counted in again."""
+    async def _keep_delayed(self, earlier: Published, due: datetime, message: OutgoingMessage) -> Published:
+        """A retry of a delayed publish whose id an attempt before recorded (RECORDED): that
+        attempt may have failed before its row was stored, or after (its write unanswered,
+        its count or its check against the mover failed, its process gone), so its row may be
+        missing or lie behind the mover, unread. The row is stored again under the recorded
+        message id at the due time that id carries: the same row, whatever this retry's own
+        delay says. Then it is checked, or moved now if due; both moves are under one client
+        id, so the message is stored once. Not counted in again. Answered as the first
+        publish, with its due time."""
+        due = stored_due(earlier.message_id, due)
         if self._is_later(due):
-            await self._delayed_store().insert(message_id, due, message, count=False)
-            await self._move_if_passed(message_id, due, message)
+            await self._delayed_store().insert(earlier.message_id, due, message, count=False)
+            await self._move_if_passed(earlier.message_id, due, message)
         else:
-            await self._move_now(message_id, message)
+            await self._move_now(earlier.message_id, message)
+        return replace(earlier, deliver_at=due)
 
     def _is_later(self, due: datetime) -> bool:
         """Whether a message due at `due` waits in the delayed table (else: straight into the log)."""

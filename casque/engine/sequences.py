@@ -14,11 +14,11 @@ partition): a producer's first attempts read no row at all, and a retry reads th
 hold its sequences. A block's partition holds at most SEQUENCE_BLOCK sequences' rows and
 lives for the window, so no partition grows with time.
 
-Only first intents and the positions of messages that waited in the delayed table are
-written here. What settles a key later (its position found by a retry, an id taken over)
-is written to `client_ids` under the key's string form (`producer_key`), exactly as for a
-client id; a key found here is therefore also looked up there, and what is there wins
-(see idempotency).
+Only first intents and the records of delayed messages (written before their rows in the
+delayed table, see `publisher.DelayedPublish`) are written here. What settles a key later
+(its position found by a retry, an id taken over) is written to `client_ids` under the
+key's string form (`producer_key`), exactly as for a client id; a key found here is
+therefore also looked up there, and what is there wins (see idempotency).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import aiohttp
 import pytest
@@ -16,10 +17,13 @@ import pytest
 from casque.engine import catalog, delayed
 from casque.engine.clock import clock_of
 from casque.engine.consumer import Consumer
+from casque.engine.counters import DELAYED_IN, QueueCounters
 from casque.engine.delayed import PASS_SECONDS, DelayMover
-from casque.engine.messages import OutgoingMessage
+from casque.engine.idempotency import IdempotencyGuard
+from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
-from casque.errors import InvalidSpec
+from casque.engine.sequences import producer_key
+from casque.errors import BackendUnavailable, InvalidSpec, WriteOutcomeUnknown
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, QueueState, SubscriberSpec
 from casque.store import Store
@@ -358,3 +362,93 @@ async def test_a_delayed_publish_answered_after_its_cursor_check_timed_out_survi
     # With four reads lost the first attempt gave up (503) and the client's retry was answered.
     answered_503 = 'casque_sidecar_requests_total{operation="publish",status="503"}' in metrics
     assert answered_503 == (hung > 1) and published.duplicate == (hung > 1)
+
+
+# The writes a delayed publish with an id makes before it is answered, each failed once in
+# a way that leaves the client unsure: the first attempt is answered 503 and retried.
+DELAYED_FAULTS = ["id record applied, answer lost", "row applied, answer lost", "count failed"]
+
+
+def fail_once(monkeypatch: pytest.MonkeyPatch, fault: str, first_ids: list[str]) -> None:
+    """Make the first delayed publish fail at `fault`, noting its message id in `first_ids`."""
+    if fault == "id record applied, answer lost":
+        record = IdempotencyGuard.record_positions
+
+        async def record_unanswered(self: IdempotencyGuard, published: list[tuple[OutgoingMessage, Published]]) -> None:
+            await record(self, published)
+            if not first_ids:
+                first_ids.extend(result.message_id for _, result in published)
+                raise WriteOutcomeUnknown("write timed out (it was applied)")
+
+        monkeypatch.setattr(IdempotencyGuard, "record_positions", record_unanswered)
+        return
+    insert = delayed.DelayedStore.insert
+
+    async def noted_insert(self: delayed.DelayedStore, message_id: str, *args: Any, **kwargs: Any) -> None:
+        first = not first_ids
+        if first:
+            first_ids.append(message_id)
+        if fault == "row applied, answer lost":
+            await insert(self, message_id, *args, **kwargs)
+            if first:
+                raise WriteOutcomeUnknown("write timed out (it was applied)")
+            return
+        await insert(self, message_id, *args, **kwargs)
+
+    add = QueueCounters.add
+
+    async def count_failing(self: QueueCounters, name: str, amount: int) -> None:
+        if name == DELAYED_IN and len(first_ids) == 1 and not failed:
+            failed.append(name)
+            raise BackendUnavailable("counter write timed out")
+        await add(self, name, amount)
+
+    failed: list[str] = []
+    monkeypatch.setattr(delayed.DelayedStore, "insert", noted_insert)
+    if fault == "count failed":
+        monkeypatch.setattr(QueueCounters, "add", count_failing)
+
+
+@pytest.mark.parametrize("fault", DELAYED_FAULTS)
+@pytest.mark.parametrize("keyed", ["client id", "producer key"])
+async def test_a_delayed_publish_with_an_id_that_failed_midway_is_stored_and_moved_once(
+    store: Store, running: list[object], monkeypatch: pytest.MonkeyPatch, fault: str, keyed: str
+) -> None:
+    """A delayed publish with an id whose write is applied but answered with a timeout (or
+    whose count fails after its row was stored) is answered 503; the client's retry, with a
+    delay again (so a due time of its own), finds the first attempt's message id: the row is
+    stored once, moved into the log once, and the retry is answered as a duplicate of the
+    first publish. Before, the retry found no record, drew a new message id and stored a
+    second row, and the mover published both."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, "all", SubscriberSpec(queue="later", start_position="earliest"))
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    client_id = "order-7" if keyed == "client id" else producer_key("producer-order", 7)
+    message = OutgoingMessage(b"once", client_id=client_id, delay_seconds=5)
+    first_ids: list[str] = []
+    fail_once(monkeypatch, fault, first_ids)
+    with pytest.raises(BackendUnavailable):
+        await publisher.publish([message])
+    (retry,) = await publisher.publish([message])
+    monkeypatch.undo()
+    assert retry.duplicate and [retry.message_id] == first_ids
+    rows = store.session.execute(f"SELECT message_id, due_at FROM {store.keyspace}.delayed").all()
+    assert [row.message_id for row in rows] == first_ids, "the delayed row is not stored once"
+    # The duplicate says when the message is due: when its one row is.
+    assert retry.batch == -1 and retry.deliver_at == rows[0].due_at.replace(tzinfo=timezone.utc)
+
+    mover = mover_for(store, spec, "m1")
+    mover.start()
+    running.append(mover)
+    consumer = Consumer(store, QUEUE, "all")
+    await consumer.start()
+    running.append(consumer)
+    assert await receive_all(consumer, 1, limit_s=60) == Counter(first_ids)
+    # Whatever the mover reads later, nothing more reaches the log.
+    await until_true("the mover to pass the due time", lambda: mover.moved + publisher.delayed_moves >= 1)
+    passes = mover.passes
+    await until_true("two more passes", lambda: mover.passes >= passes + 2)
+    assert await consumer.receive(max_messages=10, wait=PASS_SECONDS * 2) == []
+    (again,) = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([message])
+    assert again.duplicate and again.message_id == retry.message_id  # through another sidecar too
