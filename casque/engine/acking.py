@@ -43,7 +43,7 @@ _Acking = tuple[int, Source, AckEvent, int]
 T = TypeVar("T")
 
 
-async def _each_settled(calls: list[Awaitable[T]]) -> list[T | BaseException]:
+async def each_settled(calls: list[Awaitable[T]]) -> list[T | BaseException]:
     """Each call's result or its error, as `gather(return_exceptions=True)` gives them; one
     call is awaited in this task rather than in a task of its own."""
     if len(calls) == 1:
@@ -170,7 +170,7 @@ class AckTaker:
         moved: set[Source] | BaseException
         try:
             await self._member.acks.record_many([e for _, _, e, _ in started])
-            rows = await _each_settled([r.still_leased() for r in readers])
+            rows = await each_settled([r.still_leased() for r in readers])
         except asyncio.CancelledError:
             seeks.cancel()
             raise

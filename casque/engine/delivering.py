@@ -20,7 +20,7 @@ from functools import partial
 from kazoo.exceptions import KazooException
 
 from casque.engine import catalog
-from casque.engine.acking import Source
+from casque.engine.acking import Source, each_settled
 from casque.engine.acks import DEAD, NACK, AckEvent
 from casque.engine.claim_reader import ClaimReader
 from casque.engine.clock import clock_of
@@ -30,7 +30,7 @@ from casque.engine.member import Member
 from casque.engine.messages import Delivery, Position, StoredMessage, decode_receipt, encode_receipt
 from casque.engine.publisher import Publisher
 from casque.engine.entries import ByteBudget, Handout
-from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, StaleReceipt
+from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, LeaseLost, StaleReceipt
 from casque.schema import QueueRef
 from casque.specs import priority_of
 from casque.store import Store
@@ -354,8 +354,13 @@ class Deliverer:
                                    deliveries=entry.deliveries,
                                    visible_until_ms=int(self._clock.wall_of(visible_at) * 1000)))
             planned.append((index, reader, position, nonce))
+        sources = list({reader for _, reader, _, _ in planned})
         try:
             await self._member.acks.record_many(events)
+            # Still ours once the rows are written (as for acks, casque.engine.acking): a member
+            # that took the shard or range over meanwhile may have loaded it before a row landed,
+            # and would not keep the message waiting.
+            held = dict(zip(sources, await each_settled([s.still_leased() for s in sources])))
         except Exception as unwritten:  # every driver error: nothing changed, the nack may be sent again
             failure = unwritten if isinstance(unwritten, CasqueError) else BackendUnavailable(
                 f"nack not recorded: {unwritten!r}")
@@ -363,6 +368,10 @@ class Deliverer:
                 outcomes[index] = failure
             return outcomes
         for index, reader, position, nonce in planned:
+            verdict = held[reader]
+            if verdict is not True:
+                outcomes[index] = _not_proven(verdict, position.shard)
+                continue
             try:
                 # Its visibility may have ended during the write, or an ack begun: then the row
                 # speaks of a delivery that is over, and the nack is refused as stale.
@@ -435,3 +444,14 @@ class Deliverer:
         await self._dead_letters.move([(reader, Handout(entry, nonce, redelivery=False, dead=True))])
         if reader.state.in_flight_entry_or_none(position) is not None:
             raise BackendUnavailable("the dead-letter queue did not take the message; try again")
+
+
+def _not_proven(verdict: object, shard: int) -> CasqueError:
+    """Why a nack whose row was written is not answered as holding: its source is not provably
+    this member's any more (LeaseLost), or the check failed (retryable)."""
+    if isinstance(verdict, CasqueError):
+        return verdict
+    if isinstance(verdict, BaseException):
+        return BackendUnavailable(f"lease not confirmed: {verdict!r}")
+    return LeaseLost(f"shard {shard} moved to another member while the nack was recorded; the message may be "
+                     "delivered again before its delay")

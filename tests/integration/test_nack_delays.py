@@ -25,7 +25,7 @@ from casque.engine.acks import NACK, AckEvent, AckLog
 from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
-from casque.errors import BackendUnavailable, StaleReceipt
+from casque.errors import BackendUnavailable, LeaseLost, StaleReceipt
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, RetryPolicy, SubscriberSpec
 from casque.store import Store
@@ -210,5 +210,37 @@ async def test_a_nack_whose_row_is_not_written_answers_unavailable_and_changes_n
             consumer.held_message(delivery.receipt)  # waiting now
         (again,) = await consumer.receive(1, wait=DELAY + 30)
         assert time.time() >= sent + DELAY - CLOCK_SLACK and again.delivery_count == 2
+    finally:
+        await consumer.stop()
+
+
+async def test_a_nack_whose_shard_moves_on_while_its_row_is_written_is_answered_lease_lost(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row may land after the next holder loaded the batch, which then does not know of the
+    wait: the nack must not be answered as if it held (as an ack is not, casque.engine.acking)."""
+    create(store, "leased")
+    publisher = Publisher(store, REF, catalog.read_queue(store, REF))
+    await publisher.publish([OutgoingMessage(b"x", key="k0")])
+    await publisher.flush_heads()
+    consumer = Consumer(store, REF, SUBSCRIBER)
+    await consumer.start()
+    try:
+        (delivery,) = await consumer.receive(1, wait=30, visibility=120)
+        written = AckLog._write
+        fence = store.paths(REF).subscriber(SUBSCRIBER).fence(0)
+
+        async def taken_over_meanwhile(self: AckLog, events: list[AckEvent]) -> None:
+            if any(e.outcome == NACK for e in events):
+                data, stat = store.zk.get(fence)
+                store.zk.set(fence, data, version=stat.version)  # what another member's acquisition does
+                leases = consumer.leases
+                assert leases is not None
+                leases.forget(0)  # its lease znode is no longer provably ours
+            await written(self, events)
+
+        monkeypatch.setattr(AckLog, "_write", taken_over_meanwhile)
+        with pytest.raises(LeaseLost):
+            await consumer.nack(delivery.receipt, DELAY)
     finally:
         await consumer.stop()
