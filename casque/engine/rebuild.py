@@ -221,10 +221,16 @@ def raise_epoch(store: Store, queue: QueueRef, queue_state: QueueState, name: st
 
 
 def raise_heads(store: Store, queue: QueueRef, state: QueueState) -> list[str]:
-    """Heads behind the log (a ZooKeeper restored from an older snapshot) raised to the last
-    batch written: publishers would otherwise walk the log one lost claim at a time."""
+    """Heads behind their checkpoints (a ZooKeeper restored from an older snapshot) raised to
+    the last batch written: publishers would otherwise walk the log one lost claim at a time.
+    A head at or past its checkpoint (every apply but after a restore: a checkpoint lags its
+    head) costs one read and no search."""
+    checkpointed = Checkpoints(store, queue, state.shared_key(queue)).read(HEAD)
     actions = []
-    for shard, head in rebuilt_heads(store, queue, state, {}).items():
+    for shard, floor in sorted(checkpointed.items()):
+        if shard not in state.spec.log_shards() or _read_head(store, queue, shard) >= floor.batch:
+            continue
+        head = last_batch(store, queue, shard, floor)
         if raise_head(store, queue, shard, head):
             actions.append(_count("head", f"queue {queue}: head of shard {shard} raised to {head.batch}, the last "
                                   "batch in the log (ZooKeeper held an older one)"))
