@@ -32,8 +32,13 @@ class LeasedDelivery:
         record = await offsets.read_offset(self._member.store.zk, self._member.paths, shard)
         record = await self._up_to_checkpoint(shard, fence, record)
         reader = ShardReader(self._member, shard, record, fence, mark)
+        earlier = self.readers.get(shard)
         self.readers[shard] = reader
         reader.start()
+        if earlier is not None:
+            # An acquisition over a reader of an earlier one that nothing stopped (its lease
+            # forgotten without it): that reader's fence is stale; it must not run on unowned.
+            self._member.in_background(earlier.stop(flush=False))
 
     async def _up_to_checkpoint(self, shard: int, fence: int, record: offsets.OffsetRecord) -> offsets.OffsetRecord:
         """The shard's offset, moved up to its checkpoint in Cassandra if ZooKeeper holds an
