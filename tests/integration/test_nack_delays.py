@@ -182,15 +182,21 @@ async def test_a_message_over_max_deliveries_is_dead_lettered_when_its_delay_end
     assert not early, f"before its delay ended (seconds before, state): {early}"
 
 
-async def test_a_nack_whose_row_is_not_written_answers_unavailable_and_changes_nothing(
-    store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def member_in_this_process(store: Store) -> Consumer:
+    """A started member of a leased subscriber, one message published for it."""
     create(store, "leased")
     publisher = Publisher(store, REF, catalog.read_queue(store, REF))
     await publisher.publish([OutgoingMessage(b"x", key="k0")])
     await publisher.flush_heads()
     consumer = Consumer(store, REF, SUBSCRIBER)
     await consumer.start()
+    return consumer
+
+
+async def test_a_nack_whose_row_is_not_written_answers_unavailable_and_changes_nothing(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    consumer = await member_in_this_process(store)
     try:
         (delivery,) = await consumer.receive(1, wait=30, visibility=120)
         written = AckLog._write
@@ -220,12 +226,7 @@ async def test_a_nack_whose_shard_moves_on_while_its_row_is_written_is_answered_
 ) -> None:
     """The row may land after the next holder loaded the batch, which then does not know of the
     wait: the nack must not be answered as if it held (as an ack is not, casque.engine.acking)."""
-    create(store, "leased")
-    publisher = Publisher(store, REF, catalog.read_queue(store, REF))
-    await publisher.publish([OutgoingMessage(b"x", key="k0")])
-    await publisher.flush_heads()
-    consumer = Consumer(store, REF, SUBSCRIBER)
-    await consumer.start()
+    consumer = await member_in_this_process(store)
     try:
         (delivery,) = await consumer.receive(1, wait=30, visibility=120)
         written = AckLog._write
