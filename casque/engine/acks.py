@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -92,6 +93,20 @@ class BatchMarks:
         if count is None or count < self.deliveries.get(seq, 0):
             return None
         return self.nacked_until[seq]
+
+    def resting_until(self, seq: int, backoff: Callable[[int], float] | None, now_ms: int) -> int | None:
+        """When a message nobody holds may be delivered again (ms on Cassandra's clock): its
+        NACK row's time or, if its last delivery's visibility ended by `now_ms`, that end plus
+        the retry policy's backoff after as many deliveries (`backoff`: seconds for a count).
+        The latter is what its member records as a NACK row when the visibility ends; derived
+        here, it holds even when that member died before writing it. None: no wait known."""
+        if (until := self.waiting_until(seq)) is not None:
+            return until
+        visible_until = self.in_flight_until(seq)
+        if visible_until is None or visible_until > now_ms or backoff is None:
+            return None
+        wait = backoff(self.deliveries.get(seq, 0))
+        return visible_until + int(wait * 1000) if wait > 0 else None
 
     def in_flight_until(self, seq: int) -> int | None:
         """Until when the message's latest recorded delivery may be in an app's hands; None

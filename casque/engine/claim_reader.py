@@ -230,30 +230,44 @@ class ClaimReader:
             return True  # their wait ends in the dead-letter queue: this member moves them then
         return self.state.loaded_messages > 0 and now - self.sharing.last_demand < DEMAND_SECONDS
 
-    async def renew_past(self, wall_deadline: float) -> bool:
-        """Make the claim last past a delivery's new visibility deadline (wall-clock seconds)."""
-        if wall_deadline * 1000 <= self.record.until_ms:
+    async def renew_past(self, wall_deadline: float, dead_letter: bool = False) -> bool:
+        """Make the claim last past a delivery's new visibility deadline (wall-clock seconds).
+        `dead_letter`: the delivery was the message's last (it goes to the dead-letter queue
+        at that deadline unless acked): the claim must say so before the app has it, or the
+        range of a member killed now would wait for an app to ask before anyone moves it."""
+        woken = dead_letter and not 0 < self.record.wake_ms <= int(wall_deadline * 1000)
+        if wall_deadline * 1000 <= self.record.until_ms and not woken:
             return True
         visibility = self.sharing.consumer.visibility_timeout
-        return await self.renew(int((wall_deadline + headroom(visibility)) * 1000))
+        return await self.renew(int((wall_deadline + headroom(visibility)) * 1000), rewrite=woken)
 
-    async def renew(self, until_ms: int) -> bool:
+    async def renew(self, until_ms: int, rewrite: bool = False) -> bool:
         """Extend the claim to `until_ms` (never shorten it); False if it is no longer ours.
         A claim last written before the member's latest registration is rewritten whatever
-        its time: only that proves nobody took it over while the member was gone."""
+        its time (only that proves nobody took it over while the member was gone), and so is
+        one the caller wants `rewrite`n."""
         if self._dropped or self._released:
             return False
         async with self._zk:
-            if self.record.until_ms >= until_ms and self.registration == registration_of(self.sharing.consumer):
+            if (self.record.until_ms >= until_ms and not rewrite
+                    and self.registration == registration_of(self.sharing.consumer)):
                 return True
             return await self._rewrite(max(until_ms, self.record.until_ms))
+
+    def _wake_ms(self) -> int:
+        """When a message here is due for the dead-letter queue at the latest (ms, wall clock; 0:
+        none): written with every rewrite of the claim (casque.engine.claims)."""
+        now = time.monotonic()
+        due = self.state.dead_letter_due(dead_letter_limit(self.sharing.consumer), now)
+        return 0 if due is None else int(self.sharing.clock.wall_of(due) * 1000)
 
     async def _rewrite(self, until_ms: int, keys: frozenset[int] | None = None) -> bool:
         """Rewrite our claim record (under `self._zk`); False, and the range dropped, if another
         member took it over."""
         registration = registration_of(self.sharing.consumer)  # before the write: a later one needs another
         updated = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
-                                       self.record.member, until_ms, keys, session_of(self.sharing.consumer))
+                                       self.record.member, until_ms, keys, session_of(self.sharing.consumer),
+                                       self._wake_ms())
         self.sharing.zk_writes += 1
         if updated is None:
             self.drop("taken over by another member")
@@ -264,14 +278,16 @@ class ClaimReader:
         return True
 
     async def release(self) -> None:
-        """Give the range up at once (the member stops or no longer uses it): others take it now."""
+        """Give the range up at once (the member stops or no longer uses it): others take it now,
+        or, with a message due for the dead-letter queue, at its time whether or not their apps
+        ask for messages (its `wake`)."""
         if self._dropped or self._released:
             return
         self._released = True
         async with self._zk:
             try:
                 released = await claims.rewrite(self.sharing.client, self.sharing.paths, self.record,
-                                                self.record.member, 0)
+                                                self.record.member, 0, wake_ms=self._wake_ms())
                 self.sharing.zk_writes += 1
                 if released is not None:
                     self.record = released
@@ -350,9 +366,11 @@ async def load_claim_reader(keeper: RangeKeeper, record: ClaimRecord, registrati
         skipped = {m.position.seq for m in batch.messages if addressed_elsewhere(m, member.subscriber)}
         held = {seq: now + (until + margin_ms - now_ms) / 1000 for seq in mark.visible_until
                 if (until := mark.in_flight_until(seq)) is not None and until + margin_ms > now_ms}
-        # A nacked message waits until the time its nack recorded, no margin: nobody holds it.
-        waiting = {seq: now + (until - now_ms) / 1000 for seq in mark.nacked
-                   if seq not in mark.done and (until := mark.waiting_until(seq)) is not None and until > now_ms}
+        # A nacked message (or one backing off after its visibility ended) waits until its
+        # time, no margin: nobody holds it.
+        waiting = {seq: now + (until - now_ms) / 1000 for seq in mark.deliveries
+                   if seq not in mark.done and seq not in held
+                   and (until := mark.resting_until(seq, reader.state.backoff, now_ms)) is not None and until > now_ms}
         reader.state.add_batch(number, batch.messages, mark.done | skipped, mark.deliveries, held, waiting)
         reader.held_at_load += len(held)
     return reader

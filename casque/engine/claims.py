@@ -3,8 +3,9 @@
 Recipe, per subscriber and shard (paths in casque.znodes):
 
     .../cursors/{shard}                  "N@E": batch N is the first nobody has claimed in seek epoch E
-    .../claims/{shard}/{E}-{start}       JSON {member, end, until}: batches [start, end) are being
-                                         delivered by `member` until `until` (ms, wall clock)
+    .../claims/{shard}/{E}-{start}       JSON {member, end, until[, keys, session, wake]}: batches
+                                         [start, end) are being delivered by `member` until
+                                         `until` (ms, wall clock)
 
 - A member claims the next range by moving the cursor from N to N+k (compare-and-set on
   the cursor's version) and creating the range's claim znode, in one multi: ranges never
@@ -29,6 +30,12 @@ Recipe, per subscriber and shard (paths in casque.znodes):
   durable, so others stop waiting for those keys before the whole range completes. A key
   finished stays finished (done is durable, and a taker reads the ack rows), so the set
   only shrinks and a taker keeps it as it finds it.
+- A claim written with a message in it that goes to the dead-letter queue when its wait or
+  visibility ends (it was delivered max deliveries times) says when, at the latest (`wake`,
+  ms): members take ranges over when their apps ask for messages, so a released or lapsed
+  range with a `wake` is taken over at that time by a member whose app asks for nothing,
+  and the message is dead-lettered on time whether or not anyone receives. An earlier
+  `wake` than the truth costs a takeover, never a message; older members drop the field.
 - A seek writes the offsets with a new epoch and resets the cursors (casque.engine.offsets).
   Claims of an older epoch are moot: their completion leaves the offset alone, and members
   delete them when they meet them.
@@ -74,6 +81,9 @@ class ClaimRecord:
     # The ZooKeeper session of the member when it wrote the claim (0: not known): once that
     # session has ended, the claim may be taken over before its time (casque.engine.sharing).
     session: int = 0
+    # When (ms, wall clock) a message in the range is due for the dead-letter queue at the
+    # latest, as its holder last wrote it (0: none): see the module's recipe.
+    wake_ms: int = 0
 
     @property
     def name(self) -> str:
@@ -85,6 +95,8 @@ class ClaimRecord:
             fields["keys"] = sorted(self.keys)
         if self.session:
             fields["session"] = self.session
+        if self.wake_ms:
+            fields["wake"] = self.wake_ms
         return json.dumps(fields).encode()
 
 
@@ -104,7 +116,7 @@ def parse_claim(shard: int, name: str, data: bytes, version: int) -> ClaimRecord
     fields = json.loads(data)
     return ClaimRecord(shard, int(epoch), int(start), int(fields["end"]), str(fields["member"]),
                        int(fields["until"]), version, frozenset(int(k) for k in fields.get("keys", ())),
-                       int(fields.get("session", 0)))
+                       int(fields.get("session", 0)), int(fields.get("wake", 0)))
 
 
 async def read_cursor(client: KazooClient, paths: SubscriberPaths, shard: int) -> Cursor | None:
@@ -219,13 +231,15 @@ async def read_claim(
 
 async def rewrite(
     client: KazooClient, paths: SubscriberPaths, record: ClaimRecord, member: str, until_ms: int,
-    keys: frozenset[int] | None = None, session: int | None = None,
+    keys: frozenset[int] | None = None, session: int | None = None, wake_ms: int | None = None,
 ) -> ClaimRecord | None:
     """Renew (same member), release (until 0) or take over (another member) a claim, or publish
     the keys still open in it (`keys`, ordered keys only: a subset of those it had), if it is
-    still at the version `record` was read at; None if it changed or is gone."""
+    still at the version `record` was read at; None if it changed or is gone. `wake_ms`: the
+    range's dead-letter time as the writer knows it (None keeps the record's)."""
     updated = replace(record, member=member, until_ms=until_ms, keys=record.keys if keys is None else keys,
-                      session=record.session if session is None else session)
+                      session=record.session if session is None else session,
+                      wake_ms=record.wake_ms if wake_ms is None else wake_ms)
     try:
         stat = await zk.call(client.set_async, f"{paths.claims(record.shard)}/{record.name}", updated.data(),
                              record.version)

@@ -277,8 +277,10 @@ def read_marks(rows: Sequence[Any], seq: int) -> _Marks:
 
 
 def subscriber_state(marks: _Marks, batch: int, offset: int, matches: bool, expired: bool,
-                     addressed: bool, now_ms: int) -> tuple[SubscriberStateName, int | None]:
-    """A subscriber's state for a message (and the time in ms it names, if any)."""
+                     addressed: bool, now_ms: int, backoff_ms: int = 0) -> tuple[SubscriberStateName, int | None]:
+    """A subscriber's state for a message (and the time in ms it names, if any). `backoff_ms`:
+    the retry policy's wait after as many deliveries as the message had, which follows a
+    visibility that ran out (acks.BatchMarks.resting_until)."""
     if not addressed:
         return "not_addressed", None
     if marks.outcome == DEAD:
@@ -294,6 +296,8 @@ def subscriber_state(marks: _Marks, batch: int, offset: int, matches: bool, expi
             return "nacked", marks.nacked_until_ms
     elif marks.deliveries and marks.visible_until_ms > now_ms:
         return "in_flight", marks.visible_until_ms
+    elif marks.deliveries and marks.visible_until_ms and marks.visible_until_ms + backoff_ms > now_ms:
+        return "nacked", marks.visible_until_ms + backoff_ms
     if expired:
         return "expired", None
     return "pending", None
@@ -316,7 +320,8 @@ async def _subscriber_history(store: Store, queue: QueueRef, name: str, message:
     state, until_ms = subscriber_state(
         marks, p.batch, record.offset, _matches(subscriber, queue, message),
         message.expires_at is not None and message.expires_at <= now,
-        message.attributes.get(FOR_SUBSCRIBER, name) == name, int(now.timestamp() * 1000))
+        message.attributes.get(FOR_SUBSCRIBER, name) == name, int(now.timestamp() * 1000),
+        0 if subscriber.spec.retry is None else int(subscriber.spec.retry.backoff(marks.deliveries) * 1000))
     dead_letter_queue = dead_letter_id = None
     if state == "dead_lettered" and subscriber.spec.dead_letter_queue:
         dead_letter_queue = subscriber.spec.dead_letter_queue

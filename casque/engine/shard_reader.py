@@ -234,7 +234,7 @@ class ShardReader:
                 skipped = {m.position.seq for m in batch.messages
                            if m.attributes and addressed_elsewhere(m, consumer.subscriber)}
                 state.add_batch(batch.header.batch, batch.messages, mark.done | skipped, mark.deliveries,
-                                waiting_until=_waiting(mark, now, now_ms))
+                                waiting_until=_waiting(mark, state.backoff, now, now_ms))
             self._loaded_to = max(self._loaded_to, batches[-1].header.batch)
             consumer.notify()
             self.schedule_commit()
@@ -388,7 +388,9 @@ class ShardReader:
             await asyncio.gather(self._commit_task, return_exceptions=True)
 
 
-def _waiting(mark: BatchMarks, now: float, now_ms: int) -> dict[int, float]:
-    """The seqs of a batch that wait until a NACK row's time still to come, on this clock."""
-    return {seq: now + (until - now_ms) / 1000 for seq in mark.nacked
-            if seq not in mark.done and (until := mark.waiting_until(seq)) is not None and until > now_ms}
+def _waiting(mark: BatchMarks, backoff: Callable[[int], float] | None, now: float,
+             now_ms: int) -> dict[int, float]:
+    """The seqs of a batch that wait until a time still to come, on this clock: a NACK row's,
+    or the retry backoff after a delivery whose visibility ended (BatchMarks.resting_until)."""
+    return {seq: now + (until - now_ms) / 1000 for seq in mark.deliveries
+            if seq not in mark.done and (until := mark.resting_until(seq, backoff, now_ms)) is not None and until > now_ms}

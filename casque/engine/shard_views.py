@@ -74,6 +74,17 @@ class ShardViews:
         return any(e.state is State.DELAYED and e.deadline == due and e.deliveries >= max_deliveries
                    for due, batch, seq in self._delayed if (e := self._entry(batch, seq)) is not None)
 
+    def dead_letter_due(self, max_deliveries: int, now: float) -> float | None:
+        """The earliest time (this process's monotonic clock) a loaded message goes to the
+        dead-letter queue with nobody receiving it: delivered `max_deliveries` times (if > 0),
+        when its wait or visibility ends, or `now` if it already has. None: no such message."""
+        if not max_deliveries:
+            return None
+        due = [now if e.state is State.READY else e.deadline for loaded in self.batches.values()
+               for e in loaded.entries.values()
+               if e.deliveries >= max_deliveries and e.state in (State.READY, State.DELAYED, State.IN_FLIGHT)]
+        return min(due, default=None)
+
     def next_due(self) -> float | None:
         """The earliest time a delayed or in-flight message may become ready."""
         times = []

@@ -14,6 +14,10 @@ and the others take them over after the claim's time (plus a margin for clock sk
 deliver what was not done, reading the ack rows after taking over. Nothing here waits for a
 ZooKeeper session to expire.
 
+A member whose app asks for nothing still takes over a range that was released, or whose
+member died, once the claim's `wake` has come (a message in it is due for the dead-letter
+queue: casque.engine.claims), so dead letters move on time with nobody receiving.
+
 Stepped back (the member cannot reach Cassandra: casque.engine.reachability): it claims
 nothing, releases at once the ranges with nothing in flight, and renews none, so the
 others take over the rest once their deliveries' visibility has ended.
@@ -27,26 +31,18 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-
 from casque.backends import zk
 from casque.engine import claims, gaps
 from casque.engine.batches import Batch
-from casque.engine.claim_reader import (
-    DEMAND_SECONDS,
-    SKEW_MARGIN_SECONDS,
-    ClaimReader,
-    headroom,
-    load_claim_reader,
-    registration_of,
-    session_of,
-    vouches,
-)
+from casque.engine.claim_reader import (DEMAND_SECONDS, ClaimReader, headroom, load_claim_reader, registration_of,
+                                        session_of, vouches)
 from casque.engine.claims import ClaimRecord, Cursor
 from casque.engine.clock import clock_of
 from casque.engine.foreign_ranges import ForeignRanges
 from casque.engine.heads import WatchedHeads
 from casque.engine.keylocks import KeyLocks, key_hash
-from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member, ShardStatus
+from casque.engine.lapsed_ranges import LapsedRanges, SeekAhead
+from casque.engine.member import RETRY_MAX_SECONDS, RETRY_MIN_SECONDS, Member, ShardStatus, dead_letter_limit
 from casque.engine.messages import Delivery, Position
 from casque.errors import BackendUnavailable, CasqueError
 from casque.specs import by_priority
@@ -73,6 +69,9 @@ MAX_LOADED_BYTES = 16 * 1024 * 1024
 RECHECK_SECONDS = 2.0
 RENEW_INTERVAL_SECONDS = 0.5
 SCAN_SECONDS = 1.0
+# With no app asking, look this often for ranges with messages due for the dead-letter queue
+# (a claim's `wake`): how late such a message may be moved after a member stopped or died.
+WAKE_SCAN_SECONDS = 5.0
 STOP_COMPLETION_SECONDS = 10.0
 
 
@@ -98,10 +97,10 @@ class SharedDelivery:
         self._cursors: dict[int, Cursor] = {}
         # Batches read ahead of a shard's cursor, kept for the next claim after losing a race.
         self._read_ahead: dict[int, list[Batch]] = {}
-        # The latest claim records of other members seen, by (shard, name): re-read only once lapsed.
-        self._seen: dict[tuple[int, str], ClaimRecord] = {}
+        self._lapsed = LapsedRanges(self)
         self._rotation = 0
         self._scanned_at: dict[int, float] = {}
+        self._woken_scan_at = float("-inf")
         # The seek epoch of each shard's cursor as last read (ranges of other epochs are moot).
         self._epochs: dict[int, int] = {}
         self.ordered = consumer.subscriber_state.spec.ordered_keys
@@ -196,9 +195,20 @@ class SharedDelivery:
             return False
         if time.monotonic() - self.last_demand >= DEMAND_SECONDS or self.ready_messages() >= CLAIM_LOW_WATER:
             return False
+        return self._below_caps()
+
+    def _below_caps(self) -> bool:
         sources = self.sources()
         return (sum(r.state.loaded_messages for r in sources) < MAX_LOADED_MESSAGES
                 and sum(r.state.loaded_bytes for r in sources) < MAX_LOADED_BYTES)
+
+    def _wake_scan_due(self) -> bool:
+        """Whether to look for ranges due to wake (their messages due for the dead-letter
+        queue) while the app asks for nothing: at most every WAKE_SCAN_SECONDS, and not while
+        stepped back or holding as much as a member may."""
+        if self.stepped_back or time.monotonic() - self._woken_scan_at < WAKE_SCAN_SECONDS:
+            return False
+        return self._below_caps()
 
     def ready_messages(self) -> int:
         """Messages loaded here that the app could have: not in flight and, with ordered keys,
@@ -231,10 +241,11 @@ class SharedDelivery:
             self._want.clear()
             if self._stopped:
                 return
-            if not self._may_claim():
+            woken_only = not self._may_claim()
+            if woken_only and not self._wake_scan_due():
                 continue
             try:
-                got = await self._claim_one()
+                got = await (self._take_over_woken() if woken_only else self._claim_one())
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # every failure is retried: a member must never stop claiming
@@ -273,6 +284,17 @@ class SharedDelivery:
                 return reader
         return None
 
+    async def _take_over_woken(self) -> ClaimReader | None:
+        """Take over a released or lapsed range whose wake has come (casque.engine.claims): its
+        dead letters are moved when they are due, with or without an app that asks."""
+        self._woken_scan_at = time.monotonic()
+        for shard in by_priority(self.shards, self._rotation):
+            reader = await self._take_over_lapsed(shard, woken_only=True)
+            if reader is not None:
+                self._woken_scan_at = float("-inf")  # there may be more
+                return reader
+        return None
+
     async def _cursor(self, shard: int) -> Cursor:
         cursor = self._cursors.get(shard)
         if cursor is None:
@@ -286,51 +308,24 @@ class SharedDelivery:
         visibility = self.consumer.visibility_timeout
         return self.clock.ms() + int((visibility + headroom(visibility)) * 1000)
 
-    async def _take_over_lapsed(self, shard: int) -> ClaimReader | None:
+    async def _take_over_lapsed(self, shard: int, woken_only: bool = False) -> ClaimReader | None:
+        """A lapsed range of `shard` taken over (`woken_only`: only one whose wake has come)."""
         cursor = await self._cursor(shard)
-        names = await claims.list_claims(self.client, self.paths, shard)
-        present = set(names)
-        for key in [k for k in self._seen if k[0] == shard and k[1] not in present]:
-            del self._seen[key]
         held = {r.record.name for r in self.claims.get(shard, [])}
-        members = set(self.consumer.group_members())
-        for name in names:
-            epoch = int(name.partition("-")[0])
-            if epoch < cursor.epoch:
-                await claims.delete_claim(self.client, self.paths, shard, name)  # moot since a seek
-                continue
-            if epoch > cursor.epoch:
-                self._cursors.pop(shard, None)  # a seek we have not seen yet
-                return None
-            if name in held:
-                continue
-            seen = self._seen.get((shard, name))
-            lapsed_at = self.clock.ms() - int(SKEW_MARGIN_SECONDS * 1000)
-            if seen is not None and seen.until_ms > lapsed_at and seen.member in members:
-                continue
-            record = await claims.read_claim(self.client, self.paths, shard, name)
-            if record is None:
-                continue
-            self._seen[(shard, name)] = record
-            # A claim is taken before its time once the member that wrote it has left the
-            # group: read before its member znode is, so that a rewrite by a member that came
-            # back (and may hand out again) makes the takeover's compare-and-set fail.
-            if record.until_ms > lapsed_at and (record.member in members or not await claims.departed(self.client, self.paths, record)):
-                continue
-            why = "its time ran out" if record.until_ms <= lapsed_at else "its member left the group"
-            registration = registration_of(self.consumer)
-            taken = await claims.rewrite(self.client, self.paths, record, self.consumer.member_id, self._until_ms(),
-                                         session=session_of(self.consumer))
-            self.zk_writes += 1
-            if taken is None:
-                continue  # another member was faster
-            self.takeovers += 1
-            batches = await gaps.read_range(self.consumer.log, shard, taken.start, taken.end)
-            reader = await self._reader(taken, registration, batches)
-            log.info("shard %s: took over batches %s..%s from member %s (%s); %d of its deliveries still run",
-                     shard, taken.start, taken.end - 1, record.member, why, reader.held_at_load)
-            return reader
-        return None
+        try:
+            taken = await self._lapsed.take_over(shard, cursor, held, self._until_ms(), woken_only)
+        except SeekAhead:
+            self._cursors.pop(shard, None)  # a seek we have not seen yet
+            return None
+        if taken is None:
+            return None
+        self.takeovers += 1
+        record = taken.record
+        batches = await gaps.read_range(self.consumer.log, shard, record.start, record.end)
+        reader = await self._reader(record, taken.registration, batches)
+        log.info("shard %s: took over batches %s..%s from member %s (%s); %d of its deliveries still run",
+                 shard, record.start, record.end - 1, taken.previous.member, taken.why, reader.held_at_load)
+        return reader
 
     async def _claim_fresh(self, shard: int) -> ClaimReader | None:
         head = self.heads.get(shard)
@@ -416,13 +411,18 @@ class SharedDelivery:
         claim could not be renewed): the caller hands the latter back."""
         owners = {d.receipt: self.source_for(d.message.position) for d in deliveries}
         wanted: dict[ClaimReader, float] = {}
+        last_deliveries: set[ClaimReader] = set()
+        limit = dead_letter_limit(self.consumer)
         wall_offset = self.clock.time() - time.monotonic()
         for d in deliveries:
             reader = owners[d.receipt]
             if reader is not None:
                 reader.last_handout = time.monotonic()
                 wanted[reader] = max(wanted.get(reader, 0.0), d.visible_until + wall_offset)
-        lost = {reader for reader, ends in wanted.items() if not await reader.renew_past(ends)}
+                if limit and d.delivery_count >= limit:
+                    last_deliveries.add(reader)
+        lost = {reader for reader, ends in wanted.items()
+                if not await reader.renew_past(ends, dead_letter=reader in last_deliveries)}
         kept: list[Delivery] = []
         uncovered: list[Delivery] = []
         for d in deliveries:

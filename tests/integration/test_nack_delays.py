@@ -167,6 +167,18 @@ async def test_a_message_over_max_deliveries_is_dead_lettered_when_its_delay_end
     create(store, delivery, max_deliveries=1, dead_letters=True)
     sidecar = start(start_sidecar)
     (message_id, due), = (await nack_all(sidecar, 1, DELAY)).items()
+    dead_letter_id, seen = dead_letter_watch(sidecar, message_id)
+    # Nobody receives: the sidecar's own timer moves it when the delay ends.
+    copy = await asyncio.to_thread(wait_for, "the message in the dead-letter queue", dead_letter_id, DELAY + 30)
+    assert copy
+    early = [(round(due - at, 2), state) for at, state in seen if at < due - CLOCK_SLACK and state != "nacked"]
+    assert not early, f"before its delay ended (seconds before, state): {early}"
+
+
+def dead_letter_watch(sidecar: SidecarProcess, message_id: str) -> tuple[Callable[[], str | None],
+                                                                          list[tuple[float, str]]]:
+    """A probe of the message's history at `sidecar`: its dead-letter copy's id once it has
+    one; and every (time, state) it saw."""
     seen: list[tuple[float, str]] = []
 
     def dead_letter_id() -> str | None:
@@ -175,11 +187,63 @@ async def test_a_message_over_max_deliveries_is_dead_lettered_when_its_delay_end
         seen.append((time.time(), history["state"]))
         return history.get("deadLetterMessageId") if history["state"] == "dead_lettered" else None
 
-    # Nobody receives: the sidecar's own timer moves it when the delay ends.
+    return dead_letter_id, seen
+
+
+async def receive_one(sidecar: SidecarProcess) -> tuple[Message, float, float]:
+    """Publish one message and receive it: the delivery, and the earliest and the latest
+    time its visibility may end (from when the receive was sent and answered)."""
+    async with AsyncClient(sidecar.url, queue=QUEUE, subscriber=SUBSCRIBER) as client:
+        await client.publish({"order": 1})
+        while True:
+            sent = time.time()
+            if got := await client.receive(max=1, wait=5):
+                return got[0], sent + VISIBILITY, time.time() + VISIBILITY
+
+
+@pytest.mark.parametrize("end", ["nack-delay-then-sigterm", "visibility-then-sigkill"])
+async def test_a_message_over_max_deliveries_is_dead_lettered_on_time_after_its_member_went(
+    store: Store, start_sidecar: StartSidecar, delivery: str, end: str
+) -> None:
+    """Its member stopped (its ranges released) or was killed (its ranges lapse) before the
+    message's last wait or visibility ended; the sidecar started after it serves an app that
+    asks for nothing. The message must still reach the dead-letter queue at its time: shared
+    delivery claims ranges only for apps that ask, so a range whose claim says a dead letter
+    is due is taken over for it (casque.engine.claims, `wake`)."""
+    create(store, delivery, max_deliveries=1, dead_letters=True)
+    first = start(start_sidecar)
+    if end == "nack-delay-then-sigterm":
+        (message_id, due), = (await nack_all(first, 1, DELAY)).items()
+        sigterm(first)
+    else:
+        message, due, _ = await receive_one(first)
+        message_id = message.message_id
+        sigkill(first)
+    second = await asyncio.to_thread(start, start_sidecar)
+    dead_letter_id, seen = dead_letter_watch(second, message_id)
     copy = await asyncio.to_thread(wait_for, "the message in the dead-letter queue", dead_letter_id, DELAY + 30)
     assert copy
-    early = [(round(due - at, 2), state) for at, state in seen if at < due - CLOCK_SLACK and state != "nacked"]
-    assert not early, f"before its delay ended (seconds before, state): {early}"
+    early = [(round(due - at, 2), state) for at, state in seen
+             if at < due - CLOCK_SLACK and state == "dead_lettered"]
+    assert not early, f"before its wait ended (seconds before, state): {early}"
+
+
+async def test_a_backoff_after_a_visibility_ran_out_holds_though_its_member_died_before_recording_it(
+    store: Store, start_sidecar: StartSidecar, delivery: str
+) -> None:
+    """The member records the backoff when the visibility ends; one paused from before that
+    and then killed never does. The next member derives the same wait from the delivery's
+    own row (its visibility's end and count, and the retry policy)."""
+    create(store, delivery, retry=RetryPolicy(minimum_backoff_seconds=int(DELAY), maximum_backoff_seconds=60))
+    first = start(start_sidecar)
+    message, visible_from, visible_until = await receive_one(first)
+    first.pause()  # from before the visibility ends: its timer cannot record the backoff
+    await asyncio.to_thread(wait_for, "the delivery's visibility to end",
+                            lambda: time.time() > visible_until + CLOCK_SLACK, VISIBILITY + 30)
+    sigkill(first)
+    second = await asyncio.to_thread(start, start_sidecar)
+    due = {message.message_id: visible_from + DELAY}
+    assert_not_early(due, await redeliveries([second], due))
 
 
 async def member_in_this_process(store: Store) -> Consumer:

@@ -108,3 +108,19 @@ def test_a_batchs_marks_tell_a_nacked_message_from_one_in_flight() -> None:
 def test_a_retry_backoff_recorded_after_an_expired_visibility_shows_as_nacked_until_it_ends() -> None:
     # The member records the wait of a delivery whose visibility ended under a retry policy.
     assert state_of(delivered(2, NOW - 10), nacked(2, NOW + 4000)) == ("nacked", NOW + 4000)
+
+
+def test_a_retry_backoff_after_an_expired_visibility_is_known_though_nobody_recorded_it() -> None:
+    # The member died before its timer wrote the NACK row: the delivery row, its count and the
+    # policy say the same (what a member loading the batch now does, acks.BatchMarks).
+    assert subscriber_state(read_marks([delivered(2, NOW - 10)], SEQ), 10, 5, True, False, True, NOW,
+                            backoff_ms=4000) == ("nacked", NOW + 3990)
+    assert subscriber_state(read_marks([delivered(2, NOW + 10)], SEQ), 10, 5, True, False, True, NOW,
+                            backoff_ms=4000) == ("in_flight", NOW + 10)
+    marks = BatchMarks()
+    marks.add_row(None, None, {SEQ: 2}, {SEQ: NOW - 10})
+    assert marks.resting_until(SEQ, lambda deliveries: 2.0 * deliveries, NOW) == NOW + 3990
+    assert marks.resting_until(SEQ, None, NOW) is None  # no retry policy: ready at once
+    assert marks.resting_until(SEQ, lambda deliveries: 4.0, NOW - 20) is None  # still in flight then
+    marks.add_row(NACK, None, {SEQ: 2}, {SEQ: NOW + 500})
+    assert marks.resting_until(SEQ, lambda deliveries: 4.0, NOW) == NOW + 500  # a recorded nack rules

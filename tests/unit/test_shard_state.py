@@ -408,6 +408,17 @@ def test_a_waiting_message_at_max_deliveries_keeps_its_holder() -> None:
     assert not state.waits_for_dead_letters(0)
 
 
+def test_the_first_dead_letter_due_is_the_earliest_end_of_a_last_wait_or_visibility() -> None:
+    state = ShardState(shard=0, offset=1)
+    state.add_batch(1, msgs(1, 4), deliveries={0: 3, 1: 2, 2: 2}, waiting_until={0: 40.0, 2: 5.0})
+    assert state.dead_letter_due(3, now=0.0) == 40.0  # seqs 1 and 2 are under the limit, 3 never delivered
+    (h,) = state.take(1, 1.0, 30, WALL)  # seq 1's third delivery: when its visibility ends
+    assert h.entry.message.position.seq == 1 and state.dead_letter_due(3, now=1.0) == 31.0
+    state.nack(h.entry.message.position, h.nonce, None, now=2.0)  # ready at once: due now
+    assert state.dead_letter_due(3, now=2.5) == 2.5
+    assert state.dead_letter_due(0, now=2.5) is None  # no dead-letter queue
+
+
 def test_a_heap_is_pruned_of_stale_and_repeated_items_only_once_they_dominate() -> None:
     small = [(1, 0), (1, 0), (2, 0)]
     assert pruned(small, live=0, keep=lambda item: False) is small  # under HEAP_FLOOR: left alone
