@@ -13,13 +13,15 @@ Data nested deeper than MAX_DATA_DEPTH is refused unchecked (DataTooDeep, rule `
 the json module and the compiled check each spend a stack frame or more per level, and past
 about a thousand Python raises RecursionError. The depth is measured without recursion, and
 only for data with more brackets than the limit, which a typical message never has. Patterns
-are matched by RE2 (patterns.py).
+are matched by RE2 (patterns.py); a schema in force may keep one RE2 refuses from before,
+searched within a bound, and a search past it refuses the message (rule `pattern`).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 
 from casque.dataschema.keywords import pointer, problems
 from casque.errors import DataTooDeep, SchemaViolation
+
+log = logging.getLogger(__name__)
 
 JSON_MEDIA_TYPES = ("application/json", "text/json")
 # Compiled checks kept at once; a sidecar serves a handful of queues, each with one version in force.
@@ -66,14 +70,15 @@ class Failure:
         return f"data at {self.path or '/'} breaks {self.rule!r}: {self.problem}"
 
 
-def invalid_schema(schema: object) -> str | None:
-    """Why `schema` cannot be a queue schema, as one line (None: it can)."""
+def invalid_schema(schema: object, linear_only: bool = True) -> str | None:
+    """Why `schema` cannot be a queue schema, as one line (None: it can). Not `linear_only`:
+    as a schema in force from before is read (patterns.py), a pattern RE2 refuses allowed."""
     import fastjsonschema  # in the functions: a process whose queues have no schema never loads it
 
     found = problems(schema)
     if not found:
         try:
-            _compiled(canonical(schema))  # type: ignore[arg-type]  # problems() proved a dict
+            _compiled(canonical(schema), linear_only)  # type: ignore[arg-type]  # problems() proved a dict
         except fastjsonschema.JsonSchemaDefinitionException as error:
             found = [str(error)]
         except re.error as error:  # RE2 took the pattern, Python's parser (fastjsonschema's) did not
@@ -85,7 +90,7 @@ def invalid_schema(schema: object) -> str | None:
 
 
 @functools.lru_cache(maxsize=CACHED_SCHEMAS)
-def _compiled(text: str) -> Callable[[Any], Any]:
+def _compiled(text: str, linear_only: bool = False) -> Callable[[Any], Any]:
     # Formats are not asserted (2020-12's default; keywords.py), and defaults never fill in
     # the data: a check must not change the message it checks. fastjsonschema.compile with
     # the generator of patterns.py: the same four steps.
@@ -97,6 +102,7 @@ def _compiled(text: str) -> Callable[[Any], Any]:
     resolver = RefResolver.from_schema(definition, store={})
     generator = Re2CodeGenerator(  # type: ignore[no-untyped-call]
         definition, resolver=resolver, use_default=False, use_formats=False)
+    generator.linear_only = linear_only
     namespace = generator.global_state
     exec(generator.func_code, namespace)  # noqa: S102 - fastjsonschema's own way to build the check
     check: Callable[[Any], Any] = namespace[resolver.get_scope_name()]
@@ -125,7 +131,13 @@ class CompiledSchema:
 
     @classmethod
     def of(cls, schema: dict[str, Any], version: int) -> CompiledSchema:
-        return cls(version=version, check_value=_compiled(canonical(schema)))
+        """The schema in force (its patterns as they were accepted: see patterns.py)."""
+        check = cls(version=version, check_value=_compiled(canonical(schema)))
+        if (problem := invalid_schema(schema)) is not None:
+            log.warning("schema version %s stays in force though a new schema like it would be refused (%s): "
+                        "each search of such a pattern is given up after a bound and refuses its message; "
+                        "change the schema (docs/schemas.md)", version, problem)
+        return check
 
     def failure(self, payload: bytes, content_type: str | None) -> Failure | None:
         """Why the data fails this schema (None: it matches)."""
@@ -143,12 +155,18 @@ class CompiledSchema:
             return Failure("", DEPTH_RULE, _TOO_DEEP)
         import fastjsonschema  # loaded already, by `_compiled`
 
+        from casque.dataschema.patterns import BOUNDED_SEARCH_SECONDS, PatternTimeout
+
         try:
             self.check_value(value)
         except fastjsonschema.JsonSchemaValueException as error:
             return failure_of(error)
         except RecursionError:  # a schema whose every level costs many frames
             return Failure("", DEPTH_RULE, _TOO_DEEP)
+        except PatternTimeout as timeout:
+            return Failure("", "pattern", f"pattern {timeout.pattern!r} took longer than "
+                           f"{BOUNDED_SEARCH_SECONDS * 1000:.0f} ms to search this data (a pattern RE2 does not match, "
+                           "kept from before; see docs/schemas.md)")
         return None
 
     def check(self, payload: bytes, content_type: str | None) -> None:

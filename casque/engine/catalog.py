@@ -167,8 +167,12 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
     if current is None:
         current = _rebuilt(store, queue, keyspace, changes)
     # Before anything is written: a refused schema leaves the queue as it was.
-    version = (schema_versions.first_version(spec) if current is None
+    version = (schema_versions.first_version(queue, spec) if current is None
                else schema_versions.next_version(queue, current, spec))
+    if current is not None and version == current.schema_version and (
+            old := schema_versions.kept_from_before(spec)) is not None:
+        changes.warnings.append(f"schema version {version} stays in force, though a new schema like it would be "
+                                f"refused ({old}); change it (docs/schemas.md)")
     grant = grants.read(store, queue) if current is not None else None
     # A spec beyond its grant was written by someone else than the installation (a namespace,
     # through the ACL an older casque gave its spec znode): the grant, not that spec, is what

@@ -4,19 +4,35 @@ The version lives in the queue's znode (`QueueState.schema_version`) beside the 
 the schema in force, and both are written in one `set`: a sidecar that reads the queue sees a
 schema with its own number, never one with another's. A refused change writes nothing, so the
 schema in force stays as it was.
+
+A new schema (a queue's first, or a change) must have patterns RE2 matches; one in force from
+before patterns were matched by RE2 is applied again as it is (casque.dataschema.patterns),
+with a warning.
 """
 
 from __future__ import annotations
 
 from casque.dataschema.compatibility import incompatibilities
-from casque.dataschema.validation import canonical
-from casque.errors import IncompatibleSchema
+from casque.dataschema.validation import canonical, invalid_schema
+from casque.errors import IncompatibleSchema, InvalidSpec
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, QueueState
 
 
-def first_version(spec: QueueSpec) -> int:
+def first_version(queue: QueueRef, spec: QueueSpec) -> int:
+    _require_linear(queue, spec)
     return 1 if spec.data_schema is not None else 0
+
+
+def _require_linear(queue: QueueRef, spec: QueueSpec) -> None:
+    problem = None if spec.data_schema is None else invalid_schema(spec.data_schema)
+    if problem is not None:
+        raise InvalidSpec(f"queue {queue}: schema: {problem}")
+
+
+def kept_from_before(spec: QueueSpec) -> str | None:
+    """Why the schema in force would not be accepted as a new one (a pattern RE2 refuses), if so."""
+    return None if spec.data_schema is None else invalid_schema(spec.data_schema)
 
 
 def same_schema(a: QueueSpec, b: QueueSpec) -> bool:
@@ -35,6 +51,7 @@ def next_version(queue: QueueRef, current: QueueState, spec: QueueSpec) -> int:
     """
     if same_schema(current.spec, spec):
         return current.schema_version
+    _require_linear(queue, spec)
     if spec.schema_compatibility == "backward" and spec.data_schema is not None:
         old = current.spec.data_schema if current.spec.data_schema is not None else True
         reasons = incompatibilities(old, spec.data_schema)

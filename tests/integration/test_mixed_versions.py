@@ -23,6 +23,7 @@ from casque.engine import catalog
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from casque_client import ApiError, AsyncClient
 from tests.fixtures.group import Group, assert_sound
 from tests.fixtures.releases import release_python
 from tests.fixtures.sidecars import StartSidecar
@@ -133,3 +134,45 @@ async def test_the_installation_of_main_takes_over_what_the_previous_made_and_ha
         assert_sound(group.history)
     finally:
         await group.stop()
+
+
+KEPT_PATTERN = "^o-(?=[0-9])"  # a lookahead: the previous release took it (Python's re), RE2 does not
+SCHEMA_QUEUE = """\
+apiVersion: casque.io/v1alpha1
+kind: Queue
+metadata: {{name: shipments}}
+spec:
+  shards: 1
+  retention: 1h
+  consistency: ONE
+  schemaCompatibility: none
+  schema: {{type: object, properties: {{id: {{type: string, pattern: "{pattern}"}}}}}}
+"""
+
+
+async def test_a_schema_the_previous_release_applied_stays_in_force_though_a_new_one_like_it_is_refused(
+    store: Store, backends: Backends, keyspace: str, zk_hosts: str, start_sidecar: StartSidecar, tmp_path: Path,
+) -> None:
+    """Patterns are now matched by RE2 (casque.dataschema.patterns). A queue whose schema has one
+    RE2 refuses, applied by the previous release, must still be read, served and re-applied by
+    main (with a warning), its messages checked as before; only a new schema must be linear."""
+    previous = release_python()
+    env = {**os.environ, **backends.client_env(keyspace, zk_hosts, store.zk_root)}
+    file = tmp_path / "shipments.yaml"
+    file.write_text(SCHEMA_QUEUE.format(pattern=KEPT_PATTERN))
+    made = apply_with(previous, env, file)
+    assert made.returncode == 0, made.stderr
+    assert catalog.read_queue(store, QUEUE).spec.data_schema is not None  # main reads it
+    sidecar = start_sidecar("--queue", QUEUE.name)
+    async with AsyncClient(sidecar.url, queue=QUEUE.name) as client:
+        await client.publish({"id": "o-7"})
+        with pytest.raises(ApiError) as refused:
+            await client.publish({"id": "o-x"})
+        assert (refused.value.status, refused.value.code) == (400, "schema_violation")
+    again = apply_with(sys.executable, env, file)  # the upgraded operator's next reconcile
+    assert again.returncode == 0, again.stderr
+    assert "stays in force" in again.stdout + again.stderr and "RE2" in again.stdout + again.stderr
+    file.write_text(SCHEMA_QUEUE.format(pattern=KEPT_PATTERN + "[0-9]+"))  # a change: must be linear
+    changed = apply_with(sys.executable, env, file)
+    assert changed.returncode != 0 and "RE2" in changed.stderr, changed.stdout + changed.stderr
+    assert catalog.read_queue(store, QUEUE).spec.data_schema["properties"]["id"]["pattern"] == KEPT_PATTERN

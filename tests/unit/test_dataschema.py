@@ -227,8 +227,8 @@ def state(schema: dict[str, Any] | None, version: int) -> QueueState:
 
 
 def test_a_new_queue_starts_at_version_one_with_a_schema_and_zero_without() -> None:
-    assert schema_versions.first_version(QueueSpec.model_validate({"schema": ORDER})) == 1
-    assert schema_versions.first_version(QueueSpec()) == 0
+    assert schema_versions.first_version(QUEUE, QueueSpec.model_validate({"schema": ORDER})) == 1
+    assert schema_versions.first_version(QUEUE, QueueSpec()) == 0
 
 
 def test_an_unchanged_schema_keeps_its_version_whatever_its_key_order() -> None:

@@ -4,6 +4,7 @@ take being refused when the schema is applied."""
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -90,3 +91,43 @@ def test_a_required_name_against_pattern_properties_is_judged_by_re2() -> None:
     problem = invalid_schema(schema)
     assert problem is not None and "required but not allowed" in problem
     assert invalid_schema({**schema, "required": ["a" * 35]}) is None
+
+
+# A schema applied before patterns were matched by RE2 (0.1.0 matched them with Python's re).
+KEPT = {"type": "string", "pattern": "^(a|aa)+(?=b)"}  # a lookahead, and backtracking before it
+
+
+def test_a_schema_in_force_with_a_pattern_re2_refuses_is_read_and_still_checks_messages() -> None:
+    from casque.specs import QueueSpec
+
+    assert QueueSpec(shards=1, schema=KEPT).data_schema == KEPT  # a stored spec reads as it was accepted
+    check = CompiledSchema.of(KEPT, 3)
+    assert check.failure(b'"aab"', None) is None
+    assert check.failure(b'"aac"', None).rule == "pattern"  # type: ignore[union-attr]
+    assert invalid_schema(KEPT) is not None  # ... but no new schema may have it
+
+
+def test_a_search_of_such_a_pattern_is_given_up_after_its_bound_and_refuses_the_message() -> None:
+    from casque.dataschema.patterns import BOUNDED_SEARCH_SECONDS
+
+    failure = CompiledSchema.of(KEPT, 3).failure(b'"' + b"a" * 60 + b'!"', None)  # 2^30 ways to fail: minutes
+    assert failure is not None and failure.rule == "pattern"
+    assert f"took longer than {BOUNDED_SEARCH_SECONDS * 1000:.0f} ms" in failure.problem
+
+
+def test_a_new_or_changed_schema_must_be_linear_and_one_in_force_is_applied_again_as_it_is() -> None:
+    from casque.engine import schema_versions
+    from casque.errors import InvalidSpec
+    from casque.schema import QueueRef
+    from casque.specs import QueueSpec, QueueState
+
+    queue = QueueRef("default", "orders")
+    kept = QueueSpec(shards=1, schema=KEPT)
+    with pytest.raises(InvalidSpec, match="RE2"):
+        schema_versions.first_version(queue, kept)
+    current = QueueState(spec=kept, schema_version=3, created_at=datetime.now(timezone.utc))
+    assert schema_versions.next_version(queue, current, kept) == 3
+    assert schema_versions.kept_from_before(kept) is not None
+    changed = QueueSpec(shards=1, schema={**KEPT, "maxLength": 9}, schemaCompatibility="none")
+    with pytest.raises(InvalidSpec, match="RE2"):
+        schema_versions.next_version(queue, current, changed)
