@@ -1,11 +1,11 @@
-"""Every benchmark, one after the other, and the README's figures from their results.
+"""Every benchmark, one after the other, and docs/performance.md's tables from their results.
 
     python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,shared,keys,spark,schema,filter,history,pipeline,scale,soak]
-        [--out DIR] [--reuse DIR] [--readme README.md] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
+        [--out DIR] [--reuse DIR] [--figures docs/performance.md] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 Runs each benchmark as its own process with `--json` (a benchmark's driver threads, Spark JVM
 and sidecar never outlive it), keeps each JSON document in `--out`, and renders one Markdown
-section from them. With `--readme` their tables replace those between the README's
+section from them. With `--figures` their tables replace those between the document's
 `<!-- bench:begin -->` and `<!-- bench:end -->` lines; the tables of benchmarks not run
 (`--only`) stay as they were. A failing benchmark does not stop the
 others; the exit code is 1 if any failed. `scripts/bench.sh` runs this on the local stack.
@@ -85,7 +85,7 @@ def run(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any] | None
 
 
 def render(results: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The README's table of each benchmark, by name, each figure its median and (min-max)."""
+    """The table of each benchmark, by name, each figure its median and (min-max)."""
     tables = {}
     for name, document in results.items():
         context = ", ".join(f"{key} {value}" for key, value in document["context"].items())
@@ -101,7 +101,7 @@ def render(results: dict[str, dict[str, Any]]) -> dict[str, str]:
 
 
 def merge_section(section: str, tables: dict[str, str]) -> str:
-    """The README section with `tables` in place of those benchmarks' tables, and the tables
+    """The figures section with `tables` in place of those benchmarks' tables, and the tables
     of benchmarks not run this time kept as they were (`--only` updates only what it ran)."""
     kept = {
         match.group(1): match.group(0).strip("\n") + "\n"
@@ -115,13 +115,13 @@ def _order(name: str) -> tuple[int, str]:
     return (list(BENCHMARKS).index(name), name) if name in BENCHMARKS else (len(BENCHMARKS), name)
 
 
-def update_readme(readme: Path, tables: dict[str, str]) -> None:
-    text = readme.read_text()
+def update_figures(document: Path, tables: dict[str, str]) -> None:
+    text = document.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme} has no {BEGIN} ... {END} section to update")
+        raise SystemExit(f"{document} has no {BEGIN} ... {END} section to update")
     head, rest = text.split(BEGIN, 1)
     section, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{BEGIN}\n{merge_section(section, tables)}{END}{tail}")
+    document.write_text(f"{head}{BEGIN}\n{merge_section(section, tables)}{END}{tail}")
 
 
 def main() -> None:
@@ -130,7 +130,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="every benchmark once with small counts")
     parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated: " + ", ".join(BENCHMARKS))
     parser.add_argument("--out", type=Path, help="where the JSON documents go (default: a new temporary directory)")
-    parser.add_argument("--readme", type=Path, help="update this README's benchmark section")
+    parser.add_argument("--figures", type=Path, help="update this document's benchmark section "
+                        "(docs/performance.md)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per benchmark")
     parser.add_argument("--reuse", type=Path, help="render the JSON documents a run left in this directory "
                         "(its --out, or a benchmark's own --json output saved as <name>.json) instead of running")
@@ -147,15 +148,15 @@ def main() -> None:
     results = {name: document for name in names if (document := run(name, args, out)) is not None}
     tables = render(results)
     section = "\n".join(tables.values())
-    (out / "README-section.md").write_text(section)
+    (out / "figures-section.md").write_text(section)
     print(section)
     print(f"bench/all: results in {out}", file=sys.stderr)
     failed = [name for name in names if name not in results]
     if failed:
-        raise SystemExit(f"bench/all: failed: {', '.join(failed)} (README not updated)")
-    if args.readme is not None:
-        update_readme(args.readme, tables)
-        print(f"bench/all: updated {args.readme}", file=sys.stderr)
+        raise SystemExit(f"bench/all: failed: {', '.join(failed)} (figures not updated)")
+    if args.figures is not None:
+        update_figures(args.figures, tables)
+        print(f"bench/all: updated {args.figures}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's figures, in one command: every benchmark (bench/all.py), each figure the
-# median of 3 runs with its spread, written into the README's benchmark section.
+# casque's figures, in one command: every benchmark (bench/all.py), each figure the median
+# of 3 runs with its spread, written into docs/performance.md's benchmark section.
 #
 # Uses the local stack, started here if it is not running (`casque dev up`, ports 9042 and
 # 2181). CASQUE_BENCH_CASSANDRA=host:port and CASQUE_BENCH_ZOOKEEPER=host:port point it at
@@ -11,4 +11,4 @@ cd "$(dirname "$0")/.."
 if [ -z "${CASQUE_BENCH_CASSANDRA:-}" ] || [ -z "${CASQUE_BENCH_ZOOKEEPER:-}" ]; then
   .venv/bin/casque dev up
 fi
-exec .venv/bin/python bench/all.py --readme README.md "$@"
+exec .venv/bin/python bench/all.py --figures docs/performance.md "$@"

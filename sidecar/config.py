@@ -104,7 +104,7 @@ class SidecarSettings(BaseSettings):
     publish_linger_seconds: Annotated[float, Field(ge=0, le=1)] = 0.0
     # ... and, with no linger set, this long only after a batch that several publishes shared
     # (concurrent publishers): a publish that comes alone is never held. 1 ms took a third
-    # off the sidecar's CPU per one-message publish with 32 in flight (docs/architecture.md).
+    # off the sidecar's CPU per one-message publish with 32 in flight (docs/performance.md).
     publish_group_linger_seconds: Annotated[float, Field(ge=0, le=1)] = 0.001
     # SIGUSR2 logs a memory report (memory_report.py). With this above 0, allocations are
     # traced too, keeping this many frames each, and each report writes a snapshot to

@@ -26,14 +26,14 @@ BENCHMARKS = ("engine", "sidecar", "rebalance", "shared", "keys", "spark", "sche
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
 
-def test_every_benchmark_runs_in_smoke_mode_and_renders_the_readme_section(
+def test_every_benchmark_runs_in_smoke_mode_and_renders_the_figures_section(
     backends: Backends, tmp_path: Path
 ) -> None:
-    readme = tmp_path / "README.md"
-    shutil.copy(ROOT / "README.md", readme)
+    figures = tmp_path / "performance.md"
+    shutil.copy(ROOT / "docs" / "performance.md", figures)
     out = tmp_path / "results"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "all.py"), "--smoke", "--out", str(out), "--readme", str(readme),
+        [sys.executable, str(ROOT / "bench" / "all.py"), "--smoke", "--out", str(out), "--figures", str(figures),
          "--timeout", "300", "--cassandra", f"{backends.contact_points[0]}:{backends.cql_port}",
          "--zookeeper", backends.zookeeper_hosts],
         capture_output=True, text=True, timeout=1500, check=False,
@@ -48,8 +48,8 @@ def test_every_benchmark_runs_in_smoke_mode_and_renders_the_readme_section(
         for key, figure in figures.items():
             assert len(figure["values"]) == 1 and math.isfinite(figure["median"]), (name, key, figure)
 
-    section = (out / "README-section.md").read_text()
-    original, updated = (ROOT / "README.md").read_text(), readme.read_text()
+    section = (out / "figures-section.md").read_text()
+    original, updated = (ROOT / "docs" / "performance.md").read_text(), figures.read_text()
     before, _, after = original.partition("<!-- bench:begin -->")
     assert updated.startswith(before) and section in updated
     assert updated.endswith(after.partition("<!-- bench:end -->")[2])

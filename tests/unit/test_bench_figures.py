@@ -1,4 +1,4 @@
-"""The README's benchmark section as `bench/all.py` rewrites it: a run of some benchmarks
+"""docs/performance.md's benchmark section as `bench/all.py` rewrites it: a run of some benchmarks
 (`--only`) replaces their tables and keeps the others."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_a_run_of_some_benchmarks_keeps_the_tables_of_the_others(bench_all: Modu
                                 table("spark", "3")])
 
 
-def test_the_readme_section_is_unchanged_by_a_run_of_nothing(bench_all: ModuleType) -> None:
-    readme = (BENCH.parent / "README.md").read_text()
-    section = readme.split(bench_all.BEGIN, 1)[1].split(bench_all.END, 1)[0]
+def test_the_figures_section_is_unchanged_by_a_run_of_nothing(bench_all: ModuleType) -> None:
+    figures = (BENCH.parent / "docs" / "performance.md").read_text()
+    section = figures.split(bench_all.BEGIN, 1)[1].split(bench_all.END, 1)[0]
     assert bench_all.merge_section(section, {}) == section.lstrip("\n")
