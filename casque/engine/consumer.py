@@ -86,7 +86,7 @@ class Consumer:
         self._stopped = False
         self._resync_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[object]] = set()
         # Why this consumer ended by itself (its subscriber was deleted); empty while it serves.
         self.gone_reason = ""
         # Whether the subscriber still exists after this consumer ended (a delivery mode change).
@@ -203,7 +203,7 @@ class Consumer:
     def notify(self) -> None:
         self._available.set()
 
-    def in_background(self, work: Coroutine[Any, Any, None]) -> None:
+    def in_background(self, work: Coroutine[Any, Any, object]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

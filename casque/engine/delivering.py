@@ -57,41 +57,51 @@ class DeadLetters:
         self._queue_counters = queue_counters
         self._retention_seconds = retention_seconds
 
-    async def move(self, handouts: list[tuple[Source, Handout]]) -> None:
-        """Publish messages over max deliveries to the dead-letter queue, then mark them done.
+    async def move(self, handouts: list[tuple[Source, Handout]]) -> list[CasqueError | None]:
+        """Publish messages over max deliveries to the dead-letter queue, then mark them done;
+        per handout, None once done or why not (it stays in flight to the dead-letter queue
+        and is tried again when that ends; the copy's client id keeps it there once).
 
-        If publishing fails they stay invisible for a while and then are tried again.
-        """
+        Done means durable: the DEAD row is written and the source proven still this
+        member's before the message counts as done here, so its key's next message is handed
+        out only then, and a crash can never bring it back after its successor."""
         try:
             publisher = await self._current()
         except (CasqueError, KazooException) as error:
             log.warning("dead-letter queue unavailable (%s); %d messages will be tried again", error, len(handouts))
-            return
+            return [BackendUnavailable(f"dead-letter queue unavailable: {error}")] * len(handouts)
+        return list(await asyncio.gather(*(self._move_one(publisher, r, h) for r, h in handouts)))
 
+    async def _move_one(self, publisher: Publisher, reader: Source, handout: Handout) -> CasqueError | None:
         member = self._member
-
-        async def move(reader: Source, handout: Handout) -> None:
-            entry = handout.entry
-            message = entry.message
-            copy = dead_letter_copy(
-                message, member.queue, member.subscriber, reader.epoch, entry.deliveries, entry.last_error,
-                subscriber_key=member.subscriber_state.ack_key(member.subscriber),
-                retention_seconds=self._retention_seconds())
-            try:
-                await publisher.publish([copy])
-            except CasqueError as error:
-                log.warning("dead-lettering %s failed (%s); it will be tried again", message.message_id, error)
-                return
-            if not reader.current or reader.state.dead_letter(message.position) is None:
-                return  # the shard moved or was reset meanwhile; the copy's client id prevents a double
-            member.counters.dead_lettered += 1
-            await self._queue_counters.add(dead_lettered(member.subscriber_state.ack_key(member.subscriber)), 1)
-            p = message.position
+        message = handout.entry.message
+        p = message.position
+        copy = dead_letter_copy(
+            message, member.queue, member.subscriber, reader.epoch, handout.entry.deliveries,
+            handout.entry.last_error, subscriber_key=member.subscriber_state.ack_key(member.subscriber),
+            retention_seconds=self._retention_seconds())
+        try:
+            await publisher.publish([copy])
+            if reader.state.held_entry(p, handout.nonce) is None:
+                return StaleReceipt("the message was acked, or its shard reset, meanwhile")
             await member.acks.record(AckEvent(reader.epoch, p.shard, p.batch, p.seq, outcome=DEAD))
-            reader.schedule_commit()
-            reader.space_freed()
-
-        await asyncio.gather(*(move(r, h) for r, h in handouts))
+            held = await reader.still_leased()
+        except Exception as error:  # every driver error: the move is tried again
+            log.warning("dead-lettering %s failed (%r); it will be tried again", message.message_id, error)
+            return error if isinstance(error, CasqueError) else BackendUnavailable(f"dead-lettering failed: {error!r}")
+        if not held or not reader.current:
+            return LeaseLost(f"shard {p.shard} moved to another member while the message was dead-lettered; "
+                             "it may be delivered again (its dead-letter copy is kept once)")
+        if reader.state.dead_letter(p) is None:
+            return None  # done meanwhile by another path
+        member.counters.dead_lettered += 1
+        reader.schedule_commit()
+        reader.space_freed()
+        try:
+            await self._queue_counters.add(dead_lettered(member.subscriber_state.ack_key(member.subscriber)), 1)
+        except CasqueError as error:  # a statistic: the message is done whatever it says
+            log.info("dead-letter count of %s not written (%s)", message.message_id, error)
+        return None
 
     async def _current(self) -> Publisher:
         """The dead-letter queue's publisher, renewed when that queue changed or was created again.
@@ -441,9 +451,9 @@ class Deliverer:
         reader, position, nonce = self.source_of(receipt)
         entry = reader.state.in_flight_entry(position, nonce)
         entry.last_error = error or entry.last_error
-        await self._dead_letters.move([(reader, Handout(entry, nonce, redelivery=False, dead=True))])
-        if reader.state.in_flight_entry_or_none(position) is not None:
-            raise BackendUnavailable("the dead-letter queue did not take the message; try again")
+        (refusal,) = await self._dead_letters.move([(reader, Handout(entry, nonce, redelivery=False, dead=True))])
+        if refusal is not None:
+            raise refusal
 
 
 def _not_proven(verdict: object, shard: int) -> CasqueError:

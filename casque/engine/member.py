@@ -159,7 +159,7 @@ class Member(Protocol):
     def group_members(self) -> list[str]:
         """The live members of the group, as last seen."""
 
-    def in_background(self, work: Coroutine[Any, Any, None]) -> None:
+    def in_background(self, work: Coroutine[Any, Any, object]) -> None:
         """Run `work` as a task the member awaits when it stops."""
 
     def lease_lost(self, reader: LeasedReader) -> None:

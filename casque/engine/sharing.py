@@ -489,7 +489,7 @@ class SharedDelivery:
             for task in pending:
                 task.cancel()
 
-    def in_background(self, work: Coroutine[Any, Any, None]) -> None:
+    def in_background(self, work: Coroutine[Any, Any, object]) -> None:
         self.consumer.in_background(work)
 
     def status(self, held: list[int]) -> ShardStatus:
