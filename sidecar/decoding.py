@@ -241,7 +241,7 @@ def _attributes(attributes: Any) -> bool:
     for name, value in attributes.items():
         if type(value) is not str or not _ATTRIBUTE_NAME.fullmatch(name):
             return False
-        if name.startswith("ce-") or name.lower().startswith(ENGINE_ATTRIBUTE_PREFIX):
+        if name[:3].lower() == "ce-" or name.lower().startswith(ENGINE_ATTRIBUTE_PREFIX):
             return False
     return True
 

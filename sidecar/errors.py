@@ -147,8 +147,11 @@ def schema_refusal(error: SchemaViolation, index: int | None) -> InvalidRequest:
 STATUS: Mapping[type[CasqueError], int] = {
     InvalidReceipt: 400,
     InvalidChange: 409,
-    InvalidSpec: 400,
-    PositionOutOfRange: 400,
+    # A request the document allows that the queue's spec or log cannot take now (a priority
+    # beyond its levels, a delay beyond its retention, a seek outside the log): a conflict
+    # with the queue's current state, as a stale receipt is with the delivery's.
+    InvalidSpec: 409,
+    PositionOutOfRange: 409,
     QueueNotFound: 404,
     SubscriberNotFound: 404,
     MessageNotFound: 404,

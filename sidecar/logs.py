@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.typedefs import Middleware
 
 from casque.logs import REQUEST_ID
@@ -67,3 +68,22 @@ def request_middleware(access_log: bool) -> Middleware:
             REQUEST_ID.reset(token)
 
     return middleware
+
+
+class MalformedRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (a NUL in a header, a broken request line) as an
+    error with a traceback, though it answers it 400 and nothing in the sidecar failed: any
+    client could fill the log with them. Such a record becomes one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, BadHttpMessage):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "malformed HTTP request refused (400): %s", (str(error).splitlines()[0],)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_malformed_requests() -> None:
+    logging.getLogger("aiohttp.server").addFilter(MalformedRequests())
+

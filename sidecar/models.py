@@ -37,6 +37,7 @@ from pydantic import (
     AfterValidator,
     AwareDatetime,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     JsonValue,
@@ -95,6 +96,34 @@ def _encodable(value: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 
 
+def _integral(value: object) -> object:
+    """JSON has one kind of number: 47.0 is the integer 47, as JSON Schema's `integer` says
+    (the document promises that); any other float stays one and is refused as not an integer."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+# After an int's own constraints (`Annotated[int, Field(...), INTEGRAL]`): so they stay in its JSON Schema.
+INTEGRAL = BeforeValidator(_integral)
+
+
+# Rules between members that no one member's schema says, for the OpenAPI document. A member
+# sent as null counts as left out, as the validators below read it.
+def _given(name: str) -> dict[str, Any]:
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
+def _exactly_one_of(*names: str) -> dict[str, Any]:
+    return {"oneOf": [_given(name) for name in names]}
+
+
+def _together(first: str, second: str) -> list[dict[str, Any]]:
+    return [{"if": _given(first), "then": _given(second)}, {"if": _given(second), "then": _given(first)}]
+
+
+def _not_both(first: str, second: str) -> dict[str, Any]:
+    return {"not": {"allOf": [_given(first), _given(second)]}}
+
+
 def _in_utc_range(value: datetime) -> datetime:
     # 9999-12-31T23:59:59-23:59 is a valid timestamp whose UTC form lies past year 9999:
     # Python cannot represent it, so it is refused here rather than failing later.
@@ -151,7 +180,19 @@ def dedup_key(source: str | None, event_id: str | None) -> str | None:
         return event_id
     return f"\x00{source}\x00{event_id}"
 AttributeName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:/-]{1,128}$"), AfterValidator(_encodable)]
-Receipt = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_-]+$")]
+# A receipt is 24 bytes (casque.engine.messages.encode_receipt) in unpadded base64url: 32
+# characters. One sent alone must be one; one of a list may be anything of its alphabet, and
+# a malformed one gets its own `invalid_receipt` result beside the others'.
+Receipt = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{32}$")]
+ListedReceipt = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_-]+$")]
+# Attribute names the API refuses: CloudEvents' own header prefix, and the engine's.
+_RESERVED_ATTRIBUTE = r"^([cC][eE]-|[cC][aA][sS][qQ][uU][eE]-)"
+_RESERVED_ID = "^(" + "|".join(re.escape(prefix) for prefix in ENGINE_CLIENT_ID_PREFIXES) + ")"
+# Refused in `id` and `source` (_no_nul).
+_NUL = "\\x00"
+# A content type whose `data` is JSON (is_json_type), as a pattern; any other takes a string.
+_JSON_CONTENT_TYPE = (r"^(([aA][pP][pP][lL][iI][cC][aA][tT][iI][oO][nN]|[tT][eE][xX][tT])/[jJ][sS][oO][nN]"
+                      r"|[^;/]+/[^;]*\+[jJ][sS][oO][nN])(\s*;.*)?$")
 Seconds = Annotated[float, Field(ge=0, le=MAX_VISIBILITY_SECONDS)]
 Visibility = Annotated[float, Field(gt=0, le=MAX_VISIBILITY_SECONDS)]
 
@@ -243,15 +284,28 @@ def non_finite(value: JsonValue) -> bool:
 class PublishMessage(Body):
     """One message, as a CloudEvent. Give `data` (JSON, or text for a text content type) or `data_base64`."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        # data_base64 excludes data, even a null one
+        {"if": _given("data_base64"), "then": {"not": {"required": ["data"]}}},
+        _not_both("delay", "deliverAt"),
+        *_together("producerid", "producerseq"),
+        # data of a content type that is not JSON is text
+        {"if": {"required": ["datacontenttype"], "properties": {"datacontenttype": {
+            "type": "string", "not": {"pattern": _JSON_CONTENT_TYPE}}}},
+         "then": {"properties": {"data": {"type": ["string", "null"]}}}},
+    ]})
+
     specversion: Literal["1.0"] | None = None
     id: Annotated[Text | None, Field(min_length=1, max_length=256), AfterValidator(_no_nul)] = Field(
-        default=None,
+        default=None, json_schema_extra={"not": {"type": "string", "anyOf": [{"pattern": _RESERVED_ID},
+                                                                            {"pattern": _NUL}]}},
         description="Idempotency key, with `source`: a publish of an (id, source) already published "
         "within 10 minutes is not written again and returns the first result with duplicate=true. "
         "Returned as the event's `id` on receive.",
     )
     type: Annotated[Text | None, Field(min_length=1, max_length=256)] = None
-    source: Annotated[Text | None, Field(min_length=1, max_length=1024), AfterValidator(_no_nul)] = None
+    source: Annotated[Text | None, Field(min_length=1, max_length=1024), AfterValidator(_no_nul)] = Field(
+        default=None, json_schema_extra={"not": {"type": "string", "pattern": _NUL}})
     subject: Annotated[Text | None, Field(min_length=1, max_length=1024)] = None
     time: Instant | None = Field(default=None, description="When the event happened (the producer's time).")
     dataschema: Annotated[Text | None, Field(min_length=1, max_length=1024)] = None
@@ -261,10 +315,13 @@ class PublishMessage(Body):
     )
     tracestate: Annotated[str | None, Field(max_length=MAX_TRACESTATE)] = None
     datacontenttype: Annotated[
-        Text | None, Field(max_length=256, pattern=r"^[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+(\s*;.*)?$")
-    ] = None
+        str, Field(max_length=256, pattern=r"^[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+(\s*;.*)?$"),
+        AfterValidator(_encodable),
+    ] | None = None
     data: JsonValue = None
-    data_base64: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9+/]*={0,2}$")] = None
+    data_base64: Annotated[
+        str, Field(pattern=r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$")
+    ] | None = None
     partitionkey: Annotated[Text | None, Field(min_length=1, max_length=1024)] = Field(
         default=None, description="Messages with one key go to one shard, in publish order."
     )
@@ -273,15 +330,17 @@ class PublishMessage(Body):
         "producer that numbers its messages (an id it makes once, a number per message) is deduplicated a block "
         "of numbers at a time, far cheaper than one id at a time. The pair is kept for 10 minutes like an id.",
     )
-    producerseq: Annotated[int | None, Field(ge=0, le=MAX_SEQUENCE)] = Field(
+    producerseq: Annotated[int, Field(ge=0, le=MAX_SEQUENCE), INTEGRAL] | None = Field(
         default=None, description="The message's number within its producer (`producerid`); a retry sends the "
         "same number. Numbers counting up from 0 cost least.",
     )
-    attributes: Annotated[dict[AttributeName, Text], Field(max_length=MAX_ATTRIBUTES)] = Field(default_factory=dict)
-    ttl: Annotated[int | None, Field(ge=1, le=MAX_RETENTION_SECONDS)] = Field(
+    attributes: Annotated[dict[AttributeName, Text], Field(max_length=MAX_ATTRIBUTES)] = Field(
+        default_factory=dict, json_schema_extra={"additionalProperties": False, "propertyNames": {
+            "pattern": r"^[A-Za-z0-9_.:/-]{1,128}$", "not": {"pattern": _RESERVED_ATTRIBUTE}}})
+    ttl: Annotated[int, Field(ge=1, le=MAX_RETENTION_SECONDS), INTEGRAL] | None = Field(
         default=None, description="Seconds after publish when the message is no longer delivered."
     )
-    priority: Annotated[int, Field(ge=0, lt=MAX_PRIORITIES)] = Field(
+    priority: Annotated[int, Field(ge=0, lt=MAX_PRIORITIES), INTEGRAL] = Field(
         default=0, description="0 is the lowest level; a queue with N priorities takes 0..N-1."
     )
     delay: Annotated[float | None, Field(ge=0, le=MAX_RETENTION_SECONDS)] = Field(
@@ -308,8 +367,8 @@ class PublishMessage(Body):
                 raise ValueError(f"data for content type {self.datacontenttype} must be a string (or use data_base64)")
             _encodable(self.data)
         for name in self.attributes:
-            if name.startswith("ce-"):
-                raise ValueError(f"attribute {name!r}: names starting with 'ce-' are reserved")
+            if name[:3].lower() == "ce-":  # HTTP headers in binary mode: any case is one name
+                raise ValueError(f"attribute {name!r}: names starting with 'ce-' (in any case) are reserved")
             if name.lower().startswith(ENGINE_ATTRIBUTE_PREFIX):
                 raise ValueError(f"attribute {name!r}: names starting with {ENGINE_ATTRIBUTE_PREFIX!r} are "
                                  "written by casque itself")
@@ -400,7 +459,7 @@ class PublishBatchResult(Reply):
 
 # --- receiving ----------------------------------------------------------------------------
 class ReceiveRequest(Body):
-    max_messages: Annotated[int, Field(ge=1, le=MAX_RECEIVE, alias="max")] = 10
+    max_messages: Annotated[int, Field(ge=1, le=MAX_RECEIVE), INTEGRAL] = Field(default=10, alias="max")
     wait: Seconds = Field(default=0.0, description="Seconds to wait for a first message (long poll).")
     visibility: Visibility | None = Field(
         default=None, description="Seconds the messages stay invisible to others (default: the Subscriber's)."
@@ -545,7 +604,7 @@ class ReceiveResult(Reply):
 # --- ack, nack, extend --------------------------------------------------------------------
 class _Receipts(Body):
     receipt: Receipt | None = Field(default=None, description="One delivery; errors are answered with a 4xx.")
-    receipts: Annotated[list[Receipt] | None, Field(min_length=1, max_length=MAX_RECEIPTS)] = Field(
+    receipts: Annotated[list[ListedReceipt] | None, Field(min_length=1, max_length=MAX_RECEIPTS)] = Field(
         default=None, description="Several deliveries; each gets its own result, errors included."
     )
 
@@ -570,8 +629,17 @@ class _Receipts(Body):
         return [self.receipt] if self.receipt is not None else list(self.receipts or [])
 
 
+def _outputs_without_keys(schema: dict[str, Any]) -> None:
+    """An output message leaves its idempotency key to the engine: no id, producerid or producerseq."""
+    messages = schema["properties"]["messages"]
+    messages["items"] = {"allOf": [messages["items"], {"properties": {
+        name: {"type": "null"} for name in ("id", "producerid", "producerseq")}}]}
+
+
 class PipelineOutputs(Body):
     """The messages an acked delivery resulted in (casque.engine.pipelines)."""
+
+    model_config = ConfigDict(json_schema_extra=_outputs_without_keys)
 
     queue: Annotated[str, Field(pattern=NAME_PATTERN.pattern)] = Field(
         description="The queue of this namespace the messages go to."
@@ -590,11 +658,16 @@ class PipelineOutputs(Body):
 
 
 class PipelineAck(Body):
-    receipt: Receipt
+    receipt: ListedReceipt
     publish: PipelineOutputs | None = Field(default=None, description="What the message resulted in.")
 
 
 class AckRequest(_Receipts):
+    model_config = ConfigDict(json_schema_extra={
+        **_exactly_one_of("receipt", "receipts", "acks"),
+        "if": _given("publish"), "then": _given("receipt"),
+    })
+
     publish: PipelineOutputs | None = Field(
         default=None, description="With `receipt`: messages to publish as the result of the acked one, exactly "
         "once however often the ack is sent again or the message delivered again.",
@@ -627,6 +700,8 @@ class AckRequest(_Receipts):
 
 
 class NackRequest(_Receipts):
+    model_config = ConfigDict(json_schema_extra=_exactly_one_of("receipt", "receipts"))
+
     delay: Seconds | None = Field(
         default=None, description="Seconds before the message is delivered again. Left out: after the "
         "subscriber's retry backoff (`spec.retry`), or at once if it has none.",
@@ -637,6 +712,8 @@ class NackRequest(_Receipts):
 
 
 class ExtendRequest(_Receipts):
+    model_config = ConfigDict(json_schema_extra=_exactly_one_of("receipt", "receipts"))
+
     visibility: Visibility = Field(description="Seconds from now during which the message stays invisible.")
 
 
@@ -657,12 +734,15 @@ class ReceiptResults(Reply):
 
 # --- seek ---------------------------------------------------------------------------------
 class SeekRequest(Body):
+    model_config = ConfigDict(json_schema_extra=_exactly_one_of("to", "time", "batches"))
+
     to: Literal["earliest", "latest"] | None = None
     time: Instant | None = Field(default=None, description="The first batch published at or after this time.")
     batches: Annotated[
-        dict[Annotated[str, Field(pattern=r"^[0-9]{1,5}$")], Annotated[int, Field(ge=1, le=2**62)]] | None,
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,5}$")], Annotated[int, Field(ge=1, le=2**62), INTEGRAL]] | None,
         Field(min_length=1),
-    ] = Field(default=None, description="Shard number -> the batch to read next; other shards stay.")
+    ] = Field(default=None, description="Shard number -> the batch to read next; other shards stay.",
+              json_schema_extra={"additionalProperties": False})
 
     @model_validator(mode="after")
     def _one_target(self) -> SeekRequest:

@@ -12,17 +12,20 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
+from casque.engine.messages import MESSAGE_ID_PATTERN
 from casque.schema import NAME_PATTERN
 from casque.sidecar.models import ErrorResponse, Message
 from casque.sidecar.routes import Operation
 
 REF = "#/components/schemas/{model}"
 _REASONS = {
-    400: "Bad input: invalid JSON, a missing or unknown field, a malformed receipt, a position out of range",
+    400: "Bad input: invalid JSON, a missing or unknown field, or one this document forbids",
     401: "Missing or wrong bearer token",
     403: "Outside the pod's publish or subscribe scope (out_of_scope)",
     404: "No such queue or subscriber, or a subscriber this sidecar does not consume for",
-    409: "Stale receipt: the delivery expired, was settled, or the message was handed out again",
+    409: "A conflict with the current state: a stale receipt (the delivery expired, was settled, or the message "
+         "was handed out again), a lost lease, or a request the queue cannot take as it is now (a priority beyond "
+         "its levels, a delay beyond its retention, a seek outside the log)",
     413: "A message larger than the queue allows, or a request body over the sidecar's limit",
     503: "A backend did not answer, or the sidecar is starting or shutting down: retry after Retry-After",
 }
@@ -55,8 +58,9 @@ def build(operations: Iterable[Operation], version: str, bearer_token: bool) -> 
             parameters.append(_name_parameter("subscriber", "The subscriber's name."))
         if "{messageId}" in operation.path:
             parameters.append({"name": "messageId", "in": "path", "required": True,
-                               "description": "The id the publish answered with.",
-                               "schema": {"type": "string", "maxLength": 64}})
+                               "description": "The id the publish answered with: a version 7 UUID (ids made before "
+                               "they carried their time are refused with `untraceable_id`).",
+                               "schema": {"type": "string", "pattern": MESSAGE_ID_PATTERN}})
         spec: dict[str, Any] = {
             "operationId": operation.operation_id,
             "summary": operation.summary,

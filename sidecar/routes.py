@@ -407,10 +407,10 @@ _CONSUMER_ERRORS = (400, 403, 404, 409, 503)
 OPERATIONS: tuple[Operation, ...] = (
     Operation("publish", "POST", f"{QUEUE_PATH}/messages", publish,
               "Publish one message (answered after it is written)", PublishMessage, PublishResult,
-              (400, 403, 404, 413, 503), scope="publish"),
+              (400, 403, 404, 409, 413, 503), scope="publish"),
     Operation("publishBatch", "POST", f"{QUEUE_PATH}/messages/batch", publish_batch,
               "Publish several messages, all or none", PublishBatchRequest, PublishBatchResult,
-              (400, 403, 404, 413, 503), scope="publish"),
+              (400, 403, 404, 409, 413, 503), scope="publish"),
     Operation("receive", "POST", f"{SUBSCRIBER_PATH}/receive", receive,
               "Receive up to `max` messages, waiting up to `wait` seconds for the first",
               ReceiveRequest, ReceiveResult, (400, 403, 404, 503), body_optional=True, scope="subscribe"),
@@ -441,7 +441,10 @@ OPERATIONS: tuple[Operation, ...] = (
 
 def add_routes(app: web.Application) -> None:
     for operation in OPERATIONS:
-        app.router.add_route(operation.method, operation.path, operation.handler, name=operation.operation_id)
+        # A message id is never `batch`: without this, /messages/batch also matched the history's
+        # route, and a wrong method there was answered as if GET were allowed.
+        path = operation.path.replace("{messageId}", "{messageId:(?!batch$)[^{}/]+}")
+        app.router.add_route(operation.method, path, operation.handler, name=operation.operation_id)
     app.router.add_get("/healthz", healthz, name="healthz")
     app.router.add_get("/readyz", readyz, name="readyz")
     app.router.add_get("/metrics", metrics, name="metrics")

@@ -27,6 +27,7 @@ from casque.sidecar import heap
 from casque.sidecar.app import RUNTIME, create_app
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.guards import MAX_HEADERS
+from casque.sidecar.logs import quiet_malformed_requests
 from casque.sidecar.memory_report import MemoryReports, start_tracing
 from casque.sidecar.routes import health_of, metrics_of, readiness_of
 
@@ -147,6 +148,7 @@ async def _until_signalled() -> None:
 
 def run(settings: SidecarSettings, backends: Settings | None = None, log_format: LogFormat = "text") -> None:
     logs.configure(log_format)
+    quiet_malformed_requests()
     # The drivers log every reconnect attempt at INFO; the sidecar's own lines matter more here.
     for noisy in ("cassandra", "kazoo"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

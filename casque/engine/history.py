@@ -34,7 +34,7 @@ from casque.engine.deadletters import FOR_SUBSCRIBER, MESSAGE_ID as DEAD_LETTER_
 from casque.engine.delayed import MOVED_PREFIX, due_bucket
 from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.messages import (Position, StoredMessage, event_source_of, filter_variables, id_time,
-                                    reserved_client_id)
+                                    in_id_form, reserved_client_id)
 from casque.engine.pipelines import PIPELINE_CLIENT_ID_PREFIX
 from casque.engine.publisher import SETTLE_SECONDS
 from casque.engine.sequences import parse_producer_key
@@ -143,6 +143,8 @@ async def message_history(store: Store, queue: QueueRef, message_id: str,
                           now: datetime | None = None) -> MessageHistory:
     """The history of message `message_id` of `queue`; UntraceableId, MessageNotFound."""
     due = id_time(message_id)
+    if due is None and in_id_form(message_id):  # the form of an id, a time past year 9999: none of ours
+        raise MessageNotFound(f"no message {message_id} in queue {queue}")
     if due is None:
         raise UntraceableId(f"{message_id!r} is not a message id casque can trace: ids carry the time their "
                             "message was due (a version 7 UUID) since message history exists")

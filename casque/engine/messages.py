@@ -6,6 +6,7 @@ import base64
 import binascii
 import functools
 import os
+import re
 import struct
 import threading
 import uuid
@@ -86,6 +87,9 @@ def random_uuid() -> uuid.UUID:
 _VERSION_7 = bytes((b & 0x0F) | 0x70 for b in range(256))
 _VARIANT = bytes((b & 0x3F) | 0x80 for b in range(256))
 _MAX_ID_MS = (1 << 48) - 1
+# The ids message history can trace, as text: a version 7 UUID of RFC 9562's variant, hyphenated.
+MESSAGE_ID_PATTERN = r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-7[0-9a-fA-F]{3}-[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}$"
+_TRACEABLE_ID = re.compile(MESSAGE_ID_PATTERN[1:-1])
 
 
 def time_ordered_ids(count: int, at_seconds: float) -> list[str]:
@@ -110,16 +114,21 @@ def time_ordered_ids(count: int, at_seconds: float) -> list[str]:
     return [f"{head}{text[i:i + 4]}-{text[i + 4:i + 8]}-{text[i + 8:i + 20]}" for i in range(0, 20 * count, 20)]
 
 
+def in_id_form(message_id: str) -> bool:
+    """Whether `message_id` has the form casque's ids are made in (MESSAGE_ID_PATTERN)."""
+    return _TRACEABLE_ID.fullmatch(message_id) is not None
+
+
 def id_time(message_id: str) -> datetime | None:
     """When a message with this id was due in the log; None for an id that carries no time
-    (not a version 7 UUID: made before ids carried one, or not a message id at all)."""
+    (not a version 7 UUID in the form ids are made in: made before ids carried one, or not a
+    message id at all)."""
+    if not in_id_form(message_id):
+        return None
     try:
-        parsed = uuid.UUID(message_id)
-    except ValueError:
-        return None
-    if parsed.version != 7 or parsed.variant != uuid.RFC_4122:
-        return None
-    return datetime.fromtimestamp((parsed.int >> 80) / 1000, timezone.utc)
+        return datetime.fromtimestamp((uuid.UUID(message_id).int >> 80) / 1000, timezone.utc)
+    except (ValueError, OverflowError, OSError):
+        return None  # a time past year 9999: casque never made it
 
 
 @dataclass(frozen=True)

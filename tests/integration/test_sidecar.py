@@ -695,13 +695,13 @@ async def test_seek_replays_and_skips(store: Store, make_sidecar: MakeSidecar) -
     latest = await call(client, f"{SUB}/seek", {"to": "latest"})
     heads = {s["shard"]: s["head"] for s in (await call(client, f"{BASE}/stats"))["shards"]}
     assert latest["offsets"] == {str(shard): head + 1 for shard, head in heads.items()}
-    await call(client, f"{SUB}/seek", {"time": "2000-01-01T00:00:00Z"}, status=400)  # before retention
+    await call(client, f"{SUB}/seek", {"time": "2000-01-01T00:00:00Z"}, status=409)  # before retention
     await call(client, f"{SUB}/seek", {"batches": {"0": 1}})
     shard_zero = sorted(m["id"] for m in first if m["shard"] == 0)
     assert sorted(m["id"] for m in await receive_all(client, len(shard_zero))) == shard_zero  # shard 0 again
     for bad in ({"batches": {"0": 999}}, {"batches": {"7": 1}}):
         response = await client.post(f"{SUB}/seek", json=bad)
-        assert await error_code(response, 400) == "position_out_of_range"
+        assert await error_code(response, 409) == "position_out_of_range"
     now = await call(client, f"{SUB}/seek", {"time": "2999-01-01T00:00:00+00:00"})
     assert now["offsets"] == latest["offsets"]
 
@@ -775,8 +775,9 @@ async def test_bad_input_gets_a_4xx_with_a_code(store: Store, make_sidecar: Make
         (post(f"{BASE}/messages/batch", json={"messages": []}), 400, "invalid_request"),
         (post(f"{BASE}/messages", json={"data": 1, "dealy": 30}), 400, "invalid_request"),  # misspelt
         (post(f"{BASE}/messages", json={"delay": 30, "deliverAt": "2030-01-01T00:00:00Z"}), 400, "invalid_request"),
-        (post(f"{BASE}/messages", json={"priority": 3}), 400, "invalid_spec"),  # the queue has one level
-        (post(f"{BASE}/messages", json={"deliverAt": "2999-01-01T00:00:00Z"}), 400, "invalid_spec"),  # > retention
+        # The document allows these; the queue cannot take them (a conflict with its spec).
+        (post(f"{BASE}/messages", json={"priority": 3}), 409, "invalid_spec"),  # the queue has one level
+        (post(f"{BASE}/messages", json={"deliverAt": "2999-01-01T00:00:00Z"}), 409, "invalid_spec"),  # > retention
         (post(f"{BASE}/messages", json={"data": 1, "data_base64": "AA=="}), 400, "invalid_request"),
         (post(f"{BASE}/messages", json={"data_base64": "not base64!"}), 400, "invalid_request"),
         (post(f"{BASE}/messages", json={"data": 1, "ttl": "60"}), 400, "invalid_request"),
@@ -789,7 +790,10 @@ async def test_bad_input_gets_a_4xx_with_a_code(store: Store, make_sidecar: Make
         (post(f"{SUB}/receive", json={"max": 10, "wait": -1}), 400, "invalid_request"),
         (post(f"{SUB}/ack", json={}), 400, "invalid_request"),
         (post(f"{SUB}/ack", json={"receipt": "a", "receipts": ["b"]}), 400, "invalid_request"),
-        (post(f"{SUB}/ack", json={"receipt": "AAAA"}), 400, "invalid_receipt"),
+        (post(f"{SUB}/ack", json={"receipt": "AAAA"}), 400, "invalid_request"),  # a receipt is 32 characters
+        (post(f"{SUB}/ack", json={"receipt": "AAAA", "receipts": None}), 400, "invalid_request"),
+        (post(f"{BASE}/messages", json={"attributes": {"CE-type": "x"}}), 400, "invalid_request"),
+        (post(f"{SUB}/receive", json={"max": 2.5}), 400, "invalid_request"),
         (post(f"{SUB}/ack", json={"receipt": "not a receipt!"}), 400, "invalid_request"),
         (post(f"{SUB}/extend", json={"receipt": "AAAA"}), 400, "invalid_request"),  # visibility missing
         (post(f"{SUB}/seek", json={"to": "earliest", "batches": {"0": 1}}), 400, "invalid_request"),
@@ -817,7 +821,7 @@ async def test_unknown_queues_and_subscribers_are_404(store: Store, make_sidecar
         (client.get(f"{BASE}/subscribers/nobody/stats"), "subscriber_not_found"),
         (client.post(f"{BASE}/subscribers/nobody/receive", json={}), "subscriber_not_found"),
         (client.post("/v1/queues/nope/subscribers/billing/receive", json={}), "queue_not_found"),
-        (client.post(f"{BASE}/subscribers/nobody/ack", json={"receipt": "AAAA"}), "subscriber_not_found"),
+        (client.post(f"{BASE}/subscribers/nobody/ack", json={"receipt": "A" * 32}), "subscriber_not_found"),
         (client.post(f"{BASE}/subscribers/nobody/seek", json={"to": "latest"}), "subscriber_not_found"),
         (client.post(f"{BASE}/subscribers/audit/receive", json={}), "subscriber_not_served"),
     ]

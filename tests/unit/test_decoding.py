@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from pydantic import ValidationError
 
 from casque.engine.messages import OutgoingMessage
-from casque.engine.sequences import MAX_SEQUENCE
+from casque.engine.sequences import MAX_SEQUENCE, producer_key
 from casque.sidecar.decoding import Shape, decode_publish, with_trace_context
 from casque.sidecar.models import PublishBatchRequest, PublishEventBatch, PublishMessage
 
@@ -107,7 +107,7 @@ REFUSED: list[tuple[bytes, Shape]] = [
     (b'{"attributes": {"a": 1}}', "message"),
     (b'{"attributes": null}', "message"),
     (b'{"priority": true}', "message"),
-    (b'{"priority": 1.0}', "message"),
+    (b'{"priority": 1.5}', "message"),
     (b'{"priority": 10}', "message"),
     (b'{"priority": -1}', "message"),
     (b'{"priority": null}', "message"),
@@ -205,3 +205,11 @@ def test_content_types_past_the_cache_are_checked_each_time(monkeypatch: pytest.
         raw = json.dumps(body).encode()
         assert decode_publish(raw, "message") == by_models(raw, "message")
     assert decode_publish(b'{"datacontenttype": "text/plain; a\\n", "data": "x"}', "message") is None
+
+
+def test_an_integral_float_is_an_integer_to_the_models_and_left_to_them_by_the_quick_path() -> None:
+    # JSON has one kind of number, and JSON Schema's `integer` (the OpenAPI document's) takes 1.0.
+    raw = b'{"priority": 1.0, "ttl": 60.0, "producerid": "p", "producerseq": 7.0}'
+    assert decode_publish(raw, "message") is None
+    (message,) = by_models(raw, "message")
+    assert (message.priority, message.ttl_seconds, message.client_id) == (1, 60, producer_key("p", 7))

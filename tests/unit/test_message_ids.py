@@ -36,6 +36,9 @@ def test_ids_of_later_times_sort_after_earlier_ones() -> None:
 # Fixed texts: xdist's workers must collect the same test ids.
 @pytest.mark.parametrize("text", ["5981c4bc-b5c7-4a1d-97c0-30c6acc4dc5f",  # version 4
                                   "f6d8230e-eb5c-11f1-b29f-02fc00000001",  # version 1
-                                  "not-an-id", ""])
+                                  "not-an-id", "",
+                                  "eb8aB5ac-fcD7-7C6A-87A6-618944cEb04E",  # version 7, but past year 9999
+                                  "{01a234c6-28b7-72cf-95f6-6f8a3eb258fd}",  # not the form ids are made in
+                                  "01a234c628b772cf95f66f8a3eb258fd"])
 def test_ids_without_a_time_have_none(text: str) -> None:
     assert id_time(text) is None

@@ -19,6 +19,10 @@ def test_each_output_is_keyed_by_subscriber_input_and_index_and_remembered_for_t
     assert output_client_id("billing#7f3a", "m-1", 0) == keyed[0].client_id
 
 
+# A receipt sent alone has a receipt's form; one of a list may be anything of its alphabet.
+RECEIPT = "A" * 32
+
+
 def test_an_app_cannot_publish_under_a_pipeline_key() -> None:
     assert reserved_client_id(output_client_id("billing#1", "m-1", 0))
     with pytest.raises(ValidationError, match="ids starting with"):
@@ -27,23 +31,23 @@ def test_an_app_cannot_publish_under_a_pipeline_key() -> None:
 
 def test_an_ack_takes_one_form_and_outputs_without_keys_of_their_own() -> None:
     outputs = {"queue": "invoices", "messages": [{"data": {"line": 1}}]}
-    single = AckRequest.model_validate({"receipt": "AAAA", "publish": outputs})
-    assert single.single and single.all == ["AAAA"] and single.pipelined is not None
+    single = AckRequest.model_validate({"receipt": RECEIPT, "publish": outputs})
+    assert single.single and single.all == [RECEIPT] and single.pipelined is not None
     several = AckRequest.model_validate({"acks": [{"receipt": "AAAA", "publish": outputs}, {"receipt": "BBBB"}]})
     assert not several.single and several.all == ["AAAA", "BBBB"] and several.pipelined is not None
     assert AckRequest.model_validate({"acks": [{"receipt": "AAAA"}]}).pipelined is None
     assert AckRequest.model_validate({"receipts": ["AAAA"]}).pipelined is None
     for bad, why in [
         ({"receipts": ["AAAA"], "publish": outputs}, "publish goes with receipt"),
-        ({"receipt": "AAAA", "acks": [{"receipt": "BBBB"}]}, "one of receipt, receipts or acks"),
+        ({"receipt": RECEIPT, "acks": [{"receipt": "BBBB"}]}, "one of receipt, receipts or acks"),
         ({}, "one of receipt, receipts or acks"),
-        ({"receipt": "AAAA", "publish": {"queue": "invoices", "messages": [{"data": 1, "id": "x"}]}},
+        ({"receipt": RECEIPT, "publish": {"queue": "invoices", "messages": [{"data": 1, "id": "x"}]}},
          "idempotency key is derived"),
-        ({"receipt": "AAAA", "publish": {"queue": "invoices", "messages": [{"data": 1, "producerid": "p",
+        ({"receipt": RECEIPT, "publish": {"queue": "invoices", "messages": [{"data": 1, "producerid": "p",
                                                                              "producerseq": 1}]}},
          "idempotency key is derived"),
-        ({"receipt": "AAAA", "publish": {"queue": "Invoices!", "messages": [{"data": 1}]}}, "queue"),
-        ({"receipt": "AAAA", "publish": {"queue": "invoices", "messages": []}}, "messages"),
+        ({"receipt": RECEIPT, "publish": {"queue": "Invoices!", "messages": [{"data": 1}]}}, "queue"),
+        ({"receipt": RECEIPT, "publish": {"queue": "invoices", "messages": []}}, "messages"),
     ]:
         with pytest.raises(ValidationError, match=why):
             AckRequest.model_validate(bad)

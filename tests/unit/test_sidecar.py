@@ -211,7 +211,7 @@ def test_answers_as_json_text_say_what_wire_says(answer: Reply) -> None:
 
 
 @pytest.mark.parametrize(("error", "status"), [
-    (InvalidReceipt("x"), 400), (InvalidSpec("x"), 400), (PositionOutOfRange("x"), 400), (InvalidChange("x"), 409),
+    (InvalidReceipt("x"), 400), (InvalidSpec("x"), 409), (PositionOutOfRange("x"), 409), (InvalidChange("x"), 409),
     (QueueNotFound("x"), 404), (SubscriberNotFound("x"), 404), (SubscriberNotServed("x"), 404),
     (StaleReceipt("x"), 409), (MessageTooLarge("x"), 413), (Unauthorized("x"), 401),
     (BackendUnavailable("x"), 503), (ConsumerStopped("x"), 503), (NotReady("x"), 503), (CasqueError("x"), 500),
