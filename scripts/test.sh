@@ -24,6 +24,7 @@ bash scripts/install-spark.sh
 bash scripts/install-podman.sh
 bash scripts/install-node.sh
 bash scripts/install-releases.sh
+bash scripts/install-openapi-generator.sh
 workers=()
 if [ "${CASQUE_TEST_WORKERS:-2}" != "0" ]; then
   workers=(-n "${CASQUE_TEST_WORKERS:-2}" --dist loadscope)

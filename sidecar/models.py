@@ -113,6 +113,8 @@ def _given(name: str) -> dict[str, Any]:
 
 
 def _exactly_one_of(*names: str) -> dict[str, Any]:
+    # (A client generator may need to be told to keep the properties beside a oneOf of
+    # `required` alone: openapi-generator's REMOVE_ANYOF_ONEOF_AND_KEEP_PROPERTIES_ONLY.)
     return {"oneOf": [_given(name) for name in names]}
 
 
@@ -632,8 +634,8 @@ class _Receipts(Body):
 def _outputs_without_keys(schema: dict[str, Any]) -> None:
     """An output message leaves its idempotency key to the engine: no id, producerid or producerseq."""
     messages = schema["properties"]["messages"]
-    messages["items"] = {"allOf": [messages["items"], {"properties": {
-        name: {"type": "null"} for name in ("id", "producerid", "producerseq")}}]}
+    messages["items"] = {"allOf": [messages["items"], {
+        "not": {"anyOf": [_given(name) for name in ("id", "producerid", "producerseq")]}}]}
 
 
 class PipelineOutputs(Body):
