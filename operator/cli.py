@@ -68,6 +68,7 @@ def run(
     import kopf
 
     from casque.operator import injection, runtime
+    from casque.operator import webhook as webhook_server
     from casque.operator.leadership import LeaseConfig
 
     namespaces = tuple(namespace or ())
@@ -93,7 +94,7 @@ def run(
         for path in (webhook_cert, webhook_key):
             if not path.is_file():
                 raise typer.BadParameter(f"{path} is not a file (--webhook-cert, --webhook-key)")
-        webhook = injection.WebhookOptions(webhook_port, webhook_cert, webhook_key, webhook_address)
+        webhook = webhook_server.WebhookOptions(webhook_port, webhook_cert, webhook_key, webhook_address)
         try:
             sidecar = injection.InjectionSettings()
         except ValueError as error:
@@ -110,4 +111,4 @@ def run(
     options = runtime.RunOptions(namespaces=namespaces, liveness=liveness, lease=lease)
     if webhook is None:
         raise typer.Exit(runtime.main(options))
-    raise typer.Exit(injection.run_with_webhook(runtime.run(options), webhook, sidecar))
+    raise typer.Exit(webhook_server.run_with_webhook(runtime.run(options), webhook, sidecar))

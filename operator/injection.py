@@ -13,7 +13,8 @@ A Pod opts in with annotations (on the Deployment's pod template, usually):
 
 `plan` turns such a Pod into the patch that adds the sidecar; `review` answers a whole
 AdmissionReview with it. Both are pure: a Pod in, a patch out, so the rules are tested
-without kopf or an API server. `serve` runs them behind kopf's HTTPS webhook server.
+without kopf or an API server. casque.operator.webhook serves them behind kopf's HTTPS
+webhook server.
 
 Why the webhook is not a kopf admission handler: kopf runs only on the replica holding the
 Lease (see runtime.py), but the webhook Service sends each admission request to any ready
@@ -23,16 +24,13 @@ knows, so each replica serves it from its own settings.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
-import os
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.metadata import version
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -543,77 +541,3 @@ def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
         "timeoutSeconds": 5,
         "failureThreshold": failures,
     }
-
-
-# --- serving ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WebhookOptions:
-    """Where the webhook listens. The API server only calls webhooks over HTTPS."""
-
-    port: int
-    certfile: Path
-    keyfile: Path
-    address: str = "0.0.0.0"
-
-
-async def serve(options: WebhookOptions, settings: InjectionSettings, backends: Settings,
-                injected: Callable[[str], None] | None = None) -> None:
-    """Answer admission requests until cancelled, on any path (the chart uses /inject).
-    `injected` is told the namespace of each pod that gets a sidecar, after the answer is made.
-
-    kopf's server re-reads the certificate files when they change (a renewed Secret) and
-    restarts its listener with them.
-    """
-    import kopf
-
-    async def respond(
-        request: Any,
-        *,
-        webhook: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        sslpeer: Mapping[str, Any] | None = None,
-    ) -> Any:
-        answered = answer(request, settings, backends)
-        namespace = (request.get("request") or {}).get("namespace")
-        if injected is not None and namespace and outcome(answered) == "injected":
-            injected(str(namespace))
-        return answered
-
-    server = kopf.WebhookServer(
-        addr=options.address, port=options.port, certfile=options.certfile, pkeyfile=options.keyfile
-    )
-    async for client_config in server(respond):
-        log.info("sidecar-injection webhook listening at %s", client_config.get("url"))
-
-
-def run_with_webhook(operator: Awaitable[int], options: WebhookOptions, settings: InjectionSettings) -> int:
-    """Run the operator (leader or standby) and, beside it, the webhook; the first to end ends both."""
-    return asyncio.run(_run_with_webhook(operator, options, settings))
-
-
-async def _run_with_webhook(operator: Awaitable[int], options: WebhookOptions, settings: InjectionSettings) -> int:
-    # Here, not at the top: casque.operator.copies builds on this module.
-    from casque.operator import copies, kube
-
-    backends = Settings()
-    running = asyncio.ensure_future(operator)
-    copier = None
-    source_namespace = os.environ.get("POD_NAMESPACE")
-    names = copies.source_names(settings, backends)
-    if source_namespace and names:
-        copier = copies.WebhookCopier(kube.api_client, source_namespace, names, copies.copied_keys(settings, backends))
-    webhook = asyncio.create_task(
-        serve(options, settings, backends, copier.schedule if copier is not None else None), name="webhook")
-    try:
-        await asyncio.wait({running, webhook}, return_when=asyncio.FIRST_COMPLETED)
-        if running.done():
-            return running.result()
-        webhook.result()  # the server failed (a bad certificate, the port taken): say why
-        raise RuntimeError("the webhook server stopped")
-    finally:
-        for task in (webhook, running):
-            task.cancel()
-        await asyncio.gather(webhook, running, return_exceptions=True)
-
