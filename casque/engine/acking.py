@@ -17,11 +17,19 @@ from the old epoch is answered `stale_receipt` (the seek replays or skips it), n
 Ack calls side by side share that read (`FreshRead`), each answered by one sent after it
 began, so an app acking one message at a time from many workers costs one ZooKeeper round
 trip per read in flight, not one per ack.
+
+An ack whose source this member no longer holds (the shard moved on, the range completed)
+is an app resending one whose answer it lost, or acking late. A resend of an ack this member
+answered `acked` (it remembers the last RECENT_ACKS) is answered `already_acked`, as the app
+expects of a resend; anything else is `stale_receipt`. An ack row alone would not do: a row
+whose lease check failed (answered `lease_lost`) may have landed after the next holder read
+the rows, and that holder delivers the message again.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
@@ -95,6 +103,18 @@ class FreshRead(Generic[T]):
                 self._next = None
 
 
+# Acks answered `acked` remembered for resends after their source left (about 2 MiB).
+RECENT_ACKS = 8192
+
+
+class NotHeldHere(StaleReceipt):
+    """No source of this member holds the receipt's position (any more)."""
+
+    def __init__(self, message: str, position: Position, nonce: int) -> None:
+        super().__init__(message)
+        self.key = (position.shard, position.batch, position.seq, nonce)
+
+
 def seek_overtook(reader: Source) -> StaleReceipt:
     """The answer to an ack of a delivery whose shard a seek moved before this member applied it."""
     return StaleReceipt(f"a seek moved shard {reader.shard} after this delivery; it is replayed from the new position")
@@ -107,6 +127,8 @@ class AckTaker:
         # Acks being made durable, by (shard, batch, seq, nonce): a resent ack shares the answer.
         self._acking: dict[tuple[int, int, int, int], asyncio.Future[bool | CasqueError]] = {}
         self._seek_mark = FreshRead(lambda: offsets.read_seek_mark(member.store.zk, member.paths))
+        # Deliveries whose ack this member answered `acked`, oldest first (see RECENT_ACKS).
+        self._acked: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()
 
     async def ack_many(self, receipts: list[str]) -> list[bool | CasqueError]:
         """Acknowledge several deliveries at once; one result (or error) per receipt, in order.
@@ -122,11 +144,15 @@ class AckTaker:
         results: list[bool | CasqueError] = [False] * len(receipts)
         started: list[_Acking] = []
         joined: list[tuple[int, asyncio.Future[bool | CasqueError]]] = []
+        elsewhere: list[tuple[int, NotHeldHere]] = []
         acking = self._acking
         for index, receipt in enumerate(receipts):
             try:
                 reader, position, nonce = self._source_of(receipt)
                 start = reader.state.start_ack(position, nonce)
+            except NotHeldHere as moved:
+                elsewhere.append((index, moved))
+                continue
             except CasqueError as error:
                 results[index] = error
                 continue
@@ -150,13 +176,22 @@ class AckTaker:
                 raise
             for (index, reader, event, nonce), outcome in zip(started, outcomes):
                 results[index] = outcome
+                if outcome is True:
+                    self._remember((event.shard, event.batch, event.seq, nonce))
                 future = acking.pop((event.shard, event.batch, event.seq, nonce), None)
                 if future is not None and not future.done():
                     # What a resend of this delivery's ack hears: done already, or the same error.
                     future.set_result(False if outcome is True else outcome)
         for index, shared in joined:
             results[index] = await asyncio.shield(shared)
+        for index, gone in elsewhere:
+            results[index] = False if gone.key in self._acked else gone  # False: already acked
         return results
+
+    def _remember(self, key: tuple[int, int, int, int]) -> None:
+        self._acked[key] = None
+        if len(self._acked) > RECENT_ACKS:
+            self._acked.popitem(last=False)
 
     async def _make_durable(self, started: list[_Acking]) -> list[bool | CasqueError]:
         """Write the ack rows of `started`, confirm their sources, and move each delivery to

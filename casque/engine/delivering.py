@@ -20,7 +20,7 @@ from functools import partial
 from kazoo.exceptions import KazooException
 
 from casque.engine import catalog
-from casque.engine.acking import Source, each_settled
+from casque.engine.acking import NotHeldHere, Source, each_settled
 from casque.engine.acks import DEAD, NACK, AckEvent
 from casque.engine.claim_reader import ClaimReader
 from casque.engine.clock import clock_of
@@ -323,8 +323,9 @@ class Deliverer:
         reader = self._source_for(position)
         if reader is None:
             if self._member.subscriber_state.spec.delivery == "shared":
-                raise StaleReceipt(f"batch {position.shard}/{position.batch} is no longer claimed by this consumer")
-            raise StaleReceipt(f"shard {position.shard} is no longer leased by this consumer")
+                raise NotHeldHere(f"batch {position.shard}/{position.batch} is no longer claimed by this consumer",
+                                  position, nonce)
+            raise NotHeldHere(f"shard {position.shard} is no longer leased by this consumer", position, nonce)
         return reader, position, nonce
 
     def held_message(self, receipt: str) -> StoredMessage | None:
