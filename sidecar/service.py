@@ -36,7 +36,7 @@ from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.engine.offsets import SeekTarget, seek
 from casque.engine.pipelines import keyed_outputs
 from casque.engine.publisher import Publisher
-from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
+from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats, with_live_report
 from casque.errors import (
     BackendUnavailable,
     CasqueError,
@@ -439,7 +439,12 @@ class QueueService:
             validate_name("subscriber", subscriber)
         except InvalidSpec as error:
             raise SubscriberNotFound(f"no subscriber {subscriber!r}: {error}") from error
-        return await _guarded(subscriber_stats(self.store, ref, subscriber))
+        stats = await _guarded(subscriber_stats(self.store, ref, subscriber))
+        subscription = self.subscriptions.get(subscriber) if self.queue == ref else None
+        if subscription is not None and subscription.consumer is not None:
+            consumer = subscription.consumer
+            stats = with_live_report(stats, consumer.member_id, consumer.report())
+        return stats
 
     async def message_history(self, queue: str, message_id: str) -> MessageHistory:
         return await _guarded(message_history(self.store, self.queue_ref(queue), message_id))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
 from cassandra import InvalidRequest
@@ -241,3 +241,17 @@ async def subscriber_stats(store: Store, queue: QueueRef, subscriber: str) -> Su
         filtered=counts.get(filtered(key), 0),
         stall_after_seconds=threshold,
     )
+
+
+def with_live_report(stats: SubscriberStats, member: str, report: dict[str, int]) -> SubscriberStats:
+    """`stats` with one member's counters as they are now instead of as it last wrote them to
+    its member znode (every few seconds): what the member's own sidecar answers, so a receive
+    shows in its `inFlight` and `delivered` at once. Only for a member of the group."""
+    if member not in stats.members:
+        return stats
+    reports = {**stats.member_reports, member: report}
+    return replace(stats, member_reports=reports,
+                   in_flight=sum(r.get("in_flight", 0) for r in reports.values()),
+                   delivered=sum(r.get("delivered", 0) for r in reports.values()),
+                   redelivered=sum(r.get("redelivered", 0) for r in reports.values()))
+
