@@ -2,7 +2,8 @@
 
 The body is the same CloudEvent a receive returns (`Content-Type:
 application/cloudevents+json`). The app's answer settles the message:
-- 2xx: acked.
+- 2xx: acked (an ack that fails for a backend's reason is sent again while the delivery's
+  visibility lasts, never turned into a nack: the app has processed the message).
 - a retry status (default 408, 425, 429, 5xx), a refused connection or a timeout: nacked
   with the subscriber's retry policy (`spec.retry`) if it has one, else with exponential
   backoff and jitter on the delivery count, so a struggling app gets fewer requests,
@@ -52,7 +53,7 @@ import aiohttp
 
 from casque.engine.consumer import Consumer
 from casque.engine.messages import Delivery
-from casque.errors import CasqueError, InvalidSpec, StaleReceipt
+from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, StaleReceipt
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings, push_target
 from casque.sidecar.metrics import SidecarMetrics
@@ -64,6 +65,10 @@ log = logging.getLogger(__name__)
 
 CLOUDEVENTS_JSON = "application/cloudevents+json"
 PUSH_TOKEN_HEADER = "Casque-Push-Token"
+# An ack of a message the app took, failing for a backend's reason, is sent again after this
+# long, doubling up to the maximum (see PushWorker._ack_until_recorded).
+ACK_RETRY_SECONDS = 0.1
+ACK_RETRY_MAX_SECONDS = 2.0
 # Enough of an answer to quote in the nack reason; the rest is never read.
 MAX_ANSWER_BYTES = 4096
 QUOTED_ANSWER_CHARS = 200
@@ -299,7 +304,7 @@ class PushWorker:
     async def _settle(self, delivery: Delivery, outcome: str, reason: str) -> None:
         labels = (self.queue.name, self.subscriber)
         if outcome == "ack":
-            await self.consumer.ack(delivery.receipt)
+            await self._ack_until_recorded(delivery)
             self.metrics.acked.labels(*labels).inc()
             return
         ceiling = self.settings.push_max_backoff_seconds
@@ -323,6 +328,24 @@ class PushWorker:
             delay = backoff(delivery.delivery_count, self.settings.push_backoff_seconds, ceiling)
         await self.consumer.nack(delivery.receipt, delay, reason)
         self.metrics.nacked.labels(*labels).inc()
+
+    async def _ack_until_recorded(self, delivery: Delivery) -> None:
+        """The app took the message (2xx): an ack that fails for a backend's reason is sent
+        again, with backoff, while the delivery's visibility lasts. Settling it otherwise (a
+        nack) would push a message the app already processed again. Past the visibility,
+        the error goes up and the message is delivered again, as for any unacked delivery."""
+        wait = ACK_RETRY_SECONDS
+        while True:
+            try:
+                await self.consumer.ack(delivery.receipt)
+                return
+            except BackendUnavailable as error:
+                if self._stopping or time.monotonic() + wait >= delivery.visible_until:
+                    raise
+                log.info("ack of pushed %s failed (%s); sent again in %.2fs", delivery.message.message_id,
+                         error, wait)
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, ACK_RETRY_MAX_SECONDS)
 
     async def stop(self, timeout: float) -> None:
         """Take no more messages; let pushes under way finish (up to `timeout`) and settle."""

@@ -16,10 +16,12 @@ from aiohttp import web
 
 from casque.config import Settings
 from casque.engine import catalog
+from casque.engine.acks import ACK, AckEvent, AckLog
 from casque.engine.consumer import Consumer
 from casque.engine.deadletters import DELIVERIES, LAST_ERROR, SOURCE, SUBSCRIBER as SUBSCRIBER_ATTRIBUTE
 from casque.engine.messages import Delivery, OutgoingMessage
 from casque.engine.publisher import Publisher
+from casque.errors import BackendUnavailable
 from casque.schema import QueueRef
 from casque.sidecar import push
 from casque.sidecar.app import METRICS, create_app
@@ -418,3 +420,48 @@ async def test_push_url_changes_apply_without_a_restart_and_remote_urls_are_refu
     assert (await client.post(f"/v1/queues/{QUEUE}/messages", json={"data": "pushed"})).status == 200
     await asyncio.wait_for(pushed.wait(), 60)
     assert values == ["pushed"]
+
+
+async def test_a_push_the_app_took_is_not_pushed_again_when_its_ack_write_fails_for_a_while(
+    store: Store, aiohttp_server: Any, aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The app answered 2xx; the ack's row write then failed twice (a backend hiccup). The ack
+    is sent again until it is recorded; before, the failure became a nack and the app was
+    handed the message a second time."""
+    pushed: list[int] = []
+    acked = asyncio.Event()
+
+    async def app_endpoint(request: web.Request) -> web.StreamResponse:
+        event = await request.json()
+        pushed.append(event["deliverycount"])
+        return web.Response(status=204)
+
+    target = web.Application()
+    target.router.add_post("/events", app_endpoint)
+    server = await aiohttp_server(target)
+    catalog.apply_queue(store, REF, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, REF, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE, start_position="earliest", push_url=str(server.make_url("/events")),
+        visibility_timeout_seconds=30))
+    written = AckLog._write
+    failures = [BackendUnavailable("Cassandra: WriteTimeout: injected")] * 2
+
+    async def flaky(self: AckLog, events: list[AckEvent]) -> None:
+        if any(e.outcome == ACK for e in events):
+            if failures:
+                raise failures.pop()
+            await written(self, events)
+            acked.set()
+            return
+        await written(self, events)
+
+    monkeypatch.setattr(AckLog, "_write", flaky)
+    settings = SidecarSettings(queue=QUEUE, subscribers=[SUBSCRIBER], drain_seconds=1, push_concurrency=1,
+                               push_backoff_seconds=0.05, push_max_backoff_seconds=0.3)
+    client = await aiohttp_client(create_app(settings, Settings(), store))
+    answer = await client.post(f"/v1/queues/{QUEUE}/messages", json={"data": "once"})
+    assert answer.status == 200
+    await asyncio.wait_for(acked.wait(), 60)
+    assert not failures and pushed == [1]
+    stats = await (await client.get(f"/v1/queues/{QUEUE}/subscribers/{SUBSCRIBER}/stats")).json()
+    assert stats["inFlight"] == 0
