@@ -31,7 +31,7 @@ from casque.engine import catalog, offsets, positions
 from casque.engine.acks import ACK, DEAD, BatchMarks
 from casque.engine.batches import Log
 from casque.engine.deadletters import FOR_SUBSCRIBER, MESSAGE_ID as DEAD_LETTER_SOURCE_ID, dead_letter_client_id
-from casque.engine.delayed import MOVED_PREFIX, due_bucket
+from casque.engine.delayed import MOVED_PREFIX, due_bucket, moved_client_id
 from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.messages import (Position, StoredMessage, event_source_of, filter_variables, id_time,
                                     in_id_form, reserved_client_id)
@@ -151,6 +151,8 @@ async def message_history(store: Store, queue: QueueRef, message_id: str,
     now = now or datetime.now(timezone.utc)
     state = await asyncio.to_thread(catalog.read_queue, store, queue)
     found = await _find_in_log(store, queue, state, message_id, due, now)
+    if found is None and due < now - SEARCH_AFTER:
+        found = await _moved_late(store, queue, state, message_id)
     if found is None:
         if await _is_delayed(store, queue, state, message_id, due):
             return MessageHistory(str(queue), message_id, due, "delayed")
@@ -239,6 +241,16 @@ async def _read_message(store: Store, queue: QueueRef, position: Position) -> _F
         position, row.message_id, _utc(row.published_at), row.payload or b"", row.key,
         dict(row.attributes or {}), row.content_type, _utc(row.expires_at) if row.expires_at else None)
     return message, row.client_id, None if header is None else header.writer
+
+
+async def _moved_late(store: Store, queue: QueueRef, state: QueueState, message_id: str) -> _FOUND | None:
+    """A delayed message the mover wrote later than the search allows for (it was down when
+    the message was due): its move's idempotency record says where it went."""
+    guard = IdempotencyGuard(store, state.shared_key(queue), Log(store, queue, state.spec.consistency))
+    moved = await guard.earlier(moved_client_id(message_id))
+    if moved is None or moved.batch < 1:
+        return None
+    return await _read_message(store, queue, Position(moved.shard, moved.batch, moved.seq))
 
 
 async def _is_delayed(store: Store, queue: QueueRef, state: QueueState, message_id: str, due: datetime) -> bool:

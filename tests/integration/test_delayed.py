@@ -7,14 +7,15 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import aiohttp
 import pytest
 
-from casque.engine import catalog, delayed
+from casque.engine import catalog, delayed, history
+from casque.engine.batches import Log
 from casque.engine.clock import clock_of
 from casque.engine.consumer import Consumer
 from casque.engine.counters import DELAYED_IN, QueueCounters
@@ -23,7 +24,7 @@ from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
 from casque.engine.sequences import producer_key
-from casque.errors import BackendUnavailable, InvalidSpec, WriteOutcomeUnknown
+from casque.errors import BackendUnavailable, InvalidSpec, MessageNotFound, WriteOutcomeUnknown
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, QueueState, SubscriberSpec
 from casque.store import Store
@@ -214,6 +215,13 @@ async def until_true(what: str, condition: Callable[[], bool], limit_s: float = 
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.02)
+
+
+async def until_async(what: str, condition: Callable[[], Awaitable[bool]], limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not await condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
 
 
 async def receive_all(consumer: Consumer, count: int, limit_s: float = 120.0) -> Counter[str]:
@@ -452,3 +460,37 @@ async def test_a_delayed_publish_with_an_id_that_failed_midway_is_stored_and_mov
     assert await consumer.receive(max_messages=10, wait=PASS_SECONDS * 2) == []
     (again,) = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish([message])
     assert again.duplicate and again.message_id == retry.message_id  # through another sidecar too
+
+
+async def test_the_history_of_a_message_the_mover_moved_later_than_the_search_window_says_where_it_is(
+    store: Store, running: list[object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mover was down when the message was due, for longer than message history's search
+    past a message's due time (SEARCH_AFTER, 90 s; 1 s here to keep the test short). The
+    history must find it in the log through its move's record, not call it delayed or lost."""
+    monkeypatch.setattr(history, "SEARCH_AFTER", timedelta(seconds=1))
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    due = datetime.now(timezone.utc) + timedelta(seconds=delayed.IMMEDIATE_SECONDS + 2)
+    (published,) = await publisher.publish([OutgoingMessage(b"late", deliver_at=due)])
+    assert published.batch == -1  # waiting in the delayed table
+    # No mover runs until the message is overdue by more than the search allows for.
+    clock = clock_of(store.session)
+    await until_true("the message overdue past the search", lambda: clock.now() > due + timedelta(seconds=3))
+    mover = mover_for(store, spec, "late-mover")
+    mover.start()
+    running.append(mover)
+
+    async def logged() -> bool:
+        try:
+            return (await history.message_history(store, QUEUE, published.message_id)).state == "logged"
+        except MessageNotFound:
+            return False
+
+    await until_async("the moved message found in the log", logged)
+    found = await history.message_history(store, QUEUE, published.message_id)
+    assert found.position is not None and found.position.batch >= 1
+    header = await Log(store, QUEUE, "ONE").read_header(found.position.shard, found.position.batch)
+    assert header is not None and header.published_at is not None
+    assert header.published_at > due + timedelta(seconds=1)  # written past the (shortened) search
