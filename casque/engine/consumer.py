@@ -59,7 +59,6 @@ from casque.store import Store
 log = logging.getLogger(__name__)
 
 __all__ = ["Consumer", "ConsumerStopped"]
-
 # Each consumer reports its in-flight and delivery counts in its member znode this often.
 REPORT_INTERVAL_SECONDS = 5.0
 
@@ -174,8 +173,7 @@ class Consumer:
         return set(self.readers)
 
     def answered_shards(self) -> list[int]:
-        """The shards whose progress this member answers for: its leased ones, or every shard
-        in shared delivery (every member delivers from every shard)."""
+        """The shards whose progress this member answers for: its leased ones, or all (shared)."""
         if self._sharing is not None:
             return list(self._sharing.shards)
         return sorted(self.readers)
@@ -472,8 +470,8 @@ class Consumer:
         return sum(r.state.loaded_bytes for r in self.sources())
 
     async def stop(self, drain_seconds: float = 0.0) -> None:
-        """Stop: wait up to `drain_seconds` for in-flight messages to be acked, write
-        acks and offsets, release the leases. Unacked messages go to the next holder."""
+        """Stop: wait up to `drain_seconds` for in-flight messages to be acked, write acks, offsets
+        and checkpoints, release the leases. Unacked messages go to the next holder."""
         deadline = time.monotonic() + drain_seconds
         while self.in_flight() and time.monotonic() < deadline and not self.gone_reason:
             await asyncio.sleep(0.05)
@@ -496,5 +494,7 @@ class Consumer:
             await self._leases.stop()
         for shard, reader in list(self.readers.items()):
             await self._leased.released(shard, reader.fence)
+        if (deliverer := getattr(self, "_deliverer", None)) is not None:  # None: start failed early
+            await deliverer.flush()
         if self.checkpoints is not None:
             await self.checkpoints.flush()

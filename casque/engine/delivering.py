@@ -103,6 +103,11 @@ class DeadLetters:
             log.info("dead-letter count of %s not written (%s)", message.message_id, error)
         return None
 
+    async def flush(self) -> None:
+        """Write the head checkpoints the dead-letter queue's publisher has yet to write (a
+        clean stop; not waiting for heads, which may wait on ZooKeeper)."""
+        await self._publisher.checkpoints.flush()
+
     async def _current(self) -> Publisher:
         """The dead-letter queue's publisher, renewed when that queue changed or was created again.
 
@@ -393,6 +398,11 @@ class Deliverer:
             self._member.counters.nacks += 1
         self._member.notify()
         return outcomes
+
+    async def flush(self) -> None:
+        """At a clean stop: what the dead-letter queue's publisher has yet to write down."""
+        if self._dead_letters is not None:
+            await self._dead_letters.flush()
 
     # --- what happens when times end ---------------------------------------------------------------
     async def run_timers(self, stopped: Callable[[], bool]) -> None:

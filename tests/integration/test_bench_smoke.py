@@ -29,11 +29,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark]
 def test_every_benchmark_runs_in_smoke_mode_and_renders_the_figures_section(
     backends: Backends, tmp_path: Path
 ) -> None:
-    figures = tmp_path / "performance.md"
-    shutil.copy(ROOT / "docs" / "performance.md", figures)
+    performance = tmp_path / "performance.md"
+    shutil.copy(ROOT / "docs" / "performance.md", performance)
     out = tmp_path / "results"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "all.py"), "--smoke", "--out", str(out), "--figures", str(figures),
+        [sys.executable, str(ROOT / "bench" / "all.py"), "--smoke", "--out", str(out), "--figures", str(performance),
          "--timeout", "300", "--cassandra", f"{backends.contact_points[0]}:{backends.cql_port}",
          "--zookeeper", backends.zookeeper_hosts],
         capture_output=True, text=True, timeout=1500, check=False,
@@ -49,7 +49,7 @@ def test_every_benchmark_runs_in_smoke_mode_and_renders_the_figures_section(
             assert len(figure["values"]) == 1 and math.isfinite(figure["median"]), (name, key, figure)
 
     section = (out / "figures-section.md").read_text()
-    original, updated = (ROOT / "docs" / "performance.md").read_text(), figures.read_text()
+    original, updated = (ROOT / "docs" / "performance.md").read_text(), performance.read_text()
     before, _, after = original.partition("<!-- bench:begin -->")
     assert updated.startswith(before) and section in updated
     assert updated.endswith(after.partition("<!-- bench:end -->")[2])
