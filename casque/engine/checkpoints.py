@@ -38,6 +38,7 @@ import logging
 from dataclasses import dataclass
 from typing import TypeVar
 
+from cassandra import InvalidRequest
 from cassandra.query import PreparedStatement
 from pydantic import ValidationError
 
@@ -167,12 +168,20 @@ class Checkpoints:
         """`queue_key`: the queue's incarnation key (`QueueState.shared_key`)."""
         self._store = store
         self._queue_key = queue_key
-        self._table = f"{store.keyspace_of(queue.namespace)}.{CHECKPOINTS_TABLE}"
+        self._keyspace = store.keyspace_of(queue.namespace)
+        self._table = f"{self._keyspace}.{CHECKPOINTS_TABLE}"
         self._insert: PreparedStatement | None = None
 
-    def prepare(self) -> None:
-        """Prepare the write now (it blocks for a round trip: not on an event loop's hot path)."""
+    def prepare(self) -> bool:
+        """Prepare the write now (it blocks for a round trip: not on an event loop's hot path);
+        False, preparing nothing, if the keyspace does not exist (its namespace was deleted):
+        asked first, since a failed prepare is an error in the driver's log at every try."""
+        if self._insert is None and self._store.session.execute(
+                "SELECT keyspace_name FROM system_schema.keyspaces WHERE keyspace_name = %s",
+                (self._keyspace,)).one() is None:
+            return False
         self._statement()
+        return True
 
     def _statement(self) -> PreparedStatement:
         if self._insert is None:
@@ -212,6 +221,12 @@ class Checkpoints:
     async def read_shard(self, owner: str, shard: int) -> Position | None:
         """The owner's checkpoint of one shard, if it has one (without blocking the loop)."""
         return (await self.read_async(owner)).get(shard)
+
+
+def keyspace_gone(error: BaseException) -> bool:
+    """Whether Cassandra refused a statement because its keyspace does not exist (a missing
+    table, as before the operator's first apply after an upgrade, is not this)."""
+    return isinstance(error, InvalidRequest) and "keyspace" in str(error).lower() and "does not exist" in str(error)
 
 
 class CheckpointWriter:
@@ -254,12 +269,19 @@ class CheckpointWriter:
         try:
             # Prepared here, off the event loop: a keyspace whose table an older operator has
             # not made yet (the operator makes it at its next apply) fails only the checkpoints.
-            await asyncio.to_thread(self.checkpoints.prepare)
+            if not await asyncio.to_thread(self.checkpoints.prepare):
+                log.info("%d checkpoints dropped: keyspace of the queue is gone", len(pending))
+                return
             results = await asyncio.gather(
                 *(self.checkpoints.write(owner, shard, position) for (owner, shard), position in pending.items()),
                 return_exceptions=True)
         except Exception as error:  # every driver error: kept, and tried again with the next
             self.failures += 1
+            if keyspace_gone(error):
+                # Its namespace was deleted: written into nothing for ever otherwise, each try
+                # an error in the driver's log.
+                log.info("%d checkpoints dropped: %s", len(pending), error)
+                return
             (log.warning if self.failures == 1 else log.debug)("checkpoints not written (%r); trying again", error)
             self._keep(pending)
             return
@@ -267,7 +289,9 @@ class CheckpointWriter:
             self._keep(pending)  # a flush took over: it writes them (a write that landed is harmless again)
             raise
         for (key, position), result in zip(pending.items(), results):
-            if isinstance(result, BaseException):
+            if isinstance(result, BaseException) and keyspace_gone(result):
+                log.info("checkpoint of %s in shard %d dropped: %s", key[0] or "the head", key[1], result)
+            elif isinstance(result, BaseException):
                 self.failures += 1
                 log.info("checkpoint of %s in shard %d not written (%r); trying again", key[0] or "the head",
                          key[1], result)

@@ -38,8 +38,8 @@ class RecordingCheckpoints:
         self.written: list[tuple[str, int, Position]] = []
         self.failures = failures
 
-    def prepare(self) -> None:
-        pass
+    def prepare(self) -> bool:
+        return True
 
     async def write(self, owner: str, shard: int, position: Position) -> None:
         if self.failures:
@@ -91,3 +91,27 @@ def test_a_state_of_a_later_format_is_refused_and_one_without_a_format_is_the_fi
     assert kind.model_validate_json(json.dumps(written)).format == STATE_FORMAT == 1
     with pytest.raises(NewerFormat, match=f"format {STATE_FORMAT + 1}; this version of casque reads up to"):
         kind.model_validate_json(json.dumps({**written, "format": STATE_FORMAT + 1}))
+
+
+async def test_checkpoints_whose_keyspace_is_gone_are_dropped_not_tried_for_ever() -> None:
+    from cassandra import InvalidRequest
+
+    sink = RecordingCheckpoints()
+    writer = CheckpointWriter(sink, interval=3600)  # type: ignore[arg-type]
+
+    async def gone(owner: str, shard: int, position: Position) -> None:
+        raise InvalidRequest('Error from server: code=2200 [Invalid query] message="keyspace t_1 does not exist"')
+
+    sink.write = gone  # type: ignore[method-assign]
+    writer.note("billing", 0, Position(5))
+    await writer.flush()
+    assert writer._pending == {}  # dropped, not kept for another try
+    missing_table = InvalidRequest('Error from server: code=2200 [Invalid query] message="unconfigured table checkpoints"')
+
+    async def no_table(owner: str, shard: int, position: Position) -> None:
+        raise missing_table
+
+    sink.write = no_table  # type: ignore[method-assign]
+    writer.note("billing", 0, Position(6))
+    await writer.flush()
+    assert list(writer._pending) == [("billing", 0)]  # kept: the operator makes the table at its next apply
