@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 
 from casque.config import Settings
-from casque.engine import catalog
+from casque.engine import catalog, protocol, protocol_change
 from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
@@ -505,7 +505,10 @@ async def run_once(store: Store, args: argparse.Namespace, run: int, processes: 
 
 
 async def main() -> None:
-    args = parse(arguments((__doc__ or "").splitlines()[0], 10000, 1024), smoke_messages=300)
+    parser = arguments((__doc__ or "").splitlines()[0], 10000, 1024)
+    parser.add_argument("--protocol", type=int, default=protocol.PROTOCOL,
+                        help="the installation's protocol version to measure (casque.engine.protocol)")
+    args = parse(parser, smoke_messages=300)
 
     settings = scratch_settings(args.cassandra, args.zookeeper)
     keyspace = settings.keyspace
@@ -519,6 +522,7 @@ async def main() -> None:
     floor_log = Path(tempfile.gettempdir()) / f"{keyspace}-floor.log"
     try:
         catalog.ensure_installation(store)
+        protocol_change.set_version(store, args.protocol)
         catalog.apply_queue(store, http_queue, spec)
         catalog.apply_subscriber(store, http_queue, http_queue.name, SubscriberSpec(queue=http_queue.name,
                                                                                     start_position="earliest"))
@@ -544,7 +548,7 @@ async def main() -> None:
     bare_log.unlink(missing_ok=True)
     floor_log.unlink(missing_ok=True)
     report("sidecar", args, {"messages per publish form": args.messages, "size": args.size, "shards": args.shards,
-                             "sidecar": "own process"}, FIGURES, samples)
+                             "sidecar": "own process", "protocol": args.protocol}, FIGURES, samples)
 
 
 if __name__ == "__main__":

@@ -313,7 +313,8 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
         # message that waited in the delayed table). Clustered by the run's last sequence, so
         # a read of a run of sequences skips the rows before it and filters the rest within
         # its one partition. Rows expire after the deduplication window; a block's partition
-        # never holds more than its sequences.
+        # never holds more than its sequences. From protocol 2 on (casque.engine.protocol) an
+        # intent's row carries its writer's claim facts (since_batch, claim_deadline) itself.
         f"""CREATE TABLE IF NOT EXISTS {keyspace}.{PRODUCER_SEQS_TABLE} (
     queue text,
     producer text,
@@ -325,6 +326,8 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     batch_no bigint,
     message_ids frozen<list<text>>,
     batch_seqs frozen<list<int>>,
+    since_batch bigint,
+    claim_deadline timestamp,
     PRIMARY KEY ((queue, producer, block), last_seq, writer)
 ) WITH gc_grace_seconds = {GC_GRACE_SECONDS}
   AND compaction = {_compaction(86400)}""",
@@ -380,6 +383,8 @@ ADDED_COLUMNS = [
     (LEGACY_PUBLISH_IDS_TABLE, "claim_deadline", "timestamp"),
     (PUBLISH_WRITERS_TABLE, "replaces", "set<text>"),
     (ACKS_TABLE, "visible_until", "frozen<map<int, bigint>>"),
+    (PRODUCER_SEQS_TABLE, "since_batch", "bigint"),
+    (PRODUCER_SEQS_TABLE, "claim_deadline", "timestamp"),
 ]
 
 
@@ -442,6 +447,12 @@ def has_table(session: Any, keyspace: str, table: str) -> bool:
         "SELECT table_name FROM system_schema.tables WHERE keyspace_name = %s AND table_name = %s", (keyspace, table)
     ).one()
     return row is not None
+
+
+def has_columns(session: Any, keyspace: str, table: str, columns: set[str]) -> bool:
+    rows = session.execute(
+        "SELECT column_name FROM system_schema.columns WHERE keyspace_name = %s AND table_name = %s", (keyspace, table))
+    return columns <= {row.column_name for row in rows}
 
 
 def count_queue_tables(session: Any, keyspace: str) -> int:

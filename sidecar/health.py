@@ -36,6 +36,10 @@ async def readiness(service: QueueService, serving_only: bool = False) -> tuple[
     cassandra_ok = any(host.is_up for host in cluster.metadata.all_hosts())
     checks["cassandra"] = "up" if cassandra_ok else "no host up"
     ready = ready and cassandra_ok and (zk_ok or not service.subscriptions)
+    if service.protocol.refusal is not None:
+        # Nothing is written in a protocol this release cannot speak: upgrade, or roll the installation back.
+        checks["protocol"] = str(service.protocol.refusal)
+        ready = False
     if serving_only:
         return ready, checks
     ready = ready and zk_ok

@@ -35,6 +35,7 @@ from casque.engine.history import MessageHistory, message_history
 from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.engine.offsets import SeekTarget, seek
 from casque.engine.pipelines import keyed_outputs
+from casque.engine.protocol import ProtocolLevel
 from casque.engine.publisher import Publisher
 from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats, with_live_report
 from casque.errors import (
@@ -129,6 +130,8 @@ class QueueService:
         # Push workers (casque.sidecar.push) register here; the service stops them first on drain.
         self.on_consumer_started: list[Callable[[Subscription], None]] = []
         self.stoppers: list[Callable[[float], Awaitable[None]]] = []
+        # The installation's protocol, followed from its znode (casque.engine.protocol).
+        self.protocol = ProtocolLevel.watching(store)
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -266,7 +269,7 @@ class QueueService:
         state = await blocking(catalog.read_queue, self.store, ref)
         publisher = await blocking(
             lambda: Publisher(self.store, ref, state, linger=self.settings.publish_linger_seconds,
-                              group_linger=self.settings.publish_group_linger_seconds)
+                              group_linger=self.settings.publish_group_linger_seconds, protocol=self.protocol)
         )
         self._publishers[name] = publisher
         self._watch_spec(name, publisher, self.store.paths(ref).base)
@@ -293,6 +296,7 @@ class QueueService:
     async def publish(self, queue: str, messages: Sequence[OutgoingMessage]) -> list[Published]:
         """All or none: every message is checked before any is written."""
         self._admit()
+        self.protocol.check()
         publisher = await self.publisher(queue)
         checked = list(messages)
         for index, message in enumerate(messages):

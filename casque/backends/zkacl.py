@@ -43,6 +43,8 @@ need there and no more:
     anything else below <ns>               <ns>: read
     {root}/grants/<ns>, and below          <ns>: read (what the operator granted its queues,
                                            casque.engine.grants: never the namespace's to write)
+    {root}/protocol                        anyone: read (the installation's protocol version,
+                                           casque.engine.protocol: every sidecar follows it)
 
 So the installation creates every container znode (with the queue or the subscriber, or
 with a later apply for one made by an older casque), and a sidecar only ever creates below
@@ -76,7 +78,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kazoo.client import KazooClient, TransactionRequest
-from kazoo.security import ACL, Id, Permissions, make_digest_acl_credential
+from kazoo.security import ACL, ANYONE_ID_UNSAFE, Id, Permissions, make_digest_acl_credential
 
 from casque.derivation import ZOOKEEPER_IDENTITY, derive_password
 
@@ -193,6 +195,8 @@ class AclPolicy:
     def acl_for(self, path: str) -> list[ACL]:
         if self.below_only:
             return list(self.installation_acl)
+        if path == f"{self.root.rstrip('/')}/protocol":
+            return [*self.installation_acl, ACL(Permissions.READ, ANYONE_ID_UNSAFE)]
         granted = self.grants_of(path)
         if granted is not None:
             return list(self.namespace_acl(granted))

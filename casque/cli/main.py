@@ -23,6 +23,7 @@ def whole_app() -> typer.Typer:
         apply,
         backup_commands,
         dev,
+        protocol_commands,
         queue_commands,
         resources,
         security,
@@ -36,6 +37,7 @@ def whole_app() -> typer.Typer:
     app.add_typer(dev.app, name="dev")
     app.add_typer(operator_cli.app, name="operator")
     app.add_typer(spark_commands.app, name="spark")
+    app.add_typer(protocol_commands.app, name="protocol")
     app.command("apply")(apply.apply_file)
     app.command("delete")(apply.delete_file)
     app.command("secure-znodes")(security.secure_znodes)

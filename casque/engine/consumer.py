@@ -1,5 +1,4 @@
-"""A consumer: one member of a subscriber's group, delivering from the shards it leases or
-the ranges it claims. Start it, use it, stop it.
+"""A consumer: one member of a subscriber's group, delivering from the shards it leases or ranges it claims.
 
 The member is the facade over one module per concern: shard leases and membership
 (casque.engine.leases), a leased shard's reading and offset commits (shard_reader), shared
@@ -46,6 +45,7 @@ from casque.engine.entries import ByteBudget
 from casque.engine.leases import ShardLeases
 from casque.engine.member import Backoff, ConsumerCounters, ConsumerStopped, LeasedReader, ShardStatus
 from casque.engine.messages import Delivery, Position, StoredMessage
+from casque.engine.protocol import PROTOCOL
 from casque.engine.publisher import Publisher
 from casque.engine.leased_delivery import LeasedDelivery
 from casque.engine.reachability import CassandraReach
@@ -136,13 +136,13 @@ class Consumer:
 
     def report(self) -> dict[str, int]:
         return {
-            "in_flight": self.in_flight(),
-            "delivered": self.counters.deliveries,
+            "in_flight": self.in_flight(), "delivered": self.counters.deliveries,
             "redelivered": self.counters.redeliveries,
             "dead_lettered": self.counters.dead_lettered,
             "filtered": self.counters.filtered,
             "acked": self.counters.acks,
             "shards": len(self.held_shards),
+            "protocol": PROTOCOL,  # what it speaks, for a raise of the installation's (protocol_change)
         }
 
     async def publish_report(self) -> None:

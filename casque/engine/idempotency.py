@@ -16,7 +16,9 @@ found the ids unpublished too and published them (an attempt stopped between its
 its intents must not overwrite that retry's record). A retry through another sidecar sent
 while the first attempt is still inside its window can race it; an app's retries reach its
 own sidecar, which makes them wait for the first. After the batch is written,
-the batch number on the writer's row completes the intents of all its ids.
+the batch number on the writer's row completes the intents of all its ids. From protocol 2
+on, a batch whose ids are all producer keys keeps the writer's facts on its block rows
+instead and writes neither a writer row nor a completion (casque.engine.sequences).
 
 A retry that finds only an intent settles it: it reads the shard's headers at SERIAL from
 the intent's first batch on, looking for the intent's writer. Found: the publish happened,
@@ -68,10 +70,12 @@ from casque.backends import cql
 from casque.engine.batches import Log
 from casque.engine.clock import clock_of
 from casque.engine.messages import OutgoingMessage, Published
+from casque.engine.protocol import SEQUENCE_CLAIM_FACTS, ProtocolLevel
 from casque.engine.sequences import (
     PRODUCER_KEY_PREFIX,
     BlockEntry,
     BlockRecord,
+    ClaimFacts,
     Sequenced,
     SequenceBlocks,
     parse_producer_key,
@@ -172,8 +176,8 @@ def _legacy_record(row: Any) -> IdRecord:
 
 
 def _block_record(entry: BlockEntry) -> IdRecord:
-    return IdRecord(entry.key, entry.message_id, entry.shard, entry.batch_no, entry.seq, entry.writer, None, None,
-                    entry.ttl, in_client_ids=False)
+    return IdRecord(entry.key, entry.message_id, entry.shard, entry.batch_no, entry.seq, entry.writer,
+                    entry.since_batch, entry.claim_deadline, entry.ttl, in_client_ids=False)
 
 
 def _with_writer(record: IdRecord, writer: Any) -> IdRecord:
@@ -195,9 +199,13 @@ class IdempotencyGuard:
     partition operations.
     """
 
-    def __init__(self, store: Store, queue_key: str, log: Log, window_seconds: int | None = None) -> None:
+    def __init__(self, store: Store, queue_key: str, log: Log, window_seconds: int | None = None,
+                 protocol: ProtocolLevel | None = None) -> None:
+        """`queue_key`: the queue's incarnation key (`QueueState.shared_key`); `protocol`: the
+        level whose records to write (the installation's, as a sidecar follows it; BASELINE,
+        which every release reads, without one)."""
         self._clock = clock_of(store.session)
-        """`queue_key`: the queue's incarnation key (`QueueState.shared_key`)."""
+        self._protocol = protocol or ProtocolLevel()
         self._store = store
         self._queue = queue_key
         self._window = int(window_seconds or DEFAULT_WINDOW_SECONDS)
@@ -265,6 +273,9 @@ class IdempotencyGuard:
         # This process's publishes under way, by id: a future, or a slot of a publish call.
         self._inflight: dict[str, asyncio.Future[Published] | tuple[CallSlots, int]] = {}
         self.resolved_intents = 0
+        # Searches for the batch a writer of protocol 2 block rows won, by (shard, writer,
+        # first batch): a retry of a whole call settles all its keys with one search.
+        self._searches: dict[tuple[int, str, int], asyncio.Task[int | Unclaimed]] = {}
         self._statements = 0
 
     @property
@@ -276,6 +287,11 @@ class IdempotencyGuard:
     def under_way(self) -> int:
         """Ids whose publish in this process has not ended yet."""
         return len(self._inflight)
+
+    def _claim_facts_on_blocks(self) -> bool:
+        """Whether block rows carry their claim facts (protocol 2), as they are read and written now."""
+        return (self._blocks is not None and self._protocol.version >= SEQUENCE_CLAIM_FACTS
+                and self._blocks.ensure_claim_facts())
 
     def _sequenced(self, client_id: str) -> Sequenced | None:
         """The producer and number of a producer key kept in blocks; None for any other id."""
@@ -344,12 +360,15 @@ class IdempotencyGuard:
                 plain.append(client_id)
             else:
                 sequenced.append(parsed)
+        if sequenced:
+            self._claim_facts_on_blocks()  # read rows of protocol 2 whole once it is in force
         found, blocks = await asyncio.gather(self._read_listed(plain), self._read_blocks(sequenced))
         if blocks:
             found.update(await self._read_listed(list(blocks)))
             for key, entry in blocks.items():
                 found.setdefault(key, _block_record(entry))
-        intents = [r for r in found.values() if r.batch_no is None and r.writer is not None]
+        # Intents whose claim facts are on their writer's row (a block row of protocol 2 has its own).
+        intents = [r for r in found.values() if r.batch_no is None and r.writer is not None and r.since_batch is None]
         if intents:
             self._statements += 1
             writers = {row.writer: row for row in await cql.fetch_all(
@@ -392,9 +411,11 @@ class IdempotencyGuard:
     async def record_intents(
         self, intents: Sequence[tuple[OutgoingMessage, str, int]], shard: int, writer: str, since_batch: int,
         deadline: datetime,
-    ) -> None:
+    ) -> bool:
         """Before a claim: (message, message id, seq in the batch) of each message of the batch
-        that has a client id, and the writer's row, all at once."""
+        that has a client id, and the writer's row, all at once. Returns whether the batch
+        wants its completion (`record_won`): not when its keys are all producer keys under
+        protocol 2, whose block rows carry the writer's facts and need no writer row."""
         rows = []
         sequenced = []
         ttl = 0
@@ -411,18 +432,22 @@ class IdempotencyGuard:
             else:
                 sequenced.append(BlockRecord(parsed, message_id, shard, seq))
         if not (rows or sequenced):
-            return
-        writes = [self._write_writer(writer, shard, since_batch, deadline, ttl)]
+            return False
+        facts = ClaimFacts(since_batch, deadline) if sequenced and self._claim_facts_on_blocks() else None
+        writes = []
+        if rows or facts is None:
+            writes.append(self._write_writer(writer, shard, since_batch, deadline, ttl))
         if rows:
             writes.append(self._write_rows(self._insert_intent, rows))
         if sequenced:
-            writes.append(self._write_blocks(sequenced, writer, ttl))
+            writes.append(self._write_blocks(sequenced, writer, ttl, facts=facts))
         await asyncio.gather(*writes)
+        return bool(rows) or facts is None
 
     async def _write_blocks(self, records: Sequence[BlockRecord], writer: str, ttl: int,
-                            batch_no: int | None = None) -> None:
+                            batch_no: int | None = None, facts: ClaimFacts | None = None) -> None:
         if records and self._blocks is not None:
-            await self._blocks.record(records, writer, ttl, batch_no)
+            await self._blocks.record(records, writer, ttl, batch_no, facts)
 
     async def _write_writer(self, writer: str, shard: int, since_batch: int, deadline: datetime, ttl: int,
                             replaces: frozenset[str] = frozenset()) -> None:
@@ -513,6 +538,8 @@ class IdempotencyGuard:
             return recorded(row)
         if row.writer is None:
             return Unclaimed(row.shard, None)
+        if not row.in_client_ids and row.since_batch is not None and row.seq is not None:
+            return await self._settle_block_intent(row)
         self.resolved_intents += 1
         # The intent was written after its writer's claim window opened, and we see it now.
         window_over = time.monotonic() + CLAIM_SECONDS
@@ -545,6 +572,40 @@ class IdempotencyGuard:
                 return await self.settle(fresh)
             if row.since_batch is None and fresh.since_batch is not None:
                 row, batch = fresh, fresh.since_batch
+
+    async def _settle_block_intent(self, row: IdRecord) -> Published | Unclaimed:
+        """A protocol 2 block row's intent: the batch its writer won, searched for once for
+        every key of the writer (they share it), answered from the key's own seq. Nothing is
+        recorded: a later retry searches again, one header read per writer. Another retry
+        that took the key over meanwhile is found by the take-over's condition."""
+        assert row.writer is not None and row.since_batch is not None and row.seq is not None
+        self.resolved_intents += 1
+        search_key = (row.shard, row.writer, row.since_batch)
+        search = self._searches.get(search_key)
+        if search is None:
+            search = self._searches[search_key] = asyncio.get_running_loop().create_task(self._won_batch(row))
+            search.add_done_callback(lambda _: self._searches.pop(search_key, None))
+        outcome = await asyncio.shield(search)
+        if isinstance(outcome, Unclaimed):
+            return outcome
+        return _as_duplicate(Published(row.message_id, row.shard, outcome, row.seq))
+
+    async def _won_batch(self, row: IdRecord) -> int | Unclaimed:
+        """The batch the intent's writer won from its first batch on, or Unclaimed once it can
+        claim no more (the loop of `settle`, for facts no other row can change)."""
+        assert row.since_batch is not None
+        window_over = time.monotonic() + CLAIM_SECONDS
+        batch = row.since_batch
+        while True:
+            header = await self._log.read_header(row.shard, batch, serial=True)
+            if header is not None:
+                if header.writer == row.writer:
+                    return batch
+                batch += 1
+                continue
+            if _window_over(row, window_over, self._clock.now()):
+                return Unclaimed(row.shard, batch, frozenset({row.writer}) if row.writer else frozenset())
+            await asyncio.sleep(RESOLVE_POLL_SECONDS)
 
     async def _seq_of(self, shard: int, batch: int, message_id: str) -> int:
         (found, *_) = await self._log.read_from(shard, batch)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -53,6 +54,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, Roll
 from kazoo.recipe.watchers import ChildrenWatch
 
 from casque.backends import zk
+from casque.engine.protocol import PROTOCOL
 from casque.engine.session_trust import SessionTrust, session_of
 from casque.errors import BackendUnavailable
 from casque.znodes import SubscriberPaths
@@ -63,6 +65,10 @@ log = logging.getLogger(__name__)
 AcquisitionCallback = Callable[[int, int], Awaitable[None]]
 RETRY_MIN_SECONDS = 0.2
 RETRY_MAX_SECONDS = 5.0
+
+# What a member's znode says from its creation on, before its first counters: the protocol
+# its sidecar speaks, which a raise of the installation's checks (casque.engine.protocol).
+MEMBER_DATA = json.dumps({"protocol": PROTOCOL}).encode()
 
 
 def _score(member: str, shard: int) -> int:
@@ -202,14 +208,14 @@ class ShardLeases:
         path = self._paths.member(self.member_id)
         try:
             # Never makepath: that would bring back a subscriber deleted meanwhile, empty.
-            await zk.call(self._client.create_async, path, b"", ephemeral=True)
+            await zk.call(self._client.create_async, path, MEMBER_DATA, ephemeral=True)
         except NodeExistsError:
             # Ours from this session (a create whose reply was lost), or a leftover of an
             # expired session that the server has not removed yet: replace the latter.
             _, stat = await zk.call(self._client.get_async, path)
             if stat.ephemeralOwner != self._current_session():
                 await zk.call(self._client.delete_async, path, stat.version)
-                await zk.call(self._client.create_async, path, b"", ephemeral=True)
+                await zk.call(self._client.create_async, path, MEMBER_DATA, ephemeral=True)
         self.registrations += 1
         self.registered = True
 

@@ -49,6 +49,7 @@ from casque.dataschema.validation import CompiledSchema
 from casque.engine.messages import SCHEMA_VERSION_ATTRIBUTE, OutgoingMessage, Published, time_ordered_ids
 from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, MessageTooLarge, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
+from casque.engine.protocol import ProtocolLevel
 from casque.specs import QueueSpec, QueueState, log_shard
 from casque.store import Store
 
@@ -273,10 +274,10 @@ class ShardWriter:
                     if isinstance(written, Published):
                         items[0].resolve(written)  # a replaced writer's claim won the fence
                         continue
-                    batch, writer = written
+                    batch, writer, completes = written
                     results = [Published(item.message_id, self.shard, batch, seq) for seq, item in enumerate(items)]
                     with_ids = [item.message for item in items if item.message.client_id]
-                    if with_ids:
+                    if with_ids and completes:
                         # Only spares a retry the serial reads that settle an intent (the
                         # intents lead it here without it), so it does not hold up the answer
                         # or the next batch.
@@ -399,9 +400,10 @@ class ShardWriter:
         self._last_batch = head
         self._totals = await shard_totals.as_of(self._publisher.store, self._publisher.log, self.shard, head)
 
-    async def _write(self, items: list[_Pending]) -> tuple[int, str] | Published:
-        """The batch the items were written in, and the writer id that won it; or, for a
-        publish that took its id over, the replaced writer's publish if that won the fence."""
+    async def _write(self, items: list[_Pending]) -> tuple[int, str, bool] | Published:
+        """The batch the items were written in, the writer id that won it, and whether its
+        ids want their completion (`IdempotencyGuard.record_won`); or, for a publish that
+        took its id over, the replaced writer's publish if that won the fence."""
         publisher = self._publisher
         counters = publisher.counters
         conflicts = 0
@@ -410,6 +412,7 @@ class ShardWriter:
         writer = new_writer_id(publisher.publisher_id)
         intents = [(item.message, item.message_id, seq) for seq, item in enumerate(items) if item.message.client_id]
         claims_until: float | None = None
+        completes = True
         taken_over = items[0].taken_over
         if taken_over is not None:  # alone in its batch, its intent recorded already
             writer, claims_until, intents = taken_over.writer, taken_over.claims_until, []
@@ -437,7 +440,7 @@ class ShardWriter:
                 # Past the window a retry may have published these ids: its record must not be
                 # overwritten by our intents.
                 _check_window(self.shard, claims_until)
-                await publisher.idempotency.record_intents(intents, self.shard, writer, batch, deadline)
+                completes = await publisher.idempotency.record_intents(intents, self.shard, writer, batch, deadline)
             _check_window(self.shard, claims_until)
             claim = await self._claim(batch, items, writer, self._totals)
             counters.cassandra_writes += 1
@@ -446,11 +449,11 @@ class ShardWriter:
                 counters.batches += 1
                 counters.messages += len(items)
                 self.heads.advance(batch, self._totals)
-                return batch, writer
+                return batch, writer, completes
             counters.conflicts += 1
             conflicts += 1
 
-    async def _claim_fence(self, items: list[_Pending], taken_over: TakeOver) -> tuple[int, str] | Published | None:
+    async def _claim_fence(self, items: list[_Pending], taken_over: TakeOver) -> tuple[int, str, bool] | Published | None:
         """A taken-over publish's first claim, for its fence batch (whatever this writer knows
         of later batches): won, lost to a replaced writer (whose publish is the answer), or
         lost to anyone else (None: the replaced writers can no longer land; go on as usual)."""
@@ -466,7 +469,7 @@ class ShardWriter:
             self._publisher.counters.batches += 1
             self._publisher.counters.messages += 1
             self.heads.advance(batch, shard_totals.of_header(claim.header))
-            return batch, taken_over.writer
+            return batch, taken_over.writer, True
         self._publisher.counters.conflicts += 1
         if claim.header is not None and claim.header.writer in taken_over.replaces:
             item = items[0]
@@ -559,6 +562,9 @@ class Publisher:
     # while publishes that come one at a time are never held.
     linger: float = 0.0
     group_linger: float = 0.0
+    # The protocol whose records to write (casque.engine.protocol): a sidecar's follows the
+    # installation's; None: the installation's as it is when the publisher is made.
+    protocol: ProtocolLevel | None = None
 
     @property
     def spec(self) -> QueueSpec:
@@ -579,8 +585,10 @@ class Publisher:
         self.checkpoints = CheckpointWriter(Checkpoints(self.store, self.queue, self.state.shared_key(self.queue)))
         self._writers = {shard: ShardWriter(self, shard) for shard in self.spec.log_shards()}
         self._preferred = zlib.crc32(self.publisher_id.encode()) % self.spec.shards
+        if self.protocol is None:
+            self.protocol = ProtocolLevel.of(self.store)
         self.idempotency = IdempotencyGuard(self.store, self.state.shared_key(self.queue), self.log,
-                                            self.spec.deduplication_window)
+                                            self.spec.deduplication_window, self.protocol)
         self._background: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         # Compiled once per schema version (casque.dataschema.validation keeps them): a spec
@@ -853,6 +861,11 @@ class Publisher:
         task.add_done_callback(self._background.discard)
         # A failure was handed to the waiting publish already; this only keeps it from being logged twice.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def background_done(self) -> None:
+        """Wait for the work started in the background so far (completions, settles): tests
+        and benchmarks that count statements."""
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     def zookeeper_operations(self) -> int:
         """ZooKeeper requests made so far (head syncs, head reads and writes)."""

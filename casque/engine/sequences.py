@@ -14,6 +14,13 @@ partition): a producer's first attempts read no row at all, and a retry reads th
 hold its sequences. A block's partition holds at most SEQUENCE_BLOCK sequences' rows and
 lives for the window, so no partition grows with time.
 
+From protocol 2 on (casque.engine.protocol) a first intent's row also carries what its
+writer's row said for all the batch's keys (the first batch it claims, its claim deadline),
+so a batch of producer keys alone writes no writer row, and no completion after its claim: a
+retry finds the batch from the row's first batch by its writer, as it does for any intent. A
+release before protocol 2 would look for the writer's row, find none, and publish the key
+again; hence the switch.
+
 Only first intents and the records of delayed messages (written before their rows in the
 delayed table, see `publisher.DelayedPublish`) are written here. What settles a key later
 (its position found by a retry, an id taken over) is written to `client_ids` under the
@@ -27,12 +34,13 @@ import asyncio
 import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import NamedTuple
 
 from cassandra.query import BatchStatement, BatchType
 
 from casque.backends import cql
-from casque.schema import PRODUCER_SEQS_TABLE
+from casque.schema import PRODUCER_SEQS_TABLE, has_columns
 from casque.store import Store
 
 # A producer key starts with two NULs: a client id holds no NUL, and a (source, id) key
@@ -79,6 +87,9 @@ class BlockEntry:
     writer: str
     batch_no: int | None
     ttl: int | None
+    # Protocol 2: the writer's claim facts, on the row itself (None: on the writer's row).
+    since_batch: int | None = None
+    claim_deadline: datetime | None = None
 
 
 class BlockRecord(NamedTuple):
@@ -90,26 +101,58 @@ class BlockRecord(NamedTuple):
     seq: int
 
 
+class ClaimFacts(NamedTuple):
+    """Where a writer's claims start and until when it may send them (protocol 2)."""
+
+    since_batch: int
+    claim_deadline: datetime
+
+
+CLAIM_FACT_COLUMNS = {"since_batch", "claim_deadline"}
+
+
 class SequenceBlocks:
     """The run rows of one queue's producer keys (PRODUCER_SEQS_TABLE)."""
 
     def __init__(self, store: Store, keyspace: str, queue_key: str, consistency: int) -> None:
         self._store = store
+        self._keyspace = keyspace
         self._queue = queue_key
         self._consistency = consistency
-        table = f"{keyspace}.{PRODUCER_SEQS_TABLE}"
+        self.statements = 0
+        self.claim_facts = False
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """The statements, with the claim-fact columns where the table has them (the operator
+        adds them with its first apply after an upgrade, before any protocol 2 row exists)."""
+        table = f"{self._keyspace}.{PRODUCER_SEQS_TABLE}"
+        self.claim_facts = has_columns(self._store.session, self._keyspace, PRODUCER_SEQS_TABLE, CLAIM_FACT_COLUMNS)
+        facts = ", since_batch, claim_deadline" if self.claim_facts else ""
         # Filtering within one partition's slice: no scan beyond the rows from `first` on.
-        self._select = store.session.prepare(
-            f"SELECT first_seq, writer, shard, batch_no, message_ids, batch_seqs, TTL(shard) AS ttl FROM {table} "
-            "WHERE queue = ? AND producer = ? AND block = ? AND last_seq >= ? AND first_seq <= ? ALLOW FILTERING"
+        self._select = self._store.session.prepare(
+            f"SELECT first_seq, writer, shard, batch_no, message_ids, batch_seqs, TTL(shard) AS ttl{facts} "
+            f"FROM {table} WHERE queue = ? AND producer = ? AND block = ? AND last_seq >= ? AND first_seq <= ? "
+            "ALLOW FILTERING"
         )
-        self._insert = store.session.prepare(
+        self._insert = self._store.session.prepare(
             f"INSERT INTO {table} (queue, producer, block, last_seq, writer, first_seq, shard, batch_no, message_ids, "
             "batch_seqs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ?"
         )
-        for statement in (self._select, self._insert):
-            statement.consistency_level = consistency
-        self.statements = 0
+        self._insert_with_facts = self._store.session.prepare(
+            f"INSERT INTO {table} (queue, producer, block, last_seq, writer, first_seq, shard, batch_no, message_ids, "
+            "batch_seqs, since_batch, claim_deadline) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TTL ?"
+        ) if self.claim_facts else None
+        for statement in (self._select, self._insert, self._insert_with_facts):
+            if statement is not None:
+                statement.consistency_level = self._consistency
+
+    def ensure_claim_facts(self) -> bool:
+        """Whether rows with claim facts are read and written; prepared again if the columns
+        came since (a process that started before the operator's first apply)."""
+        if not self.claim_facts:
+            self._prepare()
+        return self.claim_facts
 
     async def lookup(self, keys: Iterable[Sequenced]) -> dict[str, BlockEntry]:
         """Every recorded key among `keys`, by its string form: one read per run of
@@ -133,12 +176,20 @@ class SequenceBlocks:
                         # Two rows for one key: two first attempts raced through two sidecars
                         # (see idempotency); the first found is kept, as a read would pick one.
                         found.setdefault(text, BlockEntry(
-                            text, message_id, row.shard, seq, row.writer, row.batch_no, row.ttl))
+                            text, message_id, row.shard, seq, row.writer, row.batch_no, row.ttl,
+                            getattr(row, "since_batch", None), getattr(row, "claim_deadline", None)))
         return found
 
-    async def record(self, records: Sequence[BlockRecord], writer: str, ttl: int, batch_no: int | None = None) -> None:
+    async def record(self, records: Sequence[BlockRecord], writer: str, ttl: int, batch_no: int | None = None,
+                     facts: ClaimFacts | None = None) -> None:
         """A row per run of consecutive sequences of `records` within a block and shard,
-        under `writer`: one unlogged batch per block partition, all at once."""
+        under `writer`, with its claim facts if given (protocol 2, `ensure_claim_facts`):
+        one unlogged batch per block partition, all at once."""
+        if facts is not None and self._insert_with_facts is None:
+            raise RuntimeError("claim facts asked for without their columns (ensure_claim_facts)")
+        statement = self._insert if facts is None else self._insert_with_facts
+        assert statement is not None
+        extra: tuple[object, ...] = () if facts is None else (facts.since_batch, facts.claim_deadline)
         grouped: dict[tuple[str, int], list[BlockRecord]] = {}
         for record in records:
             grouped.setdefault((record.key.producer, record.key.sequence // SEQUENCE_BLOCK), []).append(record)
@@ -147,15 +198,15 @@ class SequenceBlocks:
             block_records.sort(key=lambda r: (r.shard, r.key.sequence))
             rows = [
                 (self._queue, producer, block, run[-1].key.sequence, writer, run[0].key.sequence, run[0].shard,
-                 batch_no, [r.message_id for r in run], [r.seq for r in run], ttl)
+                 batch_no, [r.message_id for r in run], [r.seq for r in run], *extra, ttl)
                 for run in _record_runs(block_records)
             ]
             if len(rows) == 1:
-                statements.append(self._insert.bind(rows[0]))
+                statements.append(statement.bind(rows[0]))
             else:
                 batch = BatchStatement(batch_type=BatchType.UNLOGGED, consistency_level=self._consistency)
                 for row in rows:
-                    batch.add(self._insert, row)
+                    batch.add(statement, row)
                 statements.append(batch)
         self.statements += len(statements)
         await asyncio.gather(*(cql.execute(self._store.session, statement) for statement in statements))

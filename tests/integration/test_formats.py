@@ -1,6 +1,7 @@
 """Records of a later format than this version reads, crafted, and refused by each reader with a
 clear error rather than misread: the queue's and subscriber's znode data (a sidecar: 503
-`newer_format` and not ready, saying why), the catalog and checkpoint rows (an apply that
+`newer_format` and not ready, saying why), the installation's protocol version (a sidecar, as
+the same, then serving once it is lowered), the catalog and checkpoint rows (an apply that
 would rebuild from them), a backup's manifest (a restore)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from casque.engine import catalog, checkpoints
+from casque.engine import catalog, checkpoints, protocol
 from casque.engine.rebuild import rebuild_queue
 from casque.errors import NewerFormat
 from casque.schema import CATALOG_TABLE, CHECKPOINTS_TABLE, QueueRef
@@ -55,6 +56,43 @@ def test_a_sidecar_refuses_a_queue_written_in_a_later_format_and_says_so(
     status, body = sidecar.readiness()
     assert status == 503
     assert "format 99; this version of casque reads up to 1" in body["checks"]["subscriber/couriers"]
+
+
+def publish_answer(url: str) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(f"{url}/v1/queues/{QUEUE.name}/messages", method="POST",
+                                     data=b'{"data": 1, "producerid": "p", "producerseq": 1}',
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read())
+
+
+def test_a_sidecar_writes_nothing_in_a_protocol_above_its_own_and_serves_once_it_is_lowered(
+    store: Store, start_sidecar: StartSidecar
+) -> None:
+    """An installation moved (with --force) to a protocol this release does not speak: its
+    sidecars publish nothing, rather than write records their peers would misread, and say
+    why in readiness; they follow the znode back down without a restart."""
+    catalog.apply_queue(store, QUEUE, SPEC)
+    sidecar = start_sidecar()
+    status, first = publish_answer(sidecar.url)
+    assert status == 200 and first["duplicate"] is False
+    path = protocol.protocol_path(store.zk_root)
+    store.zk.create(path, json.dumps({"format": 1, "version": protocol.PROTOCOL + 1}).encode(), makepath=True)
+    wait_for("the sidecar to refuse the protocol", lambda: "protocol" in sidecar.readiness()[1].get("checks", {}),
+             timeout=60)
+    status, body = sidecar.readiness()
+    assert status == 503
+    assert f"speaks up to {protocol.PROTOCOL}: upgrade it" in str(body["checks"]["protocol"])  # type: ignore[index]
+    status, answer = publish_answer(sidecar.url)
+    assert status == 503 and answer["error"]["code"] == "newer_format"  # type: ignore[index]
+    store.zk.set(path, json.dumps({"format": 1, "version": protocol.PROTOCOL}).encode())
+    wait_for("the sidecar to serve again", lambda: sidecar.readiness()[0] == 200, timeout=60)
+    status, answer = publish_answer(sidecar.url)
+    # The first publish, found again: the sidecar reads records of both protocols.
+    assert status == 200 and answer["duplicate"] is True and answer["messageId"] == first["messageId"]
 
 
 def test_an_apply_refuses_to_rebuild_from_catalog_or_checkpoint_rows_of_a_later_format(store: Store) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from casque.engine import catalog
+from casque.engine import catalog, protocol
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
@@ -176,3 +176,55 @@ async def test_a_schema_the_previous_release_applied_stays_in_force_though_a_new
     changed = apply_with(sys.executable, env, file)
     assert changed.returncode != 0 and "RE2" in changed.stderr, changed.stdout + changed.stderr
     assert catalog.read_queue(store, QUEUE).spec.data_schema["properties"]["id"]["pattern"] == KEPT_PATTERN
+
+
+def protocol_with(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "casque.cli", "protocol", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+async def test_the_protocol_is_raised_only_once_no_sidecar_of_the_previous_release_is_in_a_group(
+    store: Store, backends: Backends, keyspace: str, zk_hosts: str, start_sidecar: StartSidecar,
+) -> None:
+    """Protocol 2's producer-sequence records would be read by the previous release as intents
+    whose writer never recorded itself, and published again: the raise is refused while a
+    member of it runs, taken once it left, and retries of numbered publishes through other
+    sidecars then find every message where it landed. Lowered, the previous release may come
+    back once the records' window has passed (here: at once, its members' first publishes
+    are new numbers)."""
+    env = {**os.environ, **backends.client_env(keyspace, zk_hosts, store.zk_root)}
+    previous = release_python()
+    catalog.apply_queue(store, QUEUE, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=10))
+    shards = [0, 1]
+    group = Group(start_sidecar, store, QUEUE, SUBSCRIBER, env=SESSION)
+    try:
+        old = await group.add(1, python=previous)
+        new = await group.add(2)
+        await group.whole(shards)
+        await group.publish(100, "mixed", via=[*old, *new], numbered=True)
+        refused = protocol_with(env, "set", "2")
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert refused.stderr.count("\n") == 1 and "1 member(s) speak less" in refused.stderr, refused.stderr
+        assert f"{QUEUE}/{SUBSCRIBER} member" in refused.stderr and "(protocol 1)" in refused.stderr
+        assert protocol.read(store).version == protocol.BASELINE
+        assert await asyncio.to_thread(old[0].terminate) == 0
+        await group.whole(shards)
+        raised = protocol_with(env, "set", "2")
+        assert raised.returncode == 0 and "protocol 1 -> 2" in raised.stdout, raised.stdout + raised.stderr
+        # Each chunk published through one sidecar and retried whole through the other.
+        for chunk in range(3):
+            first = await group.publish(50, f"raised-{chunk}", via=[new[0]], numbered=True)
+            again = await group.publish(50, f"raised-{chunk}", via=[new[1]], numbered=True)
+            assert again == first, "a retry through another sidecar published again"
+        await group.drained()
+        lowered = protocol_with(env, "set", "1")
+        assert lowered.returncode == 0 and "roll sidecars back after" in lowered.stdout, lowered.stdout
+        back = await group.add(1, python=previous)
+        await group.whole(shards)
+        await group.publish(100, "lowered", via=[*back, *new], numbered=True)
+        await group.drained()
+        assert_sound(group.history)
+    finally:
+        await group.stop()

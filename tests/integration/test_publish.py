@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import pytest
 
-from casque.engine import catalog, idempotency
+from casque.engine import catalog, idempotency, protocol_change
 from casque.engine.batches import Claim, Header, Log
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
@@ -34,13 +34,32 @@ QUEUE = QueueRef("default", "pub")
 Key = Callable[[str], str]
 
 
-@pytest.fixture(params=["client id", "producer sequence"])
-def key(request: pytest.FixtureRequest) -> Key:
-    """The idempotency key a test's name stands for ("order-9"): as a client id, or as a
-    producer's numbered message ("order" producer, number 9), whose intents live in blocks."""
+def numbered(name: str) -> str:
+    """"order-9" as producer "producer-order"'s message number 9."""
+    return producer_key(f"producer-{name.rsplit('-', 1)[0]}", int(name.rsplit("-", 1)[1]))
+
+
+def keys_of(request: pytest.FixtureRequest, store: Store) -> Key:
     if request.param == "client id":
         return lambda name: name
-    return lambda name: producer_key(f"producer-{name.rsplit('-', 1)[0]}", int(name.rsplit("-", 1)[1]))
+    if request.param == "producer sequence, protocol 2":
+        # Block rows carry their writer's claim facts: no writer row, no completion.
+        protocol_change.set_version(store, 2)
+    return numbered
+
+
+@pytest.fixture(params=["client id", "producer sequence", "producer sequence, protocol 2"])
+def key(request: pytest.FixtureRequest, store: Store) -> Key:
+    """The idempotency key a test's name stands for ("order-9"): as a client id, or as a
+    producer's numbered message ("order" producer, number 9), whose intents live in blocks,
+    their claim facts on the writer's row (protocol 1) or on the blocks' rows (protocol 2)."""
+    return keys_of(request, store)
+
+
+@pytest.fixture(params=["client id", "producer sequence"])
+def key_with_writer_row(request: pytest.FixtureRequest, store: Store) -> Key:
+    """As `key`, for the faults of a writer's row: protocol 2's producer keys write none."""
+    return keys_of(request, store)
 
 
 async def read_shard(log: Log, shard: int, head: int) -> dict[int, list[str]]:
@@ -522,6 +541,34 @@ async def test_producer_sequences_cost_a_few_statements_per_batch_whatever_its_s
     assert [r.duplicate for r in late] == [True, True, False, False]
 
 
+async def test_under_protocol_2_producer_sequences_cost_a_read_and_a_row_per_block(store: Store) -> None:
+    """Protocol 2: the blocks' rows carry the writer's claim facts, so a numbered batch writes
+    no writer row and no completion; a retry of the whole call through another sidecar finds
+    the batch with one search for its writer, and answers every key where it landed."""
+    protocol_change.set_version(store, 2)
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    messages = [OutgoingMessage(f"a{i}".encode(), client_id=producer_key("a", i)) for i in range(500)] + [
+        OutgoingMessage(f"b{i}".encode(), client_id=producer_key("b", SEQUENCE_BLOCK - 250 + i)) for i in range(500)]
+    results = await publisher.publish(messages)
+    assert len({r.message_id for r in results}) == 1000 and publisher.counters.batches == 1
+    # Reads: one per (producer, block); rows: one per (producer, block); nothing after the claim.
+    await publisher.background_done()
+    assert publisher.idempotency.statements == 3 + 3
+    other = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    again = await other.publish(messages)
+    assert all(r.duplicate for r in again) and other.counters.batches == 0
+    assert [(r.message_id, r.shard, r.batch, r.seq) for r in again] == [
+        (r.message_id, r.shard, r.batch, r.seq) for r in results]
+    # A read per block and of the keys' client_ids buckets; no writer row to read.
+    assert other.idempotency.statements <= 3 + CLIENT_ID_BUCKETS
+    assert other.idempotency.resolved_intents == 1000
+    for message, result in zip(messages[::97], results[::97]):
+        assert message.client_id is not None
+        assert copies_of(store, message.client_id) == [(result.shard, result.batch, result.seq)]
+
+
 async def test_a_delayed_message_with_a_producer_key_is_published_once(store: Store) -> None:
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
@@ -707,11 +754,12 @@ async def test_producer_keys_are_kept_as_client_ids_where_the_operator_has_not_m
 
 
 async def test_an_intent_whose_writers_row_never_landed_is_taken_over_once_its_window_passed(
-    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch
+    store: Store, key_with_writer_row: Key, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The intents of a batch land but its writer's row does not (the process dies between
     them): claims start only once both are written, so once the claim window has passed a
     retry publishes, once."""
+    key = key_with_writer_row
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
     monkeypatch.setattr(idempotency, "CLAIM_SECONDS", 0.5)
@@ -835,11 +883,12 @@ async def test_a_late_claim_that_wins_the_fence_is_the_publish_every_retry_answe
 
 
 async def test_a_writers_row_landing_late_lets_no_claim_out_after_the_retry_published(
-    store: Store, key: Key, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
+    store: Store, key_with_writer_row: Key, monkeypatch: pytest.MonkeyPatch, short_claim_window: None
 ) -> None:
     """The first attempt's intents land, its process stops before its writer's row does.
     The retry waits out the claim window, sees no row, and publishes; then the row lands
     and the first attempt resumes: it must send no claim."""
+    key = key_with_writer_row
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
     state = catalog.read_queue(store, QUEUE)
