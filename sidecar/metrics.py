@@ -110,12 +110,26 @@ class SidecarMetrics:
             "The longest a shard with lag that this sidecar answers for has gone without an offset move (0: no lag).",
             ["queue", "subscriber"], registry=r,
         )
+        self.protocol = Gauge(
+            "casque_sidecar_protocol", "The protocol version whose records this sidecar writes (the installation's).",
+            registry=r,
+        )
+        self.protocol_refused = Gauge(
+            "casque_sidecar_protocol_refused",
+            "1 while the installation runs a protocol above the highest this sidecar speaks: it publishes nothing.",
+            registry=r,
+        )
         self.stall_threshold = Gauge(
             "casque_sidecar_stall_threshold_seconds",
             "Lag without an offset move for this long is a stall (the subscriber's stallAfter, or from its "
             "visibility timeout).",
             ["queue", "subscriber"], registry=r,
         )
+
+    def track_protocol(self, writes: Callable[[], float], refused: Callable[[], float]) -> None:
+        """The installation's protocol as this sidecar follows it (casque.engine.protocol)."""
+        self.protocol.set_function(writes)
+        self.protocol_refused.set_function(refused)
 
     def track_request_memory(self, now: Callable[[], float], peak: Callable[[], float]) -> None:
         self.request_memory.labels("now").set_function(now)

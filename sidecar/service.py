@@ -132,6 +132,7 @@ class QueueService:
         self.stoppers: list[Callable[[float], Awaitable[None]]] = []
         # The installation's protocol, followed from its znode (casque.engine.protocol).
         self.protocol = ProtocolLevel.watching(store)
+        metrics.track_protocol(lambda: self.protocol.version, lambda: float(self.protocol.refusal is not None))
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
