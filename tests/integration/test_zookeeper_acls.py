@@ -32,7 +32,7 @@ from pydantic import SecretStr
 from casque.backends import zk
 from casque.backends.zkacl import Identity, format_acl, installation_policy, namespace_identity, widen
 from casque.config import Settings
-from casque.engine import catalog
+from casque.engine import catalog, protocol, protocol_change
 from casque.engine.consumer import Consumer
 from casque.engine.grants import QueueGrant
 from casque.errors import AccessDenied, InvalidSpec, QuotaExceeded
@@ -167,6 +167,24 @@ def test_a_namespace_identity_reaches_its_own_namespace_only(
     catalog.apply_queue(operator_store, B, QueueSpec(shards=3, retention_seconds=3600, consistency="ONE"))
     assert operator_store.zk.get(other.offset(2))[0] == b"1"  # added by the operator under B's ACLs
     assert catalog.delete_subscriber(operator_store, A, "billing").changed  # members of A's sidecars included
+
+
+def test_every_namespace_reads_the_installations_protocol_and_none_may_change_it(
+    operator_store: Store, zk_hosts: str, clients: list[KazooClient]
+) -> None:
+    """Its sidecars follow the protocol version (casque.engine.protocol); a namespace that could
+    write it could make every other namespace's sidecars stop publishing, or write records
+    their peers misread."""
+    change = protocol_change.set_version(operator_store, 2)
+    assert (change.before, change.after) == (1, 2)
+    path = protocol.protocol_path(ROOT)
+    a = connect_as(zk_hosts, A.namespace, clients)
+    assert protocol.parse(a.get(path)[0]).version == 2
+    for refused in (lambda: a.set(path, b'{"version": 1}'), lambda: a.delete(path),
+                    lambda: a.set_acls(path, OPEN_ACL_UNSAFE)):
+        with pytest.raises(NoAuthError):
+            refused()
+    assert protocol.read(operator_store).version == 2
 
 
 def test_a_namespace_writes_only_what_its_sidecars_write(
