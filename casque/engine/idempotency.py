@@ -148,6 +148,9 @@ class IdRecord:
     in_client_ids: bool = True
     # Writers this intent's writer took the id over from that may have won `since_batch`.
     replaces: frozenset[str] = frozenset()
+    # A producer key's block row of protocol 2, which holds its writer's claim facts itself
+    # (casque.engine.sequences): settled with one search per writer (`_settle_block_intent`).
+    facts_on_block: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,8 @@ def _legacy_record(row: Any) -> IdRecord:
 
 def _block_record(entry: BlockEntry) -> IdRecord:
     return IdRecord(entry.key, entry.message_id, entry.shard, entry.batch_no, entry.seq, entry.writer,
-                    entry.since_batch, entry.claim_deadline, entry.ttl, in_client_ids=False)
+                    entry.since_batch, entry.claim_deadline, entry.ttl, in_client_ids=False,
+                    facts_on_block=entry.since_batch is not None)
 
 
 def _with_writer(record: IdRecord, writer: Any) -> IdRecord:
@@ -538,7 +542,7 @@ class IdempotencyGuard:
             return recorded(row)
         if row.writer is None:
             return Unclaimed(row.shard, None)
-        if not row.in_client_ids and row.since_batch is not None and row.seq is not None:
+        if row.facts_on_block and row.since_batch is not None and row.seq is not None:
             return await self._settle_block_intent(row)
         self.resolved_intents += 1
         # The intent was written after its writer's claim window opened, and we see it now.

@@ -1606,13 +1606,15 @@ def test_the_dashboard_and_alert_rules_render_when_enabled(tools: Tools, kube_na
     assert set(alerts) == {"CasqueSubscriberLagHigh", "CasqueSubscriberOldestMessageOld", "CasqueMessagesDeadLettered",
                            "CasqueSubscriberStalled", "CasqueSubscriberLagGrowingWithoutConsumers",
                            "CasqueOperatorNoLeader", "CasqueOperatorReconcileErrors", "CasqueInjectionWebhookFailing",
-                           "CasqueSidecarErrorsHigh"}
+                           "CasqueSidecarErrorsHigh", "CasqueSidecarProtocolRefused"}
     # The stall alert reads the sidecars' gauge (scraped through the PodMonitor), per subscriber over its pods.
     stalled = alerts["CasqueSubscriberStalled"]
     assert stalled["expr"] == "max by (namespace, queue, subscriber) (casque_sidecar_stalled_shards) > 0"
     assert stalled["for"] == "2m" and "casque describe subscriber" in stalled["annotations"]["description"]
     assert "{{ $labels.subscriber }}" in stalled["annotations"]["summary"]
     assert alerts["CasqueSubscriberLagHigh"]["expr"].endswith("> 500") and alerts["CasqueSubscriberLagHigh"]["for"] == "5m"
+    # A sidecar that publishes nothing because the installation's protocol is above its own.
+    assert alerts["CasqueSidecarProtocolRefused"]["expr"] == "max by (namespace, pod) (casque_sidecar_protocol_refused) > 0"
     # Prometheus fills in the alert's labels: the template must leave its {{ }} to it.
     assert "{{ $labels.subscriber }}" in alerts["CasqueSubscriberLagHigh"]["annotations"]["summary"]
     refused = tools.template(kube_namespace, {"metrics": {"prometheusRule": {"for": "ten minutes"}}}, check=False)
