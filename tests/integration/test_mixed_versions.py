@@ -11,6 +11,7 @@ answered, every member in its group, whichever version published, delivered or a
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -204,6 +205,11 @@ async def test_the_protocol_is_raised_only_once_no_sidecar_of_the_previous_relea
         new = await group.add(2)
         await group.whole(shards)
         await group.publish(100, "mixed", via=[*old, *new], numbered=True)
+        shown = protocol_with(env, "show", "-o", "json")
+        assert shown.returncode == 0, shown.stderr
+        seen = json.loads(shown.stdout)
+        assert (seen["version"], seen["speaks"]) == (protocol.BASELINE, protocol.PROTOCOL)
+        assert sorted(m["protocol"] for m in seen["members"]) == [1, 2, 2]  # 0.1.0's says none: 1
         refused = protocol_with(env, "set", "2")
         assert refused.returncode == 1, refused.stdout + refused.stderr
         assert refused.stderr.count("\n") == 1 and "1 member(s) speak less" in refused.stderr, refused.stderr
