@@ -3,18 +3,16 @@ into empty backends (casque.engine.backup; docs/operations.md says when and how)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from casque.cli.options import CassandraOption, KeyspaceOption, ZookeeperOption, backend_settings
+from casque.cli.installation import installation
+from casque.cli.options import CassandraOption, KeyspaceOption, ZookeeperOption
 from casque.cli.output import MACHINE, TextOutput, check, dumps
 from casque.engine import backup as backups
-from casque.store import Store
 
 out = Console()
 
@@ -33,15 +31,6 @@ def _report(report: backups.Report, verb: str, directory: Path, output: str) -> 
               f"{directory}")
 
 
-@contextmanager
-def _installation(cassandra: str | None, zookeeper: str | None, keyspace: str | None) -> Iterator[Store]:
-    store = Store.open(backend_settings(cassandra, zookeeper, keyspace))
-    try:
-        yield store
-    finally:
-        store.close()
-
-
 def backup(
     directory: DirectoryArgument,
     output: TextOutput = "text",
@@ -51,7 +40,7 @@ def backup(
 ) -> None:
     """Write every queue, message within retention, ack, position, schema and filter into a new directory."""
     check(output, ("text", *MACHINE))
-    with _installation(cassandra, zookeeper, keyspace) as store:
+    with installation(cassandra, zookeeper, keyspace) as store:
         _report(backups.backup(store, directory), "backed up", directory, output)
 
 
@@ -64,7 +53,7 @@ def restore(
 ) -> None:
     """Write a backup into empty backends; applying the queues then rebuilds ZooKeeper from it."""
     check(output, ("text", *MACHINE))
-    with _installation(cassandra, zookeeper, keyspace) as store:
+    with installation(cassandra, zookeeper, keyspace) as store:
         report = backups.restore(store, directory)
     _report(report, "restored", directory, output)
     if output not in MACHINE:

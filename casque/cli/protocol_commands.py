@@ -3,30 +3,19 @@ write (casque.engine.protocol; docs/operations.md "Versions" says when to raise 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from casque.cli.options import CassandraOption, KeyspaceOption, ZookeeperOption, backend_settings
+from casque.cli.installation import installation
+from casque.cli.options import CassandraOption, KeyspaceOption, ZookeeperOption
 from casque.cli.output import MACHINE, TextOutput, check, dumps
 from casque.engine import protocol, protocol_change
-from casque.store import Store
 
 app = typer.Typer(help="The installation's protocol version: which record formats sidecars write.",
                   no_args_is_help=True)
 out = Console()
-
-
-@contextmanager
-def _installation(cassandra: str | None, zookeeper: str | None, keyspace: str | None) -> Iterator[Store]:
-    store = Store.open(backend_settings(cassandra, zookeeper, keyspace))
-    try:
-        yield store
-    finally:
-        store.close()
 
 
 @app.command("show")
@@ -38,7 +27,7 @@ def show(
 ) -> None:
     """The version in force, the highest this release speaks, and each group member's."""
     check(output, ("text", *MACHINE))
-    with _installation(cassandra, zookeeper, keyspace) as store:
+    with installation(cassandra, zookeeper, keyspace) as store:
         record = protocol.read(store)
         members = list(protocol_change.members(store))
     if output in MACHINE:
@@ -66,6 +55,6 @@ def set_version(
     keyspace: KeyspaceOption = None,
 ) -> None:
     """Move the installation to VERSION: refused while a group member speaks less."""
-    with _installation(cassandra, zookeeper, keyspace) as store:
+    with installation(cassandra, zookeeper, keyspace) as store:
         change = protocol_change.set_version(store, version, force=force)
     out.print(change.describe())

@@ -512,15 +512,19 @@ async def test_ids_cost_a_few_statements_per_batch_not_two_per_message(store: St
     assert other.idempotency.statements == buckets + 1 and other.counters.batches == 0
 
 
+def two_producers_crossing_a_block() -> list[OutgoingMessage]:
+    """Two producers, 500 numbers each; the second's cross a block boundary."""
+    return [OutgoingMessage(f"a{i}".encode(), client_id=producer_key("a", i)) for i in range(500)] + [
+        OutgoingMessage(f"b{i}".encode(), client_id=producer_key("b", SEQUENCE_BLOCK - 250 + i)) for i in range(500)]
+
+
 async def test_producer_sequences_cost_a_few_statements_per_batch_whatever_its_size(store: Store) -> None:
     """A producer's numbered messages: one read per run of numbers and one row per run,
     where client ids cost a row and a key read each."""
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
-    # Two producers, 500 numbers each; the second's cross a block boundary.
-    messages = [OutgoingMessage(f"a{i}".encode(), client_id=producer_key("a", i)) for i in range(500)] + [
-        OutgoingMessage(f"b{i}".encode(), client_id=producer_key("b", SEQUENCE_BLOCK - 250 + i)) for i in range(500)]
+    messages = two_producers_crossing_a_block()
     results = await publisher.publish(messages)
     assert len({r.message_id for r in results}) == 1000 and not any(r.duplicate for r in results)
     assert publisher.counters.batches == 1
@@ -549,8 +553,7 @@ async def test_under_protocol_2_producer_sequences_cost_a_read_and_a_row_per_blo
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
-    messages = [OutgoingMessage(f"a{i}".encode(), client_id=producer_key("a", i)) for i in range(500)] + [
-        OutgoingMessage(f"b{i}".encode(), client_id=producer_key("b", SEQUENCE_BLOCK - 250 + i)) for i in range(500)]
+    messages = two_producers_crossing_a_block()
     results = await publisher.publish(messages)
     assert len({r.message_id for r in results}) == 1000 and publisher.counters.batches == 1
     # Reads: one per (producer, block); rows: one per (producer, block); nothing after the claim.
