@@ -119,6 +119,9 @@ class QueueService:
         self.subscriptions = {name: Subscription(name) for name in settings.subscribers}
         self.draining = False
         self._publishers: dict[str, Publisher] = {}
+        # The publisher a spec change replaced, by queue, until its successor is made: it
+        # hands over the ids it still publishes (IdempotencyGuard.continue_from).
+        self._replaced: dict[str, Publisher] = {}
         self._loading: dict[str, asyncio.Task[Publisher]] = {}
         self._writes = 0
         self._writes_idle = asyncio.Event()
@@ -237,7 +240,7 @@ class QueueService:
         for result in results:
             if isinstance(result, BaseException):
                 log.error("stopping a consumer failed: %r", result)
-        for publisher in list(self._publishers.values()):
+        for publisher in [*self._publishers.values(), *self._replaced.values()]:
             # Bounded: heads retry until ZooKeeper answers, and readers repair a head left behind.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(publisher.flush_heads(), HEAD_FLUSH_SECONDS)
@@ -272,6 +275,9 @@ class QueueService:
             lambda: Publisher(self.store, ref, state, linger=self.settings.publish_linger_seconds,
                               group_linger=self.settings.publish_group_linger_seconds, protocol=self.protocol)
         )
+        replaced = self._replaced.pop(name, None)
+        if replaced is not None and replaced.state.incarnation == state.incarnation:
+            publisher.idempotency.continue_from(replaced.idempotency)
         self._publishers[name] = publisher
         self._watch_spec(name, publisher, self.store.paths(ref).base)
         return publisher
@@ -283,6 +289,7 @@ class QueueService:
         def forget() -> None:
             if self._publishers.get(name) is publisher:
                 del self._publishers[name]
+                self._replaced[name] = publisher
 
         def changed(data: bytes | None, stat: object, event: object = None) -> bool:
             if self._publishers.get(name) is not publisher or loop.is_closed():

@@ -318,6 +318,15 @@ class IdempotencyGuard:
             running = call.watch(index)
         return asyncio.get_running_loop().create_task(_duplicate_of(running))
 
+    def continue_from(self, previous: IdempotencyGuard) -> None:
+        """Take over the ids of `previous`, the guard of this queue incarnation's publisher
+        before a spec change replaced it: its publishes still under way finish there, and a
+        retry of one of their ids must wait for them here. Before its intents are written an
+        id is known to memory alone; a guard that started empty would publish it again."""
+        self._inflight = previous._inflight  # shared: either guard's publishes end in it
+        if previous._window == self._window:
+            self._recent = previous._recent  # otherwise the rows answer for what it held
+
     def track(self, client_id: str, publication: asyncio.Future[Published]) -> None:
         """`publication` is this process's publish of `client_id`: until it ends, publishes of
         the id wait for it (`earlier_here`), and its result is remembered."""

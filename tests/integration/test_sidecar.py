@@ -19,6 +19,7 @@ from casque.config import Settings
 from casque.engine import catalog, shard_reader
 from casque.engine.messages import OutgoingMessage
 from casque.engine.pipelines import keyed_outputs
+from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.publisher import Publisher
 from casque.schema import QueueRef
 from casque.sidecar.app import create_app, service_of
@@ -176,6 +177,61 @@ async def test_a_publish_with_a_known_id_is_written_once(store: Store, make_side
     second = await call(client, f"{BASE}/messages", {"id": "order-42-created", "data": 1})
     assert second["duplicate"] and second["messageId"] == first["messageId"]
     assert (await call(client, f"{BASE}/stats"))["publishedMessages"] == 1
+
+
+@pytest.mark.parametrize(("body", "first_write"), [
+    ({"id": "order-43-created"}, "record_intents"),
+    ({"producerid": "till-4", "producerseq": 1}, "record_intents"),
+    ({"id": "order-44-created", "delay": 3600}, "record_positions"),
+], ids=["client id", "producer key", "delayed"])
+async def test_a_retry_during_a_spec_change_waits_for_the_publish_of_its_id_under_way(
+    store: Store, make_sidecar: MakeSidecar, monkeypatch: pytest.MonkeyPatch, body: dict[str, Any], first_write: str,
+) -> None:
+    """A spec change gives the sidecar a new publisher while the old one still writes. The
+    first attempt is held before its id reaches Cassandra (only memory knows it); the client's
+    retry of the same id arrives at the new publisher, which must wait for that attempt and
+    answer its message as a duplicate, not publish it a second time."""
+    create_queue(store, shards=1)
+    client = await make_sidecar()
+    held, resume = asyncio.Event(), asyncio.Event()
+    write = getattr(IdempotencyGuard, first_write)
+
+    async def first_held(guard: IdempotencyGuard, *args: Any, **kwargs: Any) -> Any:
+        if not held.is_set():
+            held.set()
+            await resume.wait()
+        return await write(guard, *args, **kwargs)
+
+    monkeypatch.setattr(IdempotencyGuard, first_write, first_held)
+    asked, retry_asked = 0, asyncio.Event()
+    earlier_here = IdempotencyGuard.earlier_here
+
+    def counted(guard: IdempotencyGuard, client_id: str) -> Any:
+        nonlocal asked
+        asked += 1
+        if asked == 2:  # the retry's look at what this process has under way
+            retry_asked.set()
+        return earlier_here(guard, client_id)
+
+    monkeypatch.setattr(IdempotencyGuard, "earlier_here", counted)
+    service = service_of(client.app)
+    before = await service.publisher(QUEUE)
+    first = asyncio.create_task(call(client, f"{BASE}/messages", {**body, "data": 1}))
+    await asyncio.wait_for(held.wait(), 30)
+    create_queue(store, shards=1, max_bytes=8192)  # the spec change
+
+    async def replaced() -> bool:
+        return await service.publisher(QUEUE) is not before
+
+    await until(replaced)
+    retry = asyncio.create_task(call(client, f"{BASE}/messages", {**body, "data": 1}))
+    await asyncio.wait_for(retry_asked.wait(), 30)
+    resume.set()
+    answers = await asyncio.gather(first, retry)
+    assert [a["duplicate"] for a in answers] == [False, True], answers
+    assert answers[0]["messageId"] == answers[1]["messageId"]
+    stats = await call(client, f"{BASE}/stats")
+    assert stats["publishedMessages"] + stats["delayed"] == 1, stats
 
 
 async def test_delayed_and_prioritised_messages(store: Store, make_sidecar: MakeSidecar) -> None:
