@@ -24,6 +24,9 @@ Recipe, per subscriber and shard (paths in casque.znodes):
   the claims were read only leaves the offset lower than it could be, which the next
   completion corrects. Every completion writes the offset (version checked), so completions
   are serialised and none leaves the offset behind a range completed concurrently.
+- Batches below the head that no read returns have expired: the cursor moves over them with
+  nothing claimed, and the offset with it (the same rule, in the same multi), since no
+  range of them will ever complete to move it.
 - With ordered keys a claim carries the 32-bit hashes of its range's keys that are still
   open (a message not done). It starts with all of them; its holder writes the set again
   (a compare-and-set like a renewal) once keys are finished in it, after their acks are
@@ -199,12 +202,32 @@ async def claim_range(
 
 
 async def skip_range(client: KazooClient, paths: SubscriberPaths, cursor: Cursor, shard: int, end: int) -> bool:
-    """Move the cursor over batches known to be gone (expired): there is nothing to claim."""
-    try:
-        await zk.call(client.set_async, paths.cursor(shard), encode_offset(end, cursor.epoch), cursor.version)
-    except BadVersionError:
-        return False
-    return True
+    """Move the cursor over batches known to be gone (expired): there is nothing to claim.
+
+    The offset moves with it, in the same multi, as a completion would move it (to the lowest
+    start of the claims still open, or the new cursor): no range of the skipped batches will
+    ever complete to move it, and a shard with nothing left would otherwise show lag, and a
+    stall, until its next publish. The claims are listed after `cursor` was read, and the
+    multi checks the cursor's version, so no claim made since can be below the target.
+    Returns False when the cursor moved meanwhile (another member claimed or skipped)."""
+    while True:
+        data, offset_stat = await zk.call(client.get_async, paths.offset(shard))
+        offset, epoch = decode_offset(data)
+        transaction = client.transaction()
+        transaction.set_data(paths.cursor(shard), encode_offset(end, cursor.epoch), cursor.version)
+        if epoch == cursor.epoch:
+            starts = [int(n.partition("-")[2]) for n in await list_claims(client, paths, shard)
+                      if n.startswith(f"{epoch}-")]
+            target = max(offset, min([*starts, end]))
+            if target > offset:
+                transaction.set_data(paths.offset(shard), encode_offset(target, epoch), offset_stat.version)
+        results = await zk.call(transaction.commit_async)
+        if isinstance(results[0], BadVersionError):
+            return False
+        if len(results) > 1 and isinstance(results[1], BadVersionError):
+            continue  # a completion or a seek wrote the offset first: read it again
+        _raise_failure(results, "skipping expired batches")
+        return True
 
 
 async def list_claims(client: KazooClient, paths: SubscriberPaths, shard: int) -> list[str]:

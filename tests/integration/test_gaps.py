@@ -20,6 +20,7 @@ from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
 from casque.engine.offsets import SeekTarget
 from casque.engine.publisher import Publisher
+from casque.engine.stats import subscriber_stats
 from casque.schema import QueueRef, bucket_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
@@ -142,3 +143,35 @@ async def test_seeks_and_new_subscribers_find_live_batches_before_a_stretch_a_lo
     assert offsets.seek(store, QUEUE, "replayer", SeekTarget("time", time=batch_25_at)) == {0: first_then}
     catalog.apply_subscriber(store, QUEUE, "late", SubscriberSpec(queue=QUEUE.name, start_position="earliest"))
     assert catalog.read_offset(store, store.paths(QUEUE).subscriber("late"), 0) == 1
+
+
+@pytest.mark.parametrize("delivery", ["leased", "shared"])
+async def test_a_backlog_that_expired_with_nothing_after_it_is_passed_and_reported_as_no_stall(
+    store: Store, consumers: list[Consumer], delivery: str
+) -> None:
+    """A backlog nobody read expires whole, and nothing is published after it. A consumer that
+    then asks for messages finds none; its offset must pass the expired batches, and the shard
+    must not be reported stalled: there is nothing left to deliver. Before, shared delivery's
+    offset stayed below the expired batches and the stall signal fired."""
+    catalog.apply_queue(store, QUEUE, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, QUEUE, "workers", SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery=delivery,
+        stall_after_seconds=1))
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    store.session.execute(f"ALTER TABLE {store.table(QUEUE)} WITH default_time_to_live = {SHORT_TTL}")
+    written = [(await publisher.publish([OutgoingMessage(b"%d" % i)]))[0].batch for i in range(20)]
+    await publisher.flush_heads()
+    await until("the backlog expired", lambda: gone(store, written))
+
+    consumer = Consumer(store, QUEUE, "workers")
+    consumers.append(consumer)
+    await consumer.start()
+    head = catalog.read_int(store, store.paths(QUEUE).head(0))
+    assert head == max(written)
+    paths = store.paths(QUEUE).subscriber("workers")
+    deadline = time.monotonic() + 60
+    while catalog.read_offset(store, paths, 0) != head + 1:
+        assert time.monotonic() < deadline, f"offset {catalog.read_offset(store, paths, 0)} never passed head {head}"
+        assert await consumer.receive(max_messages=10, wait=0.5) == []
+    stats = await subscriber_stats(store, QUEUE, "workers")
+    assert stats.lag_batches == 0 and stats.stalled_shards == [], stats
