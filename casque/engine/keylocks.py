@@ -35,6 +35,12 @@ class Hold(enum.Enum):
     ELSEWHERE = "elsewhere"
 
 
+# A key's heap is rebuilt without its finished positions once they are more than half of it
+# (and more than this): a message finished while an earlier one of its key stays open (a
+# filter drops it, say) would otherwise stay in the heap for as long as that one does.
+PRUNE_FLOOR = 32
+
+
 def key_hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big")
 
@@ -56,8 +62,13 @@ class KeyLocks:
         """The message is done here (acked, dead-lettered) or no longer ours (its range went elsewhere)."""
         if key is None or key not in self._pending:
             return
-        self._finished.setdefault(key, set()).add((position.batch, position.seq))
-        self._first(key)
+        finished = self._finished.setdefault(key, set())
+        finished.add((position.batch, position.seq))
+        if self._first(key) is not None and len(finished) > max(PRUNE_FLOOR, len(self._pending[key]) // 2):
+            heap = [item for item in self._pending[key] if item not in finished]
+            heapq.heapify(heap)
+            self._pending[key] = heap
+            finished.clear()
         self._on_release()
 
     def hold(self, key: str | None, position: Position) -> Hold:
@@ -87,3 +98,9 @@ class KeyLocks:
     @property
     def keys_held(self) -> int:
         return len(self._pending)
+
+    @property
+    def positions_kept(self) -> int:
+        """Positions held for all keys, open and finished-not-yet-dropped: at most about twice
+        the open ones (which are loaded messages, in the prefetch budget) plus PRUNE_FLOOR a key."""
+        return sum(len(heap) for heap in self._pending.values()) + sum(map(len, self._finished.values()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from casque.engine.keylocks import KeyLocks, key_hash
+from casque.engine.keylocks import PRUNE_FLOOR, KeyLocks, key_hash
 from casque.engine.messages import Position, StoredMessage
 from casque.engine.shard_state import ShardState
 
@@ -97,3 +97,21 @@ def test_a_message_still_in_flight_at_a_departed_member_holds_its_key_until_its_
     assert [(h.entry.message.message_id, h.entry.deliveries) for h in redelivered] == [("1-0", 2)]
     state.ack(Position(0, 1, 0), redelivered[0].nonce)
     assert taken_ids(state, now=20.0) == ["1-1"]
+
+
+def test_messages_a_filter_drops_behind_a_key_held_open_cost_nothing_once_done() -> None:
+    """A filter drops every message of a key but the first, which the app holds and never
+    acks. The dropped ones are done: what the key's lock keeps of them must not grow with
+    their number (the prefetch budget counts loaded messages, and these are not loaded any
+    more, so nothing else would stop the reader)."""
+    state = ShardState(shard=0, offset=1, locks=KeyLocks(), matches=lambda m: m.payload == b"wanted")
+    kept = StoredMessage(position=Position(0, 1, 0), message_id="1-0", published_at=datetime.now(timezone.utc),
+                         payload=b"wanted", key="k")
+    state.add_batch(1, [kept])
+    assert taken_ids(state) == ["1-0"]  # in the app's hands from now on
+    for batch in range(2, 2 + 500):
+        state.add_batch(batch, [message(batch, seq, "k") for seq in range(100)])
+        assert taken_ids(state) == []  # 100 dropped: none matches the filter
+    assert state.counters.filtered == 50_000 and state.loaded_messages == 1
+    # Before: 100,000 (each dropped message in the heap and in the finished set).
+    assert state.locks is not None and state.locks.positions_kept <= 3 * PRUNE_FLOOR, state.locks.positions_kept
