@@ -14,12 +14,8 @@
 #    The root filesystem is kept as a tarball under ${CASQUE_CACHE:-~/.cache/casque}/images,
 #    named by a hash of everything that goes into it; the image carries that hash as a label
 #    and is imported again only when it differs.
-# 4. The locked wheels the Dockerfiles install (requirements/build.lock, runtime.lock and the
-#    sidecar's tracing.lock),
-#    downloaded once with their hashes checked into images/wheels/<hash of the locks>/, beside
-#    a pip.conf that points pip at them and at no index. The image tests mount that folder
-#    as /etc/xdg/pip into their builds and build with no network at all: nothing is fetched
-#    at test time, and a build step that wanted anything outside the locks would fail.
+# 4. The locked wheels the Dockerfiles install (scripts/locked-wheels.sh): the image tests
+#    build with no network at all, from those wheels only.
 #
 #   bash scripts/install-podman.sh           # what is missing
 #   bash scripts/install-podman.sh --force   # the base tarball and image anew
@@ -160,23 +156,5 @@ if [ "$FORCE" = 1 ] || [ "$have" != "$key" ]; then
   log "imported $BASE_IMAGE ($key)"
 fi
 # ---- 4. the locked wheels, for builds without a network ------------------------------------
-python=${PYTHON:-.venv/bin/python}
-[ -x "$python" ] || python=python3
-locks=(requirements/build.lock requirements/runtime.lock requirements/tracing.lock)
-wheels="$CACHE_DIR/wheels/$(cat "${locks[@]}" | sha256sum | cut -c1-16)"
-if [ ! -f "$wheels/pip.conf" ]; then
-  rm -rf "$wheels.partial"
-  # The images' Python, whatever the host's: only wheels, for CPython 3.11 on this platform.
-  "$python" -m pip download -q --require-hashes --no-deps --only-binary=:all: --python-version 3.11 \
-    --dest "$wheels.partial" "${locks[@]/#/-r}"
-  printf '[global]\nno-index = true\nfind-links = /etc/xdg/pip\n' >"$wheels.partial/pip.conf"
-  rm -rf "$wheels"
-  mv "$wheels.partial" "$wheels"
-  log "locked wheels in $wheels"
-fi
-# Other folders hold the wheels of other checkouts' locks (a branch that changed a lock, on a
-# machine shared by several checkouts): keep the three used last, so that checkouts do not
-# take each other's away, and drop the rest.
-touch "$wheels"
-ls -1dt "$CACHE_DIR"/wheels/*/ | tail -n +4 | xargs -r rm -rf
+bash scripts/locked-wheels.sh
 echo "podman $(podman --version | cut -d' ' -f3) (runtime $(podman info --format '{{.Host.OCIRuntime.Name}}')), base $BASE_IMAGE ($key)"

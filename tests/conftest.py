@@ -19,7 +19,15 @@ from tests.fixtures import scheduling
 from tests.fixtures.consumers import consumers  # noqa: F401
 from tests.fixtures.images import backend_images, images  # noqa: F401
 from tests.fixtures.kube import kube_client, kube_cluster, kube_namespace  # noqa: F401
-from tests.fixtures.node import kube_node, node_address, node_cluster, node_images, node_stack  # noqa: F401
+from tests.fixtures.node import (  # noqa: F401
+    baseline_node_images,
+    kube_node,
+    node_address,
+    node_cluster,
+    node_images,
+    node_stack,
+)
+from tests.fixtures.node_apps import node_keyspace_and_root  # noqa: F401
 from tests.fixtures.node_release import embedded_release  # noqa: F401
 from tests.fixtures.sidecars import start_sidecar  # noqa: F401
 from tests.fixtures.stack import (  # noqa: F401

@@ -16,11 +16,9 @@ them, or without the sidecar's label, is refused at the backends' client ports.
 from __future__ import annotations
 
 import base64
-import json
 import socket
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +38,16 @@ from casque.devstack.node import KubeNode
 from casque.devstack.stack import Stack
 from casque.schema import QueueRef
 from casque.znodes import queue_paths
-from tests.fixtures.history import check
 from tests.fixtures.node import NodeImages, pod_log
+from tests.fixtures.node_apps import (
+    HISTORY_RESOURCES,
+    POD_SECURITY,
+    RESTRICTED,
+    HistoryTraffic,
+    app_pod,
+    host_stack_values,
+    is_ready,
+)
 from tests.fixtures.node_release import (
     CHART,
     ROOT,
@@ -49,8 +55,6 @@ from tests.fixtures.node_release import (
     EmbeddedRelease,
     Kubectl,
     client_namespace,
-    history_of,
-    image_values,
     records,
     run,
 )
@@ -61,23 +65,9 @@ from tests.fixtures.waiting import wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(START_TIMEOUT * 2 + 60 + 900)]
 
 EXAMPLES = ROOT / "examples"
-HISTORY_APP = Path(__file__).with_name("node_history_app.py")
 ORDERS = 20
 HISTORY_MESSAGES = 600
 HISTORY_RATE = 4
-# Messages published and acked after a fault before the next: the service is back.
-PROGRESS = 10
-
-
-def host_stack_values(images: NodeImages, stack: Stack, keyspace: str, zk_root: str) -> dict[str, Any]:
-    """The release's values with the backends outside it: the node's stack on the host."""
-    return {
-        **image_values(images),
-        "backends": {"embedded": False},
-        "cassandra": {"contactPoints": list(stack.contact_points), "port": stack.ports.native, "keyspace": keyspace,
-                      "replication": {"strategy": "SimpleStrategy", "factor": 1}},
-        "zookeeper": {"connect": stack.zookeeper_hosts, "root": zk_root},
-    }
 
 
 def example_deployment(worker_image: str) -> dict[str, Any]:
@@ -99,25 +89,6 @@ PUBLISH = (
     "        client.publish({'order': number})\n"
     "print('published', sys.argv[1], flush=True)\n"
 )
-
-RESTRICTED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
-POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 10002, "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def app_pod(name: str, image: str, annotations: dict[str, str], command: list[str]) -> dict[str, Any]:
-    """A pod of one container that the operator's webhook gives a sidecar; it runs once."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "annotations": {"casque.io/inject": "true", **annotations}},
-        "spec": {
-            "restartPolicy": "Never",
-            "securityContext": POD_SECURITY,
-            "containers": [{"name": "app", "image": image, "imagePullPolicy": "Never", "command": command,
-                            "securityContext": RESTRICTED}],
-        },
-    }
-
 
 def publisher_pod(worker_image: str) -> dict[str, Any]:
     """A pod that publishes ORDERS orders through its injected sidecar and exits; its
@@ -169,40 +140,20 @@ def remove_the_app(kubectl: Kubectl, shop: str) -> None:
     kubectl("delete", "namespace", shop, "--wait=false", check=False)
 
 
-@pytest.fixture
-def keyspace_and_root(node_stack: Stack) -> Iterator[tuple[str, str]]:
-    """A keyspace and a ZooKeeper root of the test's own on the node's stack, removed after."""
-    suffix = uuid.uuid4().hex[:12]
-    keyspace, zk_root = f"node_{suffix}", f"/node-{suffix}"
-    try:
-        yield keyspace, zk_root
-    finally:
-        cluster = node_stack.zookeeper().members()[0]
-        zk = KazooClient(hosts=cluster.connect_string)
-        zk.start(timeout=15)
-        zk.delete(zk_root, recursive=True)
-        zk.stop()
-        zk.close()
-        cql = Cluster(node_stack.contact_points, port=node_stack.ports.native, sockopts=SOCKET_OPTIONS)
-        try:
-            cql.connect().execute(f"DROP KEYSPACE IF EXISTS {keyspace}", timeout=60)
-        finally:
-            cql.shutdown()
-
 
 def test_the_chart_runs_the_operator_and_the_example_app_publishes_and_receives_through_its_sidecars(
     kube_node: KubeNode,
     node_cluster: KubeCluster,
     node_images: NodeImages,
     node_stack: Stack,
-    keyspace_and_root: tuple[str, str],
+    node_keyspace_and_root: tuple[str, str],
     tmp_path: Path,
 ) -> None:
     kubectl = Kubectl(node_cluster)
     helm = kube_binary("helm")
     suffix = uuid.uuid4().hex[:8]
     system, shop = f"casque-{suffix}", f"shop-{suffix}"
-    keyspace, zk_root = keyspace_and_root
+    keyspace, zk_root = node_keyspace_and_root
     kubeconfig = ["--kubeconfig", str(node_cluster.kubeconfig_path)]
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump(host_stack_values(node_images, node_stack, keyspace, zk_root)))
@@ -352,33 +303,6 @@ def zookeeper_mode(kubectl: Kubectl, namespace: str, pod: str) -> str | None:
     return None
 
 
-def is_ready(pod: dict[str, Any]) -> bool:
-    conditions = pod.get("status", {}).get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-
-def history_pods(image: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    source = HISTORY_APP.read_text()
-    consumer = app_pod("consumer", image, {"casque.io/queue": "history", "casque.io/subscriber": "checker"},
-                       ["python3", "-c", source, "consume"])
-    publisher = app_pod("publisher", image, {"casque.io/queue": "history", "casque.io/publish-scope": "history"},
-                        ["python3", "-c", source, "publish", str(HISTORY_MESSAGES), str(HISTORY_RATE)])
-    return consumer, publisher
-
-
-HISTORY_RESOURCES = """\
-apiVersion: casque.io/v1alpha1
-kind: Queue
-metadata: {name: history}
-spec: {shards: 2, retention: 1d}
----
-apiVersion: casque.io/v1alpha1
-kind: Subscriber
-metadata: {name: checker}
-spec: {queue: history, startPosition: earliest, visibilityTimeout: 20s}
-"""
-
-
 def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
     embedded_release: EmbeddedRelease, node_images: NodeImages,
 ) -> None:
@@ -390,29 +314,7 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
     kubectl, node, namespace = embedded_release.kubectl, embedded_release.node, embedded_release.namespace
     shop = f"shop-{uuid.uuid4().hex[:8]}"
     client_namespace(kubectl, shop)
-
-    def calls(pod: str) -> list[dict[str, Any]]:
-        return records(pod_log(node, shop, pod, "app"))
-
-    def counts() -> tuple[int, int]:
-        published = sum(1 for entry in calls("publisher") if entry["op"] == "published")
-        acked = sum(1 for entry in calls("consumer") if entry["op"] == "ack" and entry["outcome"] == "acked")
-        return published, acked
-
-    def progress_after(what: str) -> None:
-        published, acked = counts()
-        try:
-            wait_for(f"{PROGRESS} more messages published and acked after {what}",
-                     lambda: (lambda now: now[0] >= min(published + PROGRESS, HISTORY_MESSAGES)
-                              and now[1] >= min(acked + PROGRESS, HISTORY_MESSAGES))(counts()),
-                     timeout=START_TIMEOUT)
-        except pytest.fail.Exception:
-            # What the apps and their sidecars last said: where the service is stuck.
-            for pod in ("publisher", "consumer"):
-                for container in ("app", "casque-sidecar"):
-                    tail = pod_log(node, shop, pod, container).splitlines()[-40:]
-                    print(f"--- {pod}/{container}, last {len(tail)} lines", *tail, sep="\n")
-            raise
+    traffic = HistoryTraffic(kubectl, node, shop)
 
     def replaced(component: str, old_uid: str) -> bool:
         pods = embedded_release.pods(component)
@@ -422,28 +324,26 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
         kubectl("apply", "-n", shop, "-f", "-", stdin=HISTORY_RESOURCES)
         kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/history", "subscriber/checker",
                 f"--timeout={START_TIMEOUT}s")
-        consumer, publisher = history_pods(node_images.worker)
-        kubectl.apply(shop, consumer)
-        kubectl("wait", "-n", shop, "--for=condition=Ready", "pod/consumer", f"--timeout={START_TIMEOUT}s")
-        kubectl.apply(shop, publisher)
-        progress_after("the start")
+        traffic.start_consumer("consumer", node_images.worker)
+        traffic.start_publisher("publisher", node_images.worker, HISTORY_MESSAGES, HISTORY_RATE)
+        traffic.progress_after("the start")
 
         # The consumer's sidecar, killed with -9 by its runtime; the kubelet starts it again.
-        pod = kubectl.json("pod/consumer", "-n", shop)
-        (sidecar,) = [s for s in pod["status"]["initContainerStatuses"] if s["name"] == "casque-sidecar"]
+        (sidecar,) = [s for s in traffic.pod("consumer")["status"]["initContainerStatuses"]
+                      if s["name"] == "casque-sidecar"]
         subprocess.run(node.ctr("tasks", "kill", "--signal", "SIGKILL", sidecar["containerID"].split("://")[1]),
                        check=True, capture_output=True)
         wait_for("the consumer's sidecar restarted and ready", lambda: any(
             s["name"] == "casque-sidecar" and s["restartCount"] >= 1 and s["ready"]
-            for s in kubectl.json("pod/consumer", "-n", shop)["status"]["initContainerStatuses"]),
+            for s in traffic.pod("consumer")["status"]["initContainerStatuses"]),
             timeout=START_TIMEOUT)
-        progress_after("the sidecar's kill")
+        traffic.progress_after("the sidecar's kill")
 
         (operator,) = embedded_release.pods("casque")
         kubectl("delete", "-n", namespace, "pod", operator["metadata"]["name"], "--wait=false")
         wait_for("a new operator pod ready", lambda: replaced("casque", operator["metadata"]["uid"]),
                  timeout=START_TIMEOUT)
-        progress_after("the operator's pod was deleted")
+        traffic.progress_after("the operator's pod was deleted")
 
         zookeepers = embedded_release.pods("zookeeper")
         (leader,) = [p for p in zookeepers if zookeeper_mode(kubectl, namespace, p["metadata"]["name"]) == "leader"]
@@ -456,27 +356,15 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
             modes = sorted(zookeeper_mode(kubectl, namespace, p["metadata"]["name"]) or "" for p in pods)
             return modes == ["follower", "follower", "leader"]
         wait_for("the ZooKeeper ensemble whole again", ensemble_back, timeout=START_TIMEOUT)
-        progress_after("the ZooKeeper leader's pod was deleted")
+        traffic.progress_after("the ZooKeeper leader's pod was deleted")
 
         (cassandra,) = embedded_release.pods("cassandra")
         kubectl("delete", "-n", namespace, "pod", cassandra["metadata"]["name"], "--wait=false")
         wait_for("a new Cassandra pod ready", lambda: replaced("cassandra", cassandra["metadata"]["uid"]),
                  timeout=START_TIMEOUT)
-        progress_after("the Cassandra pod was deleted")
+        traffic.progress_after("the Cassandra pod was deleted")
 
-        kubectl("wait", "-n", shop, "--for=jsonpath={.status.phase}=Succeeded", "pod/publisher",
-                f"--timeout={START_TIMEOUT * 2}s")
-
-        def whole() -> bool:
-            history = history_of(calls("publisher"), [calls("consumer")])
-            return len(history.published) == HISTORY_MESSAGES and check(history).ok
-
-        wait_for("every published message delivered and acked", whole, timeout=START_TIMEOUT)
-        history = history_of(calls("publisher"), [calls("consumer")])
-        verdict = check(history)
-        assert verdict.ok, str(verdict)
-        print(f"history: {len(history.published)} published, {len(history.deliveries)} deliveries "
-              f"({history.redeliveries()} again), {len(history.acks)} acks")
+        traffic.checked_when_whole()
     except BaseException:
         kubectl.show(namespace, shop)
         raise
