@@ -137,6 +137,36 @@ async def test_switching_a_live_group_from_leased_to_shared_delivery_loses_nothi
     assert verdict.ok, str(verdict)
 
 
+async def test_switching_a_live_group_from_shared_to_leased_delivery_and_back_redelivers_nothing_acked(
+    store: Store, start_sidecar: StartSidecar
+) -> None:
+    """Members switch one by one, each when its watch fires: for a moment a member that
+    switched to leased delivery loads a shard while others still hold shared claims on it
+    and their apps still ack (each holds what it received for a moment, so acks are always
+    in flight). Nothing acked may be delivered again, either way round."""
+    spec = QueueSpec(shards=2, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    shared = SubscriberSpec(queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=VISIBILITY,
+                            delivery="shared")
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, shared)
+    group = Group(start_sidecar, store, QUEUE, SUBSCRIBER, ack_delay=0.3)
+    try:
+        await group.add(3)
+        await group.whole(None)
+        await group.publish(300, "shared")
+        for round, delivery in enumerate(["leased", "shared", "leased"]):
+            publishing = asyncio.create_task(group.publish(300, f"switching-{round}"))
+            catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, shared.model_copy(update={"delivery": delivery}))
+            group.delivery = delivery
+            await publishing
+            await group.whole(spec.log_shards() if delivery == "leased" else None)
+        await group.drained()
+        verdict = check(group.history)
+        assert verdict.ok, str(verdict)
+    finally:
+        await group.stop()
+
+
 async def test_a_member_whose_app_stops_asking_lets_its_range_go_once_the_visibility_ends(
     store: Store, start_sidecar: StartSidecar
 ) -> None:
