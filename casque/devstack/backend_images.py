@@ -227,6 +227,9 @@ def zookeeper_start() -> str:
     return f"""#!/bin/bash
 # Starts ZooKeeper: zoo.cfg from the environment, then the JVM in this process's place, so
 # that it gets the container's signals. ZOO_HEAP_MB: the heap in MiB ({ZOOKEEPER_HEAP_MB}).
+# ZOO_SUPER_USERNAME and ZOO_SUPER_PASSWORD: the installation's digest login, which then acts
+# on every znode whatever its ACL (a client may create znodes naming only itself); the JVM
+# gets its digest (base64 of SHA-1 of user:password, as ZooKeeper compares it), not the password.
 set -euo pipefail
 heap="${{ZOO_HEAP_MB:-{ZOOKEEPER_HEAP_MB}}}"
 [[ $heap =~ ^[0-9]+$ ]] || {{ echo "zookeeper: ZOO_HEAP_MB is not a number: $heap" >&2; exit 2; }}
@@ -235,6 +238,12 @@ conf="${{ZOO_CONF_DIR:-/tmp/zookeeper}}"
 args=(
 {_shell_words(args)}
 )
+if [ -n "${{ZOO_SUPER_USERNAME:-}}" ]; then
+  [ -n "${{ZOO_SUPER_PASSWORD:-}}" ] || {{ echo "zookeeper: ZOO_SUPER_USERNAME without ZOO_SUPER_PASSWORD" >&2; exit 2; }}
+  digest="$(printf '%s:%s' "$ZOO_SUPER_USERNAME" "$ZOO_SUPER_PASSWORD" | openssl dgst -sha1 -binary | base64)"
+  args=("-Dzookeeper.DigestAuthenticationProvider.superDigest=$ZOO_SUPER_USERNAME:$digest" "${{args[@]}}")
+fi
+unset ZOO_SUPER_PASSWORD
 exec java "${{args[@]}}"
 """
 

@@ -199,7 +199,11 @@ class ZooKeeperServer:
             f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m",
             f"-Dlogback.configurationFile={d}/logback.xml",
             "-Dzookeeper.admin.enableServer=false",
-            *([f"-Djava.security.auth.login.config={self.jaas_path.resolve()}"] if self.sasl else []),
+            *([f"-Djava.security.auth.login.config={self.jaas_path.resolve()}",
+               # The installation's login acts on every znode whatever ACL a client gave it:
+               # a namespace may create znodes in its containers, and ZooKeeper lets a creator
+               # name only itself in their ACL (and take ADMIN), locking the operator out.
+               f"-Dzookeeper.superUser={self.sasl.username}"] if self.sasl else []),
             "-cp", ZOOKEEPER.classpath(),
             main,
             f"{d}/zoo.cfg",

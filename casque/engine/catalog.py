@@ -10,12 +10,12 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
-from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError, RolledBackError
+from kazoo.exceptions import NoAuthError, NodeExistsError, NoNodeError, NotEmptyError, RolledBackError
 from kazoo.security import ANYONE_ID_UNSAFE
 
 from casque.engine import checkpoints, grants, positions, rebuild, schema_versions
 from casque.engine.delayed import Cursor
-from casque.errors import BackendUnavailable, InvalidChange, InvalidSpec, QueueNotFound, SubscriberNotFound
+from casque.errors import AccessDenied, BackendUnavailable, InvalidChange, InvalidSpec, QueueNotFound, SubscriberNotFound
 from casque.schema import (
     QueueRef,
     count_queue_tables,
@@ -109,10 +109,16 @@ def secure_znodes(store: Store, namespace: str | None = None) -> int:
 
 
 def secure_tree(store: Store, top: str) -> int:
-    """Give `top` and every znode below it the ACL of the policy where it differs; how many changed."""
+    """Give `top` and every znode below it the ACL of the policy where it differs; how many changed.
+
+    A znode the installation may not touch (its ACL names someone else alone, which ZooKeeper
+    lets a creator set, on a server without the installation as its superuser) is passed
+    over with what is below it, and the walk goes on: every other znode gets its ACL, and
+    AccessDenied then names those left."""
     policy = store.zk.acl_policy
     pending = [top]
     changed = 0
+    refused: list[str] = []
     while pending:
         path = pending.pop()
         try:
@@ -125,6 +131,13 @@ def secure_tree(store: Store, top: str) -> int:
             pending.extend(f"{path.rstrip('/')}/{child}" for child in store.zk.get_children(path))
         except NoNodeError:
             continue  # an ephemeral znode gone meanwhile
+        except NoAuthError:
+            refused.append(path)
+    if refused:
+        shown = ", ".join(sorted(refused)[:5]) + (f" and {len(refused) - 5} more" if len(refused) > 5 else "")
+        raise AccessDenied(f"{changed} znode(s) given their ACL; ZooKeeper refused the installation on "
+                           f"{len(refused)} (with what is below them): {shown}; give its login ZooKeeper's "
+                           "superuser (docs/security.md)")
     return changed
 
 

@@ -29,6 +29,7 @@ from cassandra.auth import PlainTextAuthProvider
 from cassandra.cluster import Cluster, NoHostAvailable
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
+from kazoo.security import make_acl, make_digest_acl_credential
 
 from casque.backends import cql, zk as zk_backend
 from casque.backends.cql import SOCKET_OPTIONS
@@ -377,6 +378,11 @@ apiVersion: casque.io/v1alpha1
 kind: Queue
 metadata: {name: ledger}
 spec: {shards: 1, retention: 1d}
+---
+apiVersion: casque.io/v1alpha1
+kind: Subscriber
+metadata: {name: audit}
+spec: {queue: ledger}
 """
 
 
@@ -480,9 +486,25 @@ def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_d
                 zk.set(b_paths.base, b"{}")
             with pytest.raises(NoAuthError):
                 zk.create(f"{b_paths.base}/intruder", b"")
+            # Where A's sidecars register, A may create: a znode naming only A, with a child.
+            # The installation's login is the ensemble's superuser, so the operator still
+            # removes it with the Subscriber below.
+            only_a = [make_acl("digest", make_digest_acl_credential(a_identity["username"], a_identity["password"]),
+                               all=True)]
+            locked = a_paths.subscriber("audit").member("locked")
+            zk.create(locked, b"", acl=only_a)
+            zk.create(f"{locked}/child", b"", acl=only_a)
         finally:
             zk.stop()
             zk.close()
+        kubectl("delete", "-n", a, "subscriber/audit", "queue/ledger", f"--timeout={START_TIMEOUT}s")
+        installation = secret_values(kubectl, namespace, "casque-zookeeper")
+        admin = zookeeper_login(zookeeper_address, (installation["username"], installation["password"]), tls)
+        try:
+            assert admin.exists(a_paths.base) is None and admin.exists(b_paths.base) is not None
+        finally:
+            admin.stop()
+            admin.close()
         anonymous = zookeeper_login(zookeeper_address, None, tls)
         try:
             for path in (a_paths.base, b_paths.base):

@@ -26,7 +26,7 @@ import pytest
 from cassandra.cluster import Session
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError, NoNodeError
-from kazoo.security import OPEN_ACL_UNSAFE, Permissions
+from kazoo.security import ACL, OPEN_ACL_UNSAFE, Permissions
 from pydantic import SecretStr
 
 from casque.backends import zk
@@ -577,3 +577,32 @@ def test_while_the_derivation_key_rotates_both_identities_work_until_the_previou
     assert reconcile.secure_namespace_znodes(lambda: store, A.namespace) > 5
     assert_serves_its_subscriber(new_sidecar, operator_store, "new-again")
     assert_refused_everywhere(old_sidecar, operator_store, "old-again")
+
+
+def test_a_znode_a_namespace_locked_to_itself_is_named_and_the_walk_goes_on_past_it(
+    operator_store: Store, zk_hosts: str, clients: list[KazooClient]
+) -> None:
+    """On a ZooKeeper whose superuser the installation's login is not (this session's server;
+    the chart's and the dev stack's make it one, test_zookeeper_sasl), a namespace creates a
+    znode naming only itself. `secure-znodes` cannot touch it: it gives every other znode its
+    ACL (here one of the other namespace's, set open) and then names the one it could not.
+    Before, it stopped at the first NoAuth, leaving what came after it as it was."""
+    own = namespace_settings(zk_hosts, A.namespace)
+    assert own.zookeeper_password is not None
+    a = KazooClient(hosts=zk_hosts,
+                    auth_data=[("digest", f"{own.zookeeper_username}:{own.zookeeper_password.get_secret_value()}")])
+    a.start(timeout=15)
+    clients.append(a)
+    only_itself = [ACL(Permissions.ALL, namespace_identity(INSTALLATION.username, KEY, A.namespace).acl_id)]
+    locked = operator_store.paths(A).subscriber("billing").member("locked")
+    a.create(locked, b"", acl=only_itself)
+    drifted = operator_store.paths(B).subscriber("billing").offset(1)
+    operator_store.zk.set_acls(drifted, OPEN_ACL_UNSAFE)
+    try:
+        with pytest.raises(AccessDenied) as refused:
+            catalog.secure_znodes(operator_store)
+        assert f"refused the installation on 1 (with what is below them): {locked};" in str(refused.value)
+        policy = installation_policy(ROOT, [INSTALLATION], [KEY])
+        assert set(operator_store.zk.get_acls(drifted)[0]) == set(policy.acl_for(drifted))
+    finally:
+        a.delete(locked)  # the tenant's to remove: the test's cleanup could not

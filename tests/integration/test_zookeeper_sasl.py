@@ -250,3 +250,39 @@ async def test_the_operators_functions_work_over_sasl(
     assert cli.stdout.strip() == "1 znode of the installation given their ACL"
     assert login.password not in cli.stdout + cli.stderr
     walk(operator_store.zk, policy_of(login))
+
+
+def test_a_znode_a_namespace_locked_to_itself_is_still_secured_and_deleted_by_the_installation(
+    operator_store: Store, settings: Settings, login: Identity, clients: list[KazooClient]
+) -> None:
+    """A namespace may create znodes in the containers its sidecars write to, and ZooKeeper lets
+    a creator choose their ACL: here one naming only the namespace (ADMIN included), with a
+    child. The installation's login is the servers' superuser, so `secure-znodes` still gives
+    them the policy's ACL and deleting the queue still removes them. Before, both stopped at the
+    first NoAuth: the operator was locked out of the tenant's queue, and a rotation left the
+    other namespaces' znodes after it with their old ACL."""
+    # The tenant's own client, with its namespace's credentials: casque's would put the
+    # policy's ACL on what it creates.
+    own = namespace_settings(settings, A.namespace)
+    assert own.zookeeper_password is not None
+    a = KazooClient(hosts=own.zookeeper_hosts, **zk.tls_options(own),
+                    auth_data=[("digest", f"{own.zookeeper_username}:{own.zookeeper_password.get_secret_value()}")])
+    a.start(timeout=30)
+    clients.append(a)
+    tenant = namespace_identity(login.username, KEY, A.namespace)
+    only_itself = [ACL(Permissions.ALL, tenant.acl_id)]
+    locked = operator_store.paths(A).subscriber("billing").member("locked")
+    a.create(locked, b"", acl=only_itself)
+    a.create(f"{locked}/child", b"", acl=only_itself)
+    assert operator_store.zk.get_acls(locked)[0] == only_itself
+
+    assert catalog.secure_znodes(operator_store) >= 2
+    for path in (locked, f"{locked}/child"):
+        assert set(operator_store.zk.get_acls(path)[0]) == set(policy_of(login).acl_for(path)), path
+
+    # Locked again, deeper: what the namespace may create it may still lock.
+    a.create(f"{locked}/again", b"", acl=only_itself)
+    a.create(f"{locked}/again/deeper", b"", acl=only_itself)
+    catalog.delete_queue(operator_store, A, "Delete")
+    assert operator_store.zk.exists(operator_store.paths(A).base) is None
+    assert operator_store.zk.exists(operator_store.paths(B).base) is not None
