@@ -96,9 +96,15 @@ def _swapped(args: list[str], swaps: dict[str, str | None], source: str) -> list
 # --- ZooKeeper ---------------------------------------------------------------------------------
 
 
+IMAGE_MAX_CLIENT_CONNECTIONS = 60
+
+
 def zookeeper_zoo_cfg() -> str:
     """zoo.cfg without members: the start script adds `ZOO_SERVERS`' lines and the client port."""
-    server = ZooKeeperServer(Path("/nonexistent"), address="0.0.0.0")
+    # Each pod has an address of its own: 60 connections (ZooKeeper's default cap) from one
+    # is far more than a sidecar or the operator opens, and bounds a flood from one pod.
+    server = ZooKeeperServer(Path("/nonexistent"), address="0.0.0.0",
+                             max_client_connections=IMAGE_MAX_CLIENT_CONNECTIONS)
     text = server.render_zoo_cfg(data_dir=ZOOKEEPER_DATA)
     # Members bind their quorum and election ports on every address: a pod's name resolves to
     # its address only once the peers Service publishes it.

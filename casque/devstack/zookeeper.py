@@ -98,6 +98,10 @@ class ZooKeeperServer:
     pki: LocalPki | None = None
     require_client_auth: bool = False
     sasl: SaslLogin | None = None
+    # Connections ZooKeeper takes from one client address (maxClientCnxns): a bound on what one
+    # pod can hold open. The local stack's clients, the test suite's included, all come from
+    # its own host's addresses, hence its larger default; the image's is ZooKeeper's own 60.
+    max_client_connections: int = 500
 
     @property
     def connect_string(self) -> str:
@@ -142,8 +146,10 @@ class ZooKeeperServer:
             f"dataDir={data}\nclientPort={self.client_port}\n"
             f"clientPortAddress={self.address}\n"
             f"minSessionTimeout={MIN_SESSION_TIMEOUT_MS}\nmaxSessionTimeout={MAX_SESSION_TIMEOUT_MS}\n"
-            "maxClientCnxns=0\nadmin.enableServer=false\n"
-            "4lw.commands.whitelist=ruok,srvr,stat,mntr\n"
+            f"maxClientCnxns={self.max_client_connections}\nadmin.enableServer=false\n"
+            # `srvr` alone: the readiness probe's and devstack's. `stat` and `cons` list every
+            # connected client's address, to anyone who reaches the port.
+            "4lw.commands.whitelist=srvr\n"
             "autopurge.snapRetainCount=3\nautopurge.purgeInterval=1\n"
             f"{ensemble}"
             f"{self._render_tls()}"

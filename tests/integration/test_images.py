@@ -34,6 +34,7 @@ from casque.backends.cql import connect
 from casque.backends.superuser import DEFAULT_PASSWORD, DEFAULT_SUPERUSER, Secured, secure_cassandra
 from casque.backends import zk
 from casque.config import CassandraTlsSettings, ReplicationSettings, Settings, ZooKeeperTlsSettings
+from casque.devstack.backend_images import IMAGE_MAX_CLIENT_CONNECTIONS
 from casque.devstack.pki import issue_cert, make_ca
 from casque.errors import AccessDenied
 from casque.devstack.kube import KubeCluster
@@ -330,12 +331,35 @@ def test_the_zookeeper_container_serves_a_client(backend_containers: Containers)
         return podman("exec", name, "/opt/zookeeper/bin/serving", check=False).returncode == 0
 
     wait_for("ZooKeeper's `serving` to succeed", serving, timeout=120)
+    # One address holds at most 60 connections (a pod's flood): the 61st client is not served.
+    flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(IMAGE_MAX_CLIENT_CONNECTIONS)]
+    try:
+        wait_for("a client past the cap to be refused", lambda: not session_opens(port), timeout=60)
+    finally:
+        for connection in flood:
+            connection.close()
     assert_round_trip(KazooClient(hosts=f"127.0.0.1:{port}", timeout=10.0), "/casque-image/probe")
     # The data went to the data volume, the log to the log volume; nothing else was writable.
     listing = podman("exec", name, "bash", "-c", "ls /data /logs; touch /opt/zookeeper/x 2>&1; id -u", check=False)
     assert "version-2" in listing.stdout and "zookeeper.log" in listing.stdout
     assert "Read-only file system" in listing.stdout
     assert listing.stdout.split()[-1] == str(IMAGE_USER)
+
+
+def session_opens(port: int) -> bool:
+    """Whether a ZooKeeper session opens on 127.0.0.1:`port` within a few seconds."""
+    from kazoo.client import KazooClient
+    from kazoo.handlers.threading import KazooTimeoutError
+
+    client = KazooClient(hosts=f"127.0.0.1:{port}", timeout=3.0, connection_retry={"max_tries": 0})
+    try:
+        client.start(timeout=3.0)
+    except KazooTimeoutError:
+        return False
+    finally:
+        client.stop()
+        client.close()
+    return True
 
 
 def tls_secret(tmp_path: Path, hosts: list[str]) -> Path:

@@ -139,8 +139,8 @@ def test_zookeeper_alone_without_members(contexts: dict[str, Path], tmp_path: Pa
     cfg = zoo_cfg(tmp_path)
     assert cfg["dataDir"] == str(tmp_path / "data") and cfg["clientPort"] == "2181"
     assert not any(key.startswith("server.") for key in cfg)
-    assert "srvr" in cfg["4lw.commands.whitelist"].split(",")
-    assert cfg["admin.enableServer"] == "false"
+    assert cfg["4lw.commands.whitelist"] == "srvr"
+    assert cfg["admin.enableServer"] == "false" and cfg["maxClientCnxns"] == "60"
 
 
 def test_zookeeper_members_from_zoo_servers_with_myid(contexts: dict[str, Path], tmp_path: Path) -> None:

@@ -30,7 +30,8 @@ def test_an_ensemble_of_three_gives_each_member_its_ports_directory_and_id(tmp_p
     assert [line for line in config if line.startswith("server.")] == [
         "server.1=127.0.0.1:2888:3888", "server.2=127.0.0.1:2889:3889", "server.3=127.0.0.1:2890:3890"]
     whitelist = next(line for line in config if line.startswith("4lw.commands.whitelist="))
-    assert {"srvr", "mntr"} <= set(whitelist.partition("=")[2].split(","))
+    assert whitelist.partition("=")[2].split(",") == ["srvr"]  # not `stat` or `cons`: they list clients
+    assert "maxClientCnxns=500" in config
 
 
 def test_a_single_server_stays_standalone_in_its_old_directory(tmp_path: Path) -> None:
