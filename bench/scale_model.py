@@ -48,7 +48,8 @@ from casque.devstack.stack import Stack, StackPorts
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
-from casque.engine.publisher import MAX_BATCH_MESSAGES, Publisher
+from casque.engine.publisher import Publisher
+from casque.engine.shard_writer import MAX_BATCH_MESSAGES
 from casque.schema import BATCHES_PER_BUCKET, MAX_BATCH_BYTES, TWCS_TARGET_WINDOWS, QueueRef
 from casque.specs import MAX_SHARDS, QueueSpec, SubscriberSpec
 from casque.store import Store

@@ -18,7 +18,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from casque.config import Settings
-from casque.operator import kube, reconcile
+from casque.operator import kube, namespace_setup
 from casque.operator.health import DEFAULT_STALL_AFTER, WatchHealth
 from casque.operator.injection import InjectionSettings
 from casque.operator.quotas import QuotaSettings
@@ -55,7 +55,7 @@ class StoreHolder:
     def __call__(self) -> Store:
         with self._lock:
             if self._store is None:
-                self._store = reconcile.open_store(self._settings)
+                self._store = namespace_setup.open_store(self._settings)
             return self._store
 
     def close(self) -> None:

@@ -65,7 +65,7 @@ REBUILDS = Counter(
 
 
 class Failed(Protocol):
-    """What the metrics need of a failed reconcile (casque.operator.reconcile.Failure)."""
+    """What the metrics need of a failed reconcile (casque.operator.failures.Failure)."""
 
     @property
     def reason(self) -> str: ...

@@ -1,6 +1,6 @@
 """Publish bodies decoded straight to the engine's messages, without a pydantic model each.
 
-Validating a publish body through `models.PublishMessage` and turning each model into an
+Validating a publish body through `models.publishing.PublishMessage` and turning each model into an
 `OutgoingMessage` cost about 13% of the sidecar's CPU publishing 100 messages per call
 (py-spy): a model, its validators and a dozen attribute reads per message. `decode_publish`
 parses the body with the json module's C parser and checks the common fields by hand.
@@ -31,14 +31,12 @@ from casque.engine.messages import ENGINE_ATTRIBUTE_PREFIX, OutgoingMessage, res
 from casque.engine.sequences import MAX_SEQUENCE, producer_key
 from casque.schema import MAX_RETENTION_SECONDS
 from casque.sidecar import strictjson
-from casque.sidecar.models import (
+from casque.sidecar.models.base import CE_ATTRIBUTES, MAX_BATCH_MESSAGES, is_json_type
+from casque.sidecar.models.publishing import (
     BINARY_CONTENT_TYPE,
-    CE_ATTRIBUTES,
     JSON_CONTENT_TYPE,
     MAX_ATTRIBUTES,
-    MAX_BATCH_MESSAGES,
     dedup_key,
-    is_json_type,
     json_bytes,
     non_finite,
     valid_traceparent,

@@ -38,7 +38,7 @@ from casque.errors import (
     SubscriberNotFound,
     UntraceableId,
 )
-from casque.sidecar.models import ErrorBody, ErrorDetail, ErrorResponse
+from casque.sidecar.models.base import ErrorBody, ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from casque.sidecar.errors import InvalidRequest, from_validation
-from casque.sidecar.models import PublishMessage
+from casque.sidecar.models.publishing import PublishMessage
 
 CLOUDEVENTS_JSON = "application/cloudevents+json"
 CLOUDEVENTS_BATCH = "application/cloudevents-batch+json"

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field
 
 from casque.engine.history import MessageHistory, Origin, OriginKind, SubscriberHistory, SubscriberStateName
-from casque.sidecar.models import Reply
+from casque.sidecar.models.base import Reply
 from casque.specs import priority_of
 
 
@@ -105,7 +105,7 @@ class MessageHistoryResult(Reply):
         if history.origin is not None:
             body.origin = OriginBody.of(history.origin)
         if history.client_id is not None:
-            # A key made of (source, id) starts with NUL (models.dedup_key); a bare id is itself.
+            # A key made of (source, id) starts with NUL (models.publishing.dedup_key); a bare id is itself.
             if history.client_id.startswith("\x00"):
                 _, source, event_id = history.client_id.split("\x00", 2)
                 body.event_source, body.event_id = source, event_id

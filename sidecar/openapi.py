@@ -14,7 +14,8 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from casque.engine.messages import MESSAGE_ID_PATTERN
 from casque.schema import NAME_PATTERN
-from casque.sidecar.models import ErrorResponse, Message
+from casque.sidecar.models.base import ErrorResponse
+from casque.sidecar.models.receiving import Message
 from casque.sidecar.routes import Operation
 
 REF = "#/components/schemas/{model}"

@@ -57,7 +57,7 @@ from casque.errors import BackendUnavailable, CasqueError, InvalidSpec, StaleRec
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings, push_target
 from casque.sidecar.metrics import SidecarMetrics
-from casque.sidecar.models import CE_ATTRIBUTES
+from casque.sidecar.models.base import CE_ATTRIBUTES
 from casque.sidecar.rendering import message_json
 from casque.sidecar.tracing import Tracing
 

@@ -1,6 +1,6 @@
 """Delivered messages as JSON: each one rendered in one pass, straight to text.
 
-`models.envelope` builds a pydantic `Message` per delivery, dumps it to a dict and the json
+`models.receiving.envelope` builds a pydantic `Message` per delivery, dumps it to a dict and the json
 module encodes the dict: three passes and a model per message, the largest share of a
 receive of 100 (py-spy: 13% of the sidecar's CPU receiving and acking 100 per call).
 `render` writes the same JSON text directly, field by field in `Message`'s order, with
@@ -10,7 +10,7 @@ as `json.dumps` writes them, so the bytes are those of the model path.
 Whatever `render` is not sure to write exactly as the model path would (a time zone other
 than UTC, a payload nested deeper than pydantic takes, a number JSON has no form for, a
 stored attribute that does not parse), it leaves to that path: `message_json` then renders
-the message through `models.envelope` as before, with its fallback to `data_base64` for a
+the message through `models.receiving.envelope` as before, with its fallback to `data_base64` for a
 message that cannot go as JSON. tests/unit/test_rendering.py compares both on such cases.
 """
 
@@ -28,7 +28,8 @@ from pydantic import TypeAdapter, ValidationError
 from casque.engine.messages import SCHEMA_VERSION_ATTRIBUTE, Delivery
 from casque.schema import QueueRef
 from casque.sidecar import strictjson
-from casque.sidecar.models import DEFAULT_TYPE, envelope, is_json_type, source_of, wall_clock
+from casque.sidecar.models.base import is_json_type
+from casque.sidecar.models.receiving import DEFAULT_TYPE, envelope, source_of, wall_clock
 from casque.specs import priority_of
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ def _produced_time(value: str) -> str | None:
 
 
 def _data(payload: bytes, content_type: str | None) -> str | None:
-    """`,"data":...` or `,"data_base64":...` as `models._data_fields` chooses them ("" for
+    """`,"data":...` or `,"data_base64":...` as `models.receiving._data_fields` chooses them ("" for
     neither); None when the model path must decide (see the module's docstring)."""
     if not payload and content_type is None:
         return ""

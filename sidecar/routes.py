@@ -29,33 +29,26 @@ from casque.sidecar.health import readiness, refresh_gauges
 from casque.sidecar.keys import METRICS, OPENAPI, RUNTIME, SETTINGS, TRACING
 from casque.sidecar.history import MessageHistoryResult
 from casque.sidecar.logs import REQUEST_ID_HEADER
-from casque.sidecar.models import (
-    CE_ATTRIBUTES,
-    AckRequest,
-    Body,
-    ExtendRequest,
-    Health,
-    HealthStatus,
-    NackRequest,
+from casque.sidecar.models.base import CE_ATTRIBUTES, Body, Reply
+from casque.sidecar.models.publishing import (
     PublishBatchRequest,
     PublishBatchResult,
-    PipelineAck,
     PublishEventBatch,
     PublishMessage,
     PublishResult,
-    QueueStatsResult,
-    ReceiptResult,
-    ReceiptResults,
-    ReceiveRequest,
-    ReceiveResult,
-    Reply,
-    SeekRequest,
-    SeekResult,
-    SubscriberStatsResult,
     valid_traceparent,
     valid_tracestate,
-    wall_clock,
 )
+from casque.sidecar.models.receipts import (
+    AckRequest,
+    ExtendRequest,
+    NackRequest,
+    PipelineAck,
+    ReceiptResult,
+    ReceiptResults,
+)
+from casque.sidecar.models.receiving import ReceiveRequest, ReceiveResult, SeekRequest, SeekResult, wall_clock
+from casque.sidecar.models.status import Health, HealthStatus, QueueStatsResult, SubscriberStatsResult
 from casque.sidecar.rendering import receive_body
 from casque.sidecar.scopes import Scope, Scopes
 from casque.sidecar.service import QueueService

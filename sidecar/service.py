@@ -53,7 +53,7 @@ from casque.schema import QueueRef, validate_name
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import BACKEND_FAILURES, NotReady, SubscriberNotServed, schema_refusal
 from casque.sidecar.metrics import SidecarMetrics
-from casque.sidecar.models import SeekRequest
+from casque.sidecar.models.receiving import SeekRequest
 from casque.sidecar.stalls import StallWatch
 from casque.specs import QueueState
 from casque.store import Store

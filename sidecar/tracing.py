@@ -1,7 +1,7 @@
 """OpenTelemetry spans of the sidecar's publish, receive, ack and push, when an exporter is configured.
 
 The W3C trace context travels with every message whether or not the sidecar traces: it is
-an event attribute (models.py), stored with the message and handed back on receive and
+an event attribute (models/publishing.py), stored with the message and handed back on receive and
 push. This module only adds the sidecar's own spans to those traces:
 
 - publish: a producer span per request, a child of the request's `traceparent` header, or

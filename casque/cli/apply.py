@@ -24,7 +24,8 @@ from casque.errors import CasqueError, InvalidSpec
 from casque.schema import validate_name
 
 if TYPE_CHECKING:
-    from casque.operator.reconcile import Outcome, Resource, StoreSource
+    from casque.operator.namespace_setup import StoreSource
+    from casque.operator.reconcile import Outcome, Resource
 
     Flow = Callable[[StoreSource, Resource], Awaitable[Outcome]]
 
@@ -79,7 +80,7 @@ def delete_file(filename: FileOption, namespace: NamespaceOption = None) -> None
 
 def read_documents(text: str, source: str, namespace: str | None = None) -> list[Document]:
     """The Queue and Subscriber documents of a YAML stream, each validated; InvalidSpec otherwise."""
-    from casque.operator import reconcile
+    from casque.operator import resource_specs
     from casque.operator.resources import API_VERSION, QUEUE_KIND, SUBSCRIBER_KIND
 
     try:
@@ -115,11 +116,11 @@ def read_documents(text: str, source: str, namespace: str | None = None) -> list
         )
         try:
             if kind == QUEUE_KIND:
-                reconcile.queue_ref(document.namespace, name)
-                reconcile.parse_queue_spec(spec)
+                resource_specs.queue_ref(document.namespace, name)
+                resource_specs.parse_queue_spec(spec)
             else:
-                subscriber = reconcile.parse_subscriber_spec(spec)
-                reconcile.queue_ref(document.namespace, subscriber.queue)
+                subscriber = resource_specs.parse_subscriber_spec(spec)
+                resource_specs.queue_ref(document.namespace, subscriber.queue)
                 validate_name("subscriber", name)
         except InvalidSpec as error:
             raise InvalidSpec(f"{where}: {kind} {name}: {error}") from error
@@ -136,9 +137,9 @@ def read_documents(text: str, source: str, namespace: str | None = None) -> list
 async def _run(steps: list[tuple[Document, Flow]]) -> None:
     """Carry out each document's flow in order, one line per action; stop at the first failure."""
     from casque.config import Settings
-    from casque.operator import conditions, reconcile
+    from casque.operator import conditions, namespace_setup, reconcile
 
-    store = await asyncio.to_thread(reconcile.open_store, Settings())
+    store = await asyncio.to_thread(namespace_setup.open_store, Settings())
     try:
         for document, flow in steps:
             resource = reconcile.Resource(namespace=document.namespace, name=document.name, spec=document.spec)

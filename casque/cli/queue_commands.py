@@ -49,7 +49,7 @@ from casque.engine.publisher import Publisher
 from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
 from casque.errors import InvalidSpec
 from casque.schema import QueueRef
-from casque.sidecar.models import PublishMessage
+from casque.sidecar.models.publishing import PublishMessage
 from casque.store import Store
 
 out = Console()
@@ -226,7 +226,7 @@ async def _publish(settings: Settings, ref: QueueRef, messages: list[OutgoingMes
 def _describe(message: StoredMessage, deliveries: int | None, output: str, ref: QueueRef) -> str:
     position = message.position
     if output in MACHINE:
-        from casque.sidecar.models import envelope
+        from casque.sidecar.models.receiving import envelope
 
         record = envelope(_as_delivery(message, deliveries), ref).wire() if deliveries is not None else _log_record(message)
         # JSON: one event per line (JSON lines); YAML: one document per message, a stream.
@@ -438,7 +438,7 @@ async def _stats(
 
 
 def _stats_json(queue: QueueStats, subscribers: list[SubscriberStats]) -> dict[str, Any]:
-    from casque.sidecar.models import QueueStatsResult, SubscriberStatsResult
+    from casque.sidecar.models.status import QueueStatsResult, SubscriberStatsResult
 
     return {
         "queue": QueueStatsResult.of(queue).wire(),

@@ -71,14 +71,14 @@ def subscriber_document(ref: QueueRef, name: str, state: SubscriberState, stats:
 
 
 async def _queue_stats(store: Store, ref: QueueRef) -> dict[str, Any]:
-    from casque.sidecar.models import QueueStatsResult
+    from casque.sidecar.models.status import QueueStatsResult
 
     wire: dict[str, Any] = QueueStatsResult.of(await queue_stats(store, ref)).wire()
     return wire
 
 
 async def _subscriber_stats(store: Store, ref: QueueRef, name: str) -> dict[str, Any]:
-    from casque.sidecar.models import SubscriberStatsResult
+    from casque.sidecar.models.status import SubscriberStatsResult
 
     wire: dict[str, Any] = SubscriberStatsResult.of(await subscriber_stats(store, ref, name)).wire()
     return wire

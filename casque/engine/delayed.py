@@ -124,7 +124,7 @@ class DelayedStore:
 
     async def insert(self, message_id: str, due_at: datetime, message: OutgoingMessage, count: bool = True) -> None:
         """Store a row (a row stored again, same message id and due time, is the same row);
-        `count`: a new message (not a row stored again for one, see Publisher._keep_delayed)."""
+        `count`: a new message (not a row stored again for one, see DelayedRoute._keep)."""
         now = self._clock.now()
         ttl = int((due_at - now).total_seconds()) + self._retention
         values: list[Any] = [

@@ -36,7 +36,7 @@ from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.messages import (Position, StoredMessage, event_source_of, filter_variables, id_time,
                                     in_id_form, reserved_client_id)
 from casque.engine.pipelines import PIPELINE_CLIENT_ID_PREFIX
-from casque.engine.publisher import SETTLE_SECONDS
+from casque.engine.shard_writer import SETTLE_SECONDS
 from casque.engine.sequences import parse_producer_key
 from casque.errors import CasqueError, MessageNotFound, UntraceableId
 from casque.filters import compile_filter

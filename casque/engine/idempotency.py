@@ -48,7 +48,7 @@ and the retry takes the id over without a fence.
 A delayed message's id is recorded the same way round: its record (the message id, with
 shard, batch and seq -1) is written before its row in the delayed table, so a retry after
 any failure finds the message id and stores that same row again rather than a second
-message (the states are `publisher.DelayedPublish`). No intent is needed there: a row
+message (the states are `delayed_publish.DelayedPublish`). No intent is needed there: a row
 stored twice under one key is one row, where a batch claimed twice would be two.
 
 """
@@ -478,7 +478,7 @@ class IdempotencyGuard:
     async def record_positions(self, published: Sequence[tuple[OutgoingMessage, Published]]) -> None:
         """Where each id's message is, on a row of its own (one write per bucket partition,
         and a block row per producer key): for publishes that are not group commits. A
-        delayed message's is written before its row (see `publisher.DelayedPublish`)."""
+        delayed message's is written before its row (see `delayed_publish.DelayedPublish`)."""
         rows = []
         for message, result in published:
             if not message.client_id:

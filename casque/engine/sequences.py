@@ -22,7 +22,7 @@ release before protocol 2 would look for the writer's row, find none, and publis
 again; hence the switch.
 
 Only first intents and the records of delayed messages (written before their rows in the
-delayed table, see `publisher.DelayedPublish`) are written here. What settles a key later
+delayed table, see `delayed_publish.DelayedPublish`) are written here. What settles a key later
 (its position found by a retry, an id taken over) is written to `client_ids` under the
 key's string form (`producer_key`), exactly as for a client id; a key found here is
 therefore also looked up there, and what is there wins (see idempotency).

@@ -55,7 +55,7 @@ T = TypeVar("T")
 Handler = Callable[[Message], Awaitable[object]] | Callable[[Message], object]
 NackDelay = float | Callable[[Message, BaseException], float] | None
 
-# The sidecar keeps at most this much of a nack's reason (sidecar/models.py).
+# The sidecar keeps at most this much of a nack's reason (sidecar/models/receipts.py).
 MAX_ERROR_TEXT = 1024
 # An extend is pointless with less than this left, and a sleep shorter than it only spins.
 MIN_EXTEND_INTERVAL = 0.05

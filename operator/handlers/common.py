@@ -16,7 +16,8 @@ import kopf
 
 from casque.operator import conditions, metrics
 from casque.operator.context import OperatorContext
-from casque.operator.reconcile import Failure, Outcome, Resource, classify
+from casque.operator.failures import Failure, classify
+from casque.operator.reconcile import Outcome, Resource
 
 
 def resource_of(body: kopf.Body) -> Resource:

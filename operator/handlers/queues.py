@@ -19,12 +19,13 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from casque.errors import CasqueError, InvalidSpec
-from casque.operator import reconcile, tenancy
+from casque.operator import failures, namespace_setup, reconcile, tenancy
 from casque.operator.context import OperatorContext
+from casque.operator.failures import Failure
 from casque.operator.handlers import secrets
 from casque.operator.handlers.common import report, report_refresh, resource_of, run_locked, to_kopf
 from casque.operator.quotas import Limits, limits_for
-from casque.operator.reconcile import Failure, Outcome
+from casque.operator.reconcile import Outcome
 from casque.operator.resources import GROUP, QUEUES, VERSION
 
 NAMESPACE_RETRY_SECONDS = 20.0
@@ -39,26 +40,28 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
             limits = await asyncio.to_thread(namespace_limits, context, resource.namespace)
             if await asyncio.to_thread(
                 tenancy.apply_zookeeper_secret, context.kube_api(), context.stores.settings, resource.namespace,
-                functools.partial(reconcile.secure_namespace_znodes, context.stores, resource.namespace),
+                functools.partial(namespace_setup.secure_namespace_znodes, context.stores, resource.namespace),
             ):
                 kopf.info(body, reason="Applied", message=f"Secret {tenancy.ZOOKEEPER_SECRET} written "
                           "(the namespace's ZooKeeper identity; its znodes' ACLs name it)")
             role = tenancy.cassandra_role(context.stores.settings, resource.namespace)
             if role is not None:
                 # The role before the Secret that names it.
-                await asyncio.to_thread(reconcile.prepare_namespace_cassandra, context.stores, resource.namespace, role)
+                await asyncio.to_thread(
+                    namespace_setup.prepare_namespace_cassandra, context.stores, resource.namespace, role
+                )
                 if await asyncio.to_thread(
                     tenancy.apply_cassandra_secret, context.kube_api(), context.stores.settings, resource.namespace
                 ):
                     kopf.info(body, reason="Applied", message=f"Secret {tenancy.CASSANDRA_SECRET} written "
                               f"(the namespace's Cassandra role, keyspace {role.keyspace})")
         except InvalidSpec as error:  # a malformed quota annotation on the Namespace
-            return reconcile.failed(resource, Failure("InvalidQuota", str(error), reconcile.QUOTA_RETRY_SECONDS, error), now)
+            return reconcile.failed(resource, Failure("InvalidQuota", str(error), failures.QUOTA_RETRY_SECONDS, error), now)
         except ApiException as error:
             message = f"preparing namespace {resource.namespace}: Kubernetes API answered {error.status} {error.reason}"
             return reconcile.failed(resource, Failure("NamespaceNotPrepared", message, NAMESPACE_RETRY_SECONDS, error), now)
         except CasqueError as error:  # the namespace's keyspace or role could not be made
-            return reconcile.failed(resource, reconcile.classify(error), now)
+            return reconcile.failed(resource, failures.classify(error), now)
         return await reconcile.reconcile_queue(context.stores, resource, now, limits)
 
     outcome = await run_locked(context, body, "Queue", "apply", flow)
@@ -115,12 +118,12 @@ def forget_namespace(context: OperatorContext, namespace: str, deleted: str, log
             return
         if tenancy.delete_cassandra_secret(context.kube_api(), namespace):
             logger.info("namespace %s has no Queue left: Secret %s deleted", namespace, tenancy.CASSANDRA_SECRET)
-        reconcile.forget_namespace_cassandra(context.stores, role)
+        namespace_setup.forget_namespace_cassandra(context.stores, role)
         logger.info("namespace %s has no Queue left: Cassandra role %s dropped, keyspace %s kept",
                     namespace, role.username, role.keyspace)
         if _other_queues(context, namespace, deleted):
             # A Queue created while the role went: its apply may have run before the drop.
-            reconcile.prepare_namespace_cassandra(context.stores, namespace, role)
+            namespace_setup.prepare_namespace_cassandra(context.stores, namespace, role)
             tenancy.apply_cassandra_secret(context.kube_api(), context.stores.settings, namespace)
     except ApiException as error:
         # A Secret left behind names an identity that reaches only this namespace's data.

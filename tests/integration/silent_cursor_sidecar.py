@@ -10,14 +10,14 @@ import os
 from datetime import datetime
 
 from casque.cli.main import main
-from casque.engine.publisher import Publisher
+from casque.engine.delayed_publish import DelayedRoute
 from tests.fixtures.zk_faults import hang_mover_syncs
 
 
-def _lagging_is_later(self: Publisher, due: datetime) -> bool:
+def _lagging_is_later(self: DelayedRoute, due: datetime) -> bool:
     return True
 
 
 hang_mover_syncs(int(os.environ.get("CASQUE_TEST_HUNG_MOVER_SYNCS", "1")))
-Publisher._is_later = _lagging_is_later  # type: ignore[method-assign]
+DelayedRoute.is_later = _lagging_is_later  # type: ignore[method-assign]
 main()

@@ -35,7 +35,7 @@ from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
 from casque.errors import AccessDenied, BackendUnavailable
-from casque.operator import reconcile, tenancy
+from casque.operator import namespace_setup, observation, tenancy
 from casque.operator.injection import sidecar_keyspace
 from casque.operator.resources import GROUP, QUEUES, VERSION
 from casque.schema import ACKS_TABLE, CLIENT_IDS_TABLE, COUNTERS_TABLE, DELAYED_TABLE, QueueRef
@@ -84,12 +84,12 @@ def installation(secure_stack: Stack) -> Iterator[Settings]:
 def operator(installation: Settings) -> Iterator[Store]:
     """The installation's Store, after the operator's work for a Queue `orders` with a
     Subscriber in each namespace: keyspace, role, tables, znodes."""
-    store = reconcile.open_store(installation)
+    store = namespace_setup.open_store(installation)
     try:
         for namespace in (A, B):
             role = tenancy.cassandra_role(installation, namespace)
             assert role is not None
-            reconcile.prepare_namespace_cassandra(lambda: store, namespace, role)
+            namespace_setup.prepare_namespace_cassandra(lambda: store, namespace, role)
             queue = QueueRef(namespace, "orders")
             catalog.apply_queue(store, queue, SPEC)
             catalog.apply_subscriber(store, queue, SUBSCRIBER, SubscriberSpec(queue="orders", start_position="earliest"))
@@ -226,8 +226,8 @@ async def test_the_installation_still_sees_every_namespace_and_a_dropped_role_ca
     finally:
         sidecar_b.close()
     for namespace in (A, B):
-        seen = await reconcile.observe_queue(operator, QueueRef(namespace, "orders"))
-        assert reconcile.queue_drift(SPEC, seen) == [], namespace
+        seen = await observation.observe_queue(operator, QueueRef(namespace, "orders"))
+        assert observation.queue_drift(SPEC, seen) == [], namespace
         assert seen.stats.published_messages == (4 if namespace == B else 0), namespace
     role = tenancy.cassandra_role(installation, A)
     assert role is not None
@@ -262,7 +262,7 @@ async def test_a_new_derivation_key_resets_the_namespaces_password_and_the_old_o
 
     role = tenancy.cassandra_role(rotated, A)
     assert role is not None
-    reconcile.prepare_namespace_cassandra(lambda: operator, A, role)  # the reconcile's step
+    namespace_setup.prepare_namespace_cassandra(lambda: operator, A, role)  # the reconcile's step
 
     wait_until_login_refused(old, A)
     wait_for("the new password to be accepted", lambda: login_works(new, A))

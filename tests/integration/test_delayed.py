@@ -306,7 +306,7 @@ async def test_a_row_that_lands_behind_the_mover_is_moved_once_by_its_writer(
         # is due 5 s from now, by the mover's it is overdue (and the watch has not told it
         # where the mover is yet).
         due = datetime.now(timezone.utc) - timedelta(seconds=55)
-        monkeypatch.setattr(publisher, "_is_later", lambda at: True)
+        monkeypatch.setattr(publisher.delayed_route, "is_later", lambda at: True)
     (result,) = await publisher.publish([OutgoingMessage(b"late", deliver_at=due)])
     assert result.batch == -1
     monkeypatch.undo()

@@ -32,7 +32,7 @@ from casque.devstack.kube import KubeCluster
 from casque.engine import catalog
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
-from casque.operator.reconcile import QUOTA_RETRY_SECONDS
+from casque.operator.failures import QUOTA_RETRY_SECONDS
 from casque.operator.resources import FINALIZER, GROUP, QUEUES, SUBSCRIBERS, VERSION
 from casque.schema import QueueRef, drop_messages_table_ddl, read_table_options
 from casque.store import Store

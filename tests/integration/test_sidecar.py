@@ -24,7 +24,7 @@ from casque.engine.publisher import Publisher
 from casque.schema import QueueRef
 from casque.sidecar.app import create_app, service_of
 from casque.sidecar.config import SidecarSettings
-from casque.sidecar.models import PipelineOutputs
+from casque.sidecar.models.receipts import PipelineOutputs
 from casque.specs import QueueSpec, RetryPolicy, SubscriberSpec
 from casque.store import Store
 

@@ -36,7 +36,7 @@ from casque.engine import catalog, protocol, protocol_change
 from casque.engine.consumer import Consumer
 from casque.engine.grants import QueueGrant
 from casque.errors import AccessDenied, InvalidSpec, QuotaExceeded
-from casque.operator import reconcile, tenancy
+from casque.operator import namespace_setup, tenancy
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState
 from casque.store import Store
@@ -445,7 +445,7 @@ def test_an_open_installation_is_secured_in_place(
     secured = Store(cql, admin, keyspace, ROOT, REPLICATION)
     # The operator's reconciles leave open znodes alone: sidecars without credentials still
     # serve the namespace until its pods restart with the Secret, and this command runs.
-    assert reconcile.secure_namespace_znodes(lambda: secured, A.namespace) == 0
+    assert namespace_setup.secure_namespace_znodes(lambda: secured, A.namespace) == 0
     a.set(legacy.paths(A).subscriber("billing").offset(0), b"1")
     assert catalog.secure_znodes(secured) > 10
     # The administrators' command, run again: nothing left to change.
@@ -535,7 +535,7 @@ def test_a_new_derivation_key_gives_the_namespace_a_new_identity_and_the_old_one
     restarted = zk.connect(rotated)
     clients.append(restarted)
     store = Store(operator_store.session, restarted, operator_store.keyspace, ROOT, REPLICATION)
-    assert reconcile.secure_namespace_znodes(lambda: store, A.namespace) > 5  # the reconcile's step
+    assert namespace_setup.secure_namespace_znodes(lambda: store, A.namespace) > 5  # the reconcile's step
 
     new_sidecar = zk.connect(new, namespace=A.namespace)
     clients.append(new_sidecar)
@@ -564,7 +564,7 @@ def test_while_the_derivation_key_rotates_both_identities_work_until_the_previou
     operator = zk.connect(during)
     clients.append(operator)
     store = Store(operator_store.session, operator, operator_store.keyspace, ROOT, REPLICATION)
-    assert reconcile.secure_namespace_znodes(lambda: store, A.namespace) > 5
+    assert namespace_setup.secure_namespace_znodes(lambda: store, A.namespace) > 5
     new_sidecar = zk.connect(secret_settings(zk_hosts, during, A.namespace), namespace=A.namespace)
     clients.append(new_sidecar)
     assert_serves_its_subscriber(old_sidecar, operator_store, "old")
@@ -574,7 +574,7 @@ def test_while_the_derivation_key_rotates_both_identities_work_until_the_previou
     operator = zk.connect(after)
     clients.append(operator)
     store = Store(operator_store.session, operator, operator_store.keyspace, ROOT, REPLICATION)
-    assert reconcile.secure_namespace_znodes(lambda: store, A.namespace) > 5
+    assert namespace_setup.secure_namespace_znodes(lambda: store, A.namespace) > 5
     assert_serves_its_subscriber(new_sidecar, operator_store, "new-again")
     assert_refused_everywhere(old_sidecar, operator_store, "old-again")
 

@@ -31,7 +31,7 @@ from casque.config import CassandraTlsSettings, Settings, ZooKeeperTlsSettings
 from casque.devstack.stack import Stack
 from casque.engine import catalog
 from casque.errors import AccessDenied
-from casque.operator import reconcile
+from casque.operator import namespace_setup, observation
 from casque.operator.tenancy import zookeeper_secret
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
@@ -98,7 +98,7 @@ def settings(secure_stack: Stack, zk_hosts: str, login: Identity) -> Iterator[Se
 @pytest.fixture
 def operator_store(settings: Settings) -> Iterator[Store]:
     """The operator's Store (opened as the operator opens it), with both namespaces' queues."""
-    store = reconcile.open_store(settings)
+    store = namespace_setup.open_store(settings)
     try:
         for ref in (A, B):
             catalog.apply_queue(store, ref, QueueSpec(shards=2, retention_seconds=3600, consistency="ONE"))
@@ -230,7 +230,7 @@ async def test_the_operators_functions_work_over_sasl(
 
     catalog.apply_queue(operator_store, B, QueueSpec(shards=3, retention_seconds=3600, consistency="ONE"))
     assert operator_store.zk.get(operator_store.paths(B).subscriber("billing").offset(2))[0] == b"1"
-    seen = await reconcile.observe_queue(operator_store, B, figures=False)
+    seen = await observation.observe_queue(operator_store, B, figures=False)
     assert seen.stored is not None and seen.stored.shards == 3 and set(seen.heads) == {0, 1, 2}
     assert catalog.delete_subscriber(operator_store, A, "billing").changed  # A's sidecar's member included
     assert catalog.delete_queue(operator_store, A, "Delete").changed

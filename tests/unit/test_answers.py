@@ -9,7 +9,8 @@ import pytest
 from casque.engine.messages import Published
 from casque.errors import StaleReceipt
 from casque.sidecar.answers import acked_json, one_published_json, published_json
-from casque.sidecar.models import PublishBatchResult, PublishResult, ReceiptResult, ReceiptResults
+from casque.sidecar.models.publishing import PublishBatchResult, PublishResult
+from casque.sidecar.models.receipts import ReceiptResult, ReceiptResults
 
 PUBLISHED = [
     Published("0f9c1e7a-3b1d-4c0e-9a51-7a0d3c2b1e4f", 0, 1, 0),

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from casque.operator import reconcile
+from casque.operator import observation, readiness
 from casque.operator.resources import GROUP, QUEUE_KIND, QUEUES, SUBSCRIBER_KIND, SUBSCRIBERS, VERSION
 from casque.schema import NAME_PATTERN
 from casque.specs import QueueSpec, SubscriberSpec
@@ -150,15 +150,15 @@ def test_status_schema_holds_everything_the_operator_writes() -> None:
     # The status schema is closed: a field the operator writes but the schema lacks would be
     # pruned by the API server without any error.
     queue = set(status_schema(load("queue.yaml"))["properties"])
-    seen = reconcile.QueueObservation(stored=None, table_ttl=None, heads={}, offsets={})
-    assert set(reconcile.queue_figures(seen)) | {"observedGeneration", "conditions", "warnings"} <= queue
+    seen = observation.QueueObservation(stored=None, table_ttl=None, heads={}, offsets={})
+    assert set(readiness.queue_figures(seen)) | {"observedGeneration", "conditions", "warnings"} <= queue
 
     subscriber = set(status_schema(load("subscriber.yaml"))["properties"])
     spec = SubscriberSpec(queue="orders")
-    watched = reconcile.SubscriberObservation(
+    watched = observation.SubscriberObservation(
         queue_exists=True, stored=spec, heads={}, offsets={}, consumers=0, dead_letter_queue_exists=None
     )
-    assert set(reconcile.subscriber_figures(spec, watched)) | {"observedGeneration", "conditions"} <= subscriber
+    assert set(readiness.subscriber_figures(spec, watched)) | {"observedGeneration", "conditions"} <= subscriber
 
 
 def _literal_choices(annotation: Any) -> list[str]:

@@ -16,7 +16,7 @@ from casque.engine import schema_versions
 from casque.errors import IncompatibleSchema, SchemaViolation
 from casque.schema import QueueRef
 from casque.sidecar.errors import schema_refusal, status_of
-from casque.sidecar.models import ErrorResponse
+from casque.sidecar.models.base import ErrorResponse
 from casque.specs import QueueSpec, QueueState
 
 ORDER: dict[str, Any] = {

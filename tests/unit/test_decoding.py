@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from casque.engine.messages import OutgoingMessage
 from casque.engine.sequences import MAX_SEQUENCE, producer_key
 from casque.sidecar.decoding import Shape, decode_publish, with_trace_context
-from casque.sidecar.models import PublishBatchRequest, PublishEventBatch, PublishMessage
+from casque.sidecar.models.publishing import PublishBatchRequest, PublishEventBatch, PublishMessage
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -18,7 +18,8 @@ from casque.schema import QueueRef
 from casque.sidecar.errors import InvalidRequest
 from casque.sidecar.events import binary_event, is_batch, is_binary
 from casque.sidecar.logs import request_id_of
-from casque.sidecar.models import PublishMessage, dedup_key, envelope, valid_traceparent, valid_tracestate
+from casque.sidecar.models.publishing import PublishMessage, dedup_key, valid_traceparent, valid_tracestate
+from casque.sidecar.models.receiving import envelope
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

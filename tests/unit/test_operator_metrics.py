@@ -18,8 +18,9 @@ from casque.config import Settings
 from casque.errors import BackendUnavailable
 from casque.operator import injection, metrics
 from casque.operator.context import OperatorContext, StoreHolder
+from casque.operator.failures import Failure
 from casque.operator.handlers.common import run_locked
-from casque.operator.reconcile import Failure, Outcome
+from casque.operator.reconcile import Outcome
 
 
 def sample(name: str, queue: str, subscriber: str = "pool") -> float | None:

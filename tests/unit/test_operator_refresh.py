@@ -9,8 +9,9 @@ import kopf
 
 from casque.config import Settings
 from casque.operator.context import OperatorContext, StoreHolder
+from casque.operator.failures import Failure
 from casque.operator.handlers.common import report_refresh
-from casque.operator.reconcile import Failure, Outcome
+from casque.operator.reconcile import Outcome
 
 FAILED = Outcome(
     status={"conditions": [{"type": "Ready", "status": "False", "reason": "BackendUnavailable"}]},

@@ -5,7 +5,8 @@ from pydantic import ValidationError
 
 from casque.engine.messages import OutgoingMessage, reserved_client_id
 from casque.engine.pipelines import keyed_outputs, output_client_id
-from casque.sidecar.models import AckRequest, PublishMessage
+from casque.sidecar.models.publishing import PublishMessage
+from casque.sidecar.models.receipts import AckRequest
 
 
 def test_each_output_is_keyed_by_subscriber_input_and_index_and_remembered_for_the_inputs_retention() -> None:

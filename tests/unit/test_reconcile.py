@@ -16,8 +16,9 @@ from casque.errors import (
     QueueNotFound,
     StaleReceipt,
 )
-from casque.operator import conditions, reconcile
-from casque.operator.reconcile import QueueObservation, QueueStats, Resource, SubscriberObservation
+from casque.operator import conditions, failures, observation, readiness, reconcile, resource_specs
+from casque.operator.observation import QueueObservation, QueueStats, SubscriberObservation
+from casque.operator.reconcile import Resource
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 
@@ -54,10 +55,10 @@ def ready(status: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_specs_parse_with_durations_and_defaults() -> None:
-    spec = reconcile.parse_queue_spec({"shards": 8, "retention": "2d", "defaultDelay": "15m"})
+    spec = resource_specs.parse_queue_spec({"shards": 8, "retention": "2d", "defaultDelay": "15m"})
     assert (spec.shards, spec.retention_seconds, spec.default_delay_seconds) == (8, 2 * 86400, 900)
-    assert reconcile.parse_queue_spec(None) == QueueSpec()
-    subscriber = reconcile.parse_subscriber_spec({"queue": "orders", "visibilityTimeout": "2m"})
+    assert resource_specs.parse_queue_spec(None) == QueueSpec()
+    subscriber = resource_specs.parse_subscriber_spec({"queue": "orders", "visibilityTimeout": "2m"})
     assert subscriber.visibility_timeout_seconds == 120
 
 
@@ -76,16 +77,16 @@ def test_specs_parse_with_durations_and_defaults() -> None:
 )
 def test_invalid_queue_specs_name_the_field(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidSpec) as refused:
-        reconcile.parse_queue_spec(raw)
+        resource_specs.parse_queue_spec(raw)
     assert message in str(refused.value)
 
 
 def test_the_deduplication_window_defaults_to_ten_minutes_within_the_retention() -> None:
-    assert reconcile.parse_queue_spec(None).deduplication_window == 600
+    assert resource_specs.parse_queue_spec(None).deduplication_window == 600
     # Unset on a queue that keeps messages for less: the retention, not a refusal.
-    assert reconcile.parse_queue_spec({"retention": "2m"}).deduplication_window == 120
-    assert reconcile.parse_queue_spec({"retention": "1h", "deduplicationWindow": "1h"}).deduplication_window == 3600
-    assert reconcile.parse_queue_spec({"deduplicationWindow": 30}).deduplication_window == 30
+    assert resource_specs.parse_queue_spec({"retention": "2m"}).deduplication_window == 120
+    assert resource_specs.parse_queue_spec({"retention": "1h", "deduplicationWindow": "1h"}).deduplication_window == 3600
+    assert resource_specs.parse_queue_spec({"deduplicationWindow": 30}).deduplication_window == 30
     # Unset, it is not written to the queue's znode, which sidecars of the version before
     # (refusing unknown fields) still read during a rolling upgrade.
     assert "deduplication" not in QueueSpec().model_dump_json()
@@ -93,9 +94,9 @@ def test_the_deduplication_window_defaults_to_ten_minutes_within_the_retention()
 
 def test_invalid_subscriber_spec() -> None:
     with pytest.raises(InvalidSpec, match="spec: deadLetterQueue must be another queue"):
-        reconcile.parse_subscriber_spec({"queue": "orders", "deadLetterQueue": "orders"})
+        resource_specs.parse_subscriber_spec({"queue": "orders", "deadLetterQueue": "orders"})
     with pytest.raises(InvalidSpec, match="spec.queue: Field required"):
-        reconcile.parse_subscriber_spec({})
+        resource_specs.parse_subscriber_spec({})
 
 
 @pytest.mark.parametrize(
@@ -104,14 +105,14 @@ def test_invalid_subscriber_spec() -> None:
         (InvalidChange("fewer shards"), "InvalidChange", None),
         (IncompatibleSchema("maximum lowered"), "IncompatibleSchema", None),
         (InvalidSpec("bad"), "InvalidSpec", None),
-        (BackendUnavailable("down"), "BackendUnavailable", reconcile.BACKEND_RETRY_SECONDS),
-        (QueueNotFound("no queue"), "QueueNotFound", reconcile.QUEUE_RETRY_SECONDS),
-        (StaleReceipt("stale"), "StaleReceipt", reconcile.ERROR_RETRY_SECONDS),
-        (KeyError("bug"), "InternalError", reconcile.ERROR_RETRY_SECONDS),
+        (BackendUnavailable("down"), "BackendUnavailable", failures.BACKEND_RETRY_SECONDS),
+        (QueueNotFound("no queue"), "QueueNotFound", failures.QUEUE_RETRY_SECONDS),
+        (StaleReceipt("stale"), "StaleReceipt", failures.ERROR_RETRY_SECONDS),
+        (KeyError("bug"), "InternalError", failures.ERROR_RETRY_SECONDS),
     ],
 )
 def test_failures_are_classified(error: Exception, reason: str, retry: float | None) -> None:
-    failure = reconcile.classify(error)
+    failure = failures.classify(error)
     assert (failure.reason, failure.retry_after, failure.permanent) == (reason, retry, retry is None)
     assert failure.error is error
 
@@ -122,15 +123,15 @@ def test_driver_errors_become_backend_unavailable() -> None:
 
     for error in (NoHostAvailable("no host", {}), ConnectionLoss()):
         with pytest.raises(BackendUnavailable):
-            with reconcile.backend_errors():
+            with failures.backend_errors():
                 raise error
 
 
 def test_deletion_policy_survives_an_otherwise_invalid_spec() -> None:
-    assert reconcile.deletion_policy({"deletionPolicy": "Delete", "shards": 0}) == "Delete"
-    assert reconcile.deletion_policy({}) == "Retain"
-    assert reconcile.deletion_policy(None) == "Retain"
-    assert reconcile.deletion_policy({"deletionPolicy": "Shred"}) == "Retain"
+    assert resource_specs.deletion_policy({"deletionPolicy": "Delete", "shards": 0}) == "Delete"
+    assert resource_specs.deletion_policy({}) == "Retain"
+    assert resource_specs.deletion_policy(None) == "Retain"
+    assert resource_specs.deletion_policy({"deletionPolicy": "Shred"}) == "Retain"
 
 
 # --- drift, lag, readiness ----------------------------------------------------------------
@@ -138,14 +139,14 @@ def test_deletion_policy_survives_an_otherwise_invalid_spec() -> None:
 
 def test_lag_counts_batches_between_offset_and_head() -> None:
     heads = {0: 10, 1: 4, 2: 0}
-    assert reconcile.lag_batches(heads, {0: 11, 1: 11, 2: 1}) == 0  # all done ("latest")
-    assert reconcile.lag_batches(heads, {0: 1, 1: 3, 2: 1}) == 10 + 2
-    assert reconcile.lag_batches(heads, {}) == 0  # an unknown offset is drift, not lag
+    assert readiness.lag_batches(heads, {0: 11, 1: 11, 2: 1}) == 0  # all done ("latest")
+    assert readiness.lag_batches(heads, {0: 1, 1: 3, 2: 1}) == 10 + 2
+    assert readiness.lag_batches(heads, {}) == 0  # an unknown offset is drift, not lag
 
 
 def test_no_drift_right_after_apply() -> None:
-    assert reconcile.queue_drift(SPEC, in_place()) == []
-    assert reconcile.queue_readiness(SPEC, in_place()) == reconcile.Readiness(
+    assert observation.queue_drift(SPEC, in_place()) == []
+    assert readiness.queue_readiness(SPEC, in_place()) == readiness.Readiness(
         True, "Reconciled", "2 shards, retention 1h, deletion policy Retain"
     )
 
@@ -162,15 +163,15 @@ def test_no_drift_right_after_apply() -> None:
     ],
 )
 def test_drift_is_named(changes: dict[str, Any], problem: str) -> None:
-    drift = reconcile.queue_drift(SPEC, in_place(**changes))
+    drift = observation.queue_drift(SPEC, in_place(**changes))
     assert len(drift) == 1 and problem in drift[0]
-    readiness = reconcile.queue_readiness(SPEC, in_place(**changes))
-    assert (readiness.ready, readiness.reason) == (False, "Drifted")
+    verdict = readiness.queue_readiness(SPEC, in_place(**changes))
+    assert (verdict.ready, verdict.reason) == (False, "Drifted")
 
 
 def test_missing_shards_are_listed_as_ranges() -> None:
     spec = QueueSpec(shards=8)
-    drift = reconcile.queue_drift(spec, in_place(spec, heads={1: 0, 6: 0}))
+    drift = observation.queue_drift(spec, in_place(spec, heads={1: 0, 6: 0}))
     assert drift == ["shards without a head znode: 0, 2-5, 7"]
 
 
@@ -181,7 +182,7 @@ def test_queue_figures() -> None:
         offsets={"fast": {0: 11, 1: 4}, "slow": {0: 6, 1: 1}},
         stats=QueueStats(published_messages=130, depth=42, oldest_pending=published),
     )
-    assert reconcile.queue_figures(seen) == {
+    assert readiness.queue_figures(seen) == {
         "shards": 2,
         "publishedBatches": 13,
         "publishedMessages": 130,
@@ -207,11 +208,11 @@ def test_the_lag_in_batches_comes_from_the_reads_that_gave_the_lag_in_messages()
     before_the_publish = {0: 0, 1: 0}
     seen = SubscriberObservation(queue_exists=True, stored=spec, heads=before_the_publish, offsets={0: 1, 1: 1},
                                  consumers=0, dead_letter_queue_exists=None, stats=stats)
-    figures = reconcile.subscriber_figures(spec, seen)
+    figures = readiness.subscriber_figures(spec, seen)
     assert (figures["lagBatches"], figures["lagMessages"]) == (2, 7)
     queue = in_place(heads=before_the_publish, offsets={"billing": {0: 1, 1: 1}},
                      stats=QueueStats(published_messages=7, depth=7, lag_batches=2, oldest_pending=at))
-    assert reconcile.queue_figures(queue)["lagBatches"] == 2
+    assert readiness.queue_figures(queue)["lagBatches"] == 2
 
 
 def test_subscriber_readiness() -> None:
@@ -219,8 +220,8 @@ def test_subscriber_readiness() -> None:
     seen = SubscriberObservation(
         queue_exists=True, stored=spec, heads={0: 4}, offsets={0: 2}, consumers=1, dead_letter_queue_exists=True
     )
-    assert reconcile.subscriber_readiness(spec, seen).ready
-    assert reconcile.subscriber_figures(spec, seen) == {
+    assert readiness.subscriber_readiness(spec, seen).ready
+    assert readiness.subscriber_figures(spec, seen) == {
         "queue": "orders",
         "lagBatches": 3,
         "lagMessages": None,  # until the engine's stats are read
@@ -232,19 +233,19 @@ def test_subscriber_readiness() -> None:
     }
 
     no_queue = SubscriberObservation(False, None, {}, {}, 0, None)
-    assert reconcile.subscriber_readiness(spec, no_queue).reason == "QueueNotFound"
-    assert reconcile.subscriber_drift(spec, no_queue) == []
+    assert readiness.subscriber_readiness(spec, no_queue).reason == "QueueNotFound"
+    assert observation.subscriber_drift(spec, no_queue) == []
     no_dlq = SubscriberObservation(True, spec, {0: 4}, {0: 2}, 0, False)
-    assert reconcile.subscriber_readiness(spec, no_dlq).reason == "DeadLetterQueueNotFound"
+    assert readiness.subscriber_readiness(spec, no_dlq).reason == "DeadLetterQueueNotFound"
     lost = SubscriberObservation(True, None, {0: 4}, {}, 0, True)
-    assert reconcile.subscriber_readiness(spec, lost).reason == "Drifted"
+    assert readiness.subscriber_readiness(spec, lost).reason == "Drifted"
 
 
 def test_a_refresh_judges_only_a_generation_that_was_applied() -> None:
-    assert not reconcile.may_repair(None, 1)  # never applied
-    assert not reconcile.may_repair({"observedGeneration": 1}, 2)  # a new spec is being applied, or failed
-    assert reconcile.may_repair({"observedGeneration": 2}, 2)
-    assert not reconcile.may_repair({"observedGeneration": 2}, None)
+    assert not readiness.may_repair(None, 1)  # never applied
+    assert not readiness.may_repair({"observedGeneration": 1}, 2)  # a new spec is being applied, or failed
+    assert readiness.may_repair({"observedGeneration": 2}, 2)
+    assert not readiness.may_repair({"observedGeneration": 2}, None)
 
 
 # --- flows without backends ---------------------------------------------------------------
@@ -268,7 +269,7 @@ async def test_a_bad_name_is_an_invalid_spec() -> None:
 
 async def test_backend_outage_is_retried_and_reported() -> None:
     outcome = await reconcile.reconcile_queue(unreachable, Resource("default", "orders", {}, generation=1), NOW)
-    assert outcome.failure is not None and outcome.failure.retry_after == reconcile.BACKEND_RETRY_SECONDS
+    assert outcome.failure is not None and outcome.failure.retry_after == failures.BACKEND_RETRY_SECONDS
     assert ready(outcome.status)["reason"] == "BackendUnavailable"
 
     subscriber = Resource("default", "billing", {"queue": "orders"}, generation=1)
@@ -309,7 +310,7 @@ async def test_a_refresh_leaves_conditions_alone_until_reconciled() -> None:
 def test_a_refused_schema_change_sets_schema_compatible_false_and_keeps_the_version_shown() -> None:
     before = {"observedGeneration": 1, "schemaVersion": 2, "conditions": []}
     resource = Resource("default", "orders", {}, before, generation=2)
-    failure = reconcile.classify(IncompatibleSchema("/properties/total: maximum lowered from 1000 to 500"))
+    failure = failures.classify(IncompatibleSchema("/properties/total: maximum lowered from 1000 to 500"))
     status = reconcile.failed(resource, failure, datetime(2026, 3, 1, tzinfo=timezone.utc)).status
     by_type = {c["type"]: c for c in status["conditions"]}
     assert by_type["Ready"]["reason"] == "IncompatibleSchema" and by_type["Ready"]["status"] == "False"

@@ -11,8 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from casque.engine.messages import SCHEMA_VERSION_ATTRIBUTE, Delivery, Position, StoredMessage
 from casque.schema import QueueRef
-from casque.sidecar import models
-from casque.sidecar.models import envelope
+from casque.sidecar.models import receiving
+from casque.sidecar.models.receiving import envelope
 from casque.sidecar.rendering import message_json, receive_body, render
 
 QUEUE = QueueRef("default", "orders")
@@ -22,8 +22,8 @@ T0 = datetime(2026, 1, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 @pytest.fixture(autouse=True)
 def frozen_clocks(monkeypatch: pytest.MonkeyPatch) -> None:
     # visibleuntil is read off the clocks: both paths must see the same instant.
-    monkeypatch.setattr(models.time, "time", lambda: 1_800_000_000.25)
-    monkeypatch.setattr(models.time, "monotonic", lambda: 1000.0)
+    monkeypatch.setattr(receiving.time, "time", lambda: 1_800_000_000.25)
+    monkeypatch.setattr(receiving.time, "monotonic", lambda: 1000.0)
 
 
 def model_path(delivery: Delivery) -> bytes:

@@ -38,20 +38,11 @@ from casque.errors import (
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings, parse_statuses
 from casque.sidecar.errors import NotReady, SubscriberNotServed, Unauthorized, status_of
-from casque.sidecar.models import (
-    ErrorBody,
-    Health,
-    PublishMessage,
-    PublishResult,
-    ReceiptResult,
-    ReceiptResults,
-    ReceiveResult,
-    Reply,
-    SeekRequest,
-    SeekResult,
-    dedup_key,
-    envelope,
-)
+from casque.sidecar.models.base import ErrorBody, Reply
+from casque.sidecar.models.publishing import PublishMessage, PublishResult, dedup_key
+from casque.sidecar.models.receipts import ReceiptResult, ReceiptResults
+from casque.sidecar.models.receiving import ReceiveResult, SeekRequest, SeekResult, envelope
+from casque.sidecar.models.status import Health
 from casque.sidecar.openapi import build
 from casque.sidecar.push import backoff, classify
 from casque.sidecar.routes import OPERATIONS

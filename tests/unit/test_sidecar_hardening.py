@@ -29,7 +29,8 @@ from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import as_casque_error, status_of
 from casque.sidecar.guards import host_name, is_open
 from casque.sidecar.bodies import VALUE_BYTES, json_values
-from casque.sidecar.models import PublishBatchRequest, PublishMessage, SeekRequest
+from casque.sidecar.models.publishing import PublishBatchRequest, PublishMessage
+from casque.sidecar.models.receiving import SeekRequest
 from casque.sidecar.rendering import message_json, receive_body
 from casque_client.loopback import is_loopback
 

@@ -1,4 +1,5 @@
-"""Static checks run as tests: strict typing and the layering contract.
+"""Static checks run as tests: strict typing, the import contracts (layers, no circles) and
+the size of a module.
 
 The folders operator/ and sidecar/ import as casque.operator and casque.sidecar (through
 the package mapping), which mypy and import-linter cannot follow; both run on a copy of the
@@ -51,16 +52,30 @@ def test_import_layers(package_tree: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# The consumer group's modules, as the layering contract names them, plus the state they share.
-CONSUMER_GROUP_MODULES = [
-    "consumer", "leased_delivery", "sharing", "delivering", "acking", "foreign_ranges", "shard_reader",
-    "claim_reader", "member", "leases", "session_trust", "shard_state", "entries", "keylocks", "reachability", "gaps",
-]
+# Every module of these folders holds one concern; past this many lines it is split by job.
 MAX_MODULE_LINES = 500
+ONE_CONCERN_FOLDERS = ["casque/engine", "sidecar", "operator"]
+# The modules allowed past the limit, each with why it stays whole.
+LONG_MODULES = {
+    "casque/engine/idempotency.py": "one protocol (intents, settling, take-over), its crash cases argued across it",
+    "casque/engine/catalog.py": "the one home of every DDL and znode write of a queue or subscriber",
+    "operator/injection.py": "one pure function from a Pod to its patch, its rules read in order",
+}
 
 
-def test_no_module_of_the_consumer_group_outgrows_one_concern() -> None:
-    lengths = {name: len((ROOT / "casque" / "engine" / f"{name}.py").read_text().splitlines())
-               for name in CONSUMER_GROUP_MODULES}
-    too_long = {name: lines for name, lines in lengths.items() if lines > MAX_MODULE_LINES}
+def module_lengths() -> dict[str, int]:
+    return {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+            for folder in ONE_CONCERN_FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))}
+
+
+def test_no_module_outgrows_one_concern() -> None:
+    too_long = {name: lines for name, lines in module_lengths().items()
+                if lines > MAX_MODULE_LINES and name not in LONG_MODULES}
     assert not too_long, f"split these by concern (over {MAX_MODULE_LINES} lines): {too_long}"
+
+
+def test_the_long_modules_allowed_are_still_long() -> None:
+    # An entry whose module was split or shrank comes off the list, so the list stays short.
+    lengths = module_lengths()
+    stale = [name for name in LONG_MODULES if lengths.get(name, 0) <= MAX_MODULE_LINES]
+    assert not stale, f"no longer over {MAX_MODULE_LINES} lines (or gone): take them off LONG_MODULES: {stale}"
