@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kazoo.exceptions import NoNodeError
-from kazoo.recipe.watchers import DataWatch
 
 from casque.engine import catalog
 from casque.engine.consumer import Consumer
@@ -53,6 +52,7 @@ from casque.schema import QueueRef, validate_name
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import BACKEND_FAILURES, NotReady, SubscriberNotServed, schema_refusal
 from casque.sidecar.metrics import SidecarMetrics
+from casque.sidecar.publishers import QueuePublishers
 from casque.sidecar.models.receiving import SeekRequest
 from casque.sidecar.stalls import StallWatch
 from casque.specs import QueueState
@@ -118,11 +118,7 @@ class QueueService:
         self.queue = QueueRef(settings.namespace, settings.queue) if settings.queue else None
         self.subscriptions = {name: Subscription(name) for name in settings.subscribers}
         self.draining = False
-        self._publishers: dict[str, Publisher] = {}
-        # The publisher a spec change replaced, by queue, until its successor is made: it
-        # hands over the ids it still publishes (IdempotencyGuard.continue_from).
-        self._replaced: dict[str, Publisher] = {}
-        self._loading: dict[str, asyncio.Task[Publisher]] = {}
+        self._publishers = QueuePublishers(store, self._new_publisher)
         self._writes = 0
         self._writes_idle = asyncio.Event()
         self._writes_idle.set()
@@ -240,7 +236,7 @@ class QueueService:
         for result in results:
             if isinstance(result, BaseException):
                 log.error("stopping a consumer failed: %r", result)
-        for publisher in [*self._publishers.values(), *self._replaced.values()]:
+        for publisher in self._publishers:
             # Bounded: heads retry until ZooKeeper answers, and readers repair a head left behind.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(publisher.flush_heads(), HEAD_FLUSH_SECONDS)
@@ -258,48 +254,15 @@ class QueueService:
             raise QueueNotFound(f"no queue {name!r}: {error}") from error
 
     async def publisher(self, name: str) -> Publisher:
-        known = self._publishers.get(name)
-        if known is not None:
-            return known
-        loading = self._loading.get(name)
-        if loading is None:
-            loading = asyncio.get_running_loop().create_task(self._load_publisher(name))
-            self._loading[name] = loading
-            loading.add_done_callback(lambda _: self._loading.pop(name, None))
-        return await asyncio.shield(loading)
+        return await self._publishers.get(name)
 
-    async def _load_publisher(self, name: str) -> Publisher:
+    async def _new_publisher(self, name: str) -> Publisher:
         ref = self.queue_ref(name)
         state = await blocking(catalog.read_queue, self.store, ref)
-        publisher = await blocking(
+        return await blocking(
             lambda: Publisher(self.store, ref, state, linger=self.settings.publish_linger_seconds,
                               group_linger=self.settings.publish_group_linger_seconds, protocol=self.protocol)
         )
-        replaced = self._replaced.pop(name, None)
-        if replaced is not None and replaced.state.incarnation == state.incarnation:
-            publisher.idempotency.continue_from(replaced.idempotency)
-        self._publishers[name] = publisher
-        self._watch_spec(name, publisher, self.store.paths(ref).base)
-        return publisher
-
-    def _watch_spec(self, name: str, publisher: Publisher, path: str) -> None:
-        """Forget the publisher when its queue's spec changes (shards, size limit) or the queue goes."""
-        loop = asyncio.get_running_loop()
-
-        def forget() -> None:
-            if self._publishers.get(name) is publisher:
-                del self._publishers[name]
-                self._replaced[name] = publisher
-
-        def changed(data: bytes | None, stat: object, event: object = None) -> bool:
-            if self._publishers.get(name) is not publisher or loop.is_closed():
-                return False  # replaced already: drop this watch
-            if event is not None:
-                loop.call_soon_threadsafe(forget)
-                return False
-            return True
-
-        DataWatch(self.store.zk, path, changed)
 
     async def publish(self, queue: str, messages: Sequence[OutgoingMessage]) -> list[Published]:
         """All or none: every message is checked before any is written."""
