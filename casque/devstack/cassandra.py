@@ -153,6 +153,13 @@ materialized_views_enabled: false
 # Paxos v2 needs about half the round trips of v1 for a conditional write; casque claims
 # every batch with one.
 paxos_variant: v2
+# Guardrails, for every role but superusers (the installation's login): a namespace's role
+# may write its own keyspace's rows directly, so no value past 2 MiB (the largest casque
+# writes is a message, 1 MiB at most), and no time-windowed table whose rows never expire.
+# (The zero-TTL guardrail of 5.0 covers a table's default only: a write `USING TTL 0` still
+# passes, docs/security.md.)
+zero_ttl_on_twcs_enabled: false
+column_value_size_fail_threshold: 2MiB
 {self._render_client_encryption()}"""
 
     def _render_client_encryption(self) -> str:

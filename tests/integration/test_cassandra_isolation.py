@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
-from cassandra import Unauthorized
+from cassandra import InvalidRequest, Unauthorized
 from cassandra.cluster import Session
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -191,6 +191,22 @@ async def test_a_namespaces_role_reaches_its_own_keyspace_only(operator: Store, 
     # B's rows are untouched, as the installation sees them.
     rows = operator.session.execute(f"SELECT message_id FROM {operator.table(QueueRef(B, 'orders'))}")
     assert {row.message_id for row in rows} - {None} == b_rows
+
+
+async def test_a_namespaces_role_cannot_write_a_value_past_the_bound(operator: Store, installation: Settings) -> None:
+    """Cassandra's guardrails bind every role but superusers: a namespace's role, which may write
+    its own keyspace's rows directly, tried a 6 MiB value (its queue takes 256 KiB messages).
+    Before, it was accepted."""
+    sidecar_a = Store.open(sidecar_settings(installation, A), namespace=A)
+    table = f"{operator.keyspace_of(A)}.{QueueRef(A, 'orders').messages_table}"
+    try:
+        with pytest.raises(InvalidRequest, match="column_value_size"):
+            sidecar_a.session.execute(
+                f"INSERT INTO {table} (shard, bucket, batch_no, seq, message_id, payload) VALUES (0, 0, 999, 1, 'big', %s)",
+                (b"x" * (6 * 1024 * 1024),))
+    finally:
+        sidecar_a.close()
+    assert list(operator.session.execute(f"SELECT seq FROM {table} WHERE shard = 0 AND bucket = 0 AND batch_no = 999")) == []
 
 
 async def test_a_namespaces_sidecar_serves_its_queue_with_what_the_webhook_gives_it(
