@@ -25,28 +25,20 @@ from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from casque_client import Client
+from tests.fixtures.doc_examples import ROOT, command_lines, examples
 from tests.fixtures.sidecars import SidecarProcess
 from tests.fixtures.stack import Backends
 from tests.fixtures.waiting import unavailable
 
-ROOT = Path(__file__).resolve().parents[2]
 QUEUE = "demo"  # what run-local.sh creates and the README names
 SUBSCRIBER = "demo-app"
 README_ADDRESS = "localhost:8717"
 PLACEHOLDER = re.compile(r"<receipt[^>]*>")
-FENCE = re.compile(r"^```(?:sh|bash|console)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 HEREDOC = re.compile(r"^cat <<TXT\n(.*?)^TXT$", re.MULTILINE | re.DOTALL)
 
 
-def command_lines(text: str, start: str = "curl ") -> list[str]:
-    """The commands that begin with `start` in shell text, a line continued by a backslash joined to the next."""
-    joined = re.sub(r"\\\n", " ", text)
-    return [line.strip() for line in joined.splitlines() if line.strip().startswith(start)]
-
-
 def readme_commands(address: str) -> list[str]:
-    blocks = FENCE.findall((ROOT / "README.md").read_text())
-    commands = [line for block in blocks for line in command_lines(block)]
+    commands = [e.command.replace("\\\n", " ") for e in examples(ROOT / "README.md") if e.words[0] == "curl"]
     assert all(README_ADDRESS in command for command in commands), commands
     return [command.replace(README_ADDRESS, address) for command in commands]
 
