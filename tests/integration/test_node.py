@@ -377,7 +377,7 @@ TENANT_QUEUE = """\
 apiVersion: casque.io/v1alpha1
 kind: Queue
 metadata: {name: ledger}
-spec: {shards: 1, retention: 1d}
+spec: {shards: 1, retention: 1d, deletionPolicy: Delete}
 ---
 apiVersion: casque.io/v1alpha1
 kind: Subscriber
@@ -501,6 +501,7 @@ def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_d
         installation = secret_values(kubectl, namespace, "casque-zookeeper")
         admin = zookeeper_login(zookeeper_address, (installation["username"], installation["password"]), tls)
         try:
+            assert admin.exists(a_paths.subscriber("audit").base) is None  # where the locked znode was
             assert admin.exists(a_paths.base) is None and admin.exists(b_paths.base) is not None
         finally:
             admin.stop()
