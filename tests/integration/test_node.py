@@ -443,7 +443,8 @@ def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_d
             kubectl("create", "namespace", tenant)
             kubectl("apply", "-n", tenant, "-f", "-", stdin=TENANT_QUEUE)
         for tenant in tenants:
-            kubectl("wait", "-n", tenant, "--for=condition=Ready", "queue/ledger", f"--timeout={START_TIMEOUT}s")
+            kubectl("wait", "-n", tenant, "--for=condition=Ready", "queue/ledger", "subscriber/audit",
+                    f"--timeout={START_TIMEOUT}s")
         a, b = tenants
         a_role, b_role = (secret_values(kubectl, t, "casque-cassandra-role") for t in tenants)
         a_identity = secret_values(kubectl, a, "casque-zookeeper")
@@ -497,6 +498,14 @@ def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_d
         finally:
             zk.stop()
             zk.close()
+        anonymous = zookeeper_login(zookeeper_address, None, tls)
+        try:
+            for path in (a_paths.base, b_paths.base):
+                with pytest.raises(NoAuthError):
+                    anonymous.get(path)
+        finally:
+            anonymous.stop()
+            anonymous.close()
         kubectl("delete", "-n", a, "subscriber/audit", "queue/ledger", f"--timeout={START_TIMEOUT}s")
         installation = secret_values(kubectl, namespace, "casque-zookeeper")
         admin = zookeeper_login(zookeeper_address, (installation["username"], installation["password"]), tls)
@@ -506,14 +515,6 @@ def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_d
         finally:
             admin.stop()
             admin.close()
-        anonymous = zookeeper_login(zookeeper_address, None, tls)
-        try:
-            for path in (a_paths.base, b_paths.base):
-                with pytest.raises(NoAuthError):
-                    anonymous.get(path)
-        finally:
-            anonymous.stop()
-            anonymous.close()
     except BaseException:
         kubectl.show(namespace, *tenants)
         raise
