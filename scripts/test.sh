@@ -18,13 +18,15 @@
 # (loadgroup would mean xdist_group marks, which under pytest 9 xdist 3.8 cannot apply).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
-bash scripts/install-kube-tools.sh
-bash scripts/install-spark.sh
-bash scripts/install-podman.sh
-bash scripts/install-node.sh
-bash scripts/install-releases.sh
-bash scripts/install-openapi-generator.sh
+# Each install step, timed: on a fresh machine the Kubernetes components take most of it.
+install_started=$(date +%s)
+for step in install install-kube-tools install-spark install-podman install-node install-releases \
+            install-openapi-generator; do
+  step_started=$(date +%s)
+  bash "scripts/$step.sh"
+  echo "test.sh: $step took $(( $(date +%s) - step_started ))s"
+done
+echo "test.sh: installing took $(( $(date +%s) - install_started ))s"
 workers=()
 if [ "${CASQUE_TEST_WORKERS:-2}" != "0" ]; then
   workers=(-n "${CASQUE_TEST_WORKERS:-2}" --dist loadscope)
