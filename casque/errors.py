@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class CasqueError(Exception):
     """Base of every error casque raises on purpose."""
@@ -38,6 +40,28 @@ class PublishOutcomeUnknown(BackendUnavailable):
     time: retry it with the same id, which finds it if it was."""
 
     code = "publish_outcome_unknown"
+
+
+class PartiallyPublished(BackendUnavailable):
+    """A publish call of which part was written and part not: its messages spanned shards or
+    batches (keys, priority levels, over a batch's bytes) and a backend failed some of them.
+    `outcomes[i]` is message i's: where it was written, or the error that kept it out."""
+
+    code = "partially_published"
+
+    def __init__(self, outcomes: Sequence[object]) -> None:
+        self.outcomes = list(outcomes)
+        failed = [index for index, _ in self.failures()]
+        shown = ", ".join(f"messages[{index}]" for index in failed[:10])
+        if len(failed) > 10:
+            shown += f" and {len(failed) - 10} more"
+        super().__init__(
+            f"{len(self.outcomes) - len(failed)} of {len(self.outcomes)} messages were written; {shown} "
+            "were not: send only those again (or the whole call, if every message has an id or producer key)"
+        )
+
+    def failures(self) -> list[tuple[int, BaseException]]:
+        return [(index, outcome) for index, outcome in enumerate(self.outcomes) if isinstance(outcome, BaseException)]
 
 
 class QueueNotFound(CasqueError):

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from casque.backends import cql, zk
 from casque.engine.member import ConsumerStopped
+from casque.engine.messages import Published
 from casque.engine.messages import InvalidReceipt
 from casque.errors import (
     AccessDenied,
@@ -31,6 +32,7 @@ from casque.errors import (
     MessageTooLarge,
     PositionOutOfRange,
     NewerFormat,
+    PartiallyPublished,
     QueueNotFound,
     QuotaExceeded,
     SchemaViolation,
@@ -39,6 +41,7 @@ from casque.errors import (
     UntraceableId,
 )
 from casque.sidecar.models.base import ErrorBody, ErrorDetail, ErrorResponse
+from casque.sidecar.models.publishing import PublishBatchError, PublishResult
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +223,20 @@ def respond(status: int, body: ErrorBody, headers: Mapping[str, str] | None = No
     if status == 503:
         extra.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
     return web.json_response(ErrorResponse(error=body).wire(), status=status, headers=extra)
+
+
+def partly_published(partial: PartiallyPublished) -> web.Response:
+    """A publish call of which part was written: 503 with Retry-After, each message not
+    written named in the details with its own error, and where each written one is."""
+    details = []
+    for index, failure in partial.failures():
+        error = as_casque_error(failure) or CasqueError(f"{type(failure).__name__}: {failure}")
+        details.append(ErrorDetail(field=f"messages[{index}]", problem=str(error), code=error.code))
+    log.warning("publish: %s: %s", partial.code, partial)
+    results = [PublishResult.of(o) if isinstance(o, Published) else None for o in partial.outcomes]
+    body = PublishBatchError(error=ErrorBody(code=partial.code, message=str(partial), details=details), results=results)
+    return web.Response(body=body.wire_json(), status=503, content_type="application/json",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def from_validation(error: ValidationError, what: str = "request body") -> InvalidRequest:

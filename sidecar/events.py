@@ -1,7 +1,7 @@
 """CloudEvents over HTTP: the three content modes a publish may come in.
 
 - structured: one event as a JSON object (`application/json` or `application/cloudevents+json`);
-- batch: a JSON array of events (`application/cloudevents-batch+json`), written all or none
+- batch: a JSON array of events (`application/cloudevents-batch+json`), answered as a publishBatch
   like a `publishBatch`;
 - binary: the payload is the body, as it is, under its own `Content-Type`, and the event's
   attributes are `ce-*` headers (`ce-id`, `ce-source`, `ce-type`, ...). The distributed

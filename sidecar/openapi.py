@@ -49,8 +49,9 @@ def build(operations: Iterable[Operation], version: str, bearer_token: bool) -> 
         if operation.request is not None:
             models.append((operation.request, "validation"))
         models.append((operation.response, "serialization"))
+        if operation.error_response is not ErrorResponse:
+            models.append((operation.error_response, "serialization"))
     refs, definitions = models_json_schema(models, ref_template=REF)
-    error_ref = {"$ref": REF.format(model="ErrorResponse")}
 
     paths: dict[str, dict[str, Any]] = {}
     for operation in operations:
@@ -62,6 +63,7 @@ def build(operations: Iterable[Operation], version: str, bearer_token: bool) -> 
                                "description": "The id the publish answered with: a version 7 UUID (ids made before "
                                "they carried their time are refused with `untraceable_id`).",
                                "schema": {"type": "string", "pattern": MESSAGE_ID_PATTERN}})
+        error_ref = refs[(operation.error_response, "serialization")]
         spec: dict[str, Any] = {
             "operationId": operation.operation_id,
             "summary": operation.summary,

@@ -18,19 +18,20 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from casque.engine.messages import Delivery, OutgoingMessage, Published
-from casque.errors import CasqueError
+from casque.errors import CasqueError, PartiallyPublished
 from casque.logs import REQUEST_ID
 from casque.sidecar.answers import acked_json, one_published_json, published_json
 from casque.sidecar.bodies import decode_body, parse_body, read_json, read_limited, validate
 from casque.sidecar.decoding import Decoded, Shape, decode_publish, with_trace_context
-from casque.sidecar.errors import RETRY_AFTER_SECONDS, error_body
+from casque.sidecar.errors import RETRY_AFTER_SECONDS, error_body, partly_published
 from casque.sidecar.events import binary_event, is_batch, is_binary
 from casque.sidecar.health import readiness, refresh_gauges
 from casque.sidecar.keys import METRICS, OPENAPI, RUNTIME, SETTINGS, TRACING
 from casque.sidecar.history import MessageHistoryResult
 from casque.sidecar.logs import REQUEST_ID_HEADER
-from casque.sidecar.models.base import CE_ATTRIBUTES, Body, Reply
+from casque.sidecar.models.base import CE_ATTRIBUTES, Body, ErrorResponse, Reply
 from casque.sidecar.models.publishing import (
+    PublishBatchError,
     PublishBatchRequest,
     PublishBatchResult,
     PublishEventBatch,
@@ -72,6 +73,8 @@ class Operation:
     # HTTP statuses (besides 200) with an error body that this operation answers with.
     errors: tuple[int, ...]
     body_optional: bool = False
+    # The body of its error answers: ErrorResponse, or one that adds to it.
+    error_response: type[ErrorResponse] = ErrorResponse
     # Which of the pod's scopes (casque.sidecar.scopes) must include the path's queue or subscriber.
     scope: Scope | None = None
 
@@ -133,7 +136,10 @@ def _decode_messages(shape: Shape, raw: bytes) -> Messages:
 
 
 async def _publish_events(request: web.Request, messages: Messages) -> web.Response:
-    results = await _publish(request, messages)
+    try:
+        results = await _publish(request, messages)
+    except PartiallyPublished as partial:
+        return partly_published(partial)
     return _json(published_json(results)) or reply(
         PublishBatchResult(results=[PublishResult.of(r) for r in results]))
 
@@ -400,10 +406,11 @@ _CONSUMER_ERRORS = (400, 403, 404, 409, 503)
 OPERATIONS: tuple[Operation, ...] = (
     Operation("publish", "POST", f"{QUEUE_PATH}/messages", publish,
               "Publish one message (answered after it is written)", PublishMessage, PublishResult,
-              (400, 403, 404, 409, 413, 503), scope="publish"),
+              (400, 403, 404, 409, 413, 503), scope="publish", error_response=PublishBatchError),
     Operation("publishBatch", "POST", f"{QUEUE_PATH}/messages/batch", publish_batch,
-              "Publish several messages, all or none", PublishBatchRequest, PublishBatchResult,
-              (400, 403, 404, 409, 413, 503), scope="publish"),
+              "Publish several messages: refused whole if one is invalid; if a backend fails part of it, "
+              "answered 503 partially_published naming what was written", PublishBatchRequest, PublishBatchResult,
+              (400, 403, 404, 409, 413, 503), scope="publish", error_response=PublishBatchError),
     Operation("receive", "POST", f"{SUBSCRIBER_PATH}/receive", receive,
               "Receive up to `max` messages, waiting up to `wait` seconds for the first",
               ReceiveRequest, ReceiveResult, (400, 403, 404, 503), body_optional=True, scope="subscribe"),

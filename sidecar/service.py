@@ -43,6 +43,7 @@ from casque.errors import (
     InvalidSpec,
     MessageTooLarge,
     NewerFormat,
+    PartiallyPublished,
     PositionOutOfRange,
     QueueNotFound,
     SchemaViolation,
@@ -286,15 +287,21 @@ class QueueService:
         self._writes_idle.clear()
         try:
             results = await publisher.publish(messages)
+        except PartiallyPublished as partial:
+            self._count_published(queue, [o for o in partial.outcomes if isinstance(o, Published)])
+            raise
         finally:
             self._writes -= 1
             if self._writes == 0:
                 self._writes_idle.set()
+        self._count_published(queue, results)
+        return results
+
+    def _count_published(self, queue: str, results: list[Published]) -> None:
         fresh = sum(1 for r in results if not r.duplicate)
         self.metrics.published.labels(queue).inc(fresh)
         if fresh != len(results):
             self.metrics.duplicates.labels(queue).inc(len(results) - fresh)
-        return results
 
     # --- consuming -----------------------------------------------------------------------
     async def served(self, queue: str, subscriber: str) -> tuple[Subscription, Consumer]:

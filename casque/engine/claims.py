@@ -39,6 +39,13 @@ Recipe, per subscriber and shard (paths in casque.znodes):
   range with a `wake` is taken over at that time by a member whose app asks for nothing,
   and the message is dead-lettered on time whether or not anyone receives. An earlier
   `wake` than the truth costs a takeover, never a message; older members drop the field.
+- Leases and claims never serve one shard at once (a subscriber switching between leased
+  and shared delivery has members of both for a moment). A claim, and a skip that moves the
+  offset, assert in their multi that the shard has no lease znode (a create and a delete of
+  it, which fail together while it exists); a member that acquires a lease deletes the
+  shard's claims (`end_claims`) before it reads the offset and the ack rows. A claim's
+  holder checks the claim after each ack row, so an ack answered `acked` was written before
+  the claim went, and the leased reader, reading after, sees it; one written after is refused.
 - A seek writes the offsets with a new epoch and resets the cursors (casque.engine.offsets).
   Claims of an older epoch are moot: their completion leaves the offset alone, and members
   delete them when they meet them.
@@ -54,13 +61,21 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Any
 
-from kazoo.client import KazooClient
+from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 
 from casque.backends import zk
 from casque.errors import BackendUnavailable, SubscriberNotFound
 from casque.znodes import SubscriberPaths, decode_offset, encode_offset
+
+
+class ShardLeased(BackendUnavailable):
+    """A member in leased delivery holds the shard: no claim may be made on it (the
+    subscriber is switching delivery modes, and this member has not switched yet)."""
+
+    code = "shard_leased"
 
 
 @dataclass(frozen=True)
@@ -183,9 +198,10 @@ async def claim_range(
     (another member moved it first)."""
     record = ClaimRecord(shard, cursor.epoch, cursor.next, end, member, until_ms, 0, keys, session)
     transaction = client.transaction()
+    _assert_unleased(transaction, paths, shard)
     transaction.set_data(paths.cursor(shard), encode_offset(end, cursor.epoch), cursor.version)
     transaction.create(f"{paths.claims(shard)}/{record.name}", record.data())
-    results = await zk.call(transaction.commit_async)
+    results = _past_lease_check(await zk.call(transaction.commit_async), shard)
     cursor_result, claim_result = results
     if isinstance(cursor_result, BadVersionError):
         return None, await read_cursor(client, paths, shard)
@@ -214,6 +230,7 @@ async def skip_range(client: KazooClient, paths: SubscriberPaths, cursor: Cursor
         data, offset_stat = await zk.call(client.get_async, paths.offset(shard))
         offset, epoch = decode_offset(data)
         transaction = client.transaction()
+        _assert_unleased(transaction, paths, shard)
         transaction.set_data(paths.cursor(shard), encode_offset(end, cursor.epoch), cursor.version)
         if epoch == cursor.epoch:
             starts = [int(n.partition("-")[2]) for n in await list_claims(client, paths, shard)
@@ -221,7 +238,7 @@ async def skip_range(client: KazooClient, paths: SubscriberPaths, cursor: Cursor
             target = max(offset, min([*starts, end]))
             if target > offset:
                 transaction.set_data(paths.offset(shard), encode_offset(target, epoch), offset_stat.version)
-        results = await zk.call(transaction.commit_async)
+        results = _past_lease_check(await zk.call(transaction.commit_async), shard)
         if isinstance(results[0], BadVersionError):
             return False
         if len(results) > 1 and isinstance(results[1], BadVersionError):
@@ -320,6 +337,37 @@ async def complete(client: KazooClient, paths: SubscriberPaths, record: ClaimRec
             continue  # another completion or a seek came first: read again
         _raise_failure(results, "completing a claim")
         return Completion.DONE, target
+
+
+async def end_claims(client: KazooClient, paths: SubscriberPaths, shard: int) -> int:
+    """Delete every claim of `shard`, whatever its version: called by a member in leased
+    delivery once it holds the shard's lease, before it reads the offset and the ack rows
+    (see the recipe). No claim can be made after the lease exists; returns how many went."""
+    ended = 0
+    for name in await list_claims(client, paths, shard):
+        try:
+            await zk.call(client.delete_async, f"{paths.claims(shard)}/{name}")
+        except NoNodeError:
+            continue  # completed or deleted meanwhile
+        ended += 1
+    return ended
+
+
+def _assert_unleased(transaction: TransactionRequest, paths: SubscriberPaths, shard: int) -> None:
+    """The first two operations of a multi that must not run while the shard has a lease."""
+    transaction.create(paths.lease(shard), b"")
+    transaction.delete(paths.lease(shard))
+
+
+def _past_lease_check(results: list[Any], shard: int) -> list[Any]:
+    """The results of a multi begun with `_assert_unleased`, without its two; raises
+    ShardLeased if the lease existed."""
+    if isinstance(results[0], NodeExistsError):
+        raise ShardLeased(f"shard {shard} is read by a member in leased delivery: no batches are claimed from it "
+                          "until this member switches too")
+    if isinstance(results[0], Exception) and not isinstance(results[0], RolledBackError):
+        raise BackendUnavailable(f"shard {shard}: its lease could not be checked: {results[0]!r}")
+    return results[2:]
 
 
 def _raise_failure(results: list[object], what: str) -> None:

@@ -200,7 +200,10 @@ class ShardLeases:
         self._client.add_listener(self._on_state)
         active = lambda: not self._stopping  # noqa: E731
         ChildrenWatch(self._client, self._paths.members, zk.watch_in_loop(self._loop, self._members_changed, active))
-        ChildrenWatch(self._client, self._paths.leases, zk.watch_in_loop(self._loop, self._leases_changed, active))
+        if self.shards:
+            # Not in shared delivery (no shards to lease): there every claim checks the leases
+            # directory with a create and delete (casque.engine.claims), which would wake us.
+            ChildrenWatch(self._client, self._paths.leases, zk.watch_in_loop(self._loop, self._leases_changed, active))
         self._task = self._loop.create_task(self._rebalance_loop())
         self.trust.start()
 

@@ -21,19 +21,25 @@ class PublishCall:
     """The messages of one publish call that go straight to the log (those without a
     delivery time), answered together: one future for the call instead of one per message,
     which with its gathering cost about as much as the rest of a batch call's work on a
-    message. Results land at the messages' places in the call; the first failure fails the
-    call, as a gather would.
+    message. The future is set once every message has its outcome, at its place in the call:
+    where it was written, or the error that kept it out (so a call whose messages spanned
+    shards or batches can say exactly which were written when a backend failed some).
+
+    A message's outcome is set once: pending (None), then written (a Published) or failed
+    (an exception). A caller that went away cancels the future; outcomes still land, for
+    the idempotency guard.
 
     A message with a client id (or producer key) is tracked by the idempotency guard as
     this call's slot (`keys`, by index): a publish of the same id meanwhile waits on a
     future made for that slot alone (`watch`), and the guard hears when each slot lands
     (`IdempotencyGuard.slot_ended`), whatever became of the call."""
 
-    __slots__ = ("future", "results", "remaining", "guard", "keys", "started", "watchers")
+    __slots__ = ("future", "outcomes", "remaining", "guard", "keys", "started", "watchers")
 
-    def __init__(self, future: asyncio.Future[list[Published | None]], size: int, guard: IdempotencyGuard) -> None:
+    def __init__(self, future: asyncio.Future[list[Published | BaseException | None]], size: int,
+                 guard: IdempotencyGuard) -> None:
         self.future = future
-        self.results: list[Published | None] = [None] * size
+        self.outcomes: list[Published | BaseException | None] = [None] * size
         self.remaining = 0
         self.guard = guard
         self.keys: dict[int, str] | None = None
@@ -58,21 +64,28 @@ class PublishCall:
             watcher = self.watchers[index] = self.future.get_loop().create_future()
         return watcher
 
+    def failed(self) -> bool:
+        """Whether a message of the call failed already."""
+        return any(isinstance(outcome, BaseException) for outcome in self.outcomes)
+
     def resolve(self, index: int, result: Published) -> None:
-        if self.results[index] is not None:
+        if self.outcomes[index] is not None:
             return  # answered already
-        self.results[index] = result
+        self.outcomes[index] = result
         self._ended(index, result, None)
-        if self.future.done():
-            return  # failed, or its caller went away
-        self.remaining -= 1
-        if self.remaining == 0:
-            self.future.set_result(self.results)
+        self._count_down()
 
     def fail(self, index: int, error: BaseException) -> None:
+        if self.outcomes[index] is not None:
+            return
+        self.outcomes[index] = error
         self._ended(index, None, error)
-        if not self.future.done():
-            self.future.set_exception(error)
+        self._count_down()
+
+    def _count_down(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result(self.outcomes)
 
     def _ended(self, index: int, result: Published | None, error: BaseException | None) -> None:
         if self.keys is not None and index in self.keys:

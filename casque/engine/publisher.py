@@ -31,7 +31,7 @@ from casque.engine.messages import SCHEMA_VERSION_ATTRIBUTE, OutgoingMessage, Pu
 from casque.engine.pending import PendingPublish, PublishCall
 from casque.engine.protocol import ProtocolLevel
 from casque.engine.shard_writer import PublisherCounters, ShardWriter
-from casque.errors import InvalidSpec, MessageTooLarge
+from casque.errors import InvalidSpec, MessageTooLarge, PartiallyPublished
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, QueueState, log_shard
 from casque.store import Store
@@ -135,7 +135,11 @@ class Publisher:
     async def publish(
         self, messages: Sequence[OutgoingMessage], message_ids: Sequence[str] | None = None
     ) -> list[Published]:
-        """Publish all or, on a validation error, none; results in input order.
+        """Publish; results in input order. A validation error refuses the whole call before
+        anything is written. A backend failure fails what it kept out: when the call spanned
+        shards or batches and some were written, PartiallyPublished says which (within a
+        shard, what a call wrote is always the beginning of its messages there, see
+        ShardWriter).
 
         `message_ids` keeps ids given earlier (the delayed-message mover); new ones otherwise.
         """
@@ -165,13 +169,13 @@ class Publisher:
             else:  # a publish of its id under way or done, or its own route to a delivery time
                 apart[index] = earlier if earlier is not None else self._start(message, message_id, due, chosen, drawn)
         if not apart:
-            return cast(list[Published], await call.future)
+            return written_whole(await call.future)
         waits = [call.future] if call.remaining else []
-        answers: list[Any] = list(await asyncio.gather(*waits, *apart.values()))
-        results: list[Published | None] = answers[0] if waits else [None] * len(messages)
-        for index, result in zip(apart, answers[len(waits):]):
-            results[index] = result
-        return cast(list[Published], results)
+        answers: list[Any] = list(await asyncio.gather(*waits, *apart.values(), return_exceptions=True))
+        outcomes: list[Published | BaseException | None] = answers[0] if waits else [None] * len(messages)
+        for index, answer in zip(apart, answers[len(waits):]):
+            outcomes[index] = answer
+        return written_whole(outcomes)
 
     def _start(self, message: OutgoingMessage, message_id: str, due: datetime | None,
                chosen: dict[int, int] | None = None, drawn: bool = False) -> asyncio.Future[Published]:
@@ -265,3 +269,14 @@ class Publisher:
         for writer in self._writers.values():
             await writer.heads.wait()
         await self.checkpoints.flush()
+
+
+def written_whole(outcomes: list[Published | BaseException | None]) -> list[Published]:
+    """A call's results when every message was written; else its failure: the error itself
+    when none was, PartiallyPublished (naming each message's outcome) when some were."""
+    failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    if not failures:
+        return cast(list[Published], outcomes)
+    if len(failures) == len(outcomes):
+        raise failures[0]
+    raise PartiallyPublished(outcomes)

@@ -132,11 +132,29 @@ class ShardWriter:
                         item.fail(error)
                     if isinstance(error, asyncio.CancelledError):
                         raise
+                    self._drop_rest_of_calls(items, error)
                     continue
                 for item, result in zip(items, results):
                     item.resolve(result)
         finally:
             self.busy = False
+
+    def _drop_rest_of_calls(self, failed: list[PendingPublish], error: BaseException) -> None:
+        """Fail, unwritten, the messages waiting here of the calls a failed batch belonged to.
+        What a call writes to a shard is then always the beginning of its messages there, so
+        a client that sends the failed ones again keeps each key's order."""
+        calls = {id(item.call) for item in failed if item.call is not None}
+        if not calls or not any(id(item.call) in calls for item in self.pending):
+            return
+        cause = BackendUnavailable(f"shard {self.shard}: not written, after an earlier batch of its call failed "
+                                   f"({type(error).__name__}: {error})")
+        kept: deque[PendingPublish] = deque()
+        for item in self.pending:
+            if id(item.call) in calls:
+                item.fail(cause)
+            else:
+                kept.append(item)
+        self.pending = kept
 
     async def _unpublished(self, items: list[PendingPublish]) -> list[PendingPublish]:
         """The items to write: those whose client id was published before are answered with

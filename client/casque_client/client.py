@@ -453,7 +453,8 @@ class Client:
     def publish_batch(
         self, messages: Iterable[Mapping[str, Any]], *, queue: str | None = None
     ) -> list[PublishResult]:
-        """Publish several messages, all or none. Build each with `casque_client.message(...)`."""
+        """Publish several messages, each numbered, so the whole call can be sent again. Build
+        each with `casque_client.message(...)`."""
         return [_published(r) for r in self._send(self._calls.publish_batch(messages, queue))["results"]]
 
     def receive(

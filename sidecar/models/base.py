@@ -122,6 +122,8 @@ class ErrorDetail(Reply):
     path: str | None = Field(default=None, description="JSON pointer into the message's data (schema_violation).")
     rule: str | None = Field(default=None, description="The schema keyword that failed (schema_violation).")
     schema_version: int | None = Field(default=None, description="The queue schema version checked against.")
+    code: str | None = Field(default=None, description="This part's own error code (partially_published: why "
+                             "each message not written was not, e.g. backend_unavailable or publish_outcome_unknown).")
 
 
 class ErrorBody(Reply):

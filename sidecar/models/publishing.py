@@ -28,6 +28,7 @@ from casque.sidecar.models.base import (
     MAX_BATCH_MESSAGES,
     AttributeName,
     Body,
+    ErrorResponse,
     Instant,
     Reply,
     Text,
@@ -271,12 +272,13 @@ class PublishMessage(Body):
 
 class PublishBatchRequest(Body):
     messages: Annotated[list[PublishMessage], Field(min_length=1, max_length=MAX_BATCH_MESSAGES)] = Field(
-        description="Written all or none: one invalid message refuses the whole request."
+        description="Checked all or none: one invalid message refuses the whole request. A backend failure that "
+        "kept part of it out answers 503 partially_published, naming what was written."
     )
 
 
 class PublishEventBatch(RootModel[Annotated[list[PublishMessage], Field(min_length=1, max_length=MAX_BATCH_MESSAGES)]]):
-    """CloudEvents batch mode (`application/cloudevents-batch+json`): a JSON array of events, all or none."""
+    """CloudEvents batch mode (`application/cloudevents-batch+json`): a JSON array of events, as a publishBatch."""
 
     model_config = ConfigDict(defer_build=True, strict=True)
 
@@ -301,3 +303,13 @@ class PublishResult(Reply):
 
 class PublishBatchResult(Reply):
     results: list[PublishResult] = Field(description="In the order of the request's messages.")
+
+
+class PublishBatchError(ErrorResponse):
+    """A publishBatch refused: as every error, and for `partially_published` where each
+    written message is."""
+
+    results: list[PublishResult | None] | None = Field(
+        default=None, description="With `partially_published`: in the order of the request's messages, where each "
+        "written message is; null for one not written (its error in `error.details`, field `messages[i]`).",
+    )

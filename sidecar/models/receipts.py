@@ -70,7 +70,8 @@ class PipelineOutputs(Body):
         description="The queue of this namespace the messages go to."
     )
     messages: Annotated[list[PublishMessage], Field(min_length=1, max_length=MAX_BATCH_MESSAGES)] = Field(
-        description="Published all or none, each exactly once per acked delivery's message and subscriber."
+        description="Published, all of them, before the delivery is acked; each exactly once per acked delivery's "
+        "message and subscriber, however often the ack is sent again."
     )
 
     @model_validator(mode="after")

@@ -17,7 +17,13 @@ from casque.engine.batches import Claim, Header, Log
 from casque.engine.messages import OutgoingMessage, Published
 from casque.engine.publisher import Publisher
 from casque.engine.stats import queue_stats
-from casque.errors import BackendUnavailable, MessageTooLarge, PublishOutcomeUnknown, WriteOutcomeUnknown
+from casque.errors import (
+    BackendUnavailable,
+    MessageTooLarge,
+    PartiallyPublished,
+    PublishOutcomeUnknown,
+    WriteOutcomeUnknown,
+)
 from casque.engine.sequences import SEQUENCE_BLOCK, parse_producer_key, producer_key
 from casque.schema import (
     CLIENT_ID_BUCKETS,
@@ -207,11 +213,13 @@ async def test_a_call_larger_than_a_batch_is_answered_with_every_batch_it_took(s
     assert [(r.batch, r.seq) for r in results] == sorted((r.batch, r.seq) for r in results)
 
 
-async def test_a_call_whose_later_batch_is_not_written_fails_as_a_retryable_whole(
+async def test_a_call_whose_later_batch_is_not_written_says_which_of_its_messages_were(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its first batch is written, its second certainly not: the call is answered with a
-    retryable failure (not left waiting), and what was written stays written."""
+    """Its first batch is written, its second certainly not: the call fails retryable (not
+    left waiting), naming each message's outcome. What was written stays written, and it is
+    the call's first messages only: nothing after the failed batch is written, so the ones
+    sent again follow them in order."""
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
     claim = Log.claim
@@ -226,12 +234,16 @@ async def test_a_call_whose_later_batch_is_not_written_fails_as_a_retryable_whol
 
     monkeypatch.setattr(Log, "claim", second_claim_lost)
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
-    with pytest.raises(BackendUnavailable) as raised:
+    with pytest.raises(PartiallyPublished) as raised:
         await publisher.publish([OutgoingMessage(bytes([65 + i]) * 200_000) for i in range(12)])
-    assert not isinstance(raised.value, PublishOutcomeUnknown)
+    outcomes = raised.value.outcomes
+    written = [o for o in outcomes if isinstance(o, Published)]
+    assert written and outcomes[:len(written)] == written, "the written ones are the call's first"
+    assert all(isinstance(o, BackendUnavailable) and not isinstance(o, PublishOutcomeUnknown)
+               for o in outcomes[len(written):])
     await publisher.flush_heads()
     stored = await read_all(store, spec)
-    assert stored[0].get(1), "the first batch of the call was written"
+    assert stored[0] == {1: [o.message_id for o in written]}, "only the first batch of the call was written"
 
 
 async def test_a_publish_of_an_id_a_failing_call_holds_answers_that_messages_own_outcome(

@@ -16,6 +16,7 @@ import pytest
 
 from casque.engine import catalog, claims
 from casque.engine.consumer import Consumer
+from casque.engine.leases import assign
 from casque.engine.messages import Delivery, OutgoingMessage
 from casque.engine.offsets import SeekTarget, seek
 from casque.engine.publisher import Publisher
@@ -426,3 +427,110 @@ async def test_an_ack_between_a_seek_and_the_member_noticing_it_is_stale(
     await until("every message acked after the seek", lambda: published <= replayed)
     stop.set()
     await worker
+
+
+@pytest.fixture
+def deaf_to_mode_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer given `deaf_to_switches = True` before it starts keeps serving its
+    subscriber as it was: a member whose watch on the subscriber has not fired yet."""
+    heard = Consumer._subscriber_changed
+
+    def unless_deaf(consumer: Consumer, data: bytes | None, *rest: object) -> None:
+        if not getattr(consumer, "deaf_to_switches", False):
+            heard(consumer, data, *rest)
+
+    monkeypatch.setattr(Consumer, "_subscriber_changed", unless_deaf)
+
+
+async def test_a_member_switching_to_leased_delivery_misses_no_ack_a_shared_member_answered(
+    store: Store, consumers: list[Consumer], deaf_to_mode_switches: None
+) -> None:
+    """The subscriber switches from shared to leased delivery while a member that has not
+    seen the switch still holds a claim and a delivery from it. The leased member reads the
+    shard; then the shared member's app acks. Had that ack been answered `acked`, the leased
+    member, which read the ack rows before it, would deliver the message again. Its claims
+    end when the lease is taken, so the ack is refused and the message comes to the leased
+    member; and the shared member claims nothing more from a leased shard."""
+    setup(store, shards=1)
+    (first,) = await publish(store, 1, "first")
+    leased_id, shared_id = ids_giving_shard_0_to_the_first()
+    shared = Consumer(store, QUEUE, SUBSCRIBER, member_id=shared_id)
+    shared.deaf_to_switches = True  # type: ignore[attr-defined]
+    consumers.append(shared)
+    await shared.start()
+    (held,) = await shared.receive(max_messages=1, wait=30)
+    assert held.message.message_id == first
+
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="leased"))
+    leased = Consumer(store, QUEUE, SUBSCRIBER, member_id=leased_id)
+    consumers.append(leased)
+    await leased.start()
+    await until("the leased member read the shard", lambda: leased.held_shards == {0} and leased.readers[0].caught_up)
+    with pytest.raises(StaleReceipt):
+        await shared.ack(held.receipt)
+    assert open_claims(store, [0]) == []
+    again = await leased.receive(max_messages=10, wait=30)
+    assert [d.message.message_id for d in again] == [first]
+    assert await leased.ack(again[0].receipt)
+
+    (second,) = await publish(store, 1, "second")
+    assert await shared.receive(max_messages=1, wait=0) == []
+    await claims_refused(shared)
+    assert open_claims(store, [0]) == []
+    after = await leased.receive(max_messages=10, wait=30)
+    assert [d.message.message_id for d in after] == [second]
+
+
+def ids_giving_shard_0_to_the_first() -> tuple[str, str]:
+    """Member ids of which the first is given shard 0 of a one-shard queue: a member that has
+    not switched yet still counts in the leased members' assignment, and would otherwise
+    take the shard from the leased member half the time."""
+    for n in range(100):
+        first, second = f"first-{n}", f"second-{n}"
+        if assign([first, second], [0])[first] == {0}:
+            return first, second
+    raise AssertionError("no such ids")
+
+
+async def claims_refused(member: Consumer) -> None:
+    """Wait until a member in shared delivery reports its claims refused by a shard's lease."""
+    deadline = time.monotonic() + 60
+    while "ShardLeased" not in (await member.shard_status()).problem:
+        assert time.monotonic() < deadline, "the shared member's claim on a leased shard was not refused"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_member_switching_to_shared_delivery_claims_nothing_while_a_leased_member_reads_the_shard(
+    store: Store, consumers: list[Consumer], deaf_to_mode_switches: None
+) -> None:
+    """The other way round: the subscriber switches from leased to shared delivery while a
+    member that has not seen it still holds the shard's lease and a delivery. A shared member
+    that claimed the shard then would read the ack rows before that delivery's ack, answered
+    `acked` under the lease, and deliver it again. No claim is made while the lease exists;
+    once the leased member lets the shard go, the shared member reads on from its offset."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    leased_spec = SubscriberSpec(queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, leased_spec)
+    (first,) = await publish(store, 1, "first")
+    leased_id, shared_id = ids_giving_shard_0_to_the_first()
+    leased = Consumer(store, QUEUE, SUBSCRIBER, member_id=leased_id)
+    leased.deaf_to_switches = True  # type: ignore[attr-defined]
+    consumers.append(leased)
+    await leased.start()
+    (held,) = await leased.receive(max_messages=1, wait=30)
+    assert held.message.message_id == first
+
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, leased_spec.model_copy(update={"delivery": "shared"}))
+    shared = Consumer(store, QUEUE, SUBSCRIBER, member_id=shared_id)
+    consumers.append(shared)
+    await shared.start()
+    assert await shared.receive(max_messages=1, wait=0) == []
+    await claims_refused(shared)
+    assert await leased.ack(held.receipt)  # acked, under its lease
+    await leased.stop()  # the lease goes with it
+
+    (second,) = await publish(store, 1, "second")
+    after = await shared.receive(max_messages=10, wait=30)
+    assert [d.message.message_id for d in after] == [second]

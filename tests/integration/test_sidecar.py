@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -17,10 +18,12 @@ from aiohttp.web_runner import BaseRunner
 
 from casque.config import Settings
 from casque.engine import catalog, shard_reader
+from casque.engine.batches import Claim, Log
 from casque.engine.messages import OutgoingMessage
 from casque.engine.pipelines import keyed_outputs
 from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.publisher import Publisher
+from casque.errors import WriteOutcomeUnknown
 from casque.schema import QueueRef
 from casque.sidecar.app import create_app, service_of
 from casque.sidecar.config import SidecarSettings
@@ -168,6 +171,65 @@ async def test_publish_batch_is_all_or_nothing(store: Store, make_sidecar: MakeS
     assert stats["publishedMessages"] == 0  # nothing of the refused batch was written
     ok = await call(client, f"{BASE}/messages/batch", {"messages": [{"data": i} for i in range(10)]})
     assert len(ok["results"]) == 10
+
+
+def keys_on_shards(shards: int, each: int) -> dict[int, list[str]]:
+    """`each` message keys that go to each shard of a queue of `shards`."""
+    found: dict[int, list[str]] = {shard: [] for shard in range(shards)}
+    for n in range(10_000):
+        key = f"customer-{n}"
+        lane = found[zlib.crc32(key.encode()) % shards]
+        if len(lane) < each:
+            lane.append(key)
+        if all(len(lane) == each for lane in found.values()):
+            return found
+    raise AssertionError("no keys for every shard")
+
+
+async def test_a_batch_whose_second_shard_is_refused_says_what_was_written_and_its_rest_lands_once(
+    store: Store, make_sidecar: MakeSidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publishBatch of keyed messages without ids spans two shards; shard 1's write is
+    certainly not applied. The answer is a 503 naming, message by message, what was written
+    and what was not; sending again only what was not stores every message once, each key's
+    messages in the order they were sent."""
+    create_queue(store, shards=2)
+    client = await make_sidecar()
+    keys = keys_on_shards(2, 2)
+    claim = Log.claim
+    refused = 0
+
+    async def shard_1_refused_once(log: Log, shard: int, *args: Any, **kwargs: Any) -> Claim:
+        nonlocal refused
+        if shard == 1 and not refused:
+            refused += 1
+            raise WriteOutcomeUnknown("timed out before reaching any replica")
+        return await claim(log, shard, *args, **kwargs)
+
+    monkeypatch.setattr(Log, "claim", shard_1_refused_once)
+    # Key a (shard 0), key b (shard 1), each twice, interleaved.
+    a, b = keys[0][0], keys[1][0]
+    sent = [{"data": f"{key}-{n}", "partitionkey": key} for n in range(2) for key in (a, b)]
+    response = await client.post(f"{BASE}/messages/batch", json={"messages": sent})
+    answer = await response.json()
+    assert response.status == 503 and response.headers["Retry-After"], answer
+    assert answer["error"]["code"] == "partially_published"
+    results = answer["results"]
+    written = [i for i, r in enumerate(results) if r is not None]
+    assert written == [0, 2] and {results[i]["shard"] for i in written} == {0}
+    details = {d["field"]: d["code"] for d in answer["error"]["details"]}
+    assert details == {"messages[1]": "backend_unavailable", "messages[3]": "backend_unavailable"}
+    assert refused == 1
+
+    retry = [sent[i] for i, r in enumerate(results) if r is None]
+    again = (await call(client, f"{BASE}/messages/batch", {"messages": retry}))["results"]
+    assert [r["shard"] for r in again] == [1, 1]
+    got = await receive_all(client, 4)
+    assert sorted(m["data"] for m in got) == sorted(m["data"] for m in sent)  # each once
+    for key in (a, b):
+        of_key = sorted((m for m in got if m["partitionkey"] == key), key=lambda m: (m["batch"], m["seq"]))
+        assert [m["data"] for m in of_key] == [f"{key}-0", f"{key}-1"]
+    assert (await call(client, f"{BASE}/stats"))["publishedMessages"] == 4
 
 
 async def test_a_publish_with_a_known_id_is_written_once(store: Store, make_sidecar: MakeSidecar) -> None:
