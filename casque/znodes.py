@@ -24,12 +24,18 @@ Heads are decimal integers in the znode data. An offset is "N@E": the batch N an
 epoch E of the shard that keys its ack records ("N" alone is epoch 0), so a reader gets both
 in one read. Both are written with the znode version as compare-and-set, so that they only
 move forward unless a seek says otherwise.
+
+These position znodes (heads, totals, offsets, cursors) are in format 1, bare numbers, as
+every release so far wrote them. A later format marks itself with a `#` and its number
+after the numbers ("812#2"), so this release refuses it (NewerFormat, naming it) rather
+than read its numbers as format 1's; it writes format 1 only, which every release reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from casque.errors import NewerFormat
 from casque.schema import QueueRef, validate_name
 
 
@@ -137,13 +143,33 @@ def queues_root(root: str) -> str:
     return f"{root.rstrip('/')}/queues"
 
 
+# The format of position znodes this release reads and writes (see the module).
+POSITIONS_FORMAT = 1
+_FORMAT_MARK = "#"
+
+
+def _format_1(data: bytes | None, default: str, what: str) -> str:
+    """A position znode's text, refused if it is marked with a later format."""
+    text = data.decode() if data else default
+    if _FORMAT_MARK in text:
+        numbers, _, format_ = text.partition(_FORMAT_MARK)
+        raise NewerFormat(f"{what} {numbers!r} was written in format {format_}; this version of casque reads up to "
+                          f"{POSITIONS_FORMAT}: upgrade it")
+    return text
+
+
+def decode_head(data: bytes | None) -> int:
+    """The batch of a head znode's data (0: none yet)."""
+    return int(_format_1(data, "0", "a head"))
+
+
 def encode_offset(offset: int, epoch: int = 0) -> bytes:
     return (str(offset) if epoch == 0 else f"{offset}@{epoch}").encode()
 
 
 def decode_offset(data: bytes | None) -> tuple[int, int]:
     """(offset, epoch) of an offset znode's data."""
-    offset, _, epoch = (data or b"1").decode().partition("@")
+    offset, _, epoch = _format_1(data, "1", "an offset or cursor").partition("@")
     return int(offset or 1), int(epoch or 0)
 
 
@@ -153,7 +179,7 @@ def encode_totals(batch: int, messages: int, size: int) -> bytes:
 
 def decode_totals(data: bytes | None) -> tuple[int, int, int] | None:
     """(batch, messages, bytes) of a totals znode's data; None if it holds none."""
-    parts = (data or b"").split()
+    parts = _format_1(data, "", "a shard's totals").split()
     if len(parts) != 3:
         return None
     batch, messages, size = (int(p) for p in parts)

@@ -51,6 +51,7 @@ from casque.errors import InvalidSpec
 from casque.schema import QueueRef
 from casque.sidecar.models.publishing import PublishMessage
 from casque.store import Store
+from casque.znodes import decode_head
 
 out = Console()
 err = Console(stderr=True)
@@ -352,7 +353,7 @@ async def _tail(
         # Head watches wake the tail when a shard's watermark moves: no polling of Cassandra.
         for shard in range(state.spec.shards):
             data, _ = await zk.call(store.zk.get_async, paths.head(shard))
-            heads[shard] = int(data or b"0")
+            heads[shard] = decode_head(data)
             DataWatch(store.zk, paths.head(shard), zk.watch_in_loop(
                 loop, lambda *_: changed.set(), lambda: not stop.is_set()))
         next_batch = {shard: max(1, head - last + 1) for shard, head in heads.items()}
@@ -361,7 +362,7 @@ async def _tail(
             changed.clear()
             for shard in sorted(next_batch):
                 data, _ = await zk.call(store.zk.get_async, paths.head(shard))
-                head = int(data or b"0")
+                head = decode_head(data)
                 while next_batch[shard] <= head:
                     batches = await log.read_from(shard, next_batch[shard])
                     if not batches:

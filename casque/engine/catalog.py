@@ -30,7 +30,7 @@ from casque.schema import (
 from casque.specs import QueueSpec, QueueState, SubscriberSpec, SubscriberState
 from casque.store import Store
 from casque.tenancy import NamespaceRole
-from casque.znodes import SubscriberPaths, decode_offset, queues_root
+from casque.znodes import SubscriberPaths, decode_head, decode_offset, queues_root
 
 # Cassandra's memory use grows with the number of tables; warn well before it hurts.
 TABLE_COUNT_WARNING = 200
@@ -142,8 +142,9 @@ def secure_tree(store: Store, top: str) -> int:
 
 
 def read_int(store: Store, path: str) -> int:
+    """A head znode's batch."""
     data, _ = store.zk.get(path)
-    return int(data.decode() or 0)
+    return decode_head(data)
 
 
 def read_offset(store: Store, paths: SubscriberPaths, shard: int) -> int:

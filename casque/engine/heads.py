@@ -37,7 +37,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, Roll
 from kazoo.recipe.watchers import DataWatch
 
 from casque.backends import zk
-from casque.znodes import encode_totals
+from casque.znodes import decode_head, encode_totals
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class HeadAdvancer:
                 if self._version is None:
                     data, stat = await zk.call(self._client.get_async, self._path)
                     self.reads += 1
-                    self._known, self._version = int(data or b"0"), stat.version
+                    self._known, self._version = decode_head(data), stat.version
                     continue
                 version = await self._write(target, self._target_totals)
                 self.writes += 1
@@ -169,7 +169,7 @@ class WatchedHeads:
 
         def changed(data: bytes | None, *_: object) -> None:
             if data:
-                self._heads[shard] = max(self._heads.get(shard, 0), int(data))
+                self._heads[shard] = max(self._heads.get(shard, 0), decode_head(data))
             self._on_change()
 
         DataWatch(self._client, self._path_of(shard),

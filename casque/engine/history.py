@@ -43,6 +43,7 @@ from casque.filters import compile_filter
 from casque.schema import ACKS_TABLE, BATCHES_PER_BUCKET, DELAYED_TABLE, HEADER_SEQ, QueueRef, bucket_of
 from casque.specs import QueueState, SubscriberState, priority_of
 from casque.store import Store
+from casque.znodes import decode_head
 
 # A batch may be published this long before the time in its messages' ids: the id's time is
 # read from Cassandra's clock as this process estimates it, the batch's from another's (a
@@ -203,7 +204,7 @@ async def _find_in_log(store: Store, queue: QueueRef, state: QueueState, message
 async def _find_in_shard(store: Store, queue: QueueRef, state: QueueState, shard: int, message_id: str,
                          due: datetime, now: datetime) -> Position | None:
     data, _ = await zk.call(store.zk.get_async, store.paths(queue).head(shard))
-    head = int(data or b"0")
+    head = decode_head(data)
     if head == 0:
         return None
     first = await asyncio.to_thread(positions.batch_at_time, store, queue, shard, head, due - SEARCH_BEFORE,

@@ -145,6 +145,7 @@ class ShardLeases:
         # Acquisitions (shard, fence) being handed over and released.
         self._releasing: set[tuple[int, int]] = set()
         self.last_error = ""
+        self._start_failures: list[str] = []
         self.trust = SessionTrust(client, paths.member(member_id), lambda: self.connected, on_trusted)
         # The session in which each held shard's lease znode was created (None: not known).
         self._sessions: dict[int, int | None] = {}
@@ -287,9 +288,12 @@ class ShardLeases:
             self._wanted.clear()
             if self._stopping:
                 return
+            self._start_failures = []
             try:
                 retry = await self._rebalance()
-                self.last_error = ""
+                # A shard whose reader failed to start (a record it cannot read, say) is the
+                # member's problem until it starts: readiness names it.
+                self.last_error = "; ".join(self._start_failures)
             except Exception as error:  # every failure is retried: a member must never stop rebalancing
                 self.last_error = f"{type(error).__name__}: {error}"
                 log.warning("lease rebalance failed (%s); retrying in %.1fs", self.last_error, self._retry_delay)
@@ -340,6 +344,7 @@ class ShardLeases:
             except Exception as error:
                 # Without a reader the lease would strand the shard: give it up and try again.
                 log.warning("shard %s: starting to consume failed (%s); releasing and retrying", shard, error)
+                self._start_failures.append(f"shard {shard}: {type(error).__name__}: {error}")
                 self.held.pop(shard, None)
                 await self._delete_lease(shard, fence)
                 retry = True

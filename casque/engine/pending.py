@@ -64,10 +64,6 @@ class PublishCall:
             watcher = self.watchers[index] = self.future.get_loop().create_future()
         return watcher
 
-    def failed(self) -> bool:
-        """Whether a message of the call failed already."""
-        return any(isinstance(outcome, BaseException) for outcome in self.outcomes)
-
     def resolve(self, index: int, result: Published) -> None:
         if self.outcomes[index] is not None:
             return  # answered already

@@ -39,7 +39,7 @@ from casque.engine.delayed import Cursor
 from casque.schema import BATCHES_PER_BUCKET, HEADER_SEQ, QueueRef, bucket_of
 from casque.specs import QueueState, SubscriberState
 from casque.store import Store
-from casque.znodes import decode_offset, encode_offset, encode_totals
+from casque.znodes import decode_head, decode_offset, encode_offset, encode_totals
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def raise_head(store: Store, queue: QueueRef, shard: int, head: Position) -> boo
         pass
     while True:
         data, stat = store.zk.get(paths.head(shard))
-        if int(data or b"0") >= head.batch:
+        if decode_head(data) >= head.batch:
             return False
         transaction = store.zk.transaction()
         transaction.set_data(paths.head(shard), str(head.batch).encode(), stat.version)
@@ -286,7 +286,7 @@ def _read_head(store: Store, queue: QueueRef, shard: int) -> int:
         data, _ = store.zk.get(store.paths(queue).head(shard))
     except NoNodeError:
         return 0
-    return int(data or b"0")
+    return decode_head(data)
 
 
 def _create_if_absent(store: Store, path: str, value: bytes) -> None:

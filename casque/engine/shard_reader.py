@@ -34,6 +34,7 @@ from casque.engine.offsets import CommitOutcome, OffsetRecord
 from casque.engine.shard_state import ShardState
 from casque.errors import BackendUnavailable, CasqueError
 from casque.schema import bucket_of
+from casque.znodes import decode_head
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class ShardReader:
 
     def _head_changed(self, data: bytes | None, *_: object) -> None:
         if data:
-            self._head = int(data)
+            self._head = decode_head(data)
         self._wake.set()
 
     def wake(self) -> None:

@@ -31,6 +31,7 @@ from casque.engine.pending import PendingPublish, TakeOver
 from casque.errors import BackendUnavailable, PublishOutcomeUnknown
 from casque.schema import MAX_BATCH_BYTES, QueueRef
 from casque.store import Store
+from casque.znodes import decode_head
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +254,7 @@ class ShardWriter:
         store = self._publisher.store
         data, _ = await _zk_get(store, store.paths(self._publisher.queue).head(self.shard))
         self._publisher.counters.zookeeper_reads += 1
-        return int(data or b"0")
+        return decode_head(data)
 
     async def _sync(self) -> None:
         """Learn the latest batch from the head watermark (and its running totals)."""

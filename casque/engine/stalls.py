@@ -30,7 +30,7 @@ from casque.backends import zk
 from casque.engine.batches import Log
 from casque.specs import SubscriberSpec
 from casque.store import Store
-from casque.znodes import SubscriberPaths, decode_offset
+from casque.znodes import SubscriberPaths, decode_head, decode_offset
 
 # The longest a receive waits for a message (the sidecar's default maxWait): an app that
 # long-polls asks again at least this often.
@@ -95,7 +95,7 @@ async def read_progress(store: Store, log: Log, paths: SubscriberPaths, shard: i
     """One shard's progress: its head, the offset znode (value and time) and, with lag, the
     header of the batch at the offset. Two ZooKeeper reads and at most one Cassandra read."""
     data, _ = await zk.call(store.zk.get_async, paths.queue.head(shard))
-    head = int(data or b"0")
+    head = decode_head(data)
     data, stat = await zk.call(store.zk.get_async, paths.offset(shard))
     offset, _epoch = decode_offset(data)
     pending = await log.read_header(shard, offset) if head >= offset >= 1 else None

@@ -27,6 +27,7 @@ from casque.engine.stalls import read_progress, stall_threshold
 from casque.schema import QueueRef
 from casque.specs import QueueState, priority_of
 from casque.store import Store
+from casque.znodes import decode_head
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ async def _counts(store: Store, queue: QueueRef, state: QueueState) -> dict[str,
 
 async def _get_int(store: Store, path: str) -> int:
     data, _ = await zk.call(store.zk.get_async, path)
-    return int(data or b"0")
+    return decode_head(data)
 
 
 async def _header(log: Log, shard: int, batch: int) -> Header | None:

@@ -1,6 +1,7 @@
 """Records of a later format than this version reads, crafted, and refused by each reader with a
 clear error rather than misread: the queue's and subscriber's znode data (a sidecar: 503
-`newer_format` and not ready, saying why), the installation's protocol version (a sidecar, as
+`newer_format` and not ready, saying why), a head and an offset (the same), the
+installation's protocol version (a sidecar, as
 the same, then serving once it is lowered), the catalog and checkpoint rows (an apply that
 would rebuild from them), a backup's manifest (a restore)."""
 
@@ -67,6 +68,29 @@ def publish_answer(url: str) -> tuple[int, dict[str, object]]:
             return answer.status, json.loads(answer.read())
     except urllib.error.HTTPError as refused:
         return refused.code, json.loads(refused.read())
+
+
+def test_a_sidecar_refuses_positions_of_a_later_format_and_says_which(
+    store: Store, start_sidecar: StartSidecar
+) -> None:
+    """A head and an offset marked with a later format (as a rollback would find them): the
+    sidecar neither publishes on the head nor reads from the offset as if they were numbers
+    of its own format; it answers `newer_format` and its readiness names the offset."""
+    catalog.apply_queue(store, QUEUE, SPEC)
+    catalog.apply_subscriber(store, QUEUE, "couriers", SubscriberSpec(queue=QUEUE.name))
+    paths = store.paths(QUEUE)
+    store.zk.set(paths.head(0), b"0#2")
+    store.zk.set(paths.subscriber("couriers").offset(0), b"1@0#2")
+    sidecar = start_sidecar("--queue", QUEUE.name, "--subscriber", "couriers", wait=False)
+
+    def refusing() -> bool:
+        return "format 2" in sidecar.readiness()[1].get("checks", {}).get("subscriber/couriers", "")
+
+    wait_for("the sidecar to refuse the shard's offset", refusing, timeout=60)
+    assert "an offset or cursor '1@0' was written in format 2" in sidecar.readiness()[1]["checks"]["subscriber/couriers"]
+    status, body = publish_answer(sidecar.url)
+    assert status == 503 and body["error"]["code"] == "newer_format", body  # type: ignore[index]
+    assert "a head '0' was written in format 2" in body["error"]["message"]  # type: ignore[index]
 
 
 def test_a_sidecar_writes_nothing_in_a_protocol_above_its_own_and_serves_once_it_is_lowered(
