@@ -349,6 +349,7 @@ async def main() -> None:
     try:
         catalog.ensure_installation(store)
         log = logs / "publisher.log"
+        # The apps' publishing sidecar consumes for nobody: the queue it names is never read.
         publisher = start_sidecar(settings, "unused", None, log)
         url = await asyncio.to_thread(sidecar_url, publisher, log)
         await wait_ready(url, publisher, log)
