@@ -1,6 +1,6 @@
 """Every benchmark, one after the other, and docs/performance.md's tables from their results.
 
-    python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,shared,keys,spark,schema,filter,history,pipeline,scale,soak]
+    python bench/all.py [--runs 3] [--smoke] [--only engine,sidecar,rebalance,shared,keys,latency,spark,schema,filter,history,pipeline,scale,soak]
         [--out DIR] [--reuse DIR] [--figures docs/performance.md] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 Runs each benchmark as its own process with `--json` (a benchmark's driver threads, Spark JVM
@@ -33,6 +33,8 @@ BENCHMARKS = {
     "rebalance": "bench_rebalance.py",
     "shared": "bench_shared.py",
     "keys": "bench_keys.py",
+    # Publish -> first delivery through sidecars in each delivery mode, beside the drivers' floor.
+    "latency": "bench_latency.py",
     "spark": "bench_spark_scan.py",
     # No backend: a queue schema's check per message, fastjsonschema against jsonschema.
     "schema": "bench_schema.py",

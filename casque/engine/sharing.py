@@ -378,11 +378,9 @@ class SharedDelivery:
         return None
 
     def _claim_target(self, available: int) -> int:
-        """Messages to claim: CLAIM_MESSAGES (ORDERED_CLAIM_MESSAGES with ordered keys), or less
-        when what is there to claim, split over the group's members, is less; so a small
-        backlog still reaches every member."""
-        members = len(self.consumer.group_members()) or 1
-        return max(1, min(ORDERED_CLAIM_MESSAGES if self.ordered else CLAIM_MESSAGES, available // members))
+        """Messages to claim (claims.claim_target), at most CLAIM_MESSAGES (ORDERED_... with ordered keys)."""
+        most = ORDERED_CLAIM_MESSAGES if self.ordered else CLAIM_MESSAGES
+        return claims.claim_target(available, len(self.consumer.group_members()), most)
 
     async def _skip_expired(self, shard: int, cursor: Cursor, head: int) -> None:
         """Batches from the cursor up to the head were not read: move the cursor to the next

@@ -19,8 +19,8 @@ import pytest
 from tests.fixtures.stack import Backends
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ("engine", "sidecar", "rebalance", "shared", "keys", "spark", "schema", "filter", "history", "pipeline", "scale",
-              "soak")
+BENCHMARKS = ("engine", "sidecar", "rebalance", "shared", "keys", "latency", "spark", "schema", "filter", "history",
+              "pipeline", "scale", "soak")
 
 # The Spark scan starts a local Spark session: it needs what scripts/install-spark.sh caches.
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
