@@ -42,10 +42,12 @@ Recipe, per subscriber and shard (paths in casque.znodes):
 - Leases and claims never serve one shard at once (a subscriber switching between leased
   and shared delivery has members of both for a moment). A claim, and a skip that moves the
   offset, assert in their multi that the shard has no lease znode (a create and a delete of
-  it, which fail together while it exists); a member that acquires a lease deletes the
-  shard's claims (`end_claims`) before it reads the offset and the ack rows. A claim's
-  holder checks the claim after each ack row, so an ack answered `acked` was written before
-  the claim went, and the leased reader, reading after, sees it; one written after is refused.
+  it, which fail together while it exists); a member that acquires a lease ends the shard's
+  claims (each once released or out of time) and deletes its cursor (`end_sharing`) before
+  it reads the offset and the ack rows. A claim's holder checks the claim after each ack
+  row, so an ack answered `acked` was written before the claim went, and the leased reader,
+  reading after, sees it; one written after is refused. Without the cursor, shared members
+  of a later switch back claim from the offset again, not past ranges whose claims went.
 - A seek writes the offsets with a new epoch and resets the cursors (casque.engine.offsets).
   Claims of an older epoch are moot: their completion leaves the offset alone, and members
   delete them when they meet them.
@@ -57,6 +59,7 @@ protects is bounded by its time, not by a session, so nothing waits for a sessio
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -69,6 +72,10 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, Roll
 from casque.backends import zk
 from casque.errors import BackendUnavailable, SubscriberNotFound
 from casque.znodes import SubscriberPaths, decode_offset, encode_offset
+
+
+# How often a member that acquired a lease looks again at claims it waits to end (end_sharing).
+CLAIM_END_POLL_SECONDS = 0.1
 
 
 class ShardLeased(BackendUnavailable):
@@ -354,18 +361,39 @@ async def complete(client: KazooClient, paths: SubscriberPaths, record: ClaimRec
         return Completion.DONE, target
 
 
-async def end_claims(client: KazooClient, paths: SubscriberPaths, shard: int) -> int:
-    """Delete every claim of `shard`, whatever its version: called by a member in leased
-    delivery once it holds the shard's lease, before it reads the offset and the ack rows
-    (see the recipe). No claim can be made after the lease exists; returns how many went."""
-    ended = 0
-    for name in await list_claims(client, paths, shard):
-        try:
-            await zk.call(client.delete_async, f"{paths.claims(shard)}/{name}")
-        except NoNodeError:
-            continue  # completed or deleted meanwhile
-        ended += 1
-    return ended
+async def end_sharing(client: KazooClient, paths: SubscriberPaths, shard: int, now_ms: Callable[[], int],
+                      skew_ms: int) -> int:
+    """End shared delivery of `shard`: called by a member in leased delivery once it holds the
+    shard's lease, before it reads the offset and the ack rows (see the recipe). No claim can
+    be made once the lease exists. A claim still in use is let run until its holder releases
+    it (a member switching modes releases its claims as it stops) or until the time it had
+    when first seen, plus `skew_ms`: an ack its holder answers meanwhile is answered
+    `acked`, and its row is there when the offset and the ack rows are read. Then the claim
+    is deleted, whatever its version, and every later ack of its holder is refused.
+
+    The cursor goes too: the leased reader delivers from the offset, and the ranges between
+    the offset and the cursor lose the claims that covered them, so shared members of a later
+    switch back must claim from the offset (ensure_cursor makes the cursor there), not from
+    past those ranges. Returns how many claims there were."""
+    names = await list_claims(client, paths, shard)
+    deadlines: dict[str, int] = {}
+    for name in names:
+        record = await read_claim(client, paths, shard, name)
+        if record is not None:
+            deadlines[name] = record.until_ms + skew_ms
+    while deadlines:
+        for name, deadline in list(deadlines.items()):
+            record = await read_claim(client, paths, shard, name)
+            if record is None or record.until_ms == 0 or now_ms() >= deadline:
+                await delete_claim(client, paths, shard, name)
+                del deadlines[name]
+        if deadlines:
+            await asyncio.sleep(CLAIM_END_POLL_SECONDS)
+    try:
+        await zk.call(client.delete_async, paths.cursor(shard))
+    except NoNodeError:
+        pass
+    return len(names)
 
 
 def _assert_unleased(transaction: TransactionRequest, paths: SubscriberPaths, shard: int) -> None:

@@ -15,6 +15,8 @@ import asyncio
 import logging
 
 from casque.engine import claims, offsets
+from casque.engine.claim_reader import SKEW_MARGIN_SECONDS
+from casque.engine.clock import clock_of
 from casque.engine.leases import ShardLeases
 from casque.engine.member import LeasedReader, Member, ShardStatus
 from casque.engine.shard_reader import ShardReader
@@ -26,11 +28,14 @@ class LeasedDelivery:
     def __init__(self, member: Member) -> None:
         self._member = member
         self.readers: dict[int, ShardReader] = {}
+        # The wall clock claims are written in (casque.engine.sharing): Cassandra's.
+        self._clock = clock_of(member.store.session)
 
     async def acquired(self, shard: int, fence: int) -> None:
         # Claims of members still in shared delivery (a switch of modes under way) end first:
         # the offset and ack rows read after cannot miss an ack they answered (claims.py).
-        ended = await claims.end_claims(self._member.store.zk, self._member.paths, shard)
+        ended = await claims.end_sharing(self._member.store.zk, self._member.paths, shard, self._clock.ms,
+                                         int(SKEW_MARGIN_SECONDS * 1000))
         if ended:
             log.warning("shard %s: ended %d claim(s) of members in shared delivery before reading it", shard, ended)
         mark = await offsets.read_seek_mark(self._member.store.zk, self._member.paths)

@@ -447,11 +447,12 @@ async def test_a_member_switching_to_leased_delivery_misses_no_ack_a_shared_memb
 ) -> None:
     """The subscriber switches from shared to leased delivery while a member that has not
     seen the switch still holds a claim and a delivery from it. The leased member reads the
-    shard; then the shared member's app acks. Had that ack been answered `acked`, the leased
-    member, which read the ack rows before it, would deliver the message again. Its claims
-    end when the lease is taken, so the ack is refused and the message comes to the leased
-    member; and the shared member claims nothing more from a leased shard."""
-    setup(store, shards=1)
+    shard once the claim's time ran out; then the shared member's app acks. Had that ack been
+    answered `acked`, the leased member, which read the ack rows before it, would deliver the
+    message again. The claim is deleted before the shard is read, so the ack is refused and
+    the message comes to the leased member; and the shared member claims nothing more from a
+    leased shard."""
+    setup(store, shards=1, visibility=5)  # the leased member waits out the claim's time
     (first,) = await publish(store, 1, "first")
     leased_id, shared_id = ids_giving_shard_0_to_the_first()
     shared = Consumer(store, QUEUE, SUBSCRIBER, member_id=shared_id)
@@ -462,7 +463,7 @@ async def test_a_member_switching_to_leased_delivery_misses_no_ack_a_shared_memb
     assert held.message.message_id == first
 
     catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
-        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="leased"))
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=5, delivery="leased"))
     leased = Consumer(store, QUEUE, SUBSCRIBER, member_id=leased_id)
     consumers.append(leased)
     await leased.start()
@@ -534,3 +535,35 @@ async def test_a_member_switching_to_shared_delivery_claims_nothing_while_a_leas
     (second,) = await publish(store, 1, "second")
     after = await shared.receive(max_messages=10, wait=30)
     assert [d.message.message_id for d in after] == [second]
+
+
+async def test_a_switch_to_leased_delivery_and_back_strands_nothing_left_unacked(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    """Shared members claim a backlog whole, switch to leased delivery before acking it, and
+    the leased member acks part of it before the switch back. The claims that covered the
+    rest went with the switch to leased; the next shared members must claim it again from the
+    shard's offset, not from past it (where the cursor had got to)."""
+    setup(store, shards=1, visibility=5)
+    published = await publish(store, 30, "backlog", per_call=3)
+    shared = await start(consumers, store)
+    held = await shared.receive(max_messages=30, wait=30)
+    assert held, "the shared member received nothing"
+    leased_spec = SubscriberSpec(queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=5)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, leased_spec)
+    leased = await start(consumers, store)
+    await until("the leased member holds the shard", lambda: leased.held_shards == {0})
+    acked: set[str] = set()
+    for delivery in await leased.receive(max_messages=5, wait=30):
+        assert await leased.ack(delivery.receipt)
+        acked.add(delivery.message.message_id)
+    assert acked, "the leased member received nothing"
+
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, leased_spec.model_copy(update={"delivery": "shared"}))
+    again = await start(consumers, store)
+    deadline = time.monotonic() + 120
+    while acked != published:
+        assert time.monotonic() < deadline, f"{len(published - acked)} messages never came back after the switches"
+        for delivery in await again.receive(max_messages=30, wait=1):
+            if await again.ack(delivery.receipt):
+                acked.add(delivery.message.message_id)
