@@ -455,12 +455,7 @@ async def test_a_member_switching_to_leased_delivery_misses_no_ack_a_shared_memb
     setup(store, shards=1, visibility=5)  # the leased member waits out the claim's time
     (first,) = await publish(store, 1, "first")
     leased_id, shared_id = ids_giving_shard_0_to_the_first()
-    shared = Consumer(store, QUEUE, SUBSCRIBER, member_id=shared_id)
-    shared.deaf_to_switches = True  # type: ignore[attr-defined]
-    consumers.append(shared)
-    await shared.start()
-    (held,) = await shared.receive(max_messages=1, wait=30)
-    assert held.message.message_id == first
+    shared, held = await deaf_member_holding(consumers, store, shared_id, first)
 
     catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
         queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=5, delivery="leased"))
@@ -481,6 +476,19 @@ async def test_a_member_switching_to_leased_delivery_misses_no_ack_a_shared_memb
     assert open_claims(store, [0]) == []
     after = await leased.receive(max_messages=10, wait=30)
     assert [d.message.message_id for d in after] == [second]
+
+
+async def deaf_member_holding(consumers: list[Consumer], store: Store, member_id: str,
+                              message_id: str) -> tuple[Consumer, Delivery]:
+    """A member deaf to mode switches (see `deaf_to_mode_switches`), started in the mode the
+    subscriber has now, holding the delivery of `message_id`, the one message published."""
+    member = Consumer(store, QUEUE, SUBSCRIBER, member_id=member_id)
+    member.deaf_to_switches = True  # type: ignore[attr-defined]
+    consumers.append(member)
+    await member.start()
+    (held,) = await member.receive(max_messages=1, wait=30)
+    assert held.message.message_id == message_id
+    return member, held
 
 
 def ids_giving_shard_0_to_the_first() -> tuple[str, str]:
@@ -516,12 +524,7 @@ async def test_a_member_switching_to_shared_delivery_claims_nothing_while_a_leas
     catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, leased_spec)
     (first,) = await publish(store, 1, "first")
     leased_id, shared_id = ids_giving_shard_0_to_the_first()
-    leased = Consumer(store, QUEUE, SUBSCRIBER, member_id=leased_id)
-    leased.deaf_to_switches = True  # type: ignore[attr-defined]
-    consumers.append(leased)
-    await leased.start()
-    (held,) = await leased.receive(max_messages=1, wait=30)
-    assert held.message.message_id == first
+    leased, held = await deaf_member_holding(consumers, store, leased_id, first)
 
     catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, leased_spec.model_copy(update={"delivery": "shared"}))
     shared = Consumer(store, QUEUE, SUBSCRIBER, member_id=shared_id)
