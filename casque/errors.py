@@ -174,3 +174,9 @@ class NewerFormat(CasqueError):
     refused rather than misread. Retrying cannot help until this process is upgraded."""
 
     code = "newer_format"
+    # Refusals this process made, whichever reader met the record: a sidecar exports the count.
+    refusals = 0
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        NewerFormat.refusals += 1

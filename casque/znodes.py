@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from casque.errors import NewerFormat
+from casque.formats import unmarked
 from casque.schema import QueueRef, validate_name
 
 
@@ -143,19 +143,9 @@ def queues_root(root: str) -> str:
     return f"{root.rstrip('/')}/queues"
 
 
-# The format of position znodes this release reads and writes (see the module).
-POSITIONS_FORMAT = 1
-_FORMAT_MARK = "#"
-
-
 def _format_1(data: bytes | None, default: str, what: str) -> str:
-    """A position znode's text, refused if it is marked with a later format."""
-    text = data.decode() if data else default
-    if _FORMAT_MARK in text:
-        numbers, _, format_ = text.partition(_FORMAT_MARK)
-        raise NewerFormat(f"{what} {numbers!r} was written in format {format_}; this version of casque reads up to "
-                          f"{POSITIONS_FORMAT}: upgrade it")
-    return text
+    """A position znode's text, refused if it is marked with a later format (casque.formats)."""
+    return unmarked(data.decode() if data else default, what)
 
 
 def decode_head(data: bytes | None) -> int:

@@ -8,7 +8,7 @@ import contextlib
 from kazoo.client import KazooState
 from kazoo.exceptions import NoNodeError
 
-from casque.errors import BackendUnavailable
+from casque.errors import BackendUnavailable, NewerFormat
 from casque.sidecar.errors import BACKEND_FAILURES
 from casque.sidecar.service import QueueService
 
@@ -55,7 +55,8 @@ async def readiness(service: QueueService, serving_only: bool = False) -> tuple[
             healthy, detail = False, f"cannot read members: {error}"
         checks[f"subscriber/{name}"] = detail
         checks[f"member/{name}"] = consumer.member_id
-        with contextlib.suppress(*BACKEND_FAILURES, BackendUnavailable, NoNodeError, TimeoutError):
+        # A record of a later format is named by the shard that meets it (casque.formats).
+        with contextlib.suppress(*BACKEND_FAILURES, BackendUnavailable, NoNodeError, TimeoutError, NewerFormat):
             # Reported, not counted (casque.sidecar.stalls says why).
             report = await asyncio.wait_for(service.stalls.report(name, consumer), STALL_REPORT_SECONDS)
             checks[f"stall/{name}"] = report.detail()
@@ -78,7 +79,7 @@ async def refresh_gauges(service: QueueService) -> None:
         try:
             metrics.unread_shards.labels(name).set((await consumer.shard_status()).unread)
             stalls = await service.stalls.report(name, consumer)
-        except (*BACKEND_FAILURES, BackendUnavailable, NoNodeError):
+        except (*BACKEND_FAILURES, BackendUnavailable, NoNodeError, NewerFormat):
             continue
         queue = consumer.queue.name
         metrics.stalled_shards.labels(queue, name).set(len(stalls.stalled))

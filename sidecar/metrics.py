@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from casque.errors import NewerFormat
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +123,7 @@ class SidecarMetrics:
             "1 while the installation runs a protocol above the highest this sidecar speaks: it publishes nothing.",
             registry=r,
         )
+        r.register(_NewerFormatRefusals())
         self.stall_threshold = Gauge(
             "casque_sidecar_stall_threshold_seconds",
             "Lag without an offset move for this long is a stall (the subscriber's stallAfter, or from its "
@@ -134,6 +139,17 @@ class SidecarMetrics:
     def track_request_memory(self, now: Callable[[], float], peak: Callable[[], float]) -> None:
         self.request_memory.labels("now").set_function(now)
         self.request_memory.labels("peak").set_function(peak)
+
+
+class _NewerFormatRefusals(Collector):
+    """Records of a later format this process refused to read (casque.formats), every reader together."""
+
+    def collect(self) -> Iterable[Metric]:
+        yield CounterMetricFamily(
+            "casque_sidecar_newer_format_refusals",
+            "Stored records refused because a later version of casque wrote them in a format this one cannot read.",
+            value=NewerFormat.refusals,
+        )
 
 
 def metrics_middleware(metrics: SidecarMetrics) -> Middleware:

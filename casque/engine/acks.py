@@ -17,6 +17,8 @@ from typing import NamedTuple
 from cassandra.query import BatchStatement, BatchType
 
 from casque.backends import cql
+from casque.errors import NewerFormat
+from casque.formats import unmarked
 from casque.schema import ACKS_TABLE, QueueRef, bucket_of
 from casque.store import Store
 
@@ -27,6 +29,10 @@ DEAD = "dead"
 # records, for a message's history and a member taking the range over, when the message may
 # be delivered again.
 NACK = "nack"
+# The kinds of ack row this release reads (None: a delivery row). A row of a later format
+# marks its kind (casque.formats), or is of a kind this release does not know: either way
+# it is refused rather than folded in as a delivery row.
+ROW_KINDS = frozenset({None, ACK, DEAD, NACK})
 
 
 class AckEvent(NamedTuple):
@@ -68,7 +74,11 @@ class BatchMarks:
 
     def add_row(self, outcome: str | None, seqs: set[int] | frozenset[int] | None,
                 deliveries: dict[int, int] | None, visible_until: dict[int, int] | None) -> None:
-        """Fold one ack row in (rows come in any order)."""
+        """Fold one ack row in (rows come in any order); NewerFormat for a row of a later format."""
+        if outcome not in ROW_KINDS:
+            unmarked(outcome or "", "an ack row of kind")
+            raise NewerFormat(f"an ack row of kind {outcome!r} was written by a later version of casque; this "
+                              "version reads kinds ack, dead, nack and deliveries: upgrade it")
         if outcome in (ACK, DEAD):
             self.done.update(seqs or ())
             return

@@ -23,6 +23,7 @@ from cassandra.query import UNSET_VALUE, BatchStatement, BatchType, PreparedStat
 from casque.backends import cql
 from casque.engine.clock import clock_of
 from casque.engine.messages import OutgoingMessage, Position, StoredMessage, random_uuid
+from casque.formats import unmarked_or_none
 from casque.schema import HEADER_SEQ, QueueRef, bucket_of
 from casque.store import Store
 
@@ -251,7 +252,7 @@ def _header_from_tuple(row: tuple[Any, ...]) -> Header:
     return Header(
         batch=row[0],
         published_at=_utc(published) if published else None,
-        writer=row[9],
+        writer=unmarked_or_none(row[9], f"batch {row[0]}'s writer"),
         message_count=row[10] or 0,
         total_messages=row[11],
         total_bytes=row[12],
@@ -280,7 +281,7 @@ def _header_from_row(batch: int, row: Any) -> Header | None:
     return Header(
         batch=batch,
         published_at=_utc(published) if published else None,
-        writer=getattr(row, "writer", None),
+        writer=unmarked_or_none(getattr(row, "writer", None), f"batch {batch}'s writer"),
         message_count=getattr(row, "message_count", None) or 0,
         total_messages=getattr(row, "total_messages", None),
         total_bytes=getattr(row, "total_bytes", None),

@@ -50,6 +50,7 @@ from casque.engine.clock import clock_of
 from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters
 from casque.engine.messages import OutgoingMessage, id_time, time_ordered_ids
 from casque.errors import CasqueError, QueueNotFound, QuotaExceeded
+from casque.formats import unmarked
 from casque.schema import DELAY_BUCKET_SECONDS, DELAYED_TABLE, QueueRef
 from casque.specs import QueueState
 from casque.store import Store
@@ -143,7 +144,7 @@ class DelayedStore:
         self.rows_read += len(rows)
         return [
             DueMessage(
-                row.message_id,
+                unmarked(row.message_id, "a delayed message"),  # carries the row's format (casque.formats)
                 row.due_at.replace(tzinfo=timezone.utc),
                 moved_message(row.message_id, OutgoingMessage(
                     payload=row.payload or b"", key=row.key, attributes=dict(row.attributes or {}),

@@ -80,6 +80,7 @@ from casque.engine.sequences import (
     SequenceBlocks,
     parse_producer_key,
 )
+from casque.formats import unmarked_or_none
 from casque.schema import (
     CLIENT_IDS_TABLE,
     LEGACY_PUBLISH_IDS_TABLE,
@@ -169,13 +170,18 @@ class Unclaimed:
 
 def _record(row: Any) -> IdRecord:
     """A `client_ids` row; an intent's claim facts are on its writer's row (`_with_writer`)."""
-    return IdRecord(row.client_id, row.message_id, row.shard, row.batch_no, row.seq, row.writer, None, None,
+    return IdRecord(row.client_id, row.message_id, row.shard, row.batch_no, row.seq, _writer_of(row), None, None,
                     row.intent_ttl)
 
 
 def _legacy_record(row: Any) -> IdRecord:
-    return IdRecord(row.client_id, row.message_id, row.shard, row.batch_no, row.seq, row.writer, row.since_batch,
-                    row.claim_deadline, row.intent_ttl, in_client_ids=False)
+    return IdRecord(row.client_id, row.message_id, row.shard, row.batch_no, row.seq, _writer_of(row),
+                    row.since_batch, row.claim_deadline, row.intent_ttl, in_client_ids=False)
+
+
+def _writer_of(row: Any) -> str | None:
+    """A publish-id record's writer, which carries the record's format (casque.formats)."""
+    return unmarked_or_none(row.writer, f"the writer of publish id {row.client_id!r}")
 
 
 def _block_record(entry: BlockEntry) -> IdRecord:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from casque.errors import CasqueError
+from casque.errors import CasqueError, NewerFormat
 
 
 class InvalidReceipt(CasqueError):
@@ -228,8 +228,13 @@ class Delivery:
 
 # A receipt names the message and the one delivery it was handed out with. The nonce changes
 # with every delivery, so a worker whose visibility timeout expired cannot ack (or nack) the
-# message after it was handed to someone else.
+# message after it was handed to someone else. Format 1 is these 24 bytes; a later format
+# starts with its number in a byte and is of another length, so this release refuses it
+# by name (NewerFormat) rather than read it as a position (casque.formats).
 _RECEIPT = struct.Struct(">IqiQ")
+RECEIPT_FORMAT = 1
+# Format bytes above this are taken for garbage, not a later format.
+_MAX_RECEIPT_FORMAT = 16
 
 
 def encode_receipt(position: Position, nonce: int) -> str:
@@ -240,7 +245,12 @@ def encode_receipt(position: Position, nonce: int) -> str:
 def decode_receipt(receipt: str) -> tuple[Position, int]:
     try:
         raw = base64.urlsafe_b64decode(receipt + "=" * (-len(receipt) % 4))
-        shard, batch, seq, nonce = _RECEIPT.unpack(raw)
-    except (binascii.Error, struct.error, ValueError) as error:
+    except (binascii.Error, ValueError) as error:
         raise InvalidReceipt(f"not a casque receipt: {receipt[:40]!r}") from error
+    if len(raw) != _RECEIPT.size:
+        if raw and RECEIPT_FORMAT < raw[0] <= _MAX_RECEIPT_FORMAT:
+            raise NewerFormat(f"the receipt {receipt[:40]!r} was written in format {raw[0]}; this version of casque "
+                              f"reads up to {RECEIPT_FORMAT}: upgrade it")
+        raise InvalidReceipt(f"not a casque receipt: {receipt[:40]!r}")
+    shard, batch, seq, nonce = _RECEIPT.unpack(raw)
     return Position(shard, batch, seq), nonce

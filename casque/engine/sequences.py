@@ -40,6 +40,7 @@ from typing import NamedTuple
 from cassandra.query import BatchStatement, BatchType
 
 from casque.backends import cql
+from casque.formats import unmarked
 from casque.schema import PRODUCER_SEQS_TABLE, has_columns
 from casque.store import Store
 
@@ -175,8 +176,9 @@ class SequenceBlocks:
                         text = producer_key(producer, sequence)
                         # Two rows for one key: two first attempts raced through two sidecars
                         # (see idempotency); the first found is kept, as a read would pick one.
+                        writer = unmarked(row.writer, f"the writer of producer sequence {text!r}")
                         found.setdefault(text, BlockEntry(
-                            text, message_id, row.shard, seq, row.writer, row.batch_no, row.ttl,
+                            text, message_id, row.shard, seq, writer, row.batch_no, row.ttl,
                             getattr(row, "since_batch", None), getattr(row, "claim_deadline", None)))
         return found
 

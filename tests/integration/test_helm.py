@@ -1606,7 +1606,7 @@ def test_the_dashboard_and_alert_rules_render_when_enabled(tools: Tools, kube_na
     assert set(alerts) == {"CasqueSubscriberLagHigh", "CasqueSubscriberOldestMessageOld", "CasqueMessagesDeadLettered",
                            "CasqueSubscriberStalled", "CasqueSubscriberLagGrowingWithoutConsumers",
                            "CasqueOperatorNoLeader", "CasqueOperatorReconcileErrors", "CasqueInjectionWebhookFailing",
-                           "CasqueSidecarErrorsHigh", "CasqueSidecarProtocolRefused"}
+                           "CasqueSidecarErrorsHigh", "CasqueSidecarProtocolRefused", "CasqueSidecarNewerFormat"}
     # The stall alert reads the sidecars' gauge (scraped through the PodMonitor), per subscriber over its pods.
     stalled = alerts["CasqueSubscriberStalled"]
     assert stalled["expr"] == "max by (namespace, queue, subscriber) (casque_sidecar_stalled_shards) > 0"
@@ -1615,6 +1615,9 @@ def test_the_dashboard_and_alert_rules_render_when_enabled(tools: Tools, kube_na
     assert alerts["CasqueSubscriberLagHigh"]["expr"].endswith("> 500") and alerts["CasqueSubscriberLagHigh"]["for"] == "5m"
     # A sidecar that publishes nothing because the installation's protocol is above its own.
     assert alerts["CasqueSidecarProtocolRefused"]["expr"] == "max by (namespace, pod) (casque_sidecar_protocol_refused) > 0"
+    # ... and one that meets records of a later format (casque.formats) and leaves them unread.
+    assert alerts["CasqueSidecarNewerFormat"]["expr"] == (
+        "max by (namespace, pod) (increase(casque_sidecar_newer_format_refusals_total[5m])) > 0")
     # Prometheus fills in the alert's labels: the template must leave its {{ }} to it.
     assert "{{ $labels.subscriber }}" in alerts["CasqueSubscriberLagHigh"]["annotations"]["summary"]
     refused = tools.template(kube_namespace, {"metrics": {"prometheusRule": {"for": "ten minutes"}}}, check=False)
