@@ -29,10 +29,11 @@ from rich.table import Table
 from casque.cli.options import CassandraOption, KeyspaceOption, NamespaceOption, ZookeeperOption, backend_settings
 from casque.cli.queue_commands import queue_of
 from casque.config import Settings
-from casque.errors import CasqueError
+from casque.errors import CasqueError, NewerFormat
 from casque.schema import QueueRef
 from casque.spark.errors import SparkJobError, SparkUnavailable
 from casque.spark.ranges import RangeSpec, ResolvedRange, parse_range, parse_time
+from casque.spark.readers import LATER_FORMAT
 from casque.store import Store
 
 if TYPE_CHECKING:
@@ -111,6 +112,9 @@ def _spark_errors() -> Iterator[None]:
         if not module.startswith(("py4j", "pyspark")):
             raise
         text = str(error).strip()
+        if LATER_FORMAT in text:  # a batch of a later format (casque.spark.readers)
+            refusal = text.split(LATER_FORMAT, 1)[1].splitlines()[0]
+            raise NewerFormat(refusal.split(": upgrade it")[0] + ": upgrade it") from error
         # Java stack traces follow the first line; the cause is usually the last "Caused by".
         causes = [line.strip() for line in text.splitlines() if line.strip().startswith("Caused by:")]
         first = causes[-1] if causes else (text.splitlines()[0] if text else type(error).__name__)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from functools import reduce
 from typing import TYPE_CHECKING
 
+from casque.formats import FORMAT_MARK, UNMARKED_FORMAT
 from casque.schema import ACKS_TABLE, HEADER_SEQ
 from casque.spark.ranges import ResolvedRange
 
@@ -79,7 +80,7 @@ def range_rows(spark: SparkSession, keyspace: str, resolved: ResolvedRange, colu
     base = table(spark, keyspace, resolved.queue.messages_table)
     wanted = list(dict.fromkeys(["shard", "batch_no", "seq", *columns]))
     timed = resolved.spec.since is not None or resolved.spec.until is not None
-    read = list(dict.fromkeys([*wanted, "published_at"])) if timed else wanted
+    read = list(dict.fromkeys([*wanted, "writer", *(["published_at"] if timed else [])]))
     readable = resolved.readable
     if not readable:
         # An always-false filter: Spark plans an empty relation and reads nothing.
@@ -98,7 +99,27 @@ def range_rows(spark: SparkSession, keyspace: str, resolved: ResolvedRange, colu
         rows = rows.where(F.col("published_at") >= F.lit(resolved.spec.since))
     if resolved.spec.until is not None:
         rows = rows.where(F.col("published_at") < F.lit(resolved.spec.until))
-    return rows.select(*wanted)
+    return _refusing_later_formats(rows).select(*wanted)
+
+
+# The words a job's failure carries when it met a batch of a later format: the CLI turns it
+# into NewerFormat (casque.cli.spark_commands).
+LATER_FORMAT = "casque: a later format: "
+
+
+def _refusing_later_formats(rows: DataFrame) -> DataFrame:
+    """`rows` whose `seq` fails the job at a header whose writer carries a later format
+    (casque.formats) instead of letting its batch be read as format 1's. On `seq`, which every
+    read filters on or keeps, so that no plan can leave the check out."""
+    from pyspark.sql import functions as F
+
+    later = (F.col("seq") == HEADER_SEQ) & F.col("writer").contains(FORMAT_MARK)
+    refusal = F.concat(
+        F.lit(f"{LATER_FORMAT}batch "), F.col("batch_no").cast("string"), F.lit(" of shard "),
+        F.col("shard").cast("string"), F.lit(" was written in format "),
+        F.substring_index(F.col("writer"), FORMAT_MARK, -1),
+        F.lit(f"; this version of casque reads up to {UNMARKED_FORMAT}: upgrade it"))
+    return rows.withColumn("seq", F.when(later, F.raise_error(refusal)).otherwise(F.col("seq")))
 
 
 def messages(spark: SparkSession, keyspace: str, resolved: ResolvedRange,

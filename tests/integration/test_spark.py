@@ -31,7 +31,7 @@ from casque.engine import catalog
 from casque.engine.acks import ACK, AckEvent, AckLog
 from casque.engine.batches import Log
 from casque.engine.messages import OutgoingMessage
-from casque.schema import CLIENT_IDS_TABLE, PUBLISH_WRITERS_TABLE, QueueRef
+from casque.schema import CLIENT_IDS_TABLE, PUBLISH_WRITERS_TABLE, QueueRef, bucket_of
 from casque.spark import export, readers, replay, stats
 from casque.spark.ranges import parse_range, resolve
 from casque.spark.session import SparkOptions, build_session
@@ -444,3 +444,20 @@ def test_cli_commands(spark: Any, store: Store, history: History, env: dict[str,
         refused = run(*args, code=code)
         lines = [line for line in refused.stderr.splitlines() if line.startswith("casque: ")]
         assert len(lines) == 1 and words in lines[0], (args, refused.stderr)
+
+    # A batch written in a later format (casque.formats: its header's writer marked) stops
+    # every job that reads it, in one line, rather than being read as this release's.
+    first = min((m for m in history.messages if m.shard == 0), key=lambda m: m.batch)
+    header = (bucket_of(first.batch), first.batch)
+    (writer,) = store.session.execute(
+        f"SELECT writer FROM {store.keyspace}.{SOURCE.messages_table} WHERE shard = 0 AND bucket = %s "
+        "AND batch_no = %s AND seq = -1", header).one()
+    store.session.execute(
+        f"UPDATE {store.keyspace}.{SOURCE.messages_table} SET writer = %s WHERE shard = 0 AND bucket = %s "
+        "AND batch_no = %s AND seq = -1", (f"{writer}#2", *header))
+    later = f"casque: batch {first.batch} of shard 0 was written in format 2; this version of casque reads up to 1"
+    for args in (("stats", "--queue", SOURCE.name, "--range", f"0:{first.batch}-"),
+                 ("export", "--queue", SOURCE.name, "--range", f"0:{first.batch}-", "--out", str(tmp_path / "later"))):
+        refused = run(*args, code=1)
+        lines = [line for line in refused.stderr.splitlines() if line.startswith("casque: ")]
+        assert lines == [f"{later}: upgrade it"], (args, refused.stderr)
