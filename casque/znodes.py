@@ -12,13 +12,15 @@
         .../subscribers/{sub}/cursors/{shard}                 shared delivery: first unclaimed batch ("N@E")
         .../subscribers/{sub}/claims/{shard}/{E}-{start}      shared delivery: a member's claimed batch range (JSON)
     {root}/queues/{namespace}/{queue}/mover                   election of the delayed-message mover
+    {root}/queues/{namespace}/{queue}/publishers/{sidecar}    ephemeral: a sidecar that publishes to the queue,
+                                                              and the protocol it speaks (JSON)
     {root}/queues/{namespace}/{queue}/redrive                 redrive watermark of a dead-letter queue (JSON, or empty)
     {root}/grants/{namespace}/{queue}                         what the installation granted the queue (JSON,
                                                               casque.engine.grants): outside the namespace's subtree
 
 The installation (the operator, `casque apply`) makes the queue's and the subscriber's znodes
 down to the containers its sidecars create in (members, leases, fences, cursors, claims, the
-mover): a namespace's identity may create nowhere else (casque.backends.zkacl).
+mover, publishers): a namespace's identity may create nowhere else (casque.backends.zkacl).
 
 Heads are decimal integers in the znode data. An offset is "N@E": the batch N and the seek
 epoch E of the shard that keys its ack records ("N" alone is epoch 0), so a reader gets both
@@ -73,6 +75,13 @@ class QueuePaths:
     @property
     def redrive(self) -> str:
         return f"{self.base}/redrive"
+
+    @property
+    def publishers(self) -> str:
+        return f"{self.base}/publishers"
+
+    def publisher(self, sidecar: str) -> str:
+        return f"{self.publishers}/{sidecar}"
 
     @property
     def grant(self) -> str:

@@ -34,6 +34,7 @@ from casque.engine.history import MessageHistory, message_history
 from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.engine.offsets import SeekTarget, seek
 from casque.engine.pipelines import keyed_outputs
+from casque.engine.presence import Presence
 from casque.engine.protocol import ProtocolLevel
 from casque.engine.publisher import Publisher
 from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats, with_live_report
@@ -126,6 +127,7 @@ class QueueService:
         self._starter: asyncio.Task[None] | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._mover: DelayMover | None = None
+        self._presence: Presence | None = None
         self.stalls = StallWatch()
         # Push workers (casque.sidecar.push) register here; the service stops them first on drain.
         self.on_consumer_started: list[Callable[[Subscription], None]] = []
@@ -260,10 +262,15 @@ class QueueService:
     async def _new_publisher(self, name: str) -> Publisher:
         ref = self.queue_ref(name)
         state = await blocking(catalog.read_queue, self.store, ref)
-        return await blocking(
+        publisher = await blocking(
             lambda: Publisher(self.store, ref, state, linger=self.settings.publish_linger_seconds,
                               group_linger=self.settings.publish_group_linger_seconds, protocol=self.protocol)
         )
+        # Seen by a raise of the protocol, though it may join no subscriber group.
+        if self._presence is None:
+            self._presence = Presence(self.store, member_name())
+        await self._presence.announce(ref)
+        return publisher
 
     async def publish(self, queue: str, messages: Sequence[OutgoingMessage]) -> list[Published]:
         """All or none: every message is checked before any is written."""

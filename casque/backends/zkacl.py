@@ -33,6 +33,8 @@ need there and no more:
     .../<q>/redrive                        <ns>: read, write (redrive marks)
     .../<q>/mover, and below               <ns>: read, write, create, delete (the mover's
                                            cursor and its election)
+    .../<q>/publishers, and below          <ns>: read, write, create, delete (its publishing
+                                           sidecars' presence, casque.engine.presence)
     .../<q>/subscribers                    <ns>: read
     .../subscribers/<sub>                  <ns>: read. The subscriber's spec (pushUrl,
                                            maxDeliveries, ...), and the set of its children
@@ -113,7 +115,7 @@ def namespace_perms(below: Sequence[str]) -> int:
             return WRITABLE
         case [_, "subscribers", _, owned, *_] if owned in SUBSCRIBER_OWNED:
             return NAMESPACE_PERMS
-        case [_, "mover", *_]:
+        case [_, "mover" | "publishers", *_]:
             return NAMESPACE_PERMS
         case _:
             return READ_ONLY

@@ -25,17 +25,20 @@ def show(
     zookeeper: ZookeeperOption = None,
     keyspace: KeyspaceOption = None,
 ) -> None:
-    """The version in force, the highest this release speaks, and each group member's."""
+    """The version in force, the highest this release speaks, each group member's and each publisher's."""
     check(output, ("text", *MACHINE))
     with installation(cassandra, zookeeper, keyspace) as store:
         record = protocol.read(store)
         members = list(protocol_change.members(store))
+        publishers = list(protocol_change.publishers(store))
     if output in MACHINE:
         typer.echo(dumps({
             "version": record.version, "speaks": protocol.PROTOCOL,
             "rollbackAfter": record.rollback_after.isoformat() if record.rollback_after else None,
             "members": [{"queue": m.queue, "subscriber": m.subscriber, "member": m.member, "protocol": m.protocol}
-                        for m in members]}, output))
+                        for m in members],
+            "publishers": [{"queue": m.queue, "sidecar": m.member, "protocol": m.protocol} for m in publishers]},
+            output))
         return
     out.print(f"protocol {record.version} (this release speaks {protocol.BASELINE}-{protocol.PROTOCOL})")
     if record.rollback_after is not None:
@@ -44,6 +47,11 @@ def show(
     out.print(f"{len(members)} group member(s), {len(older)} speaking less than {protocol.PROTOCOL}")
     for member in older:
         out.print(f"  {member}")
+    older = [m for m in publishers if m.protocol < protocol.PROTOCOL]
+    out.print(f"{len(publishers)} sidecar(s) among queues' publishers, {len(older)} speaking less than "
+              f"{protocol.PROTOCOL}")
+    for publisher in older:
+        out.print(f"  {publisher}")
 
 
 @app.command("set")

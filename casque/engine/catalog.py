@@ -243,7 +243,9 @@ def apply_queue(store: Store, queue: QueueRef, spec: QueueSpec) -> Changes:
             changes.actions.append(f"shard {shard} added")
         _create_if_absent(store, paths.totals(shard), b"")
     changes.rebuilt.extend(rebuild.raise_heads(store, queue, applied))
-    _create_if_absent(store, paths.redrive, b"")  # a queue made before the installation made it
+    # Made by the installation since a release after the queue's: a queue made before gets them now.
+    _create_if_absent(store, paths.redrive, b"")
+    _create_if_absent(store, paths.publishers, b"")
     # Subscribers read new shards from their first batch.
     subscribers = list_subscribers(store, queue)
     for name in subscribers:
@@ -294,6 +296,7 @@ def _create_queue_znodes(store: Store, queue: QueueRef, spec: QueueSpec, schema_
     # Made here, where the queue's children are made: a namespace's identity may write the
     # marks but create nothing below its queue's spec znode (casque.backends.zkacl).
     store.zk.create(paths.redrive, b"")
+    store.zk.create(paths.publishers, b"")
     for shard in spec.log_shards():
         store.zk.create(paths.head(shard), b"0", makepath=True)
         store.zk.create(paths.totals(shard), b"")

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -54,7 +53,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, Roll
 from kazoo.recipe.watchers import ChildrenWatch
 
 from casque.backends import zk
-from casque.engine.protocol import PROTOCOL
+from casque.engine.protocol import SPEAKS
 from casque.engine.session_trust import SessionTrust, session_of
 from casque.errors import BackendUnavailable
 from casque.znodes import SubscriberPaths
@@ -68,7 +67,7 @@ RETRY_MAX_SECONDS = 5.0
 
 # What a member's znode says from its creation on, before its first counters: the protocol
 # its sidecar speaks, which a raise of the installation's checks (casque.engine.protocol).
-MEMBER_DATA = json.dumps({"protocol": PROTOCOL}).encode()
+MEMBER_DATA = SPEAKS
 
 
 def _score(member: str, shard: int) -> int:

@@ -67,6 +67,11 @@ class ProtocolRecord(BaseModel):
     rollback_after: datetime | None = None
 
 
+# What a sidecar says of itself where a raise looks (its member znodes, its presence among a
+# queue's publishers): the protocol its release speaks (casque.engine.protocol_change).
+SPEAKS = json.dumps({"protocol": PROTOCOL}).encode()
+
+
 def protocol_path(root: str) -> str:
     return f"{root}/protocol"
 

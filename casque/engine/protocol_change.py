@@ -1,7 +1,9 @@
 """Moving the installation's protocol version (casque.engine.protocol says what it is).
 
-Raising is refused while a member of any subscriber group speaks less than the version asked
-for. Before the znode changes, every keyspace of the installation gets the columns the new
+Raising is refused while a member of any subscriber group, or a sidecar present among any
+queue's publishers (casque.engine.presence: one that only publishes joins no group), speaks
+less than the version asked for. A sidecar of a release before the presences (0.1.0) that
+only publishes is in neither, and is not seen. Before the znode changes, every keyspace of the installation gets the columns the new
 version's records need (the operator adds them at its first apply after an upgrade too), so
 no sidecar meets a record its statements cannot read. Lowering is always allowed, and says
 until when records of the higher version may still be read by a retry: sidecars of the
@@ -10,6 +12,7 @@ previous release may run again after that (`rollback_after`).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,12 +47,16 @@ def member_protocol(data: bytes | None) -> int:
 
 @dataclass(frozen=True)
 class Member:
+    """A sidecar seen in a subscriber group, or (`subscriber` None) among a queue's publishers."""
+
     queue: str
-    subscriber: str
+    subscriber: str | None
     member: str
     protocol: int
 
     def __str__(self) -> str:
+        if self.subscriber is None:
+            return f"{self.queue} publisher {self.member} (protocol {self.protocol})"
         return f"{self.queue}/{self.subscriber} member {self.member} (protocol {self.protocol})"
 
 
@@ -57,17 +64,26 @@ def members(store: Store) -> Iterator[Member]:
     """Every live member of every subscriber group of the installation, with its protocol."""
     for queue in catalog.list_queues(store):
         for subscriber in catalog.list_subscribers(store, queue):
-            registered = store.paths(queue).subscriber(subscriber).members
-            try:
-                names = sorted(store.zk.get_children(registered))
-            except NoNodeError:
-                continue
-            for member in names:
-                try:
-                    data, _ = store.zk.get(f"{registered}/{member}")
-                except NoNodeError:
-                    continue  # left meanwhile
-                yield Member(str(queue), subscriber, member, member_protocol(data))
+            yield from _speakers(store, str(queue), subscriber, store.paths(queue).subscriber(subscriber).members)
+
+
+def publishers(store: Store) -> Iterator[Member]:
+    """Every sidecar present among the publishers of a queue of the installation, with its protocol."""
+    for queue in catalog.list_queues(store):
+        yield from _speakers(store, str(queue), None, store.paths(queue).publishers)
+
+
+def _speakers(store: Store, queue: str, subscriber: str | None, container: str) -> Iterator[Member]:
+    try:
+        names = sorted(store.zk.get_children(container))
+    except NoNodeError:
+        return
+    for name in names:
+        try:
+            data, _ = store.zk.get(f"{container}/{name}")
+        except NoNodeError:
+            continue  # left meanwhile
+        yield Member(queue, subscriber, name, member_protocol(data))
 
 
 def prepare_installation(store: Store) -> int:
@@ -120,10 +136,10 @@ def set_version(store: Store, version: int, force: bool = False, now: datetime |
             data, stat = b"", None
         current = parse(data)
         if version > current.version and not force:
-            older = [m for m in members(store) if m.protocol < version]
+            older = [m for m in itertools.chain(members(store), publishers(store)) if m.protocol < version]
             if older:
                 shown = "; ".join(str(m) for m in older[:5]) + (f"; and {len(older) - 5} more" if len(older) > 5 else "")
-                raise OlderMembers(f"protocol {version} refused: {len(older)} member(s) speak less: {shown}. "
+                raise OlderMembers(f"protocol {version} refused: {len(older)} sidecar(s) speak less: {shown}. "
                                    "Upgrade them first (or --force, which risks publishes stored twice)")
         if version == current.version:
             return ProtocolChange(current.version, version, current.rollback_after)

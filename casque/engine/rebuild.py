@@ -123,7 +123,7 @@ def rebuild_queue(store: Store, queue: QueueRef, state: QueueState) -> list[str]
     offsets = {name: checkpoints.read(sub.ack_key(name)) for name, sub in subscribers.items()}
     heads = rebuilt_heads(store, queue, state, offsets)
     store.zk.ensure_path(paths.base)
-    for path in (paths.subscribers, paths.redrive):
+    for path in (paths.subscribers, paths.redrive, paths.publishers):
         _create_if_absent(store, path, b"")
     _create_if_absent(store, paths.mover, _mover_cursor(state).encode())
     for shard, head in heads.items():

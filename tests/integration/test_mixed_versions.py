@@ -210,9 +210,11 @@ async def test_the_protocol_is_raised_only_once_no_sidecar_of_the_previous_relea
         seen = json.loads(shown.stdout)
         assert (seen["version"], seen["speaks"]) == (protocol.BASELINE, protocol.PROTOCOL)
         assert sorted(m["protocol"] for m in seen["members"]) == [1, 2, 2]  # 0.1.0's says none: 1
+        # main's sidecars published, and are present among the queue's publishers; 0.1.0's is not.
+        assert [m["protocol"] for m in seen["publishers"]] == [2, 2]
         refused = protocol_with(env, "set", "2")
         assert refused.returncode == 1, refused.stdout + refused.stderr
-        assert refused.stderr.count("\n") == 1 and "1 member(s) speak less" in refused.stderr, refused.stderr
+        assert refused.stderr.count("\n") == 1 and "1 sidecar(s) speak less" in refused.stderr, refused.stderr
         assert f"{QUEUE}/{SUBSCRIBER} member" in refused.stderr and "(protocol 1)" in refused.stderr
         assert protocol.read(store).version == protocol.BASELINE
         assert await asyncio.to_thread(old[0].terminate) == 0

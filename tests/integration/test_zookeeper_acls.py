@@ -231,7 +231,7 @@ def test_a_namespace_writes_only_what_its_sidecars_write(
 
     # What its sidecars do, by hand: advance a head and its totals, commit and seek an
     # offset, register a member, take a lease and its fence, claim a range, move the mover,
-    # contend for its election, mark a redrive.
+    # contend for its election, mark a redrive, be present among the queue's publishers.
     tenant.set(paths.head(0), b"0")
     tenant.set(paths.totals(0), b"0 0 0")
     tenant.set(own.offset(0), b"1")
@@ -245,6 +245,7 @@ def test_a_namespace_writes_only_what_its_sidecars_write(
     tenant.delete(f"{own.claims(0)}/0-1")
     tenant.set(paths.mover, tenant.get(paths.mover)[0])
     tenant.create(f"{paths.mover}/election/contender-", b"", ephemeral=True, sequence=True, makepath=True)
+    tenant.create(paths.publisher("pod-1a2b3c"), b"{}", ephemeral=True)
     tenant.delete(own.lease(0))
 
 

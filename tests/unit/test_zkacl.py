@@ -79,6 +79,8 @@ NAMESPACE_RIGHTS = [
     (f"{SUB.claims(1)}/0-12", NAMESPACE_PERMS),
     (PATHS.mover, NAMESPACE_PERMS),
     (f"{PATHS.mover}/election/abc__lock__0000000001", NAMESPACE_PERMS),
+    (PATHS.publishers, NAMESPACE_PERMS),
+    (PATHS.publisher("pod-1a2b3c"), NAMESPACE_PERMS),
     # Whatever the layout does not name: read only, so nothing new is open by accident.
     (f"{PATHS.base}/rogue", Permissions.READ),
     (f"{PATHS.shards}/0/rogue", Permissions.READ),
