@@ -12,7 +12,8 @@ text field their readers take first, and that field carries the format instead:
     ack rows                                             after the kind           "ack#2"; a kind this
                                                                                   release does not know
                                                                                   is a later format's
-    receipts (handed to apps, not stored)                a leading format byte    casque.engine.messages
+    receipts (handed to apps, not stored)                their length             24 bytes; another is
+                                                                                  refused as not a receipt
 
 Format 1 is every record as the releases so far wrote it: unmarked. A release writes format
 1 until the installation's protocol version (casque.engine.protocol) says a later one may be

@@ -70,6 +70,7 @@ async def readiness(service: QueueService, serving_only: bool = False) -> tuple[
 async def refresh_gauges(service: QueueService) -> None:
     """The gauges of this sidecar's consumers, read when /metrics is scraped."""
     metrics = service.metrics
+    metrics.count_refusals()
     for name, subscription in service.subscriptions.items():
         consumer = subscription.consumer
         if consumer is None:

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from casque.errors import NewerFormat
 
@@ -123,7 +121,14 @@ class SidecarMetrics:
             "1 while the installation runs a protocol above the highest this sidecar speaks: it publishes nothing.",
             registry=r,
         )
-        r.register(_NewerFormatRefusals())
+        # Records of a later format this process refused (casque.formats), every reader
+        # together: brought up to NewerFormat's count when scraped (`count_refusals`).
+        self.newer_format = Counter(
+            "casque_sidecar_newer_format_refusals",
+            "Stored records refused because a later version of casque wrote them in a format this one cannot read.",
+            registry=r,
+        )
+        self._refusals_counted = 0
         self.stall_threshold = Gauge(
             "casque_sidecar_stall_threshold_seconds",
             "Lag without an offset move for this long is a stall (the subscriber's stallAfter, or from its "
@@ -136,20 +141,15 @@ class SidecarMetrics:
         self.protocol.set_function(writes)
         self.protocol_refused.set_function(refused)
 
+    def count_refusals(self) -> None:
+        seen = NewerFormat.refusals
+        if seen > self._refusals_counted:
+            self.newer_format.inc(seen - self._refusals_counted)
+            self._refusals_counted = seen
+
     def track_request_memory(self, now: Callable[[], float], peak: Callable[[], float]) -> None:
         self.request_memory.labels("now").set_function(now)
         self.request_memory.labels("peak").set_function(peak)
-
-
-class _NewerFormatRefusals(Collector):
-    """Records of a later format this process refused to read (casque.formats), every reader together."""
-
-    def collect(self) -> Iterable[Metric]:
-        yield CounterMetricFamily(
-            "casque_sidecar_newer_format_refusals",
-            "Stored records refused because a later version of casque wrote them in a format this one cannot read.",
-            value=NewerFormat.refusals,
-        )
 
 
 def metrics_middleware(metrics: SidecarMetrics) -> Middleware:

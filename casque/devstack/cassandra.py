@@ -10,9 +10,11 @@ datacenter is called datacenter1.
 
 With `pki` the CQL port speaks TLS only (client_encryption_options, PKCS12 stores), and with
 `require_client_auth` it refuses clients without a certificate the stack's CA signed. With
-`password_auth` it runs PasswordAuthenticator, whose default superuser is cassandra/cassandra
-(the stack's own checks use it, and `ensure_login` makes the clients' superuser with a long
-random password), and CassandraAuthorizer, so that grants are enforced (keyspace isolation).
+`password_auth` it runs PasswordAuthenticator and CassandraAuthorizer, so that grants are
+enforced (keyspace isolation). Its default superuser, cassandra/cassandra, lives only until
+the stack's `up` has made the installation's login (`CassandraLogin`) and disabled it, as
+`casque secure-cassandra` does for the chart's ring; the stack's own checks log in as the
+installation once its password exists, as the default superuser before.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ class CassandraNode:
     pki: LocalPki | None = None
     require_client_auth: bool = False
     password_auth: bool = False
+    # The installation's login (with `password_auth`), tried before the default superuser.
+    login: CassandraLogin | None = None
 
     @property
     def snitch(self) -> str:
@@ -263,24 +267,6 @@ column_value_size_fail_threshold: 2MiB
             return False
         return self._query_alone("SELECT release_version FROM system.local") is not None
 
-    def ensure_login(self, login: CassandraLogin) -> None:
-        """Create `login`'s superuser role, or set its password again, as the default
-        superuser (the node must answer CQL: `wait_ready`)."""
-        from cassandra.cluster import Cluster
-
-        cluster = Cluster([self.address], port=self.native_port, connect_timeout=5, **self.client_options())
-        try:
-            session = cluster.connect()
-            password = login.password()
-            session.execute(f'CREATE ROLE IF NOT EXISTS "{login.username}" '
-                            "WITH SUPERUSER = true AND LOGIN = true AND PASSWORD = %s", (password,))
-            session.execute(f'ALTER ROLE "{login.username}" WITH PASSWORD = %s', (password,))
-        except Exception as error:
-            raise StackError(f"Cassandra {self.address}:{self.native_port} refused to create role "
-                             f"{login.username!r}: {error}") from error
-        finally:
-            cluster.shutdown()
-
     def driver_peers(self) -> set[str]:
         """The other nodes this node describes well enough for a driver to use them: a driver
         whose control connection lands here drops a peer whose row lacks its host id,
@@ -298,27 +284,37 @@ column_value_size_fail_threshold: 2MiB
         from cassandra.policies import WhiteListRoundRobinPolicy
 
         only_this = ExecutionProfile(load_balancing_policy=WhiteListRoundRobinPolicy([self.address]))
-        cluster = Cluster(
-            [self.address], port=self.native_port, connect_timeout=5,
-            execution_profiles={EXEC_PROFILE_DEFAULT: only_this}, **self.client_options(),
-        )
-        try:
-            return list(cluster.connect().execute(query))
-        except Exception:
-            return None
-        finally:
-            cluster.shutdown()
+        for credentials in self._logins():
+            cluster = Cluster(
+                [self.address], port=self.native_port, connect_timeout=5,
+                execution_profiles={EXEC_PROFILE_DEFAULT: only_this}, **self.client_options(credentials),
+            )
+            try:
+                return list(cluster.connect().execute(query))
+            except Exception:
+                continue
+            finally:
+                cluster.shutdown()
+        return None
 
-    def client_options(self) -> dict[str, Any]:
+    def _logins(self) -> list[tuple[str, str] | None]:
+        """Who the stack's own checks log in as: the installation once its password is made
+        (the default superuser is disabled after that), the default superuser until then."""
+        if not self.password_auth:
+            return [None]
+        made = self.login is not None and self.login.password_file.exists()
+        return [*([(self.login.username, self.login.password())] if made and self.login else []), DEFAULT_SUPERUSER]
+
+    def client_options(self, credentials: tuple[str, str] | None = None) -> dict[str, Any]:
         """What a driver Cluster needs to reach this node: TLS with the stack's CA (and its
-        client certificate), the default superuser's credentials (the stack's own checks)."""
+        client certificate), and `credentials` to log in with."""
         options: dict[str, Any] = {}
         if self.pki is not None:
             options["ssl_context"] = self.pki.client_context()
-        if self.password_auth:
+        if credentials is not None:
             from cassandra.auth import PlainTextAuthProvider
 
-            options["auth_provider"] = PlainTextAuthProvider(*DEFAULT_SUPERUSER)
+            options["auth_provider"] = PlainTextAuthProvider(*credentials)
         return options
 
     def run_tool(self, main_class: str, *args: str, timeout: float = 120.0) -> str:

@@ -36,7 +36,7 @@ from casque.devstack import artifacts
 from casque.devstack.cassandra import CassandraLogin, CassandraNode
 from casque.devstack.pki import LocalPki
 from casque.devstack.zookeeper import SaslLogin, ZooKeeperEnsemble, write_private
-from casque.errors import StackError
+from casque.errors import CasqueError, StackError
 
 Report = Callable[[str], None]
 
@@ -194,6 +194,7 @@ class Stack:
                 pki=self.pki,
                 require_client_auth=self.client_auth,
                 password_auth=self.password_auth,
+                login=self.cassandra_login,
             )
             for i, datacenter in enumerate(datacenter_names(self.nodes, self.datacenters), start=1)
         ]
@@ -306,8 +307,30 @@ class Stack:
             self._wait_ring_normal(seed)
         login = self.cassandra_login
         if login is not None:
-            report(f"Cassandra superuser {login.username!r}, its password in {login.password_file}")
-            seed.ensure_login(login)
+            report(f"Cassandra superuser {login.username!r}, its password in {login.password_file}; "
+                   "the default superuser disabled")
+            self._secure_cassandra(login)
+
+    def _secure_cassandra(self, login: CassandraLogin) -> None:
+        """The installation's login made the ring's superuser and the default one disabled,
+        every node able to check both before this returns: what `casque secure-cassandra`
+        does to the chart's ring (casque.backends.superuser)."""
+        from casque.backends.superuser import secure_cassandra
+        from pydantic import SecretStr
+
+        from casque.config import CassandraTlsSettings, Settings
+
+        pki = self.pki
+        tls = CassandraTlsSettings() if pki is None else CassandraTlsSettings(
+            enabled=True, ca_file=pki.ca_crt, cert_file=pki.client_crt if self.client_auth else None,
+            key_file=pki.client_key if self.client_auth else None)
+        settings = Settings(cassandra_contact_points=self.contact_points, cassandra_port=self.ports.native,
+                            cassandra_username=login.username, cassandra_password=SecretStr(login.password()),
+                            cassandra_tls=tls)
+        try:
+            secure_cassandra(settings)
+        except CasqueError as error:
+            raise StackError(f"Cassandra's logins could not be secured: {error}") from error
 
     def _wait_ring_normal(self, seed: CassandraNode, timeout: float = 180.0) -> None:
         """A node answers CQL before the others see it as Up/Normal, and before every node

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from casque.errors import CasqueError, NewerFormat
+from casque.errors import CasqueError
 
 
 class InvalidReceipt(CasqueError):
@@ -228,13 +228,10 @@ class Delivery:
 
 # A receipt names the message and the one delivery it was handed out with. The nonce changes
 # with every delivery, so a worker whose visibility timeout expired cannot ack (or nack) the
-# message after it was handed to someone else. Format 1 is these 24 bytes; a later format
-# starts with its number in a byte and is of another length, so this release refuses it
-# by name (NewerFormat) rather than read it as a position (casque.formats).
+# message after it was handed to someone else. Receipts are not stored: they come back to
+# the sidecar that gave them out. Format 1 is these 24 bytes; a later format will be of
+# another length, which this release refuses as not a receipt it reads (casque.formats).
 _RECEIPT = struct.Struct(">IqiQ")
-RECEIPT_FORMAT = 1
-# Format bytes above this are taken for garbage, not a later format.
-_MAX_RECEIPT_FORMAT = 16
 
 
 def encode_receipt(position: Position, nonce: int) -> str:
@@ -248,9 +245,7 @@ def decode_receipt(receipt: str) -> tuple[Position, int]:
     except (binascii.Error, ValueError) as error:
         raise InvalidReceipt(f"not a casque receipt: {receipt[:40]!r}") from error
     if len(raw) != _RECEIPT.size:
-        if raw and RECEIPT_FORMAT < raw[0] <= _MAX_RECEIPT_FORMAT:
-            raise NewerFormat(f"the receipt {receipt[:40]!r} was written in format {raw[0]}; this version of casque "
-                              f"reads up to {RECEIPT_FORMAT}: upgrade it")
-        raise InvalidReceipt(f"not a casque receipt: {receipt[:40]!r}")
+        raise InvalidReceipt(f"not a receipt this version of casque reads (a later one's, or not a receipt): "
+                             f"{receipt[:40]!r}")
     shard, batch, seq, nonce = _RECEIPT.unpack(raw)
     return Position(shard, batch, seq), nonce

@@ -76,10 +76,9 @@ Instant = Annotated[AwareDatetime, AfterValidator(_in_utc_range)]
 
 AttributeName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:/-]{1,128}$"), AfterValidator(encodable)]
 # A receipt is 24 bytes (casque.engine.messages.encode_receipt) in unpadded base64url: 32
-# characters; a later format's is longer and gets its own answer (`newer_format`). One sent
-# alone must be of that form; one of a list may be anything of its alphabet, and a malformed
-# one gets its own `invalid_receipt` result beside the others'.
-Receipt = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{32,128}$")]
+# characters. One sent alone must be one; one of a list may be anything of its alphabet, and
+# a malformed one gets its own `invalid_receipt` result beside the others'.
+Receipt = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{32}$")]
 ListedReceipt = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_-]+$")]
 Seconds = Annotated[float, Field(ge=0, le=MAX_VISIBILITY_SECONDS)]
 Visibility = Annotated[float, Field(gt=0, le=MAX_VISIBILITY_SECONDS)]

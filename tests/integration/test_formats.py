@@ -5,7 +5,7 @@ installation's protocol version (a sidecar, as
 the same, then serving once it is lowered), the catalog and checkpoint rows (an apply that
 would rebuild from them), a backup's manifest (a restore); and the records whose format
 rides on a field of theirs (casque.formats): a batch, an ack row, a publish-id record and
-a receipt (a sidecar's reads, retries, acks and history)."""
+a receipt of another length (a sidecar's reads, retries, acks and history)."""
 
 from __future__ import annotations
 
@@ -230,10 +230,15 @@ def test_a_sidecar_leaves_batches_ack_rows_publish_ids_and_receipts_of_a_later_f
     status, answer = call(sorting.url, f"/v1/queues/{QUEUE.name}/subscribers/sorters/receive", {"max": 100, "wait": 1})
     assert (status, answer["messages"]) == (200, [])
 
-    # A receipt of a later format, and a retried publish whose record is marked: 503, named.
-    later_receipt = base64.urlsafe_b64encode(bytes([2]) + bytes(30)).decode().rstrip("=")
-    status, answer = call(couriers.url, f"/v1/queues/{QUEUE.name}/subscribers/couriers/ack", {"receipt": later_receipt})
-    assert (status, answer.get("error", {}).get("code")) == (503, "newer_format"), answer
+    # A receipt of another length (a later format's) in a list: not one this release reads, and
+    # the list's other receipt acked beside it.
+    longer = base64.urlsafe_b64encode(bytes([2]) + bytes(30)).decode().rstrip("=")
+    status, answer = call(couriers.url, f"/v1/queues/{QUEUE.name}/subscribers/couriers/ack",
+                          {"receipts": [longer, got[0]["receipt"]]})
+    assert status == 200, answer
+    assert [r.get("error", {}).get("code") or r.get("status") for r in answer["results"]] == [
+        "invalid_receipt", "acked"], answer
+    # A retried publish whose record is marked: 503, named.
     status, answer = call(couriers.url, f"/v1/queues/{QUEUE.name}/messages",
                           {"data": 0, "id": retried["id"], "partitionkey": "k"})
     assert (status, answer.get("error", {}).get("code")) == (503, "newer_format"), answer

@@ -190,6 +190,14 @@ def test_a_wrong_password_is_refused(settings: Settings) -> None:
     assert "not-the-password" not in str(error) and "not-the-password" not in repr(error.__cause__)
 
 
+def test_the_default_superuser_is_disabled_once_the_stack_is_up(settings: Settings) -> None:
+    """`casque dev up --auth` (and --secure) leaves only the installation's login, as the
+    chart's `casque secure-cassandra` does: cassandra/cassandra logs in no more."""
+    default = settings.model_copy(update={"cassandra_username": "cassandra", "cassandra_password": SecretStr("cassandra")})
+    error = refusal(default)
+    assert isinstance(error, AccessDenied) and "refused user 'cassandra'" in str(error), error
+
+
 async def test_a_sidecar_with_tls_settings_publishes_and_receives(
     store: Store, settings: Settings, aiohttp_client: Any
 ) -> None:
