@@ -63,7 +63,9 @@ def apply_file(filename: FileOption, namespace: NamespaceOption = None) -> None:
         *((d, lambda stores, r: reconcile.reconcile_queue(stores, r, now)) for d in documents if d.kind == "Queue"),
         *((d, lambda stores, r: reconcile.reconcile_subscriber(stores, r, now)) for d in documents if d.kind != "Queue"),
     ]
-    asyncio.run(_run(steps))
+    # As the operator does for a namespace's Queues: its keyspace and role first.
+    namespaces = sorted({d.namespace for d in documents if d.kind == "Queue"})
+    asyncio.run(_run(steps, prepare=namespaces))
 
 
 def delete_file(filename: FileOption, namespace: NamespaceOption = None) -> None:
@@ -75,7 +77,7 @@ def delete_file(filename: FileOption, namespace: NamespaceOption = None) -> None
         *((d, reconcile.delete_subscriber) for d in documents if d.kind == "Subscriber"),
         *((d, reconcile.delete_queue) for d in documents if d.kind == "Queue"),
     ]
-    asyncio.run(_run(steps))
+    asyncio.run(_run(steps, prepare=[]))
 
 
 def read_documents(text: str, source: str, namespace: str | None = None) -> list[Document]:
@@ -134,13 +136,21 @@ def read_documents(text: str, source: str, namespace: str | None = None) -> list
     return documents
 
 
-async def _run(steps: list[tuple[Document, Flow]]) -> None:
-    """Carry out each document's flow in order, one line per action; stop at the first failure."""
+async def _run(steps: list[tuple[Document, Flow]], prepare: list[str]) -> None:
+    """Carry out each document's flow in order, one line per action; stop at the first failure.
+    With keyspace isolation, the namespaces in `prepare` first get their keyspace and Cassandra
+    role, as the operator gives them before their first Queue."""
     from casque.config import Settings
-    from casque.operator import conditions, namespace_setup, reconcile
+    from casque.operator import conditions, namespace_setup, reconcile, tenancy
 
-    store = await asyncio.to_thread(namespace_setup.open_store, Settings())
+    settings = Settings()
+    store = await asyncio.to_thread(namespace_setup.open_store, settings)
     try:
+        for namespace in prepare:
+            role = tenancy.cassandra_role(settings, namespace)
+            if role is not None:
+                await asyncio.to_thread(namespace_setup.prepare_namespace_cassandra, lambda: store, namespace, role)
+                typer.echo(f"namespace {namespace}: keyspace {role.keyspace} and Cassandra role {role.username}")
         for document, flow in steps:
             resource = reconcile.Resource(namespace=document.namespace, name=document.name, spec=document.spec)
             outcome = await flow(lambda: store, resource)

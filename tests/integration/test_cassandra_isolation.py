@@ -12,6 +12,8 @@ import asyncio
 import base64
 import os
 import secrets
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -387,3 +389,41 @@ def test_the_operator_gives_a_namespace_its_role_with_the_first_queue_and_takes_
         finally:
             running.stop()
             print(f"--- operator log\n{running.log()[-6000:]}")
+
+
+def test_casque_apply_gives_a_namespace_its_keyspace_and_role_as_the_operator_does(
+    installation: Settings, tmp_path: Path
+) -> None:
+    """`casque apply` on a stack with keyspace isolation (`casque dev up --secure`) makes what
+    the operator makes before a namespace's first Queue: its keyspace and its role, so the
+    namespace's own login reaches the queue's table."""
+    tls = installation.cassandra_tls
+    env = {
+        "CASQUE_CASSANDRA_CONTACT_POINTS": ",".join(installation.cassandra_contact_points),
+        "CASQUE_CASSANDRA_PORT": str(installation.cassandra_port),
+        "CASQUE_CASSANDRA_USERNAME": str(installation.cassandra_username),
+        "CASQUE_CASSANDRA_PASSWORD": installation.cassandra_password.get_secret_value(),  # type: ignore[union-attr]
+        "CASQUE_CASSANDRA_TLS_ENABLED": "true", "CASQUE_CASSANDRA_TLS_CA_FILE": str(tls.ca_file),
+        "CASQUE_CASSANDRA_TLS_CERT_FILE": str(tls.cert_file), "CASQUE_CASSANDRA_TLS_KEY_FILE": str(tls.key_file),
+        "CASQUE_ZOOKEEPER_HOSTS": installation.zookeeper_hosts,
+        "CASQUE_ZOOKEEPER_TLS_ENABLED": "true", "CASQUE_ZOOKEEPER_TLS_CA_FILE": str(tls.ca_file),
+        "CASQUE_ZOOKEEPER_TLS_CERT_FILE": str(tls.cert_file), "CASQUE_ZOOKEEPER_TLS_KEY_FILE": str(tls.key_file),
+        "CASQUE_KEYSPACE": installation.keyspace, "CASQUE_CONSISTENCY": "ONE",
+        "CASQUE_CASSANDRA_ISOLATION": "keyspace",
+        "CASQUE_DERIVATION_KEY": installation.derivation_key.get_secret_value(),  # type: ignore[union-attr]
+    }
+    documents = tmp_path / "queue.yaml"
+    documents.write_text(f"apiVersion: casque.io/v1alpha1\nkind: Queue\nmetadata: {{name: invoices, namespace: {A}}}\n"
+                         "spec: {shards: 1}\n")
+    done = subprocess.run([sys.executable, "-m", "casque.cli", "apply", "-f", str(documents)], capture_output=True,
+                          text=True, env={**os.environ, **env}, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    role = tenancy.cassandra_role(installation, A)
+    assert role is not None
+    assert f"namespace {A}: keyspace {role.keyspace} and Cassandra role {role.username}" in done.stdout
+    namespace = Store.open(sidecar_settings(installation, A), namespace=A)
+    try:
+        table = QueueRef(A, "invoices").messages_table
+        assert list(namespace.session.execute(f"SELECT * FROM {role.keyspace}.{table} LIMIT 1")) == []
+    finally:
+        namespace.close()
