@@ -18,8 +18,10 @@ the mover has gone:
   A publisher reads it (fresh) after its row is written, before it answers: if `until` has
   reached the row's due time, the pass that should have moved it may have read before the
   row landed, so the publisher moves the row itself, with the same client id the mover
-  uses (the id makes the two moves one). Otherwise every pass that covers the row starts
-  reading after it landed, and reads it.
+  uses (the id makes the two moves one), once that pass is done (`moved` has reached the
+  row): the pass may be moving the row, and two first attempts of one id at once could
+  both publish. Otherwise every pass that covers the row starts reading after it landed,
+  and reads it.
 - `moved`: every row due up to it that a pass could read has been moved. A new leader
   (after a failover, or this one re-elected) starts from it, its marks being gone: only
   the rows of the pass the last leader had under way are read twice.

@@ -23,6 +23,7 @@ from casque.engine.clock import BackendClock
 from casque.engine.counters import DELAYED_OUT
 from casque.engine.delayed import (
     IMMEDIATE_SECONDS,
+    PASS_SECONDS,
     CursorReads,
     DelayedStore,
     moved_message,
@@ -45,6 +46,10 @@ _CHECK_FAILURES = (CasqueError, asyncio.TimeoutError, KazooException)
 # again this often; past it, the publish fails as retryable.
 CHECK_SECONDS = 15.0
 CHECK_RETRY_SECONDS = 0.5
+# A writer that finds the mover's pass over its row's due time waits this long at most for the
+# pass to be done (a pass starts at least every PASS_SECONDS), reading the cursor this often.
+MOVER_PASS_WAIT_SECONDS = 4 * PASS_SECONDS
+MOVER_PASS_POLL_SECONDS = 0.05
 
 
 class DelayedPublish:
@@ -188,8 +193,20 @@ class DelayedRoute:
     async def _check_and_move(self, message_id: str, due: datetime, message: OutgoingMessage) -> None:
         assert self._cursor_reads is not None
         cursor = await self._cursor_reads.read()
-        if cursor is not None and cursor.until >= due:
-            await self._move_now(message_id, message)
+        if cursor is None or cursor.until < due:
+            return  # every pass that reads the row starts after it landed
+        # A pass that reads rows due by `due` has started: it read before the row landed, or it
+        # read the row and is moving it. Both moves carry one client id, but two first
+        # attempts of an id at once may both publish (casque.engine.idempotency), so this one
+        # waits for that pass to be done (`moved` reaches `due`): then it is a retry of the
+        # mover's move, answered from its record, or the only move. A mover that does not get
+        # there in time (gone, cut off) is not waited for longer.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + MOVER_PASS_WAIT_SECONDS
+        while cursor is not None and cursor.moved < due and loop.time() < deadline:
+            await asyncio.sleep(MOVER_PASS_POLL_SECONDS)
+            cursor = await self._cursor_reads.read()
+        await self._move_now(message_id, message)
 
     async def _move_now(self, message_id: str, message: OutgoingMessage) -> None:
         self.moves += 1

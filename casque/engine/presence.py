@@ -39,6 +39,8 @@ class Presence:
         self._queues: set[QueueRef] = set()
         self._loop = asyncio.get_running_loop()
         self._lost = False
+        # The remakes under way: the loop keeps only a weak reference to a task.
+        self._remaking: set[asyncio.Task[None]] = set()
         store.zk.add_listener(self._on_state)
 
     async def announce(self, queue: QueueRef) -> None:
@@ -77,4 +79,6 @@ class Presence:
 
     def _remake(self) -> None:
         for queue in sorted(self._queues):
-            self._loop.create_task(self._make(queue))
+            task = self._loop.create_task(self._make(queue))
+            self._remaking.add(task)
+            task.add_done_callback(self._remaking.discard)

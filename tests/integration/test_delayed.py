@@ -324,6 +324,73 @@ async def test_a_row_that_lands_behind_the_mover_is_moved_once_by_its_writer(
     assert (await mover.delayed.counters.read()) == {"delayed_in": 1, "delayed_out": 1}  # type: ignore[union-attr]
 
 
+async def test_a_writer_that_finds_the_mover_moving_its_row_waits_for_it_instead_of_moving_it_beside_it(
+    store: Store, running: list[object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delayed row lands before the mover's pass reads it, and its writer checks the cursor
+    only once that pass is moving it: both would move it. Their moves share a client id, but
+    two first attempts of one id at once may both publish (casque.engine.idempotency), so
+    the writer waits for the pass to be done and its move is then a retry of the mover's,
+    answered as a duplicate. Before, it moved the row at once beside the mover."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, "all", SubscriberSpec(queue="later", start_position="earliest"))
+    moves: list[str] = []
+    mover_holds_it, mover_may_go = asyncio.Event(), asyncio.Event()
+    mover_publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+
+    async def publish(state: QueueState, items: list[tuple[str, OutgoingMessage]]) -> list[Published]:
+        contested = any(m.payload == b"contested" for _, m in items)
+        if contested:
+            mover_holds_it.set()
+            await mover_may_go.wait()
+        results = await mover_publisher.publish([m for _, m in items], [i for i, _ in items])
+        if contested:
+            moves.append("mover")
+        return results
+
+    mover = DelayMover(store, QUEUE, publish, "m1")
+    mover.start()
+    running.append(mover)
+    await until_true("the mover to lead", lambda: mover.leading)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    read_cursor = delayed.CursorReads.read
+    reads = 0
+
+    async def late_read(self: delayed.CursorReads) -> delayed.Cursor | None:
+        # The writer's check comes once the mover holds the row; from its second read on,
+        # the mover may go (a writer that moves at once never reads twice).
+        nonlocal reads
+        await mover_holds_it.wait()
+        reads += 1
+        if reads >= 2:
+            mover_may_go.set()
+        return await read_cursor(self)
+
+    route = publisher.delayed_route
+    move_now = route._move_now
+
+    async def writer_moves(message_id: str, message: OutgoingMessage) -> None:
+        moves.append("writer")
+        mover_may_go.set()
+        await move_now(message_id, message)
+
+    monkeypatch.setattr(delayed.CursorReads, "read", late_read)
+    monkeypatch.setattr(route, "_move_now", writer_moves)
+    due = datetime.now(timezone.utc) + timedelta(seconds=1.5)
+    (result,) = await publisher.publish([OutgoingMessage(b"contested", deliver_at=due)])
+    monkeypatch.undo()
+    assert moves == ["mover", "writer"], "the writer moved the row while the mover was moving it"
+
+    consumer = Consumer(store, QUEUE, "all")
+    await consumer.start()
+    running.append(consumer)
+    assert await receive_all(consumer, 1, limit_s=30) == Counter([result.message_id])
+    passes = mover.passes
+    await until_true("two more passes", lambda: mover.passes >= passes + 2)
+    assert await consumer.receive(max_messages=10, wait=PASS_SECONDS * 2) == []
+
+
 @pytest.mark.parametrize("hung", [1, 4], ids=["checked-again", "answered-503-then-retried"])
 async def test_a_delayed_publish_answered_after_its_cursor_check_timed_out_survives_a_kill(
     store: Store, start_sidecar: StartSidecar, hung: int
