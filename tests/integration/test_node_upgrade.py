@@ -128,7 +128,7 @@ def test_a_helm_upgrade_from_the_baseline_and_a_rollback_under_traffic_lose_noth
         traffic.progress_after("a member of main joined")
         await_members(env, [protocol.BASELINE, protocol.PROTOCOL])
         refused = casque_cli(env, "protocol", "set", str(protocol.PROTOCOL))
-        assert refused.returncode == 1 and "member(s) speak less" in refused.stderr, refused.stdout + refused.stderr
+        assert refused.returncode == 1 and "sidecar(s) speak less" in refused.stderr, refused.stdout + refused.stderr
         traffic.stop_consumer("consumer-a")
         traffic.progress_after(f"the member of {BASELINE} left")
         await_members(env, [protocol.PROTOCOL])
