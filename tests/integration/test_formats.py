@@ -64,15 +64,19 @@ def test_a_sidecar_refuses_a_queue_written_in_a_later_format_and_says_so(
     assert "format 99; this version of casque reads up to 1" in body["checks"]["subscriber/couriers"]
 
 
-def publish_answer(url: str) -> tuple[int, dict[str, object]]:
-    request = urllib.request.Request(f"{url}/v1/queues/{QUEUE.name}/messages", method="POST",
-                                     data=b'{"data": 1, "producerid": "p", "producerseq": 1}',
-                                     headers={"Content-Type": "application/json"})
+def call(url: str, path: str, body: dict[str, object] | None = None) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a POST of `body` (a GET without one) to the sidecar at `url`."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}{path}", data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=30) as answer:
+        with urllib.request.urlopen(request, timeout=60) as answer:
             return answer.status, json.loads(answer.read())
     except urllib.error.HTTPError as refused:
         return refused.code, json.loads(refused.read())
+
+
+def publish_answer(url: str) -> tuple[int, dict[str, Any]]:
+    return call(url, f"/v1/queues/{QUEUE.name}/messages", {"data": 1, "producerid": "p", "producerseq": 1})
 
 
 def test_a_sidecar_refuses_positions_of_a_later_format_and_says_which(
@@ -151,17 +155,6 @@ def test_a_restore_refuses_a_backup_of_a_later_format_in_one_line(
     assert done.returncode != 0
     assert done.stderr.strip().splitlines() == [
         f"casque: the backup in {tmp_path} is in format 99; this version of casque restores up to 1"]
-
-
-def call(url: str, path: str, body: dict[str, object] | None = None) -> tuple[int, dict[str, Any]]:
-    """(status, JSON body) of a POST of `body` (a GET without one) to the sidecar at `url`."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"{url}{path}", data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as refused:
-        return refused.code, json.loads(refused.read())
 
 
 def test_a_sidecar_leaves_batches_ack_rows_publish_ids_and_receipts_of_a_later_format_unread_and_says_which(
