@@ -34,7 +34,7 @@ from cassandra.cluster import (
     ResultSet,
     Session,
 )
-from cassandra.policies import DCAwareRoundRobinPolicy, ExponentialReconnectionPolicy, TokenAwarePolicy
+from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
 from cassandra.protocol import ErrorMessage, IsBootstrappingErrorMessage, OverloadedErrorMessage
 from cassandra.query import (
     UNSET_VALUE,
@@ -46,7 +46,7 @@ from cassandra.query import (
     tuple_factory,
 )
 
-from casque.backends.rediscovery import ContactPointRediscovery
+from casque.backends.rediscovery import NodeWatch, WatchedReconnectionPolicy
 from casque.backends.tls import client_context, probe
 from casque.config import Settings
 from casque.errors import AccessDenied, BackendUnavailable, TlsRefused, WriteOutcomeUnknown
@@ -158,8 +158,7 @@ def connect(settings: Settings, schema_of: str | None = None) -> tuple[Cluster, 
             execution_profiles={EXEC_PROFILE_DEFAULT: profile},
             protocol_version=5,
             sockopts=SOCKET_OPTIONS,
-            reconnection_policy=ExponentialReconnectionPolicy(RECONNECT_BASE_SECONDS, RECONNECT_MAX_SECONDS,
-                                                              max_attempts=None),
+            reconnection_policy=WatchedReconnectionPolicy(RECONNECT_BASE_SECONDS, RECONNECT_MAX_SECONDS, max_attempts=None),
             reprepare_on_up=REPREPARE_ON_UP,
             schema_metadata_enabled=schema_of is None,
             **tls_options(settings),
@@ -169,8 +168,6 @@ def connect(settings: Settings, schema_of: str | None = None) -> tuple[Cluster, 
         # the release's own Cassandra starts: retryable, like a node that does not answer yet.
         raise BackendUnavailable(
             f"Cassandra contact points {settings.cassandra_contact_points} do not resolve (yet)") from error
-    cluster.register_listener(ContactPointRediscovery(cluster, settings.cassandra_contact_points,
-                                                      settings.cassandra_port, settings.cassandra_local_dc))
     try:
         session = cluster.connect()
     except NoHostAvailable as error:
@@ -187,6 +184,7 @@ def connect(settings: Settings, schema_of: str | None = None) -> tuple[Cluster, 
         if refused is not None:
             raise TlsRefused(refused) from error
         raise BackendUnavailable(f"Cassandra at {settings.cassandra_contact_points} is unreachable: {error}") from error
+    NodeWatch(cluster, settings.cassandra_contact_points, settings.cassandra_port, settings.cassandra_local_dc).start()
     if schema_of is not None:
         _learn_one_keyspace(cluster, schema_of)
     return cluster, session

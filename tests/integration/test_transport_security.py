@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from pydantic import SecretStr
 
-from casque.backends import zk
+from casque.backends import cql, zk
 from casque.backends.zkacl import Identity, format_acl, installation_policy, namespace_identity
 from casque.config import CassandraTlsSettings, Settings, ZooKeeperTlsSettings
 from casque.devstack.pki import make_ca
@@ -39,7 +39,9 @@ from casque.sidecar.app import create_app
 from casque.sidecar.config import SidecarSettings
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from tests.fixtures.proxy import Proxy
 from tests.fixtures.stack import chroot_on, drop_keyspace
+from tests.fixtures.waiting import wait_for
 
 QUEUE = QueueRef("default", "payments")
 SUBSCRIBER = "ledger"
@@ -103,6 +105,19 @@ def refusal(settings: Settings) -> Exception:
     except (TlsRefused, BackendUnavailable, AccessDenied) as error:
         return error
     pytest.fail("connected with settings the stack must refuse")
+
+
+def login_refused(settings: Settings) -> bool:
+    """Whether Cassandra refuses a new login with `settings` now (it keeps a login it has
+    checked for a moment, so a changed password takes effect soon, not at once)."""
+    try:
+        cluster, _ = cql.connect(settings)
+    except AccessDenied:
+        return True
+    except BackendUnavailable:  # some of its connections were let in and some refused
+        return False
+    cluster.shutdown()
+    return False
 
 
 def without(tls: CassandraTlsSettings | ZooKeeperTlsSettings, **update: Any) -> Any:
@@ -188,6 +203,58 @@ def test_a_wrong_password_is_refused(settings: Settings) -> None:
     error = refusal(settings.model_copy(update={"cassandra_password": SecretStr("not-the-password")}))
     assert isinstance(error, AccessDenied) and f"refused user {settings.cassandra_username!r}" in str(error), error
     assert "not-the-password" not in str(error) and "not-the-password" not in repr(error.__cause__)
+
+
+def test_a_node_that_refused_logins_for_a_while_is_reached_again_once_it_accepts_them(
+    secure_stack: Stack, settings: Settings,
+) -> None:
+    """A node that has just started can refuse logins for a moment, and the driver takes a
+    refused login as final: it stops reconnecting to that node. Here a client's node goes
+    away (its proxy cut) and comes back refusing the client's password for several
+    attempts, then accepts it again: the client is served again without a restart."""
+    role, password = f"flaky_{uuid.uuid4().hex[:8]}", "first-password"
+    (node,) = secure_stack.cassandra_nodes()
+    admin_cluster, admin = cql.connect(settings)
+    proxy = Proxy(node.address, secure_stack.ports.native, "cassandra")
+    client_settings = settings.model_copy(update={
+        "cassandra_contact_points": ["127.0.0.1"], "cassandra_port": proxy.port,
+        "cassandra_username": role, "cassandra_password": SecretStr(password),
+        "cassandra_tls": settings.cassandra_tls.model_copy(update={"server_hostname": node.address}),
+    })
+    cluster = None
+    try:
+        admin.execute(f"CREATE ROLE {role} WITH LOGIN = true AND PASSWORD = %s", (password,))
+        cluster, session = cql.connect(client_settings)
+        session.execute("SELECT release_version FROM system.local")
+        (host,) = cluster.metadata.all_hosts()
+
+        admin.execute(f"ALTER ROLE {role} WITH PASSWORD = %s", ("another-password",))
+        wait_for("a new login with the first password refused", lambda: login_refused(client_settings))
+        proxy.cut()
+        wait_for("the client's node marked down", lambda: host.is_up is False)
+        proxy.heal()
+        # While no node is up the control connection has none to try: each connection the
+        # proxy accepts now is an attempt of the node's reconnection. The driver makes one,
+        # is refused, and stops for good.
+        accepted = proxy.accepted
+        wait_for("the node tried again after a refused login", lambda: proxy.accepted >= accepted + 2)
+
+        admin.execute(f"ALTER ROLE {role} WITH PASSWORD = %s", (password,))
+
+        def served() -> bool:
+            try:
+                session.execute("SELECT release_version FROM system.local")
+            except Exception:
+                return False
+            return True
+        wait_for("the client served again", served)
+        assert host.is_up
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+        admin.execute(f"DROP ROLE IF EXISTS {role}")
+        admin_cluster.shutdown()
+        proxy.close()
 
 
 def test_the_default_superuser_is_disabled_once_the_stack_is_up(settings: Settings) -> None:
