@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
+from kazoo.exceptions import QuotaExceededError
+
 from casque.backends import cql, zk
 from casque.errors import (
     BackendUnavailable,
@@ -94,6 +96,8 @@ def backend_errors() -> Iterator[None]:
         yield
     except (*cql.RETRYABLE, *zk.RETRYABLE) as error:
         raise BackendUnavailable(f"{type(error).__name__}: {error}") from error
+    except QuotaExceededError as error:  # a queue's znodes in a namespace at its quota
+        raise zk.over_quota("the namespace's queues") from error
 
 
 async def in_thread(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

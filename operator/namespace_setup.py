@@ -10,8 +10,9 @@ from cassandra import Unauthorized
 from kazoo.exceptions import NoNodeError
 from kazoo.security import ANYONE_ID_UNSAFE
 
+from casque.backends import zk
 from casque.config import Settings
-from casque.engine import catalog
+from casque.engine import catalog, znode_quotas
 from casque.errors import AccessDenied
 from casque.operator.failures import backend_errors
 from casque.store import Store
@@ -68,6 +69,22 @@ def secure_namespace_znodes(stores: StoreSource, namespace: str) -> int:
         if any(entry.id == ANYONE_ID_UNSAFE for entry in acl):
             return 0
         return catalog.secure_znodes(store, namespace)
+
+
+def apply_znode_quota(stores: StoreSource, settings: Settings, namespace: str, max_znodes: int | None) -> bool:
+    """Make the namespace's hard quota on znodes `max_znodes`, or none (blocking); whether it
+    changed. Quotas live outside any chroot, so under one a client without it does this."""
+    path = f"{queues_root(settings.zookeeper_root)}/{namespace}"
+    servers, chroot = znode_quotas.split_chroot(settings.zookeeper_hosts)
+    with backend_errors():
+        if not chroot:
+            return znode_quotas.apply_quota(stores().zk, "", path, max_znodes)
+        client = zk.connect(settings, hosts=servers)
+        try:
+            return znode_quotas.apply_quota(client, chroot, path, max_znodes)
+        finally:
+            client.stop()
+            client.close()
 
 
 def forget_namespace_cassandra(stores: StoreSource, role: NamespaceRole) -> None:

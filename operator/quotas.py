@@ -1,8 +1,9 @@
-"""Quotas: limits per namespace on queues, shards x priorities and retention.
+"""Quotas: limits per namespace on queues, shards x priorities, retention and znodes.
 
 Each shard of each priority level is a log of its own (a head, offsets, leases and a
 partition range per subscriber), so shards x priorities is what a namespace's queues cost
-the backends; retention is how much they keep. The defaults come from the operator's
+the backends; retention is how much they keep; znodes bound what its sidecars may create in
+the ZooKeeper ensemble every namespace shares (casque.engine.znode_quotas). The defaults come from the operator's
 settings (CASQUE_QUOTA_*); a Namespace's annotations override them for
 that namespace, and only cluster administrators may change a Namespace. `violations` is the
 pure rule; the reconcile applies it to the queues that exist in the backends.
@@ -23,6 +24,7 @@ QUOTA_PREFIX = "quota.casque.io/"
 MAX_QUEUES = f"{QUOTA_PREFIX}max-queues"
 MAX_LOGS = f"{QUOTA_PREFIX}max-shard-priorities"
 MAX_RETENTION = f"{QUOTA_PREFIX}max-retention"
+MAX_ZNODES = f"{QUOTA_PREFIX}max-znodes"
 
 
 
@@ -35,6 +37,8 @@ class QuotaSettings(BaseSettings):
     max_shard_priorities: int | None = Field(default=None, ge=0)
     # Seconds, or 90s/15m/12h/7d as in a Queue's spec.
     max_retention: str | None = None
+    # ZooKeeper's hard quota on the namespace's znodes (the namespace's own included).
+    max_znodes: int | None = Field(default=None, ge=1)
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,11 @@ class Limits:
     max_queues: int | None = None
     max_shard_priorities: int | None = None
     max_retention_seconds: int | None = None
+    max_znodes: int | None = None
 
     @property
     def any(self) -> bool:
+        """Whether any limit on queues' specs is set (znodes are ZooKeeper's to count)."""
         return any(v is not None for v in (self.max_queues, self.max_shard_priorities, self.max_retention_seconds))
 
 
@@ -63,6 +69,12 @@ def limits_for(defaults: QuotaSettings, annotations: Mapping[str, str] | None) -
             raise InvalidSpec(f"Namespace annotation {key}: {text!r} is not a whole number")
         return int(text)
 
+    def positive(key: str, default: int | None) -> int | None:
+        found = number(key, default)
+        if found == 0:
+            raise InvalidSpec(f"Namespace annotation {key}: 0 would leave the namespace no znode, not even its own")
+        return found
+
     def seconds(key: str, default: str | None) -> int | None:
         text = given.get(key, default)
         if text is None or not text.strip():
@@ -76,6 +88,7 @@ def limits_for(defaults: QuotaSettings, annotations: Mapping[str, str] | None) -
         max_queues=number(MAX_QUEUES, defaults.max_queues),
         max_shard_priorities=number(MAX_LOGS, defaults.max_shard_priorities),
         max_retention_seconds=seconds(MAX_RETENTION, defaults.max_retention),
+        max_znodes=positive(MAX_ZNODES, defaults.max_znodes),
     )
 
 

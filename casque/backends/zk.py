@@ -28,6 +28,7 @@ from kazoo.exceptions import (
     NoAuthError,
     NoNodeError,
     OperationTimeoutError,
+    QuotaExceededError,
     SessionExpiredError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
@@ -40,7 +41,7 @@ from casque.backends.tls import client_context, probe
 from casque.backends.zkacl import AclClient, Identity, Scheme, installation_policy, namespace_policy, parse_acl
 from casque.backends.zkpoll import PollingHandler
 from casque.config import Settings
-from casque.errors import AccessDenied, BackendUnavailable, InvalidSpec, TlsRefused
+from casque.errors import AccessDenied, BackendUnavailable, InvalidSpec, QuotaExceeded, TlsRefused
 
 log = logging.getLogger(__name__)
 
@@ -372,10 +373,18 @@ async def call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise BackendUnavailable(f"ZooKeeper: {type(error).__name__}") from error
     except NoAuthError as error:
         raise AccessDenied(f"ZooKeeper refused this identity the operation on {_path_of(args)}") from error
+    except QuotaExceededError as error:
+        raise over_quota(_path_of(args)) from error
     except AuthFailedError as error:
         # The session's SASL login was refused on a reconnect (a password changed on the
         # servers): kazoo ends such a session for good, so only a new client gets back in.
         raise AccessDenied("ZooKeeper refused this client's login; it must reconnect with valid credentials") from error
+
+
+def over_quota(where: str) -> QuotaExceeded:
+    """ZooKeeper refused a create past a hard quota: its namespace's (casque.engine.znode_quotas)."""
+    return QuotaExceeded(f"ZooKeeper refused a znode at {where}: the namespace has as many znodes as its quota "
+                         "allows (quota.casque.io/max-znodes)")
 
 
 def _path_of(args: tuple[Any, ...]) -> str:

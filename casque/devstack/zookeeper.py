@@ -205,6 +205,9 @@ class ZooKeeperServer:
             f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m",
             f"-Dlogback.configurationFile={d}/logback.xml",
             "-Dzookeeper.admin.enableServer=false",
+            # A namespace's quota on znodes (casque.engine.znode_quotas) refuses creates past
+            # it only with this; without, ZooKeeper merely logs them.
+            "-Dzookeeper.enforceQuota=true",
             *([f"-Djava.security.auth.login.config={self.jaas_path.resolve()}",
                # The installation's login acts on every znode whatever ACL a client gave it:
                # a namespace may create znodes in its containers, and ZooKeeper lets a creator

@@ -38,6 +38,10 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
         now = datetime.now(timezone.utc)
         try:
             limits = await asyncio.to_thread(namespace_limits, context, resource.namespace)
+            if await asyncio.to_thread(namespace_setup.apply_znode_quota, context.stores, context.stores.settings,
+                                       resource.namespace, limits.max_znodes):
+                bound = "lifted" if limits.max_znodes is None else f"at most {limits.max_znodes} znodes"
+                kopf.info(body, reason="Applied", message=f"namespace {resource.namespace}: ZooKeeper quota {bound}")
             if await asyncio.to_thread(
                 tenancy.apply_zookeeper_secret, context.kube_api(), context.stores.settings, resource.namespace,
                 functools.partial(namespace_setup.secure_namespace_znodes, context.stores, resource.namespace),

@@ -748,6 +748,46 @@ def test_a_queue_over_the_namespaces_quota_is_refused_in_status_until_the_namesp
     wait_ready(api, ns, QUEUES, "second", reason="Reconciled", timeout=QUOTA_RETRY_SECONDS + 120)
 
 
+def test_a_queue_whose_znodes_do_not_fit_the_namespaces_znode_quota_is_refused_in_status(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    """The operator sets ZooKeeper's hard quota on the namespace's znode as it applies a
+    Queue; a Queue whose znodes would take the namespace past it is refused with the quota's
+    name, and made once the Namespace allows more."""
+    from casque.engine import znode_quotas
+    from casque.znodes import queues_root
+
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    operators(env={**backend.env, "CASQUE_QUOTA_MAX_ZNODES": "100000"})
+    create(api, ns, queue("first", shards=1, retention="1h"))
+    wait_ready(api, ns, QUEUES, "first")
+    own = f"{queues_root(backend.zk_root)}/{ns}"
+    limits = f"{znode_quotas.quota_path('', own)}/{znode_quotas.LIMITS_NODE}"
+    try:
+        assert backend.store.zk.get(limits)[0] == znode_quotas.limits_data(100_000)
+        assert ("Normal", "Applied") in [(t, r) for t, r, m in events(kube_client, ns, "first") if "quota" in m]
+
+        # Room for two more znodes: a queue of eight shards needs more.
+        def used(top: str) -> int:
+            return 1 + sum(used(f"{top}/{child}") for child in backend.store.zk.get_children(top))
+        client.CoreV1Api(kube_client).patch_namespace(ns, {"metadata": {"annotations": {
+            "quota.casque.io/max-znodes": str(used(own) + 2)}}})
+        create(api, ns, queue("second", shards=8, retention="1h"))
+        refusal = ready_of(wait_ready(api, ns, QUEUES, "second", status="False", reason="QuotaExceeded"))
+        assert "quota.casque.io/max-znodes" in refusal["message"], refusal
+
+        client.CoreV1Api(kube_client).patch_namespace(ns, {"metadata": {"annotations": {
+            "quota.casque.io/max-znodes": "1000"}}})
+        wait_ready(api, ns, QUEUES, "second", reason="Reconciled", timeout=QUOTA_RETRY_SECONDS + 120)
+        assert backend.store.zk.get(limits)[0] == znode_quotas.limits_data(1000)
+    finally:
+        backend.store.zk.delete(znode_quotas.quota_path("", own), recursive=True)
+
+
 ZOOKEEPER_PASSWORD = "operator-test-installation-password-0123456789"
 DERIVATION_KEY = "operator-test-derivation-key-0123456789"
 

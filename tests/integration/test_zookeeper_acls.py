@@ -14,7 +14,9 @@ use the session's ZooKeeper, under an installation root of their own in the test
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import os
 import subprocess
 import sys
@@ -25,14 +27,14 @@ from typing import Any
 import pytest
 from cassandra.cluster import Session
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoAuthError, NoNodeError
+from kazoo.exceptions import NoAuthError, NoNodeError, QuotaExceededError
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, Permissions
 from pydantic import SecretStr
 
 from casque.backends import zk
 from casque.backends.zkacl import Identity, format_acl, installation_policy, namespace_identity, widen
 from casque.config import Settings
-from casque.engine import catalog, protocol, protocol_change
+from casque.engine import catalog, protocol, protocol_change, znode_quotas
 from casque.engine.consumer import Consumer
 from casque.engine.grants import QueueGrant
 from casque.errors import AccessDenied, InvalidSpec, QuotaExceeded
@@ -607,3 +609,68 @@ def test_a_znode_a_namespace_locked_to_itself_is_named_and_the_walk_goes_on_past
         assert set(operator_store.zk.get_acls(drifted)[0]) == set(policy.acl_for(drifted))
     finally:
         a.delete(locked)  # the tenant's to remove: the test's cleanup could not
+
+
+def count_znodes(client: KazooClient, top: str) -> int:
+    """`top` and every znode below it."""
+    return 1 + sum(count_znodes(client, f"{top}/{child}") for child in client.get_children(top))
+
+
+def test_a_namespace_creates_no_znode_past_its_quota_and_cannot_touch_the_quota(
+    operator_store: Store, zk_hosts: str, clients: list[KazooClient]
+) -> None:
+    """A tenant with its namespace's credentials creates znodes in its members container
+    until the ensemble every namespace shares runs out of memory. With `max-znodes` the
+    operator sets ZooKeeper's hard quota on the namespace's znode: the tenant is refused past
+    it (casque's own calls say `quota_exceeded`), another namespace is not held back, and the
+    tenant can neither change its quota nor set one on another namespace, nor reopen
+    /zookeeper/quota. Before quotas, every one of those creates and writes was accepted."""
+    installation = settings(zk_hosts, INSTALLATION)
+    servers, chroot = znode_quotas.split_chroot(zk_hosts)
+    own, other = f"{ROOT}/queues/{A.namespace}", f"{ROOT}/queues/{B.namespace}"
+    room = 4
+    quota = namespace_setup.apply_znode_quota(
+        lambda: operator_store, installation, A.namespace, count_znodes(operator_store.zk, own) + room)
+    admin = zk.connect(installation, hosts=servers)  # where the quotas are, outside the chroot
+    clients.append(admin)
+    try:
+        assert quota, "a quota set and /zookeeper/quota closed"
+        assert not namespace_setup.apply_znode_quota(
+            lambda: operator_store, installation, A.namespace, count_znodes(operator_store.zk, own) + room)
+
+        tenant = connect_as(zk_hosts, A.namespace, clients)
+        members = operator_store.paths(A).subscriber("billing")
+        for index in range(room):
+            tenant.create(members.member(f"m{index}"), b"{}", ephemeral=True)
+        with pytest.raises(QuotaExceededError):
+            tenant.create(members.member("one-more"), b"{}", ephemeral=True)
+        with pytest.raises(QuotaExceeded, match="max-znodes"):
+            asyncio.run(zk.call(tenant.create_async, members.member("one-more"), b"{}", ephemeral=True))
+
+        neighbour = connect_as(zk_hosts, B.namespace, clients)
+        for index in range(room + 2):
+            neighbour.create(operator_store.paths(B).subscriber("billing").member(f"m{index}"), b"{}", ephemeral=True)
+
+        identity = namespace_identity(INSTALLATION.username, KEY, A.namespace)
+        outside = KazooClient(hosts=servers, auth_data=[identity.auth])
+        outside.start(timeout=15)
+        clients.append(outside)
+        limits = f"{znode_quotas.quota_path(chroot, own)}/{znode_quotas.LIMITS_NODE}"
+        for refused in (
+            lambda: outside.set(limits, znode_quotas.limits_data(10**9)),
+            lambda: outside.delete(limits),
+            lambda: outside.create(f"{znode_quotas.quota_path(chroot, other)}/{znode_quotas.LIMITS_NODE}",
+                                   znode_quotas.limits_data(1), makepath=True),
+            lambda: outside.set_acls(znode_quotas.QUOTA_ROOT, OPEN_ACL_UNSAFE),
+        ):
+            with pytest.raises(NoAuthError):
+                refused()
+
+        # Lifted: the namespace creates again.
+        assert namespace_setup.apply_znode_quota(lambda: operator_store, installation, A.namespace, None)
+        tenant.create(members.member("one-more"), b"{}", ephemeral=True)
+    finally:
+        # The session's ZooKeeper serves other tests' installations: /zookeeper/quota open again.
+        with contextlib.suppress(NoNodeError):
+            admin.delete(znode_quotas.quota_path(chroot, own), recursive=True)
+        admin.set_acls(znode_quotas.QUOTA_ROOT, OPEN_ACL_UNSAFE)
