@@ -34,8 +34,9 @@ STATS_NODE = "zookeeper_stats"
 
 
 def limits_data(max_znodes: int) -> bytes:
-    """The limits a `setquota -N` would write: a hard count, no soft limits (ZooKeeper only
-    logs those) and no bound on bytes (znodes' sizes are bounded by casque itself)."""
+    """The limits a `setquota -N` would write: a hard count and no soft limits (ZooKeeper
+    only logs those). Bytes are not bounded yet: each znode's data is, by the servers'
+    `jute.maxbuffer` (1 MiB)."""
     return f"count=-1,bytes=-1,countHardLimit={max_znodes},byteHardLimit=-1".encode()
 
 
