@@ -123,6 +123,10 @@ class Settings(BaseSettings):
     # username and password above, a user of the servers' JAAS `Server` section, instead of
     # digest; its ACL entries are then `sasl:<username>`. Namespaces' identities stay digest.
     zookeeper_sasl: bool = False
+    # The installation's (operator): the ensemble is the installation's own (the chart's
+    # embedded one, the local stack), so the operator closes `/` and `/zookeeper` to every
+    # other login (casque.backends.ensemble_acl). Not on an ensemble other applications share.
+    zookeeper_owned_ensemble: bool = False
     # The installation's (operator, CLI) with keyspace isolation or ZooKeeper credentials: the
     # random key every namespace's Cassandra role password and ZooKeeper identity password are
     # derived from (casque.derivation). Never a login password, so a namespace's Secrets tell

@@ -4,15 +4,18 @@ what a namespace needs in Cassandra and ZooKeeper before its Secrets name its id
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from cassandra import Unauthorized
+from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 from kazoo.security import ANYONE_ID_UNSAFE
 
-from casque.backends import zk
+from casque.backends import ensemble_acl, zk
 from casque.config import Settings
 from casque.engine import catalog, znode_quotas
+from casque.engine.znode_quotas import ZnodeQuota
 from casque.errors import AccessDenied
 from casque.operator.failures import backend_errors
 from casque.store import Store
@@ -71,20 +74,38 @@ def secure_namespace_znodes(stores: StoreSource, namespace: str) -> int:
         return catalog.secure_znodes(store, namespace)
 
 
-def apply_znode_quota(stores: StoreSource, settings: Settings, namespace: str, max_znodes: int | None) -> bool:
-    """Make the namespace's hard quota on znodes `max_znodes`, or none (blocking); whether it
-    changed. Quotas live outside any chroot, so under one a client without it does this."""
+def apply_znode_quota(stores: StoreSource, settings: Settings, namespace: str, quota: ZnodeQuota) -> bool:
+    """Make the namespace's hard quota in ZooKeeper `quota` (blocking); whether it changed."""
     path = f"{queues_root(settings.zookeeper_root)}/{namespace}"
+    with backend_errors(), _unchrooted(stores, settings) as (client, chroot):
+        return znode_quotas.apply_quota(client, chroot, path, quota)
+
+
+def close_owned_ensemble(stores: StoreSource, settings: Settings) -> list[str]:
+    """On an ensemble the installation owns (`zookeeper_owned_ensemble`), close `/`,
+    `/zookeeper` and `/zookeeper/quota` to every other login (blocking); the paths that
+    changed. Before any Secret: no namespace holds an identity while they are open."""
+    if not settings.zookeeper_owned_ensemble:
+        return []
+    with backend_errors(), _unchrooted(stores, settings) as (client, _):
+        return ensemble_acl.close_owned_ensemble(client)
+
+
+@contextmanager
+def _unchrooted(stores: StoreSource, settings: Settings) -> Iterator[tuple[KazooClient, str]]:
+    """The installation's ZooKeeper client without a chroot, and the chroot of its settings:
+    ZooKeeper's own znodes and quotas live outside any chroot, so under one a client of its
+    own (closed afterwards) reaches them."""
     servers, chroot = znode_quotas.split_chroot(settings.zookeeper_hosts)
-    with backend_errors():
-        if not chroot:
-            return znode_quotas.apply_quota(stores().zk, "", path, max_znodes)
-        client = zk.connect(settings, hosts=servers)
-        try:
-            return znode_quotas.apply_quota(client, chroot, path, max_znodes)
-        finally:
-            client.stop()
-            client.close()
+    if not chroot:
+        yield stores().zk, ""
+        return
+    client = zk.connect(settings, hosts=servers)
+    try:
+        yield client, chroot
+    finally:
+        client.stop()
+        client.close()
 
 
 def forget_namespace_cassandra(stores: StoreSource, role: NamespaceRole) -> None:

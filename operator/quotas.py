@@ -1,11 +1,12 @@
-"""Quotas: limits per namespace on queues, shards x priorities, retention and znodes.
+"""Quotas: limits per namespace on queues, shards x priorities, retention, znodes and their bytes.
 
 Each shard of each priority level is a log of its own (a head, offsets, leases and a
 partition range per subscriber), so shards x priorities is what a namespace's queues cost
-the backends; retention is how much they keep; znodes bound what its sidecars may create in
-the ZooKeeper ensemble every namespace shares (casque.engine.znode_quotas). The defaults come from the operator's
-settings (CASQUE_QUOTA_*); a Namespace's annotations override them for
-that namespace, and only cluster administrators may change a Namespace. `violations` is the
+the backends; retention is how much they keep; znodes and their bytes bound what its
+sidecars may create in the ZooKeeper ensemble every namespace shares
+(casque.engine.znode_quotas). The defaults come from the operator's settings
+(CASQUE_QUOTA_*); a Namespace's annotations override them for that namespace, and only
+cluster administrators may change a Namespace. `violations` is the
 pure rule; the reconcile applies it to the queues that exist in the backends.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from casque.engine.znode_quotas import ZnodeQuota
 from casque.errors import InvalidSpec
 from casque.specs import QueueSpec, format_duration, parse_duration
 
@@ -25,6 +27,7 @@ MAX_QUEUES = f"{QUOTA_PREFIX}max-queues"
 MAX_LOGS = f"{QUOTA_PREFIX}max-shard-priorities"
 MAX_RETENTION = f"{QUOTA_PREFIX}max-retention"
 MAX_ZNODES = f"{QUOTA_PREFIX}max-znodes"
+MAX_ZNODE_BYTES = f"{QUOTA_PREFIX}max-znode-bytes"
 
 
 
@@ -39,6 +42,8 @@ class QuotaSettings(BaseSettings):
     max_retention: str | None = None
     # ZooKeeper's hard quota on the namespace's znodes (the namespace's own included).
     max_znodes: int | None = Field(default=None, ge=1)
+    # ZooKeeper's hard quota on the bytes of data those znodes hold.
+    max_znode_bytes: int | None = Field(default=None, ge=1)
 
 
 @dataclass(frozen=True)
@@ -47,11 +52,17 @@ class Limits:
     max_shard_priorities: int | None = None
     max_retention_seconds: int | None = None
     max_znodes: int | None = None
+    max_znode_bytes: int | None = None
 
     @property
     def any(self) -> bool:
         """Whether any limit on queues' specs is set (znodes are ZooKeeper's to count)."""
         return any(v is not None for v in (self.max_queues, self.max_shard_priorities, self.max_retention_seconds))
+
+    @property
+    def znodes(self) -> ZnodeQuota:
+        """The namespace's hard quota in ZooKeeper."""
+        return ZnodeQuota(max_znodes=self.max_znodes, max_bytes=self.max_znode_bytes)
 
 
 def limits_for(defaults: QuotaSettings, annotations: Mapping[str, str] | None) -> Limits:
@@ -72,7 +83,8 @@ def limits_for(defaults: QuotaSettings, annotations: Mapping[str, str] | None) -
     def positive(key: str, default: int | None) -> int | None:
         found = number(key, default)
         if found == 0:
-            raise InvalidSpec(f"Namespace annotation {key}: 0 would leave the namespace no znode, not even its own")
+            raise InvalidSpec(f"Namespace annotation {key}: 0 would leave the namespace no room, not even for its "
+                              "own znode")
         return found
 
     def seconds(key: str, default: str | None) -> int | None:
@@ -89,6 +101,7 @@ def limits_for(defaults: QuotaSettings, annotations: Mapping[str, str] | None) -
         max_shard_priorities=number(MAX_LOGS, defaults.max_shard_priorities),
         max_retention_seconds=seconds(MAX_RETENTION, defaults.max_retention),
         max_znodes=positive(MAX_ZNODES, defaults.max_znodes),
+        max_znode_bytes=positive(MAX_ZNODE_BYTES, defaults.max_znode_bytes),
     )
 
 

@@ -382,9 +382,9 @@ async def call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def over_quota(where: str) -> QuotaExceeded:
-    """ZooKeeper refused a create past a hard quota: its namespace's (casque.engine.znode_quotas)."""
-    return QuotaExceeded(f"ZooKeeper refused a znode at {where}: the namespace has as many znodes as its quota "
-                         "allows (quota.casque.io/max-znodes)")
+    """ZooKeeper refused a create or write past a hard quota: its namespace's (casque.engine.znode_quotas)."""
+    return QuotaExceeded(f"ZooKeeper refused a write at {where}: the namespace's znodes would pass its quota "
+                         "(quota.casque.io/max-znodes, quota.casque.io/max-znode-bytes)")
 
 
 def _path_of(args: tuple[Any, ...]) -> str:

@@ -31,12 +31,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from casque.devstack import artifacts
 from casque.devstack.cassandra import CassandraLogin, CassandraNode
 from casque.devstack.pki import LocalPki
 from casque.devstack.zookeeper import SaslLogin, ZooKeeperEnsemble, write_private
 from casque.errors import CasqueError, StackError
+
+if TYPE_CHECKING:
+    from casque.config import Settings
 
 Report = Callable[[str], None]
 
@@ -150,6 +154,8 @@ class Stack:
             env["CASQUE_CASSANDRA_USERNAME"], env["CASQUE_CASSANDRA_PASSWORD"] = login.username, login.password()
         sasl = self.zookeeper_sasl_login
         if sasl is not None:
+            # The login is the ensemble's superuser: an operator closes `/` and `/zookeeper`.
+            env["CASQUE_ZOOKEEPER_OWNED_ENSEMBLE"] = "true"
             env["CASQUE_ZOOKEEPER_SASL"] = "true"
             env["CASQUE_ZOOKEEPER_USERNAME"] = sasl.username
             env["CASQUE_ZOOKEEPER_PASSWORD"] = sasl.password()
@@ -293,6 +299,8 @@ class Stack:
                 report(f"starting ZooKeeper on {zk.connect_string}")
                 zk.start()
         ensemble.wait_ready()
+        if self.zookeeper_sasl:
+            self._close_zookeeper(report)
 
         nodes = self.cassandra_nodes()
         seed, others = nodes[0], nodes[1:]
@@ -310,6 +318,49 @@ class Stack:
             report(f"Cassandra superuser {login.username!r}, its password in {login.password_file}; "
                    "the default superuser disabled")
             self._secure_cassandra(login)
+
+    def zookeeper_client_options(self) -> dict[str, object]:
+        """KazooClient's arguments of the installation on the TLS port (or the plain one): the
+        stack's certificates and, with SASL, its login, which may create at the root."""
+        options: dict[str, object] = dict(self.zookeeper().client_options())
+        sasl = self.zookeeper_sasl_login
+        if sasl is not None:
+            options["sasl_options"] = {"mechanism": "DIGEST-MD5", "username": sasl.username,
+                                       "password": sasl.password()}
+        return options
+
+    def zookeeper_settings(self) -> Settings:
+        """The installation's ZooKeeper settings: the TLS port if any, the SASL login (the
+        servers' superuser) if any, and the derivation key the login's ACLs need."""
+        from pydantic import SecretStr
+
+        from casque.config import Settings, ZooKeeperTlsSettings  # noqa: F811  # at run time too
+
+        pki, sasl = self.pki, self.zookeeper_sasl_login
+        tls = ZooKeeperTlsSettings() if pki is None else ZooKeeperTlsSettings(
+            enabled=True, ca_file=pki.ca_crt, cert_file=pki.client_crt if self.client_auth else None,
+            key_file=pki.client_key if self.client_auth else None)
+        login: dict[str, object] = {} if sasl is None else {
+            "zookeeper_sasl": True, "zookeeper_username": sasl.username,
+            "zookeeper_password": SecretStr(sasl.password()), "derivation_key": SecretStr(self.derivation_key())}
+        return Settings(zookeeper_hosts=self.zookeeper_tls_hosts or self.zookeeper_hosts, zookeeper_tls=tls,
+                        **login)  # type: ignore[arg-type]  # pydantic validates the mapping
+
+    def _close_zookeeper(self, report: Report) -> None:
+        """`/`, `/zookeeper` and `/zookeeper/quota` closed to every login but the
+        installation's SASL user, as the chart's operator closes its embedded ensemble
+        (casque.backends.ensemble_acl): the stack's ensemble is the installation's own."""
+        from casque.backends import zk
+        from casque.backends.ensemble_acl import close_owned_ensemble
+
+        client = zk.connect(self.zookeeper_settings())
+        try:
+            closed = close_owned_ensemble(client)
+        finally:
+            client.stop()
+            client.close()
+        if closed:
+            report(f"ZooKeeper's {', '.join(closed)} closed to every login but the installation's (anyone may read)")
 
     def _secure_cassandra(self, login: CassandraLogin) -> None:
         """The installation's login made the ring's superuser and the default one disabled,

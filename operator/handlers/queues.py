@@ -38,10 +38,15 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
         now = datetime.now(timezone.utc)
         try:
             limits = await asyncio.to_thread(namespace_limits, context, resource.namespace)
+            closed = await asyncio.to_thread(namespace_setup.close_owned_ensemble, context.stores,
+                                             context.stores.settings)
+            if closed:
+                kopf.info(body, reason="Applied", message=f"ZooKeeper's {', '.join(closed)} closed to every login "
+                          "but the installation's (anyone may read)")
             if await asyncio.to_thread(namespace_setup.apply_znode_quota, context.stores, context.stores.settings,
-                                       resource.namespace, limits.max_znodes):
-                bound = "lifted" if limits.max_znodes is None else f"at most {limits.max_znodes} znodes"
-                kopf.info(body, reason="Applied", message=f"namespace {resource.namespace}: ZooKeeper quota {bound}")
+                                       resource.namespace, limits.znodes):
+                kopf.info(body, reason="Applied",
+                          message=f"namespace {resource.namespace}: ZooKeeper quota {limits.znodes.describe()}")
             if await asyncio.to_thread(
                 tenancy.apply_zookeeper_secret, context.kube_api(), context.stores.settings, resource.namespace,
                 functools.partial(namespace_setup.secure_namespace_znodes, context.stores, resource.namespace),

@@ -66,7 +66,7 @@ def installation(secure_stack: Stack) -> Iterator[Settings]:
     hosts = secure_stack.zookeeper_tls_hosts
     assert hosts is not None
     keyspace = f"i{uuid.uuid4().hex[:12]}"
-    with chroot_on(hosts, **secure_stack.zookeeper().client_options()) as chrooted:
+    with chroot_on(hosts, **secure_stack.zookeeper_client_options()) as chrooted:
         settings = secure_settings(secure_stack, keyspace, chrooted, cassandra_isolation="keyspace",
                                    derivation_key=SecretStr(secrets.token_urlsafe(32)))
         yield settings

@@ -953,6 +953,8 @@ def test_without_embedded_backends_nothing_of_them_is_made(tools: Tools, monkeyp
     assert not [d for d in documents if "cassandra" in d["metadata"]["name"] or "zookeeper" in d["metadata"]["name"]]
     settings = operator_backends(operator_container(documents), monkeypatch)
     assert (settings.cassandra_contact_points, settings.zookeeper_hosts) == (["cassandra"], "zookeeper:2181")
+    # An ensemble of your own may serve other applications: its / and /zookeeper stay as they are.
+    assert not settings.zookeeper_owned_ensemble
 
 
 def test_the_embedded_keyspace_has_a_replica_per_node_up_to_three(tools: Tools) -> None:
@@ -1054,6 +1056,9 @@ def test_the_embedded_backends_are_locked_by_default(tools: Tools) -> None:
                                                               "key": "derivation-key"}
     literal = {e["name"]: e.get("value") for e in container["env"]}
     assert literal["CASQUE_CASSANDRA_ISOLATION"] == "keyspace"
+    # The ensemble is the installation's: / and /zookeeper closed, a namespace's znodes bounded.
+    assert literal["CASQUE_ZOOKEEPER_OWNED_ENSEMBLE"] == "true"
+    assert (literal["CASQUE_QUOTA_MAX_ZNODES"], literal["CASQUE_QUOTA_MAX_ZNODE_BYTES"]) == ("100000", "67108864")
     # A new login restarts the operator.
     assert "checksum/cassandra-credentials" in pod["metadata"]["annotations"]
 

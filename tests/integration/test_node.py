@@ -29,7 +29,7 @@ from cassandra.auth import PlainTextAuthProvider
 from cassandra.cluster import Cluster, NoHostAvailable
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
-from kazoo.security import make_acl, make_digest_acl_credential
+from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl_credential
 
 from casque.backends import cql, zk as zk_backend
 from casque.backends.cql import SOCKET_OPTIONS
@@ -506,6 +506,19 @@ def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_d
         finally:
             anonymous.stop()
             anonymous.close()
+        # The ensemble is the release's own: ZooKeeper's own znodes are closed to every login
+        # but the installation's, A's and none alike (world:anyone:cdrwa out of the box).
+        for login in ((a_identity["username"], a_identity["password"]), None):
+            outsider = zookeeper_login(zookeeper_address, login, tls)
+            try:
+                for refused_call in (lambda: outsider.create("/intruder", b""),
+                                     lambda: outsider.create("/zookeeper/quota/intruder", b""),
+                                     lambda: outsider.set_acls("/", OPEN_ACL_UNSAFE)):
+                    with pytest.raises(NoAuthError):
+                        refused_call()
+            finally:
+                outsider.stop()
+                outsider.close()
         kubectl("delete", "-n", a, "subscriber/audit", "queue/ledger", f"--timeout={START_TIMEOUT}s")
         installation = secret_values(kubectl, namespace, "casque-zookeeper")
         admin = zookeeper_login(zookeeper_address, (installation["username"], installation["password"]), tls)

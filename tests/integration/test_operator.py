@@ -762,13 +762,14 @@ def test_a_queue_whose_znodes_do_not_fit_the_namespaces_znode_quota_is_refused_i
 
     api = client.CustomObjectsApi(kube_client)
     ns = kube_namespace
-    operators(env={**backend.env, "CASQUE_QUOTA_MAX_ZNODES": "100000"})
+    operators(env={**backend.env, "CASQUE_QUOTA_MAX_ZNODES": "100000", "CASQUE_QUOTA_MAX_ZNODE_BYTES": "67108864"})
     create(api, ns, queue("first", shards=1, retention="1h"))
     wait_ready(api, ns, QUEUES, "first")
     own = f"{queues_root(backend.zk_root)}/{ns}"
     limits = f"{znode_quotas.quota_path('', own)}/{znode_quotas.LIMITS_NODE}"
     try:
-        assert backend.store.zk.get(limits)[0] == znode_quotas.limits_data(100_000)
+        assert backend.store.zk.get(limits)[0] == znode_quotas.limits_data(
+            znode_quotas.ZnodeQuota(max_znodes=100_000, max_bytes=64 << 20))
         assert ("Normal", "Applied") in [(t, r) for t, r, m in events(kube_client, ns, "first") if "quota" in m]
 
         # Room for two more znodes: a queue of eight shards needs more.
@@ -783,7 +784,8 @@ def test_a_queue_whose_znodes_do_not_fit_the_namespaces_znode_quota_is_refused_i
         client.CoreV1Api(kube_client).patch_namespace(ns, {"metadata": {"annotations": {
             "quota.casque.io/max-znodes": "1000"}}})
         wait_ready(api, ns, QUEUES, "second", reason="Reconciled", timeout=QUOTA_RETRY_SECONDS + 120)
-        assert backend.store.zk.get(limits)[0] == znode_quotas.limits_data(1000)
+        assert backend.store.zk.get(limits)[0] == znode_quotas.limits_data(
+            znode_quotas.ZnodeQuota(max_znodes=1000, max_bytes=64 << 20))
     finally:
         backend.store.zk.delete(znode_quotas.quota_path("", own), recursive=True)
 

@@ -71,7 +71,7 @@ def secure_zk_hosts(secure_stack: Stack) -> Iterator[str]:
     """The TLS connect string with a chroot of its own."""
     hosts = secure_stack.zookeeper_tls_hosts
     assert hosts is not None
-    with chroot_on(hosts, **secure_stack.zookeeper().client_options()) as chrooted:
+    with chroot_on(hosts, **secure_stack.zookeeper_client_options()) as chrooted:
         yield chrooted
 
 

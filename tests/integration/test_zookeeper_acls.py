@@ -616,31 +616,44 @@ def count_znodes(client: KazooClient, top: str) -> int:
     return 1 + sum(count_znodes(client, f"{top}/{child}") for child in client.get_children(top))
 
 
+def count_bytes(client: KazooClient, top: str) -> int:
+    """The data of `top` and of every znode below it, as ZooKeeper's quota counts it."""
+    return len(client.get(top)[0] or b"") + sum(count_bytes(client, f"{top}/{child}")
+                                                for child in client.get_children(top))
+
+
 def test_a_namespace_creates_no_znode_past_its_quota_and_cannot_touch_the_quota(
     operator_store: Store, zk_hosts: str, clients: list[KazooClient]
 ) -> None:
     """A tenant with its namespace's credentials creates znodes in its members container
-    until the ensemble every namespace shares runs out of memory. With `max-znodes` the
-    operator sets ZooKeeper's hard quota on the namespace's znode: the tenant is refused past
-    it (casque's own calls say `quota_exceeded`), another namespace is not held back, and the
-    tenant can neither change its quota nor set one on another namespace, nor reopen
-    /zookeeper/quota. Before quotas, every one of those creates and writes was accepted."""
+    until the ensemble every namespace shares runs out of memory. With `max-znodes` and
+    `max-znode-bytes` the operator sets ZooKeeper's hard quota on the namespace's znode: the
+    tenant is refused past either (casque's own calls say `quota_exceeded`), another
+    namespace is not held back, and the tenant can neither change its quota nor set one on
+    another namespace, nor reopen /zookeeper/quota. Before quotas, every one of those creates
+    and writes was accepted."""
     installation = settings(zk_hosts, INSTALLATION)
     servers, chroot = znode_quotas.split_chroot(zk_hosts)
     own, other = f"{ROOT}/queues/{A.namespace}", f"{ROOT}/queues/{B.namespace}"
-    room = 4
-    quota = namespace_setup.apply_znode_quota(
-        lambda: operator_store, installation, A.namespace, count_znodes(operator_store.zk, own) + room)
+    room, spare_bytes = 4, 100
+    quota = znode_quotas.ZnodeQuota(max_znodes=count_znodes(operator_store.zk, own) + room,
+                                    max_bytes=count_bytes(operator_store.zk, own) + spare_bytes)
+    changed = namespace_setup.apply_znode_quota(lambda: operator_store, installation, A.namespace, quota)
     admin = zk.connect(installation, hosts=servers)  # where the quotas are, outside the chroot
     clients.append(admin)
     try:
-        assert quota, "a quota set and /zookeeper/quota closed"
-        assert not namespace_setup.apply_znode_quota(
-            lambda: operator_store, installation, A.namespace, count_znodes(operator_store.zk, own) + room)
+        assert changed, "a quota set and /zookeeper/quota closed"
+        assert not namespace_setup.apply_znode_quota(lambda: operator_store, installation, A.namespace, quota)
 
         tenant = connect_as(zk_hosts, A.namespace, clients)
         members = operator_store.paths(A).subscriber("billing")
-        for index in range(room):
+        # Bytes first, while the count has room: one znode with more data than is left.
+        with pytest.raises(QuotaExceededError):
+            tenant.create(members.member("large"), b"x" * (spare_bytes + 1), ephemeral=True)
+        tenant.create(members.member("m0"), b"{}", ephemeral=True)
+        with pytest.raises(QuotaExceeded, match="max-znode-bytes"):
+            asyncio.run(zk.call(tenant.set_async, members.member("m0"), b"x" * (spare_bytes + 1)))
+        for index in range(1, room):
             tenant.create(members.member(f"m{index}"), b"{}", ephemeral=True)
         with pytest.raises(QuotaExceededError):
             tenant.create(members.member("one-more"), b"{}", ephemeral=True)
@@ -657,17 +670,18 @@ def test_a_namespace_creates_no_znode_past_its_quota_and_cannot_touch_the_quota(
         clients.append(outside)
         limits = f"{znode_quotas.quota_path(chroot, own)}/{znode_quotas.LIMITS_NODE}"
         for refused in (
-            lambda: outside.set(limits, znode_quotas.limits_data(10**9)),
+            lambda: outside.set(limits, znode_quotas.limits_data(znode_quotas.ZnodeQuota(max_znodes=10**9))),
             lambda: outside.delete(limits),
             lambda: outside.create(f"{znode_quotas.quota_path(chroot, other)}/{znode_quotas.LIMITS_NODE}",
-                                   znode_quotas.limits_data(1), makepath=True),
+                                   znode_quotas.limits_data(znode_quotas.ZnodeQuota(max_znodes=1)), makepath=True),
             lambda: outside.set_acls(znode_quotas.QUOTA_ROOT, OPEN_ACL_UNSAFE),
         ):
             with pytest.raises(NoAuthError):
                 refused()
 
         # Lifted: the namespace creates again.
-        assert namespace_setup.apply_znode_quota(lambda: operator_store, installation, A.namespace, None)
+        assert namespace_setup.apply_znode_quota(lambda: operator_store, installation, A.namespace,
+                                                 znode_quotas.ZnodeQuota())
         tenant.create(members.member("one-more"), b"{}", ephemeral=True)
     finally:
         # The session's ZooKeeper serves other tests' installations: /zookeeper/quota open again.

@@ -26,6 +26,7 @@ from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions
 from pydantic import SecretStr
 
 from casque.backends import zk
+from casque.backends.ensemble_acl import close_owned_ensemble
 from casque.backends.zkacl import AclPolicy, Identity, installation_policy, namespace_identity
 from casque.config import CassandraTlsSettings, Settings, ZooKeeperTlsSettings
 from casque.devstack.stack import Stack
@@ -56,7 +57,7 @@ def login(secure_stack: Stack) -> Identity:
 def zk_hosts(secure_stack: Stack) -> Iterator[str]:
     hosts = secure_stack.zookeeper_tls_hosts
     assert hosts is not None
-    with chroot_on(hosts, **secure_stack.zookeeper().client_options()) as chrooted:
+    with chroot_on(hosts, **secure_stack.zookeeper_client_options()) as chrooted:
         yield chrooted
 
 
@@ -286,3 +287,45 @@ def test_a_znode_a_namespace_locked_to_itself_is_still_secured_and_deleted_by_th
     catalog.delete_queue(operator_store, A, "Delete")
     assert operator_store.zk.exists(operator_store.paths(A).base) is None
     assert operator_store.zk.exists(operator_store.paths(B).base) is not None
+
+
+def test_zookeepers_own_znodes_are_closed_to_every_login_but_the_installations(
+    secure_stack: Stack, settings: Settings, login: Identity, operator_store: Store, clients: list[KazooClient]
+) -> None:
+    """`/`, `/zookeeper` and `/zookeeper/quota` of a fresh ensemble are open to anyone, a client
+    with no login included: unbounded znodes at the root (outside every namespace's quota),
+    ADMIN on `/`, quotas rewritten. The stack's ensemble is the installation's own, as the
+    chart's embedded one is, so `up` closes them: a client with no login and a namespace's
+    identity may read them and nothing else; the installation still creates at the root."""
+    servers = secure_stack.zookeeper_tls_hosts
+    assert servers is not None
+    anonymous = KazooClient(hosts=servers, **secure_stack.zookeeper().client_options())
+    anonymous.start(timeout=30)
+    clients.append(anonymous)
+    own = namespace_settings(settings, A.namespace)
+    assert own.zookeeper_password is not None
+    tenant = KazooClient(hosts=servers, **zk.tls_options(own),
+                         auth_data=[("digest", f"{own.zookeeper_username}:{own.zookeeper_password.get_secret_value()}")])
+    tenant.start(timeout=30)
+    clients.append(tenant)
+    probe = f"/intruder-{uuid.uuid4().hex[:8]}"
+    for outsider in (anonymous, tenant):
+        assert outsider.get_children("/") and outsider.get_children("/zookeeper")  # reading stays open
+        for refused_call in (lambda: outsider.create(probe, b""),
+                             lambda: outsider.create(f"/zookeeper{probe}", b""),
+                             lambda: outsider.create(f"/zookeeper/quota{probe}", b""),
+                             lambda: outsider.set_acls("/", OPEN_ACL_UNSAFE),
+                             lambda: outsider.set_acls("/zookeeper", OPEN_ACL_UNSAFE),
+                             lambda: outsider.set("/", b"taken")):
+            with pytest.raises(NoAuthError):
+                refused_call()
+
+    installation = zk.connect(settings.model_copy(update={"zookeeper_hosts": servers}))
+    clients.append(installation)
+    closed = [ACL(Permissions.ALL, Id("sasl", login.username)), ACL(Permissions.READ, Id("world", "anyone"))]
+    for path in ("/", "/zookeeper", "/zookeeper/quota"):
+        assert set(installation.get_acls(path)[0]) == set(closed), path
+    installation.create(probe, b"")
+    installation.delete(probe)
+    # A second `up` (the stack is running) finds them closed and changes nothing.
+    assert not close_owned_ensemble(installation)
