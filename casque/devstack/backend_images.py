@@ -119,6 +119,9 @@ ZOOKEEPER_RENDER = r"""#!/bin/bash
 #   ZOO_TLS_DIR      a directory with tls.crt, tls.key and ca.crt (PEM): clients then connect
 #                    over TLS only, on ZOO_SECURE_CLIENT_PORT (2281); the plain client port
 #                    listens on 127.0.0.1, for the readiness probe alone
+#   ZOO_QUORUM_TLS   true: members talk to each other (quorum and election) over TLS, each
+#                    presenting tls.crt to the others, checked against ca.crt; every member of
+#                    the ensemble must agree (needs ZOO_TLS_DIR; false: plain text)
 set -euo pipefail
 home="${ZOO_HOME:-/opt/zookeeper}"
 conf="${ZOO_CONF_DIR:-/tmp/zookeeper}"
@@ -126,7 +129,10 @@ data="${ZOO_DATA_DIR:-/data}"
 port="${ZOO_CLIENT_PORT:-2181}"
 tls_dir="${ZOO_TLS_DIR:-}"
 secure_port="${ZOO_SECURE_CLIENT_PORT:-2281}"
+quorum_tls="${ZOO_QUORUM_TLS:-false}"
 fail() { echo "zookeeper: $*" >&2; exit 2; }
+[[ $quorum_tls =~ ^(true|false)$ ]] || fail "ZOO_QUORUM_TLS is true or false: $quorum_tls"
+[ "$quorum_tls" != true ] || [ -n "$tls_dir" ] || fail "ZOO_QUORUM_TLS=true needs ZOO_TLS_DIR"
 [[ $port =~ ^[0-9]{1,5}$ ]] || fail "ZOO_CLIENT_PORT is not a port: $port"
 [[ $secure_port =~ ^[0-9]{1,5}$ ]] || fail "ZOO_SECURE_CLIENT_PORT is not a port: $secure_port"
 servers=()
@@ -156,6 +162,18 @@ if [ -n "$tls_dir" ]; then
     "ssl.trustStore.passwordPath=$conf/store-password"
     "ssl.clientAuth=none"
   )
+  if [ "$quorum_tls" = true ]; then
+    # The quorum's TLS: a member checks its peer's certificate against the CA, not its name
+    # (a peer connects from its pod's address, which no certificate names).
+    tls+=(
+      "sslQuorum=true"
+      "ssl.quorum.keyStore.location=$conf/keystore.p12" "ssl.quorum.keyStore.type=PKCS12"
+      "ssl.quorum.keyStore.passwordPath=$conf/store-password"
+      "ssl.quorum.trustStore.location=$conf/truststore.p12" "ssl.quorum.trustStore.type=PKCS12"
+      "ssl.quorum.trustStore.passwordPath=$conf/store-password"
+      "ssl.quorum.hostnameVerification=false"
+    )
+  fi
 fi
 if [ ${#servers[@]} -gt 0 ]; then
   # QuorumPeerMain reads the member's id from dataDir/myid (the chart's init container writes it).
@@ -345,7 +363,10 @@ CASSANDRA_RENDER = r"""#!/bin/bash
 #   MAX_HEAP_SIZE              e.g. 1024M (default: half the cgroup's memory limit, at most 8G)
 #   CASSANDRA_CONF_DIR         where the files go (/tmp/cassandra: the root filesystem is read-only)
 #   CASSANDRA_TLS_DIR          a directory with tls.crt, tls.key and ca.crt (PEM): CQL then
-#                              speaks TLS only (inter-node traffic stays plain)
+#                              speaks TLS only
+#   CASSANDRA_INTERNODE_TLS    true: the nodes' own traffic too (gossip, streaming, mutations),
+#                              each presenting tls.crt to its peers, checked against ca.crt;
+#                              every node of a ring must agree (false: plain text)
 set -euo pipefail
 home="${CASSANDRA_HOME:-/opt/cassandra}"
 conf="${CASSANDRA_CONF_DIR:-/tmp/cassandra}"
@@ -391,6 +412,7 @@ snitch="${CASSANDRA_ENDPOINT_SNITCH:-GossipingPropertyFileSnitch}"
 authenticator="${CASSANDRA_AUTHENTICATOR:-PasswordAuthenticator}"
 authorizer="${CASSANDRA_AUTHORIZER:-CassandraAuthorizer}"
 heap="${MAX_HEAP_SIZE:-$(default_heap)}"
+internode_tls="${CASSANDRA_INTERNODE_TLS:-false}"
 
 # What goes into YAML unquoted or single-quoted must not end or extend the value.
 [[ $cluster =~ ^[A-Za-z0-9._\ -]+$ ]] || fail "CASSANDRA_CLUSTER_NAME may hold letters, digits, '.', '_', '-' and spaces: $cluster"
@@ -402,6 +424,7 @@ heap="${MAX_HEAP_SIZE:-$(default_heap)}"
 [[ $authenticator =~ ^[A-Za-z0-9.]+$ ]] || fail "CASSANDRA_AUTHENTICATOR is not a class name: $authenticator"
 [[ $authorizer =~ ^[A-Za-z0-9.]+$ ]] || fail "CASSANDRA_AUTHORIZER is not a class name: $authorizer"
 [[ $heap =~ ^[0-9]+[MmGg]$ ]] || fail "MAX_HEAP_SIZE is not a size like 1024M or 2G: $heap"
+[[ $internode_tls =~ ^(true|false)$ ]] || fail "CASSANDRA_INTERNODE_TLS is true or false: $internode_tls"
 
 template="$(<"$home/conf/cassandra.yaml.in")"
 # Quoted replacements: bash 5.2 would otherwise read '&' in them as the match.
@@ -431,12 +454,28 @@ client_encryption_options:
   store_type: PKCS12
   require_client_auth: false"
 fi
+if [ "$internode_tls" = true ]; then
+  [ -n "$tls_dir" ] || fail "CASSANDRA_INTERNODE_TLS=true needs CASSANDRA_TLS_DIR"
+  template+="
+server_encryption_options:
+  internode_encryption: all
+  legacy_ssl_storage_port_enabled: false
+  keystore: $conf/keystore.p12
+  keystore_password: \"$password\"
+  truststore: $conf/truststore.p12
+  truststore_password: \"$password\"
+  store_type: PKCS12
+  require_client_auth: true
+  require_endpoint_verification: false"
+fi
 printf '%s\n' "$template" >"$conf/cassandra.yaml"
 printf 'dc=%s\nrack=%s\n' "$dc" "$rack" >"$conf/cassandra-rackdc.properties"
 printf '%s\n' "$heap" >"$conf/heap"
 cql="CQL in plain text"
 [ -z "$tls_dir" ] || cql="CQL over TLS only"
-echo "cassandra: cluster '$cluster', listening on $listen, seeds $seeds, $dc/$rack ($snitch), heap $heap, $authenticator, $authorizer, $cql" >&2
+internode="internode traffic in plain text"
+[ "$internode_tls" != true ] || internode="internode traffic over TLS"
+echo "cassandra: cluster '$cluster', listening on $listen, seeds $seeds, $dc/$rack ($snitch), heap $heap, $authenticator, $authorizer, $cql, $internode" >&2
 """
 
 

@@ -179,6 +179,18 @@ column_value_size_fail_threshold: 2MiB
   truststore_password: "{stores.password}"
   store_type: PKCS12
   require_client_auth: {str(self.require_client_auth).lower()}
+# Between the nodes too: gossip, streaming and mutations, each node checking its peer's
+# certificate against the CA (not its name: a node's address is not known in advance).
+server_encryption_options:
+  internode_encryption: all
+  legacy_ssl_storage_port_enabled: false
+  keystore: {stores.keystore.resolve()}
+  keystore_password: "{stores.password}"
+  truststore: {stores.truststore.resolve()}
+  truststore_password: "{stores.password}"
+  store_type: PKCS12
+  require_client_auth: true
+  require_endpoint_verification: false
 """
 
     def render_rackdc(self) -> str:

@@ -54,12 +54,15 @@ def issue_cert(
     pki: Path, ca_crt: Path, ca_key: Path, name: str, hosts: Sequence[str] = (), *, client: bool = False
 ) -> tuple[Path, Path]:
     """Sign a certificate `name` with the CA: for serving `hosts` (DNS names and/or IPs,
-    in its subjectAltName), or with `client`, for a client to present (mutual TLS)."""
+    in its subjectAltName) and talking to the server's peers, or with `client`, for a client
+    to present (mutual TLS)."""
     crt, key, csr, ext = (pki / f"{name}{s}" for s in (".crt", ".key", ".csr", ".ext"))
     lines = [
         "basicConstraints=critical,CA:FALSE",
         "keyUsage=critical,digitalSignature",
-        f"extendedKeyUsage={'clientAuth' if client else 'serverAuth'}",
+        # A server's certificate is also what it presents to its peers (Cassandra's internode
+        # and ZooKeeper's quorum TLS check each other as clients).
+        f"extendedKeyUsage={'clientAuth' if client else 'serverAuth,clientAuth'}",
         "subjectKeyIdentifier=hash",
         "authorityKeyIdentifier=keyid",
     ]

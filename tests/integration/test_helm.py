@@ -1037,6 +1037,18 @@ def test_the_embedded_backends_are_locked_by_default(tools: Tools) -> None:
     env = {e["name"]: e.get("value") for e in node["env"]}
     assert (env["CASSANDRA_AUTHENTICATOR"], env["CASSANDRA_AUTHORIZER"]) == ("PasswordAuthenticator",
                                                                            "CassandraAuthorizer")
+    # A new release's backends talk to their own peers over TLS too (no release to keep as it runs).
+    member = named(documents, "StatefulSet", "shop-casque-zookeeper")["spec"]["template"]["spec"]["containers"][0]
+    assert env["CASSANDRA_INTERNODE_TLS"] == "true"
+    assert {e["name"]: e.get("value") for e in member["env"]}["ZOO_QUORUM_TLS"] == "true"
+    for certificate in (secret_data(documents, f"shop-casque-{backend}-tls")["tls.crt"]
+                        for backend in ("cassandra", "zookeeper")):
+        usages = subprocess.run(["openssl", "x509", "-noout", "-ext", "extendedKeyUsage"], input=certificate,
+                                capture_output=True, text=True, check=True).stdout
+        assert "TLS Web Server Authentication" in usages and "TLS Web Client Authentication" in usages
+    plain = tools.render("casque", {"backends": {"tls": {"internode": False}}}, release="shop")
+    assert not [e for d in of_kind(plain, "StatefulSet") for c in d["spec"]["template"]["spec"]["containers"]
+                for e in c["env"] if e["name"] in ("CASSANDRA_INTERNODE_TLS", "ZOO_QUORUM_TLS")]
     pod = one(documents, "Deployment")["spec"]["template"]
     (init,) = pod["spec"]["initContainers"]
     path, params = cli_call(init["args"])

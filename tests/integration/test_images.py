@@ -20,6 +20,7 @@ import random
 import re
 import secrets
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -463,23 +464,29 @@ def test_the_backend_containers_serve_clients_over_tls_only_from_a_secrets_pem_f
 
 def test_three_zookeeper_containers_form_an_ensemble_from_zoo_servers(backend_containers: Containers,
                                                                      tmp_path: Path) -> None:
-    """As the chart runs three members: the same ZOO_SERVERS for each, each its own myid in
-    /data (the chart's init container writes it; here the test, into a volume of its own)."""
+    """As the chart runs three members with backends.tls: the same ZOO_SERVERS for each, each
+    its own myid in /data (the chart's init container writes it; here the test, into a volume
+    of its own), clients on the TLS port and the members' own traffic (quorum and election)
+    over TLS, each member presenting the Secret's certificate to the others. Before, the
+    quorum spoke plain text, and anyone on the pod network could read or inject it."""
     from kazoo.client import KazooClient
 
-    ports = [(reserved_port(), reserved_port(), reserved_port()) for _ in range(3)]
+    pem = tls_secret(tmp_path, ["casque-zookeeper.test"])
+    ports = [(reserved_port(), reserved_port(), reserved_port(), reserved_port()) for _ in range(3)]
     servers = " ".join(f"server.{n}=127.0.0.1:{quorum}:{election};{client}"
-                       for n, (client, quorum, election) in enumerate(ports, start=1))
+                       for n, (client, quorum, election, _) in enumerate(ports, start=1))
     members = []
-    for n, (client_port, _, _) in enumerate(ports, start=1):
+    for n, (client_port, _, _, secure_port) in enumerate(ports, start=1):
         data = tmp_path / f"data-{n}"
         data.mkdir()
         (data / "myid").write_text(f"{n}\n")
         os.chown(data, IMAGE_USER, IMAGE_USER)
         members.append(backend_containers.start(
             backend_containers.images.zookeeper,  # type: ignore[union-attr]
-            options=(*env_options({"ZOO_SERVERS": servers, "ZOO_CLIENT_PORT": str(client_port), "ZOO_HEAP_MB": "128"}),
-                     "--volume", f"{data}:/data"),
+            options=(*env_options({"ZOO_SERVERS": servers, "ZOO_CLIENT_PORT": str(client_port), "ZOO_HEAP_MB": "128",
+                                   "ZOO_TLS_DIR": "/etc/casque-tls", "ZOO_SECURE_CLIENT_PORT": str(secure_port),
+                                   "ZOO_QUORUM_TLS": "true"}),
+                     "--volume", f"{data}:/data", "--volume", f"{pem}:/etc/casque-tls:ro"),
         ))
 
     def all_serving() -> bool:
@@ -491,13 +498,19 @@ def test_three_zookeeper_containers_form_an_ensemble_from_zoo_servers(backend_co
 
     wait_for("all three members' `serving` to succeed", all_serving, timeout=180)
     modes = []
-    for (_, _, name), (client_port, _, _) in zip(members, ports):
+    for (_, _, name), (client_port, _, _, _) in zip(members, ports):
         answer = podman("exec", name, "bash", "-c",
                         f"exec 3<>/dev/tcp/127.0.0.1/{client_port}; printf srvr >&3; cat <&3").stdout
         modes += [line.split(":", 1)[1].strip() for line in answer.splitlines() if line.startswith("Mode:")]
     assert sorted(modes) == ["follower", "follower", "leader"]
-    writer = KazooClient(hosts=f"127.0.0.1:{ports[0][0]}", timeout=10.0)
-    reader = KazooClient(hosts=f"127.0.0.1:{ports[2][0]}", timeout=10.0)
+    # Every member's election port speaks TLS, and takes only a peer with a certificate of the CA.
+    for _, _, election, _ in ports:
+        assert tls_handshake("127.0.0.1", election, pem, with_certificate=True), election
+        assert not tls_handshake("127.0.0.1", election, pem, with_certificate=False), election
+    tls = zk.tls_options(Settings(zookeeper_tls=ZooKeeperTlsSettings(enabled=True, ca_file=pem / "ca.crt",
+                                                                    verify_hostname=False)))
+    writer = KazooClient(hosts=f"127.0.0.1:{ports[0][3]}", timeout=10.0, **tls)
+    reader = KazooClient(hosts=f"127.0.0.1:{ports[2][3]}", timeout=10.0, **tls)
     writer.start(timeout=30)
     reader.start(timeout=30)
     try:
@@ -508,6 +521,26 @@ def test_three_zookeeper_containers_form_an_ensemble_from_zoo_servers(backend_co
         for client in (writer, reader):
             client.stop()
             client.close()
+
+
+def tls_handshake(address: str, port: int, pem: Path, *, with_certificate: bool) -> bool:
+    """Whether a TLS client trusting the Secret's CA completes a handshake there, and the
+    server then takes it (a server that requires a peer's certificate ends a connection without
+    one at once; TLS 1.3 tells the client only when it next reads)."""
+    context = ssl.create_default_context(cafile=str(pem / "ca.crt"))
+    context.check_hostname = False
+    if with_certificate:
+        context.load_cert_chain(str(pem / "tls.crt"), str(pem / "tls.key"))
+    try:
+        with socket.create_connection((address, port), timeout=10) as raw, \
+                context.wrap_socket(raw, server_hostname=address) as tls:
+            tls.settimeout(2)
+            try:
+                return tls.recv(1) != b""  # a peer's protocol speaks first: still taken
+            except TimeoutError:
+                return True  # nothing said, nothing refused
+    except (ssl.SSLError, ConnectionError, OSError):
+        return False
 
 
 def test_the_cassandra_container_takes_logins_only_once_secured_takes_a_table_and_stops_on_sigterm(
@@ -600,10 +633,13 @@ def test_the_cassandra_container_takes_logins_only_once_secured_takes_a_table_an
 DEFAULT_LOGIN = (DEFAULT_SUPERUSER, DEFAULT_PASSWORD)
 
 
-def installation_settings(address: str, password: str) -> Settings:
-    """What the chart's operator init container runs `secure-cassandra` with, for one node."""
+def installation_settings(address: str, password: str, ca: Path | None = None) -> Settings:
+    """What the chart's operator init container runs `secure-cassandra` with, for one node
+    (over TLS trusting `ca`, if given; a node's address is not a name its certificate carries)."""
+    tls = CassandraTlsSettings() if ca is None else CassandraTlsSettings(enabled=True, ca_file=ca,
+                                                                         verify_hostname=False)
     return Settings(cassandra_contact_points=[address], cassandra_local_dc="dc1", cassandra_username="casque",
-                    cassandra_password=SecretStr(password),
+                    cassandra_password=SecretStr(password), cassandra_tls=tls,
                     replication=ReplicationSettings(strategy="NetworkTopologyStrategy", datacenters={"dc1": 1}))
 
 
@@ -618,10 +654,11 @@ class RingNode:
     """One casque-cassandra container of a ring on a podman network, and a driver session
     that talks to it alone: in a ring, what a node says is per node."""
 
-    def __init__(self, name: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    def __init__(self, name: str, process: subprocess.Popen[bytes], log: Path, ca: Path | None = None) -> None:
         self.name = name
         self.process = process
         self.log = log
+        self.ca = ca  # CQL over TLS, trusting this CA
         self.address = ""
         self.cluster: Any = None
         self.session: Any = None
@@ -658,7 +695,7 @@ class RingNode:
         self.address = listening.group(1)
         only_this = ExecutionProfile(load_balancing_policy=WhiteListRoundRobinPolicy([self.address]))
         cluster = Cluster([self.address], connect_timeout=5, execution_profiles={EXEC_PROFILE_DEFAULT: only_this},
-                          auth_provider=PlainTextAuthProvider(*self.credentials))
+                          auth_provider=PlainTextAuthProvider(*self.credentials), ssl_context=self._tls())
         try:
             self.session = cluster.connect()
         except Exception:
@@ -666,6 +703,13 @@ class RingNode:
             return False
         self.cluster = cluster
         return True
+
+    def _tls(self) -> ssl.SSLContext | None:
+        if self.ca is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.check_hostname = False
+        return context
 
     def gossip(self) -> dict[str, str]:
         """What this node's gossip says of each node it knows, itself included: address, and
@@ -688,17 +732,21 @@ class RingNode:
 # Three JVMs start one after the other, each joining node waits out Cassandra's ring delay (30 s).
 @pytest.mark.timeout(1200)
 def test_three_cassandra_containers_form_a_ring_that_reads_at_quorum_with_a_node_down(
-    backend_containers: Containers,
+    backend_containers: Containers, tmp_path: Path,
 ) -> None:
-    """As the chart runs a ring: one CASSANDRA_SEEDS for every node (the first), each node's
-    address what its name resolves to, one at a time, for Cassandra bootstraps one node at a
-    time and a node joins only once the ring it joins agrees on who is in it."""
+    """As the chart runs a ring with backends.tls: one CASSANDRA_SEEDS for every node (the
+    first), each node's address what its name resolves to, one at a time, for Cassandra
+    bootstraps one node at a time and a node joins only once the ring it joins agrees on who
+    is in it; clients over TLS, and the nodes' own traffic (gossip, streaming, mutations) over
+    TLS too, each node presenting the Secret's certificate to the others. Before, that traffic
+    was plain text to anyone on the pod network."""
     from cassandra import ConsistencyLevel, Unavailable
     from cassandra.policies import FallthroughRetryPolicy
     from cassandra.query import SimpleStatement
 
     network = backend_containers.network()
     names = [backend_containers.name() for _ in range(3)]
+    pem = tls_secret(tmp_path, names)
     nodes: list[RingNode] = []
     first_started = time.monotonic()
     try:
@@ -709,9 +757,11 @@ def test_three_cassandra_containers_form_a_ring_that_reads_at_quorum_with_a_node
                 name=name, network=network,
                 options=(*env_options({"CASSANDRA_CLUSTER_NAME": "casque-ring-test", "CASSANDRA_SEEDS": names[0],
                                        "CASSANDRA_DC": "dc1", "CASSANDRA_RACK": f"rack{n}",
-                                       "MAX_HEAP_SIZE": RING_HEAP}), "--memory", RING_MEMORY),
+                                       "MAX_HEAP_SIZE": RING_HEAP, "CASSANDRA_TLS_DIR": "/etc/casque-tls",
+                                       "CASSANDRA_INTERNODE_TLS": "true"}),
+                         "--volume", f"{pem}:/etc/casque-tls:ro", "--memory", RING_MEMORY),
             )
-            node = RingNode(name, process, log)
+            node = RingNode(name, process, log, ca=pem / "ca.crt")
             nodes.append(node)
 
             def joined() -> bool:
@@ -735,10 +785,15 @@ def test_three_cassandra_containers_form_a_ring_that_reads_at_quorum_with_a_node
 
         first, second, third = nodes
         assert len({node.address for node in nodes}) == 3
+        assert "internode traffic over TLS" in first.log.read_text(errors="replace")
+        # The storage port speaks TLS, and takes only a peer with a certificate of the CA.
+        for node in nodes:
+            assert tls_handshake(node.address, 7000, pem, with_certificate=True), node.name
+            assert not tls_handshake(node.address, 7000, pem, with_certificate=False), node.name
         # As the chart's operator pods do, once every node is up: system_auth gets a replica on
         # each node, so that a login survives a node's loss.
         password = secrets.token_urlsafe(32)
-        settings = installation_settings(first.address, password).model_copy(
+        settings = installation_settings(first.address, password, ca=pem / "ca.crt").model_copy(
             update={"replication": ReplicationSettings(strategy="NetworkTopologyStrategy", datacenters={"dc1": 3})})
         secured = secure_cassandra(settings)
         assert secured.role_created and secured.default_disabled and secured.replication_changed

@@ -476,3 +476,58 @@ def test_zookeeper_serves_clients_over_tls_and_plain_text_on_its_loopback_only(
         line.replace(";2181", ";127.0.0.1:2181") for line in servers]
     password = (conf / "store-password").read_text()
     assert "PrivateKeyEntry" in store_entries(conf / "keystore.p12", password)
+
+
+def test_cassandra_internode_traffic_over_tls_when_asked_with_the_same_stores(
+    contexts: dict[str, Path], tmp_path: Path, pem_dir: Path,
+) -> None:
+    result = render_cassandra(contexts["cassandra"], tmp_path, CASSANDRA_LISTEN_ADDRESS="10.0.0.1",
+                              CASSANDRA_TLS_DIR=str(pem_dir), CASSANDRA_INTERNODE_TLS="true")
+    assert result.returncode == 0, result.stderr
+    assert "internode traffic over TLS" in result.stderr
+    conf = tmp_path / "conf"
+    config = yaml.safe_load((conf / "cassandra.yaml").read_text())
+    server, client = config["server_encryption_options"], config["client_encryption_options"]
+    assert (server["internode_encryption"], server["legacy_ssl_storage_port_enabled"]) == ("all", False)
+    # Each node proves itself to its peers with the CA's certificate; no peer's name is known.
+    assert (server["require_client_auth"], server["require_endpoint_verification"]) == (True, False)
+    for key in ("keystore", "keystore_password", "truststore", "truststore_password", "store_type"):
+        assert server[key] == client[key], key
+
+
+def test_cassandra_internode_traffic_stays_plain_unless_asked_and_needs_the_pem_files(
+    contexts: dict[str, Path], tmp_path: Path, pem_dir: Path,
+) -> None:
+    plain = render_cassandra(contexts["cassandra"], tmp_path, CASSANDRA_LISTEN_ADDRESS="10.0.0.1",
+                             CASSANDRA_TLS_DIR=str(pem_dir))
+    assert "server_encryption_options" not in yaml.safe_load((tmp_path / "conf" / "cassandra.yaml").read_text())
+    assert "internode traffic in plain text" in plain.stderr
+    for env, error in (({"CASSANDRA_INTERNODE_TLS": "true"}, "CASSANDRA_INTERNODE_TLS=true needs CASSANDRA_TLS_DIR"),
+                       ({"CASSANDRA_INTERNODE_TLS": "yes", "CASSANDRA_TLS_DIR": str(pem_dir)}, "true or false")):
+        (tmp_path / "refused").mkdir(exist_ok=True)
+        refused = render_cassandra(contexts["cassandra"], tmp_path / "refused", CASSANDRA_LISTEN_ADDRESS="10.0.0.1",
+                                   **env)
+        assert refused.returncode == 2 and error in refused.stderr, refused.stderr
+
+
+def test_zookeeper_members_talk_over_tls_when_asked(contexts: dict[str, Path], tmp_path: Path, pem_dir: Path) -> None:
+    servers = [f"server.{n}=zk-{n - 1}.zk-peers.ns.svc.cluster.local:2888:3888;2181" for n in (1, 2, 3)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "myid").write_text("1\n")
+    result = render_zookeeper(contexts["zookeeper"], tmp_path, ZOO_SERVERS=" ".join(servers),
+                              ZOO_TLS_DIR=str(pem_dir), ZOO_QUORUM_TLS="true")
+    assert result.returncode == 0, result.stderr
+    conf, cfg = tmp_path / "conf", zoo_cfg(tmp_path)
+    assert cfg["sslQuorum"] == "true" and cfg["ssl.quorum.hostnameVerification"] == "false"
+    assert cfg["ssl.quorum.keyStore.location"] == cfg["ssl.keyStore.location"] == str(conf / "keystore.p12")
+    assert cfg["ssl.quorum.trustStore.location"] == cfg["ssl.trustStore.location"]
+    assert cfg["ssl.quorum.keyStore.passwordPath"] == cfg["ssl.quorum.trustStore.passwordPath"] == str(
+        conf / "store-password")
+    (tmp_path / "plain" / "data").mkdir(parents=True)
+    (tmp_path / "plain" / "data" / "myid").write_text("1\n")
+    (tmp_path / "refused").mkdir()
+    plain = render_zookeeper(contexts["zookeeper"], tmp_path / "plain", ZOO_SERVERS=" ".join(servers),
+                             ZOO_TLS_DIR=str(pem_dir))
+    assert plain.returncode == 0 and "sslQuorum" not in zoo_cfg(tmp_path / "plain")
+    refused = render_zookeeper(contexts["zookeeper"], tmp_path / "refused", ZOO_QUORUM_TLS="true")
+    assert refused.returncode == 2 and "ZOO_QUORUM_TLS=true needs ZOO_TLS_DIR" in refused.stderr

@@ -48,8 +48,13 @@ def test_cassandra_serves_cql_over_tls_only_with_client_certificates_and_passwor
     assert encryption["require_client_auth"] is True and encryption["store_type"] == "PKCS12"
     assert Path(encryption["keystore"]).exists() and Path(encryption["truststore"]).exists()
     assert config["authenticator"] == "PasswordAuthenticator"
+    # A ring's nodes talk over TLS too, each presenting its certificate to the others.
+    internode = config["server_encryption_options"]
+    assert internode["internode_encryption"] == "all" and internode["require_client_auth"] is True
+    assert (internode["keystore"], internode["truststore"]) == (encryption["keystore"], encryption["truststore"])
     plain = yaml.safe_load(Stack(stack.root).cassandra_nodes()[0].render_yaml())
     assert "client_encryption_options" not in plain and plain["authenticator"] == "AllowAllAuthenticator"
+    assert "server_encryption_options" not in plain
 
 
 def test_zookeeper_adds_a_tls_port_next_to_its_plaintext_one(stack: Stack) -> None:

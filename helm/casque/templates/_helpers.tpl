@@ -310,6 +310,39 @@ other kind.
 {{- end -}}
 {{- end -}}
 
+{{/* Whether a backend's pods talk to each other over TLS (list . "cassandra"
+     "CASSANDRA_INTERNODE_TLS"): backends.tls.internode when true or false; null: on for a new
+     release, and for an existing one as its StatefulSet runs now (the variable set to "true"
+     in its pod template), since a ring or an ensemble whose pods disagree cannot talk. */}}
+{{- define "casque.backendPeerTls" -}}
+{{- $root := index . 0 -}}
+{{- $variable := index . 2 -}}
+{{- if include "casque.embeddedTls" $root -}}
+{{- $wanted := $root.Values.backends.tls.internode -}}
+{{- if kindIs "invalid" $wanted -}}
+{{- $running := lookup "apps/v1" "StatefulSet" $root.Release.Namespace (include "casque.backendName" (list $root (index . 1))) -}}
+{{- if $running -}}
+{{- range $container := $running.spec.template.spec.containers -}}
+{{- range $env := $container.env | default list -}}
+{{- if and (eq $env.name $variable) (eq (toString $env.value) "true") }}true{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- else -}}
+true
+{{- end -}}
+{{- else if $wanted -}}
+true
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "casque.backendPeerTlsEnv" -}}
+{{- if include "casque.backendPeerTls" . }}
+- name: {{ index . 2 }}
+  value: "true"
+{{- end -}}
+{{- end -}}
+
 {{- define "casque.backendTlsMount" -}}
 {{- if include "casque.embeddedTls" (index . 0) }}
 - {name: tls, mountPath: /etc/casque-tls, readOnly: true}
