@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 from kazoo.client import KazooClient
 
-from casque.devstack.kube import free_port
 from casque.devstack.zookeeper import ZooKeeperServer
-from tests.fixtures.waiting import wait_for
+from tests.fixtures.waiting import reserved_port, wait_for
 
 CAP = 6
 
@@ -27,7 +26,7 @@ CAP = 6
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperServer]:
     directory: Path = tmp_path_factory.mktemp("zookeeper-limits")
-    started = ZooKeeperServer(directory, client_port=free_port(), max_client_connections=CAP)
+    started = ZooKeeperServer(directory, client_port=reserved_port(), max_client_connections=CAP)
     started.start()
     try:
         wait_for("the capped ZooKeeper to serve", lambda: started.mode() == "standalone", timeout=90)
