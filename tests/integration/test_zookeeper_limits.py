@@ -42,14 +42,16 @@ def session(server: ZooKeeperServer) -> KazooClient:
 
 
 def closed_by_the_server(server: ZooKeeperServer) -> bool:
-    """Whether a new connection from this address is closed before it says anything."""
-    with socket.create_connection((server.address, server.client_port), timeout=30) as sock:
-        try:
-            return sock.recv(1) == b""
-        except ConnectionResetError:
-            return True
-        except TimeoutError:
-            return False  # held open: the server waits for the handshake
+    """Whether a new connection from this address is closed before it says anything (so
+    soon, on a loaded machine, that the connect itself meets the closed socket)."""
+    try:
+        with socket.create_connection((server.address, server.client_port), timeout=30) as sock:
+            try:
+                return sock.recv(1) == b""
+            except TimeoutError:
+                return False  # held open: the server waits for the handshake
+    except (BrokenPipeError, ConnectionResetError):
+        return True
 
 
 def test_one_address_holds_no_more_connections_than_the_cap(server: ZooKeeperServer) -> None:
