@@ -161,6 +161,8 @@ if [ -n "$tls_dir" ]; then
     "ssl.trustStore.location=$conf/truststore.p12" "ssl.trustStore.type=PKCS12"
     "ssl.trustStore.passwordPath=$conf/store-password"
     "ssl.clientAuth=none"
+    # New stores (bin/start makes them when the PEM files change) are read without a restart.
+    "client.certReload=true"
   )
   if [ "$quorum_tls" = true ]; then
     # The quorum's TLS: a member checks its peer's certificate against the CA, not its name
@@ -172,6 +174,7 @@ if [ -n "$tls_dir" ]; then
       "ssl.quorum.trustStore.location=$conf/truststore.p12" "ssl.quorum.trustStore.type=PKCS12"
       "ssl.quorum.trustStore.passwordPath=$conf/store-password"
       "ssl.quorum.hostnameVerification=false"
+      "sslQuorumReloadCertFiles=true"
     )
   fi
 fi
@@ -196,22 +199,47 @@ echo "$conf/zoo.cfg"
 
 # Shared by both images: Java servers read key stores, Kubernetes Secrets hold PEM files.
 STORES = r"""#!/bin/bash
-# stores <pem-dir> <out-dir>: <out-dir>/keystore.p12 (tls.key with tls.crt) and
+# stores <pem-dir> <out-dir> [again]: <out-dir>/keystore.p12 (tls.key with tls.crt) and
 # truststore.p12 (ca.crt) from the PEM files of <pem-dir>, both under the random password
 # written to <out-dir>/store-password. The stores guard nothing the PEM files do not: the
 # password only satisfies the store format (casque/devstack/backend_images.py made this).
+# `again`: new stores from renewed PEM files under the password the server already holds,
+# each moved into place whole, so that a server that watches them never reads half of one.
 set -euo pipefail
-pem="$1" out="$2"
+pem="$1" out="$2" again="${3:-}"
 umask 077
 mkdir -p "$out"
-rm -f "$out/keystore.p12" "$out/truststore.p12"
-head -c 24 /dev/urandom | base64 | tr -d '/+=\n' >"$out/store-password"
+if [ "$again" != again ] || [ ! -s "$out/store-password" ]; then
+  head -c 24 /dev/urandom | base64 | tr -d '/+=\n' >"$out/store-password"
+fi
 password="$(<"$out/store-password")"
+rm -f "$out/keystore.p12.new" "$out/truststore.p12.new"
 openssl pkcs12 -export -in "$pem/tls.crt" -inkey "$pem/tls.key" -name server \
-  -out "$out/keystore.p12" -passout "pass:$password"
+  -out "$out/keystore.p12.new" -passout "pass:$password"
 # A trusted certificate entry, which only keytool writes in the form Java reads as trust.
-keytool -importcert -noprompt -alias ca -file "$pem/ca.crt" -keystore "$out/truststore.p12" \
+keytool -importcert -noprompt -alias ca -file "$pem/ca.crt" -keystore "$out/truststore.p12.new" \
   -storetype PKCS12 -storepass "$password" >/dev/null
+mv -f "$out/truststore.p12.new" "$out/truststore.p12"
+mv -f "$out/keystore.p12.new" "$out/keystore.p12"
+"""
+
+# Started before the JVM takes the script's place: while the server runs, new stores whenever
+# the mounted PEM files change (Kubernetes updates a mounted Secret in place: a renewal by
+# cert-manager, or the chart's new certificate). {tls_dir} and {conf} are shell expressions.
+STORES_REFRESH = r"""
+refresh_stores() {{
+  local seen now
+  seen="$(cat "{tls_dir}/tls.crt" "{tls_dir}/tls.key" "{tls_dir}/ca.crt" | openssl dgst -sha256)"
+  while sleep "${{TLS_CHECK_SECONDS:-30}}"; do
+    now="$(cat "{tls_dir}/tls.crt" "{tls_dir}/tls.key" "{tls_dir}/ca.crt" 2>/dev/null | openssl dgst -sha256)" \
+      || continue
+    [ "$now" != "$seen" ] || continue
+    if "$(dirname "$0")/stores" "{tls_dir}" "{conf}" again; then
+      seen="$now"
+      echo "stores: renewed certificate from {tls_dir} taken up" >&2
+    fi
+  done
+}}
 """
 
 ZOOKEEPER_SERVING = r"""#!/bin/bash
@@ -268,6 +296,9 @@ if [ -n "${{ZOO_SUPER_USERNAME:-}}" ]; then
   args=("-Dzookeeper.DigestAuthenticationProvider.superDigest=$ZOO_SUPER_USERNAME:$digest" "${{args[@]}}")
 fi
 unset ZOO_SUPER_PASSWORD
+{STORES_REFRESH.format(tls_dir="$ZOO_TLS_DIR", conf="$conf")}
+# The server reloads the stores it watches (client.certReload, sslQuorumReloadCertFiles).
+[ -z "${{ZOO_TLS_DIR:-}}" ] || refresh_stores &
 exec java "${{args[@]}}"
 """
 

@@ -462,6 +462,71 @@ def test_the_backend_containers_serve_clients_over_tls_only_from_a_secrets_pem_f
             enabled=True, ca_file=pem / "ca.crt", server_hostname="elsewhere.test")}))
 
 
+def test_the_zookeeper_container_takes_up_a_renewed_certificate_without_a_restart(
+    backend_containers: Containers, tmp_path: Path,
+) -> None:
+    """cert-manager renews the backends' certificates in their Secret, and Kubernetes updates
+    the mounted files in place. Before, the container made its stores once, at start: it went
+    on serving the old certificate until its pod restarted, past that certificate's expiry if
+    nobody restarted it. Now it makes new stores when the files change, and ZooKeeper reads
+    them: a new client meets the renewed certificate, and a client connected before goes on."""
+    from kazoo.client import KazooClient
+
+    name = "casque-zookeeper.test"
+    pem = tls_secret(tmp_path, [name])
+    zookeeper, log, zookeeper_name = backend_containers.start(
+        backend_containers.images.zookeeper,  # type: ignore[union-attr]
+        network=backend_containers.network(),
+        options=(*env_options({"ZOO_TLS_DIR": "/etc/casque-tls", "ZOO_HEAP_MB": "128", "TLS_CHECK_SECONDS": "1"}),
+                 "--volume", f"{pem}:/etc/casque-tls:ro"))
+
+    def serving() -> bool:
+        if zookeeper.poll() is not None:
+            pytest.fail(f"the ZooKeeper container exited {zookeeper.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+        return podman("exec", zookeeper_name, "/opt/zookeeper/bin/serving", check=False).returncode == 0
+
+    wait_for("ZooKeeper's `serving` to succeed", serving, timeout=120)
+    address = container_address(zookeeper_name)
+    first = ssl.PEM_cert_to_DER_cert((pem / "tls.crt").read_text())
+    assert served_certificate(address, 2281, pem) == first
+    tls = zk.tls_options(Settings(zookeeper_tls=ZooKeeperTlsSettings(enabled=True, ca_file=pem / "ca.crt",
+                                                                    verify_hostname=False)))
+    before = KazooClient(hosts=f"{address}:2281", timeout=10.0, **tls)
+    before.start(timeout=30)
+    try:
+        before.create("/casque-image/renewal", b"before", makepath=True)
+        # The renewal: a new key and certificate from the same CA, written as the kubelet does.
+        crt, key = issue_cert(tmp_path / "pki", tmp_path / "pki" / "ca.crt", tmp_path / "pki" / "ca.key",
+                              "renewed", [name])
+        for source, target in ((key, "tls.key"), (crt, "tls.crt")):
+            staged = pem / f".{target}.new"
+            staged.write_bytes(source.read_bytes())
+            staged.chmod(0o644)
+            staged.replace(pem / target)
+        renewed = ssl.PEM_cert_to_DER_cert(crt.read_text())
+        assert renewed != first
+        wait_for("ZooKeeper to serve the renewed certificate",
+                 lambda: served_certificate(address, 2281, pem) == renewed, timeout=120)
+        assert "renewed certificate from /etc/casque-tls taken up" in log.read_text(errors="replace")
+        assert zookeeper.poll() is None  # no restart
+        assert_round_trip(KazooClient(hosts=f"{address}:2281", timeout=10.0, **tls), "/casque-image/after-renewal")
+        assert before.get("/casque-image/renewal")[0] == b"before"
+    finally:
+        before.stop()
+        before.close()
+
+
+def served_certificate(address: str, port: int, pem: Path) -> bytes:
+    """The certificate (DER) a TLS server there presents, checked against the Secret's CA."""
+    context = ssl.create_default_context(cafile=str(pem / "ca.crt"))
+    context.check_hostname = False
+    with socket.create_connection((address, port), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname=address) as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
 def test_three_zookeeper_containers_form_an_ensemble_from_zoo_servers(backend_containers: Containers,
                                                                      tmp_path: Path) -> None:
     """As the chart runs three members with backends.tls: the same ZOO_SERVERS for each, each

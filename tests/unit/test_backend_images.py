@@ -531,3 +531,35 @@ def test_zookeeper_members_talk_over_tls_when_asked(contexts: dict[str, Path], t
     assert plain.returncode == 0 and "sslQuorum" not in zoo_cfg(tmp_path / "plain")
     refused = render_zookeeper(contexts["zookeeper"], tmp_path / "refused", ZOO_QUORUM_TLS="true")
     assert refused.returncode == 2 and "ZOO_QUORUM_TLS=true needs ZOO_TLS_DIR" in refused.stderr
+
+
+def test_renewed_pem_files_make_new_stores_under_the_password_the_server_holds(
+    contexts: dict[str, Path], tmp_path: Path, pem_dir: Path,
+) -> None:
+    stores = contexts["zookeeper"] / "bin" / "stores"
+    out = tmp_path / "conf"
+    subprocess.run([str(stores), str(pem_dir), str(out)], check=True)
+    password = (out / "store-password").read_text()
+    first = (out / "keystore.p12").read_bytes()
+    subprocess.run([str(stores), str(pem_dir), str(out), "again"], check=True)
+    assert (out / "store-password").read_text() == password  # the running server's stays good
+    assert (out / "keystore.p12").read_bytes() != first  # made anew (a new salt at least)
+    assert "PrivateKeyEntry" in store_entries(out / "keystore.p12", password)
+    assert not list(out.glob("*.new"))
+    subprocess.run([str(stores), str(pem_dir), str(out)], check=True)
+    assert (out / "store-password").read_text() != password  # a start makes its own
+
+
+def test_zookeeper_reloads_the_stores_that_bin_start_renews(
+    contexts: dict[str, Path], tmp_path: Path, pem_dir: Path,
+) -> None:
+    start = (contexts["zookeeper"] / "bin" / "start").read_text()
+    assert 'refresh_stores &' in start and start.index("refresh_stores &") < start.index("exec java")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "myid").write_text("1\n")
+    servers = "server.1=zk-0.peers:2888:3888;2181 server.2=zk-1.peers:2888:3888;2181"
+    result = render_zookeeper(contexts["zookeeper"], tmp_path, ZOO_SERVERS=servers, ZOO_TLS_DIR=str(pem_dir),
+                              ZOO_QUORUM_TLS="true")
+    assert result.returncode == 0, result.stderr
+    cfg = zoo_cfg(tmp_path)
+    assert (cfg["client.certReload"], cfg["sslQuorumReloadCertFiles"]) == ("true", "true")
