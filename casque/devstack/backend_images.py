@@ -474,15 +474,17 @@ if [ -n "$tls_dir" ]; then
   # Cassandra reads PKCS12 stores: made here from the PEM files, under a password made now.
   "$(dirname "$0")/stores" "$tls_dir" "$conf"
   password="$(<"$conf/store-password")"
-  template+="
-client_encryption_options:
-  enabled: true
-  optional: false
+  # The same stores for clients and, with CASSANDRA_INTERNODE_TLS, for peers.
+  stores="
   keystore: $conf/keystore.p12
   keystore_password: \"$password\"
   truststore: $conf/truststore.p12
   truststore_password: \"$password\"
-  store_type: PKCS12
+  store_type: PKCS12"
+  template+="
+client_encryption_options:
+  enabled: true
+  optional: false$stores
   require_client_auth: false"
 fi
 if [ "$internode_tls" = true ]; then
@@ -490,12 +492,7 @@ if [ "$internode_tls" = true ]; then
   template+="
 server_encryption_options:
   internode_encryption: all
-  legacy_ssl_storage_port_enabled: false
-  keystore: $conf/keystore.p12
-  keystore_password: \"$password\"
-  truststore: $conf/truststore.p12
-  truststore_password: \"$password\"
-  store_type: PKCS12
+  legacy_ssl_storage_port_enabled: false$stores
   require_client_auth: true
   require_endpoint_verification: false"
 fi

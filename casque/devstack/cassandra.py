@@ -170,26 +170,20 @@ column_value_size_fail_threshold: 2MiB
         if self.pki is None:
             return ""
         stores = self.pki.stores
+        # The same stores for clients and peers, indented under either section.
+        keys = (f"  keystore: {stores.keystore.resolve()}\n  keystore_password: \"{stores.password}\"\n"
+                f"  truststore: {stores.truststore.resolve()}\n  truststore_password: \"{stores.password}\"\n"
+                "  store_type: PKCS12\n")
         return f"""client_encryption_options:
   enabled: true
   optional: false
-  keystore: {stores.keystore.resolve()}
-  keystore_password: "{stores.password}"
-  truststore: {stores.truststore.resolve()}
-  truststore_password: "{stores.password}"
-  store_type: PKCS12
-  require_client_auth: {str(self.require_client_auth).lower()}
+{keys}  require_client_auth: {str(self.require_client_auth).lower()}
 # Between the nodes too: gossip, streaming and mutations, each node checking its peer's
 # certificate against the CA (not its name: a node's address is not known in advance).
 server_encryption_options:
   internode_encryption: all
   legacy_ssl_storage_port_enabled: false
-  keystore: {stores.keystore.resolve()}
-  keystore_password: "{stores.password}"
-  truststore: {stores.truststore.resolve()}
-  truststore_password: "{stores.password}"
-  store_type: PKCS12
-  require_client_auth: true
+{keys}  require_client_auth: true
   require_endpoint_verification: false
 """
 
