@@ -327,6 +327,9 @@ class ClaimReader:
                 if outcome is Completion.LOST:
                     self.drop("taken over before it was completed")
                     return
+                if outcome is Completion.ENDED:
+                    self.drop("its shard went to leased delivery, which reads the range's acks from their rows")
+                    return
                 # DONE, or MOOT (a seek replays or skips the range).
                 self.sharing.completed(self, offset, written=outcome is Completion.DONE)
                 self._dropped = True

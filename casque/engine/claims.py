@@ -44,7 +44,9 @@ Recipe, per subscriber and shard (paths in casque.znodes):
   offset, assert in their multi that the shard has no lease znode (a create and a delete of
   it, which fail together while it exists); a member that acquires a lease ends the shard's
   claims (each once released or out of time) and deletes its cursor (`end_sharing`) before
-  it reads the offset and the ack rows. A claim's holder checks the claim after each ack
+  it reads the offset and the ack rows. A completion asserts the same: once the lease exists
+  it deletes its claim and leaves the offset alone, since the claims above it may be gone
+  already and the next open start or the cursor would pass ranges nobody finished. A claim's holder checks the claim after each ack
   row, so an ack answered `acked` was written before the claim went, and the leased reader,
   reading after, sees it; one written after is refused. Without the cursor, shared members
   of a later switch back claim from the offset again, not past ranges whose claims went.
@@ -129,6 +131,7 @@ class Completion(Enum):
     DONE = "done"  # the claim is gone and the offset covers what it allows
     LOST = "lost"  # another member took the claim over (or it was removed): nothing written
     MOOT = "moot"  # a seek moved the shard to another epoch: the range no longer counts
+    ENDED = "ended"  # a member in leased delivery holds the shard: the claim is deleted, the offset left alone
 
 
 # A backlog of up to this many messages is claimed whole, not split over the group's members:
@@ -349,9 +352,13 @@ async def complete(client: KazooClient, paths: SubscriberPaths, record: ClaimRec
         bound = cursor.next if cursor is not None and cursor.epoch == epoch else record.end
         target = max(offset, min([*starts, bound]))
         transaction = client.transaction()
+        _assert_unleased(transaction, paths, record.shard)
         transaction.delete(f"{paths.claims(record.shard)}/{record.name}", record.version)
         transaction.set_data(paths.offset(record.shard), encode_offset(target, epoch), offset_stat.version)
-        results = await zk.call(transaction.commit_async)
+        try:
+            results = _past_lease_check(await zk.call(transaction.commit_async), record.shard)
+        except ShardLeased:
+            return await _end_under_lease(client, paths, record), offset
         claim_result, offset_result = results
         if isinstance(claim_result, (BadVersionError, NoNodeError)):
             return Completion.LOST, offset
@@ -359,6 +366,19 @@ async def complete(client: KazooClient, paths: SubscriberPaths, record: ClaimRec
             continue  # another completion or a seek came first: read again
         _raise_failure(results, "completing a claim")
         return Completion.DONE, target
+
+
+async def _end_under_lease(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord) -> Completion:
+    """A finished range of a shard a member in leased delivery now holds: `end_sharing` may
+    have deleted claims above it already, so moving the offset past the range (to the next
+    claim still open, or the cursor) could pass ranges whose messages nobody acked. The
+    offset stays; the leased reader reads it after every claim is gone and finds this
+    range's acks in their rows. Deleting the claim now spares it the wait for its time."""
+    try:
+        await zk.call(client.delete_async, f"{paths.claims(record.shard)}/{record.name}", record.version)
+    except (BadVersionError, NoNodeError):
+        return Completion.LOST
+    return Completion.ENDED
 
 
 async def end_sharing(client: KazooClient, paths: SubscriberPaths, shard: int, now_ms: Callable[[], int],

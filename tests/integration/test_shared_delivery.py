@@ -24,6 +24,7 @@ from casque.errors import CasqueError, LeaseLost, StaleReceipt
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
+from casque.znodes import decode_offset
 from tests.fixtures.positions import heads_of, offsets_of
 
 QUEUE = QueueRef("default", "shared")
@@ -570,3 +571,39 @@ async def test_a_switch_to_leased_delivery_and_back_strands_nothing_left_unacked
         for delivery in await again.receive(max_messages=30, wait=1):
             if await again.ack(delivery.receipt):
                 acked.add(delivery.message.message_id)
+
+
+async def test_a_range_completed_while_a_leased_member_ends_the_claims_does_not_move_the_offset_over_a_released_one(
+    store: Store,
+) -> None:
+    """A switch to leased delivery: the leased member holds the shard's lease and ends its
+    claims, the released ones at once, the one still in use once it goes. A member still in
+    shared delivery then completes its range below them. Had the completion moved the
+    offset as it does in shared delivery (to the lowest claim still open, or the cursor), it
+    would pass the released range, whose claim is already gone, and the leased reader would
+    start above that range's messages, which nobody acked: they would never be delivered."""
+    setup(store, shards=1)
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    await claims.ensure_dirs(store.zk, paths, 0)
+    cursor = await claims.ensure_cursor(store.zk, paths, 0)
+    later_ms = int(time.time() * 1000) + 60_000
+    ranges = []
+    for member in ("finishing", "switched", "finishing"):
+        record, cursor = await claims.claim_range(store.zk, paths, 0, cursor, cursor.next + 1, member, later_ms)
+        assert record is not None and cursor is not None
+        ranges.append(record)
+    finished, released, still_in_use = ranges
+    assert await claims.rewrite(store.zk, paths, released, released.member, 0) is not None
+    store.zk.create(paths.lease(0), b"")  # the leased member's lease
+    ending = asyncio.create_task(claims.end_sharing(store.zk, paths, 0, lambda: int(time.time() * 1000), 0))
+    await until("the released claim is ended", lambda: f"0/{released.name}" not in open_claims(store, [0]))
+
+    outcome, _ = await claims.complete(store.zk, paths, finished)
+    now = await claims.read_claim(store.zk, paths, 0, still_in_use.name)
+    assert now is not None and await claims.rewrite(store.zk, paths, now, now.member, 0) is not None
+    await ending
+
+    offset, _ = decode_offset(store.zk.get(paths.offset(0))[0])
+    assert offset <= released.start, f"the offset moved to {offset}, over the released range at {released.start}"
+    assert outcome is claims.Completion.ENDED
+    assert open_claims(store, [0]) == []
