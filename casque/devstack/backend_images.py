@@ -24,7 +24,7 @@ from pathlib import Path
 
 from casque.devstack import artifacts
 from casque.devstack.artifacts import CASSANDRA, ZOOKEEPER, MavenBundle
-from casque.devstack.cassandra import CassandraNode
+from casque.devstack.cassandra import JAVA17_MODULE_FLAGS, CassandraNode
 from casque.devstack.processes import owner_marker
 from casque.devstack.zookeeper import ZooKeeperServer
 from casque.errors import StackError
@@ -225,7 +225,8 @@ mv -f "$out/keystore.p12.new" "$out/keystore.p12"
 
 # Started before the JVM takes the script's place: while the server runs, new stores whenever
 # the mounted PEM files change (Kubernetes updates a mounted Secret in place: a renewal by
-# cert-manager, or the chart's new certificate). {tls_dir} and {conf} are shell expressions.
+# cert-manager, or the chart's new certificate). {tls_dir} and {conf} are shell expressions,
+# {reload} a command that makes the server read the new stores (tried again until it succeeds).
 STORES_REFRESH = r"""
 refresh_stores() {{
   local seen now
@@ -234,7 +235,7 @@ refresh_stores() {{
     now="$(cat "{tls_dir}/tls.crt" "{tls_dir}/tls.key" "{tls_dir}/ca.crt" 2>/dev/null | openssl dgst -sha256)" \
       || continue
     [ "$now" != "$seen" ] || continue
-    if "$(dirname "$0")/stores" "{tls_dir}" "{conf}" again; then
+    if "$(dirname "$0")/stores" "{tls_dir}" "{conf}" again && {reload}; then
       seen="$now"
       echo "stores: renewed certificate from {tls_dir} taken up" >&2
     fi
@@ -296,8 +297,8 @@ if [ -n "${{ZOO_SUPER_USERNAME:-}}" ]; then
   args=("-Dzookeeper.DigestAuthenticationProvider.superDigest=$ZOO_SUPER_USERNAME:$digest" "${{args[@]}}")
 fi
 unset ZOO_SUPER_PASSWORD
-{STORES_REFRESH.format(tls_dir="$ZOO_TLS_DIR", conf="$conf")}
 # The server reloads the stores it watches (client.certReload, sslQuorumReloadCertFiles).
+{STORES_REFRESH.format(tls_dir="$ZOO_TLS_DIR", conf="$conf", reload=":")}
 [ -z "${{ZOO_TLS_DIR:-}}" ] || refresh_stores &
 exec java "${{args[@]}}"
 """
@@ -376,7 +377,23 @@ heap="$(<"$conf/heap")"
 args=(
 {_shell_words(out)}
 )
+# Cassandra looks at its stores' files by itself only every ten minutes: `nodetool reloadssl`
+# makes it read them now, for clients and peers alike.
+{STORES_REFRESH.format(tls_dir="$CASSANDRA_TLS_DIR", conf="$conf",
+                       reload='"$(dirname "$0")/nodetool" reloadssl')}
+[ -z "${{CASSANDRA_TLS_DIR:-}}" ] || refresh_stores &
 exec java "${{args[@]}}"
+"""
+
+
+def cassandra_nodetool() -> str:
+    return f"""#!/bin/bash
+# nodetool against this container's node, through JMX on 127.0.0.1 (CASSANDRA_JMX_PORT), in a
+# JVM of its own kept small beside the node's.
+set -euo pipefail
+exec java -Xmx128m {" ".join(shlex.quote(flag) for flag in JAVA17_MODULE_FLAGS)} \
+  -Dlogback.configurationFile={CASSANDRA_HOME}/conf/logback-tools.xml -cp "{CASSANDRA_HOME / "lib"}/*" \
+  org.apache.cassandra.tools.NodeTool -h 127.0.0.1 -p "${{CASSANDRA_JMX_PORT:-7199}}" "$@"
 """
 
 
@@ -516,6 +533,8 @@ def write_cassandra(context: Path) -> None:
     _write(context / "bin" / "render-config", CASSANDRA_RENDER, executable=True)
     _write(context / "bin" / "stores", STORES, executable=True)
     _write(context / "bin" / "start", cassandra_start(), executable=True)
+    _write(context / "bin" / "nodetool", cassandra_nodetool(), executable=True)
+    _write(context / "conf" / "logback-tools.xml", '<configuration><root level="WARN"/></configuration>\n')
 
 
 # --- the context -------------------------------------------------------------------------------

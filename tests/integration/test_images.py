@@ -391,13 +391,16 @@ def refused(address: str, port: int) -> bool:
     return False
 
 
-def test_the_backend_containers_serve_clients_over_tls_only_from_a_secrets_pem_files(
+def test_the_backend_containers_serve_tls_only_from_a_secrets_pem_files_and_cassandra_takes_up_a_renewal(
     backend_containers: Containers, tmp_path: Path,
 ) -> None:
     """As the chart runs them with backends.tls: the Secret's PEM files mounted, and
     CASSANDRA_TLS_DIR and ZOO_TLS_DIR naming them. A client that trusts the CA and checks the
     name reaches both; the plain ports refuse (ZooKeeper's plain port serves its own loopback,
-    for the readiness probe, which still answers)."""
+    for the readiness probe, which still answers). Then the certificate is renewed in the
+    Secret: Cassandra serves the new one to new clients without a restart (it used to look at
+    its stores only every ten minutes, and at stores made once at start, so never), and a
+    session connected before goes on."""
     from cassandra.cluster import Cluster, NoHostAvailable
     from kazoo.client import KazooClient
 
@@ -412,7 +415,8 @@ def test_the_backend_containers_serve_clients_over_tls_only_from_a_secrets_pem_f
         backend_containers.images.cassandra,  # type: ignore[union-attr]
         network=network, options=(*env_options({"CASSANDRA_TLS_DIR": "/etc/casque-tls",
                                                 "CASSANDRA_AUTHENTICATOR": "AllowAllAuthenticator",
-                                                "CASSANDRA_AUTHORIZER": "AllowAllAuthorizer"}),
+                                                "CASSANDRA_AUTHORIZER": "AllowAllAuthorizer",
+                                                "TLS_CHECK_SECONDS": "1"}),
                                   *mount, "--memory", RING_MEMORY))
 
     def serving() -> bool:
@@ -449,8 +453,18 @@ def test_the_backend_containers_serve_clients_over_tls_only_from_a_secrets_pem_f
     cluster, session = connect(settings)
     try:
         assert session.execute("SELECT cluster_name FROM system.local").one().cluster_name == "casque"
+        first = ssl.PEM_cert_to_DER_cert((pem / "tls.crt").read_text())
+        assert served_certificate(cassandra_address, 9042, pem) == first
+        renewed = renew(tmp_path, pem, name)
+        wait_for("Cassandra to serve the renewed certificate",
+                 lambda: served_certificate(cassandra_address, 9042, pem) == renewed, timeout=120)
+        assert "renewed certificate from /etc/casque-tls taken up" in cassandra_log.read_text(errors="replace")
+        assert cassandra.poll() is None  # no restart
+        assert session.execute("SELECT cluster_name FROM system.local").one().cluster_name == "casque"
     finally:
         cluster.shutdown()
+    renewed_cluster, _ = connect(settings)  # a new client checks the renewed certificate's name too
+    renewed_cluster.shutdown()
     # In plain text the node answers nothing a driver understands.
     plain = Cluster([cassandra_address], connect_timeout=5)
     with pytest.raises(NoHostAvailable):
@@ -495,15 +509,7 @@ def test_the_zookeeper_container_takes_up_a_renewed_certificate_without_a_restar
     before.start(timeout=30)
     try:
         before.create("/casque-image/renewal", b"before", makepath=True)
-        # The renewal: a new key and certificate from the same CA, written as the kubelet does.
-        crt, key = issue_cert(tmp_path / "pki", tmp_path / "pki" / "ca.crt", tmp_path / "pki" / "ca.key",
-                              "renewed", [name])
-        for source, target in ((key, "tls.key"), (crt, "tls.crt")):
-            staged = pem / f".{target}.new"
-            staged.write_bytes(source.read_bytes())
-            staged.chmod(0o644)
-            staged.replace(pem / target)
-        renewed = ssl.PEM_cert_to_DER_cert(crt.read_text())
+        renewed = renew(tmp_path, pem, name)
         assert renewed != first
         wait_for("ZooKeeper to serve the renewed certificate",
                  lambda: served_certificate(address, 2281, pem) == renewed, timeout=120)
@@ -514,6 +520,18 @@ def test_the_zookeeper_container_takes_up_a_renewed_certificate_without_a_restar
     finally:
         before.stop()
         before.close()
+
+
+def renew(tmp_path: Path, pem: Path, name: str) -> bytes:
+    """A new key and certificate from the Secret's CA, written into its directory as the
+    kubelet updates a mounted Secret; the new certificate (DER)."""
+    crt, key = issue_cert(tmp_path / "pki", tmp_path / "pki" / "ca.crt", tmp_path / "pki" / "ca.key", "renewed", [name])
+    for source, target in ((key, "tls.key"), (crt, "tls.crt")):
+        staged = pem / f".{target}.new"
+        staged.write_bytes(source.read_bytes())
+        staged.chmod(0o644)
+        staged.replace(pem / target)
+    return ssl.PEM_cert_to_DER_cert(crt.read_text())
 
 
 def served_certificate(address: str, port: int, pem: Path) -> bytes:
