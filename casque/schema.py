@@ -349,17 +349,38 @@ def shared_tables_ddl(keyspace: str) -> list[str]:
     ]
 
 
-def namespace_role_cql(role: str, password: str, keyspace: str) -> list[tuple[str, tuple[str, ...]]]:
+# The tables a namespace's sidecars write to consume (ack rows, delivery counters, offset
+# checkpoints and the catalog's copies): writable still while a stored-bytes quota stops the
+# namespace's publishes, so that its consumers drain what it holds.
+CONSUMING_TABLES = (ACKS_TABLE, COUNTERS_TABLE, CHECKPOINTS_TABLE, CATALOG_TABLE)
+
+
+def namespace_role_cql(role: str, password: str, keyspace: str,
+                       publishing: bool = True) -> list[tuple[str, tuple[str, ...]]]:
     """A namespace's role (keyspace isolation, casque.tenancy): created if absent, its
-    password set, and rights to read and write rows of `keyspace` only. No CREATE, ALTER,
-    DROP or AUTHORIZE: the operator alone changes the schema and the grants. Statements with
-    their values (the password is bound, never spliced into the text)."""
+    password set, and rights to read and write rows of `keyspace` only (`namespace_writes_cql`).
+    No CREATE, ALTER, DROP or AUTHORIZE: the operator alone changes the schema and the
+    grants. Statements with their values (the password is bound, never spliced into the text)."""
     return [
         (f'CREATE ROLE IF NOT EXISTS "{role}" WITH PASSWORD = %s AND LOGIN = true', (password,)),
         (f'ALTER ROLE "{role}" WITH PASSWORD = %s', (password,)),
         (f'GRANT SELECT ON KEYSPACE {keyspace} TO "{role}"', ()),
-        (f'GRANT MODIFY ON KEYSPACE {keyspace} TO "{role}"', ()),
+        *((statement, ()) for statement in namespace_writes_cql(role, keyspace, publishing)),
     ]
+
+
+def namespace_writes_cql(role: str, keyspace: str, publishing: bool) -> list[str]:
+    """What the role may write: every table of its keyspace, or, while the namespace may not
+    publish (over its stored-bytes quota), the CONSUMING_TABLES alone. A grant on a
+    keyspace covers its tables and cannot be taken back table by table, so the narrow form
+    names tables and drops the keyspace's grant; each change grants before it revokes, so a
+    consumer's writes are never refused on the way."""
+    tables = [f"{keyspace}.{table}" for table in CONSUMING_TABLES]
+    if publishing:
+        return [f'GRANT MODIFY ON KEYSPACE {keyspace} TO "{role}"',
+                *(f'REVOKE MODIFY ON TABLE {table} FROM "{role}"' for table in tables)]
+    return [*(f'GRANT MODIFY ON TABLE {table} TO "{role}"' for table in tables),
+            f'REVOKE MODIFY ON KEYSPACE {keyspace} FROM "{role}"']
 
 
 def drop_role_cql(role: str) -> str:

@@ -22,6 +22,7 @@ from casque.operator import kube, namespace_setup
 from casque.operator.health import DEFAULT_STALL_AFTER, WatchHealth
 from casque.operator.injection import InjectionSettings
 from casque.operator.quotas import QuotaSettings
+from casque.operator.storage_quota import NamespaceStorage
 from casque.store import Store
 
 
@@ -70,6 +71,8 @@ class OperatorContext:
     stores: StoreHolder
     options: OperatorOptions = field(default_factory=OperatorOptions)
     quotas: QuotaSettings = field(default_factory=QuotaSettings)
+    # Each namespace's stored bytes against its quota, and the writes its role was given.
+    storage: NamespaceStorage = field(default_factory=lambda: NamespaceStorage(OperatorOptions().refresh_interval))
     health: WatchHealth = field(default_factory=WatchHealth)
     # Namespaces the operator serves; empty means all of them.
     namespaces: tuple[str, ...] = ()
@@ -97,6 +100,7 @@ class OperatorContext:
             stores=StoreHolder(Settings()),
             options=options,
             quotas=QuotaSettings(),
+            storage=NamespaceStorage(options.refresh_interval),
             health=WatchHealth(stall_after=options.watch_stall_seconds),
             namespaces=namespaces,
             injection=InjectionSettings(),

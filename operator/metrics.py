@@ -12,8 +12,8 @@ wrote into the status, so Prometheus (and an autoscaler reading it, such as KEDA
 same lag as `kubectl get subscribers`, from one exporter instead of every sidecar at scrape
 time.
 
-No metric here carries a `namespace` label of its own except the subscriber gauges, whose
-`namespace` is the Subscriber's: the chart's ServiceMonitor honours it, so the operator's own
+No metric here carries a `namespace` label of its own except the subscriber and namespace
+storage gauges, whose `namespace` is the Subscriber's or the measured one's: the chart's ServiceMonitor honours it, so the operator's own
 series get the namespace the operator runs in from the scrape target.
 """
 
@@ -121,6 +121,30 @@ ADMISSION_REVIEWS = Counter(
 
 def count_admission(outcome: AdmissionOutcome) -> None:
     ADMISSION_REVIEWS.labels(outcome).inc()
+
+
+# --- namespaces' stored bytes (casque.operator.storage_quota) ----------------------------------
+
+NAMESPACE_STORED_BYTES = Gauge("casque_namespace_stored_bytes",
+                               "Bytes on disk of the namespace's keyspace across the ring, replicas included, as "
+                               "last measured", ["namespace"])
+NAMESPACE_STORED_BYTES_LIMIT = Gauge("casque_namespace_stored_bytes_limit",
+                                     "The namespace's stored-bytes quota (absent: none)", ["namespace"])
+NAMESPACE_PUBLISHING = Gauge("casque_namespace_publishing",
+                             "1 while the namespace may publish, 0 while it is over its stored-bytes quota",
+                             ["namespace"])
+
+
+def namespace_storage(namespace: str, stored: int, limit: int | None, publishing: bool) -> None:
+    NAMESPACE_STORED_BYTES.labels(namespace).set(stored)
+    if limit is None:
+        try:
+            NAMESPACE_STORED_BYTES_LIMIT.remove(namespace)
+        except KeyError:
+            pass
+    else:
+        NAMESPACE_STORED_BYTES_LIMIT.labels(namespace).set(limit)
+    NAMESPACE_PUBLISHING.labels(namespace).set(1 if publishing else 0)
 
 
 # --- subscriber figures -------------------------------------------------------------------

@@ -39,15 +39,17 @@ def open_store(settings: Settings) -> Store:
     return store
 
 
-def prepare_namespace_cassandra(stores: StoreSource, namespace: str, role: NamespaceRole) -> None:
+def prepare_namespace_cassandra(stores: StoreSource, namespace: str, role: NamespaceRole,
+                                publishing: bool = True) -> None:
     """Keyspace isolation: the namespace's keyspace with its shared tables, and its role
-    (blocking). Before the namespace's Secret names the role, so no sidecar is handed a
-    login that does not exist yet."""
+    (blocking), writing only what its consumers write unless `publishing` (its stored-bytes
+    quota, casque.operator.storage_quota). Before the namespace's Secret names the role, so
+    no sidecar is handed a login that does not exist yet."""
     with backend_errors():
         store = stores()
         try:
             catalog.ensure_namespace_keyspace(store, namespace)
-            catalog.ensure_namespace_role(store, role)
+            catalog.ensure_namespace_role(store, role, publishing)
         except Unauthorized as error:
             raise AccessDenied(
                 f"the operator's Cassandra role may not prepare namespace {namespace} (it needs CREATE and "

@@ -1,4 +1,5 @@
-"""Quotas: limits per namespace on queues, shards x priorities, retention, znodes and their bytes.
+"""Quotas: limits per namespace on queues, shards x priorities, retention, znodes and their
+bytes, and the bytes its keyspace stores (casque.operator.storage_quota).
 
 Each shard of each priority level is a log of its own (a head, offsets, leases and a
 partition range per subscriber), so shards x priorities is what a namespace's queues cost
@@ -28,6 +29,7 @@ MAX_LOGS = f"{QUOTA_PREFIX}max-shard-priorities"
 MAX_RETENTION = f"{QUOTA_PREFIX}max-retention"
 MAX_ZNODES = f"{QUOTA_PREFIX}max-znodes"
 MAX_ZNODE_BYTES = f"{QUOTA_PREFIX}max-znode-bytes"
+MAX_STORED_BYTES = f"{QUOTA_PREFIX}max-stored-bytes"
 
 
 
@@ -44,6 +46,9 @@ class QuotaSettings(BaseSettings):
     max_znodes: int | None = Field(default=None, ge=1)
     # ZooKeeper's hard quota on the bytes of data those znodes hold.
     max_znode_bytes: int | None = Field(default=None, ge=1)
+    # Bytes on disk of the namespace's keyspace across the ring (keyspace isolation only):
+    # past it, Cassandra refuses the namespace's publishes.
+    max_stored_bytes: int | None = Field(default=None, ge=1)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class Limits:
     max_retention_seconds: int | None = None
     max_znodes: int | None = None
     max_znode_bytes: int | None = None
+    max_stored_bytes: int | None = None
 
     @property
     def any(self) -> bool:
@@ -83,8 +89,8 @@ def limits_for(defaults: QuotaSettings, annotations: Mapping[str, str] | None) -
     def positive(key: str, default: int | None) -> int | None:
         found = number(key, default)
         if found == 0:
-            raise InvalidSpec(f"Namespace annotation {key}: 0 would leave the namespace no room, not even for its "
-                              "own znode")
+            raise InvalidSpec(f"Namespace annotation {key}: 0 would leave the namespace no room at all (an "
+                              "empty value lifts the limit)")
         return found
 
     def seconds(key: str, default: str | None) -> int | None:
@@ -102,6 +108,7 @@ def limits_for(defaults: QuotaSettings, annotations: Mapping[str, str] | None) -
         max_retention_seconds=seconds(MAX_RETENTION, defaults.max_retention),
         max_znodes=positive(MAX_ZNODES, defaults.max_znodes),
         max_znode_bytes=positive(MAX_ZNODE_BYTES, defaults.max_znode_bytes),
+        max_stored_bytes=positive(MAX_STORED_BYTES, defaults.max_stored_bytes),
     )
 
 

@@ -40,6 +40,7 @@ from casque.operator.readiness import (
     subscriber_readiness,
 )
 from casque.operator.resource_specs import deletion_policy, parse_queue_spec, parse_subscriber_spec, queue_ref
+from casque.operator.storage_quota import PUBLISHING, StorageVerdict
 from casque.schema import QueueRef, validate_name
 from casque.specs import QueueSpec
 from casque.store import Store
@@ -112,8 +113,11 @@ def check_quota(store: Store, ref: QueueRef, spec: QueueSpec, limits: Limits) ->
         raise QuotaExceeded(f"queue {ref} exceeds the namespace's quota: " + "; ".join(problems))
 
 
-async def refresh_queue(stores: StoreSource, resource: Resource, now: datetime) -> Outcome:
-    """Re-read the figures, and repair drift (a dropped table, lost znodes) once reconciled."""
+async def refresh_queue(stores: StoreSource, resource: Resource, now: datetime,
+                        storage: StorageVerdict | None = None) -> Outcome:
+    """Re-read the figures, and repair drift (a dropped table, lost znodes) once reconciled.
+    With `storage`, the namespace's stored bytes against its quota become the Publishing
+    condition (casque.operator.storage_quota)."""
     try:
         ref = queue_ref(resource.namespace, resource.name)
         spec = parse_queue_spec(resource.spec)
@@ -134,6 +138,12 @@ async def refresh_queue(stores: StoreSource, resource: Resource, now: datetime) 
     wanted = queue_figures(seen)
     if judge:
         wanted |= readiness_status(resource.status, queue_readiness(spec, seen), resource.generation, now)
+    if storage is not None:
+        current = wanted.get("conditions", (resource.status or {}).get("conditions"))
+        wanted["conditions"] = conditions.with_condition(
+            current, PUBLISHING, status=storage.publishing,
+            reason="WithinStoredBytesQuota" if storage.publishing else "StoredBytesQuotaExceeded",
+            message=storage.describe(), generation=resource.generation, now=now)
     outcome.status = conditions.merge_patch(resource.status, wanted)
     return outcome
 

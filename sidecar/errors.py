@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 from cassandra import DriverException
+from cassandra import Unauthorized as CassandraUnauthorized
 from cassandra.connection import ConnectionException
 from cassandra.protocol import ServerError
 from kazoo.exceptions import KazooException, NoAuthError
@@ -196,6 +197,12 @@ def as_casque_error(error: BaseException) -> CasqueError | None:
         return error
     if isinstance(error, NoAuthError):
         return AccessDenied("ZooKeeper refused the sidecar's identity this operation")
+    if isinstance(error, CassandraUnauthorized):
+        # The namespace's role may write only what consuming needs while its keyspace is over
+        # its stored-bytes quota (casque.operator.storage_quota); or its grants are wrong.
+        return AccessDenied(f"Cassandra refused the namespace's role this write ({error}): a namespace over its "
+                            "stored-bytes quota may not publish until it is under (its Queues' Publishing "
+                            "condition says)")
     if isinstance(error, BACKEND_FAILURES):
         return BackendUnavailable(f"{type(error).__name__}: {error}")
     return None

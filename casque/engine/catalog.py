@@ -24,6 +24,7 @@ from casque.schema import (
     ensure_keyspace,
     ensure_queue_table,
     namespace_role_cql,
+    namespace_writes_cql,
     read_table_options,
     validate_name,
 )
@@ -68,16 +69,26 @@ def ensure_namespace_keyspace(store: Store, namespace: str) -> None:
         ensure_keyspace(store.session, store.keyspace_of(namespace), store.replication_cql)
 
 
-def ensure_namespace_role(store: Store, role: NamespaceRole) -> None:
+def ensure_namespace_role(store: Store, role: NamespaceRole, publishing: bool = True) -> None:
     """The namespace's login role, with its current password, allowed to read and write
-    its keyspace and nothing else (its keyspace must exist: `ensure_namespace_keyspace`).
+    its keyspace and nothing else (its keyspace must exist: `ensure_namespace_keyspace`);
+    without `publishing`, to write only what consuming needs (`set_namespace_publishing`).
 
     The password is set on every call: it is derived from the installation's derivation key,
     which may have been rotated since the role was made; from then on Cassandra refuses the
     old password. Connections already open stay authenticated.
     """
-    for statement, values in namespace_role_cql(role.username, role.password, role.keyspace):
+    for statement, values in namespace_role_cql(role.username, role.password, role.keyspace, publishing):
         store.session.execute(statement, values)
+
+
+def set_namespace_publishing(store: Store, role: NamespaceRole, publishing: bool) -> None:
+    """Let the namespace's role write every table of its keyspace, or only the tables its
+    consumers write (a stored-bytes quota reached): its sidecars' publishes, and any write
+    of its own to its queues' tables, are then refused by Cassandra. Takes effect as
+    Cassandra's permissions cache renews (permissions_validity)."""
+    for statement in namespace_writes_cql(role.username, role.keyspace, publishing):
+        store.session.execute(statement)
 
 
 def drop_namespace_role(store: Store, role: NamespaceRole) -> None:

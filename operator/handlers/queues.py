@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from datetime import datetime, timezone
 from typing import Any, cast
 
@@ -19,16 +20,20 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from casque.errors import CasqueError, InvalidSpec
-from casque.operator import failures, namespace_setup, reconcile, tenancy
+from casque.operator import failures, metrics, namespace_setup, reconcile, tenancy
 from casque.operator.context import OperatorContext
 from casque.operator.failures import Failure
 from casque.operator.handlers import secrets
 from casque.operator.handlers.common import report, report_refresh, resource_of, run_locked, to_kopf
 from casque.operator.quotas import Limits, limits_for
 from casque.operator.reconcile import Outcome
+from casque.operator.storage_quota import StorageVerdict
+from casque.tenancy import NamespaceRole
 from casque.operator.resources import GROUP, QUEUES, VERSION
 
 NAMESPACE_RETRY_SECONDS = 20.0
+
+log = logging.getLogger(__name__)
 
 
 async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
@@ -55,10 +60,13 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
                           "(the namespace's ZooKeeper identity; its znodes' ACLs name it)")
             role = tenancy.cassandra_role(context.stores.settings, resource.namespace)
             if role is not None:
-                # The role before the Secret that names it.
+                # The role before the Secret that names it, with the writes its stored bytes allow.
+                verdict = await asyncio.to_thread(storage_verdict, context, resource.namespace, role, limits)
+                publishing = verdict.publishing if verdict is not None else context.storage.publishing(resource.namespace)
                 await asyncio.to_thread(
-                    namespace_setup.prepare_namespace_cassandra, context.stores, resource.namespace, role
+                    namespace_setup.prepare_namespace_cassandra, context.stores, resource.namespace, role, publishing
                 )
+                context.storage.granted(resource.namespace, publishing)
                 if await asyncio.to_thread(
                     tenancy.apply_cassandra_secret, context.kube_api(), context.stores.settings, resource.namespace
                 ):
@@ -88,11 +96,48 @@ def namespace_limits(context: OperatorContext, namespace: str) -> Limits:
     return limits_for(context.quotas, metadata.annotations if metadata is not None else None)
 
 
+def storage_verdict(context: OperatorContext, namespace: str, role: NamespaceRole,
+                    limits: Limits) -> StorageVerdict | None:
+    """The namespace's stored bytes against its limit, measured at most once per refresh
+    interval (blocking); None, logged, when Cassandra did not say (the last writes stay)."""
+    try:
+        verdict = context.storage.verdict(context.stores(), role, namespace, limits.max_stored_bytes)
+    except CasqueError as error:
+        log.warning("namespace %s: stored bytes not measured: %s", namespace, error)
+        return None
+    metrics.namespace_storage(namespace, verdict.stored.bytes, verdict.limit, verdict.publishing)
+    return verdict
+
+
+async def enforce_storage(context: OperatorContext, body: kopf.Body, namespace: str) -> StorageVerdict | None:
+    """The namespace's verdict, and its role's writes set to match (a Queue's refresh)."""
+    role = tenancy.cassandra_role(context.stores.settings, namespace)
+    if role is None:
+        return None
+    try:
+        limits = await asyncio.to_thread(namespace_limits, context, namespace)
+    except (InvalidSpec, ApiException):
+        return None  # the Queue's apply reports a bad annotation; an API error, the next refresh
+    verdict = await asyncio.to_thread(storage_verdict, context, namespace, role, limits)
+    if verdict is None:
+        return None
+    try:
+        changed = await asyncio.to_thread(context.storage.enforce, context.stores(), role, namespace, verdict)
+    except CasqueError as error:
+        log.warning("namespace %s: writes of its role not changed: %s", namespace, error)
+        return verdict
+    if changed:
+        kopf.event(body, type="Normal" if verdict.publishing else "Warning",
+                   reason="Publishing" if verdict.publishing else "StoredBytesQuotaExceeded", message=verdict.describe())
+    return verdict
+
+
 async def refresh(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
     resource = resource_of(body)
+    verdict = await enforce_storage(context, body, resource.namespace)
     outcome = await run_locked(
         context, body, "Queue", "refresh",
-        lambda: reconcile.refresh_queue(context.stores, resource, datetime.now(timezone.utc)),
+        lambda: reconcile.refresh_queue(context.stores, resource, datetime.now(timezone.utc), verdict),
     )
     if report_refresh(context, body, patch, outcome, logger):
         await secrets.keep_copies(context, body, logger, timer=True)
@@ -128,11 +173,13 @@ def forget_namespace(context: OperatorContext, namespace: str, deleted: str, log
         if tenancy.delete_cassandra_secret(context.kube_api(), namespace):
             logger.info("namespace %s has no Queue left: Secret %s deleted", namespace, tenancy.CASSANDRA_SECRET)
         namespace_setup.forget_namespace_cassandra(context.stores, role)
+        context.storage.forget(namespace)
         logger.info("namespace %s has no Queue left: Cassandra role %s dropped, keyspace %s kept",
                     namespace, role.username, role.keyspace)
         if _other_queues(context, namespace, deleted):
             # A Queue created while the role went: its apply may have run before the drop.
-            namespace_setup.prepare_namespace_cassandra(context.stores, namespace, role)
+            namespace_setup.prepare_namespace_cassandra(context.stores, namespace, role,
+                                                        context.storage.publishing(namespace))
             tenancy.apply_cassandra_secret(context.kube_api(), context.stores.settings, namespace)
     except ApiException as error:
         # A Secret left behind names an identity that reaches only this namespace's data.

@@ -37,9 +37,12 @@ from casque.engine.consumer import Consumer
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
 from casque.errors import AccessDenied, BackendUnavailable
+from casque.backends.disk_usage import MEBIBYTE
 from casque.operator import namespace_setup, observation, tenancy
 from casque.operator.injection import sidecar_keyspace
 from casque.operator.resources import GROUP, QUEUES, VERSION
+from casque.operator.quotas import MAX_STORED_BYTES
+from casque.operator.storage_quota import NamespaceStorage
 from casque.schema import ACKS_TABLE, CLIENT_IDS_TABLE, COUNTERS_TABLE, DELAYED_TABLE, QueueRef
 from casque.sidecar.app import create_app
 from casque.sidecar.config import SidecarSettings
@@ -329,6 +332,27 @@ def operator_env(secure_stack: Stack, installation: Settings, kube_cluster: Kube
     }
 
 
+def annotate(core: client.CoreV1Api, namespace: str, annotations: dict[str, str]) -> None:
+    core.patch_namespace(namespace, {"metadata": {"annotations": annotations}})
+
+
+def publishing(api: client.CustomObjectsApi, namespace: str, queue_name: str) -> str | None:
+    """The status of the Queue's Publishing condition (None: not reported yet)."""
+    found = get(api, namespace, QUEUES, queue_name) or {}
+    for condition in found.get("status", {}).get("conditions", []):
+        if condition.get("type") == "Publishing":
+            return str(condition.get("status"))
+    return None
+
+
+def publish_refused(store: Store, queue: QueueRef) -> bool:
+    try:
+        asyncio.run(publish(store, queue, 1))
+    except Unauthorized:
+        return True
+    return False
+
+
 def secret_data(core: client.CoreV1Api, namespace: str) -> dict[str, str] | None:
     try:
         secret = core.read_namespaced_secret(tenancy.CASSANDRA_SECRET, namespace)
@@ -342,15 +366,18 @@ def secret_data(core: client.CoreV1Api, namespace: str) -> dict[str, str] | None
 def test_the_operator_gives_a_namespace_its_role_with_the_first_queue_and_takes_it_with_the_last(
     operator_env: dict[str, str],
     installation: Settings,
+    secure_stack: Stack,
     kube_client: client.ApiClient,
     kube_namespace: str,
     casque_crds: None,  # noqa: F811
     tmp_path: Path,
 ) -> None:
+    """...and, between the two, holds its publishes back while its keyspace stores more than
+    the Namespace's annotation allows, and lets them through once the limit is lifted."""
     api, core, ns = client.CustomObjectsApi(kube_client), client.CoreV1Api(kube_client), kube_namespace
     role = tenancy.cassandra_role(installation, ns)
     assert role is not None
-    running = Operator(operator_env, ns, tmp_path / "operator.log")
+    running = Operator({**operator_env, "CASQUE_OPERATOR_REFRESH_INTERVAL": "1"}, ns, tmp_path / "operator.log")
     try:
         create(api, ns, queue("orders", deletionPolicy="Delete", consistency="ONE"))
         create(api, ns, queue("audit", deletionPolicy="Delete", consistency="ONE"))
@@ -369,6 +396,18 @@ def test_the_operator_gives_a_namespace_its_role_with_the_first_queue_and_takes_
         try:
             assert asyncio.run(publish(sidecar, QueueRef(ns, "orders"), 2))
             refused(sidecar.session, f"SELECT * FROM {installation.keyspace}.{ACKS_TABLE}")
+
+            # Past its stored-bytes limit (what it flushed is a MiB at least; the limit, a byte).
+            secure_stack.cassandra_nodes()[0].nodetool("flush", role.keyspace)
+            annotate(core, ns, {MAX_STORED_BYTES: "1"})
+            wait_for("orders to say it may not publish", lambda: publishing(api, ns, "orders") == "False")
+            assert "StoredBytesQuotaExceeded" in str(get(api, ns, QUEUES, "orders"))
+            wait_for("Cassandra to refuse the namespace's publishes",
+                     lambda: publish_refused(sidecar, QueueRef(ns, "orders")))
+            annotate(core, ns, {MAX_STORED_BYTES: ""})  # lifted
+            wait_for("orders to say it may publish", lambda: publishing(api, ns, "orders") == "True")
+            wait_for("Cassandra to take the namespace's publishes again",
+                     lambda: not publish_refused(sidecar, QueueRef(ns, "orders")))
         finally:
             sidecar.close()
 
@@ -427,3 +466,71 @@ def test_casque_apply_gives_a_namespace_its_keyspace_and_role_as_the_operator_do
         assert list(namespace.session.execute(f"SELECT * FROM {role.keyspace}.{table} LIMIT 1")) == []
     finally:
         namespace.close()
+
+
+async def test_a_namespace_over_its_stored_bytes_may_not_publish_and_its_consumers_still_drain(
+    operator: Store, installation: Settings, secure_stack: Stack, aiohttp_client: Any
+) -> None:
+    """A's role wrote past its sidecar: rows of 64 KiB straight into its queue's table with
+    `USING TTL 0`, so they never expire. Measured on disk, A is over a quota of 6 MiB and B,
+    which stored little, is within it. The operator's verdict narrows A's writes: Cassandra
+    refuses A's publishes, through its sidecar (a 403 that says why) and straight into its
+    tables, while A's consumer still receives and acks what A holds, and B publishes as
+    before. Lifting the limit lets A publish again. Before, nothing measured a namespace's
+    bytes, and its role could write its keyspace without bound."""
+    role_a, role_b = tenancy.cassandra_role(installation, A), tenancy.cassandra_role(installation, B)
+    assert role_a is not None and role_b is not None
+    quota = 6 * MEBIBYTE
+    mine = QueueRef(A, "orders")
+    sidecar_a = Store.open(sidecar_settings(installation, A), namespace=A)
+    sidecar_b = Store.open(sidecar_settings(installation, B), namespace=B)
+    storage = NamespaceStorage(interval_seconds=0)
+    try:
+        held = await publish(sidecar_a, mine, 3)
+        blob = os.urandom(64 * 1024)
+        insert = sidecar_a.session.prepare(
+            f"INSERT INTO {sidecar_a.table(mine)} (shard, bucket, batch_no, seq, message_id, payload) "
+            "VALUES (0, 0, ?, 0, ?, ?) USING TTL 0")
+        for batch in range(160):
+            sidecar_a.session.execute(insert, (10_000 + batch, f"forged-{batch}", blob))
+        node = secure_stack.cassandra_nodes()[0]
+        for keyspace in (role_a.keyspace, role_b.keyspace):
+            await asyncio.to_thread(node.nodetool, "flush", keyspace)
+
+        # Cassandra rounds each table up to a whole MiB: B's few small tables count a MiB each.
+        over = storage.verdict(operator, role_a, A, limit=quota)
+        within = storage.verdict(operator, role_b, B, limit=quota)
+        assert over.stored.bytes >= 10 * MEBIBYTE and not over.publishing, over.describe()
+        assert within.publishing, within.describe()
+        storage.enforce(operator, role_a, A, over)
+        storage.enforce(operator, role_b, B, within)
+
+        def publish_refused() -> bool:
+            try:
+                sidecar_a.session.execute(insert, (20_000, "forged-late", b"x"))
+            except Unauthorized:
+                return True
+            return False
+
+        wait_for("Cassandra to refuse A's writes to its queue", publish_refused, timeout=60)
+        app = await aiohttp_client(create_app(
+            SidecarSettings(namespace=A, queue="orders", subscribers=[SUBSCRIBER], drain_seconds=0.5),
+            sidecar_settings(installation, A), None))
+        deadline = time.monotonic() + 60
+        while (await app.get("/readyz")).status != 200:
+            assert time.monotonic() < deadline, await (await app.get("/readyz")).text()
+            await asyncio.sleep(0.1)
+        answer = await app.post("/v1/queues/orders/messages", json={"data": {"amount": 1}})
+        assert answer.status == 403, await answer.text()
+        assert "stored-bytes quota" in (await answer.json())["error"]["message"]
+        assert await consume(sidecar_a, mine, held) == held  # acks are still written
+        assert len(await publish(sidecar_b, QueueRef(B, "orders"), 2)) == 2
+
+        lifted = storage.verdict(operator, role_a, A, limit=None)
+        assert lifted.publishing
+        storage.enforce(operator, role_a, A, lifted)
+        wait_for("Cassandra to take A's writes again", lambda: not publish_refused(), timeout=60)
+        assert len(await publish(sidecar_a, mine, 1)) == 1
+    finally:
+        sidecar_a.close()
+        sidecar_b.close()

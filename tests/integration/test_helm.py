@@ -1071,6 +1071,8 @@ def test_the_embedded_backends_are_locked_by_default(tools: Tools) -> None:
     # The ensemble is the installation's: / and /zookeeper closed, a namespace's znodes bounded.
     assert literal["CASQUE_ZOOKEEPER_OWNED_ENSEMBLE"] == "true"
     assert (literal["CASQUE_QUOTA_MAX_ZNODES"], literal["CASQUE_QUOTA_MAX_ZNODE_BYTES"]) == ("100000", "67108864")
+    # ...and its keyspace's bytes on disk.
+    assert literal["CASQUE_QUOTA_MAX_STORED_BYTES"] == "8589934592"
     # A new login restarts the operator.
     assert "checksum/cassandra-credentials" in pod["metadata"]["annotations"]
 

@@ -72,7 +72,7 @@ def test_a_context_is_written_into_an_empty_directory_only(tmp_path: Path) -> No
 @pytest.mark.parametrize("name", backend_images.WRITERS)
 def test_the_scripts_parse_and_are_executable(contexts: dict[str, Path], name: str) -> None:
     scripts = sorted((contexts[name] / "bin").iterdir())
-    expected = {"render-config", "start", "stores"} | ({"serving"} if name == "zookeeper" else set())
+    expected = {"render-config", "start", "stores"} | ({"serving"} if name == "zookeeper" else {"nodetool"})
     assert {p.name for p in scripts} == expected
     for script in scripts:
         assert os.access(script, os.X_OK), script
