@@ -1625,7 +1625,8 @@ def test_the_dashboard_and_alert_rules_render_when_enabled(tools: Tools, kube_na
     assert set(alerts) == {"CasqueSubscriberLagHigh", "CasqueSubscriberOldestMessageOld", "CasqueMessagesDeadLettered",
                            "CasqueSubscriberStalled", "CasqueSubscriberLagGrowingWithoutConsumers",
                            "CasqueOperatorNoLeader", "CasqueOperatorReconcileErrors", "CasqueInjectionWebhookFailing",
-                           "CasqueSidecarErrorsHigh", "CasqueSidecarProtocolRefused", "CasqueSidecarNewerFormat"}
+                           "CasqueSidecarErrorsHigh", "CasqueSidecarProtocolRefused", "CasqueSidecarNewerFormat",
+                           "CasqueNamespaceOverStoredBytesQuota"}
     # The stall alert reads the sidecars' gauge (scraped through the PodMonitor), per subscriber over its pods.
     stalled = alerts["CasqueSubscriberStalled"]
     assert stalled["expr"] == "max by (namespace, queue, subscriber) (casque_sidecar_stalled_shards) > 0"
