@@ -13,8 +13,9 @@ same lag as `kubectl get subscribers`, from one exporter instead of every sideca
 time.
 
 No metric here carries a `namespace` label of its own except the subscriber and namespace
-storage gauges, whose `namespace` is the Subscriber's or the measured one's: the chart's ServiceMonitor honours it, so the operator's own
-series get the namespace the operator runs in from the scrape target.
+storage gauges, whose `namespace` is the Subscriber's or the measured one's: the chart's
+ServiceMonitor honours it, so the operator's own series get the namespace the operator runs
+in from the scrape target.
 """
 
 from __future__ import annotations

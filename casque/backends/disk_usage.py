@@ -1,10 +1,10 @@
 """What a keyspace holds on disk across the ring, from Cassandra's own figures.
 
 `system_views.disk_usage` is a virtual table: each node answers for its own SSTables only,
-in mebibytes per table, rounded up (a table with any SSTable counts one at least). So every node is asked, one statement each, and the sum is
-what the keyspace costs the ring, replicas included. Memtables not yet flushed are not
-counted (Cassandra bounds them by its memtable space, whoever writes), and a node that does
-not answer is left out and named.
+in mebibytes per table, rounded up (a table with any SSTable counts one at least). So every
+node is asked, one statement each, and the sum is what the keyspace costs the ring,
+replicas included. Memtables not yet flushed are not counted (Cassandra bounds them by its
+memtable space, whoever writes), and a node that does not answer is left out and named.
 """
 
 from __future__ import annotations

@@ -46,9 +46,10 @@ Recipe, per subscriber and shard (paths in casque.znodes):
   claims (each once released or out of time) and deletes its cursor (`end_sharing`) before
   it reads the offset and the ack rows. A completion asserts the same: once the lease exists
   it deletes its claim and leaves the offset alone, since the claims above it may be gone
-  already and the next open start or the cursor would pass ranges nobody finished. A claim's holder checks the claim after each ack
-  row, so an ack answered `acked` was written before the claim went, and the leased reader,
-  reading after, sees it; one written after is refused. Without the cursor, shared members
+  already and the next open start or the cursor would pass ranges nobody finished. A
+  claim's holder checks the claim after each ack row, so an ack answered `acked` was
+  written before the claim went, and the leased reader, reading after, sees it; one written
+  after is refused. Without the cursor, shared members
   of a later switch back claim from the offset again, not past ranges whose claims went.
 - A seek writes the offsets with a new epoch and resets the cursors (casque.engine.offsets).
   Claims of an older epoch are moot: their completion leaves the offset alone, and members

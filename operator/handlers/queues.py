@@ -27,9 +27,9 @@ from casque.operator.handlers import secrets
 from casque.operator.handlers.common import report, report_refresh, resource_of, run_locked, to_kopf
 from casque.operator.quotas import Limits, limits_for
 from casque.operator.reconcile import Outcome
+from casque.operator.resources import GROUP, QUEUES, VERSION
 from casque.operator.storage_quota import StorageVerdict
 from casque.tenancy import NamespaceRole
-from casque.operator.resources import GROUP, QUEUES, VERSION
 
 NAMESPACE_RETRY_SECONDS = 20.0
 
