@@ -513,8 +513,10 @@ async def test_a_namespace_over_its_stored_bytes_may_not_publish_and_its_consume
             return False
 
         wait_for("Cassandra to refuse A's writes to its queue", publish_refused, timeout=60)
+        # A sidecar that only publishes: one consuming too would join the subscriber's group
+        # and hold shards that the consumer below waits for.
         app = await aiohttp_client(create_app(
-            SidecarSettings(namespace=A, queue="orders", subscribers=[SUBSCRIBER], drain_seconds=0.5),
+            SidecarSettings(namespace=A, queue="orders", drain_seconds=0.5),
             sidecar_settings(installation, A), None))
         deadline = time.monotonic() + 60
         while (await app.get("/readyz")).status != 200:
