@@ -36,6 +36,7 @@ from tests.fixtures.stack import (  # noqa: F401
     dc_ring,
     ensemble_zk_hosts,
     keyspace,
+    keyspace_pool,
     new_store,
     ring,
     secure_stack,

@@ -1,16 +1,18 @@
 """The chart and the example app on a real node: a kubelet with containerd on this machine
-(tests/fixtures/node.py), the images of the podman tests' build, Cassandra and ZooKeeper on
-the host's address.
+(tests/fixtures/node.py) and the images of the podman tests' build.
 
-`helm install` runs the operator from its image; the examples' Queue and Subscriber become
+`helm install` with the backends in the release runs the operator from its image, and three
+ZooKeeper members and Cassandra as StatefulSets; the examples' Queue and Subscriber become
 Ready through it; the example worker's Deployment gets its sidecar from the operator's
 webhook (called by the API server on the operator pod's address) and runs it as a native
 sidecar; a second injected pod publishes orders through its own sidecar and completes, and
-the worker receives and bills every one of them through its sidecar.
+the worker receives and bills every one of them through its sidecar. (The chart pointed at
+backends outside the cluster is installed, upgraded and rolled back by
+tests/integration/test_node_upgrade.py.)
 
-With the backends in the release, its NetworkPolicies are on (the default) and the node's
-firewall (kube-router's) enforces them: the apps run in client namespaces, and a pod outside
-them, or without the sidecar's label, is refused at the backends' client ports.
+The release's NetworkPolicies are on (the default) and the node's firewall (kube-router's)
+enforces them: the apps run in client namespaces, and a pod outside them, or without the
+sidecar's label, is refused at the backends' client ports.
 """
 
 from __future__ import annotations
@@ -34,9 +36,7 @@ from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl_credential
 from casque.backends import cql, zk as zk_backend
 from casque.backends.cql import SOCKET_OPTIONS
 from casque.config import Settings
-from casque.devstack.kube import KubeCluster, kube_binary
 from casque.devstack.node import KubeNode
-from casque.devstack.stack import Stack
 from casque.schema import QueueRef
 from casque.znodes import queue_paths
 from tests.fixtures.node import NodeImages, pod_log
@@ -46,18 +46,15 @@ from tests.fixtures.node_apps import (
     RESTRICTED,
     HistoryTraffic,
     app_pod,
-    host_stack_values,
     is_ready,
 )
 from tests.fixtures.node_release import (
-    CHART,
     ROOT,
     START_TIMEOUT,
     EmbeddedRelease,
     Kubectl,
     client_namespace,
     records,
-    run,
 )
 from tests.fixtures.waiting import wait_for
 
@@ -142,41 +139,11 @@ def remove_the_app(kubectl: Kubectl, shop: str) -> None:
 
 
 
-def test_the_chart_runs_the_operator_and_the_example_app_publishes_and_receives_through_its_sidecars(
-    kube_node: KubeNode,
-    node_cluster: KubeCluster,
-    node_images: NodeImages,
-    node_stack: Stack,
-    node_keyspace_and_root: tuple[str, str],
-    tmp_path: Path,
-) -> None:
-    kubectl = Kubectl(node_cluster)
-    helm = kube_binary("helm")
-    suffix = uuid.uuid4().hex[:8]
-    system, shop = f"casque-{suffix}", f"shop-{suffix}"
-    keyspace, zk_root = node_keyspace_and_root
-    kubeconfig = ["--kubeconfig", str(node_cluster.kubeconfig_path)]
-    values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump(host_stack_values(node_images, node_stack, keyspace, zk_root)))
-    # Other test sessions' servers on 127.0.0.1 must keep working while the node runs: nothing
-    # of the node's drops traffic to the loopback network (the kubelet's KUBE-FIREWALL would).
+def test_the_node_drops_no_loopback_traffic(kube_node: KubeNode) -> None:
+    """Other test sessions' servers on 127.0.0.1 keep working while the node runs: nothing of
+    the node's drops traffic to the loopback network (the kubelet's KUBE-FIREWALL would)."""
     rules = subprocess.run(["iptables-save"], capture_output=True, text=True, check=True).stdout.splitlines()
     assert [r for r in rules if r.startswith("-A KUBE") and "127.0.0.0/8" in r and "DROP" in r] == []
-    try:
-        # --wait: the operator's Deployment Available, i.e. its pod Ready on the node (its image,
-        # its service-account token, the API server through the kubernetes Service).
-        run(helm, "install", "casque", CHART, "--namespace", system, "--create-namespace", *kubeconfig,
-            "-f", values, "--wait", "--timeout", f"{START_TIMEOUT}s")
-        kubectl("create", "namespace", shop)
-        run_the_example_app(kubectl, kube_node, node_images, shop)
-    except BaseException:
-        kubectl.show(system, shop)
-        raise
-    finally:
-        remove_the_app(kubectl, shop)
-        subprocess.run([str(helm), "uninstall", "casque", "--namespace", system, *kubeconfig, "--wait",
-                        "--timeout", f"{START_TIMEOUT}s"], capture_output=True, check=False, timeout=START_TIMEOUT + 60)
-        kubectl("delete", "namespace", system, "--wait=false", check=False)
 
 
 def test_the_chart_with_its_own_zookeeper_and_cassandra_serves_the_example_app(

@@ -1,9 +1,9 @@
 """What a message stuck at the head of a subscriber costs the sidecar: a constant.
 
 A poison message, nacked every time it is delivered, keeps the subscriber's offset from
-moving; 100,000 messages published behind it are received and acked through the sidecar's
-HTTP API. The engine's own accounting (casque.engine.shard_state) must show only what is
-live: no batch held that has no message left to deliver, the loaded messages within the
+moving; 20,000 messages published behind it, five times what a member may hold loaded, are
+received and acked through the sidecar's HTTP API. The engine's own accounting
+(casque.engine.shard_state) must show only what is live: no batch held that has no message left to deliver, the loaded messages within the
 prefetch budget, and heaps that stale entries cannot grow without bound. (A marker per
 completed batch behind the stuck message, ~740 bytes each, ran a 256 MiB sidecar out of
 memory within minutes at 1,000 batches a second.)
@@ -14,21 +14,31 @@ from __future__ import annotations
 import pytest
 
 from casque.engine import batches, catalog, shard_reader, sharing
+from casque.engine.heaps import HEAP_FLOOR, HEAP_SLACK
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
-from casque.engine.heaps import HEAP_FLOOR, HEAP_SLACK
 from casque.sidecar.app import service_of
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from tests.integration.test_sidecar import QUEUE, REF, SUB, SUBSCRIBER, MakeSidecar, call
-from tests.integration.test_sidecar import make_sidecar as make_sidecar  # the fixture
+from tests.integration.test_sidecar import (
+    QUEUE,
+    REF,
+    SUB,
+    SUBSCRIBER,
+    MakeSidecar,
+    call,
+    make_sidecar as make_sidecar,  # the fixture
+)
 
-BEHIND = 100_000
-BATCH = 100  # messages per publish, so one batch each: 1,000 batches behind the poison
+# Five times the most a member holds loaded (sharing.MAX_LOADED_MESSAGES plus a claim): a
+# reader that kept what it passed would go over the budget, and one that kept a batch per
+# completed batch would hold about 200 of them.
+BEHIND = 20_000
+BATCH = 100  # messages per publish, so one batch each: 200 batches behind the poison
 
 
 @pytest.mark.parametrize("delivery", ["leased", "shared"])
-async def test_a_poison_message_nacked_behind_100000_messages_holds_only_itself(
+async def test_a_poison_message_nacked_behind_20000_messages_holds_only_itself(
     store: Store, make_sidecar: MakeSidecar, delivery: str
 ) -> None:
     catalog.apply_queue(store, REF, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
