@@ -325,12 +325,12 @@ def start_kube_api(
          "kubernetes.default.svc.cluster.local"],
     )
     sa_key, sa_pub = _make_service_account_key(pki)
+    aggregation_args = _aggregation_layer(pki / "front-proxy")
     node_args: list[str] = []
     if for_node:
         kubelet_crt, kubelet_key = issue_cert(pki, ca_crt, ca_key, "apiserver-kubelet-client", client=True)
         node_args = [
             "--endpoint-reconciler-type=lease",
-            "--enable-aggregator-routing=true",
             "--kubelet-preferred-address-types=InternalIP",
             f"--kubelet-client-certificate={kubelet_crt}",
             f"--kubelet-client-key={kubelet_key}",
@@ -355,7 +355,7 @@ def start_kube_api(
             return _start_once(
                 workdir, etcd_bin, apiserver_bin, attempt,
                 ca_crt, ca_key, serving_crt, serving_key, sa_key, sa_pub,
-                token, token_file, timeout, [*node_args, *extra_apiserver_args], address,
+                token, token_file, timeout, [*aggregation_args, *node_args, *extra_apiserver_args], address,
             )
         except KubeStartError as err:
             last_error = err
@@ -363,6 +363,32 @@ def start_kube_api(
                 raise
     assert last_error is not None
     raise last_error
+
+
+# The name the API server's front-proxy client certificate carries, and an extension API
+# server (casque's External Metrics API) accepts proxied requests from.
+FRONT_PROXY_CLIENT = "front-proxy-client"
+
+
+def _aggregation_layer(pki: Path) -> list[str]:
+    """The API server's flags for the aggregation layer: a CA of its own for the client
+    certificate it presents to extension API servers (APIServices) when it proxies a request,
+    with the caller's name and groups in headers. It publishes the CA and the header names in
+    kube-system's extension-apiserver-authentication ConfigMap for those servers to check.
+    It calls an APIService on its Service's endpoints, not the Service's cluster IP, as
+    nothing here routes cluster IPs."""
+    ca_crt, ca_key = make_ca(pki, "casque-test-front-proxy-ca")
+    client_crt, client_key = issue_cert(pki, ca_crt, ca_key, FRONT_PROXY_CLIENT, client=True)
+    return [
+        f"--requestheader-client-ca-file={ca_crt}",
+        f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+        "--requestheader-username-headers=X-Remote-User",
+        "--requestheader-group-headers=X-Remote-Group",
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+        f"--proxy-client-cert-file={client_crt}",
+        f"--proxy-client-key-file={client_key}",
+        "--enable-aggregator-routing=true",
+    ]
 
 
 def _start_once(
