@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Annotated
@@ -41,13 +42,26 @@ def run(
         typer.Option(envvar="CASQUE_OPERATOR_WEBHOOK_PORT", help="Serve the sidecar-injection webhook (HTTPS) on this port."),
     ] = None,
     webhook_address: Annotated[
-        str, typer.Option(envvar="CASQUE_OPERATOR_WEBHOOK_ADDRESS", help="Address the webhook listens on.")
+        str, typer.Option(envvar="CASQUE_OPERATOR_WEBHOOK_ADDRESS", help="Address the webhook and the External Metrics API listen on.")
     ] = "0.0.0.0",
     webhook_cert: Annotated[
         Path | None, typer.Option(envvar="CASQUE_OPERATOR_WEBHOOK_CERT", help="The webhook's TLS certificate (PEM).")
     ] = None,
     webhook_key: Annotated[
         Path | None, typer.Option(envvar="CASQUE_OPERATOR_WEBHOOK_KEY", help="The webhook's TLS private key (PEM).")
+    ] = None,
+    metrics_api_port: Annotated[
+        int | None,
+        typer.Option(envvar="CASQUE_OPERATOR_METRICS_API_PORT",
+                     help="Serve the External Metrics API (HTTPS, for the aggregation layer) on this port."),
+    ] = None,
+    metrics_api_cert: Annotated[
+        Path | None,
+        typer.Option(envvar="CASQUE_OPERATOR_METRICS_API_CERT", help="The External Metrics API's TLS certificate (PEM)."),
+    ] = None,
+    metrics_api_key: Annotated[
+        Path | None,
+        typer.Option(envvar="CASQUE_OPERATOR_METRICS_API_KEY", help="The External Metrics API's TLS private key (PEM)."),
     ] = None,
     metrics_port: Annotated[
         int | None,
@@ -67,8 +81,9 @@ def run(
     # Imported here so that other `casque` commands do not pay for loading kopf.
     import kopf
 
-    from casque.operator import injection, runtime
+    from casque.operator import injection, metrics_api, runtime
     from casque.operator import webhook as webhook_server
+    from casque.operator.beside import run_beside
     from casque.operator.leadership import LeaseConfig
 
     namespaces = tuple(namespace or ())
@@ -87,18 +102,19 @@ def run(
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
-    webhook = None
+    servers = {}
     if webhook_port is not None:
-        if webhook_cert is None or webhook_key is None:
-            raise typer.BadParameter("--webhook-port needs --webhook-cert and --webhook-key")
-        for path in (webhook_cert, webhook_key):
-            if not path.is_file():
-                raise typer.BadParameter(f"{path} is not a file (--webhook-cert, --webhook-key)")
-        webhook = webhook_server.WebhookOptions(webhook_port, webhook_cert, webhook_key, webhook_address)
+        webhook_cert, webhook_key = _tls_files("--webhook", webhook_cert, webhook_key)
         try:
             sidecar = injection.InjectionSettings()
         except ValueError as error:
             raise typer.BadParameter(f"CASQUE_INJECTION_* settings: {error}") from error
+        webhook = webhook_server.WebhookOptions(webhook_port, webhook_cert, webhook_key, webhook_address)
+        servers["sidecar-injection webhook"] = webhook_server.serve_with_copier(webhook, sidecar)
+    if metrics_api_port is not None:
+        metrics_api_cert, metrics_api_key = _tls_files("--metrics-api", metrics_api_cert, metrics_api_key)
+        servers["External Metrics API"] = metrics_api.serve_from_cluster(
+            metrics_api.MetricsApiOptions(metrics_api_port, metrics_api_cert, metrics_api_key, webhook_address))
     kopf.configure(verbose=verbose)
     if log_format == "json":
         # kopf installs its own handler (and its object references as `extra` fields, which
@@ -109,6 +125,16 @@ def run(
 
         prometheus_client.start_http_server(metrics_port)
     options = runtime.RunOptions(namespaces=namespaces, liveness=liveness, lease=lease)
-    if webhook is None:
+    if not servers:
         raise typer.Exit(runtime.main(options))
-    raise typer.Exit(webhook_server.run_with_webhook(runtime.run(options), webhook, sidecar))
+    raise typer.Exit(asyncio.run(run_beside(runtime.run(options), servers)))
+
+
+def _tls_files(option: str, cert: Path | None, key: Path | None) -> tuple[Path, Path]:
+    """A server's certificate and key, both given and both files."""
+    if cert is None or key is None:
+        raise typer.BadParameter(f"{option}-port needs {option}-cert and {option}-key")
+    for path in (cert, key):
+        if not path.is_file():
+            raise typer.BadParameter(f"{path} is not a file ({option}-cert, {option}-key)")
+    return cert, key

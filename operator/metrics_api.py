@@ -25,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from casque.operator import external_metrics
+from casque.operator import external_metrics, resources
 from casque.operator.external_metrics import GROUP, GROUP_VERSION, VERSION, BadSelector
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,10 @@ def status(code: int, reason: str, message: str) -> web.Response:
     return web.json_response(body, status=code)
 
 
+class NamespaceNotServed(Exception):
+    """The operator may not read the namespace's Subscribers (it watches other namespaces)."""
+
+
 # The backends of the server: the namespace's Subscribers, and a SubjectAccessReview's verdict.
 ReadSubscribers = Callable[[str], Awaitable[list[dict[str, Any]]]]
 ReviewAccess = Callable[[dict[str, Any]], Awaitable[bool]]
@@ -145,8 +149,16 @@ def metrics_app(proxy: FrontProxy, read_subscribers: ReadSubscribers, review_acc
             return status(403, "Forbidden",
                           f'{asker.user} may not list {GROUP} "{metric}" in the namespace "{namespace}"')
         try:
-            answer = external_metrics.metric_values(metric, await read_subscribers(namespace),
-                                                    request.query.get("labelSelector", ""), datetime.now(UTC))
+            subscribers = await read_subscribers(namespace)
+        except NamespaceNotServed:
+            return status(404, "NotFound", f'casque\'s operator does not serve the namespace "{namespace}" '
+                          "(the chart's operator.watchNamespaces)")
+        except Exception:  # the API server unreachable or failing: the HPA asks again
+            log.exception("External Metrics API: the Subscribers of %s could not be read", namespace)
+            return status(503, "ServiceUnavailable", f'the Subscribers of "{namespace}" could not be read')
+        try:
+            answer = external_metrics.metric_values(metric, subscribers, request.query.get("labelSelector", ""),
+                                                    datetime.now(UTC))
         except BadSelector as error:
             return status(400, "BadRequest", str(error))
         return web.json_response(answer)
@@ -176,12 +188,18 @@ def kubernetes_backends(api: Any) -> tuple[ReadSubscribers, ReviewAccess]:
     """The server's backends through the Kubernetes API (a `kubernetes` ApiClient): the
     Subscribers as the API server holds them, and its SubjectAccessReviews."""
     from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
 
     custom, authorization = client.CustomObjectsApi(api), client.AuthorizationV1Api(api)
 
     async def read_subscribers(namespace: str) -> list[dict[str, Any]]:
-        listed = await asyncio.to_thread(
-            custom.list_namespaced_custom_object, "casque.io", "v1alpha1", namespace, "subscribers")
+        try:
+            listed = await asyncio.to_thread(
+                custom.list_namespaced_custom_object, resources.GROUP, resources.VERSION, namespace, resources.SUBSCRIBERS)
+        except ApiException as error:
+            if error.status == 403:
+                raise NamespaceNotServed(namespace) from error
+            raise
         assert isinstance(listed, dict)  # the client's JSON, typed as object
         return list(listed.get("items", []))
 
@@ -201,15 +219,50 @@ def read_front_proxy(api: Any) -> FrontProxy:
     return FrontProxy.from_configmap(configmap.data or {})
 
 
+CERTIFICATE_CHECK_SECONDS = 10.0
+
+
+def _certificate_stamp(options: MetricsApiOptions) -> tuple[float, ...]:
+    # A mounted Secret swaps a symlink: follow it to the files behind.
+    return tuple(path.resolve().stat().st_mtime for path in (options.certfile, options.keyfile))
+
+
+async def _reload_renewed_certificate(context: ssl.SSLContext, options: MetricsApiOptions) -> None:
+    """Load the certificate again whenever its files change (a renewed Secret): the listener
+    keeps its context, and new connections get the new certificate."""
+    stamp = _certificate_stamp(options)
+    while True:
+        await asyncio.sleep(CERTIFICATE_CHECK_SECONDS)
+        try:
+            now = _certificate_stamp(options)
+            if now != stamp:
+                context.load_cert_chain(options.certfile, options.keyfile)
+                stamp = now
+                log.info("External Metrics API: serving a renewed certificate")
+        except (OSError, ssl.SSLError) as error:  # half-written: the next check takes it
+            log.warning("External Metrics API: the certificate could not be reloaded yet: %s", error)
+
+
 async def serve(options: MetricsApiOptions, proxy: FrontProxy, read_subscribers: ReadSubscribers,
                 review_access: ReviewAccess) -> None:
     """Answer until cancelled."""
     runner = web.AppRunner(metrics_app(proxy, read_subscribers, review_access), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, options.address, options.port, ssl_context=tls_context(options, proxy))
+    context = tls_context(options, proxy)
+    site = web.TCPSite(runner, options.address, options.port, ssl_context=context)
     await site.start()
     log.info("External Metrics API listening on %s:%d", options.address, options.port)
     try:
-        await asyncio.Event().wait()
+        await _reload_renewed_certificate(context, options)
     finally:
         await runner.cleanup()
+
+
+async def serve_from_cluster(options: MetricsApiOptions) -> None:
+    """Answer until cancelled, with the cluster's front proxy, Subscribers and reviews (the
+    credentials found as casque.operator.kube finds them)."""
+    from casque.operator import kube
+
+    api = kube.api_client()
+    proxy = await asyncio.to_thread(read_front_proxy, api)
+    await serve(options, proxy, *kubernetes_backends(api))

@@ -4,10 +4,9 @@ pods handed to casque.operator.copies (the Secrets their sidecars need)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,29 +58,13 @@ async def serve(options: WebhookOptions, settings: InjectionSettings, backends: 
         log.info("sidecar-injection webhook listening at %s", client_config.get("url"))
 
 
-def run_with_webhook(operator: Awaitable[int], options: WebhookOptions, settings: InjectionSettings) -> int:
-    """Run the operator (leader or standby) and, beside it, the webhook; the first to end ends both."""
-    return asyncio.run(_run_with_webhook(operator, options, settings))
-
-
-async def _run_with_webhook(operator: Awaitable[int], options: WebhookOptions, settings: InjectionSettings) -> int:
+async def serve_with_copier(options: WebhookOptions, settings: InjectionSettings) -> None:
+    """The webhook as the operator's pods run it: each injected pod's namespace handed to the
+    copier of the Secrets its sidecar needs (when the operator knows its own namespace)."""
     backends = Settings()
-    running = asyncio.ensure_future(operator)
     copier = None
     source_namespace = os.environ.get("POD_NAMESPACE")
     names = copies.source_names(settings, backends)
     if source_namespace and names:
         copier = copies.WebhookCopier(kube.api_client, source_namespace, names, copies.copied_keys(settings, backends))
-    webhook = asyncio.create_task(
-        serve(options, settings, backends, copier.schedule if copier is not None else None), name="webhook")
-    try:
-        await asyncio.wait({running, webhook}, return_when=asyncio.FIRST_COMPLETED)
-        if running.done():
-            return running.result()
-        webhook.result()  # the server failed (a bad certificate, the port taken): say why
-        raise RuntimeError("the webhook server stopped")
-    finally:
-        for task in (webhook, running):
-            task.cancel()
-        await asyncio.gather(webhook, running, return_exceptions=True)
-
+    await serve(options, settings, backends, copier.schedule if copier is not None else None)

@@ -527,6 +527,73 @@ def test_cert_manager_mode_renders_the_same_objects_every_time(
         assert issuers == {"casque-webhook-selfsigned", "casque-webhook-ca"}
 
 
+def test_the_external_metrics_api_is_registered_behind_the_webhooks_service_and_readable_by_the_autoscaler(
+    tools: Tools, kube_namespace: str, kube_client: client.ApiClient, casque_crds: None,  # noqa: F811
+    cert_manager_crds: None,
+) -> None:
+    """externalMetrics.enabled: an APIService on the webhook's Service and certificate, the
+    operator serving it on every replica, and the rights both ends need."""
+    release = f"r{uuid.uuid4().hex[:6]}"
+    values = {"externalMetrics": {"enabled": True}}
+    manifest = tools.template(kube_namespace, values, release=release).stdout
+    documents = [d for d in yaml.safe_load_all(manifest) if d]
+    assert tools.dry_run(manifest).count("(server dry run)") == len(documents)
+    registration = one(documents, "APIService")
+    assert registration["metadata"]["name"] == "v1beta1.external.metrics.k8s.io"
+    spec = registration["spec"]
+    assert (spec["group"], spec["version"]) == ("external.metrics.k8s.io", "v1beta1")
+    # The webhook's Service and the CA its certificate is signed with.
+    service = named(documents, "Service", spec["service"]["name"])
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == spec["service"]["port"]]
+    webhook = one(documents, "MutatingWebhookConfiguration")["webhooks"][0]["clientConfig"]
+    assert spec["service"]["name"] == webhook["service"]["name"]
+    assert spec["caBundle"] == webhook["caBundle"]
+    container = operator_container(documents)
+    (served,) = [p for p in container["ports"] if p["name"] == port["targetPort"]]
+    _, params = cli_call(container["args"])
+    assert params["metrics_api_port"] == served["containerPort"]
+    assert (params["metrics_api_cert"], params["metrics_api_key"]) == (params["webhook_cert"], params["webhook_key"])
+    operator_policy = named(documents, "NetworkPolicy", f"{release}-casque-operator")
+    assert served["containerPort"] in {p["port"] for rule in operator_policy["spec"]["ingress"] for p in rule["ports"]}
+    # Off by default: a cluster has one provider of the API.
+    assert not of_kind(tools.render(kube_namespace), "APIService")
+    refused = tools.template(kube_namespace, {**values, "injection": {"enabled": False}}, check=False)
+    assert refused.returncode != 0 and "externalMetrics.enabled needs injection.enabled" in refused.stderr
+    # With cert-manager, its CA injector fills the APIService's caBundle as the webhook's.
+    issued = tools.render(kube_namespace, {**values, "injection": {"tls": {"mode": "certManager"}}, **GITOPS_SECRETS},
+                          release="casque")
+    assert one(issued, "APIService")["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": f"{kube_namespace}/casque-webhook"}
+    assert "caBundle" not in one(issued, "APIService")["spec"]
+
+    show = ["--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml"]
+    rbac = tools.template(kube_namespace, values, *show, release=release).stdout
+    tools.run(*tools.kubectl, "apply", "-f", "-", input=rbac)
+    try:
+        account = f"{release}-casque"
+        # The operator reviews who asks, and reads how the front proxy proves itself ...
+        assert tools.can_i(kube_namespace, account, "create", "subjectaccessreviews.authorization.k8s.io")
+        assert tools.can_i(kube_namespace, account, "get", "configmaps/extension-apiserver-authentication",
+                           "kube-system")
+        # ... and no other ConfigMap there.
+        assert not tools.can_i(kube_namespace, account, "get", "configmaps/kube-proxy", "kube-system")
+        # The HPA controller reads the metrics of any namespace; nobody else is given them.
+        # (Asked directly: kubectl drops the group of a resource its discovery does not know.)
+        authorization = client.AuthorizationV1Api(kube_client)
+
+        def may_read_lag(namespace: str, account: str) -> bool:
+            review = authorization.create_subject_access_review({"spec": {
+                "user": f"system:serviceaccount:{namespace}:{account}",
+                "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
+                "resourceAttributes": {"group": "external.metrics.k8s.io", "resource": "casque-subscriber-lag-messages",
+                                       "namespace": kube_namespace, "verb": "list"}}})
+            return bool(review.status.allowed)
+        assert may_read_lag("kube-system", "horizontal-pod-autoscaler")
+        assert not may_read_lag(kube_namespace, "default") and not may_read_lag(kube_namespace, account)
+    finally:
+        tools.run(*tools.kubectl, "delete", "--wait=false", "-f", "-", input=rbac)
+
+
 def test_an_upgrade_keeps_the_webhook_certificate_and_the_generated_logins(
     tools: Tools, kube_namespace: str, kube_client: client.ApiClient, casque_crds: None  # noqa: F811
 ) -> None:
@@ -1624,7 +1691,7 @@ def test_the_dashboard_and_alert_rules_render_when_enabled(tools: Tools, kube_na
     alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
     assert set(alerts) == {"CasqueSubscriberLagHigh", "CasqueSubscriberOldestMessageOld", "CasqueMessagesDeadLettered",
                            "CasqueSubscriberStalled", "CasqueSubscriberLagGrowingWithoutConsumers",
-                           "CasqueOperatorNoLeader", "CasqueOperatorReconcileErrors", "CasqueInjectionWebhookFailing",
+                           "CasqueSubscriberLagGrowingAtMaxConsumers", "CasqueOperatorNoLeader", "CasqueOperatorReconcileErrors", "CasqueInjectionWebhookFailing",
                            "CasqueSidecarErrorsHigh", "CasqueSidecarProtocolRefused", "CasqueSidecarNewerFormat",
                            "CasqueNamespaceOverStoredBytesQuota"}
     # The stall alert reads the sidecars' gauge (scraped through the PodMonitor), per subscriber over its pods.
@@ -1638,6 +1705,11 @@ def test_the_dashboard_and_alert_rules_render_when_enabled(tools: Tools, kube_na
     # ... and one that meets records of a later format (casque.formats) and leaves them unread.
     assert alerts["CasqueSidecarNewerFormat"]["expr"] == (
         "max by (namespace, pod) (increase(casque_sidecar_newer_format_refusals_total[5m])) > 0")
+    # At the autoscaler's maximum: its HPA (KEDA's too) read from kube-state-metrics by the subscriber's name.
+    at_max = alerts["CasqueSubscriberLagGrowingAtMaxConsumers"]
+    assert "kube_horizontalpodautoscaler_spec_max_replicas" in at_max["expr"] and "keda-hpa-" in at_max["expr"]
+    assert "falls behind at its autoscaler's maximum" in at_max["annotations"]["summary"]
+    assert "Autoscaling: consumers, lag per consumer and the autoscaler's maximum" in titles
     # Prometheus fills in the alert's labels: the template must leave its {{ }} to it.
     assert "{{ $labels.subscriber }}" in alerts["CasqueSubscriberLagHigh"]["annotations"]["summary"]
     refused = tools.template(kube_namespace, {"metrics": {"prometheusRule": {"for": "ten minutes"}}}, check=False)

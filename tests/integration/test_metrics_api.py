@@ -1,6 +1,6 @@
 """The operator's External Metrics API (casque.operator.metrics_api) behind a real
 kube-apiserver's aggregation layer: an APIService of `external.metrics.k8s.io/v1beta1` on
-a Service whose endpoint is the server this module runs on the host's address.
+a Service whose endpoint is `casque operator run --metrics-api-port`, on the host's address.
 
 A HorizontalPodAutoscaler's controller reads it the way these tests do: through the API
 server, as a user RBAC allows. The server itself takes only the API server's front proxy,
@@ -10,15 +10,17 @@ namespace's metric.
 
 from __future__ import annotations
 
-import asyncio
 import json
+import os
+import signal
 import ssl
-import threading
+import subprocess
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,6 @@ from casque.devstack.kube import KubeCluster, free_port
 from casque.devstack.node import host_address
 from casque.devstack.pki import issue_cert
 from casque.operator.external_metrics import GROUP, GROUP_VERSION, VERSION
-from casque.operator.metrics_api import MetricsApiOptions, kubernetes_backends, read_front_proxy, serve
 from casque.operator.resources import GROUP as CASQUE_GROUP, SUBSCRIBERS, VERSION as CASQUE_VERSION
 from tests.fixtures.waiting import wait_for
 from tests.integration.test_operator import casque_crds as casque_crds  # the fixture
@@ -47,43 +48,50 @@ class ServedApi:
 
     url: str  # the server itself, on the host's address
     cluster: KubeCluster
+    renew_certificate: Callable[[], None]  # a new serving certificate in the files it was started with
 
 
-def available(api: client.ApiregistrationV1Api) -> bool:
+def available(api: client.ApiregistrationV1Api, operator: subprocess.Popen[bytes], log: Path) -> bool:
+    assert operator.poll() is None, f"the operator exited:\n{log.read_text()}"
     conditions = api.read_api_service(APISERVICE).status.conditions or []
     return any(c.type == "Available" and c.status == "True" for c in conditions)
 
 
-async def started(serving: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-    return asyncio.create_task(serving)
+def serving_certificate(cluster: KubeCluster, namespace: str, address: str, pki: Path) -> tuple[Path, Path]:
+    # The aggregation layer checks the server's certificate for the Service's name.
+    return issue_cert(pki, cluster.ca_cert_path, cluster.ca_key_path, "casque-metrics",
+                      [f"casque-metrics.{namespace}.svc", address])
 
 
-async def stopped(task: asyncio.Task[None]) -> None:
-    """Cancel the server's task from its own loop and wait for its cleanup (its listener closed)."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+def operator_serving_the_metrics_api(cluster: KubeCluster, namespace: str, address: str, port: int, pki: Path,
+                                     log: Path) -> subprocess.Popen[bytes]:
+    """`casque operator run` with the External Metrics API on the host's address. Its kopf
+    serves a namespace with no Queue in it, so the backends it is pointed at are never called."""
+    certfile, keyfile = serving_certificate(cluster, namespace, address, pki)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CASQUE_")},
+        "KUBECONFIG": str(cluster.kubeconfig_path),
+        "CASQUE_CASSANDRA_CONTACT_POINTS": "cassandra.example", "CASQUE_ZOOKEEPER_HOSTS": "zookeeper.example:2181",
+        "CASQUE_OPERATOR_METRICS_API_CERT": str(certfile), "CASQUE_OPERATOR_METRICS_API_KEY": str(keyfile),
+    }
+    command = [sys.executable, "-m", "casque.cli", "operator", "run", "--namespace", namespace,
+               "--no-leader-election", "--webhook-address", address, "--metrics-api-port", str(port)]
+    with open(log, "ab") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 @pytest.fixture(scope="module")
 def metrics_api(kube_cluster: KubeCluster, kube_client: client.ApiClient, casque_crds: None,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedApi]:
-    """The server on a thread of its own, and the Service, Endpoints and APIService that make
-    the API server proxy `external.metrics.k8s.io` to it."""
+    """The operator serving the API, and the Service, Endpoints and APIService that make the
+    API server proxy `external.metrics.k8s.io` to it."""
     address, port = host_address(), free_port()
     system = f"casque-{uuid.uuid4().hex[:8]}"
-    pki = tmp_path_factory.mktemp("metrics-api")
-    # The aggregation layer checks the server's certificate for the Service's name.
-    certfile, keyfile = issue_cert(pki, kube_cluster.ca_cert_path, kube_cluster.ca_key_path, "casque-metrics",
-                                   [f"casque-metrics.{system}.svc", address])
-    read_subscribers, review_access = kubernetes_backends(kube_client)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="metrics-api", daemon=True)
-    thread.start()
-    served = asyncio.run_coroutine_threadsafe(started(
-        serve(MetricsApiOptions(port, certfile, keyfile, address), read_front_proxy(kube_client), read_subscribers,
-              review_access)), loop).result(timeout=30)
+    workdir = tmp_path_factory.mktemp("metrics-api")
     core, registration = client.CoreV1Api(kube_client), client.ApiregistrationV1Api(kube_client)
     core.create_namespace({"metadata": {"name": system}})
+    log = workdir / "operator.log"
+    operator = operator_serving_the_metrics_api(kube_cluster, system, address, port, workdir, log)
     try:
         core.create_namespaced_service(system, {"metadata": {"name": "casque-metrics"},
                                                 "spec": {"ports": [{"port": 443, "targetPort": port}]}})
@@ -94,14 +102,21 @@ def metrics_api(kube_cluster: KubeCluster, kube_client: client.ApiClient, casque
             "spec": {"group": GROUP, "version": VERSION, "caBundle": kube_cluster.ca_bundle,
                      "service": {"name": "casque-metrics", "namespace": system, "port": 443},
                      "groupPriorityMinimum": 100, "versionPriority": 100}})
-        wait_for(f"the APIService {APISERVICE} Available", lambda: available(registration), timeout=120)
-        yield ServedApi(f"https://{address}:{port}", kube_cluster)
+        wait_for(f"the APIService {APISERVICE} Available", lambda: available(registration, operator, log),
+                 timeout=120)
+        yield ServedApi(f"https://{address}:{port}", kube_cluster,
+                        lambda: serving_certificate(kube_cluster, system, address, workdir) and None)
     finally:
-        registration.delete_api_service(APISERVICE)
-        core.delete_namespace(system)
-        asyncio.run_coroutine_threadsafe(stopped(served), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=30)
+        operator.send_signal(signal.SIGTERM)
+        try:
+            operator.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            operator.kill()
+            operator.wait()
+        try:
+            registration.delete_api_service(APISERVICE)
+        finally:
+            core.delete_namespace(system)
 
 
 def call(url: str, context: ssl.SSLContext, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
@@ -230,3 +245,22 @@ def test_a_user_reads_only_the_namespaces_rbac_allows_and_only_the_front_proxy_m
                           metrics_api.cluster.ca_key_path, "stranger", client=True)
     with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
         directly(metrics_api, path(allowed), user, stranger)
+
+
+def served_certificate(served: ServedApi) -> str:
+    host, port = urllib.parse.urlsplit(served.url).netloc.rsplit(":", 1)
+    return ssl.get_server_certificate((host, int(port)), timeout=10)
+
+
+def test_a_renewed_serving_certificate_is_served_without_a_restart(
+    metrics_api: ServedApi, kube_client: client.ApiClient, two_namespaces: tuple[str, str],
+) -> None:
+    """As cert-manager renews the Secret the operator's pods mount: the new certificate is
+    served from then on, and the API server still reaches the metrics through it."""
+    shop, _ = two_namespaces
+    subscriber_with_figures(kube_client, shop, "billing", 11)
+    before = served_certificate(metrics_api)
+    metrics_api.renew_certificate()
+    wait_for("the renewed certificate served", lambda: served_certificate(metrics_api) != before, timeout=120)
+    code, answer = through_the_api_server(metrics_api, f"/apis/{GROUP_VERSION}/namespaces/{shop}/{LAG}")
+    assert code == 200 and values(answer) == {"billing": "11"}, answer
