@@ -156,6 +156,8 @@ SUBSCRIBER_GAUGES = {
     "lagBatches": Gauge("casque_subscriber_lag_batches", "Batches the subscriber has yet to consume", _LABELS),
     "inFlight": Gauge("casque_subscriber_in_flight", "Messages delivered and not yet acked", _LABELS),
     "consumers": Gauge("casque_subscriber_consumers", "Live consumers (sidecars) of the subscriber", _LABELS),
+    "standingBy": Gauge("casque_subscriber_standing_by",
+                        "Consumers holding nothing: in leased delivery, those beyond the queue's shards", _LABELS),
     "deadLettered": Gauge("casque_subscriber_dead_lettered", "Messages sent to the dead-letter queue so far",
                           _LABELS),
     "filtered": Gauge("casque_subscriber_filtered", "Messages the subscriber's filter did not match so far",

@@ -85,6 +85,17 @@ def queue_figures(seen: QueueObservation) -> dict[str, Any]:
     }
 
 
+def standing_by(spec: SubscriberSpec, seen: SubscriberObservation) -> int | None:
+    """Consumers that can hold nothing: leased delivery gives each shard (a priority level's
+    shards are shards of their own) to one member, so members beyond them wait; shared
+    delivery gives every member ranges of every shard. None while the shards are unknown."""
+    if spec.delivery == "shared":
+        return 0
+    if not seen.heads:
+        return None
+    return max(0, seen.consumers - len(seen.heads))
+
+
 def subscriber_figures(spec: SubscriberSpec, seen: SubscriberObservation) -> dict[str, Any]:
     figures = seen.stats
     oldest = [as_utc(s.oldest_unacked_at) for s in figures.shards if s.oldest_unacked_at] if figures else []
@@ -96,6 +107,7 @@ def subscriber_figures(spec: SubscriberSpec, seen: SubscriberObservation) -> dic
         "lagMessages": figures.lag_messages if figures else None,
         "oldestPendingTime": conditions.timestamp(min(oldest)) if oldest else None,
         "consumers": seen.consumers,
+        "standingBy": standing_by(spec, seen),
         "inFlight": figures.in_flight if figures else None,
         "deadLettered": figures.dead_lettered if figures else None,
         "filtered": figures.filtered if figures else None,

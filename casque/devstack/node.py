@@ -696,6 +696,8 @@ def _start(node: KubeNode, sandbox_image: str, sandbox_archive: Callable[[KubeNo
         f"--root-ca-file={cluster.ca_cert_path}", f"--service-account-private-key-file={pki / 'sa.key'}",
         "--use-service-account-credentials=false", "--controllers=*,-nodeipam,-cloud-node-lifecycle",
         "--concurrent-deployment-syncs=2", "--concurrent-replicaset-syncs=2",
+        # HorizontalPodAutoscalers act within seconds rather than 15 s.
+        "--horizontal-pod-autoscaler-sync-period=5s",
     ])
     _wait_for(f"node {NODE_NAME} Ready", lambda: _node_ready(cluster), node, timeout)
     _start_firewall(node, start)

@@ -5,9 +5,14 @@ with casque-client) and print every call they make as one JSON line, for the his
 Times are CLOCK_MONOTONIC, which the pods of one node share with each other and the test
 (containers get no time namespace), so windows from different pods compare.
 
-    python3 node_history_app.py publish COUNT RATE [PREFIX]  # ids PREFIXm0.., RATE a second at most
-    python3 node_history_app.py consume   # receive and ack until killed or, after a SIGTERM, the acks
-                                          # of what it holds are answered
+    python3 node_history_app.py publish COUNT RATE [PREFIX [KEYS]]  # ids PREFIXm0.., RATE a second
+                                          # at most; with KEYS, message n has the key k<n % KEYS>
+    python3 node_history_app.py consume [HANDLE]  # receive and ack until killed or, after a SIGTERM,
+                                          # the acks of what it holds are answered; HANDLE seconds
+                                          # spent on each message before its ack
+
+With $CASQUE_HISTORY_RECORDS (a directory) the lines also go to <it>/<host name>.jsonl, where
+they outlive a pod that a Deployment deletes as it scales down.
 
 The publisher gives every message its own producer id, so a retry after a lost answer lands
 once (the sidecar's idempotency window); it retries through any outage for as long as it takes.
@@ -18,7 +23,9 @@ whose answer never came is recorded as `unknown`.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import sys
 import time
 
@@ -29,20 +36,28 @@ SOURCE = "node-history"
 PAUSE = 0.5
 
 
+RECORDS = os.environ.get("CASQUE_HISTORY_RECORDS")
+
+
 def record(**fields: object) -> None:
-    print(json.dumps(fields), flush=True)
+    line = json.dumps(fields)
+    print(line, flush=True)
+    if RECORDS:
+        with open(os.path.join(RECORDS, f"{socket.gethostname()}.jsonl"), "a") as out:
+            out.write(line + "\n")
 
 
-def publish(count: int, rate: float, prefix: str = "") -> None:
+def publish(count: int, rate: float, prefix: str = "", keys: int = 0) -> None:
     with Client(timeout=10.0) as client:
         for number in range(count):
             # Paced, so that the traffic lasts through the faults the test brings.
             time.sleep(1.0 / rate)
             message_id = f"{prefix}m{number}"
+            key = {"key": f"k{number % keys}"} if keys else {}
             while True:
                 sent = time.monotonic()
                 try:
-                    client.publish({"n": number}, id=message_id, source=SOURCE)
+                    client.publish({"n": number}, id=message_id, source=SOURCE, **key)
                 except ClientError as failure:
                     record(op="publish_failed", id=message_id, error=str(failure)[:200])
                     time.sleep(PAUSE)
@@ -61,7 +76,7 @@ def ack(client: Client, receipt: str) -> str:
         return "unknown"
 
 
-def consume() -> None:
+def consume(handle: float = 0.0) -> None:
     # A member leaving as a rolling update has it leave: it acks what it holds, then exits (and
     # its sidecar, a native one, stops after it). As a container's PID 1 it would ignore the
     # signal without a handler.
@@ -81,6 +96,7 @@ def consume() -> None:
                 record(op="delivery", id=message.id, receipt=message.receipt, count=message.delivery_count,
                        sent=sent, answered=answered)
             for message in messages:
+                time.sleep(handle)
                 ack_sent = time.monotonic()
                 outcome = ack(client, message.receipt)
                 record(op="ack", id=message.id, receipt=message.receipt, outcome=outcome, sent=ack_sent,
@@ -90,8 +106,8 @@ def consume() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["publish"]:
-        publish(int(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:5])
+        publish(int(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:5], *map(int, sys.argv[5:6]))
     elif sys.argv[1:2] == ["consume"]:
-        consume()
+        consume(*map(float, sys.argv[2:3]))
     else:
-        sys.exit("usage: node_history_app.py publish COUNT RATE [PREFIX] | consume")
+        sys.exit("usage: node_history_app.py publish COUNT RATE [PREFIX [KEYS]] | consume [HANDLE]")

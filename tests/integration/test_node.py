@@ -18,6 +18,7 @@ sidecar's label, is refused at the backends' client ports.
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import subprocess
 import uuid
@@ -37,10 +38,14 @@ from casque.backends import cql, zk as zk_backend
 from casque.backends.cql import SOCKET_OPTIONS
 from casque.config import Settings
 from casque.devstack.node import KubeNode
+from casque.operator.resources import API_VERSION, QUEUE_KIND, SUBSCRIBER_KIND
 from casque.schema import QueueRef
 from casque.znodes import queue_paths
+from tests.fixtures.doc_examples import yaml_blocks
+from tests.fixtures.history import check, delivered_behind_acked_successors, keys_in_flight_twice
 from tests.fixtures.node import NodeImages, pod_log
 from tests.fixtures.node_apps import (
+    HISTORY_APP,
     HISTORY_RESOURCES,
     POD_SECURITY,
     RESTRICTED,
@@ -54,6 +59,7 @@ from tests.fixtures.node_release import (
     EmbeddedRelease,
     Kubectl,
     client_namespace,
+    history_of,
     records,
 )
 from tests.fixtures.waiting import wait_for
@@ -502,3 +508,157 @@ def test_a_namespace_of_the_default_install_reaches_neither_another_namespaces_d
         for tenant in tenants:
             kubectl("delete", "-n", tenant, "queues", "--all", f"--timeout={START_TIMEOUT}s", check=False)
             kubectl("delete", "namespace", tenant, "--wait=false", check=False)
+
+
+# A shared, ordered subscriber: its consumers may outnumber the queue's shards.
+AUTOSCALED: list[dict[str, Any]] = [
+    {"apiVersion": API_VERSION, "kind": QUEUE_KIND, "metadata": {"name": "jobs"},
+     "spec": {"shards": 2, "retention": "1d"}},
+    {"apiVersion": API_VERSION, "kind": SUBSCRIBER_KIND, "metadata": {"name": "workers"},
+     "spec": {"queue": "jobs", "startPosition": "earliest", "delivery": "shared", "orderedKeys": True,
+              "visibilityTimeout": "30s"}},
+]
+AUTOSCALED_MESSAGES = 360
+AUTOSCALED_KEYS = 12
+# Seconds each consumer spends on a message: one consumer alone takes minutes over the backlog.
+HANDLE_SECONDS = 0.2
+
+
+def documented_autoscaler(namespace: str, deployment: str, subscriber: str) -> dict[str, Any]:
+    """The HorizontalPodAutoscaler of docs/deploy.md, for this Deployment and Subscriber, scaling
+    down after 15 s without a backlog rather than 120 s."""
+    (hpa,) = [d for block in yaml_blocks(ROOT / "docs" / "deploy.md") for d in yaml.safe_load_all(block)
+              if d and d.get("kind") == "HorizontalPodAutoscaler"]
+    hpa["metadata"] = {"name": subscriber, "namespace": namespace}
+    hpa["spec"]["scaleTargetRef"]["name"] = deployment
+    hpa["spec"]["maxReplicas"] = 3
+    (metric,) = hpa["spec"]["metrics"]
+    metric["external"]["metric"]["selector"]["matchLabels"] = {"subscriber": subscriber}
+    metric["external"]["target"]["averageValue"] = "40"
+    hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] = 15
+    return hpa
+
+
+def consumer_deployment(name: str, image: str, records: Path) -> dict[str, Any]:
+    """Consumers of `workers`, each writing its calls to `records` on the host as well, where
+    they outlive the pods the autoscaler removes."""
+    labels = {"app": name}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+        "spec": {
+            "replicas": 1, "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {
+                    "casque.io/inject": "true", "casque.io/queue": "jobs", "casque.io/subscriber": "workers"}},
+                "spec": {
+                    "securityContext": POD_SECURITY, "terminationGracePeriodSeconds": 30,
+                    "volumes": [{"name": "records", "hostPath": {"path": str(records), "type": "Directory"}}],
+                    "containers": [{
+                        "name": "app", "image": image, "imagePullPolicy": "Never",
+                        "command": ["python3", "-c", HISTORY_APP.read_text(), "consume", str(HANDLE_SECONDS)],
+                        "env": [{"name": "CASQUE_HISTORY_RECORDS", "value": "/records"}],
+                        "volumeMounts": [{"name": "records", "mountPath": "/records"}],
+                        "securityContext": RESTRICTED,
+                    }],
+                },
+            },
+        },
+    }  # fmt: skip
+
+
+def recorded(records: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each consumer pod's calls, by pod name."""
+    return {path.stem: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            for path in sorted(records.glob("*.jsonl"))}
+
+
+def test_an_autoscaler_grows_the_consumers_with_the_backlog_and_shrinks_them_losing_and_reordering_nothing(
+    embedded_release: EmbeddedRelease, node_images: NodeImages, tmp_path: Path,
+) -> None:
+    """The HorizontalPodAutoscaler of docs/deploy.md, run by the node's kube-controller-manager
+    on the lag the operator serves through the External Metrics API: a keyed backlog on a
+    shared, ordered subscriber grows its consumer Deployment from 1 to 3, the backlog drains,
+    and it shrinks back to 1, the leaving consumers acking what they hold. Over the whole run
+    the history checker finds every acknowledged publish delivered and nothing acked delivered
+    again; no key's message was handed out behind a later one of its key, nor two of a key at
+    once; and the subscriber counts exactly the consumer left."""
+    kubectl, node = embedded_release.kubectl, embedded_release.node
+    shop = f"shop-{uuid.uuid4().hex[:8]}"
+    client_namespace(kubectl, shop)
+    records = tmp_path / "records"
+    records.mkdir()
+    records.chmod(0o777)  # the consumers run as POD_SECURITY's user
+    traffic = HistoryTraffic(kubectl, node, shop)
+
+    def autoscaler() -> dict[str, Any]:
+        found: dict[str, Any] = kubectl.json("hpa/workers", "-n", shop)
+        return found
+
+    def replicas() -> tuple[int, int]:
+        publisher = traffic.pod("publisher")["status"].get("phase")
+        assert publisher != "Failed", f"the publisher failed: {traffic.calls('publisher')[-3:]}"
+        status = kubectl.json("deployment/consumers", "-n", shop)["status"]
+        return status.get("replicas", 0), status.get("readyReplicas", 0)
+
+    try:
+        for resource in AUTOSCALED:
+            kubectl.apply(shop, resource)
+        kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/jobs", "subscriber/workers",
+                f"--timeout={START_TIMEOUT}s")
+        kubectl.apply(shop, consumer_deployment("consumers", node_images.worker, records))
+        kubectl("wait", "-n", shop, "--for=condition=Available", "deployment/consumers", f"--timeout={START_TIMEOUT}s")
+        kubectl.apply(shop, documented_autoscaler(shop, "consumers", "workers"))
+
+        traffic.start_publisher("publisher", node_images.worker, AUTOSCALED_MESSAGES, 60, keys=AUTOSCALED_KEYS,
+                                queue="jobs")
+        wait_for("the autoscaler at 3 consumers, all ready", lambda: replicas() == (3, 3), timeout=START_TIMEOUT)
+        # What it scaled on: the lag per consumer, read through the aggregation layer.
+        (current,) = autoscaler()["status"]["currentMetrics"]
+        assert current["external"]["metric"]["name"] == "casque-subscriber-lag-messages", current
+
+        def drained() -> bool:
+            acked = {e["id"] for calls in recorded(records).values() for e in calls
+                     if e["op"] == "ack" and e["outcome"] == "acked"}
+            return len(acked) == AUTOSCALED_MESSAGES
+        wait_for("every message acked", drained, timeout=START_TIMEOUT * 2)
+        def consumer_pods() -> set[str]:
+            listing = kubectl.json("pods", "-n", shop, "-l", "app=consumers")["items"]
+            return {p["metadata"]["name"] for p in listing}
+        # The Deployment at 1, and the pods it removed gone (their apps stopped, their sidecars after).
+        wait_for("the autoscaler back at 1 consumer", lambda: replicas() == (1, 1) and len(consumer_pods()) == 1,
+                 timeout=START_TIMEOUT)
+        kubectl("wait", "-n", shop, "--for=jsonpath={.status.phase}=Succeeded", "pod/publisher",
+                f"--timeout={START_TIMEOUT}s")
+
+        calls = recorded(records)
+        live = consumer_pods()
+        assert len(calls) >= 3 and len(live) == 1, (sorted(calls), live)
+        # Every consumer the autoscaler removed left as asked: its acks answered, then stopped.
+        for pod, entries in calls.items():
+            if pod not in live:
+                assert entries[-1]["op"] == "stopped", f"{pod} did not stop as asked: {entries[-3:]}"
+        publisher = traffic.calls("publisher")
+        history = history_of(publisher, list(calls.values()))
+        verdict = check(history)
+        assert verdict.ok, str(verdict)
+        assert len(history.published) == AUTOSCALED_MESSAGES
+        keys = {f"m{n}": (f"k{n % AUTOSCALED_KEYS}", n) for n in range(AUTOSCALED_MESSAGES)}
+        assert delivered_behind_acked_successors(history, keys) == []
+        assert keys_in_flight_twice(history, {m: key for m, (key, _) in keys.items()}, visibility=30.0) == []
+        # Each key's messages first handed out in the order they were published.
+        first: dict[str, float] = {}
+        for delivery in history.deliveries:
+            first[delivery.message_id] = min(first.get(delivery.message_id, delivery.answered), delivery.answered)
+        for key in {key for key, _ in keys.values()}:
+            ordered = sorted((n for m, (k, n) in keys.items() if k == key), key=lambda n: first[f"m{n}"])
+            assert ordered == sorted(ordered), f"key {key} handed out as {ordered}"
+        # The one consumer left is the one member of the group.
+        wait_for("the subscriber counting one consumer", lambda: kubectl.json(
+            "subscriber/workers", "-n", shop).get("status", {}).get("consumers") == 1, timeout=START_TIMEOUT)
+        print(f"autoscaled history: {len(history.published)} published, {len(history.deliveries)} deliveries "
+              f"({history.redeliveries()} again) over {len(calls)} consumer pods")
+    except BaseException:
+        kubectl.show(embedded_release.namespace, shop)
+        raise
+    finally:
+        remove_the_app(kubectl, shop)

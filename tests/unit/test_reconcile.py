@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -227,6 +229,7 @@ def test_subscriber_readiness() -> None:
         "lagMessages": None,  # until the engine's stats are read
         "oldestPendingTime": None,
         "consumers": 1,
+        "standingBy": 0,
         "inFlight": None,
         "deadLettered": None,
         "filtered": None,
@@ -239,6 +242,15 @@ def test_subscriber_readiness() -> None:
     assert readiness.subscriber_readiness(spec, no_dlq).reason == "DeadLetterQueueNotFound"
     lost = SubscriberObservation(True, None, {0: 4}, {}, 0, True)
     assert readiness.subscriber_readiness(spec, lost).reason == "Drifted"
+
+
+def test_leased_consumers_beyond_the_shards_stand_by_and_shared_ones_never() -> None:
+    three = SubscriberObservation(True, SubscriberSpec(queue="orders"), {0: 4, 1: 4}, {0: 2, 1: 2}, 3, None)
+    assert readiness.standing_by(SubscriberSpec(queue="orders"), three) == 1
+    assert readiness.standing_by(SubscriberSpec(queue="orders", delivery="shared"), three) == 0
+    one = replace(three, consumers=1)
+    assert readiness.standing_by(SubscriberSpec(queue="orders"), one) == 0
+    assert readiness.standing_by(SubscriberSpec(queue="orders"), replace(three, heads={})) is None
 
 
 def test_a_refresh_judges_only_a_generation_that_was_applied() -> None:
