@@ -132,7 +132,7 @@ NAMESPACE_STORED_BYTES = Gauge("casque_namespace_stored_bytes",
 NAMESPACE_STORED_BYTES_LIMIT = Gauge("casque_namespace_stored_bytes_limit",
                                      "The namespace's stored-bytes quota (absent: none)", ["namespace"])
 NAMESPACE_PUBLISHING = Gauge("casque_namespace_publishing",
-                             "1 while the namespace may publish, 0 while it is over its stored-bytes quota",
+                             "1 while the namespace may publish, 0 while it is over its stored-bytes or write-rate quota",
                              ["namespace"])
 
 
@@ -146,6 +146,25 @@ def namespace_storage(namespace: str, stored: int, limit: int | None, publishing
     else:
         NAMESPACE_STORED_BYTES_LIMIT.labels(namespace).set(limit)
     NAMESPACE_PUBLISHING.labels(namespace).set(1 if publishing else 0)
+
+
+NAMESPACE_WRITES_PER_SECOND = Gauge("casque_namespace_writes_per_second",
+                                    "Writes into the namespace's publishing tables per second, over the last "
+                                    "interval (with a write-rate quota)", ["namespace"])
+NAMESPACE_WRITES_PER_SECOND_LIMIT = Gauge("casque_namespace_writes_per_second_limit",
+                                          "The namespace's write-rate quota (absent: none)", ["namespace"])
+
+
+def namespace_write_rate(namespace: str, rate: float | None, limit: float | None) -> None:
+    """The last measured rate and the limit; both absent without a limit."""
+    for gauge, value in ((NAMESPACE_WRITES_PER_SECOND, rate), (NAMESPACE_WRITES_PER_SECOND_LIMIT, limit)):
+        if value is None:
+            try:
+                gauge.remove(namespace)
+            except KeyError:
+                pass
+        else:
+            gauge.labels(namespace).set(value)
 
 
 # --- subscriber figures -------------------------------------------------------------------

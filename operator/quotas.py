@@ -1,5 +1,6 @@
 """Quotas: limits per namespace on queues, shards x priorities, retention, znodes and their
-bytes, and the bytes its keyspace stores (casque.operator.storage_quota).
+bytes, and the bytes its keyspace stores and the rate it writes them
+(casque.operator.storage_quota, casque.operator.write_quota).
 
 Each shard of each priority level is a log of its own (a head, offsets, leases and a
 partition range per subscriber), so shards x priorities is what a namespace's queues cost
@@ -30,6 +31,7 @@ MAX_RETENTION = f"{QUOTA_PREFIX}max-retention"
 MAX_ZNODES = f"{QUOTA_PREFIX}max-znodes"
 MAX_ZNODE_BYTES = f"{QUOTA_PREFIX}max-znode-bytes"
 MAX_STORED_BYTES = f"{QUOTA_PREFIX}max-stored-bytes"
+MAX_WRITES_PER_SECOND = f"{QUOTA_PREFIX}max-writes-per-second"
 
 
 
@@ -49,6 +51,9 @@ class QuotaSettings(BaseSettings):
     # Bytes on disk of the namespace's keyspace across the ring (keyspace isolation only):
     # past it, Cassandra refuses the namespace's publishes.
     max_stored_bytes: int | None = Field(default=None, ge=1)
+    # Writes per second into the namespace's publishing tables (keyspace isolation only),
+    # over the operator's measures (casque.operator.write_quota).
+    max_writes_per_second: int | None = Field(default=None, ge=1)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Limits:
     max_znodes: int | None = None
     max_znode_bytes: int | None = None
     max_stored_bytes: int | None = None
+    max_writes_per_second: int | None = None
 
     @property
     def any(self) -> bool:
@@ -109,6 +115,7 @@ def limits_for(defaults: QuotaSettings, annotations: Mapping[str, str] | None) -
         max_znodes=positive(MAX_ZNODES, defaults.max_znodes),
         max_znode_bytes=positive(MAX_ZNODE_BYTES, defaults.max_znode_bytes),
         max_stored_bytes=positive(MAX_STORED_BYTES, defaults.max_stored_bytes),
+        max_writes_per_second=positive(MAX_WRITES_PER_SECOND, defaults.max_writes_per_second),
     )
 
 

@@ -116,8 +116,8 @@ def check_quota(store: Store, ref: QueueRef, spec: QueueSpec, limits: Limits) ->
 async def refresh_queue(stores: StoreSource, resource: Resource, now: datetime,
                         storage: StorageVerdict | None = None) -> Outcome:
     """Re-read the figures, and repair drift (a dropped table, lost znodes) once reconciled.
-    With `storage`, the namespace's stored bytes against its quota become the Publishing
-    condition (casque.operator.storage_quota)."""
+    With `storage`, the namespace's stored bytes and write rate against its quotas become the
+    Publishing condition (casque.operator.storage_quota)."""
     try:
         ref = queue_ref(resource.namespace, resource.name)
         spec = parse_queue_spec(resource.spec)
@@ -142,7 +142,7 @@ async def refresh_queue(stores: StoreSource, resource: Resource, now: datetime,
         current = wanted.get("conditions", (resource.status or {}).get("conditions"))
         wanted["conditions"] = conditions.with_condition(
             current, PUBLISHING, status=storage.publishing,
-            reason="WithinStoredBytesQuota" if storage.publishing else "StoredBytesQuotaExceeded",
+            reason=storage.reason,
             message=storage.describe(), generation=resource.generation, now=now)
     outcome.status = conditions.merge_patch(resource.status, wanted)
     return outcome

@@ -11,6 +11,9 @@ the role writes everywhere again. The figure moves as Cassandra flushes and comp
 memtables are not counted, so a namespace may go past its limit by what Cassandra holds in
 memory before it is refused.
 
+The same narrowing holds a namespace to its write rate (casque.operator.write_quota): it
+may publish while it is within both.
+
 Each namespace is measured at most once per refresh interval, whichever of its Queues'
 timers comes first; the writes are changed only when the verdict changes (and once after
 the operator starts, since another replica may have left them either way).
@@ -21,9 +24,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from casque.backends import disk_usage
+from casque.backends import disk_usage, write_counts
 from casque.backends.disk_usage import MEBIBYTE, StoredBytes
 from casque.engine import catalog
+from casque.operator.write_quota import RateVerdict, WriteAllowance
+from casque.schema import CONSUMING_TABLES
 from casque.store import Store
 from casque.tenancy import NamespaceRole
 
@@ -32,23 +37,41 @@ PUBLISHING = "Publishing"
 
 @dataclass(frozen=True)
 class StorageVerdict:
-    """What a namespace stores, its limit (None: none), and so whether it may publish."""
+    """What a namespace stores, its limit (None: none), its write rate against its limit
+    (None: no limit), and so whether it may publish."""
 
     stored: StoredBytes
     limit: int | None
+    rate: RateVerdict | None = None
+
+    @property
+    def within_stored_bytes(self) -> bool:
+        return self.limit is None or self.stored.bytes <= self.limit
 
     @property
     def publishing(self) -> bool:
-        return self.limit is None or self.stored.bytes <= self.limit
+        return self.within_stored_bytes and (self.rate is None or self.rate.within)
+
+    @property
+    def reason(self) -> str:
+        """The Publishing condition's reason."""
+        if not self.within_stored_bytes:
+            return "StoredBytesQuotaExceeded"
+        if self.rate is not None and not self.rate.within:
+            return "WriteRateQuotaExceeded"
+        return "WithinQuota"
 
     def describe(self) -> str:
         if self.limit is None:
-            return f"the namespace stores {self.stored.describe()}; it has no stored-bytes limit"
-        limit = f"its limit of {self.limit / MEBIBYTE:.0f} MiB (quota.casque.io/max-stored-bytes)"
-        if self.publishing:
-            return f"the namespace stores {self.stored.describe()}, within {limit}"
-        return (f"the namespace stores {self.stored.describe()}, over {limit}: Cassandra refuses its publishes "
-                "until it is under; its consumers still ack")
+            stored = f"the namespace stores {self.stored.describe()}; it has no stored-bytes limit"
+        else:
+            limit = f"its limit of {self.limit / MEBIBYTE:.0f} MiB (quota.casque.io/max-stored-bytes)"
+            if self.within_stored_bytes:
+                stored = f"the namespace stores {self.stored.describe()}, within {limit}"
+            else:
+                stored = (f"the namespace stores {self.stored.describe()}, over {limit}: Cassandra refuses its "
+                          "publishes until it is under; its consumers still ack")
+        return stored if self.rate is None else f"{stored}; {self.rate.describe()}"
 
 
 @dataclass
@@ -58,17 +81,32 @@ class NamespaceStorage:
     interval_seconds: float
     _verdicts: dict[str, tuple[float, StorageVerdict]] = field(default_factory=dict)
     _applied: dict[str, bool] = field(default_factory=dict)
+    _allowances: dict[str, WriteAllowance] = field(default_factory=dict)
 
-    def verdict(self, store: Store, role: NamespaceRole, namespace: str, limit: int | None) -> StorageVerdict:
-        """The namespace's verdict, measured again once the interval has passed or the limit
+    def verdict(self, store: Store, role: NamespaceRole, namespace: str, limit: int | None,
+                rate_limit: float | None = None) -> StorageVerdict:
+        """The namespace's verdict, measured again once the interval has passed or a limit
         changed (blocking)."""
         now = time.monotonic()
         cached = self._verdicts.get(namespace)
-        if cached is not None and now - cached[0] < self.interval_seconds and cached[1].limit == limit:
+        if (cached is not None and now - cached[0] < self.interval_seconds and cached[1].limit == limit
+                and (cached[1].rate.limit if cached[1].rate else None) == rate_limit):
             return cached[1]
-        verdict = StorageVerdict(disk_usage.keyspace_bytes(store.session, role.keyspace), limit)
+        stored = disk_usage.keyspace_bytes(store.session, role.keyspace)
+        verdict = StorageVerdict(stored, limit, self._rate(store, role, namespace, rate_limit, now))
         self._verdicts[namespace] = (now, verdict)
         return verdict
+
+    def _rate(self, store: Store, role: NamespaceRole, namespace: str, limit: float | None,
+              now: float) -> RateVerdict | None:
+        if limit is None:
+            self._allowances.pop(namespace, None)
+            return None
+        allowance = self._allowances.get(namespace)
+        if allowance is None or allowance.limit != limit:
+            allowance = self._allowances[namespace] = WriteAllowance(limit)
+        writes = write_counts.keyspace_writes(store.session, role.keyspace, lambda table: table not in CONSUMING_TABLES)
+        return allowance.measure(now, writes.by_node)
 
     def publishing(self, namespace: str) -> bool:
         """Whether the namespace may publish, as last measured (yes when never measured)."""
@@ -93,3 +131,4 @@ class NamespaceStorage:
         """The namespace's role is gone (its last Queue deleted)."""
         self._verdicts.pop(namespace, None)
         self._applied.pop(namespace, None)
+        self._allowances.pop(namespace, None)

@@ -198,11 +198,11 @@ def as_casque_error(error: BaseException) -> CasqueError | None:
     if isinstance(error, NoAuthError):
         return AccessDenied("ZooKeeper refused the sidecar's identity this operation")
     if isinstance(error, CassandraUnauthorized):
-        # The namespace's role may write only what consuming needs while its keyspace is over
-        # its stored-bytes quota (casque.operator.storage_quota); or its grants are wrong.
+        # The namespace's role may write only what consuming needs while it is over its
+        # stored-bytes or write-rate quota (casque.operator.storage_quota); or its grants are wrong.
         return AccessDenied(f"Cassandra refused the namespace's role this write ({error}): a namespace over its "
-                            "stored-bytes quota may not publish until it is under (its Queues' Publishing "
-                            "condition says)")
+                            "stored-bytes quota or its write-rate quota may not publish until it is under (its "
+                            "Queues' Publishing condition says)")
     if isinstance(error, BACKEND_FAILURES):
         return BackendUnavailable(f"{type(error).__name__}: {error}")
     return None

@@ -98,14 +98,18 @@ def namespace_limits(context: OperatorContext, namespace: str) -> Limits:
 
 def storage_verdict(context: OperatorContext, namespace: str, role: NamespaceRole,
                     limits: Limits) -> StorageVerdict | None:
-    """The namespace's stored bytes against its limit, measured at most once per refresh
-    interval (blocking); None, logged, when Cassandra did not say (the last writes stay)."""
+    """The namespace's stored bytes and write rate against its limits, measured at most once
+    per refresh interval (blocking); None, logged, when Cassandra did not say (the last writes
+    stay)."""
     try:
-        verdict = context.storage.verdict(context.stores(), role, namespace, limits.max_stored_bytes)
+        verdict = context.storage.verdict(context.stores(), role, namespace, limits.max_stored_bytes,
+                                          limits.max_writes_per_second)
     except CasqueError as error:
         log.warning("namespace %s: stored bytes not measured: %s", namespace, error)
         return None
     metrics.namespace_storage(namespace, verdict.stored.bytes, verdict.limit, verdict.publishing)
+    metrics.namespace_write_rate(namespace, verdict.rate.writes_per_second if verdict.rate else None,
+                                 verdict.rate.limit if verdict.rate else None)
     return verdict
 
 
@@ -128,7 +132,7 @@ async def enforce_storage(context: OperatorContext, body: kopf.Body, namespace: 
         return verdict
     if changed:
         kopf.event(body, type="Normal" if verdict.publishing else "Warning",
-                   reason="Publishing" if verdict.publishing else "StoredBytesQuotaExceeded", message=verdict.describe())
+                   reason="Publishing" if verdict.publishing else verdict.reason, message=verdict.describe())
     return verdict
 
 

@@ -25,6 +25,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from cassandra import InvalidRequest, Unauthorized
 from cassandra.cluster import Session
+from cassandra.concurrent import execute_concurrent_with_args
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from pydantic import SecretStr
@@ -532,6 +533,76 @@ async def test_a_namespace_over_its_stored_bytes_may_not_publish_and_its_consume
         assert lifted.publishing
         storage.enforce(operator, role_a, A, lifted)
         wait_for("Cassandra to take A's writes again", lambda: not publish_refused(), timeout=60)
+        assert len(await publish(sidecar_a, mine, 1)) == 1
+    finally:
+        sidecar_a.close()
+        sidecar_b.close()
+
+
+RATE_LIMIT = 20  # writes per second; an allowance of BURST_SECONDS (60) of it: 1,200 writes
+
+
+async def test_a_namespace_past_its_write_rate_may_not_publish_until_its_allowance_refills(
+    operator: Store, installation: Settings, secure_stack: Stack, aiohttp_client: Any
+) -> None:
+    """A's role wrote 1,600 rows straight into its queue's table as fast as Cassandra took
+    them, past its sidecar, against a limit of 20 writes a second. The writes Cassandra
+    coordinated into A's publishing tables spend A's allowance, and the operator's verdict
+    narrows A's writes: Cassandra refuses A's direct writes and its sidecar's publishes (a 403
+    naming the write-rate quota), while A's consumer still acks and B, under the same limit,
+    publishes. Writing nothing, A's allowance refills at its rate, and A publishes again.
+    Before, nothing measured a namespace's writes: its role wrote at any rate."""
+    role_a, role_b = tenancy.cassandra_role(installation, A), tenancy.cassandra_role(installation, B)
+    assert role_a is not None and role_b is not None
+    mine = QueueRef(A, "orders")
+    sidecar_a = Store.open(sidecar_settings(installation, A), namespace=A)
+    sidecar_b = Store.open(sidecar_settings(installation, B), namespace=B)
+    storage = NamespaceStorage(interval_seconds=0)
+    try:
+        held = await publish(sidecar_a, mine, 3)
+        for role, namespace in ((role_a, A), (role_b, B)):  # the baselines
+            assert storage.verdict(operator, role, namespace, None, RATE_LIMIT).publishing
+        insert = sidecar_a.session.prepare(
+            f"INSERT INTO {sidecar_a.table(mine)} (shard, bucket, batch_no, seq, message_id, payload) "
+            "VALUES (0, 0, ?, 0, ?, ?) USING TTL 600")
+        await asyncio.to_thread(execute_concurrent_with_args, sidecar_a.session, insert,
+                                [(30_000 + n, f"flood-{n}", b"x") for n in range(1_600)], concurrency=64)
+
+        over = storage.verdict(operator, role_a, A, None, RATE_LIMIT)
+        within = storage.verdict(operator, role_b, B, None, RATE_LIMIT)
+        assert over.rate is not None and not over.publishing, over.describe()
+        assert over.reason == "WriteRateQuotaExceeded" and "over its limit of 20 writes/s" in over.describe()
+        assert within.publishing, within.describe()
+        storage.enforce(operator, role_a, A, over)
+        storage.enforce(operator, role_b, B, within)
+
+        def write_refused() -> bool:
+            try:
+                sidecar_a.session.execute(insert, (40_000, "flood-late", b"x"))
+            except Unauthorized:
+                return True
+            return False
+
+        wait_for("Cassandra to refuse A's writes to its queue", write_refused, timeout=60)
+        app = await aiohttp_client(create_app(
+            SidecarSettings(namespace=A, queue="orders", drain_seconds=0.5),
+            sidecar_settings(installation, A), None))
+        deadline = time.monotonic() + 60
+        while (await app.get("/readyz")).status != 200:
+            assert time.monotonic() < deadline, await (await app.get("/readyz")).text()
+            await asyncio.sleep(0.1)
+        answer = await app.post("/v1/queues/orders/messages", json={"data": {"amount": 1}})
+        assert answer.status == 403, await answer.text()
+        assert "write-rate quota" in (await answer.json())["error"]["message"]
+        assert await consume(sidecar_a, mine, held) == held  # acks are not counted, and still written
+        assert len(await publish(sidecar_b, QueueRef(B, "orders"), 2)) == 2
+
+        # Refused writes are not coordinated: A's allowance refills at 20 a second.
+        def refilled() -> bool:
+            verdict = storage.verdict(operator, role_a, A, None, RATE_LIMIT)
+            return verdict.publishing and storage.enforce(operator, role_a, A, verdict)
+        wait_for("A's allowance refilled", refilled, timeout=120)
+        wait_for("Cassandra to take A's writes again", lambda: not write_refused(), timeout=60)
         assert len(await publish(sidecar_a, mine, 1)) == 1
     finally:
         sidecar_a.close()

@@ -232,7 +232,7 @@ NON_DEFAULT: dict[str, Any] = {
     "zookeeper": {"connect": "zk-0.zk:2181,zk-1.zk:2181", "root": "/shop/casque",
                   "auth": {"username": "casque", "password": "z" * 32},
                   "tls": {"enabled": True, "secret": "zookeeper-tls"}},
-    "quotas": {"maxQueues": 20, "maxShardPriorities": 64, "maxRetention": "14d"},
+    "quotas": {"maxQueues": 20, "maxShardPriorities": 64, "maxRetention": "14d", "maxWritesPerSecond": 500},
     "operator": {
         "image": {"digest": "sha256:" + "ab" * 32},
         "replicas": 3,
@@ -1140,6 +1140,7 @@ def test_the_embedded_backends_are_locked_by_default(tools: Tools) -> None:
     assert (literal["CASQUE_QUOTA_MAX_ZNODES"], literal["CASQUE_QUOTA_MAX_ZNODE_BYTES"]) == ("100000", "67108864")
     # ...and its keyspace's bytes on disk.
     assert literal["CASQUE_QUOTA_MAX_STORED_BYTES"] == "8589934592"
+    assert "CASQUE_QUOTA_MAX_WRITES_PER_SECOND" not in literal  # no write-rate limit unless asked
     # A new login restarts the operator.
     assert "checksum/cassandra-credentials" in pod["metadata"]["annotations"]
 
@@ -1236,6 +1237,7 @@ def test_the_operator_reads_every_setting_the_chart_gives_it(
     quotas = QuotaSettings()
     if values:
         assert (quotas.max_queues, quotas.max_shard_priorities, quotas.max_retention) == (20, 64, "14d")
+        assert quotas.max_writes_per_second == 500
         assert backends.cassandra_contact_points == ["cassandra-0.cassandra", "cassandra-1.cassandra"]
         assert backends.replication.strategy == "SimpleStrategy" and backends.zookeeper_root == "/shop/casque"
         assert sidecar.native_sidecar is False and sidecar.cpu_limit == "1" and sidecar.credentials_secret
@@ -1693,7 +1695,7 @@ def test_the_dashboard_and_alert_rules_render_when_enabled(tools: Tools, kube_na
                            "CasqueSubscriberStalled", "CasqueSubscriberLagGrowingWithoutConsumers",
                            "CasqueSubscriberLagGrowingAtMaxConsumers", "CasqueOperatorNoLeader", "CasqueOperatorReconcileErrors", "CasqueInjectionWebhookFailing",
                            "CasqueSidecarErrorsHigh", "CasqueSidecarProtocolRefused", "CasqueSidecarNewerFormat",
-                           "CasqueNamespaceOverStoredBytesQuota"}
+                           "CasqueNamespaceOverStoredBytesQuota", "CasqueNamespaceOverWriteRateQuota"}
     # The stall alert reads the sidecars' gauge (scraped through the PodMonitor), per subscriber over its pods.
     stalled = alerts["CasqueSubscriberStalled"]
     assert stalled["expr"] == "max by (namespace, queue, subscriber) (casque_sidecar_stalled_shards) > 0"
