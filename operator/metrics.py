@@ -136,15 +136,20 @@ NAMESPACE_PUBLISHING = Gauge("casque_namespace_publishing",
                              ["namespace"])
 
 
-def namespace_storage(namespace: str, stored: int, limit: int | None, publishing: bool) -> None:
-    NAMESPACE_STORED_BYTES.labels(namespace).set(stored)
-    if limit is None:
+def _set_or_remove(gauge: Gauge, namespace: str, value: float | None) -> None:
+    """The namespace's series set to `value`, or absent without one."""
+    if value is None:
         try:
-            NAMESPACE_STORED_BYTES_LIMIT.remove(namespace)
+            gauge.remove(namespace)
         except KeyError:
             pass
     else:
-        NAMESPACE_STORED_BYTES_LIMIT.labels(namespace).set(limit)
+        gauge.labels(namespace).set(value)
+
+
+def namespace_storage(namespace: str, stored: int, limit: int | None, publishing: bool) -> None:
+    NAMESPACE_STORED_BYTES.labels(namespace).set(stored)
+    _set_or_remove(NAMESPACE_STORED_BYTES_LIMIT, namespace, limit)
     NAMESPACE_PUBLISHING.labels(namespace).set(1 if publishing else 0)
 
 
@@ -157,14 +162,8 @@ NAMESPACE_WRITES_PER_SECOND_LIMIT = Gauge("casque_namespace_writes_per_second_li
 
 def namespace_write_rate(namespace: str, rate: float | None, limit: float | None) -> None:
     """The last measured rate and the limit; both absent without a limit."""
-    for gauge, value in ((NAMESPACE_WRITES_PER_SECOND, rate), (NAMESPACE_WRITES_PER_SECOND_LIMIT, limit)):
-        if value is None:
-            try:
-                gauge.remove(namespace)
-            except KeyError:
-                pass
-        else:
-            gauge.labels(namespace).set(value)
+    _set_or_remove(NAMESPACE_WRITES_PER_SECOND, namespace, rate)
+    _set_or_remove(NAMESPACE_WRITES_PER_SECOND_LIMIT, namespace, limit)
 
 
 # --- subscriber figures -------------------------------------------------------------------

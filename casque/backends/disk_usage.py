@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cassandra import DriverException
 from cassandra.cluster import Session
 from cassandra.query import SimpleStatement
 
-from casque.errors import BackendUnavailable
+from casque.backends.node_views import on_every_node
 
 MEBIBYTE = 1024 * 1024
 
@@ -38,20 +37,6 @@ class StoredBytes:
 def keyspace_bytes(session: Session, keyspace: str) -> StoredBytes:
     """The keyspace's SSTables' bytes on every node that is up (blocking): one read per node.
     BackendUnavailable when no node answers."""
-    total = 0
-    counted = 0
-    missing: list[str] = []
-    for host in session.cluster.metadata.all_hosts():
-        if host.is_up is False:
-            missing.append(str(host.endpoint))
-            continue
-        try:
-            rows = session.execute(_BY_KEYSPACE, (keyspace,), host=host)
-        except DriverException:
-            missing.append(str(host.endpoint))
-            continue
-        total += sum(row.mebibytes or 0 for row in rows) * MEBIBYTE
-        counted += 1
-    if not counted:
-        raise BackendUnavailable(f"no Cassandra node answered for the disk usage of keyspace {keyspace}")
-    return StoredBytes(total, counted, tuple(missing))
+    nodes = on_every_node(session, _BY_KEYSPACE, (keyspace,), f"the disk usage of keyspace {keyspace}")
+    total = sum(row.mebibytes or 0 for rows in nodes.by_node.values() for row in rows) * MEBIBYTE
+    return StoredBytes(total, len(nodes.by_node), nodes.nodes_missing)

@@ -469,6 +469,19 @@ def test_casque_apply_gives_a_namespace_its_keyspace_and_role_as_the_operator_do
         namespace.close()
 
 
+async def publishing_sidecar(aiohttp_client: Any, installation: Settings, namespace: str) -> TestClient:
+    """The namespace's sidecar of queue `orders`, ready. It only publishes: one consuming too
+    would join the subscriber's group and hold shards that a test's consumer waits for."""
+    app: TestClient = await aiohttp_client(create_app(
+        SidecarSettings(namespace=namespace, queue="orders", drain_seconds=0.5),
+        sidecar_settings(installation, namespace), None))
+    deadline = time.monotonic() + 60
+    while (await app.get("/readyz")).status != 200:
+        assert time.monotonic() < deadline, await (await app.get("/readyz")).text()
+        await asyncio.sleep(0.1)
+    return app
+
+
 async def test_a_namespace_over_its_stored_bytes_may_not_publish_and_its_consumers_still_drain(
     operator: Store, installation: Settings, secure_stack: Stack, aiohttp_client: Any
 ) -> None:
@@ -514,15 +527,7 @@ async def test_a_namespace_over_its_stored_bytes_may_not_publish_and_its_consume
             return False
 
         wait_for("Cassandra to refuse A's writes to its queue", publish_refused, timeout=60)
-        # A sidecar that only publishes: one consuming too would join the subscriber's group
-        # and hold shards that the consumer below waits for.
-        app = await aiohttp_client(create_app(
-            SidecarSettings(namespace=A, queue="orders", drain_seconds=0.5),
-            sidecar_settings(installation, A), None))
-        deadline = time.monotonic() + 60
-        while (await app.get("/readyz")).status != 200:
-            assert time.monotonic() < deadline, await (await app.get("/readyz")).text()
-            await asyncio.sleep(0.1)
+        app = await publishing_sidecar(aiohttp_client, installation, A)
         answer = await app.post("/v1/queues/orders/messages", json={"data": {"amount": 1}})
         assert answer.status == 403, await answer.text()
         assert "stored-bytes quota" in (await answer.json())["error"]["message"]
@@ -584,13 +589,7 @@ async def test_a_namespace_past_its_write_rate_may_not_publish_until_its_allowan
             return False
 
         wait_for("Cassandra to refuse A's writes to its queue", write_refused, timeout=60)
-        app = await aiohttp_client(create_app(
-            SidecarSettings(namespace=A, queue="orders", drain_seconds=0.5),
-            sidecar_settings(installation, A), None))
-        deadline = time.monotonic() + 60
-        while (await app.get("/readyz")).status != 200:
-            assert time.monotonic() < deadline, await (await app.get("/readyz")).text()
-            await asyncio.sleep(0.1)
+        app = await publishing_sidecar(aiohttp_client, installation, A)
         answer = await app.post("/v1/queues/orders/messages", json={"data": {"amount": 1}})
         assert answer.status == 403, await answer.text()
         assert "write-rate quota" in (await answer.json())["error"]["message"]
