@@ -2,7 +2,7 @@
 
     python bench/profile_sidecar.py --phase batched [--seconds 15] [--out profile.json]
         [--format speedscope|raw] [--rate 200] [--size 1024] [--shards 4] [--native] [--no-profile]
-        [--no-subscriber] [--floor]
+        [--no-subscriber] [--floor] [--protocol N]
 
 Phases, as bench_sidecar.py makes them: `single` (one-message publishes, 32 in flight),
 `batched` (100-message publishes, 4 in flight), `keyed` (the same with producer
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from casque.engine import catalog
+from casque.engine import catalog, protocol, protocol_change
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
@@ -172,6 +172,8 @@ async def main() -> None:
                         help="the sidecar consumes for no subscriber (a publishing app's): publish phases only")
     parser.add_argument("--floor", action="store_true",
                         help="profile the drivers' floor (driver_floor_server.py) instead of the sidecar")
+    parser.add_argument("--protocol", type=int, default=protocol.PROTOCOL,
+                        help="the installation's protocol version to profile (casque.engine.protocol)")
     parser.add_argument("--cassandra", default="127.0.0.1:9042")
     parser.add_argument("--zookeeper", default="127.0.0.1:2181")
     args = parser.parse_args()
@@ -188,6 +190,7 @@ async def main() -> None:
     process = None
     try:
         catalog.ensure_installation(store)
+        protocol_change.set_version(store, args.protocol)
         catalog.apply_queue(store, queue, QueueSpec(shards=args.shards, retention_seconds=3600, consistency="ONE",
                                                     max_message_bytes=64 * 1024))
         catalog.apply_subscriber(store, queue, queue.name, SubscriberSpec(queue=queue.name, start_position="earliest"))
