@@ -26,6 +26,7 @@ from tests.fixtures.node import (  # noqa: F401
     node_cluster,
     node_images,
     node_stack,
+    stop_early,
 )
 from tests.fixtures.node_apps import node_keyspace_and_root  # noqa: F401
 from tests.fixtures.node_release import embedded_release  # noqa: F401
@@ -76,7 +77,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> scheduling.G
 # order is the last one a worker runs only if all users are one unit of the distributed run,
 # which hands units out in an order of its own: each of these stacks is in a group of
 # scheduling.GROUPS, and the check below holds every user to it.
-STOPPED_AFTER_LAST_USE = ("ring", "dc_ring", "secure_stack", "node_stack")
+# The node goes before its API server and the stack its pods use (the tuple's order is the
+# order of stopping when one test is the last user of several).
+STOPPED_AFTER_LAST_USE = ("ring", "dc_ring", "secure_stack", "kube_node", "node_cluster", "node_stack")
 _last_user: dict[str, str] = {}
 
 
@@ -101,8 +104,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     finished = [name for name in STOPPED_AFTER_LAST_USE if _last_user.get(name) == item.nodeid]
-    stacks = [getattr(item, "funcargs", {}).get(name) for name in finished]
-    yield  # the item's own teardown first: module fixtures built on a stack go before it
-    for stack in stacks:
-        if isinstance(stack, Stack):
-            stack.down()  # its session finalizer finds it down and releases its slot
+    servers = [getattr(item, "funcargs", {}).get(name) for name in finished]
+    yield  # the item's own teardown first: module fixtures built on a server go before it
+    for server in servers:
+        if isinstance(server, Stack):
+            server.down()  # its session finalizer finds it down and releases its slot
+        else:
+            stop_early(server)  # the node and its API server (tests/fixtures/node.py)
