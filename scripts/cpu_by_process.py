@@ -1,0 +1,177 @@
+"""Where a run's CPU went: CPU seconds by kind of process, sampled from /proc.
+
+    python scripts/cpu_by_process.py --while PID [--every 2] [--top 25]
+
+Samples every process's user and system time every `--every` seconds until process PID
+ends (or SIGTERM/SIGINT), then prints the CPU seconds of each kind of process (Cassandra,
+ZooKeeper, sidecars, the API server, ...), the machine's busy CPU from /proc/stat beside
+them, and how much of the run the cores were saturated. The suite is bound by CPU on two
+cores, so this says what a cut in suite time has to take out.
+
+A process is counted up to its last sample: one that lives less than a sample's interval is
+missed, and what the kinds do not cover shows as "unattributed" (the machine's busy time
+less the sampled processes').
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+TICKS = os.sysconf("SC_CLK_TCK")
+# The first kind whose every word is in a process's command line names it.
+KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("cassandra", ("java", "CassandraDaemon")),
+    ("cassandra tools (nodetool, sstable tools)", ("java", "org.apache.cassandra")),
+    ("zookeeper", ("java", "zookeeper")),
+    ("spark", ("java", "spark")),
+    ("openapi-generator", ("java", "openapi-generator")),
+    ("other java", ("java",)),
+    ("sidecar", ("casque", "sidecar")),
+    ("operator", ("casque", "operator")),
+    ("pytest workers", ("pytest",)),
+    ("pytest workers", ("exec(eval(sys.stdin",)),  # how execnet starts xdist's workers
+    ("spark python workers", ("pyspark",)),
+    ("kube-apiserver", ("kube-apiserver",)),
+    ("etcd", ("etcd",)),
+    ("kubelet", ("kubelet",)),
+    ("kube-proxy", ("kube-proxy",)),
+    ("kube-controller-manager", ("kube-controller-manager",)),
+    ("kube-scheduler", ("kube-scheduler",)),
+    ("containerd and its shims", ("containerd",)),
+    ("coredns", ("coredns",)),
+    ("podman, buildah, conmon", ("podman",)),
+    ("podman, buildah, conmon", ("buildah",)),
+    ("podman, buildah, conmon", ("conmon",)),
+    ("runc, crun", ("runc",)),
+    ("go toolchain", ("/go/",)),
+    ("helm, kubectl", ("helm",)),
+    ("helm, kubectl", ("kubectl",)),
+    ("iptables", ("iptables",)),
+    ("other python", ("python",)),
+)
+
+
+def kind_of(cmdline: str) -> str:
+    return next((kind for kind, words in KINDS if all(word in cmdline for word in words)), "other")
+
+
+def _cpu_seconds(pid: str) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _machine_busy_and_total() -> tuple[float, float]:
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]
+    total = sum(values[:8])
+    return (total - idle) / TICKS, total / TICKS
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self.me = str(os.getpid())
+        # pid -> (start time, kind, CPU seconds at the first sample, at the last one)
+        self.seen: dict[tuple[str, str], tuple[str, float, float]] = {}
+        self.busy_start, self.total_start = _machine_busy_and_total()
+        self.samples = 0
+        self.saturated = 0
+        self._last_busy, self._last_total = self.busy_start, self.total_start
+
+    def sample(self) -> None:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            if pid == self.me:
+                continue
+            try:
+                started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+            except (OSError, IndexError):
+                continue
+            cpu = _cpu_seconds(pid)
+            if cpu is None:
+                continue
+            key = (pid, started)
+            known = self.seen.get(key)
+            if known is None:
+                # Counted from its start when it began during the run, else from now.
+                began_before = not self.samples
+                self.seen[key] = (kind_of(_cmdline(pid)), cpu if began_before else 0.0, cpu)
+            else:
+                self.seen[key] = (known[0], known[1], cpu)
+        busy, total = _machine_busy_and_total()
+        if total > self._last_total and (busy - self._last_busy) / (total - self._last_total) >= 0.9:
+            self.saturated += 1
+        self._last_busy, self._last_total = busy, total
+        self.samples += 1
+
+    def report(self, wall: float, top: int) -> str:
+        by_kind: dict[str, float] = {}
+        for kind, first, last in self.seen.values():
+            by_kind[kind] = by_kind.get(kind, 0.0) + last - first
+        busy, total = _machine_busy_and_total()
+        machine_busy = busy - self.busy_start
+        cores = (total - self.total_start) / wall if wall else 0.0
+        lines = [f"CPU by kind of process over {wall:.0f} s of wall time ({cores:.1f} cores):"]
+        heaviest = sorted(by_kind.items(), key=lambda item: -item[1])[:top]
+        lines += [f"{seconds:9.0f} s  {kind}" for kind, seconds in heaviest if seconds >= 0.5]
+        attributed = sum(by_kind.values())
+        lines.append(f"{max(machine_busy - attributed, 0.0):9.0f} s  unattributed (processes shorter than a sample)")
+        lines.append(f"{machine_busy:9.0f} s  the machine's busy CPU "
+                     f"({machine_busy / (total - self.total_start) * 100:.0f}% of its cores' time)")
+        if self.samples:
+            share = self.saturated * 100 / self.samples
+            lines.append(f"cores at least 90% busy in {share:.0f}% of {self.samples} samples")
+        return "\n".join(lines)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--while", dest="watched", type=int, required=True, help="sample while this process lives")
+    parser.add_argument("--every", type=float, default=2.0, help="seconds between samples")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--out", type=Path, help="write the report here too")
+    args = parser.parse_args()
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    sampler = Sampler()
+    started = time.monotonic()
+    while not stopping and _alive(args.watched):
+        sampler.sample()
+        time.sleep(args.every)
+    sampler.sample()
+    report = sampler.report(time.monotonic() - started, args.top)
+    print(report, flush=True)
+    if args.out is not None:
+        args.out.write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()
