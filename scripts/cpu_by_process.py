@@ -22,41 +22,40 @@ import time
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
-# The first kind whose every word is in a process's command line names it.
-KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("cassandra", ("java", "CassandraDaemon")),
-    ("cassandra tools (nodetool, sstable tools)", ("java", "org.apache.cassandra")),
-    ("zookeeper", ("java", "zookeeper")),
-    ("spark", ("java", "spark")),
-    ("openapi-generator", ("java", "openapi-generator")),
-    ("other java", ("java",)),
-    ("sidecar", ("casque", "sidecar")),
-    ("operator", ("casque", "operator")),
-    ("pytest workers", ("pytest",)),
-    ("pytest workers", ("exec(eval(sys.stdin",)),  # how execnet starts xdist's workers
-    ("spark python workers", ("pyspark",)),
-    ("kube-apiserver", ("kube-apiserver",)),
-    ("etcd", ("etcd",)),
-    ("kubelet", ("kubelet",)),
-    ("kube-proxy", ("kube-proxy",)),
-    ("kube-controller-manager", ("kube-controller-manager",)),
-    ("kube-scheduler", ("kube-scheduler",)),
-    ("containerd and its shims", ("containerd",)),
-    ("coredns", ("coredns",)),
-    ("podman, buildah, conmon", ("podman",)),
-    ("podman, buildah, conmon", ("buildah",)),
-    ("podman, buildah, conmon", ("conmon",)),
-    ("runc, crun", ("runc",)),
-    ("go toolchain", ("/go/",)),
-    ("helm, kubectl", ("helm",)),
-    ("helm, kubectl", ("kubectl",)),
-    ("iptables", ("iptables",)),
-    ("other python", ("python",)),
+# A Java process by its main class, a Python one by what it runs, any other by its program:
+# the first kind whose every word is in the part of the command line that says what it is
+# (paths in the other arguments name test directories, not the process).
+JAVA_KINDS: tuple[tuple[str, str], ...] = (
+    ("cassandra", "CassandraDaemon"),
+    ("cassandra tools (nodetool, sstable tools)", "org.apache.cassandra"),
+    ("zookeeper", "org.apache.zookeeper"),
+    ("spark", "org.apache.spark"),
+    ("openapi-generator", "openapi-generator"),
+)
+PYTHON_KINDS: tuple[tuple[str, str], ...] = (
+    ("sidecar", "casque.cli sidecar"),
+    ("operator", "casque.cli operator"),
+    ("operator", "kopf"),
+    ("casque CLI", "casque.cli"),
+    ("casque CLI", "bin/casque"),
+    ("pytest workers", "exec(eval(sys.stdin"),  # how execnet starts xdist's workers
+    ("pytest", "pytest"),
+    ("spark python workers", "pyspark"),
 )
 
 
-def kind_of(cmdline: str) -> str:
-    return next((kind for kind, words in KINDS if all(word in cmdline for word in words)), "other")
+def kind_of(argv: list[str]) -> str:
+    if not argv:
+        return "kernel threads"
+    program = Path(argv[0]).name
+    line = " ".join(argv)
+    if program == "java":
+        # The main class (or -jar) follows the options; a classpath names every jar, so skip it.
+        tail = " ".join(arg for arg, before in zip(argv[1:], argv) if before not in ("-cp", "-classpath"))
+        return next((kind for kind, word in JAVA_KINDS if word in tail), "other java")
+    if program.startswith("python") or program in ("casque", "pytest", "coverage"):
+        return next((kind for kind, word in PYTHON_KINDS if word in line), "other python")
+    return program or "kernel threads"
 
 
 def _cpu_seconds(pid: str) -> float | None:
@@ -67,11 +66,11 @@ def _cpu_seconds(pid: str) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def _cmdline(pid: str) -> str:
+def _argv(pid: str) -> list[str]:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
     except OSError:
-        return ""
+        return []
 
 
 def _machine_busy_and_total() -> tuple[float, float]:
@@ -107,7 +106,7 @@ class Sampler:
             if known is None:
                 # Counted from its start when it began during the run, else from now.
                 began_before = not self.samples
-                self.seen[key] = (kind_of(_cmdline(pid)), cpu if began_before else 0.0, cpu)
+                self.seen[key] = (kind_of(_argv(pid)), cpu if began_before else 0.0, cpu)
             else:
                 self.seen[key] = (known[0], known[1], cpu)
         busy, total = _machine_busy_and_total()
@@ -118,14 +117,17 @@ class Sampler:
 
     def report(self, wall: float, top: int) -> str:
         by_kind: dict[str, float] = {}
+        processes: dict[str, int] = {}
         for kind, first, last in self.seen.values():
             by_kind[kind] = by_kind.get(kind, 0.0) + last - first
+            processes[kind] = processes.get(kind, 0) + 1
         busy, total = _machine_busy_and_total()
         machine_busy = busy - self.busy_start
         cores = (total - self.total_start) / wall if wall else 0.0
         lines = [f"CPU by kind of process over {wall:.0f} s of wall time ({cores:.1f} cores):"]
         heaviest = sorted(by_kind.items(), key=lambda item: -item[1])[:top]
-        lines += [f"{seconds:9.0f} s  {kind}" for kind, seconds in heaviest if seconds >= 0.5]
+        lines += [f"{seconds:9.0f} s  {kind} ({processes[kind]} processes)" for kind, seconds in heaviest
+                  if seconds >= 0.5]
         attributed = sum(by_kind.values())
         lines.append(f"{max(machine_busy - attributed, 0.0):9.0f} s  unattributed (processes shorter than a sample)")
         lines.append(f"{machine_busy:9.0f} s  the machine's busy CPU "
