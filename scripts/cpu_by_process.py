@@ -33,11 +33,6 @@ JAVA_KINDS: tuple[tuple[str, str], ...] = (
     ("openapi-generator", "openapi-generator"),
 )
 PYTHON_KINDS: tuple[tuple[str, str], ...] = (
-    ("sidecar", "casque.cli sidecar"),
-    ("operator", "casque.cli operator"),
-    ("operator", "kopf"),
-    ("casque CLI", "casque.cli"),
-    ("casque CLI", "bin/casque"),
     ("pytest workers", "exec(eval(sys.stdin"),  # how execnet starts xdist's workers
     ("pytest", "pytest"),
     ("spark python workers", "pyspark"),
@@ -54,6 +49,11 @@ def kind_of(argv: list[str]) -> str:
         tail = " ".join(arg for arg, before in zip(argv[1:], argv) if before not in ("-cp", "-classpath"))
         return next((kind for kind, word in JAVA_KINDS if word in tail), "other java")
     if program.startswith("python") or program in ("casque", "pytest", "coverage"):
+        # `python -m casque.cli sidecar`, or the `casque` script (`python .../bin/casque operator`).
+        entry = next((i for i, arg in enumerate(argv) if arg == "casque.cli" or Path(arg).name == "casque"), None)
+        if entry is not None:
+            command = argv[entry + 1] if entry + 1 < len(argv) else ""
+            return command if command in ("sidecar", "operator") else "casque CLI"
         return next((kind for kind, word in PYTHON_KINDS if word in line), "other python")
     return program or "kernel threads"
 

@@ -1,0 +1,37 @@
+"""scripts/cpu_by_process.py names each process by what it runs, not by the paths in its
+arguments: the suite's servers run from test directories whose paths name pytest."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "cpu_by_process.py"
+_spec = importlib.util.spec_from_file_location("cpu_by_process", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+cpu_by_process = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cpu_by_process)
+
+
+@pytest.mark.parametrize(("argv", "kind"), [
+    (["java", "-Xmx1g", "-cp", "/c/lib/zookeeper-3.8.jar:/c/cassandra-all.jar",
+      "org.apache.cassandra.service.CassandraDaemon"], "cassandra"),
+    (["/usr/bin/java", "-cp", "/c/cassandra-all.jar:/c/zookeeper.jar",
+      "org.apache.zookeeper.server.ZooKeeperServerMain", "/tmp/pytest-of-root/zoo.cfg"], "zookeeper"),
+    (["java", "-cp", "/c/cassandra-all.jar", "org.apache.cassandra.tools.NodeTool", "status"],
+     "cassandra tools (nodetool, sstable tools)"),
+    (["java", "-cp", "/spark/jars/*", "org.apache.spark.deploy.worker.Worker"], "spark"),
+    (["java", "-version"], "other java"),
+    (["/w/.venv/bin/python", "-m", "casque.cli", "sidecar", "--port", "0"], "sidecar"),
+    (["/w/.venv/bin/python", "-m", "casque.cli", "operator", "run"], "operator"),
+    (["/usr/local/bin/python3", "/usr/local/bin/casque", "sidecar"], "sidecar"),
+    (["/w/.venv/bin/casque", "queue", "list"], "casque CLI"),
+    (["/w/.venv/bin/python", "-c", "import sys;exec(eval(sys.stdin.readline()))"], "pytest workers"),
+    (["/w/.venv/bin/python", "-m", "http.server"], "other python"),
+    (["/root/.cache/casque/kube/kube-apiserver", "--cert-dir=/tmp/pytest-of-root/casque"], "kube-apiserver"),
+    ([], "kernel threads"),
+])
+def test_a_process_is_named_by_what_it_runs(argv: list[str], kind: str) -> None:
+    assert cpu_by_process.kind_of(argv) == kind
