@@ -103,12 +103,15 @@ class Sampler:
                 continue
             key = (pid, started)
             known = self.seen.get(key)
+            # Named again at every sample: a container's entrypoint script execs its server.
+            argv = _argv(pid)
+            kind = kind_of(argv) if argv or known is None else known[0]  # empty: it just ended
             if known is None:
                 # Counted from its start when it began during the run, else from now.
                 began_before = not self.samples
-                self.seen[key] = (kind_of(_argv(pid)), cpu if began_before else 0.0, cpu)
+                self.seen[key] = (kind, cpu if began_before else 0.0, cpu)
             else:
-                self.seen[key] = (known[0], known[1], cpu)
+                self.seen[key] = (kind, known[1], cpu)
         busy, total = _machine_busy_and_total()
         if total > self._last_total and (busy - self._last_busy) / (total - self._last_total) >= 0.9:
             self.saturated += 1

@@ -8,14 +8,15 @@
 # CASQUE_TEST_STRESS=1 runs the suite with a CPU hog beside it (one busy process per core),
 # as on a machine shared with other work: a test that fails only then is still a bug.
 #
-# Two workers run the suite (pytest-xdist; CASQUE_TEST_WORKERS changes how many, 0 runs it in
-# this process). On 2 cores they take as long as one (3,191 s against 3,200 s): there the suite
-# is bound by CPU, its servers' and its own, not by waiting. Each worker is a session with
-# its own slot of servers (tests/fixtures/stack.py). tests/conftest.py gives xdist the
-# scheduler of tests/fixtures/scheduling.py: a module, or the modules sharing a costly
-# server, run whole on one worker, the heaviest first. It takes over any --dist but "each";
-# loadscope names what it is, xdist's loadscope with larger units and an order of its own
-# (loadgroup would mean xdist_group marks, which under pytest 9 xdist 3.8 cannot apply).
+# Three workers run the suite (pytest-xdist; CASQUE_TEST_WORKERS changes how many, 0 runs it
+# in this process). Its tests wait on servers (sessions expiring, pods starting) as much as
+# they compute: with two workers a clean-clone run kept the 2 cores busy 71% of its 2,857 s,
+# with three 82% of 2,147 s (scripts/cpu_by_process.py, which .ci/run prints). Each worker is
+# a session with its own slot of servers (tests/fixtures/stack.py). tests/conftest.py gives
+# xdist the scheduler of tests/fixtures/scheduling.py: a module, or the modules sharing a
+# costly server, run whole on one worker, the heaviest first. It takes over any --dist but
+# "each"; loadscope names what it is, xdist's loadscope with larger units and an order of its
+# own (loadgroup would mean xdist_group marks, which under pytest 9 xdist 3.8 cannot apply).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each install step, timed: on a fresh machine the Kubernetes components take most of it.
@@ -28,8 +29,8 @@ for step in install install-kube-tools install-spark install-podman install-node
 done
 echo "test.sh: installing took $(( $(date +%s) - install_started ))s"
 workers=()
-if [ "${CASQUE_TEST_WORKERS:-2}" != "0" ]; then
-  workers=(-n "${CASQUE_TEST_WORKERS:-2}" --dist loadscope)
+if [ "${CASQUE_TEST_WORKERS:-3}" != "0" ]; then
+  workers=(-n "${CASQUE_TEST_WORKERS:-3}" --dist loadscope)
 fi
 if [ "${CASQUE_TEST_STRESS:-0}" = "1" ]; then
   hogs=()

@@ -3,7 +3,7 @@
     python scripts/test_times.py report.xml [--top 30]
 
 Prints each module's summed test time (setup, call and teardown), heaviest first, and the
-total: with two workers the run's wall time is at least half of it.
+total: with N workers the run's wall time is at least 1/N of it.
 """
 
 from __future__ import annotations
