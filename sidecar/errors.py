@@ -159,7 +159,10 @@ STATUS: Mapping[type[CasqueError], int] = {
     QueueNotFound: 404,
     SubscriberNotFound: 404,
     MessageNotFound: 404,
-    UntraceableId: 400,
+    # No message can be found by an id that carries no time: not found, with the reason in its
+    # code (a 400 would tell a client that followed the document's link from a publish that
+    # its request was malformed).
+    UntraceableId: 404,
     StaleReceipt: 409,
     SchemaViolation: 400,
     MessageTooLarge: 413,

@@ -715,10 +715,9 @@ def test_one_leader_at_a_time_and_a_takeover(
     create(api, ns, queue("payments", shards=1, retention="1h"))
     wait_ready(api, ns, QUEUES, "payments")
 
-    # A leader that finds the Lease taken stops acting and exits, for its pod to restart.
-    lease = leases.read_namespaced_lease("casque-operator", ns)
-    lease.spec.holder_identity = "intruder"
-    leases.replace_namespaced_lease("casque-operator", ns, lease)
+    # A leader that finds the Lease taken stops acting and exits, for its pod to restart. A
+    # patch with no resourceVersion: a read and a replace would lose to a renewal between them.
+    leases.patch_namespaced_lease("casque-operator", ns, {"spec": {"holderIdentity": "intruder"}})
     assert second.process.wait(timeout=30) == 3
     assert "leadership lost" in second.log()
 

@@ -723,7 +723,7 @@ async def test_a_delayed_message_and_ids_that_name_no_message(store: Store, make
     assert made_up not in (now["messageId"], other["messageId"])
     assert await error_code(await client.get(f"{BASE}/messages/{made_up}"), 404) == "message_not_found"
     for untraceable in ("3b241101-e2bb-4255-8caf-4136c566a962", "not-an-id"):
-        assert await error_code(await client.get(f"{BASE}/messages/{untraceable}"), 400) == "untraceable_id"
+        assert await error_code(await client.get(f"{BASE}/messages/{untraceable}"), 404) == "untraceable_id"
     assert await error_code(await client.get(f"/v1/queues/nosuch/messages/{now['messageId']}"), 404) == \
         "queue_not_found"
 
