@@ -58,12 +58,14 @@ def kind_of(argv: list[str]) -> str:
     return program or "kernel threads"
 
 
-def _cpu_seconds(pid: str) -> float | None:
+def _start_and_cpu(pid: str) -> tuple[str, float] | None:
+    """When the process started (in ticks since boot: a pid is reused, a start is not) and
+    its CPU seconds so far; None once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    return fields[19], (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def _argv(pid: str) -> list[str]:
@@ -83,7 +85,7 @@ def _machine_busy_and_total() -> tuple[float, float]:
 class Sampler:
     def __init__(self) -> None:
         self.me = str(os.getpid())
-        # pid -> (start time, kind, CPU seconds at the first sample, at the last one)
+        # (pid, start) -> (kind, CPU seconds at the first sample, at the last one)
         self.seen: dict[tuple[str, str], tuple[str, float, float]] = {}
         self.busy_start, self.total_start = _machine_busy_and_total()
         self.samples = 0
@@ -94,13 +96,10 @@ class Sampler:
         for pid in filter(str.isdigit, os.listdir("/proc")):
             if pid == self.me:
                 continue
-            try:
-                started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-            except (OSError, IndexError):
+            read = _start_and_cpu(pid)
+            if read is None:
                 continue
-            cpu = _cpu_seconds(pid)
-            if cpu is None:
-                continue
+            started, cpu = read
             key = (pid, started)
             known = self.seen.get(key)
             # Named again at every sample: a container's entrypoint script execs its server.
