@@ -254,7 +254,9 @@ class DelayMover:
 
     Connection states: on SUSPENDED or LOST the mover stops at once (another contender may
     be elected); it contends again when connected. Stopping mid-pass is safe: moved rows
-    are idempotent, and `moved` in the cursor only passes a pass's rows in the next pass.
+    are idempotent, and `moved` in the cursor only passes a pass's rows in the next pass. The
+    pass's publish is finished and counted all the same (the rows it moved are published
+    whether it waits or not, and their next mover finds them published and counts nothing).
     """
 
     def __init__(self, store: Store, queue: QueueRef, publish: Any, identifier: str) -> None:
@@ -270,6 +272,8 @@ class DelayMover:
         self._path = store.paths(queue).mover
         self._identifier = identifier
         self._task: asyncio.Task[None] | None = None
+        # The last pass's move, which outlives the leadership it started under (`_lead`).
+        self._moving: asyncio.Future[None] | None = None
         self._leading: asyncio.Event = asyncio.Event()
         self.moved = 0
         self.passes = 0
@@ -291,6 +295,8 @@ class DelayMover:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._moving is not None:
+            await asyncio.gather(self._moving, return_exceptions=True)
 
     async def _contend(self) -> None:
         loop = asyncio.get_running_loop()
@@ -392,11 +398,11 @@ class DelayMover:
             self.rows_read += len(due)
             if due:
                 self.offered += len(due)
-                results = await self._publish(state, [(d.message_id, d.message) for d in due])
-                fresh = sum(1 for r in results if not r.duplicate)
-                if fresh:
-                    self.moved += fresh
-                    await delayed.counters.add(DELAYED_OUT, fresh)
+                # Shielded from a lost leadership: the publish goes on in its shard writers
+                # anyway, and a successor that moves these rows again finds them published and
+                # counts none of them, so this pass must count what it moved.
+                self._moving = asyncio.ensure_future(self._move(state, delayed, due))
+                await asyncio.shield(self._moving)
             self.passes += 1
             if len(due) >= PASS_ROWS:
                 # A backlog: everything before the last row read is moved; go on at once.
@@ -410,6 +416,14 @@ class DelayMover:
             if upcoming is not None:
                 pause = min(pause, max(0.01, (upcoming - self._clock.now()).total_seconds()))
             await asyncio.sleep(pause)
+
+    async def _move(self, state: QueueState, delayed: DelayedStore, due: list[DueMessage]) -> None:
+        """Publish the due rows into the log and count those not published before."""
+        results = await self._publish(state, [(d.message_id, d.message) for d in due])
+        fresh = sum(1 for r in results if not r.duplicate)
+        if fresh:
+            self.moved += fresh
+            await delayed.counters.add(DELAYED_OUT, fresh)
 
     async def _queue_exists(self) -> bool:
         try:

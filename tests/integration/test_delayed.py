@@ -13,12 +13,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from kazoo.client import KazooState
 
 from casque.engine import catalog, delayed, history
 from casque.engine.batches import Log
 from casque.engine.clock import clock_of
 from casque.engine.consumer import Consumer
-from casque.engine.counters import DELAYED_IN, QueueCounters
+from casque.engine.counters import DELAYED_IN, DELAYED_OUT, QueueCounters
 from casque.engine.delayed import PASS_SECONDS, DelayMover
 from casque.engine.idempotency import IdempotencyGuard
 from casque.engine.messages import OutgoingMessage, Published
@@ -389,6 +390,49 @@ async def test_a_writer_that_finds_the_mover_moving_its_row_waits_for_it_instead
     passes = mover.passes
     await until_true("two more passes", lambda: mover.passes >= passes + 2)
     assert await consumer.receive(max_messages=10, wait=PASS_SECONDS * 2) == []
+
+
+async def test_a_pass_whose_leadership_ends_while_it_moves_still_counts_what_it_moved(
+    store: Store, running: list[object]
+) -> None:
+    """The mover's ZooKeeper connection is suspended while a pass publishes its due row: it
+    stops leading at once, but the publish goes on in the shard writer and lands. Re-elected,
+    the mover reads the row again and finds it published. Before, the pass was cancelled
+    before counting the row out and the next one counted no duplicate, so the queue's delayed
+    count stayed at 1 for good (a machine under load suspends sessions now and then)."""
+    catalog.apply_queue(store, QUEUE, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, QUEUE, "all", SubscriberSpec(queue="later", start_position="earliest"))
+    mover_publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    listeners_before = set(store.zk.state_listeners)
+    mover: DelayMover | None = None
+    suspended = False
+
+    async def publish(state: QueueState, items: list[tuple[str, OutgoingMessage]]) -> list[Published]:
+        nonlocal suspended
+        results = await mover_publisher.publish([m for _, m in items], [i for i, _ in items])
+        if not suspended:
+            suspended = True
+            for listener in set(store.zk.state_listeners) - listeners_before:
+                listener(KazooState.SUSPENDED)  # the mover's own listener: what kazoo calls
+            await until_true("the mover to stop leading", lambda: mover is not None and not mover.leading)
+        return results
+
+    mover = DelayMover(store, QUEUE, publish, "suspended")
+    mover.start()
+    running.append(mover)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    due = datetime.now(timezone.utc) + timedelta(seconds=2)  # ahead of the mover: its row, not its writer
+    (result,) = await publisher.publish([OutgoingMessage(b"moved", deliver_at=due)])
+    await until_true("the suspension", lambda: suspended)
+    passes = mover.passes
+    await until_true("two passes after the mover leads again", lambda: mover.passes >= passes + 2)
+    counts = await QueueCounters(store, catalog.read_queue(store, QUEUE).shared_key(QUEUE)).read()
+    assert (counts.get(DELAYED_IN), counts.get(DELAYED_OUT)) == (1, 1)
+    assert mover.moved == 1
+    consumer = Consumer(store, QUEUE, "all")
+    await consumer.start()
+    running.append(consumer)
+    assert await receive_all(consumer, 1, limit_s=30) == Counter([result.message_id])
 
 
 @pytest.mark.parametrize("hung", [1, 4], ids=["checked-again", "answered-503-then-retried"])

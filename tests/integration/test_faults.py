@@ -47,6 +47,14 @@ def needs_own_stack(backends: Backends) -> None:
         pytest.skip("injects faults into the servers the test session started itself")
 
 
+def process_state(directory: Path) -> str:
+    """The state letter /proc shows for the process of `directory` ("T" while stopped)."""
+    pid = processes.running_pid(directory)
+    if pid is None:
+        return "gone"
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+
+
 async def read_log(store: Store, spec: QueueSpec) -> dict[tuple[int, int], list[tuple[str, bytes]]]:
     """(shard, batch) -> [(message id, payload)] for every batch in the log, checking contiguity."""
     log = Log(store, QUEUE, "ONE")
@@ -160,11 +168,14 @@ async def test_cassandra_timeout_is_retryable_and_loses_nothing_acknowledged(
     try:
         await asyncio.gather(*(publish(i) for i in range(100)))
         processes.pause(node_dir)
+        paused_at = time.monotonic()
         try:
             await asyncio.gather(*(publish(i) for i in range(100, 150)))
+            state_after = process_state(node_dir)
         finally:
             processes.resume(node_dir)
-        assert failures > 0, "the pause produced no timeout"
+        assert failures > 0, (f"the pause produced no timeout: 50 publishes took {time.monotonic() - paused_at:.1f}s, "
+                              f"Cassandra's state after them {state_after!r}")
         # Once Cassandra answers again, publishing works again.
         deadline = time.monotonic() + 120
         while True:

@@ -616,11 +616,19 @@ def test_an_autoscaler_grows_the_consumers_with_the_backlog_and_shrinks_them_los
         (current,) = autoscaler()["status"]["currentMetrics"]
         assert current["external"]["metric"]["name"] == "casque-subscriber-lag-messages", current
 
+        unacked: list[str] = []
+
         def drained() -> bool:
             acked = {e["id"] for calls in recorded(records).values() for e in calls
                      if e["op"] == "ack" and e["outcome"] == "acked"}
-            return len(acked) == AUTOSCALED_MESSAGES
-        wait_for("every message acked", drained, timeout=START_TIMEOUT * 2)
+            unacked[:] = sorted({f"m{i}" for i in range(AUTOSCALED_MESSAGES)} - acked, key=lambda m: int(m[1:]))
+            return not unacked
+        try:
+            wait_for("every message acked", drained, timeout=START_TIMEOUT * 2)
+        except pytest.fail.Exception:
+            # Which keys stopped moving says more than the count: message i has key i % keys.
+            keys = sorted({int(m[1:]) % AUTOSCALED_KEYS for m in unacked})
+            pytest.fail(f"{len(unacked)} of {AUTOSCALED_MESSAGES} never acked, of keys {keys}: {unacked[:12]}")
         def consumer_pods() -> set[str]:
             listing = kubectl.json("pods", "-n", shop, "-l", "app=consumers")["items"]
             return {p["metadata"]["name"] for p in listing}
