@@ -122,9 +122,11 @@ class ForeignRanges:
             # Ours now (taken over): forgotten, so it is read afresh should it go elsewhere.
             self._known.pop((shard, name), None)
             return
-        if event.type == EventType.CHANGED and (shard, name) in self._known:
+        if event.type == EventType.CHANGED and ((shard, name) in self._known or (shard, name) in self._learning):
             # The record read before stays until the new one is read: a range's keys only
-            # shrink, so the old set holds back at least what the new one does.
+            # shrink, so the old set holds back at least what the new one does. A change
+            # while the first read is under way may be newer than what it returns (its answer
+            # reaches this loop after the event), and the watch it set has fired: read again.
             self._learn(shard, name)
 
     def watching(self, shard: int) -> bool:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, cast
 
 import pytest
 
 from casque.engine import catalog, claims
 from casque.engine.consumer import Consumer
+from casque.engine.foreign_ranges import ForeignRanges
+from casque.engine.keylocks import key_hash
 from casque.engine.leases import assign
+from casque.engine.member import Member
 from casque.engine.messages import Delivery, OutgoingMessage
 from casque.engine.offsets import SeekTarget, seek
 from casque.engine.publisher import Publisher
@@ -24,7 +28,7 @@ from casque.errors import CasqueError, LeaseLost, StaleReceipt
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from casque.znodes import decode_offset
+from casque.znodes import SubscriberPaths, decode_offset
 from tests.fixtures.positions import heads_of, offsets_of
 
 QUEUE = QueueRef("default", "shared")
@@ -339,6 +343,83 @@ async def test_a_key_finished_in_another_members_open_range_moves_on_before_that
         assert time.monotonic() < deadline, f"B received only {sorted(got)}"
         got.update({d.message.message_id: d for d in await b.receive(max_messages=10, wait=1)})
     assert await b.ack_many([d.receipt for d in got.values()]) == [True, True]
+
+
+class RangeWatcher:
+    """What ForeignRanges asks of its member, and nothing else: here nothing evaluates a
+    key's hold while a range is read (a member's receives would, and read it again)."""
+
+    def __init__(self, store: Store, paths: SubscriberPaths) -> None:
+        self.store, self.paths = store, paths
+        self.tasks: list[asyncio.Future[object]] = []
+
+    def notify(self) -> None:
+        pass
+
+    def in_background(self, work: Coroutine[Any, Any, object]) -> None:
+        self.tasks.append(asyncio.ensure_future(work))
+
+
+async def test_a_range_whose_keys_change_while_another_member_first_reads_it_is_read_again(
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Member A holds a range with y1 and z1 in flight. Another member reads A's range (its
+    open keys, y and z) with a watch, and A acks y1 just then: A rewrites the range's keys to
+    z alone, and the watch fires before the reader has stored what it read. The reader must
+    read the range again. Before, it dropped that change (it knew nothing of the range yet)
+    and kept y open there until A's whole range completed: a test node's autoscaled group
+    held a key's next message for good."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="shared",
+        ordered_keys=True))
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    x1, y1, z1 = await publisher.publish([OutgoingMessage(f"{k}1".encode(), key=k) for k in "xyz"])
+    await publisher.flush_heads()
+    a = await start(consumers, store)
+    held: dict[str, Delivery] = {}
+    deadline = time.monotonic() + 60
+    while len(held) < 3:
+        assert time.monotonic() < deadline, f"A received only {sorted(held)}"
+        held.update({d.message.message_id: d for d in await a.receive(max_messages=10, wait=1)})
+    (name,) = await claims.list_claims(store.zk, paths, 0)
+    epoch = int(name.partition("-")[0])
+
+    read_claim = claims.read_claim
+    changed_while_read = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    async def read_while_y_finishes(client: Any, claim_paths: SubscriberPaths, shard: int, claim: str,
+                                    watch: Callable[..., object] | None = None) -> claims.ClaimRecord | None:
+        if watch is None or changed_while_read.is_set():
+            return await read_claim(client, claim_paths, shard, claim, watch)
+
+        def fired(event: object) -> None:  # kazoo's thread: the reader's handler is queued before ours
+            watch(event)
+            loop.call_soon_threadsafe(changed_while_read.set)
+
+        record = await read_claim(client, claim_paths, shard, claim, fired)
+        assert await a.ack(held[y1.message_id].receipt) is True
+        await asyncio.wait_for(changed_while_read.wait(), 60)
+        return record  # what the reader read: y and z open
+
+    monkeypatch.setattr(claims, "read_claim", read_while_y_finishes)
+    watcher = RangeWatcher(store, paths)
+    foreign = ForeignRanges(cast(Member, watcher), lambda shard: set(), lambda shard: epoch, lambda: True)
+    await foreign.see(0)
+    await asyncio.gather(*watcher.tasks)  # the first read, and nothing that asks for a hold meanwhile
+    assert changed_while_read.is_set()
+    x_and_z = frozenset({key_hash("x"), key_hash("z")})  # y finished at A during the read
+    deadline = time.monotonic() + 30
+    while (record := foreign._known.get((0, name))) is None or record.keys != x_and_z:
+        assert time.monotonic() < deadline, (
+            f"A's range is known with {None if record is None else len(record.keys)} open keys, not x and z")
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*watcher.tasks)
+    assert await a.ack(held[z1.message_id].receipt) is True
+    assert await a.ack(held[x1.message_id].receipt) is True
 
 
 async def test_a_poison_message_goes_to_the_dead_letter_queue_and_its_range_completes(
