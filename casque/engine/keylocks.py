@@ -52,6 +52,9 @@ class KeyLocks:
         # key -> heap of (batch, seq) loaded here and not done; finished ones are dropped lazily.
         self._pending: dict[str, list[tuple[int, int]]] = {}
         self._finished: dict[str, set[tuple[int, int]]] = {}
+        # key -> its first open position here, as `hold` last found it held back by another
+        # member's range (`waits_elsewhere`).
+        self._first_elsewhere: dict[str, tuple[int, int]] = {}
 
     def add(self, key: str | None, position: Position) -> None:
         if key is None:
@@ -79,10 +82,20 @@ class KeyLocks:
         if self._foreign is None:
             return Hold.NONE
         ranges = self._foreign(position.batch)
-        if ranges is None:
-            return Hold.ELSEWHERE
         wanted = key_hash(key)
-        return Hold.ELSEWHERE if any(wanted in keys for keys in ranges) else Hold.NONE
+        if ranges is None or any(wanted in keys for keys in ranges):
+            self._first_elsewhere[key] = (position.batch, position.seq)
+            return Hold.ELSEWHERE
+        self._first_elsewhere.pop(key, None)
+        return Hold.NONE
+
+    def waits_elsewhere(self, key: str | None) -> bool:
+        """Whether the key's messages here wait, through its first one, on another member's
+        range: its first open position was held back elsewhere when `hold` last looked at it."""
+        if key is None:
+            return False
+        first = self._first_elsewhere.get(key)
+        return first is not None and first == self._first(key)
 
     def _first(self, key: str) -> tuple[int, int] | None:
         heap = self._pending.get(key)
@@ -92,6 +105,7 @@ class KeyLocks:
         if not heap:
             self._pending.pop(key, None)
             self._finished.pop(key, None)
+            self._first_elsewhere.pop(key, None)
             return None
         return heap[0]
 

@@ -48,9 +48,10 @@ class ShardState(ShardViews):
     locks: KeyLocks | None = None
     # Ready messages the last take held back behind another member's range (their key's
     # earlier messages are there): not ready for the app, so shared delivery claims more
-    # rather than wait for them. Those behind an earlier message held here are not counted:
-    # the app gets them as it acks, and claiming more for them made one member take a whole
-    # backlog of a few keys while the others had none.
+    # rather than wait for them. Those behind an earlier message held here are not counted
+    # (the app gets them as it acks, and claiming more for them made one member take a whole
+    # backlog of a few keys while the others had none), unless that earlier message is
+    # itself held back by another member's range.
     held_by_others: int = 0
     # The subscriber's retry policy (casque.specs.RetryPolicy.backoff): seconds a message
     # delivered n times waits before it is ready again after a nack naming no delay or an
@@ -173,7 +174,10 @@ class ShardState(ShardViews):
                 hold = self.locks.hold(entry.message.key, entry.message.position)
                 if hold is not Hold.NONE:
                     held_back.append((batch, seq))  # an earlier message of its key is not done yet
-                    held_by_others += hold is Hold.ELSEWHERE
+                    # Behind another member's range, directly or behind a first message of its
+                    # key that is: counted as ready, these kept a member from claiming the range
+                    # it waited on once they were CLAIM_LOW_WATER (casque.engine.sharing).
+                    held_by_others += hold is Hold.ELSEWHERE or self.locks.waits_elsewhere(entry.message.key)
                     continue
             expires = entry.message.expires_at
             if expires is not None and expires.timestamp() <= expired_ttl:

@@ -422,6 +422,59 @@ async def test_a_range_whose_keys_change_while_another_member_first_reads_it_is_
     assert await a.ack(held[x1.message_id].receipt) is True
 
 
+async def test_a_member_whose_backlog_waits_on_a_released_range_takes_that_range_over(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    """A holds a range with k's first message in flight; B claims the rest of k's backlog,
+    every message of it waiting behind that one. A stops (its range released, the message
+    still in flight there until its recorded deadline). B must take the range over, deliver
+    the message again and then the rest. Before, the messages waiting behind the first one
+    counted as ready at B, so with CLAIM_LOW_WATER of them B claimed nothing more: nobody
+    took the range over, and k stopped for good (a test node's autoscaled group, shrinking)."""
+    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
+    catalog.apply_queue(store, QUEUE, spec)
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=5, delivery="shared",
+        ordered_keys=True))
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    (first,) = await publisher.publish([OutgoingMessage(b"k-0", key="k")])
+    await publisher.flush_heads()
+    a = await start(consumers, store)
+    deadline = time.monotonic() + 60
+    while not (got := await a.receive(max_messages=10, wait=1)):
+        assert time.monotonic() < deadline, "A received nothing"
+    assert [d.message.message_id for d in got] == [first.message_id]
+    assert a._sharing is not None
+    a._sharing.last_demand = float("-inf")  # A's app stops asking: A claims nothing more
+    backlog: list[str] = []
+    for start_at in range(1, 121, 10):  # a batch of ten each: B's claims take whole batches
+        results = await publisher.publish([OutgoingMessage(f"k-{i}".encode(), key="k")
+                                           for i in range(start_at, start_at + 10)])
+        backlog += [r.message_id for r in results]
+    await publisher.flush_heads()
+    b = await start(consumers, store)
+    assert await b.receive(max_messages=10, wait=1) == []  # all behind k-0, in flight at A
+
+    def loaded_at_b() -> int:
+        assert b._sharing is not None
+        return sum(r.state.loaded_messages for r in b._sharing.sources())
+
+    deadline = time.monotonic() + 60
+    while loaded_at_b() < 64:  # CLAIM_LOW_WATER of k's messages at B, all waiting
+        assert time.monotonic() < deadline, f"B loaded only {loaded_at_b()}"
+        assert await b.receive(max_messages=10, wait=0.5) == []
+    await a.stop()
+    consumers.remove(a)
+    order: list[str] = []
+    deadline = time.monotonic() + 90
+    while len(order) < 1 + len(backlog):
+        assert time.monotonic() < deadline, f"B received {len(order)} of {1 + len(backlog)} messages of k"
+        got = await b.receive(max_messages=10, wait=1)
+        order += [d.message.message_id for d in got]
+        assert all(result is True for result in await b.ack_many([d.receipt for d in got]))
+    assert order == [first.message_id, *backlog]
+
+
 async def test_a_poison_message_goes_to_the_dead_letter_queue_and_its_range_completes(
     store: Store, consumers: list[Consumer]
 ) -> None:

@@ -74,6 +74,23 @@ def test_a_key_in_another_members_lower_range_waits_and_an_unknown_range_holds_e
     assert taken_ids(state) == ["2-0"]
 
 
+def test_messages_behind_a_first_one_that_waits_on_another_member_count_as_held_by_others() -> None:
+    """Counted as ready, a backlog of one key behind a message held back by another member's
+    range kept the member from claiming that range once it reached CLAIM_LOW_WATER."""
+    foreign: list[frozenset[int]] = [frozenset({key_hash("a")})]
+    locks = KeyLocks(foreign=lambda batch: foreign)
+    state = ShardState(shard=0, offset=2, locks=locks)
+    state.add_batch(2, [message(2, seq, "a") for seq in range(5)] + [message(2, 5, "b")])
+    assert taken_ids(state) == ["2-5"]
+    assert state.held_by_others == 5  # 2-0 held elsewhere, and the four behind it
+    assert locks.waits_elsewhere("a") and not locks.waits_elsewhere("b") and not locks.waits_elsewhere(None)
+    foreign = []
+    (first,) = state.take(10, 0.0, 30.0, 0.0)
+    assert first.entry.message.message_id == "2-0" and not locks.waits_elsewhere("a")
+    assert taken_ids(state) == []
+    assert state.held_by_others == 0  # behind this member's own message in flight: not counted
+
+
 def test_a_dropped_range_releases_its_keys() -> None:
     locks = KeyLocks()
     dropped, kept = ShardState(shard=0, offset=1, locks=locks), ShardState(shard=0, offset=2, locks=locks)
