@@ -50,6 +50,24 @@ def setup(store: Store, shards: int, visibility: int = 30) -> QueueSpec:
     return spec
 
 
+def setup_ordered(store: Store) -> None:
+    """One shard, and the subscriber shared with ordered keys."""
+    catalog.apply_queue(store, QUEUE, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
+    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
+        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="shared",
+        ordered_keys=True))
+
+
+async def received_by(consumer: Consumer, count: int, who: str) -> dict[str, Delivery]:
+    """At least `count` deliveries to `consumer`, by message id (none of them acked)."""
+    held: dict[str, Delivery] = {}
+    deadline = time.monotonic() + 60
+    while len(held) < count:
+        assert time.monotonic() < deadline, f"{who} received only {sorted(held)}"
+        held.update({d.message.message_id: d for d in await consumer.receive(max_messages=10, wait=1)})
+    return held
+
+
 async def publish(store: Store, count: int, prefix: str, per_call: int = 10) -> set[str]:
     """`count` messages, `per_call` to a publish call (a batch each on a one-shard queue)."""
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
@@ -246,11 +264,7 @@ async def test_a_seek_replays_through_the_pool_in_a_new_epoch(store: Store, cons
 async def test_ordered_keys_deliver_the_next_message_of_a_key_only_after_the_previous_is_acked(
     store: Store, consumers: list[Consumer]
 ) -> None:
-    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
-    catalog.apply_queue(store, QUEUE, spec)
-    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
-        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="shared",
-        ordered_keys=True))
+    setup_ordered(store)
     group = [await start(consumers, store) for _ in range(3)]
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     order: dict[str, list[str]] = {}
@@ -304,20 +318,12 @@ async def test_a_key_finished_in_another_members_open_range_moves_on_before_that
     claims the next range, with x2 and y2. x2 goes out while A's range is still open and A's
     (its claim publishes that x finished there); y2 waits until A acks y1. Before, x2 waited
     for A's whole range: until A's claim lapsed and B took it over, redelivering y1."""
-    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
-    catalog.apply_queue(store, QUEUE, spec)
-    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
-        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="shared",
-        ordered_keys=True))
+    setup_ordered(store)
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     x1, y1 = await publisher.publish([OutgoingMessage(b"x1", key="x"), OutgoingMessage(b"y1", key="y")])
     await publisher.flush_heads()
     a = await start(consumers, store)
-    held: dict[str, Delivery] = {}
-    deadline = time.monotonic() + 60
-    while len(held) < 2:
-        assert time.monotonic() < deadline, f"A received only {sorted(held)}"
-        held.update({d.message.message_id: d for d in await a.receive(max_messages=10, wait=1)})
+    held = await received_by(a, 2, "A")
     assert set(held) == {x1.message_id, y1.message_id}
     assert a._sharing is not None
     a._sharing.last_demand = float("-inf")  # A's app stops asking: A claims nothing more
@@ -369,21 +375,13 @@ async def test_a_range_whose_keys_change_while_another_member_first_reads_it_is_
     read the range again. Before, it dropped that change (it knew nothing of the range yet)
     and kept y open there until A's whole range completed: a test node's autoscaled group
     held a key's next message for good."""
-    spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
-    catalog.apply_queue(store, QUEUE, spec)
-    catalog.apply_subscriber(store, QUEUE, SUBSCRIBER, SubscriberSpec(
-        queue=QUEUE.name, start_position="earliest", visibility_timeout_seconds=30, delivery="shared",
-        ordered_keys=True))
+    setup_ordered(store)
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
     x1, y1, z1 = await publisher.publish([OutgoingMessage(f"{k}1".encode(), key=k) for k in "xyz"])
     await publisher.flush_heads()
     a = await start(consumers, store)
-    held: dict[str, Delivery] = {}
-    deadline = time.monotonic() + 60
-    while len(held) < 3:
-        assert time.monotonic() < deadline, f"A received only {sorted(held)}"
-        held.update({d.message.message_id: d for d in await a.receive(max_messages=10, wait=1)})
+    held = await received_by(a, 3, "A")
     (name,) = await claims.list_claims(store.zk, paths, 0)
     epoch = int(name.partition("-")[0])
 
