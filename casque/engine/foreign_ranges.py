@@ -109,7 +109,12 @@ class ForeignRanges:
                 loop.call_soon_threadsafe(self._changed, shard, name, event)
 
         record = await claims.read_claim(self.client, self.paths, shard, name, fired)
-        if record is not None and name in (self._names.get(shard) or ()):
+        names = self._names.get(shard)
+        if record is None and names is not None:
+            # Gone (completed). A listing answered after the watch's event can name a range
+            # the watch already saw go: kept, it would wait to be read until the next event.
+            names.discard(name)
+        elif record is not None and name in (names or ()):
             self._known[(shard, name)] = record
 
     def _changed(self, shard: int, name: str, event: WatchedEvent) -> None:

@@ -420,6 +420,54 @@ async def test_a_range_whose_keys_change_while_another_member_first_reads_it_is_
     assert await a.ack(held[x1.message_id].receipt) is True
 
 
+async def test_a_range_that_completes_while_another_member_lists_the_ranges_is_forgotten(
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Member A holds a range with x1 in flight. Another member, which follows the shard's
+    ranges with a watch, lists them before its own first delivery, and A acks x1 just then: the
+    range completes and goes, and the watch's event reaches the reader before the listing's
+    answer, which still names the range. The reader must forget the range once it finds it gone.
+    Before, the stale listing overwrote what the watch had said, the range could never be read,
+    and every keyed message above it waited until some other range came or went."""
+    setup_ordered(store)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    (x1,) = await publisher.publish([OutgoingMessage(b"x1", key="x")])
+    await publisher.flush_heads()
+    a = await start(consumers, store)
+    held = await received_by(a, 1, "A")
+    (name,) = await claims.list_claims(store.zk, paths, 0)
+    epoch = int(name.partition("-")[0])
+
+    watcher = RangeWatcher(store, paths)
+    foreign = ForeignRanges(cast(Member, watcher), lambda shard: set(), lambda shard: epoch, lambda: True)
+    foreign.watch(0)
+    list_claims = claims.list_claims
+    armed = [False]  # A lists ranges too: only the reader's listing, the first once armed, is delayed
+
+    async def list_while_x_finishes(client: Any, claim_paths: SubscriberPaths, shard: int) -> list[str]:
+        if not armed[0]:
+            return await list_claims(client, claim_paths, shard)
+        armed[0] = False
+        listed = await list_claims(client, claim_paths, shard)
+        assert await a.ack(held[x1.message_id].receipt) is True
+        deadline = time.monotonic() + 30
+        while (names := foreign._names.get(0)) is None or name in names:
+            assert time.monotonic() < deadline, "the watch never saw A's range go"
+            await asyncio.sleep(0.05)
+        return listed  # what the reader listed: A's range, gone by now
+
+    monkeypatch.setattr(claims, "list_claims", list_while_x_finishes)
+    armed[0] = True
+    await foreign.see(0)  # its listing is the first call: see() lists before it first awaits
+    deadline = time.monotonic() + 30
+    while foreign._foreign_keys(0, 1 << 62) is None:
+        assert time.monotonic() < deadline, (
+            f"ranges {sorted(foreign._names.get(0) or ())} still wait to be read; A's is gone")
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*watcher.tasks)
+
+
 async def test_a_member_whose_backlog_waits_on_a_released_range_takes_that_range_over(
     store: Store, consumers: list[Consumer]
 ) -> None:
