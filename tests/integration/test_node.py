@@ -616,6 +616,10 @@ def test_an_autoscaler_grows_the_consumers_with_the_backlog_and_shrinks_them_los
         (current,) = autoscaler()["status"]["currentMetrics"]
         assert current["external"]["metric"]["name"] == "casque-subscriber-lag-messages", current
 
+        def consumer_pods() -> set[str]:
+            listing = kubectl.json("pods", "-n", shop, "-l", "app=consumers")["items"]
+            return {p["metadata"]["name"] for p in listing}
+
         unacked: list[str] = []
 
         def drained() -> bool:
@@ -628,10 +632,10 @@ def test_an_autoscaler_grows_the_consumers_with_the_backlog_and_shrinks_them_los
         except pytest.fail.Exception:
             # Which keys stopped moving says more than the count: message i has key i % keys.
             keys = sorted({int(m[1:]) % AUTOSCALED_KEYS for m in unacked})
+            for pod in sorted(consumer_pods()):  # what each member's sidecar said of its ranges
+                tail = pod_log(node, shop, pod, "casque-sidecar").splitlines()[-80:]
+                print(f"--- {pod}/casque-sidecar, last {len(tail)} lines", *tail, sep="\n")
             pytest.fail(f"{len(unacked)} of {AUTOSCALED_MESSAGES} never acked, of keys {keys}: {unacked[:12]}")
-        def consumer_pods() -> set[str]:
-            listing = kubectl.json("pods", "-n", shop, "-l", "app=consumers")["items"]
-            return {p["metadata"]["name"] for p in listing}
         # The Deployment at 1, and the pods it removed gone (their apps stopped, their sidecars after).
         wait_for("the autoscaler back at 1 consumer", lambda: replicas() == (1, 1) and len(consumer_pods()) == 1,
                  timeout=START_TIMEOUT)
