@@ -89,6 +89,9 @@ class ForeignRanges:
             try:
                 await self._read(shard, name)
             except CasqueError as error:
+                # Not known until read: a record read before may be stale, and no watch is left
+                # to say so (the one that fired is spent, the failed read set none).
+                self._known.pop((shard, name), None)
                 log.info("range %s of shard %s not read (%s); retried on the next receive", name, shard, error)
             finally:
                 self._learning.discard((shard, name))

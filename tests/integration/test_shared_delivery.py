@@ -24,7 +24,7 @@ from casque.engine.member import Member
 from casque.engine.messages import Delivery, OutgoingMessage
 from casque.engine.offsets import SeekTarget, seek
 from casque.engine.publisher import Publisher
-from casque.errors import CasqueError, LeaseLost, StaleReceipt
+from casque.errors import BackendUnavailable, CasqueError, LeaseLost, StaleReceipt
 from casque.schema import QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
@@ -418,6 +418,52 @@ async def test_a_range_whose_keys_change_while_another_member_first_reads_it_is_
     await asyncio.gather(*watcher.tasks)
     assert await a.ack(held[z1.message_id].receipt) is True
     assert await a.ack(held[x1.message_id].receipt) is True
+
+
+async def test_a_known_range_whose_read_after_a_change_fails_is_read_again(
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another member knows A's range with x and y open. A acks x1, the range's keys change,
+    and the reader's read of the change fails (ZooKeeper answered too late). The watch that
+    fired is spent and the failed read set none, so the reader must read the range again when
+    next asked, and hold keyed messages above it back until then. Before, it kept x open there
+    for as long as the range lasted: nothing would ever have told it otherwise."""
+    setup_ordered(store)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    x1, y1 = await publisher.publish([OutgoingMessage(f"{k}1".encode(), key=k) for k in "xy"])
+    await publisher.flush_heads()
+    a = await start(consumers, store)
+    held = await received_by(a, 2, "A")
+    (name,) = await claims.list_claims(store.zk, paths, 0)
+    epoch = int(name.partition("-")[0])
+    watcher = RangeWatcher(store, paths)
+    foreign = ForeignRanges(cast(Member, watcher), lambda shard: set(), lambda shard: epoch, lambda: True)
+    await foreign.see(0)
+    await asyncio.gather(*watcher.tasks)
+    both, only_y = frozenset({key_hash("x"), key_hash("y")}), frozenset({key_hash("y")})
+    assert foreign._foreign_keys(0, 1 << 62) == [both]
+
+    read_claim = claims.read_claim
+    failed: list[str] = []
+
+    async def failing_once(client: Any, claim_paths: SubscriberPaths, shard: int, claim: str,
+                           watch: Callable[..., object] | None = None) -> claims.ClaimRecord | None:
+        if not failed:
+            failed.append(claim)
+            raise BackendUnavailable("reading a claim: ZooKeeper did not answer in time")
+        return await read_claim(client, claim_paths, shard, claim, watch)
+
+    monkeypatch.setattr(claims, "read_claim", failing_once)
+    assert await a.ack(held[x1.message_id].receipt) is True
+    await until("the change's read tried and failed", lambda: bool(failed))
+    await asyncio.gather(*watcher.tasks)
+    deadline = time.monotonic() + 30
+    while (found := foreign._foreign_keys(0, 1 << 62)) != [only_y]:  # as each receive asks
+        assert time.monotonic() < deadline, f"A's range is still known as {found}, not with y alone open"
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*watcher.tasks)
+    assert await a.ack(held[y1.message_id].receipt) is True
 
 
 async def test_a_range_that_completes_while_another_member_lists_the_ranges_is_forgotten(
