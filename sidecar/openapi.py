@@ -42,6 +42,20 @@ def _name_parameter(name: str, description: str) -> dict[str, Any]:
     }
 
 
+# Links between operations (OpenAPI links): where a later call takes its values from an
+# earlier one's answer. A publish's body may carry an `id` of the client's own (its
+# idempotency key); the message is traced by the `messageId` the publish answered with.
+LINKS: dict[str, dict[str, Any]] = {
+    "publish": {
+        "messageHistory": {
+            "operationId": "messageHistory",
+            "parameters": {"queue": "$request.path.queue", "messageId": "$response.body#/messageId"},
+            "description": "The published message's history, by the id the publish answered with.",
+        },
+    },
+}
+
+
 def build(operations: Iterable[Operation], version: str, bearer_token: bool) -> dict[str, Any]:
     operations = list(operations)
     models: list[tuple[type[BaseModel], JsonSchemaMode]] = [(ErrorResponse, "serialization"), (Message, "serialization")]
@@ -86,6 +100,8 @@ def build(operations: Iterable[Operation], version: str, bearer_token: bool) -> 
                 },
             },
         }
+        if operation.operation_id in LINKS:
+            spec["responses"]["200"]["links"] = LINKS[operation.operation_id]
         if operation.request is not None:
             spec["requestBody"] = {
                 "required": not operation.body_optional,

@@ -875,6 +875,10 @@ async def test_health_readiness_metrics_and_openapi(store: Store, make_sidecar: 
     operations = {op["operationId"] for path in document["paths"].values() for op in path.values()}
     assert operations == {"publish", "publishBatch", "receive", "ack", "nack", "extendVisibility", "seek",
                           "queueStats", "subscriberStats", "messageHistory"}
+    # A publish's history is found by the id it answered with, not by an `id` the client gave
+    # it (a fuzzer inferring the link from the body's `id` found "created, then not found").
+    published = document["paths"]["/v1/queues/{queue}/messages"]["post"]["responses"]["200"]
+    assert published["links"]["messageHistory"]["parameters"]["messageId"] == "$response.body#/messageId"
 
 
 # --- errors ----------------------------------------------------------------------------------------
