@@ -21,7 +21,7 @@ from casque.engine.foreign_ranges import ForeignRanges
 from casque.engine.keylocks import key_hash
 from casque.engine.leases import assign
 from casque.engine.member import Member
-from casque.engine.messages import Delivery, OutgoingMessage
+from casque.engine.messages import Delivery, OutgoingMessage, Published
 from casque.engine.offsets import SeekTarget, seek
 from casque.engine.publisher import Publisher
 from casque.errors import BackendUnavailable, CasqueError, LeaseLost, StaleReceipt
@@ -366,6 +366,26 @@ class RangeWatcher:
         self.tasks.append(asyncio.ensure_future(work))
 
 
+async def a_holds_one_of_each(store: Store, consumers: list[Consumer], keys: str
+                              ) -> tuple[Consumer, list[Published], dict[str, Delivery], str, int]:
+    """Member A holds in flight one message of each key (`{key}1`) in its one range of shard 0:
+    A, the messages, A's deliveries by id, the range's name and its epoch."""
+    setup_ordered(store)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    published = await publisher.publish([OutgoingMessage(f"{k}1".encode(), key=k) for k in keys])
+    await publisher.flush_heads()
+    a = await start(consumers, store)
+    held = await received_by(a, len(keys), "A")
+    (name,) = await claims.list_claims(store.zk, store.paths(QUEUE).subscriber(SUBSCRIBER), 0)
+    return a, published, held, name, int(name.partition("-")[0])
+
+
+def range_reader(store: Store, epoch: int) -> tuple[RangeWatcher, ForeignRanges]:
+    """Another member's view of A's ranges, its member duties stood in (RangeWatcher)."""
+    watcher = RangeWatcher(store, store.paths(QUEUE).subscriber(SUBSCRIBER))
+    return watcher, ForeignRanges(cast(Member, watcher), lambda shard: set(), lambda shard: epoch, lambda: True)
+
+
 async def test_a_range_whose_keys_change_while_another_member_first_reads_it_is_read_again(
     store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -375,15 +395,7 @@ async def test_a_range_whose_keys_change_while_another_member_first_reads_it_is_
     read the range again. Before, it dropped that change (it knew nothing of the range yet)
     and kept y open there until A's whole range completed: a test node's autoscaled group
     held a key's next message for good."""
-    setup_ordered(store)
-    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
-    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
-    x1, y1, z1 = await publisher.publish([OutgoingMessage(f"{k}1".encode(), key=k) for k in "xyz"])
-    await publisher.flush_heads()
-    a = await start(consumers, store)
-    held = await received_by(a, 3, "A")
-    (name,) = await claims.list_claims(store.zk, paths, 0)
-    epoch = int(name.partition("-")[0])
+    a, (x1, y1, z1), held, name, epoch = await a_holds_one_of_each(store, consumers, "xyz")
 
     read_claim = claims.read_claim
     changed_while_read = asyncio.Event()
@@ -404,8 +416,7 @@ async def test_a_range_whose_keys_change_while_another_member_first_reads_it_is_
         return record  # what the reader read: y and z open
 
     monkeypatch.setattr(claims, "read_claim", read_while_y_finishes)
-    watcher = RangeWatcher(store, paths)
-    foreign = ForeignRanges(cast(Member, watcher), lambda shard: set(), lambda shard: epoch, lambda: True)
+    watcher, foreign = range_reader(store, epoch)
     await foreign.see(0)
     await asyncio.gather(*watcher.tasks)  # the first read, and nothing that asks for a hold meanwhile
     assert changed_while_read.is_set()
@@ -428,17 +439,8 @@ async def test_a_known_range_whose_read_after_a_change_fails_is_read_again(
     fired is spent and the failed read set none, so the reader must read the range again when
     next asked, and hold keyed messages above it back until then. Before, it kept x open there
     for as long as the range lasted: nothing would ever have told it otherwise."""
-    setup_ordered(store)
-    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
-    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
-    x1, y1 = await publisher.publish([OutgoingMessage(f"{k}1".encode(), key=k) for k in "xy"])
-    await publisher.flush_heads()
-    a = await start(consumers, store)
-    held = await received_by(a, 2, "A")
-    (name,) = await claims.list_claims(store.zk, paths, 0)
-    epoch = int(name.partition("-")[0])
-    watcher = RangeWatcher(store, paths)
-    foreign = ForeignRanges(cast(Member, watcher), lambda shard: set(), lambda shard: epoch, lambda: True)
+    a, (x1, y1), held, name, epoch = await a_holds_one_of_each(store, consumers, "xy")
+    watcher, foreign = range_reader(store, epoch)
     await foreign.see(0)
     await asyncio.gather(*watcher.tasks)
     both, only_y = frozenset({key_hash("x"), key_hash("y")}), frozenset({key_hash("y")})
@@ -475,18 +477,8 @@ async def test_a_range_that_completes_while_another_member_lists_the_ranges_is_f
     answer, which still names the range. The reader must forget the range once it finds it gone.
     Before, the stale listing overwrote what the watch had said, the range could never be read,
     and every keyed message above it waited until some other range came or went."""
-    setup_ordered(store)
-    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
-    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
-    (x1,) = await publisher.publish([OutgoingMessage(b"x1", key="x")])
-    await publisher.flush_heads()
-    a = await start(consumers, store)
-    held = await received_by(a, 1, "A")
-    (name,) = await claims.list_claims(store.zk, paths, 0)
-    epoch = int(name.partition("-")[0])
-
-    watcher = RangeWatcher(store, paths)
-    foreign = ForeignRanges(cast(Member, watcher), lambda shard: set(), lambda shard: epoch, lambda: True)
+    a, (x1,), held, name, epoch = await a_holds_one_of_each(store, consumers, "x")
+    watcher, foreign = range_reader(store, epoch)
     foreign.watch(0)
     list_claims = claims.list_claims
     armed = [False]  # A lists ranges too: only the reader's listing, the first once armed, is delayed
