@@ -32,7 +32,7 @@ from cassandra.query import BatchStatement, BatchType
 
 from casque.backends import cql
 from casque.config import Settings
-from casque.schema import bucket_of
+from casque.schema import SCHEMA_CHANGE_TIMEOUT_SECONDS, bucket_of
 from casque.store import Store
 
 
@@ -310,5 +310,5 @@ def scratch_settings(cassandra: str, zookeeper: str, keyspace: str | None = None
 
 
 def drop_scratch(store: Store, settings: Settings) -> None:
-    store.session.execute(f"DROP KEYSPACE IF EXISTS {settings.keyspace}")
+    store.session.execute(f"DROP KEYSPACE IF EXISTS {settings.keyspace}", timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
     store.zk.delete(settings.zookeeper_root, recursive=True)

@@ -71,13 +71,17 @@ async def collect_queue_stats(store: Store, ref: QueueRef, subscribers: list[str
 
     One header read per shard for the queue, and up to three per shard and subscriber
     (`casque.engine.stats`); the znodes are known to be in place when this runs.
+
+    The subscribers' lags are read first and the queue's totals after them: a publish that
+    lands between the reads is then counted in the total if it is in a lag, and a status
+    never shows more messages pending than published.
     """
+    per_subscriber = [s for s in [await _subscriber_stats(store, ref, name) for name in subscribers] if s]
     with backend_errors():
         try:
             queue = await engine_stats.queue_stats(store, ref)
         except (NoNodeError, QueueNotFound):  # deleted meanwhile
             return QueueStats()
-    per_subscriber = [s for s in [await _subscriber_stats(store, ref, name) for name in subscribers] if s]
     lags = [s.lag_messages for s in per_subscriber]
     oldest = [
         as_utc(shard.oldest_unacked_at)

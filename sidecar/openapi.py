@@ -45,6 +45,21 @@ def _name_parameter(name: str, description: str) -> dict[str, Any]:
 # Links between operations (OpenAPI links): where a later call takes its values from an
 # earlier one's answer. A publish's body may carry an `id` of the client's own (its
 # idempotency key); the message is traced by the `messageId` the publish answered with.
+# The links to ack, nack and extend name no requestBody (a receipt): openapi-generator's
+# validator refuses a link whose requestBody is not a string, and a body is an object.
+_SAME_SUBSCRIBER = {"queue": "$request.path.queue", "subscriber": "$request.path.subscriber"}
+
+
+def _settling(operation_id: str, what: str) -> dict[str, Any]:
+    """A link from a receive to a call that settles a message it answered with."""
+    return {"operationId": operation_id, "parameters": _SAME_SUBSCRIBER,
+            "description": f"{what} The body names the message's `receipt` (`messages[].receipt`)."}
+
+
+def _receiving(description: str) -> dict[str, Any]:
+    return {"operationId": "receive", "parameters": {"queue": "$request.path.queue"}, "description": description}
+
+
 LINKS: dict[str, dict[str, Any]] = {
     "publish": {
         "messageHistory": {
@@ -52,6 +67,25 @@ LINKS: dict[str, dict[str, Any]] = {
             "parameters": {"queue": "$request.path.queue", "messageId": "$response.body#/messageId"},
             "description": "The published message's history, by the id the publish answered with.",
         },
+        "receive": _receiving("Receive it through a subscriber of the queue."),
+    },
+    "publishBatch": {
+        "messageHistory": {
+            "operationId": "messageHistory",
+            "parameters": {"queue": "$request.path.queue", "messageId": "$response.body#/results/0/messageId"},
+            "description": "The first published message's history.",
+        },
+        "receive": _receiving("Receive them through a subscriber of the queue."),
+    },
+    "receive": {
+        "messageHistory": {
+            "operationId": "messageHistory",
+            "parameters": {"queue": "$request.path.queue", "messageId": "$response.body#/messages/0/messageid"},
+            "description": "The first message received's history.",
+        },
+        "ack": _settling("ack", "Acknowledge a message received: it is done."),
+        "nack": _settling("nack", "Give a message received back, to be delivered again."),
+        "extendVisibility": _settling("extendVisibility", "Keep a message received invisible for longer."),
     },
 }
 

@@ -25,6 +25,7 @@ from tests.fixtures.node import (  # noqa: F401
     node_address,
     node_cluster,
     node_images,
+    node_pause_image,
     node_stack,
     stop_early,
 )

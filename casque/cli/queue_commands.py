@@ -48,6 +48,7 @@ from casque.engine.offsets import SeekTarget, seek as seek_offsets
 from casque.engine.publisher import Publisher
 from casque.engine.stats import QueueStats, SubscriberStats, queue_stats, subscriber_stats
 from casque.errors import InvalidSpec
+from casque.instants import in_utc
 from casque.schema import QueueRef
 from casque.sidecar.models.publishing import PublishMessage
 from casque.store import Store
@@ -181,7 +182,7 @@ def publish(
         messages = _messages_from_file(file)
     else:
         assert data is not None
-        due = deliver_at if deliver_at is None or deliver_at.tzinfo else deliver_at.replace(tzinfo=timezone.utc)
+        due = None if deliver_at is None else in_utc(deliver_at)
         schedule = {"priority": priority, "delay": delay, "deliverAt": due}
         one = _message_from_text(data, key, attr or [], content_type, message_id, ttl, schedule)
         messages = [one] * count
@@ -502,7 +503,7 @@ def seek(
             raise UsageError("--to is earliest or latest")
         target = SeekTarget(kind="earliest" if to == "earliest" else "latest")
     elif time is not None:
-        target = SeekTarget(kind="time", time=time if time.tzinfo else time.replace(tzinfo=timezone.utc))
+        target = SeekTarget(kind="time", time=in_utc(time))
     else:
         target = SeekTarget(kind="batch", batches=_shard_batches(batch or []))
     settings = backend_settings(cassandra, zookeeper, keyspace)
@@ -560,15 +561,11 @@ def redrive(
     check(output, ("text", *MACHINE))
     settings = backend_settings(cassandra, zookeeper, keyspace)
 
-    def utc(moment: datetime | None) -> datetime | None:
-        if moment is None or moment.tzinfo is not None:
-            return moment
-        return moment.replace(tzinfo=timezone.utc)
-
     async def run() -> RedriveResult:
         dead_letters = queue_of(namespace, dead_letter_queue)
         async with opened(settings, dead_letters.namespace) as store:
-            return await redrive_dead_letters(store, dead_letters, utc(since), utc(until), limit)
+            return await redrive_dead_letters(store, dead_letters, None if since is None else in_utc(since),
+                                              None if until is None else in_utc(until), limit)
 
     result = asyncio.run(run())
     if output in MACHINE:

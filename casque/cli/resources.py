@@ -24,6 +24,7 @@ from casque.cli.options import CassandraOption, KeyspaceOption, ZookeeperOption,
 from casque.cli.queue_commands import opened
 from casque.engine import catalog
 from casque.engine.stats import queue_stats, subscriber_stats
+from casque.instants import rfc3339
 from casque.schema import QueueRef
 from casque.specs import QueueState, SubscriberState, format_duration
 from casque.store import Store
@@ -46,7 +47,7 @@ def _metadata(ref: QueueRef, name: str, created: datetime) -> dict[str, Any]:
 
 
 def _stamp(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+    return rfc3339(moment)
 
 
 def _spec(model: Any) -> dict[str, Any]:

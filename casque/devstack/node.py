@@ -11,22 +11,11 @@ names, ``<pod>.<service>.<namespace>.svc.cluster.local``) and kube-router's fire
 which enforces no NetworkPolicy itself. Binaries come from ``scripts/install-kube-tools.sh`` and
 ``scripts/install-node.sh``.
 
-A node changes its host, and these machines are shared with other test sessions, so it takes
-a lock for the host (one node per machine) and `KubeNode.stop` undoes what it can:
-
-- iptables: the chains that did not exist before the node started (kube-proxy's ``KUBE-*``,
-  kube-router's ``KUBE-ROUTER-*``, ``KUBE-NWPLCY-*`` and ``KUBE-POD-FW-*``) and the rules that
-  jump to them; the kubelet makes none of its own (``makeIPTablesUtilChains: false``), so no
-  ``KUBE-FIREWALL`` rule drops traffic to 127.0.0.0/8 from other addresses;
-- ipsets: those kube-router made (the pods each policy selects), once no rule names them;
-- the sysctls the kubelet sets (``vm.overcommit_memory``, ``kernel.panic`` and others), and
-  ``net.bridge.bridge-nf-call-iptables`` when the node had to turn it on: put back to what they
-  were;
-- the pods' bridge ``casque0`` (the CNI ``bridge`` plugin, no masquerading, no port maps);
-- the kubelet's cgroups, all under ``/casque-node`` in each cgroup v1 hierarchy;
-- mounts under the node's directory (the kubelet bind-mounts its root directory onto
-  itself, and volumes onto pods' directories), and the directories outside it that the
-  kubelet and containerd create at fixed paths, when the node created them.
+A node changes its host (casque.devstack.node_host keeps the books: a lock for the machine,
+what the host had before, putting it back at the stop). A second node (`start_second_node`)
+joins the first's cluster in network and mount namespaces of its own
+(casque.devstack.node_namespaces), where its kube-proxy and firewall keep their chains and its
+kubelet its fixed paths; it changes nothing else on the host and stops before the first.
 
 Pods are deleted through the API before the kubelet stops, so the kubelet stops their
 sandboxes (and with them their network namespaces and CNI addresses) itself.
@@ -39,12 +28,9 @@ Root lacks CAP_SYS_RESOURCE on the test machines, so no process may lower an
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import ipaddress
 import json
 import logging
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -66,45 +52,42 @@ from casque.devstack.kube import (
     spawn,
     terminate,
 )
+from casque.devstack.node_host import (
+    BRIDGE,
+    BRIDGE_NETFILTER,
+    CGROUP_ROOT,
+    POD_SUBNET,
+    HostBaseline,
+    cgroup_hierarchies,
+    mounts_under,
+    pod_namespaces,
+    remove_cgroups,
+    shims_of_dead_nodes,
+    take_host_lock,
+    unmount_under,
+)
+from casque.devstack.node_namespaces import NodeNamespaces, NodeNetwork, clear_dead_namespaces
 
 log = logging.getLogger(__name__)
 
-__all__ = ["INSTALL_SCRIPT", "NODE_NAME", "KubeNode", "host_address", "missing_node_tools", "start_node"]
+__all__ = ["INSTALL_SCRIPT", "NODE_NAME", "SECOND_NODE_NAME", "KubeNode", "host_address", "missing_node_tools",
+           "start_node", "start_second_node"]
 
 INSTALL_SCRIPT = "scripts/install-node.sh"
 NODE_NAME = "casque-node"
-BRIDGE = "casque0"
-POD_SUBNET = "10.244.0.0/24"
-# Every cgroup the kubelet makes is under this one, in each hierarchy.
-CGROUP_ROOT = "casque-node"
-CGROUP_MOUNT = Path("/sys/fs/cgroup")
+# Every node's pod subnet is in it: kube-proxy masquerades what comes from outside it.
+CLUSTER_CIDR = "10.244.0.0/16"
+SECOND_NODE_NAME = "casque-node-2"
+# The second node's namespaces (casque.devstack.node_namespaces): its pods on a subnet and a
+# bridge of their own, behind a veth pair on a /30 of its own.
+SECOND_NETWORK = NodeNetwork(namespace=SECOND_NODE_NAME, host_link="casque-n2-host", node_link="casque-n2",
+                             link_subnet="10.245.0.0/30", pod_subnet="10.244.1.0/24")
 CNI_BIN_DIR = "/usr/lib/cni"
 CLUSTER_DOMAIN = "cluster.local"
 # The kubelet gives pods only addresses for their nameservers, so CoreDNS serves port 53.
 DNS_PORT = 53
-# One node per machine: the bridge, the cgroup root and the iptables chains are the host's.
-HOST_LOCK = Path("/run/casque-node.lock")
-# What the kubelet sets when it starts (pkg/kubelet/cm's kernel defaults).
-KUBELET_SYSCTLS = (
-    "vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
-    "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes",
-)
-# Pods on one bridge talk through it without being routed: only with this on do their packets
-# pass iptables, where kube-router's firewall is. Without it a policy holds only between the
-# host and pods.
-BRIDGE_NETFILTER = "net/bridge/bridge-nf-call-iptables"
-NODE_SYSCTLS = (*KUBELET_SYSCTLS, BRIDGE_NETFILTER)
 # kube-router's top chains, which its built-in chains jump to once its firewall is in place.
 FIREWALL_CHAINS = {"INPUT": "KUBE-ROUTER-INPUT", "FORWARD": "KUBE-ROUTER-FORWARD", "OUTPUT": "KUBE-ROUTER-OUTPUT"}
-# Fixed paths outside the node's directory that the kubelet or containerd create.
-FIXED_DIRECTORIES = (
-    Path("/var/lib/kubelet"),            # the device manager's socket directory
-    Path("/var/log/containers"),         # the kubelet's links to container logs
-    Path("/run/containerd"),             # containerd's shims' sockets
-    Path("/var/run/netns"),              # pods' network namespaces, made by containerd
-    Path("/usr/libexec/kubernetes"),
-)
-IPTABLES_TABLES = ("filter", "nat", "mangle")
 NODE_TOOLS = ("containerd", "ctr", "runc", "ipset")
 
 
@@ -121,180 +104,21 @@ def host_address() -> str:
     return str(json.loads(routes.stdout)[0]["prefsrc"])
 
 
-# --- what the node changes on its host, and putting it back ---------------------------------
-
-
-def _iptables_chains(command: str) -> dict[str, set[str]]:
-    chains: dict[str, set[str]] = {}
-    for table in IPTABLES_TABLES:
-        listing = subprocess.run([command, "-w", "-t", table, "-S"], capture_output=True, text=True, check=False)
-        chains[table] = {line.split()[1] for line in listing.stdout.splitlines() if line.startswith(("-N ", "-P "))}
-    return chains
-
-
-def rules_into(listing: Sequence[str], chains: set[str]) -> list[list[str]]:
-    """The rules of an ``iptables -S`` listing, outside `chains`, that name one of them (as
-    ``-D`` takes them: the chain, then the rule)."""
-    rules = []
-    for line in listing:
-        # shlex: comments are quoted and hold spaces ("kubernetes service portals").
-        words = shlex.split(line)
-        if words[:1] == ["-A"] and words[1] not in chains and any(w in chains for w in words[2:]):
-            rules.append(words[1:])
-    return rules
-
-
-def _remove_new_chains(command: str, before: dict[str, set[str]]) -> None:
-    """Delete the chains that are not in `before`, and first every rule that jumps to them."""
-    for table in IPTABLES_TABLES:
-        listing = subprocess.run([command, "-w", "-t", table, "-S"], capture_output=True, text=True, check=False)
-        lines = listing.stdout.splitlines()
-        new = {line.split()[1] for line in lines if line.startswith("-N ")} - before.get(table, set())
-        if not new:
-            continue
-        for rule in rules_into(lines, new):
-            subprocess.run([command, "-w", "-t", table, "-D", *rule], capture_output=True, check=False)
-        for chain in new:
-            subprocess.run([command, "-w", "-t", table, "-F", chain], capture_output=True, check=False)
-        for chain in new:
-            subprocess.run([command, "-w", "-t", table, "-X", chain], capture_output=True, check=False)
-
-
-def kube_router_ipsets(names: Sequence[str]) -> set[str]:
-    """kube-router's among ipset names (``KUBE-SRC-*``, ``KUBE-DST-*``, ``inet6:``-prefixed for
-    IPv6); another program's sets on the host are not the node's to remove."""
-    return {name for name in names if name.removeprefix("inet6:").startswith("KUBE-")}
-
-
-def _ipsets() -> set[str]:
-    listing = subprocess.run(["ipset", "list", "-name"], capture_output=True, text=True, check=False)
-    return kube_router_ipsets(listing.stdout.split())
-
-
-def _remove_new_ipsets(before: set[str]) -> None:
-    """Destroy the ipsets not in `before`; run after the iptables rules that match them are gone
-    (the kernel refuses to destroy a set a rule names)."""
-    for name in sorted(_ipsets() - before):
-        subprocess.run(["ipset", "destroy", name], capture_output=True, check=False)
-
-
-def _read_sysctls() -> dict[str, str]:
-    values = {}
-    for name in NODE_SYSCTLS:
-        path = Path("/proc/sys") / name
-        if path.exists():
-            values[name] = path.read_text().strip()
-    return values
-
-
-def _restore_sysctls(values: dict[str, str]) -> None:
-    for name, value in values.items():
-        path = Path("/proc/sys") / name
-        try:
-            if path.read_text().strip() != value:
-                path.write_text(value)
-        except OSError:
-            pass
-
-
-def _mounts_under(directory: Path) -> list[str]:
-    """Mount points at or under `directory`, deepest first."""
-    prefix = str(directory)
-    points = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = line.split()[4].replace("\\040", " ")
-        if point == prefix or point.startswith(prefix + "/"):
-            points.append(point)
-    return sorted(set(points), key=len, reverse=True)
-
-
-def _unmount_under(directory: Path) -> None:
-    for point in _mounts_under(directory):
-        subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)
-
-
-def _cgroup_hierarchies() -> list[Path]:
-    if not CGROUP_MOUNT.is_dir():
-        return []
-    return [p for p in CGROUP_MOUNT.iterdir() if p.is_dir() and (p / "cgroup.procs").exists()]
-
-
-def _remove_cgroups(root: Path) -> None:
-    """Remove a cgroup tree bottom-up (only empty cgroups can go)."""
-    if not root.is_dir():
-        return
-    for directory in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-        try:
-            directory.rmdir()
-        except OSError:
-            pass
-    try:
-        root.rmdir()
-    except OSError:
-        pass
-
-
-def _remove_fixed_directory(fixed: Path, directory: Path) -> None:
-    """Remove `fixed`, which the node created, if nothing but the node's things are in it: links
-    into `directory` (the kubelet's links to container logs), and mounts (containerd makes
-    /run/netns a mount of its own). Someone else may have started using the path meanwhile."""
-    if not fixed.is_dir():
-        return
-    for link in [p for p in fixed.rglob("*") if p.is_symlink()]:
-        if Path(os.readlink(link)).is_relative_to(directory):
-            link.unlink()
-    if any(p.is_file() or p.is_symlink() for p in fixed.rglob("*")):
-        return
-    _unmount_under(fixed)
-    shutil.rmtree(fixed, ignore_errors=True)
-
-
-@dataclass
-class HostBaseline:
-    """What the host had before the node started, so that stop() removes only the node's."""
-
-    iptables: dict[str, dict[str, set[str]]]
-    ipsets: set[str]
-    sysctls: dict[str, str]
-    absent_directories: list[Path]
-    bridge_existed: bool
-
-    @classmethod
-    def record(cls) -> HostBaseline:
-        return cls(
-            iptables={command: _iptables_chains(command) for command in ("iptables", "ip6tables")
-                      if shutil.which(command)},
-            ipsets=_ipsets(),
-            sysctls=_read_sysctls(),
-            absent_directories=[d for d in FIXED_DIRECTORIES if not d.exists()],
-            bridge_existed=Path(f"/sys/class/net/{BRIDGE}").exists(),
-        )
-
-    def restore(self, directory: Path) -> list[str]:
-        """Undo the node's changes (its own files are in `directory`); what could not be
-        undone, one line each."""
-        for command, before in self.iptables.items():
-            _remove_new_chains(command, before)
-        _remove_new_ipsets(self.ipsets)
-        _restore_sysctls(self.sysctls)
-        if not self.bridge_existed:
-            subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
-        for hierarchy in _cgroup_hierarchies():
-            _remove_cgroups(hierarchy / CGROUP_ROOT)
-        for fixed in self.absent_directories:
-            _remove_fixed_directory(fixed, directory)
-        left = [str(fixed) for fixed in self.absent_directories if fixed.exists()]
-        if not self.bridge_existed and Path(f"/sys/class/net/{BRIDGE}").exists():
-            left.append(f"the bridge {BRIDGE}")
-        left += [f"cgroup {h / CGROUP_ROOT}" for h in _cgroup_hierarchies() if (h / CGROUP_ROOT).exists()]
-        for command, before in self.iptables.items():
-            after = _iptables_chains(command)
-            left += [f"{command} -t {t} chain {c}" for t in after for c in sorted(after[t] - before.get(t, set()))]
-        left += [f"ipset {name}" for name in sorted(_ipsets() - self.ipsets)]
-        return left
-
-
 # --- configuration ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """What differs between the nodes on one machine."""
+
+    name: str
+    bridge: str
+    pod_subnet: str
+    cgroup_root: str
+
+
+FIRST_LAYOUT = NodeLayout(NODE_NAME, BRIDGE, POD_SUBNET, CGROUP_ROOT)
+SECOND_LAYOUT = NodeLayout(SECOND_NODE_NAME, "casque1", SECOND_NETWORK.pod_subnet, SECOND_NODE_NAME)
 
 
 def containerd_config(directory: Path, sandbox_image: str) -> str:
@@ -340,7 +164,7 @@ state = "{state}"
 """
 
 
-def cni_config(directory: Path) -> str:
+def cni_config(directory: Path, layout: NodeLayout = FIRST_LAYOUT) -> str:
     # No ipMasq and no portmap plugin: pods only talk to the host, whose address is local to
     # it, so no NAT rule is needed, and the CNI plugins add no iptables rules of their own.
     return json.dumps({
@@ -348,13 +172,13 @@ def cni_config(directory: Path) -> str:
         "name": "casque-node",
         "plugins": [{
             "type": "bridge",
-            "bridge": BRIDGE,
+            "bridge": layout.bridge,
             "isGateway": True,
             "ipMasq": False,
             "hairpinMode": True,
             "ipam": {
                 "type": "host-local",
-                "ranges": [[{"subnet": POD_SUBNET}]],
+                "ranges": [[{"subnet": layout.pod_subnet}]],
                 "routes": [{"dst": "0.0.0.0/0"}],
                 "dataDir": str(directory / "cni-ipam"),
             },
@@ -383,7 +207,10 @@ def corefile(address: str, kubeconfig: Path, ready_port: int) -> str:
 """
 
 
-def kubelet_config(directory: Path, address: str, port: int, ca_file: Path) -> str:
+def kubelet_config(directory: Path, address: str, port: int, ca_file: Path, layout: NodeLayout = FIRST_LAYOUT,
+                   dns_address: str | None = None) -> str:
+    """The kubelet's configuration; its pods' nameserver is CoreDNS on `dns_address` (the
+    first node's address, where it runs), by default this node's own."""
     # JSON is YAML: the kubelet reads it as its configuration file.
     return json.dumps({
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -397,15 +224,15 @@ def kubelet_config(directory: Path, address: str, port: int, ca_file: Path) -> s
                            "x509": {"clientCAFile": str(ca_file)}},
         "authorization": {"mode": "AlwaysAllow"},
         "cgroupDriver": "cgroupfs",
-        "cgroupRoot": f"/{CGROUP_ROOT}",
+        "cgroupRoot": f"/{layout.cgroup_root}",
         "failSwapOn": False,
         "makeIPTablesUtilChains": False,
         "oomScoreAdj": 0,
         "containerRuntimeEndpoint": f"unix://{socket_path(directory)}",
         "podLogsDir": str(directory / "pod-logs"),
         "resolvConf": "/etc/resolv.conf",
-        # CoreDNS, started before the kubelet, on the node's own address.
-        "clusterDNS": [address],
+        # CoreDNS, started with the first node, on its address.
+        "clusterDNS": [dns_address or address],
         "clusterDomain": CLUSTER_DOMAIN,
         "serializeImagePulls": False,
         "maxPods": 30,
@@ -430,13 +257,21 @@ class KubeNode:
     directory: Path
     cluster: KubeCluster
     address: str
-    baseline: HostBaseline
-    lock: IO[bytes]
+    # The first node's: what the host had before, and the machine's node lock. A second node
+    # changes only its own namespaces (`namespaces`), and is stopped before the first.
+    baseline: HostBaseline | None
+    lock: IO[bytes] | None
+    layout: NodeLayout = FIRST_LAYOUT
+    namespaces: NodeNamespaces | None = None
     processes: list[tuple[str, subprocess.Popen[bytes], Path]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
-        return NODE_NAME
+        return self.layout.name
+
+    def enter(self, argv: Sequence[str]) -> list[str]:
+        """`argv` as run on this node: in its namespaces, if it has its own."""
+        return list(argv) if self.namespaces is None else self.namespaces.enter(argv)
 
     def ctr(self, *args: str) -> list[str]:
         return ["ctr", "--address", str(socket_path(self.directory)), "--namespace", "k8s.io", *args]
@@ -484,12 +319,25 @@ class KubeNode:
                 self._stop(name)
             self._remove_containers()
             self._stop("containerd")
-            _unmount_under(self.directory)
-            left = self.baseline.restore(self.directory)
-            left += [f"mount {point}" for point in _mounts_under(self.directory)]
+            if self.namespaces is not None:
+                # Its mounts go with its mount namespace, its chains, bridge and pair with its network.
+                self.namespaces.stop()
+                for hierarchy in cgroup_hierarchies():
+                    remove_cgroups(hierarchy / self.layout.cgroup_root)
+                subprocess.run([*self.cluster.kubectl_args(), "delete", "node", self.name, "--wait=false"],
+                               capture_output=True, check=False)
+            unmount_under(self.directory)
+            left = [] if self.baseline is None else self.baseline.restore(self.directory)
+            left += [f"mount {point}" for point in mounts_under(self.directory)]
+            if self.namespaces is not None:
+                network = self.namespaces.network
+                left += [f"network namespace {network.namespace}"] if network.exists() else []
+                left += [f"cgroup {h / self.layout.cgroup_root}" for h in cgroup_hierarchies()
+                         if (h / self.layout.cgroup_root).exists()]
             return left
         finally:
-            self.lock.close()
+            if self.lock is not None:
+                self.lock.close()
 
     def _remove_containers(self) -> None:
         """What the kubelet left in containerd (sandboxes of pods the drain did not reach)."""
@@ -504,67 +352,23 @@ class KubeNode:
             subprocess.run(self.ctr("containers", "delete", container), capture_output=True, check=False)
 
 
-def _pod_namespaces() -> list[str]:
-    """The network namespaces in /var/run/netns that hold an address of the pods' subnet."""
-    subnet = ipaddress.ip_network(POD_SUBNET)
-    found = []
-    for name in sorted(os.listdir("/var/run/netns")) if Path("/var/run/netns").is_dir() else []:
-        shown = subprocess.run(["ip", "-netns", name, "-4", "-o", "addr", "show"], capture_output=True, text=True,
-                               check=False)
-        addresses = [word.split("/")[0] for line in shown.stdout.splitlines() for word in line.split()[3:4]]
-        if any(ipaddress.ip_address(a) in subnet for a in addresses):
-            found.append(name)
-    return found
-
-
-def _shims_of_dead_nodes() -> list[int]:
-    """containerd shims of the node's namespace (`k8s.io`) left running after their node's
-    containerd is gone: their sockets (`-address`) answer no more."""
-    pids = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if not argv or not argv[0].endswith(b"containerd-shim-runc-v2") or b"k8s.io" not in argv:
-            continue
-        address = argv[argv.index(b"-address") + 1].decode() if b"-address" in argv else ""
-        if address and not Path(address).exists():
-            pids.append(int(proc.name))
-    return pids
-
-
 def clear_dead_node() -> None:
     """Undo what a node killed before it could stop (kill -9 of its test session) left on the
     host, before a new one starts; called with the host lock held, so no node is running.
     Its pods' network namespaces would keep their addresses on the bridge, and the new node's
-    pods, numbered from the subnet's start again, would get the same ones."""
-    for pid in _shims_of_dead_nodes():
+    pods, numbered from the subnet's start again, would get the same ones. A second node's
+    namespaces hold all of its own."""
+    clear_dead_namespaces([SECOND_NETWORK])
+    for pid in shims_of_dead_nodes():
         log.warning("stopping containerd shim %d of a node that is gone", pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    for name in _pod_namespaces():
+    for name in pod_namespaces():
         log.warning("removing network namespace %s of a node that is gone", name)
         subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
     if Path(f"/sys/class/net/{BRIDGE}").exists():
         log.warning("removing the bridge %s of a node that is gone", BRIDGE)
         subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
-
-
-def _take_host_lock(timeout: float) -> IO[bytes]:
-    """The machine's node lock; another session's node is waited out for up to `timeout`."""
-    lock = open(HOST_LOCK, "wb")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return lock
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                lock.close()
-                raise KubeStartError(f"another test session has run a node on this machine for {timeout:.0f}s "
-                                     f"({HOST_LOCK} is held)") from None
-            time.sleep(1.0)
 
 
 def _wait_for(what: str, ready: Callable[[], bool], node: KubeNode, timeout: float) -> None:
@@ -587,23 +391,22 @@ def _serving(url: str) -> bool:
         return False
 
 
-def firewall_in_place() -> bool:
-    """kube-router's firewall is in the path of the pods' packets: INPUT, FORWARD and OUTPUT
-    jump to its chains, and its default policy chain marks what no NetworkPolicy selects. It
-    makes them before its first sync, and syncs again on every change of a pod, namespace or
-    policy."""
-    for chain, target in FIREWALL_CHAINS.items():
-        rules = subprocess.run(["iptables", "-w", "-t", "filter", "-S", chain], capture_output=True, text=True,
-                               check=False)
-        if f"-j {target}" not in rules.stdout:
-            return False
-    default = subprocess.run(["iptables", "-w", "-t", "filter", "-S", "KUBE-NWPLCY-DEFAULT"], capture_output=True,
-                             text=True, check=False)
-    return "MARK" in default.stdout
+def firewall_in_place(node: KubeNode) -> bool:
+    """kube-router's firewall is in the path of the node's pods' packets: INPUT, FORWARD and
+    OUTPUT jump to its chains, and its default policy chain marks what no NetworkPolicy
+    selects. It makes them before its first sync, and syncs again on every change of a pod,
+    namespace or policy."""
+    def listing(chain: str) -> str:
+        return subprocess.run(node.enter(["iptables", "-w", "-t", "filter", "-S", chain]), capture_output=True,
+                              text=True, check=False).stdout
+
+    if any(f"-j {target}" not in listing(chain) for chain, target in FIREWALL_CHAINS.items()):
+        return False
+    return "MARK" in listing("KUBE-NWPLCY-DEFAULT")
 
 
-def _node_ready(cluster: KubeCluster) -> bool:
-    result = subprocess.run([*cluster.kubectl_args(), "get", "node", NODE_NAME, "-o", "json"],
+def _node_ready(cluster: KubeCluster, name: str) -> bool:
+    result = subprocess.run([*cluster.kubectl_args(), "get", "node", name, "-o", "json"],
                             capture_output=True, text=True, check=False)
     if result.returncode != 0:
         return False
@@ -627,7 +430,7 @@ def start_node(
         raise KubeStartError(f"{', '.join(missing)} missing; run `bash {INSTALL_SCRIPT}`")
     directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    lock = _take_host_lock(lock_timeout)
+    lock = take_host_lock(lock_timeout)
     try:
         clear_dead_node()
         baseline = HostBaseline.record()
@@ -636,91 +439,128 @@ def start_node(
         raise
     node = KubeNode(directory=directory, cluster=cluster, address=address, baseline=baseline, lock=lock)
     try:
-        _start(node, sandbox_image, sandbox_archive, timeout)
+        _start_runtime(node, sandbox_image, sandbox_archive)
+        ready_port = free_port()
+        (directory / "Corefile").write_text(corefile(address, cluster.kubeconfig_path, ready_port))
+        _spawn(node, "coredns", [str(kube_binary("coredns")), "-conf", str(directory / "Corefile")])
+        _wait_for("CoreDNS ready", lambda: _serving(f"http://127.0.0.1:{ready_port}/ready"), node, 60)
+        _start_kubelet_and_proxy(node, sandbox_image, dns_address=address)
+        _start_controllers(node)
+        _wait_for(f"node {node.name} Ready", lambda: _node_ready(cluster, node.name), node, timeout)
+        _start_firewall(node)
     except BaseException:
         node.stop()
         raise
     return node
 
 
-def _start(node: KubeNode, sandbox_image: str, sandbox_archive: Callable[[KubeNode], None],
-           timeout: float) -> None:
-    directory, cluster, address = node.directory, node.cluster, node.address
+def start_second_node(
+    first: KubeNode,
+    directory: Path,
+    sandbox_image: str,
+    sandbox_archive: Callable[[KubeNode], None],
+    timeout: float = 120.0,
+) -> KubeNode:
+    """A second node of `first`'s cluster, in namespaces of its own (casque.devstack.node_namespaces):
+    its containerd, kubelet, kube-proxy and firewall; the scheduler, the controllers and CoreDNS
+    are the first node's. Stop it before the first."""
+    directory = directory.resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    namespaces = NodeNamespaces.start(SECOND_NETWORK, directory)
+    node = KubeNode(directory=directory, cluster=first.cluster, address=SECOND_NETWORK.node_address, baseline=None,
+                    lock=None, layout=SECOND_LAYOUT, namespaces=namespaces)
+    try:
+        _start_runtime(node, sandbox_image, sandbox_archive)
+        _start_kubelet_and_proxy(node, sandbox_image, dns_address=first.address)
+        _wait_for(f"node {node.name} Ready", lambda: _node_ready(node.cluster, node.name), node, timeout)
+        _start_firewall(node)
+    except BaseException:
+        node.stop()
+        raise
+    return node
+
+
+def _spawn(node: KubeNode, name: str, argv: Sequence[str]) -> None:
+    node.processes.append((name, spawn(node.enter(argv), node.log(name)), node.log(name)))
+
+
+def _start_runtime(node: KubeNode, sandbox_image: str, sandbox_archive: Callable[[KubeNode], None]) -> None:
+    """containerd, with the CNI configuration of the node's bridge and subnet, and the sandbox image."""
+    directory = node.directory
     (directory / "cni").mkdir(exist_ok=True)
-    (directory / "cni" / "10-casque-node.conflist").write_text(cni_config(directory))
+    (directory / "cni" / "10-casque-node.conflist").write_text(cni_config(directory, node.layout))
     (directory / "containerd.toml").write_text(containerd_config(directory, sandbox_image))
-    for hierarchy in _cgroup_hierarchies():
+    for hierarchy in cgroup_hierarchies():
         # The kubelet wants its cgroup root to exist in every hierarchy.
-        (hierarchy / CGROUP_ROOT).mkdir(exist_ok=True)
-
-    def start(name: str, argv: Sequence[str]) -> None:
-        node.processes.append((name, spawn(list(argv), node.log(name)), node.log(name)))
-
-    start("containerd", ["containerd", "--config", str(directory / "containerd.toml")])
+        (hierarchy / node.layout.cgroup_root).mkdir(exist_ok=True)
+    _spawn(node, "containerd", ["containerd", "--config", str(directory / "containerd.toml")])
     _wait_for("containerd", lambda: subprocess.run(node.ctr("version"), capture_output=True).returncode == 0,
               node, 30)
     sandbox_archive(node)
 
-    kubeconfig = str(cluster.kubeconfig_path)
-    ready_port = free_port()
-    (directory / "Corefile").write_text(corefile(address, cluster.kubeconfig_path, ready_port))
-    start("coredns", [str(kube_binary("coredns")), "-conf", str(directory / "Corefile")])
-    _wait_for("CoreDNS ready", lambda: _serving(f"http://127.0.0.1:{ready_port}/ready"), node, 60)
-    (directory / "kubelet.json").write_text(kubelet_config(directory, address, free_port(), cluster.ca_cert_path))
-    start("kubelet", [
+
+def _start_kubelet_and_proxy(node: KubeNode, sandbox_image: str, dns_address: str) -> None:
+    directory, address, kubeconfig = node.directory, node.address, str(node.cluster.kubeconfig_path)
+    (directory / "kubelet.json").write_text(kubelet_config(directory, address, free_port(), node.cluster.ca_cert_path,
+                                                           node.layout, dns_address))
+    _spawn(node, "kubelet", [
         str(kube_binary("kubelet")), f"--config={directory / 'kubelet.json'}", f"--kubeconfig={kubeconfig}",
         f"--root-dir={directory / 'kubelet'}", f"--cert-dir={directory / 'kubelet-pki'}",
-        f"--hostname-override={NODE_NAME}", f"--node-ip={address}",
+        f"--hostname-override={node.name}", f"--node-ip={address}",
         f"--volume-plugin-dir={directory / 'volume-plugins'}",
         f"--pod-infra-container-image={sandbox_image}", "--v=1",
     ])
-    start("kube-proxy", [
-        str(kube_binary("kube-proxy")), f"--kubeconfig={kubeconfig}", f"--hostname-override={NODE_NAME}",
-        "--proxy-mode=iptables", f"--cluster-cidr={POD_SUBNET}", f"--nodeport-addresses={address}/32",
+    _spawn(node, "kube-proxy", [
+        str(kube_binary("kube-proxy")), f"--kubeconfig={kubeconfig}", f"--hostname-override={node.name}",
+        "--proxy-mode=iptables", f"--cluster-cidr={CLUSTER_CIDR}", f"--nodeport-addresses={address}/32",
         # Leave the host's sysctls alone: no route_localnet for NodePorts on 127.0.0.1 (and so
         # no rule dropping outside traffic to 127.0.0.0/8), no conntrack table sizes.
         "--iptables-localhost-nodeports=false", "--conntrack-max-per-core=0",
         "--conntrack-tcp-timeout-established=0s", "--conntrack-tcp-timeout-close-wait=0s",
         f"--metrics-bind-address=127.0.0.1:{free_port()}", f"--healthz-bind-address=127.0.0.1:{free_port()}",
     ])
-    start("kube-scheduler", [
+
+
+def _start_controllers(node: KubeNode) -> None:
+    """The scheduler and the controllers, with the first node: one of each for the cluster."""
+    kubeconfig, pki = str(node.cluster.kubeconfig_path), node.cluster.ca_cert_path.parent
+    _spawn(node, "kube-scheduler", [
         str(kube_binary("kube-scheduler")), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
         "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
         f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
     ])
-    pki = cluster.ca_cert_path.parent
-    start("kube-controller-manager", [
+    _spawn(node, "kube-controller-manager", [
         str(kube_binary("kube-controller-manager")), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
         "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
         f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
-        f"--root-ca-file={cluster.ca_cert_path}", f"--service-account-private-key-file={pki / 'sa.key'}",
+        f"--root-ca-file={node.cluster.ca_cert_path}", f"--service-account-private-key-file={pki / 'sa.key'}",
         "--use-service-account-credentials=false", "--controllers=*,-nodeipam,-cloud-node-lifecycle",
         "--concurrent-deployment-syncs=2", "--concurrent-replicaset-syncs=2",
         # HorizontalPodAutoscalers act within seconds rather than 15 s.
         "--horizontal-pod-autoscaler-sync-period=5s",
     ])
-    _wait_for(f"node {NODE_NAME} Ready", lambda: _node_ready(cluster), node, timeout)
-    _start_firewall(node, start)
 
 
-def _start_firewall(node: KubeNode, start: Callable[[str, Sequence[str]], None]) -> None:
+def _start_firewall(node: KubeNode) -> None:
     """kube-router's network policy controller: it reads the node's address from the Node, so
     it starts once the kubelet has registered it."""
-    bridge_netfilter = Path("/proc/sys") / BRIDGE_NETFILTER
-    if not bridge_netfilter.exists():
-        raise KubeStartError(f"{bridge_netfilter} is missing: the kernel has no br_netfilter, so packets between "
-                             "pods on the bridge bypass iptables and no NetworkPolicy would hold")
-    if bridge_netfilter.read_text().strip() != "1":
-        bridge_netfilter.write_text("1")  # put back by HostBaseline.restore
-    start("kube-router", firewall_command(kube_binary("kube-router"), node.cluster.kubeconfig_path))
-    _wait_for("kube-router's firewall", firewall_in_place, node, 60)
+    if node.namespaces is None:
+        bridge_netfilter = Path("/proc/sys") / BRIDGE_NETFILTER
+        if not bridge_netfilter.exists():
+            raise KubeStartError(f"{bridge_netfilter} is missing: the kernel has no br_netfilter, so packets "
+                                 "between pods on the bridge bypass iptables and no NetworkPolicy would hold")
+        if bridge_netfilter.read_text().strip() != "1":
+            bridge_netfilter.write_text("1")  # put back by HostBaseline.restore
+    # (A node in a network namespace of its own has it set there: NodeNetwork.create.)
+    _spawn(node, "kube-router", firewall_command(kube_binary("kube-router"), node.cluster.kubeconfig_path, node.name))
+    _wait_for("kube-router's firewall", lambda: firewall_in_place(node), node, 60)
 
 
-def firewall_command(binary: Path, kubeconfig: Path) -> list[str]:
+def firewall_command(binary: Path, kubeconfig: Path, node_name: str = NODE_NAME) -> list[str]:
     """kube-router with its network policy controller alone: no routes or BGP (the bridge
     connects the pods), no service proxy (kube-proxy is it)."""
     return [
-        str(binary), f"--kubeconfig={kubeconfig}", f"--hostname-override={NODE_NAME}",
+        str(binary), f"--kubeconfig={kubeconfig}", f"--hostname-override={node_name}",
         "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
         # Its exemption for Service addresses must name the API server's range.
         f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
@@ -730,18 +570,18 @@ def firewall_command(binary: Path, kubeconfig: Path) -> list[str]:
     ]
 
 
-def wait_pods_gone(cluster: KubeCluster, timeout: float = 120.0) -> None:
-    """Delete every pod (its grace period cut to 1 s) and wait until none is left."""
+def wait_pods_gone(cluster: KubeCluster, timeout: float = 120.0, node: str | None = None) -> None:
+    """Delete every pod (of `node`, if given; its grace period cut to 1 s) and wait until none is left."""
     kubectl = cluster.kubectl_args()
-    subprocess.run([*kubectl, "delete", "pods", "--all", "--all-namespaces", "--grace-period=1", "--wait=false"],
-                   capture_output=True, check=False)
+    on_node = [f"--field-selector=spec.nodeName={node}"] if node else []
+    subprocess.run([*kubectl, "delete", "pods", "--all", "--all-namespaces", *on_node, "--grace-period=1",
+                    "--wait=false"], capture_output=True, check=False)
     deadline = time.monotonic() + timeout
     while True:
-        listing = subprocess.run([*kubectl, "get", "pods", "--all-namespaces", "-o", "name"],
+        listing = subprocess.run([*kubectl, "get", "pods", "--all-namespaces", *on_node, "-o", "name"],
                                  capture_output=True, text=True, check=False)
         if listing.returncode == 0 and not listing.stdout.strip():
             return
         if time.monotonic() > deadline:
             raise KubeStartError(f"pods still there after {timeout:.0f}s: {listing.stdout}")
         time.sleep(0.5)
-

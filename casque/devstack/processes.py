@@ -152,7 +152,35 @@ def pause(directory: Path) -> None:
     pid = running_pid(directory)
     if pid is None:
         raise StackError(f"no running process for {directory}")
+    stop(pid)
+
+
+def stop(pid: int, timeout: float = 30.0) -> None:
+    """SIGSTOP `pid` and return once every thread of it has stopped.
+
+    The signal only asks: each thread stops when it is next scheduled, and on a loaded machine
+    a server's threads can answer requests for a while after the kill returned."""
     os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise StackError(f"process {pid} did not stop within {timeout:.0f}s of SIGSTOP")
+        time.sleep(0.005)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return True  # gone: nothing of it runs
+    for task in tasks:
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue  # a thread that exited meanwhile
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
 
 
 def resume(directory: Path) -> None:

@@ -24,6 +24,13 @@ answered `acked` (it remembers the last RECENT_ACKS) is answered `already_acked`
 expects of a resend; anything else is `stale_receipt`. An ack row alone would not do: a row
 whose lease check failed (answered `lease_lost`) may have landed after the next holder read
 the rows, and that holder delivers the message again.
+
+An ack whose row may have been written but that was not answered `acked` (the write or the
+check failed: a 503 or `lease_lost`) may still count: whoever reads the range's ack rows next,
+this member after its session ended or another, finds the row and never delivers the message
+again. The client retries a 503; if the retry finds the source gone, `stale_receipt` would say
+the ack certainly did nothing. So such a retry is answered `lease_lost` (the ack may have been
+recorded, the message may come again) for the last RECENT_ACKS of them.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from casque.engine import offsets
 from casque.engine.acks import ACK, AckEvent
 from casque.engine.claim_reader import ClaimReader
 from casque.engine.member import Member
-from casque.engine.messages import Position
+from casque.engine.messages import Position, decode_receipt
 from casque.engine.shard_reader import ShardReader
 from casque.engine.entries import AckStart
 from casque.errors import BackendUnavailable, CasqueError, LeaseLost, StaleReceipt
@@ -129,6 +136,8 @@ class AckTaker:
         self._seek_mark = FreshRead(lambda: offsets.read_seek_mark(member.store.zk, member.paths))
         # Deliveries whose ack this member answered `acked`, oldest first (see RECENT_ACKS).
         self._acked: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()
+        # Deliveries whose ack row may have been written though the ack failed (see the module's docstring).
+        self._maybe_recorded: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()
 
     async def ack_many(self, receipts: list[str]) -> list[bool | CasqueError]:
         """Acknowledge several deliveries at once; one result (or error) per receipt, in order.
@@ -152,6 +161,9 @@ class AckTaker:
                 start = reader.state.start_ack(position, nonce)
             except NotHeldHere as moved:
                 elsewhere.append((index, moved))
+                continue
+            except StaleReceipt as stale:
+                results[index] = self._maybe_recorded_answer(decode_key(receipt), stale)
                 continue
             except CasqueError as error:
                 results[index] = error
@@ -177,7 +189,10 @@ class AckTaker:
             for (index, reader, event, nonce), outcome in zip(started, outcomes):
                 results[index] = outcome
                 if outcome is True:
-                    self._remember((event.shard, event.batch, event.seq, nonce))
+                    _remember(self._acked, (event.shard, event.batch, event.seq, nonce))
+                elif not isinstance(outcome, StaleReceipt) or isinstance(outcome, LeaseLost):
+                    # Its row may be written (a seek's stale answer is final: the seek replays it).
+                    _remember(self._maybe_recorded, (event.shard, event.batch, event.seq, nonce))
                 future = acking.pop((event.shard, event.batch, event.seq, nonce), None)
                 if future is not None and not future.done():
                     # What a resend of this delivery's ack hears: done already, or the same error.
@@ -185,13 +200,15 @@ class AckTaker:
         for index, shared in joined:
             results[index] = await asyncio.shield(shared)
         for index, gone in elsewhere:
-            results[index] = False if gone.key in self._acked else gone  # False: already acked
+            # False: already acked
+            results[index] = False if gone.key in self._acked else self._maybe_recorded_answer(gone.key, gone)
         return results
 
-    def _remember(self, key: tuple[int, int, int, int]) -> None:
-        self._acked[key] = None
-        if len(self._acked) > RECENT_ACKS:
-            self._acked.popitem(last=False)
+    def _maybe_recorded_answer(self, key: tuple[int, int, int, int], stale: StaleReceipt) -> StaleReceipt:
+        if key not in self._maybe_recorded:
+            return stale
+        return LeaseLost(f"message {key[0]}/{key[1]}/{key[2]}: an earlier try of this ack may have been recorded "
+                         "before its batches moved on; the message may be delivered again")
 
     async def _make_durable(self, started: list[_Acking]) -> list[bool | CasqueError]:
         """Write the ack rows of `started`, confirm their sources, and move each delivery to
@@ -276,3 +293,15 @@ class AckTaker:
         elif sources:
             epoch_of = await epochs({s.shard for s in sources})
         return {s for s in sources if s.shard in epoch_of and epoch_of[s.shard] != s.epoch}
+
+
+def _remember(keys: OrderedDict[tuple[int, int, int, int], None], key: tuple[int, int, int, int]) -> None:
+    keys[key] = None
+    keys.move_to_end(key)
+    if len(keys) > RECENT_ACKS:
+        keys.popitem(last=False)
+
+
+def decode_key(receipt: str) -> tuple[int, int, int, int]:
+    position, nonce = decode_receipt(receipt)
+    return position.shard, position.batch, position.seq, nonce

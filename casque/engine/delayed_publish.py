@@ -108,7 +108,8 @@ class DelayedRoute:
         self._cursor_reads: CursorReads | None = None
         # The mover's `until` as its znode's watch last told.
         self._mover_cursor: datetime | None = None
-        # Delayed rows moved here, the mover having passed them (see _move_if_passed).
+        # Delayed rows moved into the log here, the mover having passed them without moving
+        # them (see _move_if_passed); a move the mover had made already is not counted.
         self.moves = 0
 
     async def route(self, message: OutgoingMessage, message_id: str, due: datetime) -> Published:
@@ -209,10 +210,10 @@ class DelayedRoute:
         await self._move_now(message_id, message)
 
     async def _move_now(self, message_id: str, message: OutgoingMessage) -> None:
-        self.moves += 1
         moved_now = moved_message(message_id, message, self._state.spec.retention_seconds)
         (moved,) = await self._publish([moved_now], [message_id])
         if not moved.duplicate:
+            self.moves += 1
             await self._delayed_table().counters.add(DELAYED_OUT, 1)
 
     def _delayed_table(self) -> DelayedStore:

@@ -352,8 +352,10 @@ class Deliverer:
         Each is answered only once its NACK row (when it is visible again) is durable, so a
         member that loads the message later, after a restart, a kill or a hand-over, keeps it
         waiting until the same time. Until then the delivery stays in flight as it was: a
-        write that fails answers BackendUnavailable and changes nothing (the receipt stays
-        valid until its visibility ends). All the call's rows go in one group-committed write.
+        write that fails answers BackendUnavailable and leaves the delivery here unchanged (the
+        receipt stays valid until its visibility ends), though its row may have landed (a
+        timeout, a failed check after the write) and a later holder would honour it. All the
+        call's rows go in one group-committed write.
         """
         now = time.monotonic()
         outcomes: list[None | CasqueError] = [None] * len(receipts)
@@ -377,7 +379,7 @@ class Deliverer:
             # that took the shard or range over meanwhile may have loaded it before a row landed,
             # and would not keep the message waiting.
             held = dict(zip(sources, await each_settled([s.still_leased() for s in sources])))
-        except Exception as unwritten:  # every driver error: nothing changed, the nack may be sent again
+        except Exception as unwritten:  # every driver error: unchanged here, the nack may be sent again
             failure = unwritten if isinstance(unwritten, CasqueError) else BackendUnavailable(
                 f"nack not recorded: {unwritten!r}")
             for index, *_ in planned:

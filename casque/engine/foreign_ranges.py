@@ -10,7 +10,8 @@ read again, and a range that completes goes from the children watch; either wake
 receives waiting on its keys.
 
 Connection loss: a watch that lapses leaves the names as last seen, which only holds keys
-back longer; a range read that fails is read again on the next receive.
+back longer; a range read that fails is read again on the next receive, as is one whose
+watch ended with an expired session.
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ class ForeignRanges:
             self._known[(shard, name)] = record
 
     def _changed(self, shard: int, name: str, event: WatchedEvent) -> None:
-        """A range read before changed (keys finished, renewed, taken over) or went."""
-        if event.type == EventType.DELETED:
+        """A range read before changed (keys finished, renewed, taken over) or went, or its
+        watch ended with the session (kazoo ends every watch of an expired session with an
+        event of type NONE): then the record is forgotten and read again, watched anew."""
+        if event.type in (EventType.DELETED, EventType.NONE):
             self._known.pop((shard, name), None)
             self._member.notify()
             return

@@ -204,9 +204,8 @@ async def _find_in_log(store: Store, queue: QueueRef, state: QueueState, message
 async def _find_in_shard(store: Store, queue: QueueRef, state: QueueState, shard: int, message_id: str,
                          due: datetime, now: datetime) -> Position | None:
     data, _ = await zk.call(store.zk.get_async, store.paths(queue).head(shard))
+    # Even at head 0: a publish is answered once its batch is written, before the head moves.
     head = decode_head(data)
-    if head == 0:
-        return None
     first = await asyncio.to_thread(positions.batch_at_time, store, queue, shard, head, due - SEARCH_BEFORE,
                                     state.expiry_in_order(now))
     past = (due + SEARCH_AFTER).astimezone(timezone.utc).replace(tzinfo=None)  # the driver's naive UTC

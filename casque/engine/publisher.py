@@ -203,7 +203,9 @@ class Publisher:
         """When a message is to be delivered: its own time or delay, or the queue's default
         delay from now (not for a delayed message being moved into the log); None: at once."""
         if message.deliver_at is not None:
-            return message.deliver_at
+            # A time already past is now: the message's id carries when it is due in the log,
+            # where history looks for it (a time an hour past named no batch it could search).
+            return max(message.deliver_at, self.clock.now())
         if message.delay_seconds is not None:
             return self.clock.now() + timedelta(seconds=message.delay_seconds)
         if self.spec.default_delay_seconds and not (message.client_id or "").startswith(MOVED_PREFIX):

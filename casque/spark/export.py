@@ -16,14 +16,14 @@ strings; absent values are null.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from casque.spark import readers
 from casque.spark.errors import InvalidRange
 from casque.spark.ranges import ResolvedRange
-from casque.spark.stats import prepare_out
+from casque.spark.stats import output_dir
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -65,12 +65,17 @@ def export_frame(spark: SparkSession, keyspace: str, resolved: ResolvedRange, fm
 
 def export(spark: SparkSession, keyspace: str, resolved: ResolvedRange, fmt: str, out: Path,
            overwrite: bool = False) -> ExportResult:
-    from pyspark.sql import functions as F
-
     if fmt not in FORMATS:
         raise InvalidRange(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     chosen: Format = "jsonl" if fmt == "jsonl" else "parquet"
-    prepare_out(out, overwrite)
+    with output_dir(out, overwrite) as staging:
+        result = _export(spark, keyspace, resolved, chosen, staging)
+    return replace(result, out=out)
+
+
+def _export(spark: SparkSession, keyspace: str, resolved: ResolvedRange, chosen: Format, out: Path) -> ExportResult:
+    from pyspark.sql import functions as F
+
     frame = export_frame(spark, keyspace, resolved, chosen)
     target = str(out / "messages")
     if chosen == "jsonl":

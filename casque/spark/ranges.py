@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from casque.engine import catalog, positions
+from casque.instants import in_utc, rfc3339
 from casque.schema import QueueRef, bucket_of
 from casque.spark.errors import InvalidRange
 from casque.store import Store
@@ -50,13 +51,13 @@ def parse_time(text: str) -> datetime:
         raise InvalidRange(f"{text!r} is not an RFC3339 time (e.g. 2026-11-22T10:00:00Z)")
     try:
         # Python 3.11 reads RFC3339 whole (Z, offsets, any number of fractional digits).
-        return datetime.fromisoformat(value.upper().replace(" ", "T")).astimezone(timezone.utc)
+        return in_utc(datetime.fromisoformat(value.upper().replace(" ", "T")))
     except ValueError as error:
         raise InvalidRange(f"{text!r} is not a valid time: {error}") from None
 
 
 def format_time(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+    return rfc3339(moment)
 
 
 @dataclass(frozen=True)

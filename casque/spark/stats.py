@@ -21,10 +21,13 @@ report a person reads, with PNG charts under `charts/`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
+import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -108,21 +111,43 @@ def _write(spark: SparkSession, out: Path, name: str, frame: DataFrame, records:
     (out / f"{name}.json").write_text(json.dumps(records, indent=1) + "\n")
 
 
-def prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise OutputExists(f"{out} is not empty; choose another --out or pass --overwrite")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def output_dir(out: Path, overwrite: bool) -> Iterator[Path]:
+    """A directory beside `out` for a job's results, which takes `out`'s place only once the
+    job is done. A job that fails (a range it may not read, a batch of a later format) leaves
+    `out` as it was, an earlier run's results included, and no half-written directory that
+    would read as a result."""
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise OutputExists(f"{out} is not empty; choose another --out or pass --overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out.exists():
+        # Renamed aside before it is removed: `out` is never a mix of two runs.
+        replaced = staging.with_suffix(".replaced")
+        out.rename(replaced)
+        staging.rename(out)
+        shutil.rmtree(replaced)
+    else:
+        staging.rename(out)
 
 
 def compute(spark: SparkSession, store: Store, resolved: ResolvedRange, out: Path,
             overwrite: bool = False) -> StatsResult:
     """Compute every table of the range, write them under `out`, and return them."""
+    with output_dir(out, overwrite) as staging:
+        result = _compute(spark, store, resolved, staging)
+    return replace(result, out=out)
+
+
+def _compute(spark: SparkSession, store: Store, resolved: ResolvedRange, out: Path) -> StatsResult:
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
-    prepare_out(out, overwrite)
     rows = readers.range_rows(
         spark, store.keyspace_of(resolved.queue.namespace), resolved, ["published_at", "payload", "key", "attributes", "message_count"]
     ).select(

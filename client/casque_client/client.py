@@ -9,8 +9,8 @@
 
 Both retry a call that met a refused connection or a 503 (a backend hiccup, or a sidecar
 starting or draining), with exponential backoff that honours Retry-After: the sidecar did
-nothing. A call that timed out or lost its connection after it was sent may have been
-done, so only calls that can be done twice are sent again: publishes (every publish
+nothing, or (an ack) what it did counts the same when done again. A call that timed out or
+lost its connection after it was sent may have been done, so only calls that can be done twice are sent again: publishes (every publish
 carries a key the sidecar writes at most once within its window, answering a retry with
 the first result, `duplicate=True`: the caller's `id`, or else the client's producer id and
 the message's number, which the sidecar checks a block of numbers at a time, far cheaper

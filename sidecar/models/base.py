@@ -3,13 +3,13 @@ the request and reply bases (`Body`, `Reply`), and the error body."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from casque.engine.messages import EVENT_ATTRIBUTES
+from casque.instants import in_utc
 
 MAX_BATCH_MESSAGES = 1000
 MAX_VISIBILITY_SECONDS = 12 * 3600
@@ -61,17 +61,7 @@ def not_both(first: str, second: str) -> dict[str, Any]:
     return {"not": {"allOf": [member_given(first), member_given(second)]}}
 
 
-def _in_utc_range(value: datetime) -> datetime:
-    # 9999-12-31T23:59:59-23:59 is a valid timestamp whose UTC form lies past year 9999:
-    # Python cannot represent it, so it is refused here rather than failing later.
-    try:
-        value.astimezone(timezone.utc)
-    except OverflowError:
-        raise ValueError("the time is outside what can be expressed in UTC (years 1 to 9999)") from None
-    return value
-
-
-Instant = Annotated[AwareDatetime, AfterValidator(_in_utc_range)]
+Instant = Annotated[AwareDatetime, AfterValidator(in_utc)]
 
 
 AttributeName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:/-]{1,128}$"), AfterValidator(encodable)]

@@ -8,10 +8,10 @@ import binascii
 import json
 import math
 import re
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, JsonValue, RootModel, model_validator
+from pydantic import AfterValidator, AwareDatetime, ConfigDict, Field, JsonValue, RootModel, model_validator
 
 from casque.engine.messages import (
     ENGINE_ATTRIBUTE_PREFIX,
@@ -21,6 +21,7 @@ from casque.engine.messages import (
     reserved_client_id,
 )
 from casque.engine.sequences import MAX_SEQUENCE, producer_key
+from casque.instants import rfc3339
 from casque.schema import MAX_RETENTION_SECONDS
 from casque.sidecar.models.base import (
     CE_ATTRIBUTES,
@@ -154,7 +155,7 @@ class PublishMessage(Body):
     source: Annotated[Text | None, Field(min_length=1, max_length=1024), AfterValidator(_no_nul)] = Field(
         default=None, json_schema_extra={"not": {"type": "string", "pattern": _NUL}})
     subject: Annotated[Text | None, Field(min_length=1, max_length=1024)] = None
-    time: Instant | None = Field(default=None, description="When the event happened (the producer's time).")
+    time: AwareDatetime | None = Field(default=None, description="When the event happened (the producer's time).")
     dataschema: Annotated[Text | None, Field(min_length=1, max_length=1024)] = None
     traceparent: Annotated[str | None, Field(max_length=512)] = Field(
         default=None, description="W3C trace context of the event's creation (CloudEvents distributed tracing). "
@@ -248,7 +249,7 @@ class PublishMessage(Body):
         for field, attribute in CE_ATTRIBUTES.items():
             value = getattr(self, field)
             if field == "time" and value is not None:
-                value = value.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+                value = rfc3339(value)
             elif field == "traceparent":
                 value = valid_traceparent(value)
             elif field == "tracestate":

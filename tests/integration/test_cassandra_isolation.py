@@ -44,7 +44,14 @@ from casque.operator.injection import sidecar_keyspace
 from casque.operator.resources import GROUP, QUEUES, VERSION
 from casque.operator.quotas import MAX_STORED_BYTES
 from casque.operator.storage_quota import NamespaceStorage
-from casque.schema import ACKS_TABLE, CLIENT_IDS_TABLE, COUNTERS_TABLE, DELAYED_TABLE, QueueRef
+from casque.schema import (
+    ACKS_TABLE,
+    CLIENT_IDS_TABLE,
+    COUNTERS_TABLE,
+    DELAYED_TABLE,
+    SCHEMA_CHANGE_TIMEOUT_SECONDS,
+    QueueRef,
+)
 from casque.sidecar.app import create_app
 from casque.sidecar.config import SidecarSettings
 from casque.specs import QueueSpec, SubscriberSpec
@@ -80,8 +87,8 @@ def installation(secure_stack: Stack) -> Iterator[Settings]:
                 role = tenancy.cassandra_role(settings, namespace)
                 assert role is not None
                 catalog.drop_namespace_role(admin, role)
-                admin.session.execute(f"DROP KEYSPACE IF EXISTS {role.keyspace}")
-            admin.session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+                admin.session.execute(f"DROP KEYSPACE IF EXISTS {role.keyspace}", timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
+            admin.session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}", timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
         finally:
             admin.close()
 

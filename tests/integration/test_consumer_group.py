@@ -35,7 +35,7 @@ from tests.fixtures.group import assert_sound
 from tests.fixtures.history import Ack, History, keys_in_flight_twice, redelivered_within_visibility
 from tests.fixtures.history import Delivery as HistoryDelivery
 from tests.fixtures.proxy import Proxy
-from tests.fixtures.stack import Backends
+from tests.fixtures.stack import Backends, expire_session
 from tests.fixtures.waiting import wait_for
 
 QUEUE = QueueRef("default", "group")
@@ -89,16 +89,6 @@ async def drain_all(consumer: Consumer, expected: set[str], limit_s: float = 60)
             await consumer.ack_many([d.receipt for d in batch])
         got.extend(batch)
     return got
-
-
-def expire_session(client: KazooClient, hosts: str) -> None:
-    """Make the server expire `client`'s session, as a pause past the session timeout does:
-    another client attaches to the same session and closes it."""
-    session_id, password = client.client_id
-    intruder = KazooClient(hosts=hosts, client_id=(session_id, password), timeout=4.0)
-    intruder.start(timeout=15)
-    intruder.stop()
-    intruder.close()
 
 
 async def start(consumers: list[Consumer], store: Store, member: str | None = None) -> Consumer:
@@ -616,7 +606,7 @@ async def test_a_hand_over_cut_short_by_a_session_loss_leaves_the_next_acquisiti
     running without a lease beside a third one's, and moved the fence twice."""
     spec = setup(store, shards=1)
     published = await publish(store, spec, ["in flight at the loss"])
-    own = new_store()
+    own = new_store(10.0)  # its one session loss is the test's: none of a loaded machine's
     member = await start(consumers, own, "member")
     await until("the member holds shard 0", lambda: member.held_shards == {0})
     leases = member._leases
@@ -631,15 +621,17 @@ async def test_a_hand_over_cut_short_by_a_session_loss_leaves_the_next_acquisiti
         await reacquired.wait()
 
     monkeypatch.setattr(leases, "_on_released", outlasting_the_loss)
-    leases.step_back()
-    await until("shard 0 being handed over", lambda: any(r.releasing for r in member.readers.values()))
-    leases.rejoin()
-    await asyncio.to_thread(expire_session, own.zk, zk_hosts)
-    await until("shard 0 held again, in a new session", lambda: leases.held.get(0, first_fence) != first_fence)
-    second_fence = leases.held[0]
-    paths = store.paths(QUEUE).subscriber("workers")
-    _, lease = store.zk.get(paths.lease(0))
-    reacquired.set()
+    try:
+        leases.step_back()
+        await until("shard 0 being handed over", lambda: any(r.releasing for r in member.readers.values()))
+        leases.rejoin()
+        await asyncio.to_thread(expire_session, own.zk, zk_hosts)
+        await until("shard 0 held again, in a new session", lambda: leases.held.get(0, first_fence) != first_fence)
+        second_fence = leases.held[0]
+        paths = store.paths(QUEUE).subscriber("workers")
+        _, lease = store.zk.get(paths.lease(0))
+    finally:
+        reacquired.set()  # a failure above must not leave the member's stop waiting for it
     await until("the first acquisition's hand-over over", lambda: not leases._handing_over)
     assert store.zk.exists(paths.lease(0)) == lease  # the same znode, untouched
     assert store.zk.exists(paths.fence(0)).version == second_fence

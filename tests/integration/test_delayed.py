@@ -306,6 +306,8 @@ async def test_a_row_that_lands_behind_the_mover_is_moved_once_by_its_writer(
         # This publisher's clock lags the mover's by a minute: by its own clock the message
         # is due 5 s from now, by the mover's it is overdue (and the watch has not told it
         # where the mover is yet).
+        publisher_now = publisher.clock.now
+        monkeypatch.setattr(publisher.clock, "now", lambda: publisher_now() - timedelta(seconds=60))
         due = datetime.now(timezone.utc) - timedelta(seconds=55)
         monkeypatch.setattr(publisher.delayed_route, "is_later", lambda at: True)
     (result,) = await publisher.publish([OutgoingMessage(b"late", deliver_at=due)])
@@ -382,6 +384,9 @@ async def test_a_writer_that_finds_the_mover_moving_its_row_waits_for_it_instead
     (result,) = await publisher.publish([OutgoingMessage(b"contested", deliver_at=due)])
     monkeypatch.undo()
     assert moves == ["mover", "writer"], "the writer moved the row while the mover was moving it"
+    # One message moved, counted once: the writer's move was a duplicate of the mover's.
+    assert (mover.moved, publisher.delayed_moves) == (1, 0)
+    assert (await mover.delayed.counters.read())[DELAYED_OUT] == 1  # type: ignore[union-attr]
 
     consumer = Consumer(store, QUEUE, "all")
     await consumer.start()

@@ -29,6 +29,7 @@ from casque.schema import (
     CLIENT_ID_BUCKETS,
     LEGACY_PUBLISH_IDS_TABLE,
     PRODUCER_SEQS_TABLE,
+    SCHEMA_CHANGE_TIMEOUT_SECONDS,
     QueueRef,
     client_id_bucket,
     ensure_keyspace,
@@ -745,7 +746,7 @@ async def test_ids_an_earlier_version_recorded_in_its_table_are_honoured(store: 
     assert copies_of(store, "old-intent") == [(one.shard, one.batch, one.seq)]
     assert copies_of(store, "old-done") == []
     # Once the operator drops the old table, sidecars that still look there stop looking.
-    store.session.execute(f"DROP TABLE {legacy}")
+    store.session.execute(f"DROP TABLE {legacy}", timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
     (fresh,) = await retries[0].publish([OutgoingMessage(b"z", client_id="new-1")])
     assert not fresh.duplicate and copies_of(store, "new-1") == [(fresh.shard, fresh.batch, fresh.seq)]
 
@@ -757,7 +758,7 @@ async def test_producer_keys_are_kept_as_client_ids_where_the_operator_has_not_m
     keys in `client_ids` like any id, so they are still published once, at an id's cost."""
     spec = QueueSpec(shards=1, retention_seconds=3600, consistency="ONE")
     catalog.apply_queue(store, QUEUE, spec)
-    store.session.execute(f"DROP TABLE {store.keyspace}.{PRODUCER_SEQS_TABLE}")
+    store.session.execute(f"DROP TABLE {store.keyspace}.{PRODUCER_SEQS_TABLE}", timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
     messages = [OutgoingMessage(f"m{n}".encode(), client_id=producer_key("old-operator", n)) for n in range(3)]
     first = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish(messages)
     again = await Publisher(store, QUEUE, catalog.read_queue(store, QUEUE)).publish(messages)

@@ -109,15 +109,20 @@ async def test_a_recreated_queue_moves_only_its_own_delayed_messages(store: Stor
     assert (await queue_stats(store, QUEUE)).delayed == 0
     new = Publisher(store, QUEUE, state)
     # Due after the old message: the pass that moves it has looked past the old one's time.
-    await new.publish([OutgoingMessage(b"new, delayed", deliver_at=soon + timedelta(seconds=2))])
+    # And still ahead when published, however slow the machine was so far: a message due
+    # already (or within IMMEDIATE_SECONDS) goes straight into the log, and nothing would be moved.
+    later = max(soon, datetime.now(timezone.utc)) + timedelta(seconds=4)
+    (published,) = await new.publish([OutgoingMessage(b"new, delayed", deliver_at=later)])
+    assert published.batch == -1, "the new message was due before its publish was done"
 
+    # Moved by the mover, or, on a machine slow enough that the mover's pass went past its due
+    # time before the row landed, by its publisher (casque.engine.delayed). The mover counts a
+    # move once its publish has returned, which is after the message shows in the log.
     async def moved() -> bool:
-        return bool(await payloads(store))
+        return mover.moved + new.delayed_moves > 0
 
     await until("the new incarnation's delayed message to be moved", moved, 60)
     assert await payloads(store) == [b"new, delayed"]
-    # Moved once: by the mover, or, on a machine slow enough that the mover's pass went past
-    # its due time before the row landed, by its publisher (casque.engine.delayed).
     assert mover.delayed is not None and mover.moved + new.delayed_moves == 1
     assert (await queue_stats(store, QUEUE)).delayed == 0
 

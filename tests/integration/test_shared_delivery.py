@@ -16,6 +16,7 @@ from typing import Any, cast
 import pytest
 
 from casque.engine import catalog, claims
+from casque.engine.claim_reader import ClaimReader
 from casque.engine.consumer import Consumer
 from casque.engine.foreign_ranges import ForeignRanges
 from casque.engine.keylocks import key_hash
@@ -30,6 +31,7 @@ from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from casque.znodes import SubscriberPaths, decode_offset
 from tests.fixtures.positions import heads_of, offsets_of
+from tests.fixtures.stack import expire_session
 
 QUEUE = QueueRef("default", "shared")
 SUBSCRIBER = "pool"
@@ -204,6 +206,48 @@ async def test_a_member_that_lost_its_range_early_can_neither_ack_nor_complete_i
     assert all(r is True for r in await second.ack_many([d.receipt for d in redelivered]))
     shards = spec.log_shards()
     await until("the offset past the range", lambda: offsets_of(store, QUEUE, SUBSCRIBER, shards)[0] == heads_of(store, QUEUE, shards)[0] + 1)
+
+
+async def test_an_ack_retried_after_its_range_went_says_an_earlier_try_may_have_counted(
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ack's row is written, then the check of the claim fails (ZooKeeper lost the
+    connection): a 503, and the app sends the ack again. Meanwhile the member lost the range
+    (its session ended). Whoever reads the range's ack rows next finds the row, and the message
+    is never delivered again: the ack counted. The retry must not say `stale_receipt`, which
+    tells the app the ack certainly did nothing, but `lease_lost`: it may have been recorded.
+    Before, it said `stale_receipt`, and an app waiting for the message to come back waited
+    for good."""
+    spec = setup(store, shards=1)
+    first = await start(consumers, store)
+    await publish(store, 1, "m")
+    (held,) = await first.receive(max_messages=1, wait=10)
+
+    real_check = ClaimReader.still_leased
+    lost: list[ClaimReader] = []
+
+    async def connection_lost(reader: ClaimReader) -> bool:
+        if not lost:
+            lost.append(reader)
+            raise BackendUnavailable("ZooKeeper: ConnectionLoss")
+        return await real_check(reader)
+    monkeypatch.setattr(ClaimReader, "still_leased", connection_lost)
+    (answer,) = await first.ack_many([held.receipt])
+    assert isinstance(answer, BackendUnavailable), answer
+    await lost[0].release()  # as a member whose session ended gives its ranges up
+
+    (retried,) = await first.ack_many([held.receipt])
+    assert isinstance(retried, LeaseLost) and retried.code == "lease_lost", retried
+
+    second = await start(consumers, store)
+    shards = spec.log_shards()
+
+    async def past_the_range() -> bool:
+        assert await second.receive(max_messages=1, wait=0.2) == [], "the acked message came again"
+        return offsets_of(store, QUEUE, SUBSCRIBER, shards)[0] == heads_of(store, QUEUE, shards)[0] + 1
+    deadline = time.monotonic() + 60
+    while not await past_the_range():
+        assert time.monotonic() < deadline, "the range was not taken over and completed"
 
 
 async def test_deliveries_whose_claim_cannot_be_extended_are_handed_back_uncounted(
@@ -504,6 +548,36 @@ async def test_a_range_that_completes_while_another_member_lists_the_ranges_is_f
             f"ranges {sorted(foreign._names.get(0) or ())} still wait to be read; A's is gone")
         await asyncio.sleep(0.05)
     await asyncio.gather(*watcher.tasks)
+
+
+async def test_a_known_range_is_read_again_after_the_readers_session_expired(
+    store: Store, consumers: list[Consumer], new_store: Callable[..., Store], zk_hosts: str
+) -> None:
+    """Another member, with a ZooKeeper session of its own, follows the shard's ranges and
+    knows A's with x and y open. Its session expires (a pause past its timeout): every watch
+    it set ends, with an event that says neither "changed" nor "deleted". A then acks x1 and
+    rewrites its range's keys. The reader must read the range again. Before, it kept the
+    record with no watch left to say it changed: x open there for as long as the range lasted."""
+    a, (x1, y1), held, name, epoch = await a_holds_one_of_each(store, consumers, "xy")
+    reader = new_store(10.0)
+    watcher, foreign = range_reader(reader, epoch)
+    foreign.watch(0)
+    await foreign.see(0)
+    await asyncio.gather(*watcher.tasks)
+    both, only_y = frozenset({key_hash("x"), key_hash("y")}), frozenset({key_hash("y")})
+    assert foreign._foreign_keys(0, 1 << 62) == [both]
+
+    (expired, _) = reader.zk.client_id
+    await asyncio.to_thread(expire_session, reader.zk, zk_hosts)
+    await until("the reader in a new session", lambda: reader.zk.connected and reader.zk.client_id is not None
+                and reader.zk.client_id[0] != expired)
+    assert await a.ack(held[x1.message_id].receipt) is True
+    deadline = time.monotonic() + 30
+    while (found := foreign._foreign_keys(0, 1 << 62)) != [only_y]:  # as each receive asks
+        assert time.monotonic() < deadline, f"A's range is still known as {found}, not with y alone open"
+        await asyncio.gather(*watcher.tasks)
+        await asyncio.sleep(0.05)
+    assert await a.ack(held[y1.message_id].receipt) is True
 
 
 async def test_a_member_whose_backlog_waits_on_a_released_range_takes_that_range_over(

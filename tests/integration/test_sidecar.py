@@ -881,6 +881,72 @@ async def test_health_readiness_metrics_and_openapi(store: Store, make_sidecar: 
     assert published["links"]["messageHistory"]["parameters"]["messageId"] == "$response.body#/messageId"
 
 
+async def test_the_documents_links_lead_from_a_publish_to_its_history_and_from_a_receive_to_settling_it(
+    store: Store, make_sidecar: MakeSidecar
+) -> None:
+    """A client that follows the document's links (their values from the answers it got)
+    publishes, finds the message's history, receives it, extends, nacks and acks it."""
+    create_queue(store)
+    client = await make_sidecar()
+    document = await call(client, "/openapi.json")
+    operations = {op["operationId"]: (method, path, op) for path, item in document["paths"].items()
+                  for method, op in item.items()}
+
+    def pointer(value: Any, path: str) -> Any:
+        for part in path.strip("/").split("/"):
+            value = value[int(part)] if isinstance(value, list) else value[part]
+        return value
+
+    async def follow(source: str, link: str, request_path: dict[str, str], answer: Any,
+                     body: Any = None) -> tuple[dict[str, str], Any]:
+        """Call the operation `link` of `source`'s 200 answer leads to; its path and answer."""
+        definition = operations[source][2]["responses"]["200"]["links"][link]
+
+        def value(expression: Any) -> Any:
+            if isinstance(expression, dict):
+                return {k: value(v) for k, v in expression.items()}
+            if isinstance(expression, str) and expression.startswith("$request.path."):
+                return request_path[expression.removeprefix("$request.path.")]
+            if isinstance(expression, str) and expression.startswith("$response.body#"):
+                return pointer(answer, expression.removeprefix("$response.body#"))
+            return expression
+
+        method, template, _ = operations[definition["operationId"]]
+        names = {"subscriber": SUBSCRIBER, **value(definition["parameters"])}
+        path = template.format(**names)
+        linked = value(definition["requestBody"]) if "requestBody" in definition else body
+        assert method == "get" or isinstance(linked, dict), f"{link}: the link names no body and the client gave none"
+        response = await (client.post(path, json=linked) if method == "post" else client.get(path))
+        assert response.status == 200, (link, linked, await response.text())
+        return names, await response.json()
+
+    publish_path = {"queue": QUEUE}
+    published = await call(client, f"{BASE}/messages", {"id": "my-own-key", "data": "linked"})
+    _, history = await follow("publish", "messageHistory", publish_path, published)
+    assert history["messageId"] == published["messageId"]
+
+    async def received() -> tuple[dict[str, str], Any]:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            names, answer = await follow("publish", "receive", publish_path, published, {"max": 1, "wait": 5})
+            if answer["messages"]:
+                assert answer["messages"][0]["messageid"] == published["messageId"]
+                return names, answer
+        raise AssertionError("the message was not received again within 60 s")
+
+    names, answer = await received()
+    _, history = await follow("receive", "messageHistory", names, answer)
+    assert history["messageId"] == published["messageId"]
+    receipt = answer["messages"][0]["receipt"]  # where the settling links' descriptions say
+    _, extended = await follow("receive", "extendVisibility", names, answer, {"receipt": receipt, "visibility": 30})
+    _, nacked = await follow("receive", "nack", names, answer, {"receipt": receipt})
+    assert [extended["results"][0]["status"], nacked["results"][0]["status"]] == ["extended", "nacked"]
+    names, answer = await received()
+    _, acked = await follow("receive", "ack", names, answer, {"receipt": answer["messages"][0]["receipt"]})
+    assert acked["results"][0]["status"] == "acked"
+    assert (await call(client, f"{SUB}/receive", {"max": 1, "wait": 0.5}))["messages"] == []
+
+
 # --- errors ----------------------------------------------------------------------------------------
 async def test_bad_input_gets_a_4xx_with_a_code(store: Store, make_sidecar: MakeSidecar) -> None:
     create_queue(store, max_bytes=1024)

@@ -404,8 +404,12 @@ def env(store: Store, backends: Backends, keyspace: str, zk_hosts: str) -> dict[
     return backends.client_env(keyspace, zk_hosts, store.zk_root)
 
 
-def test_cli_commands(spark: Any, store: Store, history: History, env: dict[str, str], tmp_path: Path) -> None:
+def test_cli_commands(spark: Any, store: Store, history: History, env: dict[str, str], tmp_path: Path,
+                      monkeypatch: pytest.MonkeyPatch) -> None:
     runner = CliRunner()
+    working = tmp_path / "working"  # where a job without --out writes
+    working.mkdir()
+    monkeypatch.chdir(working)
 
     def run(*args: str, code: int = 0) -> Any:
         result = runner.invoke(app, ["spark", *args], env=env)
@@ -427,6 +431,14 @@ def test_cli_commands(spark: Any, store: Store, history: History, env: dict[str,
     # The output directory is never overwritten silently.
     refused = run("export", "--queue", SOURCE.name, "--format", "jsonl", "--out", str(tmp_path / "e"), code=1)
     assert "not empty" in refused.stderr
+    # With --overwrite a job that succeeds replaces the earlier results whole: no file of theirs is left.
+    replaced = {f"messages/{p.name}" for p in (tmp_path / "e" / "messages").glob("part-*")}
+    run("export", "--queue", SOURCE.name, "--from", start, "--to", until, "--format", "jsonl", "--overwrite",
+        "--out", str(tmp_path / "e"))
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    assert manifest["messages"] == in_window
+    assert sorted(f"messages/{p.name}" for p in (tmp_path / "e" / "messages").glob("part-*")) == manifest["files"]
+    assert not set(manifest["files"]) & replaced
 
     catalog.apply_queue(store, TARGET, QueueSpec(shards=1, retention_seconds=3600, consistency="ONE"))
     replayed = run("replay", "--queue", SOURCE.name, "--range", "1:1-3", "--into", TARGET.name)
@@ -461,3 +473,14 @@ def test_cli_commands(spark: Any, store: Store, history: History, env: dict[str,
         refused = run(*args, code=1)
         lines = [line for line in refused.stderr.splitlines() if line.startswith("casque: ")]
         assert lines == [f"{later}: upgrade it"], (args, refused.stderr)
+    # A refused job leaves no directory it made (an empty one would read as a result), and
+    # one refused with --overwrite leaves the earlier results it would have replaced.
+    def contents(directory: Path) -> dict[Path, bytes]:
+        return {path.relative_to(directory): path.read_bytes() for path in directory.rglob("*") if path.is_file()}
+    earlier = contents(tmp_path / "e")
+    refused = run("export", "--queue", SOURCE.name, "--range", f"0:{first.batch}-", "--format", "jsonl", "--overwrite",
+                  "--out", str(tmp_path / "e"), code=1)
+    assert [line for line in refused.stderr.splitlines() if line.startswith("casque: ")] == [f"{later}: upgrade it"]
+    assert contents(tmp_path / "e") == earlier
+    assert list(working.iterdir()) == [] and not (tmp_path / "later").exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["e", "s", "working"]

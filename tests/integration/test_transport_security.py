@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from cassandra.cluster import Cluster, Session
 from aiohttp.test_utils import TestClient
 from pydantic import SecretStr
 
@@ -118,6 +119,15 @@ def login_refused(settings: Settings) -> bool:
         return False
     cluster.shutdown()
     return False
+
+
+def connected(settings: Settings) -> tuple[Cluster, Session] | None:
+    """A cluster and session, or None while the node does not answer in time (a loaded
+    machine can take longer than the driver's connect timeout for a TLS login)."""
+    try:
+        return cql.connect(settings)
+    except BackendUnavailable:
+        return None
 
 
 def without(tls: CassandraTlsSettings | ZooKeeperTlsSettings, **update: Any) -> Any:
@@ -224,7 +234,7 @@ def test_a_node_that_refused_logins_for_a_while_is_reached_again_once_it_accepts
     cluster = None
     try:
         admin.execute(f"CREATE ROLE {role} WITH LOGIN = true AND PASSWORD = %s", (password,))
-        cluster, session = cql.connect(client_settings)
+        cluster, session = wait_for("the client's first connection", lambda: connected(client_settings))
         session.execute("SELECT release_version FROM system.local")
         (host,) = cluster.metadata.all_hosts()
 

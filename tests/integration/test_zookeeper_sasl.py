@@ -34,7 +34,7 @@ from casque.engine import catalog
 from casque.errors import AccessDenied
 from casque.operator import namespace_setup, observation
 from casque.operator.tenancy import zookeeper_secret
-from casque.schema import QueueRef
+from casque.schema import SCHEMA_CHANGE_TIMEOUT_SECONDS, QueueRef
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from tests.fixtures.stack import chroot_on
@@ -91,7 +91,7 @@ def settings(secure_stack: Stack, zk_hosts: str, login: Identity) -> Iterator[Se
     cleanup = Store.open(operator.model_copy(update={"zookeeper_username": None, "zookeeper_password": None,
                                                      "zookeeper_sasl": False}))
     try:
-        cleanup.session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+        cleanup.session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}", timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
     finally:
         cleanup.close()
 

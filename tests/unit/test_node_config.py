@@ -1,5 +1,6 @@
-"""The test node's configuration and host bookkeeping (casque.devstack.node), without starting
-anything; and the stack on the host's address that its pods reach."""
+"""The test nodes' configuration and host bookkeeping (casque.devstack.node, node_host and
+node_namespaces), without starting anything; and the stack on the host's address that their
+pods reach."""
 
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ import pytest
 
 from casque.devstack.kube import SERVICE_CLUSTER_IP_RANGE
 from casque.devstack.node import (
-    BRIDGE,
-    CGROUP_ROOT,
     CLUSTER_DOMAIN,
+    FIRST_LAYOUT,
+    SECOND_LAYOUT,
+    SECOND_NETWORK,
     cni_config,
     containerd_config,
     corefile,
     firewall_command,
-    kube_router_ipsets,
     kubelet_config,
-    rules_into,
 )
+from casque.devstack.node_host import BRIDGE, CGROUP_ROOT, kube_router_ipsets, rules_into
+from casque.devstack.node_namespaces import NodeNetwork
 from casque.devstack.stack import Stack
 from casque.errors import StackError
 
@@ -101,3 +103,32 @@ def test_a_stack_on_the_hosts_address_puts_cassandra_and_zookeeper_there(tmp_pat
 def test_a_stack_on_one_address_runs_one_node(tmp_path: Path) -> None:
     with pytest.raises(StackError):
         Stack(tmp_path, nodes=2, address="192.0.2.2").cassandra_nodes()
+
+
+def test_the_second_node_has_its_own_name_bridge_subnet_and_cgroup_root(tmp_path: Path) -> None:
+    assert len({(layout.name, layout.bridge, layout.pod_subnet, layout.cgroup_root)
+                for layout in (FIRST_LAYOUT, SECOND_LAYOUT)}) == 2
+    assert len({FIRST_LAYOUT.bridge, SECOND_LAYOUT.bridge}) == 2
+    assert SECOND_LAYOUT.pod_subnet == SECOND_NETWORK.pod_subnet != FIRST_LAYOUT.pod_subnet
+    (bridge,) = json.loads(cni_config(tmp_path, SECOND_LAYOUT))["plugins"]
+    assert (bridge["bridge"], bridge["ipam"]["ranges"]) == ("casque1", [[{"subnet": "10.244.1.0/24"}]])
+    config = json.loads(kubelet_config(tmp_path, "10.245.0.2", 10250, tmp_path / "ca.crt", SECOND_LAYOUT,
+                                       dns_address="192.0.2.2"))
+    # Its pods resolve through the first node's CoreDNS; its cgroups are its own.
+    assert (config["address"], config["clusterDNS"]) == ("10.245.0.2", ["192.0.2.2"])
+    assert config["cgroupRoot"] == f"/{SECOND_LAYOUT.cgroup_root}" != f"/{FIRST_LAYOUT.cgroup_root}"
+    assert f"--hostname-override={SECOND_LAYOUT.name}" in firewall_command(tmp_path / "kr", tmp_path / "kc",
+                                                                            SECOND_LAYOUT.name)
+
+
+def test_a_node_network_routes_its_pods_through_its_pair_and_everything_else_back() -> None:
+    network = NodeNetwork(namespace="n2", host_link="n2-host", node_link="n2", link_subnet="10.245.0.0/30",
+                          pod_subnet="10.244.1.0/24")
+    assert (network.host_end, network.node_address) == ("10.245.0.1", "10.245.0.2")
+    commands = [" ".join(c) for c in network.setup_commands()]
+    assert commands[0] == "ip netns add n2"
+    assert "ip link add n2-host type veth peer name n2 netns n2" in commands
+    assert "ip -n n2 route add default via 10.245.0.1" in commands
+    assert commands[-1] == "ip route add 10.244.1.0/24 via 10.245.0.2 dev n2-host"
+    # Interface names the kernel accepts (IFNAMSIZ - 1).
+    assert all(len(link) <= 15 for link in (SECOND_NETWORK.host_link, SECOND_NETWORK.node_link))

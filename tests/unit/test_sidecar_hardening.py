@@ -24,6 +24,7 @@ from casque.engine.messages import Delivery, Position, Published, StoredMessage
 from casque.engine.entries import ByteBudget
 from casque.engine.shard_state import ShardState
 from casque.errors import AccessDenied, BackendUnavailable, QueueNotFound
+from casque.instants import FIRST_INSTANT, LAST_INSTANT
 from casque.schema import QueueRef
 from casque.sidecar.config import SidecarSettings
 from casque.sidecar.errors import as_casque_error, status_of
@@ -78,7 +79,8 @@ def test_each_message_renders_as_strict_json() -> None:
     assert json.loads(rendered, parse_constant=lambda name: pytest.fail(name))["deliverycount"] == 2
 
 
-@pytest.mark.parametrize(("stored_time", "field"), [("not a time", None), ("2026-02-03T04:05:06Z", "2026-02-03T04:05:06Z")])
+@pytest.mark.parametrize(("stored_time", "field"), [("not a time", None), ("2026-02-03T04:05:06Z", "2026-02-03T04:05:06Z"),
+                                                  ("0001-01-01T00:30:58+05:30", "0001-01-01T00:30:58+05:30")])
 def test_a_stored_ce_time_that_is_no_time_stays_an_attribute(stored_time: str, field: str | None) -> None:
     message = stored(0, b'{"ok": 1}')
     message = dataclasses.replace(message, attributes={"ce-time": stored_time})
@@ -103,12 +105,18 @@ def test_text_data_with_a_text_content_type_is_still_taken() -> None:
     assert message.outgoing().payload == b"NaN"
 
 
-@pytest.mark.parametrize("moment", ["9999-12-31T23:59:59-23:59", "0001-01-01T00:00:00+23:59"])
-def test_times_outside_what_utc_can_express_are_bad_input(moment: str) -> None:
-    with pytest.raises(ValidationError, match="outside what can be expressed in UTC"):
-        SeekRequest.model_validate_json(json.dumps({"time": moment}), strict=True)
-    with pytest.raises(ValidationError, match="outside what can be expressed in UTC"):
-        PublishMessage.model_validate_json(json.dumps({"deliverAt": moment}), strict=True)
+@pytest.mark.parametrize(("moment", "edge"), [("9999-12-31T23:59:59-23:59", LAST_INSTANT),
+                                               ("0001-01-01T00:30:58+05:30", FIRST_INSTANT)])
+def test_times_that_utc_cannot_express_stand_for_the_last_or_first_instant(moment: str, edge: datetime) -> None:
+    assert SeekRequest.model_validate_json(json.dumps({"time": moment}), strict=True).time == edge
+    assert PublishMessage.model_validate_json(json.dumps({"deliverAt": moment}), strict=True).deliver_at == edge
+
+
+def test_an_event_time_that_utc_cannot_express_is_kept_in_its_own_offset() -> None:
+    message = PublishMessage.model_validate_json(b'{"time": "0001-01-01T00:30:58+05:30"}', strict=True)
+    assert message.outgoing().attributes["ce-time"] == "0001-01-01T00:30:58+05:30"
+    message = PublishMessage.model_validate_json(b'{"time": "2026-01-01T12:00:00+01:00"}', strict=True)
+    assert message.outgoing().attributes["ce-time"] == "2026-01-01T11:00:00Z"
 
 
 # --- error mapping ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 from casque.config import CassandraTlsSettings, Settings
 from casque.devstack.pki import issue_cert, make_ca
 from casque.engine.messages import OutgoingMessage
+from casque.instants import FIRST_INSTANT, LAST_INSTANT
 from casque.schema import QueueRef
 from casque.spark.errors import InvalidRange
 from casque.spark.ranges import (
@@ -41,6 +42,9 @@ Q = QueueRef("default", "q")
     ("2026-11-22T10:00:00Z", datetime(2026, 11, 22, 10, tzinfo=timezone.utc)),
     ("2026-11-22t10:00:00.5z", datetime(2026, 11, 22, 10, 0, 0, 500000, tzinfo=timezone.utc)),
     ("2026-11-22T11:00:00.123456789+01:00", datetime(2026, 11, 22, 10, 0, 0, 123456, tzinfo=timezone.utc)),
+    # Before year 1 and after 9999 in UTC: the first and last instants stand for them.
+    ("0001-01-01T00:30:00+05:30", FIRST_INSTANT),
+    ("9999-12-31T23:59:59-05:00", LAST_INSTANT),
 ])
 def test_rfc3339_times(text: str, expected: datetime) -> None:
     assert parse_time(text) == expected
