@@ -27,6 +27,7 @@ from tests.fixtures.node import (  # noqa: F401
     node_images,
     node_pause_image,
     node_stack,
+    second_node,
     stop_early,
 )
 from tests.fixtures.node_apps import node_keyspace_and_root  # noqa: F401

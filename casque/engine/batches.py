@@ -27,6 +27,10 @@ from casque.formats import unmarked_or_none
 from casque.schema import HEADER_SEQ, QueueRef, bucket_of
 from casque.store import Store
 
+# An ephemeral message's rows outlive its TTL by this much, so that its history, asked for
+# just after, says `expired` instead of not found; every reader skips a message past its
+# expires_at, so none is delivered meanwhile.
+EXPIRED_KEPT_SECONDS = 60
 # Rows fetched per read of a shard; a read never ends inside a batch it returns.
 READ_ROWS = 2000
 # A read asks for rows a page at a time and stops once this much payload is in: the rows of
@@ -147,7 +151,7 @@ class Log:
                 rows_ttl.add(statement, shared, (
                     seq, message_id, message.key, dict(message.attributes) or None, message.payload,
                     message.content_type, message.client_id, published_at + timedelta(seconds=message.ttl_seconds),
-                    message.ttl_seconds))
+                    message.ttl_seconds + EXPIRED_KEPT_SECONDS))
             else:
                 rows.add(statement, shared, (
                     seq, message_id, message.key, dict(message.attributes) or None, message.payload,

@@ -21,6 +21,7 @@ import base64
 import json
 import socket
 import subprocess
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from tests.fixtures.node_apps import (
 from tests.fixtures.node_release import (
     ROOT,
     START_TIMEOUT,
+    ZOOKEEPER_MEMBERS,
     EmbeddedRelease,
     Kubectl,
     client_namespace,
@@ -343,6 +345,85 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
         kubectl.show(namespace, shop)
         raise
     finally:
+        remove_the_app(kubectl, shop)
+
+
+# The backends' pods: what a drain of a node for them moves.
+BACKENDS = "app.kubernetes.io/name in (zookeeper,cassandra)"
+DRAINED_MESSAGES = 1200
+# A drain evicts the three ZooKeeper members one at a time (their PodDisruptionBudget lets
+# one be unready), each once the one before is Ready on the other node, then Cassandra.
+DRAIN_TIMEOUT = START_TIMEOUT * 3
+
+
+def backends_on(release: EmbeddedRelease, node: str) -> list[str]:
+    """Each backend pod: its name, node, phase, readiness and restarts, as one line."""
+    lines = []
+    for pod in release.kubectl.json("pods", "-n", release.namespace, "-l", BACKENDS)["items"]:
+        restarts = sum(s.get("restartCount", 0) for s in pod.get("status", {}).get("containerStatuses", []))
+        lines.append(f"{pod['metadata']['name']} on {pod['spec'].get('nodeName', '-')}"
+                     f"{'' if pod['spec'].get('nodeName') == node else ' (elsewhere)'}: "
+                     f"{pod.get('status', {}).get('phase')}, {'ready' if is_ready(pod) else 'not ready'}, "
+                     f"{restarts} restarts")
+    return sorted(lines)
+
+
+def drain(release: EmbeddedRelease, source: KubeNode, target: KubeNode) -> None:
+    """Move the backends' pods from `source` to `target` with `kubectl drain`, and wait until
+    all of them run Ready there."""
+    kubectl = release.kubectl
+    kubectl("uncordon", target.name)
+    started = time.monotonic()
+    result = subprocess.run([*kubectl.args, "drain", source.name, "--pod-selector", BACKENDS,
+                             "--delete-emptydir-data", f"--timeout={DRAIN_TIMEOUT}s"],
+                            capture_output=True, text=True, timeout=DRAIN_TIMEOUT + 60, check=False)
+    if result.returncode != 0:
+        print(*backends_on(release, target.name), sep="\n")
+        pytest.fail(f"kubectl drain {source.name}: {result.stdout[-2000:]}{result.stderr[-2000:]}")
+
+    def whole() -> bool:
+        pods = kubectl.json("pods", "-n", release.namespace, "-l", BACKENDS)["items"]
+        return len(pods) == ZOOKEEPER_MEMBERS + 1 and all(
+            p["spec"].get("nodeName") == target.name and is_ready(p) for p in pods)
+    try:
+        wait_for(f"the backends Ready on {target.name}", whole, timeout=START_TIMEOUT)
+    except pytest.fail.Exception:
+        print(*backends_on(release, target.name), sep="\n")
+        raise
+    print(f"backends moved from {source.name} to {target.name} in {time.monotonic() - started:.0f}s")
+
+
+def test_drained_nodes_move_the_backends_from_node_to_node_under_traffic_losing_nothing(
+    embedded_release: EmbeddedRelease, node_images: NodeImages, second_node: KubeNode,
+) -> None:
+    """Under a paced publisher and a consumer on the first node, `kubectl drain` of the first
+    node for the backends moves the three ZooKeeper members and Cassandra to the second node
+    (their volumes are host paths both nodes mount), and a drain of the second moves them
+    back; traffic goes on after each move, and the pods' recorded calls pass the history
+    checker: every acknowledged publish delivered, nothing acked delivered again."""
+    kubectl, first = embedded_release.kubectl, embedded_release.node
+    shop = f"shop-{uuid.uuid4().hex[:8]}"
+    client_namespace(kubectl, shop)
+    traffic = HistoryTraffic(kubectl, first, shop)
+    try:
+        kubectl("apply", "-n", shop, "-f", "-", stdin=HISTORY_RESOURCES)
+        kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/history", "subscriber/checker",
+                f"--timeout={START_TIMEOUT}s")
+        # The apps' images are on the first node only; the second stays cordoned until the drain.
+        traffic.start_consumer("consumer", node_images.worker)
+        traffic.start_publisher("publisher", node_images.worker, DRAINED_MESSAGES, HISTORY_RATE)
+        traffic.progress_after("the start")
+        drain(embedded_release, first, second_node)
+        traffic.progress_after(f"the backends moved to {second_node.name}")
+        drain(embedded_release, second_node, first)
+        traffic.progress_after(f"the backends moved back to {first.name}")
+        traffic.checked_when_whole()
+    except BaseException:
+        kubectl.show(embedded_release.namespace, shop)
+        raise
+    finally:
+        kubectl("uncordon", first.name, check=False)
+        kubectl("cordon", second_node.name, check=False)
         remove_the_app(kubectl, shop)
 
 

@@ -674,7 +674,8 @@ seccompProfile:
         storage: {{ $storage.size | quote }}
 {{- end -}}
 
-{{/* maxUnavailable 1: a node drain takes one member at a time. */}}
+{{/* maxUnavailable 1: a node drain takes one member at a time. A member that is not ready
+serves no quorum and no client, so evicting it takes nothing away: it never holds up a drain. */}}
 {{- define "casque.backendDisruptionBudget" -}}
 {{- $root := index . 0 -}}
 apiVersion: policy/v1
@@ -686,6 +687,7 @@ metadata:
     {{- include "casque.backendLabels" . | nindent 4 }}
 spec:
   maxUnavailable: 1
+  unhealthyPodEvictionPolicy: AlwaysAllow
   selector:
     matchLabels:
       {{- include "casque.backendSelectorLabels" . | nindent 6 }}
