@@ -394,9 +394,11 @@ def drain(release: EmbeddedRelease, source: KubeNode, target: KubeNode) -> None:
     print(f"backends moved from {source.name} to {target.name} in {time.monotonic() - started:.0f}s")
 
 
-# Held out of the default run: it passed twice, and in one clean-clone CI run the backends
-# moved to the second node and back but the traffic did not go on within START_TIMEOUT after
-# (issue 50's note). CASQUE_TEST_DRAIN=1 runs it.
+# Held out of the default run until a full run passes with it: it passed twice alone, and in
+# one clean-clone CI run both moves completed (88 s, 79 s) but the wait for the publisher's
+# end was killed at 360 s (a 600 s `kubectl wait` under Kubectl's fixed process timeout, now
+# fixed), and the autoscaler test after it on the same release stalled on one key (issue 50's
+# note). CASQUE_TEST_DRAIN=1 runs it.
 @pytest.mark.skipif(os.environ.get("CASQUE_TEST_DRAIN") != "1",
                     reason="the drain test runs with CASQUE_TEST_DRAIN=1 (held out of the default run)")
 def test_drained_nodes_move_the_backends_from_node_to_node_under_traffic_losing_nothing(
