@@ -739,7 +739,9 @@ def test_an_autoscaler_grows_the_consumers_with_the_backlog_and_shrinks_them_los
 
         calls = recorded(records)
         live = consumer_pods()
-        assert len(calls) >= 3 and len(live) == 1, (sorted(calls), live)
+        # The three consumers the autoscaler ran (awaited above): a pod that came once the
+        # backlog was gone, and is the one left, may have received nothing, so record nothing.
+        assert len(set(calls) | live) >= 3 and len(live) == 1, (sorted(calls), live)
         # Every consumer the autoscaler removed left as asked: its acks answered, then stopped.
         for pod, entries in calls.items():
             if pod not in live:
