@@ -280,6 +280,18 @@ def zookeeper_mode(kubectl: Kubectl, namespace: str, pod: str) -> str | None:
     return None
 
 
+def start_history_traffic(traffic: HistoryTraffic, worker_image: str, messages: int) -> None:
+    """The history queue and subscriber, a consumer pod and a paced publisher pod of `messages`,
+    returned once traffic moves."""
+    kubectl, shop = traffic.kubectl, traffic.namespace
+    kubectl("apply", "-n", shop, "-f", "-", stdin=HISTORY_RESOURCES)
+    kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/history", "subscriber/checker",
+            f"--timeout={START_TIMEOUT}s")
+    traffic.start_consumer("consumer", worker_image)
+    traffic.start_publisher("publisher", worker_image, messages, HISTORY_RATE)
+    traffic.progress_after("the start")
+
+
 def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
     embedded_release: EmbeddedRelease, node_images: NodeImages,
 ) -> None:
@@ -298,12 +310,7 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
         return bool(pods) and all(is_ready(p) and p["metadata"]["uid"] != old_uid for p in pods)
 
     try:
-        kubectl("apply", "-n", shop, "-f", "-", stdin=HISTORY_RESOURCES)
-        kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/history", "subscriber/checker",
-                f"--timeout={START_TIMEOUT}s")
-        traffic.start_consumer("consumer", node_images.worker)
-        traffic.start_publisher("publisher", node_images.worker, HISTORY_MESSAGES, HISTORY_RATE)
-        traffic.progress_after("the start")
+        start_history_traffic(traffic, node_images.worker, HISTORY_MESSAGES)
 
         # The consumer's sidecar, killed with -9 by its runtime; the kubelet starts it again.
         (sidecar,) = [s for s in traffic.pod("consumer")["status"]["initContainerStatuses"]
@@ -414,13 +421,8 @@ def test_drained_nodes_move_the_backends_from_node_to_node_under_traffic_losing_
     client_namespace(kubectl, shop)
     traffic = HistoryTraffic(kubectl, first, shop)
     try:
-        kubectl("apply", "-n", shop, "-f", "-", stdin=HISTORY_RESOURCES)
-        kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/history", "subscriber/checker",
-                f"--timeout={START_TIMEOUT}s")
         # The apps' images are on the first node only; the second stays cordoned until the drain.
-        traffic.start_consumer("consumer", node_images.worker)
-        traffic.start_publisher("publisher", node_images.worker, DRAINED_MESSAGES, HISTORY_RATE)
-        traffic.progress_after("the start")
+        start_history_traffic(traffic, node_images.worker, DRAINED_MESSAGES)
         drain(embedded_release, first, second_node)
         traffic.progress_after(f"the backends moved to {second_node.name}")
         drain(embedded_release, second_node, first)
