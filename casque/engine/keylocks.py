@@ -5,6 +5,12 @@ its messages that this member has loaded and not finished (acked or dead-lettere
 may be handed out only when it is the first of them. A nacked or expired message keeps its
 place, so the messages after it wait for it.
 
+Each loaded copy of a message holds its position under its holder's token (one per
+ShardState): a member that gives a range up and takes it back loads the same positions
+again while the old state may still release its own, and each release frees only its own
+copy. Held by position alone, two releases of one position counted once and a copy stayed
+open for good, stopping the key at that member.
+
 In shared delivery, earlier messages of a key may sit in a range another member holds.
 Ranges carry the hashes of their keys (casque.engine.claims), so `foreign(batch)` answers the
 key hashes of other members' open ranges below `batch`, or None when one of them is not
@@ -17,6 +23,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import heapq
+import itertools
 from collections.abc import Callable, Iterable
 
 from casque.engine.messages import Position
@@ -40,6 +47,16 @@ class Hold(enum.Enum):
 # filter drops it, say) would otherwise stay in the heap for as long as that one does.
 PRUNE_FLOOR = 32
 
+# A holder's position as the locks keep it: (batch, seq, holder token).
+Held = tuple[int, int, int]
+
+_tokens = itertools.count(1)
+
+
+def holder_token() -> int:
+    """A token no other holder of key locks in this process has (casque.engine.shard_state)."""
+    return next(_tokens)
+
 
 def key_hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big")
@@ -49,24 +66,26 @@ class KeyLocks:
     def __init__(self, foreign: ForeignKeys | None = None, on_release: Callable[[], None] = lambda: None) -> None:
         self._foreign = foreign
         self._on_release = on_release
-        # key -> heap of (batch, seq) loaded here and not done; finished ones are dropped lazily.
-        self._pending: dict[str, list[tuple[int, int]]] = {}
-        self._finished: dict[str, set[tuple[int, int]]] = {}
+        # key -> heap of the copies loaded here and not done; finished ones are dropped lazily.
+        self._pending: dict[str, list[Held]] = {}
+        self._finished: dict[str, set[Held]] = {}
         # key -> its first open position here, as `hold` last found it held back by another
         # member's range (`waits_elsewhere`).
         self._first_elsewhere: dict[str, tuple[int, int]] = {}
 
-    def add(self, key: str | None, position: Position) -> None:
+    def add(self, key: str | None, position: Position, holder: int) -> None:
+        """`holder` loaded the message (a token of casque.engine.keylocks.holder_token)."""
         if key is None:
             return
-        heapq.heappush(self._pending.setdefault(key, []), (position.batch, position.seq))
+        heapq.heappush(self._pending.setdefault(key, []), (position.batch, position.seq, holder))
 
-    def release(self, key: str | None, position: Position) -> None:
-        """The message is done here (acked, dead-lettered) or no longer ours (its range went elsewhere)."""
+    def release(self, key: str | None, position: Position, holder: int) -> None:
+        """The message is done at `holder` (acked, dead-lettered) or no longer its (its range
+        went elsewhere). Releasing a copy twice, or one never added, changes nothing."""
         if key is None or key not in self._pending:
             return
         finished = self._finished.setdefault(key, set())
-        finished.add((position.batch, position.seq))
+        finished.add((position.batch, position.seq, holder))
         if self._first(key) is not None and len(finished) > max(PRUNE_FLOOR, len(self._pending[key]) // 2):
             heap = [item for item in self._pending[key] if item not in finished]
             heapq.heapify(heap)
@@ -107,7 +126,8 @@ class KeyLocks:
             self._finished.pop(key, None)
             self._first_elsewhere.pop(key, None)
             return None
-        return heap[0]
+        batch, seq, _ = heap[0]
+        return batch, seq
 
     @property
     def keys_held(self) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from casque.engine.entries import AckStart, ByteBudget, Entry, Handout, LoadedBatch, ShardCounters, State
 from casque.engine.heaps import pruned
-from casque.engine.keylocks import Hold, KeyLocks
+from casque.engine.keylocks import Hold, KeyLocks, holder_token
 from casque.engine.shard_views import HELD, ShardViews
 from casque.engine.messages import Position, StoredMessage
 from casque.errors import StaleReceipt
@@ -46,6 +46,9 @@ class ShardState(ShardViews):
     counters: ShardCounters = field(default_factory=ShardCounters)
     # Ordered keys (casque.engine.keylocks): a keyed message waits for the one before it.
     locks: KeyLocks | None = None
+    # This state's token in `locks`, which other states of the shard share (a range given up
+    # and taken back is a new state holding the same positions).
+    lock_holder: int = field(default_factory=holder_token)
     # Ready messages the last take held back behind another member's range (their key's
     # earlier messages are there): not ready for the app, so shared delivery claims more
     # rather than wait for them. Those behind an earlier message held here are not counted
@@ -110,7 +113,7 @@ class ShardState(ShardViews):
                 continue
             entry = entries[seq] = Entry(message, State.READY, deliveries.get(seq, 0))
             if locks is not None:
-                locks.add(message.key, message.position)
+                locks.add(message.key, message.position, self.lock_holder)
             size += len(message.payload)
             deadline = in_flight_until.get(seq)
             if deadline is not None:
@@ -334,7 +337,7 @@ class ShardState(ShardViews):
         if self.locks is not None:
             for loaded in self.batches.values():
                 for entry in loaded.entries.values():
-                    self.locks.release(entry.message.key, entry.message.position)
+                    self.locks.release(entry.message.key, entry.message.position, self.lock_holder)
 
     # --- progress ------------------------------------------------------------------------
     def advance_offset(self) -> int:
@@ -429,7 +432,7 @@ class ShardState(ShardViews):
         loaded = self.batches[batch]
         seq = entry.message.position.seq
         if self.locks is not None:
-            self.locks.release(entry.message.key, entry.message.position)
+            self.locks.release(entry.message.key, entry.message.position, self.lock_holder)
         del loaded.entries[seq]
         loaded.remaining -= 1
         self._loaded_messages -= 1
@@ -442,7 +445,7 @@ class ShardState(ShardViews):
         if loaded is not None:
             if self.locks is not None:
                 for entry in loaded.entries.values():
-                    self.locks.release(entry.message.key, entry.message.position)
+                    self.locks.release(entry.message.key, entry.message.position, self.lock_holder)
             self._in_flight -= sum(1 for e in loaded.entries.values() if e.state in HELD)
             self._loaded_messages -= loaded.remaining
             self._loaded_bytes -= sum(e.message.size for e in loaded.entries.values())

@@ -633,6 +633,59 @@ async def test_a_member_whose_backlog_waits_on_a_released_range_takes_that_range
     assert order == [first.message_id, *backlog]
 
 
+async def test_a_range_its_member_gives_up_and_takes_back_twice_does_not_stop_its_key(
+    store: Store, consumers: list[Consumer]
+) -> None:
+    """A holds k's first message in flight in one range and k's second, waiting behind it, in
+    the next. A's app stops asking, so A releases that unused range; asking again, A takes it
+    back; twice. Then every later message of k must still come, each after the one before is
+    acked. Before, A's key locks kept one open copy of the second message too many: k stopped
+    at A for good, and with it at every member (a test node's autoscaled group, whose members
+    released and took back their own ranges, stalled on one key)."""
+    setup_ordered(store)
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+
+    async def publish_k(i: int) -> Published:
+        (published,) = await publisher.publish([OutgoingMessage(f"k-{i}".encode(), key="k")])
+        await publisher.flush_heads()
+        return published
+
+    first = await publish_k(0)
+    a = await start(consumers, store)
+    sharing = a._sharing
+    assert sharing is not None
+    (held,) = (await received_by(a, 1, "A")).values()
+    assert held.message.message_id == first.message_id
+    second = await publish_k(1)
+
+    async def holds_the_second(asking: bool) -> bool:
+        if asking:
+            assert await a.receive(max_messages=10, wait=0.2) == []  # k-1 waits behind k-0
+        return any(r.record.start == second.batch for r in sharing.sources())
+
+    for round_ in range(3):
+        deadline = time.monotonic() + 60
+        while not await holds_the_second(asking=True):
+            assert time.monotonic() < deadline, f"A did not take the range of k-1 (round {round_})"
+        if round_ == 2:
+            break
+        sharing.last_demand = float("-inf")  # A's app stops asking: the range of k-1 is unused
+        await until("A to give up the range of k-1", lambda: not any(
+            r.record.start == second.batch for r in sharing.sources()))
+    assert sharing.takeovers == 2
+
+    later = [second.message_id] + [(await publish_k(i)).message_id for i in range(2, 5)]
+    assert await a.ack(held.receipt) is True
+    order: list[str] = []
+    deadline = time.monotonic() + 60
+    while len(order) < len(later):
+        assert time.monotonic() < deadline, f"k stopped at A: received {order} of {later}"
+        got = await a.receive(max_messages=10, wait=1)
+        order += [d.message.message_id for d in got]
+        assert all(result is True for result in await a.ack_many([d.receipt for d in got]))
+    assert order == later
+
+
 async def test_a_poison_message_goes_to_the_dead_letter_queue_and_its_range_completes(
     store: Store, consumers: list[Consumer]
 ) -> None:

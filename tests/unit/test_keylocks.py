@@ -132,3 +132,49 @@ def test_messages_a_filter_drops_behind_a_key_held_open_cost_nothing_once_done()
     assert state.counters.filtered == 50_000 and state.loaded_messages == 1
     # Before: 100,000 (each dropped message in the heap and in the finished set).
     assert state.locks is not None and state.locks.positions_kept <= 3 * PRUNE_FLOOR, state.locks.positions_kept
+
+
+def test_a_range_released_and_taken_back_twice_while_its_key_waits_here_does_not_stop_the_key() -> None:
+    """One member: `low` holds a's first message in flight; `high`, a later range, holds a's
+    next one. `high` is released (its app stopped asking) and taken over again by the same
+    member, twice, each time a new state over the member's one KeyLocks of the shard. Before,
+    the locks kept each released position in a set and each load's in a heap: two releases of
+    one position counted once, a copy stayed open for good, and key a stopped at that member (a
+    test node's autoscaled group, members releasing and retaking their own ranges)."""
+    locks = KeyLocks()
+    low = ShardState(shard=0, offset=1, locks=locks)
+    low.add_batch(1, [message(1, 0, "a")])
+    (first,) = low.take(10, 0.0, 30.0, 0.0)
+    for _ in range(2):
+        released = ShardState(shard=0, offset=2, locks=locks)
+        released.add_batch(2, [message(2, 0, "a")])
+        assert taken_ids(released) == []  # behind 1-0
+        released.release_keys()
+    high = ShardState(shard=0, offset=2, locks=locks)
+    high.add_batch(2, [message(2, 0, "a")])
+    low.ack(Position(0, 1, 0), first.nonce)
+    (second,) = high.take(10, 0.0, 30.0, 0.0)
+    assert second.entry.message.message_id == "2-0"
+    high.ack(Position(0, 2, 0), second.nonce)
+    later = ShardState(shard=0, offset=3, locks=locks)
+    later.add_batch(3, [message(3, 0, "a")])
+    (third,) = later.take(10, 0.0, 30.0, 0.0)
+    assert third.entry.message.message_id == "3-0"
+    later.ack(Position(0, 3, 0), third.nonce)
+    assert locks.keys_held == 0
+
+
+def test_a_dropped_states_late_ack_does_not_free_the_position_its_successor_holds() -> None:
+    """A range dropped here (taken over) and loaded again by this member: an ack that reaches
+    the dropped state after its keys were released must not free the key for the new load's
+    copy of the same message, which is still open."""
+    locks = KeyLocks()
+    dropped = ShardState(shard=0, offset=1, locks=locks)
+    dropped.add_batch(1, [message(1, 0, "a"), message(1, 1, "a")])
+    (handout,) = dropped.take(10, 0.0, 30.0, 0.0)
+    dropped.release_keys()
+    again = ShardState(shard=0, offset=1, locks=locks)
+    again.add_batch(1, [message(1, 0, "a"), message(1, 1, "a")])
+    assert taken_ids(again) == ["1-0"]
+    dropped.ack(Position(0, 1, 0), handout.nonce)  # late, on the state that lost the range
+    assert taken_ids(again) == []  # 1-1 still waits for the new load's 1-0
