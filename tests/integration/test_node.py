@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import socket
 import subprocess
 import time
@@ -44,12 +43,13 @@ from casque.operator.resources import API_VERSION, QUEUE_KIND, SUBSCRIBER_KIND
 from casque.schema import QueueRef
 from casque.znodes import queue_paths
 from tests.fixtures.doc_examples import yaml_blocks
-from tests.fixtures.history import STALE, check, delivered_behind_acked_successors, keys_in_flight_twice
+from tests.fixtures.history import STALE, History, check, delivered_behind_acked_successors, keys_in_flight_twice
 from tests.fixtures.node import NodeImages, pod_log
 from tests.fixtures.node_apps import (
     HISTORY_APP,
     HISTORY_RESOURCES,
     POD_SECURITY,
+    PROGRESS,
     RESTRICTED,
     HistoryTraffic,
     app_pod,
@@ -401,13 +401,6 @@ def drain(release: EmbeddedRelease, source: KubeNode, target: KubeNode) -> None:
     print(f"backends moved from {source.name} to {target.name} in {time.monotonic() - started:.0f}s")
 
 
-# Held out of the default run until a full run passes with it: it passed twice alone, and in
-# one clean-clone CI run both moves completed (88 s, 79 s) but the wait for the publisher's
-# end was killed at 360 s (a 600 s `kubectl wait` under Kubectl's fixed process timeout, now
-# fixed), and the autoscaler test after it on the same release stalled on one key (issue 50's
-# note). CASQUE_TEST_DRAIN=1 runs it.
-@pytest.mark.skipif(os.environ.get("CASQUE_TEST_DRAIN") != "1",
-                    reason="the drain test runs with CASQUE_TEST_DRAIN=1 (held out of the default run)")
 def test_drained_nodes_move_the_backends_from_node_to_node_under_traffic_losing_nothing(
     embedded_release: EmbeddedRelease, node_images: NodeImages, second_node: KubeNode,
 ) -> None:
@@ -630,23 +623,27 @@ def documented_autoscaler(namespace: str, deployment: str, subscriber: str) -> d
     return hpa
 
 
-def consumer_deployment(name: str, image: str, records: Path) -> dict[str, Any]:
+def consumer_deployment(name: str, image: str, records: Path, replicas: int = 1, node: str | None = None,
+                        handle_seconds: float = HANDLE_SECONDS) -> dict[str, Any]:
     """Consumers of `workers`, each writing its calls to `records` on the host as well, where
-    they outlive the pods the autoscaler removes."""
+    they outlive the pods the autoscaler or a rolling update removes; with `node`, on that
+    node only."""
     labels = {"app": name}
+    placement = {"nodeSelector": {"kubernetes.io/hostname": node}} if node else {}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
         "spec": {
-            "replicas": 1, "selector": {"matchLabels": labels},
+            "replicas": replicas, "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels, "annotations": {
                     "casque.io/inject": "true", "casque.io/queue": "jobs", "casque.io/subscriber": "workers"}},
                 "spec": {
+                    **placement,
                     "securityContext": POD_SECURITY, "terminationGracePeriodSeconds": 30,
                     "volumes": [{"name": "records", "hostPath": {"path": str(records), "type": "Directory"}}],
                     "containers": [{
                         "name": "app", "image": image, "imagePullPolicy": "Never",
-                        "command": ["python3", "-c", HISTORY_APP.read_text(), "consume", str(HANDLE_SECONDS)],
+                        "command": ["python3", "-c", HISTORY_APP.read_text(), "consume", str(handle_seconds)],
                         "env": [{"name": "CASQUE_HISTORY_RECORDS", "value": "/records"}],
                         "volumeMounts": [{"name": "records", "mountPath": "/records"}],
                         "securityContext": RESTRICTED,
@@ -661,6 +658,55 @@ def recorded(records: Path) -> dict[str, list[dict[str, Any]]]:
     """Each consumer pod's calls, by pod name."""
     return {path.stem: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             for path in sorted(records.glob("*.jsonl"))}
+
+
+def every_message_acked(kubectl: Kubectl, node: KubeNode, shop: str, records: Path, messages: int) -> None:
+    """Wait until the consumers recorded in `records` acked m0..m<messages - 1> and the
+    subscriber `workers` has no lag; if they do not, fail naming the keys that stopped."""
+    unsettled: list[str] = []
+
+    def drained() -> bool:
+        # Acked, or acked with an answer that says the ack may have counted (a 503 whose
+        # row was written before its ZooKeeper check failed: the message may not come
+        # again), as the history checker counts them; the lag below shows none is left.
+        settled = {e["id"] for calls in recorded(records).values() for e in calls
+                   if e["op"] == "ack" and e["outcome"] != STALE}
+        unsettled[:] = sorted({f"m{i}" for i in range(messages)} - settled, key=lambda m: int(m[1:]))
+        return not unsettled
+    try:
+        wait_for("every message acked", drained, timeout=START_TIMEOUT * 2)
+        kubectl("wait", "-n", shop, "--for=jsonpath={.status.lagMessages}=0", "subscriber/workers",
+                f"--timeout={START_TIMEOUT}s")
+    except (pytest.fail.Exception, AssertionError):
+        # Which keys stopped moving says more than the count: message i has key i % keys.
+        keys = sorted({int(m[1:]) % AUTOSCALED_KEYS for m in unsettled})
+        for pod in sorted(p["metadata"]["name"] for p in kubectl.json("pods", "-n", shop, "-l", "app=consumers")["items"]):
+            tail = pod_log(node, shop, pod, "casque-sidecar").splitlines()[-80:]  # what it said of its ranges
+            print(f"--- {pod}/casque-sidecar, last {len(tail)} lines", *tail, sep="\n")
+        pytest.fail(f"{len(unsettled)} of {messages} never acked, of keys {keys}: {unsettled[:12]}; "
+                    "or the subscriber's lag did not reach 0")
+
+
+def checked_keyed_history(publisher: list[dict[str, Any]], calls: dict[str, list[dict[str, Any]]],
+                          messages: int) -> History:
+    """The history of a keyed run (message n has key n % AUTOSCALED_KEYS), asserted: every
+    acknowledged publish delivered and nothing acked delivered again; no key's message handed
+    out behind an acked later one of its key, nor two of a key at once; each key's messages
+    first handed out in the order they were published."""
+    history = history_of(publisher, list(calls.values()))
+    verdict = check(history)
+    assert verdict.ok, str(verdict)
+    assert len(history.published) == messages
+    keys = {f"m{n}": (f"k{n % AUTOSCALED_KEYS}", n) for n in range(messages)}
+    assert delivered_behind_acked_successors(history, keys) == []
+    assert keys_in_flight_twice(history, {m: key for m, (key, _) in keys.items()}, visibility=30.0) == []
+    first: dict[str, float] = {}
+    for delivery in history.deliveries:
+        first[delivery.message_id] = min(first.get(delivery.message_id, delivery.answered), delivery.answered)
+    for key in {key for key, _ in keys.values()}:
+        ordered = sorted((n for m, (k, n) in keys.items() if k == key), key=lambda n: first[f"m{n}"])
+        assert ordered == sorted(ordered), f"key {key} handed out as {ordered}"
+    return history
 
 
 def test_an_autoscaler_grows_the_consumers_with_the_backlog_and_shrinks_them_losing_and_reordering_nothing(
@@ -711,28 +757,7 @@ def test_an_autoscaler_grows_the_consumers_with_the_backlog_and_shrinks_them_los
             listing = kubectl.json("pods", "-n", shop, "-l", "app=consumers")["items"]
             return {p["metadata"]["name"] for p in listing}
 
-        unsettled: list[str] = []
-
-        def drained() -> bool:
-            # Acked, or acked with an answer that says the ack may have counted (a 503 whose
-            # row was written before its ZooKeeper check failed: the message may not come
-            # again), as the history checker counts them; the lag below shows none is left.
-            settled = {e["id"] for calls in recorded(records).values() for e in calls
-                       if e["op"] == "ack" and e["outcome"] != STALE}
-            unsettled[:] = sorted({f"m{i}" for i in range(AUTOSCALED_MESSAGES)} - settled, key=lambda m: int(m[1:]))
-            return not unsettled
-        try:
-            wait_for("every message acked", drained, timeout=START_TIMEOUT * 2)
-            kubectl("wait", "-n", shop, "--for=jsonpath={.status.lagMessages}=0", "subscriber/workers",
-                    f"--timeout={START_TIMEOUT}s")
-        except (pytest.fail.Exception, AssertionError):
-            # Which keys stopped moving says more than the count: message i has key i % keys.
-            keys = sorted({int(m[1:]) % AUTOSCALED_KEYS for m in unsettled})
-            for pod in sorted(consumer_pods()):  # what each member's sidecar said of its ranges
-                tail = pod_log(node, shop, pod, "casque-sidecar").splitlines()[-80:]
-                print(f"--- {pod}/casque-sidecar, last {len(tail)} lines", *tail, sep="\n")
-            pytest.fail(f"{len(unsettled)} of {AUTOSCALED_MESSAGES} never acked, of keys {keys}: {unsettled[:12]}; "
-                        "or the subscriber's lag did not reach 0")
+        every_message_acked(kubectl, node, shop, records, AUTOSCALED_MESSAGES)
         # The Deployment at 1, and the pods it removed gone (their apps stopped, their sidecars after).
         wait_for("the autoscaler back at 1 consumer", lambda: replicas() == (1, 1) and len(consumer_pods()) == 1,
                  timeout=START_TIMEOUT)
@@ -748,21 +773,7 @@ def test_an_autoscaler_grows_the_consumers_with_the_backlog_and_shrinks_them_los
         for pod, entries in calls.items():
             if pod not in live:
                 assert entries[-1]["op"] == "stopped", f"{pod} did not stop as asked: {entries[-3:]}"
-        publisher = traffic.calls("publisher")
-        history = history_of(publisher, list(calls.values()))
-        verdict = check(history)
-        assert verdict.ok, str(verdict)
-        assert len(history.published) == AUTOSCALED_MESSAGES
-        keys = {f"m{n}": (f"k{n % AUTOSCALED_KEYS}", n) for n in range(AUTOSCALED_MESSAGES)}
-        assert delivered_behind_acked_successors(history, keys) == []
-        assert keys_in_flight_twice(history, {m: key for m, (key, _) in keys.items()}, visibility=30.0) == []
-        # Each key's messages first handed out in the order they were published.
-        first: dict[str, float] = {}
-        for delivery in history.deliveries:
-            first[delivery.message_id] = min(first.get(delivery.message_id, delivery.answered), delivery.answered)
-        for key in {key for key, _ in keys.values()}:
-            ordered = sorted((n for m, (k, n) in keys.items() if k == key), key=lambda n: first[f"m{n}"])
-            assert ordered == sorted(ordered), f"key {key} handed out as {ordered}"
+        history = checked_keyed_history(traffic.calls("publisher"), calls, AUTOSCALED_MESSAGES)
         # The one consumer left is the one member of the group.
         wait_for("the subscriber counting one consumer", lambda: kubectl.json(
             "subscriber/workers", "-n", shop).get("status", {}).get("consumers") == 1, timeout=START_TIMEOUT)
@@ -773,3 +784,78 @@ def test_an_autoscaler_grows_the_consumers_with_the_backlog_and_shrinks_them_los
         raise
     finally:
         remove_the_app(kubectl, shop)
+
+
+# A rolling update's traffic: 600 keyed messages at 8 a second, so that they flow for the
+# whole update (two pods replaced, each Ready in 20 to 40 s).
+ROLLED_MESSAGES = 600
+ROLLED_RATE = 8
+ROLLED_HANDLE_SECONDS = 0.05
+
+
+def test_a_rolling_update_moves_the_consumers_to_the_other_node_under_traffic_losing_and_reordering_nothing(
+    embedded_release: EmbeddedRelease, node_images: NodeImages, second_node: KubeNode, tmp_path: Path,
+) -> None:
+    """A shared, ordered subscriber's consumer Deployment of two pods on the first node, under a
+    paced keyed publisher. A rolling update whose template places the pods on the second node
+    replaces them one at a time (the new pod Ready before an old one is stopped). Every pod
+    that left acked what it held and stopped; over the whole run the history checker finds
+    every acknowledged publish delivered and nothing acked delivered again, and no key's
+    message went out behind a later one of its key, nor two of a key at once."""
+    kubectl, first = embedded_release.kubectl, embedded_release.node
+    for image in (node_images.sidecar, node_images.worker):
+        second_node.import_image(image)
+    shop = f"shop-{uuid.uuid4().hex[:8]}"
+    client_namespace(kubectl, shop)
+    records = tmp_path / "records"
+    records.mkdir()
+    records.chmod(0o777)  # the consumers run as POD_SECURITY's user
+    traffic = HistoryTraffic(kubectl, first, shop)
+
+    def consumers() -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = kubectl.json("pods", "-n", shop, "-l", "app=consumers")["items"]
+        return found
+
+    def acks() -> int:
+        return sum(1 for calls in recorded(records).values() for e in calls if e["op"] == "ack")
+
+    try:
+        for resource in AUTOSCALED:
+            kubectl.apply(shop, resource)
+        kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/jobs", "subscriber/workers",
+                f"--timeout={START_TIMEOUT}s")
+        kubectl.apply(shop, consumer_deployment("consumers", node_images.worker, records, replicas=2,
+                                                node=first.name, handle_seconds=ROLLED_HANDLE_SECONDS))
+        kubectl("wait", "-n", shop, "--for=condition=Available", "deployment/consumers", f"--timeout={START_TIMEOUT}s")
+        traffic.start_publisher("publisher", node_images.worker, ROLLED_MESSAGES, ROLLED_RATE, keys=AUTOSCALED_KEYS,
+                                queue="jobs")
+        wait_for("traffic to flow", lambda: acks() >= PROGRESS, timeout=START_TIMEOUT)
+        before = {p["metadata"]["name"] for p in consumers()}
+        assert traffic.pod("publisher")["status"].get("phase") == "Running", "the traffic ended before the update"
+
+        kubectl("uncordon", second_node.name)
+        kubectl.apply(shop, consumer_deployment("consumers", node_images.worker, records, replicas=2,
+                                                node=second_node.name, handle_seconds=ROLLED_HANDLE_SECONDS))
+        kubectl("rollout", "status", "-n", shop, "deployment/consumers", f"--timeout={START_TIMEOUT * 2}s",
+                timeout=START_TIMEOUT * 2)
+        wait_for(f"the old consumers gone, two Ready on {second_node.name}", lambda: (pods := consumers()) and len(
+            pods) == 2 and all(p["spec"].get("nodeName") == second_node.name and is_ready(p) for p in pods),
+            timeout=START_TIMEOUT)
+        during = acks()
+        every_message_acked(kubectl, first, shop, records, ROLLED_MESSAGES)
+        kubectl("wait", "-n", shop, "--for=jsonpath={.status.phase}=Succeeded", "pod/publisher",
+                f"--timeout={START_TIMEOUT}s")
+
+        calls = recorded(records)
+        for pod in before:  # each replaced pod left as asked: its acks answered, then stopped
+            assert calls[pod][-1]["op"] == "stopped", f"{pod} did not stop as asked: {calls[pod][-3:]}"
+        assert set(calls) - before, "no consumer on the second node received anything"
+        history = checked_keyed_history(traffic.calls("publisher"), calls, ROLLED_MESSAGES)
+        print(f"rolled history: {len(history.published)} published, {len(history.deliveries)} deliveries "
+              f"({history.redeliveries()} again), {during} acks before the update ended, over {len(calls)} pods")
+    except BaseException:
+        kubectl.show(embedded_release.namespace, shop)
+        raise
+    finally:
+        remove_the_app(kubectl, shop)
+        kubectl("cordon", second_node.name, check=False)
