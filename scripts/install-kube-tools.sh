@@ -217,6 +217,7 @@ START_ALL="$(date +%s)"
 log "building: ${TODO[*]} (go $(go env GOVERSION), cache ${KUBE_DIR})"
 
 # ---- etcd ------------------------------------------------------------------
+build_etcd() {
 if wants etcd; then
   t0="$(date +%s)"
   etcd_src="$(module_dir "go.etcd.io/etcd/server/v3@${ETCD_VERSION}")"
@@ -235,8 +236,10 @@ EOF
   build_into_bin "${SRC_DIR}/etcd" "" "go.etcd.io/etcd/server/v3"
   log "etcd built in $(elapsed "${t0}")"
 fi
+}
 
 # ---- kube-apiserver, kubectl and the node's tools ------------------------------
+build_kube() {
 kube_todo=()
 for t in "${KUBE_TOOLS[@]}"; do
   wants "${t}" && kube_todo+=("${t}")
@@ -276,8 +279,10 @@ if [[ ${#kube_todo[@]} -gt 0 ]]; then
   build_into_bin "${SRC_DIR}/kubernetes" "${kube_ldflags}" "${pkgs[@]}"
   log "${pkgs[*]##*/} built in $(elapsed "${t0}")"
 fi
+}
 
 # ---- helm --------------------------------------------------------------------
+build_helm() {
 if wants helm; then
   t0="$(date +%s)"
   helm_src="$(module_dir "helm.sh/helm/v3@${HELM_VERSION}")"
@@ -289,9 +294,11 @@ EOF
     "helm.sh/helm/v3/cmd/helm"
   log "helm built in $(elapsed "${t0}")"
 fi
+}
 
 # ---- CoreDNS -------------------------------------------------------------------
 # Its version is a constant in its source (coremain), so no -X flag is needed.
+build_coredns() {
 if wants coredns; then
   t0="$(date +%s)"
   coredns_src="$(module_dir "github.com/coredns/coredns@${COREDNS_VERSION}")"
@@ -301,9 +308,11 @@ EOF
   build_into_bin "${SRC_DIR}/coredns" "" "github.com/coredns/coredns"
   log "coredns built in $(elapsed "${t0}")"
 fi
+}
 
 # ---- kube-router -----------------------------------------------------------------
 # Its version is a variable set by ldflags (empty otherwise).
+build_kube_router() {
 if wants kube-router; then
   t0="$(date +%s)"
   kube_router_src="$(module_dir "github.com/cloudnativelabs/kube-router/v2@${KUBE_ROUTER_VERSION}")"
@@ -314,6 +323,22 @@ EOF
     "-X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=${KUBE_ROUTER_VERSION}" \
     "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router"
   log "kube-router built in $(elapsed "${t0}")"
+fi
+}
+
+# Two lanes at once: the Kubernetes components (over half of the time), and the other four
+# tools one after the other. Each go build compiles on every core already; two at once
+# overlap one's module downloads and single-threaded links with the other's compiling.
+build_kube &
+kube_lane=$!
+( build_etcd; build_helm; build_coredns; build_kube_router ) &
+other_lane=$!
+failed=0
+wait "${kube_lane}" || failed=1
+wait "${other_lane}" || failed=1
+if [[ "${failed}" != 0 ]]; then
+  log "a build failed (its lines above say which)"
+  exit 1
 fi
 
 log "done in $(elapsed "${START_ALL}")"
