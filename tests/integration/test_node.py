@@ -654,6 +654,24 @@ def consumer_deployment(name: str, image: str, records: Path, replicas: int = 1,
     }  # fmt: skip
 
 
+def workers_namespace(kubectl: Kubectl, tmp_path: Path) -> tuple[str, Path]:
+    """A client namespace for `workers`' consumers, and the host directory they record their calls in."""
+    shop = f"shop-{uuid.uuid4().hex[:8]}"
+    client_namespace(kubectl, shop)
+    records = tmp_path / "records"
+    records.mkdir()
+    records.chmod(0o777)  # the consumers run as POD_SECURITY's user
+    return shop, records
+
+
+def apply_autoscaled(kubectl: Kubectl, shop: str) -> None:
+    """The queue `jobs` and its shared, ordered subscriber `workers`, once both are Ready."""
+    for resource in AUTOSCALED:
+        kubectl.apply(shop, resource)
+    kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/jobs", "subscriber/workers",
+            f"--timeout={START_TIMEOUT}s")
+
+
 def recorded(records: Path) -> dict[str, list[dict[str, Any]]]:
     """Each consumer pod's calls, by pod name."""
     return {path.stem: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -720,11 +738,7 @@ def test_an_autoscaler_grows_the_consumers_with_the_backlog_and_shrinks_them_los
     again; no key's message was handed out behind a later one of its key, nor two of a key at
     once; and the subscriber counts exactly the consumer left."""
     kubectl, node = embedded_release.kubectl, embedded_release.node
-    shop = f"shop-{uuid.uuid4().hex[:8]}"
-    client_namespace(kubectl, shop)
-    records = tmp_path / "records"
-    records.mkdir()
-    records.chmod(0o777)  # the consumers run as POD_SECURITY's user
+    shop, records = workers_namespace(kubectl, tmp_path)
     traffic = HistoryTraffic(kubectl, node, shop)
 
     def autoscaler() -> dict[str, Any]:
@@ -738,10 +752,7 @@ def test_an_autoscaler_grows_the_consumers_with_the_backlog_and_shrinks_them_los
         return status.get("replicas", 0), status.get("readyReplicas", 0)
 
     try:
-        for resource in AUTOSCALED:
-            kubectl.apply(shop, resource)
-        kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/jobs", "subscriber/workers",
-                f"--timeout={START_TIMEOUT}s")
+        apply_autoscaled(kubectl, shop)
         kubectl.apply(shop, consumer_deployment("consumers", node_images.worker, records))
         kubectl("wait", "-n", shop, "--for=condition=Available", "deployment/consumers", f"--timeout={START_TIMEOUT}s")
         kubectl.apply(shop, documented_autoscaler(shop, "consumers", "workers"))
@@ -805,11 +816,7 @@ def test_a_rolling_update_moves_the_consumers_to_the_other_node_under_traffic_lo
     kubectl, first = embedded_release.kubectl, embedded_release.node
     for image in (node_images.sidecar, node_images.worker):
         second_node.import_image(image)
-    shop = f"shop-{uuid.uuid4().hex[:8]}"
-    client_namespace(kubectl, shop)
-    records = tmp_path / "records"
-    records.mkdir()
-    records.chmod(0o777)  # the consumers run as POD_SECURITY's user
+    shop, records = workers_namespace(kubectl, tmp_path)
     traffic = HistoryTraffic(kubectl, first, shop)
 
     def consumers() -> list[dict[str, Any]]:
@@ -820,10 +827,7 @@ def test_a_rolling_update_moves_the_consumers_to_the_other_node_under_traffic_lo
         return sum(1 for calls in recorded(records).values() for e in calls if e["op"] == "ack")
 
     try:
-        for resource in AUTOSCALED:
-            kubectl.apply(shop, resource)
-        kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/jobs", "subscriber/workers",
-                f"--timeout={START_TIMEOUT}s")
+        apply_autoscaled(kubectl, shop)
         kubectl.apply(shop, consumer_deployment("consumers", node_images.worker, records, replicas=2,
                                                 node=first.name, handle_seconds=ROLLED_HANDLE_SECONDS))
         kubectl("wait", "-n", shop, "--for=condition=Available", "deployment/consumers", f"--timeout={START_TIMEOUT}s")
