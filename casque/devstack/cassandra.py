@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from casque.devstack import processes
+from casque.devstack.jvm import compiler_flags
 from casque.devstack.artifacts import CASSANDRA
 from casque.devstack.pki import LocalPki
 from casque.devstack.zookeeper import write_private
@@ -104,6 +105,8 @@ class CassandraNode:
     password_auth: bool = False
     # The installation's login (with `password_auth`), tried before the default superuser.
     login: CassandraLogin | None = None
+    # The client compiler only (casque.devstack.jvm): for a node that lives for minutes.
+    c1_only: bool = False
 
     @property
     def snitch(self) -> str:
@@ -216,6 +219,7 @@ server_encryption_options:
             processes.owner_marker(self.directory),
             f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m",
             "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=300", "-Xss512k",
+            *compiler_flags(self.c1_only),
             "-XX:+ExitOnOutOfMemoryError",
             f"-javaagent:{CASSANDRA.jar('jamm')}",
             *JAVA17_MODULE_FLAGS,

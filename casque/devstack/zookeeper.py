@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from casque.devstack import processes
+from casque.devstack.jvm import compiler_flags
 from casque.devstack.artifacts import ZOOKEEPER
 from casque.devstack.pki import LocalPki
 from casque.errors import StackError
@@ -102,6 +103,8 @@ class ZooKeeperServer:
     # pod can hold open. The local stack's clients, the test suite's included, all come from
     # its own host's addresses, hence its larger default; the image's is ZooKeeper's own 60.
     max_client_connections: int = 500
+    # The client compiler only (casque.devstack.jvm): for a server that lives for minutes.
+    c1_only: bool = False
 
     @property
     def connect_string(self) -> str:
@@ -203,6 +206,7 @@ class ZooKeeperServer:
             "java",
             processes.owner_marker(self.directory),
             f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m",
+            *compiler_flags(self.c1_only),
             f"-Dlogback.configurationFile={d}/logback.xml",
             "-Dzookeeper.admin.enableServer=false",
             # A namespace's quota on znodes (casque.engine.znode_quotas) refuses creates past
@@ -281,11 +285,13 @@ class ZooKeeperEnsemble:
     require_client_auth: bool = False
     # SASL logins on every member.
     sasl: SaslLogin | None = None
+    c1_only: bool = False
 
     def members(self) -> list[ZooKeeperServer]:
         if self.size == 1:
             return [ZooKeeperServer(self.root / "zookeeper", self.address, self.client_port, self.heap_mb,
-                                    pki=self.pki, require_client_auth=self.require_client_auth, sasl=self.sasl)]
+                                    pki=self.pki, require_client_auth=self.require_client_auth, sasl=self.sasl,
+                                    c1_only=self.c1_only)]
         if self.pki is not None:
             raise StackError("the local stack runs TLS on a standalone ZooKeeper only")
         peers = tuple(
@@ -294,7 +300,7 @@ class ZooKeeperEnsemble:
         )
         return [
             ZooKeeperServer(self.root / f"zookeeper-{n}", self.address, self.client_port + n - 1, self.heap_mb,
-                            myid=n, peers=peers, name=f"zookeeper-{n}", sasl=self.sasl)
+                            myid=n, peers=peers, name=f"zookeeper-{n}", sasl=self.sasl, c1_only=self.c1_only)
             for n in range(1, self.size + 1)
         ]
 
