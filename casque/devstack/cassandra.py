@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from casque.devstack import processes
-from casque.devstack.jvm import compiler_flags
 from casque.devstack.artifacts import CASSANDRA
+from casque.devstack.jvm import compiler_flags
 from casque.devstack.pki import LocalPki
 from casque.devstack.zookeeper import write_private
 from casque.errors import StackError

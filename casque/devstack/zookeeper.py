@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from casque.devstack import processes
-from casque.devstack.jvm import compiler_flags
 from casque.devstack.artifacts import ZOOKEEPER
+from casque.devstack.jvm import compiler_flags
 from casque.devstack.pki import LocalPki
 from casque.errors import StackError
 
