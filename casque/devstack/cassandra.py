@@ -63,6 +63,12 @@ JAVA17_MODULE_FLAGS = [
     "-Dio.netty.tryReflectionSetAccessible=true",
 ]
 
+# A node that lives for minutes does not flush the system tables at each schema change (what
+# Cassandra's own tests run with): the test suite creates and drops tables by the thousand,
+# and each change flushed every schema table. The commit log still holds them, and a node
+# stopped by SIGTERM flushes everything as it drains.
+SHORT_LIVED_FLAGS = ("-Dcassandra.unsafesystem=true",)
+
 
 # PasswordAuthenticator's default superuser. For the local stack's own checks only: casque
 # refuses a password this short, so clients log in as INSTALLATION_USER (CassandraLogin).
@@ -105,8 +111,9 @@ class CassandraNode:
     password_auth: bool = False
     # The installation's login (with `password_auth`), tried before the default superuser.
     login: CassandraLogin | None = None
-    # The client compiler only (casque.devstack.jvm): for a node that lives for minutes.
-    c1_only: bool = False
+    # A node that lives for minutes (casque.devstack.jvm): its JVM compiles with C1 only, and
+    # it writes its schema without flushing it (SHORT_LIVED_FLAGS).
+    short_lived: bool = False
 
     @property
     def snitch(self) -> str:
@@ -219,7 +226,8 @@ server_encryption_options:
             processes.owner_marker(self.directory),
             f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m",
             "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=300", "-Xss512k",
-            *compiler_flags(self.c1_only),
+            *compiler_flags(self.short_lived),
+            *(SHORT_LIVED_FLAGS if self.short_lived else ()),
             "-XX:+ExitOnOutOfMemoryError",
             f"-javaagent:{CASSANDRA.jar('jamm')}",
             *JAVA17_MODULE_FLAGS,

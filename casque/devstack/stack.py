@@ -109,8 +109,8 @@ class Stack:
     zookeeper_sasl: bool = False
     isolation: bool = False
     # Servers that live for minutes (the test suite's): their JVMs compile with C1 only
-    # (casque.devstack.jvm).
-    c1_only: bool = False
+    # (casque.devstack.jvm), and Cassandra does not flush its schema at each change.
+    short_lived: bool = False
 
     @property
     def state_file(self) -> Path:
@@ -204,7 +204,7 @@ class Stack:
                 require_client_auth=self.client_auth,
                 password_auth=self.password_auth,
                 login=self.cassandra_login,
-                c1_only=self.c1_only,
+                short_lived=self.short_lived,
             )
             for i, datacenter in enumerate(datacenter_names(self.nodes, self.datacenters), start=1)
         ]
@@ -215,7 +215,7 @@ class Stack:
                                  quorum_port=self.ports.zookeeper_quorum,
                                  election_port=self.ports.zookeeper_election,
                                  pki=self.pki, require_client_auth=self.client_auth,
-                                 sasl=self.zookeeper_sasl_login, c1_only=self.c1_only)
+                                 sasl=self.zookeeper_sasl_login, short_lived=self.short_lived)
 
     @classmethod
     def load(cls, root: Path) -> Stack | None:
@@ -239,7 +239,7 @@ class Stack:
             address=saved.get("address"),
             zookeeper_sasl=bool(saved.get("zookeeper_sasl", False)),
             isolation=bool(saved.get("isolation", False)),
-            c1_only=bool(saved.get("c1_only", False)),
+            short_lived=bool(saved.get("short_lived", False)),
         )
 
     def _save(self) -> None:
@@ -250,8 +250,8 @@ class Stack:
             "tls": self.tls, "client_auth": self.client_auth, "password_auth": self.password_auth,
             "zookeeper_sasl": self.zookeeper_sasl, "isolation": self.isolation,
         }
-        if self.c1_only:
-            saved["c1_only"] = True
+        if self.short_lived:
+            saved["short_lived"] = True
         if self.datacenters != 1:
             saved["datacenters"] = self.datacenters
         if self.address is not None:

@@ -103,8 +103,8 @@ class ZooKeeperServer:
     # pod can hold open. The local stack's clients, the test suite's included, all come from
     # its own host's addresses, hence its larger default; the image's is ZooKeeper's own 60.
     max_client_connections: int = 500
-    # The client compiler only (casque.devstack.jvm): for a server that lives for minutes.
-    c1_only: bool = False
+    # A server that lives for minutes (casque.devstack.jvm): its JVM compiles with C1 only.
+    short_lived: bool = False
 
     @property
     def connect_string(self) -> str:
@@ -206,7 +206,7 @@ class ZooKeeperServer:
             "java",
             processes.owner_marker(self.directory),
             f"-Xms{self.heap_mb}m", f"-Xmx{self.heap_mb}m",
-            *compiler_flags(self.c1_only),
+            *compiler_flags(self.short_lived),
             f"-Dlogback.configurationFile={d}/logback.xml",
             "-Dzookeeper.admin.enableServer=false",
             # A namespace's quota on znodes (casque.engine.znode_quotas) refuses creates past
@@ -285,13 +285,13 @@ class ZooKeeperEnsemble:
     require_client_auth: bool = False
     # SASL logins on every member.
     sasl: SaslLogin | None = None
-    c1_only: bool = False
+    short_lived: bool = False
 
     def members(self) -> list[ZooKeeperServer]:
         if self.size == 1:
             return [ZooKeeperServer(self.root / "zookeeper", self.address, self.client_port, self.heap_mb,
                                     pki=self.pki, require_client_auth=self.require_client_auth, sasl=self.sasl,
-                                    c1_only=self.c1_only)]
+                                    short_lived=self.short_lived)]
         if self.pki is not None:
             raise StackError("the local stack runs TLS on a standalone ZooKeeper only")
         peers = tuple(
@@ -300,7 +300,7 @@ class ZooKeeperEnsemble:
         )
         return [
             ZooKeeperServer(self.root / f"zookeeper-{n}", self.address, self.client_port + n - 1, self.heap_mb,
-                            myid=n, peers=peers, name=f"zookeeper-{n}", sasl=self.sasl, c1_only=self.c1_only)
+                            myid=n, peers=peers, name=f"zookeeper-{n}", sasl=self.sasl, short_lived=self.short_lived)
             for n in range(1, self.size + 1)
         ]
 

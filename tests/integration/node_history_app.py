@@ -6,7 +6,9 @@ Times are CLOCK_MONOTONIC, which the pods of one node share with each other and 
 (containers get no time namespace), so windows from different pods compare.
 
     python3 node_history_app.py publish COUNT RATE [PREFIX [KEYS]]  # ids PREFIXm0.., RATE a second
-                                          # at most; with KEYS, message n has the key k<n % KEYS>
+                                          # at most; with KEYS, message n has the key k<n % KEYS>;
+                                          # after a SIGTERM, it stops once the message in hand
+                                          # is answered
     python3 node_history_app.py consume [HANDLE]  # receive and ack until killed or, after a SIGTERM,
                                           # the acks of what it holds are answered; HANDLE seconds
                                           # spent on each message before its ack
@@ -48,8 +50,15 @@ def record(**fields: object) -> None:
 
 
 def publish(count: int, rate: float, prefix: str = "", keys: int = 0) -> None:
+    # Stopped by the test once its faults are over, so that traffic lasts exactly as long as
+    # they do; every id it tried is answered before it exits.
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda number, frame: stopping.append(number))
+    published = 0
     with Client(timeout=10.0) as client:
         for number in range(count):
+            if stopping:
+                break
             # Paced, so that the traffic lasts through the faults the test brings.
             time.sleep(1.0 / rate)
             message_id = f"{prefix}m{number}"
@@ -63,8 +72,9 @@ def publish(count: int, rate: float, prefix: str = "", keys: int = 0) -> None:
                     time.sleep(PAUSE)
                     continue
                 record(op="published", id=message_id, sent=sent, answered=time.monotonic())
+                published += 1
                 break
-    record(op="published_all", count=count)
+    record(op="published_all", count=published)
 
 
 def ack(client: Client, receipt: str) -> str:

@@ -73,8 +73,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(START_TIMEOUT * 2 + 6
 
 EXAMPLES = ROOT / "examples"
 ORDERS = 20
-HISTORY_MESSAGES = 600
 HISTORY_RATE = 4
+# The fault tests' publishers publish until the test stops them, once its last fault is over.
+UNTIL_STOPPED = 1_000_000
 
 
 def example_deployment(worker_image: str) -> dict[str, Any]:
@@ -280,15 +281,15 @@ def zookeeper_mode(kubectl: Kubectl, namespace: str, pod: str) -> str | None:
     return None
 
 
-def start_history_traffic(traffic: HistoryTraffic, worker_image: str, messages: int) -> None:
-    """The history queue and subscriber, a consumer pod and a paced publisher pod of `messages`,
-    returned once traffic moves."""
+def start_history_traffic(traffic: HistoryTraffic, worker_image: str) -> None:
+    """The history queue and subscriber, a consumer pod and a paced publisher pod that publishes
+    until stopped, returned once traffic moves."""
     kubectl, shop = traffic.kubectl, traffic.namespace
     kubectl("apply", "-n", shop, "-f", "-", stdin=HISTORY_RESOURCES)
     kubectl("wait", "-n", shop, "--for=condition=Ready", "queue/history", "subscriber/checker",
             f"--timeout={START_TIMEOUT}s")
     traffic.start_consumer("consumer", worker_image)
-    traffic.start_publisher("publisher", worker_image, messages, HISTORY_RATE)
+    traffic.start_publisher("publisher", worker_image, UNTIL_STOPPED, HISTORY_RATE)
     traffic.progress_after("the start")
 
 
@@ -310,7 +311,7 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
         return bool(pods) and all(is_ready(p) and p["metadata"]["uid"] != old_uid for p in pods)
 
     try:
-        start_history_traffic(traffic, node_images.worker, HISTORY_MESSAGES)
+        start_history_traffic(traffic, node_images.worker)
 
         # The consumer's sidecar, killed with -9 by its runtime; the kubelet starts it again.
         (sidecar,) = [s for s in traffic.pod("consumer")["status"]["initContainerStatuses"]
@@ -348,6 +349,7 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
                  timeout=START_TIMEOUT)
         traffic.progress_after("the Cassandra pod was deleted")
 
+        traffic.stop_publishers()
         traffic.checked_when_whole()
     except BaseException:
         kubectl.show(namespace, shop)
@@ -358,7 +360,6 @@ def test_pods_failed_under_traffic_lose_no_acknowledged_publish(
 
 # The backends' pods: what a drain of a node for them moves.
 BACKENDS = "app.kubernetes.io/name in (zookeeper,cassandra)"
-DRAINED_MESSAGES = 1200
 # A drain evicts the three ZooKeeper members one at a time (their PodDisruptionBudget lets
 # one be unready), each once the one before is Ready on the other node, then Cassandra.
 DRAIN_TIMEOUT = START_TIMEOUT * 3
@@ -415,11 +416,12 @@ def test_drained_nodes_move_the_backends_from_node_to_node_under_traffic_losing_
     traffic = HistoryTraffic(kubectl, first, shop)
     try:
         # The apps' images are on the first node only; the second stays cordoned until the drain.
-        start_history_traffic(traffic, node_images.worker, DRAINED_MESSAGES)
+        start_history_traffic(traffic, node_images.worker)
         drain(embedded_release, first, second_node)
         traffic.progress_after(f"the backends moved to {second_node.name}")
         drain(embedded_release, second_node, first)
         traffic.progress_after(f"the backends moved back to {first.name}")
+        traffic.stop_publishers()
         traffic.checked_when_whole()
     except BaseException:
         kubectl.show(embedded_release.namespace, shop)
