@@ -65,6 +65,7 @@ from casque.devstack.node_host import (
     shims_of_dead_nodes,
     take_host_lock,
     unmount_under,
+    weigh_node_cgroup,
 )
 from casque.devstack.node_namespaces import NodeNamespaces, NodeNetwork, clear_dead_namespaces
 
@@ -493,6 +494,7 @@ def _start_runtime(node: KubeNode, sandbox_image: str, sandbox_archive: Callable
     for hierarchy in cgroup_hierarchies():
         # The kubelet wants its cgroup root to exist in every hierarchy.
         (hierarchy / node.layout.cgroup_root).mkdir(exist_ok=True)
+    weigh_node_cgroup(node.layout.cgroup_root, os.cpu_count() or 1)
     _spawn(node, "containerd", ["containerd", "--config", str(directory / "containerd.toml")])
     _wait_for("containerd", lambda: subprocess.run(node.ctr("version"), capture_output=True).returncode == 0,
               node, 30)

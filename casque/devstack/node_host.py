@@ -39,7 +39,7 @@ from casque.devstack.kube import KubeStartError
 
 __all__ = ["BRIDGE", "CGROUP_ROOT", "POD_SUBNET", "HostBaseline", "cgroup_hierarchies", "kube_router_ipsets",
            "mounts_under", "pod_namespaces", "remove_cgroups", "rules_into", "shims_of_dead_nodes", "take_host_lock",
-           "unmount_under"]
+           "unmount_under", "weigh_node_cgroup"]
 
 BRIDGE = "casque0"
 POD_SUBNET = "10.244.0.0/24"
@@ -162,6 +162,21 @@ def cgroup_hierarchies() -> list[Path]:
     if not CGROUP_MOUNT.is_dir():
         return []
     return [p for p in CGROUP_MOUNT.iterdir() if p.is_dir() and (p / "cgroup.procs").exists()]
+
+
+def weigh_node_cgroup(root: str, cores: int) -> None:
+    """Give the node's cgroup `root` the CPU weight of `cores` cores, as the kubelet weighs its
+    pods' cgroup by the node's capacity. The node's pods share that one cgroup, which the
+    host's scheduler weighs against each busy thread of the host's own (cgroup v1 puts the
+    root's threads beside its child groups): left at one thread's weight, the pods of a node
+    on a busy host started their JVMs at a few percent of a core."""
+    shares = 1024 * cores
+    for hierarchy in cgroup_hierarchies():
+        node = hierarchy / root
+        if (node / "cpu.shares").exists():
+            (node / "cpu.shares").write_text(str(shares))
+        elif (node / "cpu.weight").exists():  # cgroup v2: the kubelet's conversion of shares
+            (node / "cpu.weight").write_text(str(1 + (shares - 2) * 9999 // 262142))
 
 
 def remove_cgroups(root: Path) -> None:

@@ -22,7 +22,8 @@ from casque.devstack.node import (
     firewall_command,
     kubelet_config,
 )
-from casque.devstack.node_host import BRIDGE, CGROUP_ROOT, kube_router_ipsets, rules_into
+from casque.devstack import node_host
+from casque.devstack.node_host import BRIDGE, CGROUP_ROOT, kube_router_ipsets, rules_into, weigh_node_cgroup
 from casque.devstack.node_namespaces import NodeNetwork
 from casque.devstack.stack import Stack
 from casque.errors import StackError
@@ -38,6 +39,25 @@ def test_containerd_keeps_to_its_own_directory_and_restricts_oom_scores(tmp_path
     assert runc["SystemdCgroup"] is False
     for path in (config["root"], config["state"], config["grpc"]["address"], runc["Root"]):
         assert Path(path).is_relative_to(tmp_path)
+
+
+def test_a_nodes_cgroup_weighs_as_many_cores_as_the_node_has_in_either_cgroup_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A cgroup v1 mount (a cpu hierarchy, and one without CPU files) and a v2 one.
+    for hierarchy, files in (("v1/cpu", ("cpu.shares",)), ("v1/memory", ()), ("v2", ("cpu.weight",))):
+        (tmp_path / hierarchy).mkdir(parents=True)
+        (tmp_path / hierarchy / "cgroup.procs").touch()
+        (tmp_path / hierarchy / CGROUP_ROOT).mkdir()
+        for name in files:
+            (tmp_path / hierarchy / CGROUP_ROOT / name).write_text("100\n")
+    monkeypatch.setattr(node_host, "CGROUP_MOUNT", tmp_path / "v1")
+    weigh_node_cgroup(CGROUP_ROOT, 2)
+    assert (tmp_path / "v1" / "cpu" / CGROUP_ROOT / "cpu.shares").read_text() == "2048"
+    assert not list((tmp_path / "v1" / "memory" / CGROUP_ROOT).iterdir())
+    monkeypatch.setattr(node_host, "CGROUP_MOUNT", tmp_path)
+    weigh_node_cgroup(CGROUP_ROOT, 2)
+    assert (tmp_path / "v2" / CGROUP_ROOT / "cpu.weight").read_text() == "79"  # what the kubelet gives 2048 shares
 
 
 def test_the_pods_network_adds_no_nat_rules(tmp_path: Path) -> None:

@@ -675,7 +675,9 @@ seccompProfile:
 {{- end -}}
 
 {{/* maxUnavailable 1: a node drain takes one member at a time. A member that is not ready
-serves no quorum and no client, so evicting it takes nothing away: it never holds up a drain. */}}
+may only be slow (its probe timed out on a busy node) and still vote in the quorum, so it is
+evicted only while the others are all healthy (IfHealthyBudget): a drain never takes the
+ensemble or the ring below a quorum, and one member down alone never holds a drain up. */}}
 {{- define "casque.backendDisruptionBudget" -}}
 {{- $root := index . 0 -}}
 apiVersion: policy/v1
@@ -687,7 +689,7 @@ metadata:
     {{- include "casque.backendLabels" . | nindent 4 }}
 spec:
   maxUnavailable: 1
-  unhealthyPodEvictionPolicy: AlwaysAllow
+  unhealthyPodEvictionPolicy: IfHealthyBudget
   selector:
     matchLabels:
       {{- include "casque.backendSelectorLabels" . | nindent 6 }}
