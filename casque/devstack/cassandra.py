@@ -63,10 +63,12 @@ JAVA17_MODULE_FLAGS = [
     "-Dio.netty.tryReflectionSetAccessible=true",
 ]
 
-# A node that lives for minutes does not flush the system tables at each schema change (what
-# Cassandra's own tests run with): the test suite creates and drops tables by the thousand,
-# and each change flushed every schema table. The commit log still holds them, and a node
-# stopped by SIGTERM flushes everything as it drains.
+# A node that lives for minutes does not flush the system tables at each schema change or
+# TRUNCATE (what Cassandra's own tests run with): the test suite makes, empties and drops
+# tables by the thousand, and each one flushed system.local or every schema table. The
+# commit log still holds them, and a node stopped by SIGTERM flushes everything as it drains;
+# one killed instead could replay rows a TRUNCATE removed, as the truncation's record is not
+# yet on disk for the replay to read.
 SHORT_LIVED_FLAGS = ("-Dcassandra.unsafesystem=true",)
 
 
