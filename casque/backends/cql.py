@@ -72,6 +72,9 @@ RETRYABLE = (
 # messages) then waits for the server's delayed ACK, about 40 ms: ten times the write itself.
 SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
+# How long a request waits for its answer before it is retried or fails.
+REQUEST_TIMEOUT_SECONDS = 10.0
+
 # How soon a node marked down is tried again. The driver's default doubles from 1 s to 10
 # minutes and gives up after 64 attempts: a sidecar cut off from its nodes for a minute
 # stayed away about as long again after the network healed, and one cut off long enough
@@ -147,7 +150,7 @@ def connect(settings: Settings, schema_of: str | None = None) -> tuple[Cluster, 
     profile = ExecutionProfile(
         load_balancing_policy=TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=settings.cassandra_local_dc)),
         consistency_level=consistency(settings.consistency),
-        request_timeout=10.0,
+        request_timeout=REQUEST_TIMEOUT_SECONDS,
         row_factory=named_rows,
     )
     try:
@@ -161,6 +164,11 @@ def connect(settings: Settings, schema_of: str | None = None) -> tuple[Cluster, 
             reconnection_policy=WatchedReconnectionPolicy(RECONNECT_BASE_SECONDS, RECONNECT_MAX_SECONDS, max_attempts=None),
             reprepare_on_up=REPREPARE_ON_UP,
             schema_metadata_enabled=schema_of is None,
+            # The control connection's reads (the nodes, the schema: all of it for a process
+            # that works in more than one keyspace, such as the CLI) get a request's time, not
+            # the driver's 2 s: a node that slow under load is busy, not down, and a one-shot
+            # command would say it is unreachable.
+            control_connection_timeout=REQUEST_TIMEOUT_SECONDS,
             **tls_options(settings),
         )
     except UnresolvableContactPoints as error:
