@@ -1,12 +1,16 @@
 """Where a run's CPU went: CPU seconds by kind of process, sampled from /proc.
 
-    python scripts/cpu_by_process.py --while PID [--every 2] [--top 25]
+    python scripts/cpu_by_process.py --while PID [--every 2] [--top 25] [--processes 30]
 
 Samples every process's user and system time every `--every` seconds until process PID
 ends (or SIGTERM/SIGINT), then prints the CPU seconds of each kind of process (Cassandra,
 ZooKeeper, sidecars, the API server, ...), the machine's busy CPU from /proc/stat beside
 them, and how much of the run the cores were saturated. The suite is bound by CPU on two
 cores, so this says what a cut in suite time has to take out.
+
+With `--processes N` it lists the N costliest processes too, each with where it ran (a
+Cassandra node's storage directory, a ZooKeeper's configuration, else its working directory):
+which of the suite's many Cassandra nodes cost what.
 
 A process is counted up to its last sample: one that lives less than a sample's interval is
 missed, and what the kinds do not cover shows as "unattributed" (the machine's busy time
@@ -75,6 +79,21 @@ def _argv(pid: str) -> list[str]:
         return []
 
 
+def _where(pid: str, argv: list[str]) -> str:
+    """Which of its kind a process is: a Java server by the state directory its options
+    name, any other by its working directory."""
+    for prefix in ("-Dcassandra.storagedir=", "-Dzookeeper.datadir=", "-Dspark.local.dir="):
+        found = next((arg[len(prefix):] for arg in argv if arg.startswith(prefix)), None)
+        if found:
+            return found
+    if argv and Path(argv[0]).name == "java" and argv[-1].endswith(".cfg"):
+        return argv[-1]  # ZooKeeper's QuorumPeerMain takes its configuration file last
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return "?"
+
+
 def _machine_busy_and_total() -> tuple[float, float]:
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = values[3] + values[4]
@@ -87,6 +106,7 @@ class Sampler:
         self.me = str(os.getpid())
         # (pid, start) -> (kind, CPU seconds at the first sample, at the last one)
         self.seen: dict[tuple[str, str], tuple[str, float, float]] = {}
+        self.where: dict[tuple[str, str], str] = {}
         self.busy_start, self.total_start = _machine_busy_and_total()
         self.samples = 0
         self.saturated = 0
@@ -109,6 +129,7 @@ class Sampler:
                 # Counted from its start when it began during the run, else from now.
                 began_before = not self.samples
                 self.seen[key] = (kind, cpu if began_before else 0.0, cpu)
+                self.where[key] = _where(pid, argv)
             else:
                 self.seen[key] = (kind, known[1], cpu)
         busy, total = _machine_busy_and_total()
@@ -117,7 +138,7 @@ class Sampler:
         self._last_busy, self._last_total = busy, total
         self.samples += 1
 
-    def report(self, wall: float, top: int) -> str:
+    def report(self, wall: float, top: int, processes_listed: int = 0) -> str:
         by_kind: dict[str, float] = {}
         processes: dict[str, int] = {}
         for kind, first, last in self.seen.values():
@@ -137,6 +158,11 @@ class Sampler:
         if self.samples:
             share = self.saturated * 100 / self.samples
             lines.append(f"cores at least 90% busy in {share:.0f}% of {self.samples} samples")
+        if processes_listed:
+            lines.append(f"the {processes_listed} costliest processes:")
+            costliest = sorted(self.seen.items(), key=lambda item: item[1][1] - item[1][2])[:processes_listed]
+            lines += [f"{last - first:9.0f} s  {kind}  {self.where.get(key, '?')}"
+                      for key, (kind, first, last) in costliest]
         return "\n".join(lines)
 
 
@@ -155,6 +181,7 @@ def main() -> None:
     parser.add_argument("--while", dest="watched", type=int, required=True, help="sample while this process lives")
     parser.add_argument("--every", type=float, default=2.0, help="seconds between samples")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--processes", type=int, default=0, help="list this many of the costliest processes too")
     parser.add_argument("--out", type=Path, help="write the report here too")
     args = parser.parse_args()
     stopping = False
@@ -171,7 +198,7 @@ def main() -> None:
         sampler.sample()
         time.sleep(args.every)
     sampler.sample()
-    report = sampler.report(time.monotonic() - started, args.top)
+    report = sampler.report(time.monotonic() - started, args.top, args.processes)
     print(report, flush=True)
     if args.out is not None:
         args.out.write_text(report + "\n")

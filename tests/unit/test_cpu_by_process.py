@@ -4,6 +4,7 @@ arguments: the suite's servers run from test directories whose paths name pytest
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,22 @@ _spec.loader.exec_module(cpu_by_process)
 ])
 def test_a_process_is_named_by_what_it_runs(argv: list[str], kind: str) -> None:
     assert cpu_by_process.kind_of(argv) == kind
+
+
+def test_a_server_is_told_apart_by_its_state_directory_and_any_other_process_by_its_working_directory() -> None:
+    assert cpu_by_process._where("1", ["java", "-Dcassandra.storagedir=/tmp/ring/cassandra-2",
+                                      "org.apache.cassandra.service.CassandraDaemon"]) == "/tmp/ring/cassandra-2"
+    assert cpu_by_process._where("1", ["java", "-cp", "z.jar", "org.apache.zookeeper.server.quorum.QuorumPeerMain",
+                                      "/tmp/stack/zookeeper/zoo.cfg"]) == "/tmp/stack/zookeeper/zoo.cfg"
+    assert cpu_by_process._where(str(os.getpid()), ["python", "-m", "http.server"]) == os.getcwd()
+
+
+def test_the_costliest_processes_are_listed_with_where_they_ran() -> None:
+    sampler = cpu_by_process.Sampler()
+    sampler.total_start -= 200.0  # as if 100 s on two cores had passed
+    sampler.seen = {("10", "1"): ("cassandra", 0.0, 90.0), ("11", "1"): ("cassandra", 5.0, 20.0),
+                    ("12", "1"): ("sidecar", 0.0, 40.0)}
+    sampler.where = {("10", "1"): "/tmp/ring/cassandra-1", ("11", "1"): "/tmp/stack/cassandra-1",
+                     ("12", "1"): "/tmp/app"}
+    listed = sampler.report(wall=100.0, top=5, processes_listed=2).split("the 2 costliest processes:\n")[1]
+    assert listed.splitlines() == ["       90 s  cassandra  /tmp/ring/cassandra-1", "       40 s  sidecar  /tmp/app"]
