@@ -33,6 +33,7 @@ from tests.fixtures.node import (  # noqa: F401
 from tests.fixtures.node_apps import node_keyspace_and_root  # noqa: F401
 from tests.fixtures.node_release import embedded_release  # noqa: F401
 from tests.fixtures.sidecars import start_sidecar  # noqa: F401
+from tests.fixtures.spark_conf import use_short_lived_spark
 from tests.fixtures.stack import (  # noqa: F401
     backends,
     cql,
@@ -53,6 +54,10 @@ INTEGRATION = Path(__file__).parent / "integration"
 # Fixtures that start a server (directly or through the fixtures they depend on).
 SERVER_FIXTURES = frozenset({"backends", "ring", "dc_ring", "kube_cluster", "zookeeper_ensemble", "secure_stack",
                              "node_stack", "node_cluster", "kube_node", "embedded_release"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    use_short_lived_spark()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

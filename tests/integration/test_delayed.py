@@ -285,19 +285,20 @@ async def test_a_row_that_lands_behind_the_mover_is_moved_once_by_its_writer(
     publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
     cursor_path = store.paths(QUEUE).mover
 
-    def mover_until() -> datetime:
+    def mover_moved() -> datetime:
         cursor = delayed.read_cursor(store.zk.get(cursor_path)[0])
         assert cursor is not None
-        return cursor.until
+        return cursor.moved
 
     insert = delayed.DelayedStore.insert
     if late == "slow write":
         due = datetime.now(timezone.utc) + timedelta(seconds=2)
 
         async def slow_insert(self: delayed.DelayedStore, *args: object) -> None:
-            # The write lands only after the mover's passes have gone past its due time.
-            passes = mover.passes
-            while not (mover_until() > due and mover.passes >= passes + 2):
+            # The write lands only once the pass that reads rows due at its due time is done
+            # (`moved`, not `until`: a pass sets `until` before it reads, and a row landing
+            # while it reads is read and moved by the mover itself).
+            while not mover_moved() > due:
                 await asyncio.sleep(0.05)
             await insert(self, *args)  # type: ignore[arg-type]
 

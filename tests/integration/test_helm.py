@@ -965,6 +965,22 @@ def test_the_embedded_backends_are_accepted_by_the_api_server(
             documents, "Deployment")["spec"]["template"]["spec"]["volumes"]
 
 
+def test_the_backends_servers_take_jvm_options_from_the_values_and_none_by_default(tools: Tools) -> None:
+    def java_tool_options(values: dict[str, Any]) -> dict[str, str | None]:
+        documents = tools.render("shop", values, release="shop")
+        found = {}
+        for backend in ("zookeeper", "cassandra"):
+            (server,) = named(documents, "StatefulSet", f"shop-casque-{backend}")["spec"]["template"]["spec"]["containers"]
+            found[backend] = {e["name"]: e.get("value") for e in server["env"]}.get("JAVA_TOOL_OPTIONS")
+        return found
+
+    assert java_tool_options(embedded(1)) == {"zookeeper": None, "cassandra": None}
+    options = embedded(1, zookeeper={"javaToolOptions": "-XX:TieredStopAtLevel=1"},
+                       cassandra={"javaToolOptions": "-Xlog:gc:file=/logs/gc.log -XX:+UseParallelGC"})
+    assert java_tool_options(options) == {"zookeeper": "-XX:TieredStopAtLevel=1",
+                                          "cassandra": "-Xlog:gc:file=/logs/gc.log -XX:+UseParallelGC"}
+
+
 def test_the_network_policies_cover_the_embedded_backends_by_default(tools: Tools) -> None:
     documents = tools.render("casque", embedded(3), release="shop")
     policies = {p["metadata"]["name"]: p["spec"] for p in of_kind(documents, "NetworkPolicy")}

@@ -36,6 +36,7 @@ from casque.backends.superuser import DEFAULT_PASSWORD, DEFAULT_SUPERUSER, Secur
 from casque.backends import zk
 from casque.config import CassandraTlsSettings, ReplicationSettings, Settings, ZooKeeperTlsSettings
 from casque.devstack.backend_images import IMAGE_MAX_CLIENT_CONNECTIONS
+from casque.devstack.jvm import C1_ONLY_FLAGS
 from casque.devstack.pki import issue_cert, make_ca
 from casque.errors import AccessDenied
 from casque.devstack.kube import KubeCluster
@@ -97,6 +98,10 @@ class Containers:
               network: str = "host") -> tuple[subprocess.Popen[bytes], Path, str]:
         name = name or self.name()
         log = self.tmp_path / f"{name}.log"
+        if isinstance(self.images, BackendImages):
+            # A backend here lives for a test: its JVM compiles with C1 only, as the suite's
+            # own servers do (casque.devstack.jvm); a later --env in `options` overrides it.
+            options = ("--env", f"JAVA_TOOL_OPTIONS={' '.join(C1_ONLY_FLAGS)}", *options)
         run = hardened(image, name, network)
         command = ["podman", *run[:-1], *options, run[-1], *args]
         self.names.append(name)
