@@ -6,6 +6,9 @@ the developer's stack and the backends' images, whose servers run for hours."""
 # requests, after which C1's code costs about a quarter more per request (a session's
 # figures: tests/fixtures/stack.py).
 C1_ONLY_FLAGS = ("-XX:TieredStopAtLevel=1",)
+# The same as one string, for what takes JVM options as text (JAVA_TOOL_OPTIONS, Spark's
+# defaultJavaOptions, the chart's javaToolOptions).
+C1_ONLY_OPTIONS = " ".join(C1_ONLY_FLAGS)
 
 
 def compiler_flags(short_lived: bool) -> list[str]:

@@ -36,7 +36,7 @@ from casque.backends.superuser import DEFAULT_PASSWORD, DEFAULT_SUPERUSER, Secur
 from casque.backends import zk
 from casque.config import CassandraTlsSettings, ReplicationSettings, Settings, ZooKeeperTlsSettings
 from casque.devstack.backend_images import IMAGE_MAX_CLIENT_CONNECTIONS
-from casque.devstack.jvm import C1_ONLY_FLAGS
+from casque.devstack.jvm import C1_ONLY_OPTIONS
 from casque.devstack.pki import issue_cert, make_ca
 from casque.errors import AccessDenied
 from casque.devstack.kube import KubeCluster
@@ -101,7 +101,7 @@ class Containers:
         if isinstance(self.images, BackendImages):
             # A backend here lives for a test: its JVM compiles with C1 only, as the suite's
             # own servers do (casque.devstack.jvm); a later --env in `options` overrides it.
-            options = ("--env", f"JAVA_TOOL_OPTIONS={' '.join(C1_ONLY_FLAGS)}", *options)
+            options = ("--env", f"JAVA_TOOL_OPTIONS={C1_ONLY_OPTIONS}", *options)
         run = hardened(image, name, network)
         command = ["podman", *run[:-1], *options, run[-1], *args]
         self.names.append(name)
