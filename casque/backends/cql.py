@@ -46,6 +46,7 @@ from cassandra.query import (
     tuple_factory,
 )
 
+from casque.backends.loop_handoff import call_soon_unless_closed
 from casque.backends.rediscovery import NodeWatch, WatchedReconnectionPolicy
 from casque.backends.tls import client_context, probe
 from casque.config import Settings
@@ -381,10 +382,10 @@ async def _result(response: ResponseFuture) -> Any:
     done: asyncio.Future[Any] = loop.create_future()
 
     def on_result(_: Any) -> None:
-        loop.call_soon_threadsafe(_settle, done, response, None)
+        call_soon_unless_closed(loop, _settle, done, response, None)
 
     def on_error(error: BaseException) -> None:
-        loop.call_soon_threadsafe(_settle, done, response, error)
+        call_soon_unless_closed(loop, _settle, done, response, error)
 
     response.add_callbacks(on_result, on_error)
     try:

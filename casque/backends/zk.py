@@ -37,6 +37,7 @@ from kazoo.protocol.serialization import Connect
 from kazoo.protocol.states import KeeperState
 from kazoo.retry import KazooRetry
 
+from casque.backends.loop_handoff import call_soon_unless_closed
 from casque.backends.tls import client_context, probe
 from casque.backends.zkacl import AclClient, Identity, Scheme, installation_policy, namespace_policy, parse_acl
 from casque.backends.zkpoll import PollingHandler
@@ -362,9 +363,9 @@ async def call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             value = result.get_nowait()
         except BaseException as error:  # handed to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, done, None, error)
+            call_soon_unless_closed(loop, _settle, done, None, error)
         else:
-            loop.call_soon_threadsafe(_settle, done, value, None)
+            call_soon_unless_closed(loop, _settle, done, value, None)
 
     async_result.rawlink(on_done)
     try:
@@ -413,7 +414,7 @@ def watch_in_loop(
     def trampoline(*args: Any) -> bool:
         if not active() or loop.is_closed():
             return False
-        loop.call_soon_threadsafe(callback, *args)
+        call_soon_unless_closed(loop, callback, *args)
         return True
 
     return trampoline
