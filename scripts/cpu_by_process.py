@@ -14,7 +14,11 @@ which of the suite's many Cassandra nodes cost what.
 
 A process is counted up to its last sample: one that lives less than a sample's interval is
 missed, and what the kinds do not cover shows as "unattributed" (the machine's busy time
-less the sampled processes').
+less the sampled processes'). Most of that is processes that ended between two samples (the
+last moments of each, or all of a short one). The kernel adds what a process used to the
+CPU of its children in its parent's /proc stat when the parent reaps it; less what the
+samples saw of those children, that is their unsampled CPU, which the report gives by the
+kind of process that started them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 TICKS = os.sysconf("SC_CLK_TCK")
 # A Java process by its main class, a Python one by what it runs, any other by its program:
@@ -62,14 +67,21 @@ def kind_of(argv: list[str]) -> str:
     return program or "kernel threads"
 
 
-def _start_and_cpu(pid: str) -> tuple[str, float] | None:
-    """When the process started (in ticks since boot: a pid is reused, a start is not) and
-    its CPU seconds so far; None once it is gone."""
+class Stat(NamedTuple):
+    started: str  # in ticks since boot: a pid is reused, a start is not
+    cpu: float  # its own CPU seconds so far
+    children_cpu: float  # the CPU seconds of the children it has reaped (and theirs)
+    parent: str
+
+
+def _stat(pid: str) -> Stat | None:
+    """What /proc says of the process; None once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return fields[19], (int(fields[11]) + int(fields[12])) / TICKS
+    return Stat(fields[19], (int(fields[11]) + int(fields[12])) / TICKS, (int(fields[13]) + int(fields[14])) / TICKS,
+                fields[1])
 
 
 def _argv(pid: str) -> list[str]:
@@ -107,20 +119,27 @@ class Sampler:
         # (pid, start) -> (kind, CPU seconds at the first sample, at the last one)
         self.seen: dict[tuple[str, str], tuple[str, float, float]] = {}
         self.where: dict[tuple[str, str], str] = {}
+        # (pid, start) -> (its parent's pid, its reaped children's CPU at the first sample, at the last)
+        self.reaped: dict[tuple[str, str], tuple[str, float, float]] = {}
+        self.alive: set[tuple[str, str]] = set()  # as of the last sample
         self.busy_start, self.total_start = _machine_busy_and_total()
         self.samples = 0
         self.saturated = 0
         self._last_busy, self._last_total = self.busy_start, self.total_start
 
     def sample(self) -> None:
+        alive = set()
         for pid in filter(str.isdigit, os.listdir("/proc")):
             if pid == self.me:
                 continue
-            read = _start_and_cpu(pid)
+            read = _stat(pid)
             if read is None:
                 continue
-            started, cpu = read
+            started, cpu = read.started, read.cpu
             key = (pid, started)
+            alive.add(key)
+            reaped = self.reaped.get(key)
+            self.reaped[key] = (read.parent, read.children_cpu if reaped is None else reaped[1], read.children_cpu)
             known = self.seen.get(key)
             # Named again at every sample: a container's entrypoint script execs its server.
             argv = _argv(pid)
@@ -136,7 +155,24 @@ class Sampler:
         if total > self._last_total and (busy - self._last_busy) / (total - self._last_total) >= 0.9:
             self.saturated += 1
         self._last_busy, self._last_total = busy, total
+        self.alive = alive
         self.samples += 1
+
+    def ended_between_samples(self) -> dict[str, float]:
+        """The CPU seconds of children that no sample saw, by the kind of their parent: what
+        each parent reaped during the run, less what the samples saw of its children that
+        ended (their own and their reaped children's)."""
+        seen_of_ended: dict[str, float] = {}
+        for key, (parent, _, children_last) in self.reaped.items():
+            if key not in self.alive:
+                seen_of_ended[parent] = seen_of_ended.get(parent, 0.0) + self.seen[key][2] + children_last
+        by_parent_kind: dict[str, float] = {}
+        for key, (_, children_first, children_last) in self.reaped.items():
+            unseen = children_last - children_first - seen_of_ended.get(key[0], 0.0)
+            if unseen > 0:
+                kind = self.seen[key][0]
+                by_parent_kind[kind] = by_parent_kind.get(kind, 0.0) + unseen
+        return by_parent_kind
 
     def report(self, wall: float, top: int, processes_listed: int = 0) -> str:
         by_kind: dict[str, float] = {}
@@ -153,6 +189,9 @@ class Sampler:
                   if seconds >= 0.5]
         attributed = sum(by_kind.values())
         lines.append(f"{max(machine_busy - attributed, 0.0):9.0f} s  unattributed (processes shorter than a sample)")
+        unseen = sorted(self.ended_between_samples().items(), key=lambda item: -item[1])
+        lines += [f"{seconds:9.0f} s    of it ended between samples, started by {kind}" for kind, seconds in unseen[:top]
+                  if seconds >= 0.5]
         lines.append(f"{machine_busy:9.0f} s  the machine's busy CPU "
                      f"({machine_busy / (total - self.total_start) * 100:.0f}% of its cores' time)")
         if self.samples:

@@ -55,3 +55,20 @@ def test_the_costliest_processes_are_listed_with_where_they_ran() -> None:
                      ("12", "1"): "/tmp/app"}
     listed = sampler.report(wall=100.0, top=5, processes_listed=2).split("the 2 costliest processes:\n")[1]
     assert listed.splitlines() == ["       90 s  cassandra  /tmp/ring/cassandra-1", "       40 s  sidecar  /tmp/app"]
+
+
+def test_what_children_used_after_their_last_sample_is_given_by_the_kind_that_started_them() -> None:
+    sampler = cpu_by_process.Sampler()
+    sampler.total_start -= 200.0
+    worker, sidecar, gone = ("10", "1"), ("11", "5"), ("12", "6")
+    podman, its_child = ("20", "1"), ("21", "7")
+    sampler.seen = {worker: ("pytest workers", 0.0, 30.0), sidecar: ("sidecar", 0.0, 1.5),
+                    gone: ("casque CLI", 0.0, 0.5), podman: ("podman", 0.0, 2.0), its_child: ("other", 0.0, 1.2)}
+    # A worker reaped 5 s of children: a sidecar seen up to 1.5 s, whose own children (never
+    # seen) used 0.2 s, a CLI seen up to 0.5 s, and what no sample saw. A parent that reaped
+    # less than its children were seen using adds nothing.
+    sampler.reaped = {worker: ("1", 0.0, 5.0), sidecar: ("10", 0.0, 0.2), gone: ("10", 0.0, 0.0),
+                      podman: ("1", 0.0, 1.0), its_child: ("20", 0.0, 0.0)}
+    sampler.alive = {worker, podman}
+    assert sampler.ended_between_samples() == pytest.approx({"pytest workers": 5.0 - 1.7 - 0.5, "sidecar": 0.2})
+    assert "        3 s    of it ended between samples, started by pytest workers" in sampler.report(100.0, top=5)
