@@ -40,8 +40,8 @@ fi
 
 # The checkout's sources as bytecode, ahead of their first import: pip compiles what it
 # installs, but not the sources of an editable install, and where PYTHONDONTWRITEBYTECODE is
-# set (as on the machines this runs on) each process would compile them again: 0.25 s of CPU
-# at every sidecar's start, of some 1.2 s. The tests' and benchmarks' helpers too: the suite
+# set (as on the machines this runs on) each process would compile them again: 0.25 s of the
+# 1 s of CPU a sidecar spends importing. The tests' and benchmarks' helpers too: the suite
 # runs them as processes of their own. Up-to-date files are skipped.
 .venv/bin/python -m compileall -q -j 0 casque operator sidecar client/casque_client tests bench
 .venv/bin/casque dev install >/dev/null
