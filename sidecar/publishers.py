@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from kazoo.recipe.watchers import DataWatch
 
 from casque.engine.publisher import Publisher
+from casque.backends.loop_handoff import call_soon_unless_closed
 from casque.store import Store
 
 
@@ -61,7 +62,7 @@ class QueuePublishers:
             if self._current.get(name) is not publisher or loop.is_closed():
                 return False  # replaced already: drop this watch
             if event is not None:
-                loop.call_soon_threadsafe(forget)
+                call_soon_unless_closed(loop, forget)
                 return False
             return True
 

@@ -55,6 +55,7 @@ from casque.errors import CasqueError, QueueNotFound, QuotaExceeded
 from casque.formats import unmarked
 from casque.schema import DELAY_BUCKET_SECONDS, DELAYED_TABLE, QueueRef
 from casque.specs import QueueState
+from casque.backends.loop_handoff import call_soon_unless_closed
 from casque.store import Store
 
 log = logging.getLogger(__name__)
@@ -310,7 +311,7 @@ class DelayMover:
 
             def on_state(state: str) -> None:
                 if state in (KazooState.SUSPENDED, KazooState.LOST):
-                    loop.call_soon_threadsafe(lost.set)
+                    call_soon_unless_closed(loop, lost.set)
 
             self._store.zk.add_listener(on_state)
             try:

@@ -28,6 +28,7 @@ from casque.engine import claims
 from casque.engine.claims import ClaimRecord
 from casque.engine.keylocks import KeyLocks
 from casque.engine.member import Member
+from casque.backends.loop_handoff import call_soon_unless_closed
 from casque.errors import CasqueError
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,8 @@ class ForeignRanges:
         loop = asyncio.get_running_loop()
 
         def fired(event: WatchedEvent) -> None:  # kazoo's thread
-            if self._active() and not loop.is_closed():
-                loop.call_soon_threadsafe(self._changed, shard, name, event)
+            if self._active():
+                call_soon_unless_closed(loop, self._changed, shard, name, event)
 
         record = await claims.read_claim(self.client, self.paths, shard, name, fired)
         names = self._names.get(shard)

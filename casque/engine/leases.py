@@ -56,6 +56,7 @@ from casque.backends import zk
 from casque.engine.protocol import SPEAKS
 from casque.engine.session_trust import SessionTrust, session_of
 from casque.errors import BackendUnavailable
+from casque.backends.loop_handoff import call_soon_unless_closed
 from casque.znodes import SubscriberPaths
 
 log = logging.getLogger(__name__)
@@ -265,9 +266,9 @@ class ShardLeases:
 
     def _on_state(self, state: str) -> None:
         # Called on kazoo's thread: hand over to the loop.
-        if self._loop is None or self._loop.is_closed():
+        if self._loop is None:
             return
-        self._loop.call_soon_threadsafe(self._state_changed, state)
+        call_soon_unless_closed(self._loop, self._state_changed, state)
 
     def _state_changed(self, state: str) -> None:
         if state == KazooState.LOST:

@@ -25,6 +25,7 @@ from casque.engine.protocol import SPEAKS
 from casque.engine.session_trust import session_of
 from casque.errors import BackendUnavailable
 from casque.schema import QueueRef
+from casque.backends.loop_handoff import call_soon_unless_closed
 from casque.store import Store
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class Presence:
             self._lost = True
         elif state == KazooState.CONNECTED and self._lost:
             self._lost = False
-            self._loop.call_soon_threadsafe(self._remake)
+            call_soon_unless_closed(self._loop, self._remake)
         return False
 
     def _remake(self) -> None:
