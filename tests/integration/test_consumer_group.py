@@ -477,6 +477,27 @@ async def test_a_batch_published_while_a_caught_up_read_is_under_way_is_read_nex
     assert consumer.counters.retries == 0, reader.problem
 
 
+async def test_a_trickle_of_batches_costs_one_read_each(
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caught-up reader woken by the head's watch reads the new batch and goes back to
+    waiting: it does not read again at once to find nothing. (A read costs more CPU in the
+    drivers than the rest of a message's delivery when messages come one at a time.)"""
+    monkeypatch.setattr(shard_reader, "CAUGHT_UP_RECHECK_SECONDS", 3600.0)  # no slow rechecks meanwhile
+    spec = setup(store, shards=1)
+    consumer = await start(consumers, store)
+    await until("the member holds shard 0", lambda: consumer.held_shards == {0})
+    await until("the reader is caught up", lambda: consumer.readers[0].caught_up)
+    reads = consumer.counters.batch_reads
+    trickle = 10
+    for n in range(trickle):
+        sent = await publish(store, spec, [f"one-{n}"])
+        (got,) = await take(consumer, 1)
+        assert got.message.message_id in sent
+    # A ZooKeeper reconnect makes the watch fire again: at most a read or two more.
+    assert consumer.counters.batch_reads - reads <= trickle + 2, consumer.counters.batch_reads - reads
+
+
 # --- 4. gaps ------------------------------------------------------------------------------
 
 async def test_batches_expired_below_the_offset_are_skipped_and_the_offset_moves_on(
