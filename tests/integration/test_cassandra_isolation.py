@@ -81,7 +81,8 @@ def installation(secure_stack: Stack) -> Iterator[Settings]:
         settings = secure_settings(secure_stack, keyspace, chrooted, cassandra_isolation="keyspace",
                                    derivation_key=SecretStr(secrets.token_urlsafe(32)))
         yield settings
-        admin = Store.open(settings)
+        # A new login can take longer than the driver's 5 s on a loaded machine: asked again.
+        admin = wait_for("a login for the clean-up", lambda: opened(settings), timeout=120)
         try:
             for namespace in (A, B):
                 role = tenancy.cassandra_role(settings, namespace)
@@ -91,6 +92,13 @@ def installation(secure_stack: Stack) -> Iterator[Settings]:
             admin.session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}", timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
         finally:
             admin.close()
+
+
+def opened(settings: Settings) -> Store | None:
+    try:
+        return Store.open(settings)
+    except BackendUnavailable:  # the driver's connect timed out
+        return None
 
 
 @pytest.fixture
