@@ -122,6 +122,7 @@ class Sampler:
         # (pid, start) -> (its parent's pid, its reaped children's CPU at the first sample, at the last)
         self.reaped: dict[tuple[str, str], tuple[str, float, float]] = {}
         self.alive: set[tuple[str, str]] = set()  # as of the last sample
+        self.last_sample: dict[tuple[str, str], int] = {}  # (pid, start) -> the last sample that saw it
         self.busy_start, self.total_start = _machine_busy_and_total()
         self.samples = 0
         self.saturated = 0
@@ -138,6 +139,7 @@ class Sampler:
             started, cpu = read.started, read.cpu
             key = (pid, started)
             alive.add(key)
+            self.last_sample[key] = self.samples
             reaped = self.reaped.get(key)
             self.reaped[key] = (read.parent, read.children_cpu if reaped is None else reaped[1], read.children_cpu)
             known = self.seen.get(key)
@@ -162,10 +164,23 @@ class Sampler:
         """The CPU seconds of children that no sample saw, by the kind of their parent: what
         each parent reaped during the run, less what the samples saw of its children that
         ended (their own and their reaped children's)."""
+        children: dict[str, list[tuple[str, str]]] = {}
+        for key, (parent, _, _) in self.reaped.items():
+            children.setdefault(parent, []).append(key)
+
+        def handed_to_parent(key: tuple[str, str]) -> float:
+            """What an ended process gave its parent when reaped, as far as the samples saw:
+            its own CPU and its reaped children's at its last sample, and what its children
+            still alive then gave it after (a shell that reaps its jobs as it exits)."""
+            last = self.last_sample.get(key, 0)
+            later = sum(handed_to_parent(child) for child in children.get(key[0], [])
+                        if child not in self.alive and child in self.seen and self.last_sample.get(child, -1) >= last)
+            return self.seen[key][2] + self.reaped[key][2] + later
+
         seen_of_ended: dict[str, float] = {}
-        for key, (parent, _, children_last) in self.reaped.items():
-            if key not in self.alive:
-                seen_of_ended[parent] = seen_of_ended.get(parent, 0.0) + self.seen[key][2] + children_last
+        for key, (parent, _, _) in self.reaped.items():
+            if key not in self.alive and key in self.seen:
+                seen_of_ended[parent] = seen_of_ended.get(parent, 0.0) + handed_to_parent(key)
         by_parent_kind: dict[str, float] = {}
         for key, (_, children_first, children_last) in self.reaped.items():
             unseen = children_last - children_first - seen_of_ended.get(key[0], 0.0)

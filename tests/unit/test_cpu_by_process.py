@@ -72,3 +72,16 @@ def test_what_children_used_after_their_last_sample_is_given_by_the_kind_that_st
     sampler.alive = {worker, podman}
     assert sampler.ended_between_samples() == pytest.approx({"pytest workers": 5.0 - 1.7 - 0.5, "sidecar": 0.2})
     assert "        3 s    of it ended between samples, started by pytest workers" in sampler.report(100.0, top=5)
+
+
+def test_jobs_a_shell_reaped_as_it_ended_are_not_counted_again_at_its_parent() -> None:
+    """The stress run's CPU hogs: `test.sh` reaps them as it exits, after its last sample, and
+    its parent then reaps it with them. What the samples saw of the hogs is not unseen CPU."""
+    sampler = cpu_by_process.Sampler()
+    runner, script, hog = ("1", "1"), ("30", "2"), ("31", "3")
+    sampler.seen = {runner: ("bash", 0.0, 2.0), script: ("bash", 0.0, 1.0), hog: ("sh", 0.0, 100.0)}
+    # The runner reaped the script's 1 s, the hog's 100 s, and 4 s nobody saw.
+    sampler.reaped = {runner: ("0", 0.0, 105.0), script: ("1", 0.0, 0.0), hog: ("30", 0.0, 0.0)}
+    sampler.last_sample = {runner: 9, script: 8, hog: 8}
+    sampler.alive = {runner}
+    assert sampler.ended_between_samples() == pytest.approx({"bash": 4.0})
