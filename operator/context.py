@@ -19,9 +19,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from casque.config import Settings
 from casque.operator import kube, namespace_setup
+from casque.operator.failures import QUOTA_RETRY_SECONDS
 from casque.operator.health import DEFAULT_STALL_AFTER, WatchHealth
 from casque.operator.injection import InjectionSettings
 from casque.operator.quotas import QuotaSettings
+from casque.operator.refusals import QuotaRefusals
 from casque.operator.storage_quota import NamespaceStorage
 from casque.store import Store
 
@@ -35,6 +37,9 @@ class OperatorOptions(BaseSettings):
     refresh_interval: float = Field(default=30.0, gt=0)
     # How long the watch may lag behind a LIST before the liveness probe fails.
     watch_stall_seconds: float = Field(default=DEFAULT_STALL_AFTER, gt=0)
+    # How long a Queue refused for its namespace's quotas waits before it is tried again,
+    # when neither its Namespace's quota annotations change nor a Queue beside it goes.
+    quota_retry_seconds: float = Field(default=QUOTA_RETRY_SECONDS, gt=0)
 
 
 class StoreHolder:
@@ -74,6 +79,8 @@ class OperatorContext:
     # Each namespace's stored bytes against its quota, and the writes its role was given.
     storage: NamespaceStorage = field(default_factory=lambda: NamespaceStorage(OperatorOptions().refresh_interval))
     health: WatchHealth = field(default_factory=WatchHealth)
+    # Queues refused for their namespace's quotas, tried again when room may have been made.
+    refusals: QuotaRefusals = field(default_factory=QuotaRefusals)
     # Namespaces the operator serves; empty means all of them.
     namespaces: tuple[str, ...] = ()
     # The sidecar the webhook injects, whose Secrets the operator copies (casque.operator.copies).

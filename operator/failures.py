@@ -41,13 +41,15 @@ QUEUE_NOT_FOUND = "QueueNotFound"
 DEAD_LETTER_QUEUE_NOT_FOUND = "DeadLetterQueueNotFound"
 INTERNAL_ERROR = "InternalError"
 QUOTA_EXCEEDED = "QuotaExceeded"
+INVALID_QUOTA = "InvalidQuota"  # a Namespace's quota annotation that does not parse
 
 # Seconds before retrying: a backend outage is usually a restart or a failover; a missing
 # queue is usually a Subscriber applied in the same breath as its Queue.
 BACKEND_RETRY_SECONDS = 20.0
 QUEUE_RETRY_SECONDS = 5.0
 ERROR_RETRY_SECONDS = 60.0
-# A refused queue may fit once another is deleted or the quota raised: look again now and then.
+# A refused queue may fit once another is deleted or the quota raised. Both are followed as
+# they happen (casque.operator.refusals); the retry is for what frees room unseen.
 QUOTA_RETRY_SECONDS = 60.0
 
 

@@ -80,6 +80,16 @@ async def refresh_queue(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger,
     await queues.refresh(context_of(memo), body, patch, logger)
 
 
+# A raw watch, not a change handler: kopf keeps no annotations on the cluster's Namespaces,
+# and the operator needs only what a Namespace's quota annotations say now.
+@kopf.on.event("", "v1", "namespaces")
+async def namespace_changed(
+    type: str | None, name: str, meta: kopf.Meta, logger: kopf.Logger, memo: kopf.Memo, **_: Any
+) -> None:
+    if type == "MODIFIED":  # the initial listing comes as None; a new Namespace has no Queues
+        await queues.quotas_changed(context_of(memo), name, meta.annotations, logger)
+
+
 @kopf.index(GROUP, VERSION, QUEUES)
 def queue_versions(uid: str, meta: kopf.Meta, **_: Any) -> dict[str, str]:
     return {uid: str(meta.get("resourceVersion"))}

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Mapping
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any, cast
 
@@ -20,7 +22,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from casque.errors import CasqueError, InvalidSpec
-from casque.operator import failures, metrics, namespace_setup, reconcile, tenancy
+from casque.operator import failures, metrics, namespace_setup, reconcile, refusals, resource_specs, tenancy
 from casque.operator.context import OperatorContext
 from casque.operator.failures import Failure
 from casque.operator.handlers import secrets
@@ -37,12 +39,23 @@ log = logging.getLogger(__name__)
 
 
 async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
+    outcome = await reconcile_and_report(context, body, patch, logger)
+    if outcome.failure is not None:
+        raise to_kopf(outcome.failure)
+
+
+async def reconcile_and_report(context: OperatorContext, body: kopf.Body, patch: kopf.Patch,
+                               logger: kopf.Logger) -> Outcome:
+    """A Queue's apply, its status into `patch` and its events posted; its failure returned,
+    with the retry a quota's refusal waits for."""
     resource = resource_of(body)
+    judged_by: dict[str, str] = {}  # the namespace's quota annotations, as the flow read them
 
     async def flow() -> Outcome:
         now = datetime.now(timezone.utc)
         try:
-            limits = await asyncio.to_thread(namespace_limits, context, resource.namespace)
+            judged_by.update(await asyncio.to_thread(read_quota_annotations, context, resource.namespace))
+            limits = limits_for(context.quotas, judged_by)
             closed = await asyncio.to_thread(namespace_setup.close_owned_ensemble, context.stores,
                                              context.stores.settings)
             if closed:
@@ -73,7 +86,8 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
                     kopf.info(body, reason="Applied", message=f"Secret {tenancy.CASSANDRA_SECRET} written "
                               f"(the namespace's Cassandra role, keyspace {role.keyspace})")
         except InvalidSpec as error:  # a malformed quota annotation on the Namespace
-            return reconcile.failed(resource, Failure("InvalidQuota", str(error), failures.QUOTA_RETRY_SECONDS, error), now)
+            return reconcile.failed(resource, Failure(failures.INVALID_QUOTA, str(error),
+                                                      context.options.quota_retry_seconds, error), now)
         except ApiException as error:
             message = f"preparing namespace {resource.namespace}: Kubernetes API answered {error.status} {error.reason}"
             return reconcile.failed(resource, Failure("NamespaceNotPrepared", message, NAMESPACE_RETRY_SECONDS, error), now)
@@ -82,18 +96,64 @@ async def apply(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, lo
         return await reconcile.reconcile_queue(context.stores, resource, now, limits)
 
     outcome = await run_locked(context, body, "Queue", "apply", flow)
+    if outcome.failure is not None and outcome.failure.reason in refusals.QUOTA_REASONS:
+        outcome = replace(outcome, failure=replace(outcome.failure, retry_after=context.options.quota_retry_seconds))
+    context.refusals.record(resource.namespace, resource.name, outcome.failure, judged_by)
     report(body, patch, outcome, logger)
     # Whatever became of the Queue: its namespace's pods need the Secrets either way.
     await secrets.keep_copies(context, body, logger)
-    if outcome.failure is not None:
-        raise to_kopf(outcome.failure)
+    return outcome
+
+
+async def admit_refused(context: OperatorContext, namespace: str, names: list[str], logger: kopf.Logger) -> None:
+    """Apply again the Queues of `namespace` refused for its quotas, now that room may have
+    been made, and write their status. kopf's own retry of each stays scheduled: it finds
+    the Queue reconciled, or refused again as now."""
+    api = client.CustomObjectsApi(context.kube_api())
+    for name in names:
+        try:
+            raw = await asyncio.to_thread(api.get_namespaced_custom_object, GROUP, VERSION, namespace, QUEUES, name)
+        except ApiException as error:
+            if error.status == 404:
+                context.refusals.forget(namespace, name)
+            else:
+                logger.warning("Queue %s/%s refused for its quota not tried again now: Kubernetes API answered "
+                               "%s %s (its retry stays)", namespace, name, error.status, error.reason)
+            continue
+        body = kopf.Body(cast(kopf.RawBody, raw))
+        if body.metadata.get("deletionTimestamp"):
+            continue
+        patch = kopf.Patch()
+        outcome = await reconcile_and_report(context, body, patch, logger)
+        logger.info("Queue %s/%s, refused for its namespace's quotas, applied again: %s", namespace, name,
+                    "reconciled" if outcome.failure is None else outcome.failure.reason)
+        try:
+            await asyncio.to_thread(api.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, QUEUES,
+                                    name, {"status": dict(patch.status)})
+        except ApiException as error:
+            # kopf's retry writes it: the Queue's own handler runs the same apply.
+            logger.warning("status of Queue %s/%s not written: Kubernetes API answered %s %s", namespace, name,
+                           error.status, error.reason)
+
+
+async def quotas_changed(context: OperatorContext, namespace: str, annotations: Mapping[str, str] | None,
+                         logger: kopf.Logger) -> None:
+    """A Namespace changed: its refused Queues judged by other quota annotations are applied again."""
+    names = context.refusals.judged_by_other_quotas(namespace, annotations or {})
+    if names:
+        await admit_refused(context, namespace, names, logger)
+
+
+def read_quota_annotations(context: OperatorContext, namespace: str) -> dict[str, str]:
+    """The Namespace's annotations that override the operator's default quotas (blocking)."""
+    namespace_object = client.CoreV1Api(context.kube_api()).read_namespace(namespace)
+    metadata = namespace_object.metadata
+    return refusals.quota_annotations(metadata.annotations if metadata is not None else None)
 
 
 def namespace_limits(context: OperatorContext, namespace: str) -> Limits:
     """The operator's default quotas, overridden by the Namespace's annotations (blocking)."""
-    namespace_object = client.CoreV1Api(context.kube_api()).read_namespace(namespace)
-    metadata = namespace_object.metadata
-    return limits_for(context.quotas, metadata.annotations if metadata is not None else None)
+    return limits_for(context.quotas, read_quota_annotations(context, namespace))
 
 
 def storage_verdict(context: OperatorContext, namespace: str, role: NamespaceRole,
@@ -159,6 +219,11 @@ async def delete(context: OperatorContext, body: kopf.Body, patch: kopf.Patch, l
     if settings.zookeeper_username is not None or settings.cassandra_isolation == "keyspace":
         await asyncio.to_thread(forget_namespace, context, resource.namespace, resource.name, logger)
     context.forget(body.metadata.uid)
+    context.refusals.forget(resource.namespace, resource.name)
+    if resource_specs.deletion_policy(resource.spec) == "Delete":
+        # Its room may let in a Queue refused for the namespace's quotas (a retained queue
+        # keeps its room: the quotas count what the backends hold).
+        await admit_refused(context, resource.namespace, context.refusals.refused(resource.namespace), logger)
 
 
 def forget_namespace(context: OperatorContext, namespace: str, deleted: str, logger: kopf.Logger) -> None:

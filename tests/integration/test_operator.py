@@ -32,7 +32,6 @@ from casque.devstack.kube import KubeCluster
 from casque.engine import catalog
 from casque.engine.messages import OutgoingMessage
 from casque.engine.publisher import Publisher
-from casque.operator.failures import QUOTA_RETRY_SECONDS
 from casque.operator.resources import FINALIZER, GROUP, QUEUES, SUBSCRIBERS, VERSION
 from casque.schema import QueueRef, drop_messages_table_ddl, read_table_options
 from casque.store import Store
@@ -44,6 +43,9 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILES = [ROOT / "crds" / "queue.yaml", ROOT / "crds" / "subscriber.yaml"]
+# A refusal for a quota retried only after an hour: what lets a Queue in within a test is the
+# change that made room, as it happens.
+NO_QUOTA_RETRY = {"CASQUE_OPERATOR_QUOTA_RETRY_SECONDS": "3600"}
 
 
 
@@ -728,9 +730,12 @@ def test_a_queue_over_the_namespaces_quota_is_refused_in_status_until_the_namesp
     kube_client: client.ApiClient,  # noqa: F811
     kube_namespace: str,  # noqa: F811
 ) -> None:
+    """A refused Queue is applied again as soon as its Namespace's quota annotations change:
+    its own retry is an hour away here, so only the Namespace's change can let it in."""
     api = client.CustomObjectsApi(kube_client)
     ns = kube_namespace
-    operators(env={**backend.env, "CASQUE_QUOTA_MAX_QUEUES": "1", "CASQUE_QUOTA_MAX_RETENTION": "1d"})
+    operators(env={**backend.env, **NO_QUOTA_RETRY, "CASQUE_QUOTA_MAX_QUEUES": "1",
+                   "CASQUE_QUOTA_MAX_RETENTION": "1d"})
     create(api, ns, queue("first", shards=2, retention="1h"))
     wait_ready(api, ns, QUEUES, "first")
     create(api, ns, queue("second", retention="2d"))
@@ -740,11 +745,37 @@ def test_a_queue_over_the_namespaces_quota_is_refused_in_status_until_the_namesp
     assert ("Warning", "QuotaExceeded") in [(t, r) for t, r, _ in events(kube_client, ns, "second")]
     assert not backend.store.zk.exists(backend.store.paths(QueueRef(ns, "second")).base)  # nothing created
 
+    # A change of the Namespace that leaves its quotas as they were changes nothing.
+    core = client.CoreV1Api(kube_client)
+    core.patch_namespace(ns, {"metadata": {"labels": {"team": "billing"}}})
     # The platform team raises the namespace's limits with annotations on the Namespace.
-    client.CoreV1Api(kube_client).patch_namespace(ns, {"metadata": {"annotations": {
+    core.patch_namespace(ns, {"metadata": {"annotations": {
         "quota.casque.io/max-queues": "2", "quota.casque.io/max-retention": "7d"}}})
-    # A refusal is retried (the quota may have room later): the retry finds the new limits.
-    wait_ready(api, ns, QUEUES, "second", reason="Reconciled", timeout=QUOTA_RETRY_SECONDS + 120)
+    wait_ready(api, ns, QUEUES, "second", reason="Reconciled")
+    assert backend.store.zk.exists(backend.store.paths(QueueRef(ns, "second")).base)
+
+
+def test_a_queue_refused_for_the_number_of_queues_is_made_once_another_is_deleted(
+    operators: Callable[..., Operator],
+    backend: Backend,
+    kube_client: client.ApiClient,  # noqa: F811
+    kube_namespace: str,  # noqa: F811
+) -> None:
+    """Deleting a Queue (and its data) makes room at once for one the namespace's quota
+    refused, its own retry an hour away."""
+    api = client.CustomObjectsApi(kube_client)
+    ns = kube_namespace
+    operators(env={**backend.env, **NO_QUOTA_RETRY, "CASQUE_QUOTA_MAX_QUEUES": "1"})
+    create(api, ns, queue("first", retention="1h", deletionPolicy="Delete"))
+    wait_ready(api, ns, QUEUES, "first")
+    create(api, ns, queue("second", retention="1h"))
+    refusal = ready_of(wait_ready(api, ns, QUEUES, "second", status="False", reason="QuotaExceeded"))
+    assert "1 queues and has 1 already" in refusal["message"]
+
+    delete(api, ns, QUEUES, "first")
+    wait_ready(api, ns, QUEUES, "second", reason="Reconciled")
+    assert backend.store.zk.exists(backend.store.paths(QueueRef(ns, "second")).base)
+    assert not backend.store.zk.exists(backend.store.paths(QueueRef(ns, "first")).base)
 
 
 def test_a_queue_whose_znodes_do_not_fit_the_namespaces_znode_quota_is_refused_in_status(
@@ -755,13 +786,14 @@ def test_a_queue_whose_znodes_do_not_fit_the_namespaces_znode_quota_is_refused_i
 ) -> None:
     """The operator sets ZooKeeper's hard quota on the namespace's znode as it applies a
     Queue; a Queue whose znodes would take the namespace past it is refused with the quota's
-    name, and made once the Namespace allows more."""
+    name, and made as soon as the Namespace allows more."""
     from casque.engine import znode_quotas
     from casque.znodes import queues_root
 
     api = client.CustomObjectsApi(kube_client)
     ns = kube_namespace
-    operators(env={**backend.env, "CASQUE_QUOTA_MAX_ZNODES": "100000", "CASQUE_QUOTA_MAX_ZNODE_BYTES": "67108864"})
+    operators(env={**backend.env, **NO_QUOTA_RETRY, "CASQUE_QUOTA_MAX_ZNODES": "100000",
+                   "CASQUE_QUOTA_MAX_ZNODE_BYTES": "67108864"})
     create(api, ns, queue("first", shards=1, retention="1h"))
     wait_ready(api, ns, QUEUES, "first")
     own = f"{queues_root(backend.zk_root)}/{ns}"
@@ -782,7 +814,7 @@ def test_a_queue_whose_znodes_do_not_fit_the_namespaces_znode_quota_is_refused_i
 
         client.CoreV1Api(kube_client).patch_namespace(ns, {"metadata": {"annotations": {
             "quota.casque.io/max-znodes": "1000"}}})
-        wait_ready(api, ns, QUEUES, "second", reason="Reconciled", timeout=QUOTA_RETRY_SECONDS + 120)
+        wait_ready(api, ns, QUEUES, "second", reason="Reconciled")
         assert backend.store.zk.get(limits)[0] == znode_quotas.limits_data(
             znode_quotas.ZnodeQuota(max_znodes=1000, max_bytes=64 << 20))
     finally:
