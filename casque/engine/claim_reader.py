@@ -130,6 +130,11 @@ class ClaimReader:
         self._released = False
         # Messages loaded in flight (at the member that had the range before), for the log.
         self.held_at_load = 0
+        # The shard's offset as read when the range was loaded, and its cursor as this
+        # member's claim left it (None for a range taken over): while both are still so,
+        # the range completes in one request (claims.complete).
+        self.offset_seen: claims.OffsetSeen | None = None
+        self.cursor_after_claim: claims.Cursor | None = None
 
     # --- what the consumer needs of a source of deliveries ------------------------------------
     @property
@@ -316,7 +321,8 @@ class ClaimReader:
                         if self._dropped:
                             return
                     async with self._zk:
-                        outcome, offset = await claims.complete(self.sharing.client, self.sharing.paths, self.record)
+                        outcome, offset = await claims.complete(self.sharing.client, self.sharing.paths, self.record,
+                                                                self.offset_seen, self.cursor_after_claim)
                     self.sharing.zk_writes += 1
                 except CasqueError as error:
                     self.problem = f"completing: {error}"
@@ -340,22 +346,24 @@ class ClaimReader:
 
 
 async def load_claim_reader(keeper: RangeKeeper, record: ClaimRecord, registration: int, batches: list[Batch],
-                            alongside: Awaitable[object]) -> ClaimReader:
+                            alongside: Awaitable[object], cursor: claims.Cursor | None = None) -> ClaimReader:
     """A reader of the range, loaded with its batches and what the ack rows say: done, in
     flight at a member that had the range before (until the deadline recorded with the
     delivery, plus the skew margin), and nacked (waiting until the time the nack recorded).
-    `registration`: the member's when it wrote the claim.
+    `registration`: the member's when it wrote the claim; `cursor`: as its claim left it.
     `alongside` is awaited with the reads (they are all on the way from publish to delivery)."""
     reader = ClaimReader(keeper, record, registration)
+    reader.cursor_after_claim = cursor
     member = keeper.consumer
     # Batches below the offset are done. Only leased delivery, before a switch to sharing,
     # can have moved the offset past the cursor (with no ack rows for whole batches).
-    marks, (data, _), _ = await asyncio.gather(
+    marks, (data, offset_stat), _ = await asyncio.gather(
         member.acks.load_bucket(record.epoch, record.shard, bucket_of(record.start), record.start),
         zk.call(keeper.client.get_async, keeper.paths.offset(record.shard)),
         alongside)
     member.counters.ack_bucket_reads += 1
     offset, epoch = decode_offset(data)
+    reader.offset_seen = claims.OffsetSeen(offset, epoch, offset_stat.version)
     done_below = offset if epoch == record.epoch else record.start
     by_batch = {b.header.batch: b for b in batches}
     now, now_ms = time.monotonic(), keeper.clock.ms()

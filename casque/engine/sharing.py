@@ -374,7 +374,7 @@ class SharedDelivery:
             self._read_ahead[shard] = [b for b in batches if b.header.batch >= end]
             self.consumer.counters.expired_skipped += sum(high - low for low, high in missing if high < end)
             self.claims_taken += 1
-            return await self._reader(record, registration, taken)
+            return await self._reader(record, registration, taken, now)
         return None
 
     def _claim_target(self, available: int) -> int:
@@ -392,10 +392,11 @@ class SharedDelivery:
             self.zk_writes += 1
             self._cursors.pop(shard, None)
 
-    async def _reader(self, record: ClaimRecord, registration: int, batches: list[Batch]) -> ClaimReader:
+    async def _reader(self, record: ClaimRecord, registration: int, batches: list[Batch],
+                      cursor: Cursor | None = None) -> ClaimReader:
         # Ordered keys: what other members hold of the shard is read beside the range's acks.
         seen = self.foreign.see(record.shard) if self.foreign is not None else asyncio.sleep(0)
-        return await load_claim_reader(self, record, registration, batches, seen)
+        return await load_claim_reader(self, record, registration, batches, seen, cursor)
 
     def _install(self, reader: ClaimReader) -> None:
         self.claims.setdefault(reader.shard, []).append(reader)

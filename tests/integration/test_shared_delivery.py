@@ -952,3 +952,94 @@ async def test_a_range_completed_while_a_leased_member_ends_the_claims_does_not_
     assert offset <= released.start, f"the offset moved to {offset}, over the released range at {released.start}"
     assert outcome is claims.Completion.ENDED
     assert open_claims(store, [0]) == []
+
+
+
+async def claimed(store: Store, *members: str) -> list[tuple[claims.ClaimRecord, claims.Cursor]]:
+    """One range of one batch for each of `members`, claimed in turn on shard 0 (whose batches
+    need not exist: claims and completions are ZooKeeper's alone), each with the cursor its
+    claim left."""
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    await claims.ensure_dirs(store.zk, paths, 0)
+    cursor = await claims.ensure_cursor(store.zk, paths, 0)
+    made = []
+    for member in members:
+        record, after = await claims.claim_range(store.zk, paths, 0, cursor, cursor.next + 1, member,
+                                                 int(time.time() * 1000) + 60_000)
+        assert record is not None and after is not None
+        made.append((record, after))
+        cursor = after
+    return made
+
+
+def offset_seen(store: Store) -> claims.OffsetSeen:
+    data, stat = store.zk.get(store.paths(QUEUE).subscriber(SUBSCRIBER).offset(0))
+    return claims.OffsetSeen(*decode_offset(data), stat.version)
+
+
+@pytest.fixture
+def zk_requests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name of every ZooKeeper request the claims recipe makes from now on."""
+    made: list[str] = []
+    call = claims.zk.call
+
+    async def counted(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        made.append(method.__name__)
+        return await call(method, *args, **kwargs)
+
+    monkeypatch.setattr(claims.zk, "call", counted)
+    return made
+
+
+async def test_a_range_alone_on_its_shard_completes_in_one_request(store: Store, zk_requests: list[str]) -> None:
+    """The offset at the range's start and the cursor at its end, as the holder knows them:
+    nothing else can be open, and one multi deletes the claim and moves the offset (a
+    completion read the offset, the cursor and the claims first: four requests)."""
+    setup(store, shards=1)
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    ((record, cursor),) = await claimed(store, "alone")
+    seen = offset_seen(store)
+    zk_requests.clear()
+    assert await claims.complete(store.zk, paths, record, seen, cursor) == (claims.Completion.DONE, record.end)
+    assert zk_requests == ["commit_async"]
+    assert offset_seen(store).offset == record.end and open_claims(store, [0]) == []
+
+
+async def test_a_range_completed_after_the_shard_moved_on_is_judged_on_what_is_there_now(store: Store) -> None:
+    """What the holder knew of the offset and the cursor is no longer so: the offset moves
+    exactly as far as a completion that reads them allows, never over an open range."""
+    setup(store, shards=1)
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    (first, after_first), (second, after_second) = await claimed(store, "a", "b")
+    start = offset_seen(store)
+
+    # A range open below: the offset stays at its start.
+    assert await claims.complete(store.zk, paths, second, start, after_second) == (
+        claims.Completion.DONE, first.start)
+    # Another range claimed after this one and still open (the cursor moved since this
+    # claim): the offset stops at that range's start.
+    (second, after_second), = await claimed(store, "b")
+    assert await claims.complete(store.zk, paths, first, offset_seen(store), after_first) == (
+        claims.Completion.DONE, second.start)
+
+    # The offset written by another completion since it was seen (its value the same, its
+    # version new): read again, and the offset moves up to the cursor.
+    stale = offset_seen(store)
+    store.zk.set(paths.offset(0), store.zk.get(paths.offset(0))[0])
+    assert await claims.complete(store.zk, paths, second, stale, after_second) == (
+        claims.Completion.DONE, second.end)
+
+    # Taken over by another member since: lost, and nothing moves.
+    ((third, after_third),) = await claimed(store, "c")
+    seen = offset_seen(store)
+    taken = await claims.rewrite(store.zk, paths, third, "taker", int(time.time() * 1000) + 60_000)
+    assert taken is not None
+    assert await claims.complete(store.zk, paths, third, seen, after_third) == (claims.Completion.LOST, third.start)
+    assert offset_seen(store) == seen
+
+    # The cursor moved over expired batches while the range was open: the offset follows it.
+    skipped_to = after_third.next + 5
+    assert await claims.skip_range(store.zk, paths, after_third, 0, skipped_to)
+    assert await claims.complete(store.zk, paths, taken, offset_seen(store), after_third) == (
+        claims.Completion.DONE, skipped_to)
+    assert open_claims(store, [0]) == []
