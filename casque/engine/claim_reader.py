@@ -27,7 +27,7 @@ from casque.backends import zk
 from casque.engine import claims
 from casque.engine.acks import BatchMarks
 from casque.engine.batches import Batch
-from casque.engine.claims import ClaimRecord, Completion
+from casque.engine.claims import ClaimRecord, Completion, OffsetSeen
 from casque.engine.clock import BackendClock
 from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.keylocks import KeyLocks, key_hash
@@ -74,6 +74,11 @@ class RangeKeeper(Protocol):
 
     # ZooKeeper writes of claims and completions (counted for the benchmarks).
     zk_writes: int
+    # The ranges the member holds, by shard, in order of their starts.
+    claims: dict[int, list[ClaimReader]]
+    # Per shard, the offset znode as the member last read or wrote it, and in which
+    # ZooKeeper session (saw_offset).
+    offsets_seen: dict[int, tuple[int | None, OffsetSeen]]
     # The clock claims' times are written and judged by (Cassandra's, casque.engine.clock).
     clock: BackendClock
 
@@ -130,10 +135,9 @@ class ClaimReader:
         self._released = False
         # Messages loaded in flight (at the member that had the range before), for the log.
         self.held_at_load = 0
-        # The shard's offset as read when the range was loaded, and its cursor as this
-        # member's claim left it (None for a range taken over): while both are still so,
-        # the range completes in one request (claims.complete).
-        self.offset_seen: claims.OffsetSeen | None = None
+        # The shard's cursor as this member's claim left it (None for a range taken over):
+        # while it and the offset are still as the member knows them, the range completes in
+        # one request (claims.complete).
         self.cursor_after_claim: claims.Cursor | None = None
 
     # --- what the consumer needs of a source of deliveries ------------------------------------
@@ -321,9 +325,12 @@ class ClaimReader:
                         if self._dropped:
                             return
                     async with self._zk:
-                        outcome, offset = await claims.complete(self.sharing.client, self.sharing.paths, self.record,
-                                                                self.offset_seen, self.cursor_after_claim)
+                        outcome, offset, seen = await claims.complete(
+                            self.sharing.client, self.sharing.paths, self.record,
+                            offset_known(self.sharing, self.shard), self.cursor_after_claim, self._next_held())
                     self.sharing.zk_writes += 1
+                    if seen is not None:
+                        saw_offset(self.sharing, self.shard, seen)
                 except CasqueError as error:
                     self.problem = f"completing: {error}"
                     await asyncio.sleep(backoff)
@@ -345,6 +352,33 @@ class ClaimReader:
             self._completing = None
 
 
+    def _next_held(self) -> bool:
+        """Whether this member holds the range that starts where this one ends."""
+        return any(other.record.start == self.record.end and other.epoch == self.epoch and other.current
+                   for other in self.sharing.claims.get(self.shard, []))
+
+
+def saw_offset(keeper: RangeKeeper, shard: int, seen: OffsetSeen) -> None:
+    """Keep the newest of what the member read or wrote of the shard's offset: the higher
+    version, in this ZooKeeper session (a rebuild after ZooKeeper lost its data makes the
+    znode again, its versions from 0, and has ended every session; casque.engine.rebuild)."""
+    session = _session(keeper)
+    known = keeper.offsets_seen.get(shard)
+    if known is None or known[0] != session or seen.version > known[1].version:
+        keeper.offsets_seen[shard] = (session, seen)
+
+
+def offset_known(keeper: RangeKeeper, shard: int) -> OffsetSeen | None:
+    """The shard's offset as last seen in this session, if it was."""
+    known = keeper.offsets_seen.get(shard)
+    return known[1] if known is not None and known[0] == _session(keeper) else None
+
+
+def _session(keeper: RangeKeeper) -> int | None:
+    client_id = keeper.client.client_id
+    return None if client_id is None else int(client_id[0])
+
+
 async def load_claim_reader(keeper: RangeKeeper, record: ClaimRecord, registration: int, batches: list[Batch],
                             alongside: Awaitable[object], cursor: claims.Cursor | None = None) -> ClaimReader:
     """A reader of the range, loaded with its batches and what the ack rows say: done, in
@@ -363,7 +397,7 @@ async def load_claim_reader(keeper: RangeKeeper, record: ClaimRecord, registrati
         alongside)
     member.counters.ack_bucket_reads += 1
     offset, epoch = decode_offset(data)
-    reader.offset_seen = claims.OffsetSeen(offset, epoch, offset_stat.version)
+    saw_offset(keeper, record.shard, OffsetSeen(offset, epoch, offset_stat.version))
     done_below = offset if epoch == record.epoch else record.start
     by_batch = {b.header.batch: b for b in batches}
     now, now_ms = time.monotonic(), keeper.clock.ms()

@@ -67,7 +67,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
@@ -345,16 +345,22 @@ async def delete_claim(client: KazooClient, paths: SubscriberPaths, shard: int, 
         pass
 
 
-async def complete(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord,
-                   seen: OffsetSeen | None = None, cursor: Cursor | None = None) -> tuple[Completion, int]:
+class Completed(NamedTuple):
+    outcome: Completion
+    offset: int  # the offset written (DONE), else as read
+    seen: OffsetSeen | None  # the offset znode as a DONE left it, for the holder's next completion
+
+
+async def complete(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord, seen: OffsetSeen | None = None,
+                   cursor: Cursor | None = None, next_held: bool = False) -> Completed:
     """Delete a finished claim and move the offset as far as the open claims allow.
 
-    `seen` and `cursor`: the offset and the cursor as the holder last knew them (see
-    `_complete_alone`); without them, or when the shard moved on since, the offset, the cursor
-    and the claims are read first. Returns the outcome and the offset written (or read, when
-    moot)."""
-    if seen is not None and cursor is not None:
-        alone = await _complete_alone(client, paths, record, seen, cursor)
+    What the holder knows may spare the reads (`_complete_alone`): `seen`, the offset as it
+    last read or wrote it; `cursor`, the cursor as this range's claim left it; `next_held`,
+    whether it holds the range that starts where this one ends. Otherwise, or when the shard
+    moved on since, the offset, the cursor and the claims are read first."""
+    if seen is not None:
+        alone = await _complete_alone(client, paths, record, seen, cursor, next_held)
         if alone is not None:
             return alone
     while True:
@@ -363,11 +369,11 @@ async def complete(client: KazooClient, paths: SubscriberPaths, record: ClaimRec
         if epoch != record.epoch:
             if await still_held(client, paths, record):
                 await delete_claim(client, paths, record.shard, record.name)
-            return Completion.MOOT, offset
-        cursor = await read_cursor(client, paths, record.shard)
+            return Completed(Completion.MOOT, offset, None)
+        cursor_now = await read_cursor(client, paths, record.shard)
         names = await list_claims(client, paths, record.shard)
         starts = [int(n.partition("-")[2]) for n in names if n != record.name and n.startswith(f"{epoch}-")]
-        bound = cursor.next if cursor is not None and cursor.epoch == epoch else record.end
+        bound = cursor_now.next if cursor_now is not None and cursor_now.epoch == epoch else record.end
         target = max(offset, min([*starts, bound]))
         transaction = client.transaction()
         _assert_unleased(transaction, paths, record.shard)
@@ -376,45 +382,52 @@ async def complete(client: KazooClient, paths: SubscriberPaths, record: ClaimRec
         try:
             results = _past_lease_check(await zk.call(transaction.commit_async), record.shard)
         except ShardLeased:
-            return await _end_under_lease(client, paths, record), offset
+            return Completed(await _end_under_lease(client, paths, record), offset, None)
         claim_result, offset_result = results
         if isinstance(claim_result, (BadVersionError, NoNodeError)):
-            return Completion.LOST, offset
+            return Completed(Completion.LOST, offset, None)
         if isinstance(offset_result, BadVersionError):
             continue  # another completion or a seek came first: read again
         _raise_failure(results, "completing a claim")
-        return Completion.DONE, target
+        return Completed(Completion.DONE, target, OffsetSeen(target, epoch, int(offset_result.version)))
 
 
 async def _complete_alone(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord, seen: OffsetSeen,
-                          cursor: Cursor) -> tuple[Completion, int] | None:
-    """Complete the range in one multi if the shard is as its holder left it: the offset at
-    the range's start (version `seen`) and the cursor at its end (version `cursor`, as the
-    claim's multi left it). Then no other claim of the epoch is open: one below the offset
-    cannot be (every completion leaves the offset at or below each open start), and one
-    above the range would have moved the cursor. The offset moves to the range's end, which
-    is where `complete` would move it after its three reads. None when the shard is not so
-    (nothing written): the caller reads and judges as usual.
+                          cursor: Cursor | None, next_held: bool) -> Completed | None:
+    """Complete the range in one multi, without reading, when the offset is still at the
+    range's start (version `seen`) and either the holder holds the range that starts at this
+    one's end, or the cursor is still where this range's claim left it, at its end (version
+    `cursor`). No claim of the epoch below the offset can be open (every completion leaves
+    the offset at or below each open start), so the offset belongs at this range's end: the
+    next range starts there, or, with the cursor unmoved, nothing was claimed since. That is
+    where `complete` would put it after its three reads.
 
-    At a trickle, where each range is a message or two, this is most completions, and it
-    saves three of a completion's four requests."""
-    if seen.epoch != record.epoch or seen.offset != record.start or cursor.epoch != record.epoch \
-            or cursor.next != record.end:
+    The next range cannot have gone meanwhile without the offset's version changing: its
+    completion would have written the offset (held back at this range's start), a seek
+    writes every offset, and a lease, which ends claims, fails the multi's first check.
+    None when the shard is not so (nothing written): the caller reads and judges as usual.
+    At a trickle, where ranges are a message or two, this saves three of a completion's four
+    requests."""
+    if seen.epoch != record.epoch or seen.offset != record.start:
+        return None
+    unmoved = cursor is not None and cursor.epoch == record.epoch and cursor.next == record.end
+    if not (next_held or unmoved):
         return None
     transaction = client.transaction()
     _assert_unleased(transaction, paths, record.shard)
     transaction.delete(f"{paths.claims(record.shard)}/{record.name}", record.version)
     transaction.set_data(paths.offset(record.shard), encode_offset(record.end, record.epoch), seen.version)
-    transaction.check(paths.cursor(record.shard), cursor.version)
+    if not next_held and cursor is not None:
+        transaction.check(paths.cursor(record.shard), cursor.version)
     try:
         results = _past_lease_check(await zk.call(transaction.commit_async), record.shard)
     except ShardLeased:
-        return await _end_under_lease(client, paths, record), seen.offset
+        return Completed(await _end_under_lease(client, paths, record), seen.offset, None)
     if isinstance(results[0], (BadVersionError, NoNodeError)):
-        return Completion.LOST, seen.offset
+        return Completed(Completion.LOST, seen.offset, None)
     if any(isinstance(result, Exception) for result in results):
         return None  # the offset or the cursor moved since (or a seek came)
-    return Completion.DONE, record.end
+    return Completed(Completion.DONE, record.end, OffsetSeen(record.end, record.epoch, int(results[1].version)))
 
 
 async def _end_under_lease(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord) -> Completion:

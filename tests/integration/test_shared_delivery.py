@@ -943,7 +943,7 @@ async def test_a_range_completed_while_a_leased_member_ends_the_claims_does_not_
     ending = asyncio.create_task(claims.end_sharing(store.zk, paths, 0, lambda: int(time.time() * 1000), 0))
     await until("the released claim is ended", lambda: f"0/{released.name}" not in open_claims(store, [0]))
 
-    outcome, _ = await claims.complete(store.zk, paths, finished)
+    outcome = (await claims.complete(store.zk, paths, finished)).outcome
     now = await claims.read_claim(store.zk, paths, 0, still_in_use.name)
     assert now is not None and await claims.rewrite(store.zk, paths, now, now.member, 0) is not None
     await ending
@@ -1000,9 +1000,39 @@ async def test_a_range_alone_on_its_shard_completes_in_one_request(store: Store,
     ((record, cursor),) = await claimed(store, "alone")
     seen = offset_seen(store)
     zk_requests.clear()
-    assert await claims.complete(store.zk, paths, record, seen, cursor) == (claims.Completion.DONE, record.end)
+    assert (await claims.complete(store.zk, paths, record, seen, cursor))[:2] == (claims.Completion.DONE, record.end)
     assert zk_requests == ["commit_async"]
     assert offset_seen(store).offset == record.end and open_claims(store, [0]) == []
+
+
+async def test_ranges_claimed_back_to_back_by_one_member_complete_in_one_request_each(
+    store: Store, zk_requests: list[str],
+) -> None:
+    """A member that claimed the next range before finishing this one (the cursor moved on,
+    by its own claim) still completes each in one multi: the range after it is its own and
+    open, so the offset belongs at its start; the offset each completion writes is what the
+    next one knows."""
+    setup(store, shards=1)
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    (first, after_first), (second, after_second) = await claimed(store, "one", "one")
+    zk_requests.clear()
+    outcome, offset, seen = await claims.complete(store.zk, paths, first, offset_seen(store), after_first,
+                                                  next_held=True)
+    assert (outcome, offset) == (claims.Completion.DONE, second.start) and seen == offset_seen(store)
+    assert seen is not None
+    assert (await claims.complete(store.zk, paths, second, seen, after_second))[:2] == (
+        claims.Completion.DONE, second.end)
+    assert zk_requests == ["commit_async", "commit_async"]
+
+    # Held, as the member believes, but completed meanwhile by a taker (which wrote the
+    # offset, held back here): the multi fails on the offset's version and nothing is passed.
+    (third, _), (fourth, after_fourth) = await claimed(store, "one", "one")
+    seen = offset_seen(store)
+    taken = await claims.rewrite(store.zk, paths, fourth, "taker", int(time.time() * 1000) + 60_000)
+    assert taken is not None
+    assert (await claims.complete(store.zk, paths, taken))[:2] == (claims.Completion.DONE, third.start)
+    assert (await claims.complete(store.zk, paths, third, seen, None, next_held=True))[:2] == (
+        claims.Completion.DONE, after_fourth.next)
 
 
 async def test_a_range_completed_after_the_shard_moved_on_is_judged_on_what_is_there_now(store: Store) -> None:
@@ -1014,19 +1044,19 @@ async def test_a_range_completed_after_the_shard_moved_on_is_judged_on_what_is_t
     start = offset_seen(store)
 
     # A range open below: the offset stays at its start.
-    assert await claims.complete(store.zk, paths, second, start, after_second) == (
+    assert (await claims.complete(store.zk, paths, second, start, after_second))[:2] == (
         claims.Completion.DONE, first.start)
     # Another range claimed after this one and still open (the cursor moved since this
     # claim): the offset stops at that range's start.
     (second, after_second), = await claimed(store, "b")
-    assert await claims.complete(store.zk, paths, first, offset_seen(store), after_first) == (
+    assert (await claims.complete(store.zk, paths, first, offset_seen(store), after_first))[:2] == (
         claims.Completion.DONE, second.start)
 
     # The offset written by another completion since it was seen (its value the same, its
     # version new): read again, and the offset moves up to the cursor.
     stale = offset_seen(store)
     store.zk.set(paths.offset(0), store.zk.get(paths.offset(0))[0])
-    assert await claims.complete(store.zk, paths, second, stale, after_second) == (
+    assert (await claims.complete(store.zk, paths, second, stale, after_second))[:2] == (
         claims.Completion.DONE, second.end)
 
     # Taken over by another member since: lost, and nothing moves.
@@ -1034,12 +1064,12 @@ async def test_a_range_completed_after_the_shard_moved_on_is_judged_on_what_is_t
     seen = offset_seen(store)
     taken = await claims.rewrite(store.zk, paths, third, "taker", int(time.time() * 1000) + 60_000)
     assert taken is not None
-    assert await claims.complete(store.zk, paths, third, seen, after_third) == (claims.Completion.LOST, third.start)
+    assert (await claims.complete(store.zk, paths, third, seen, after_third))[:2] == (claims.Completion.LOST, third.start)
     assert offset_seen(store) == seen
 
     # The cursor moved over expired batches while the range was open: the offset follows it.
     skipped_to = after_third.next + 5
     assert await claims.skip_range(store.zk, paths, after_third, 0, skipped_to)
-    assert await claims.complete(store.zk, paths, taken, offset_seen(store), after_third) == (
+    assert (await claims.complete(store.zk, paths, taken, offset_seen(store), after_third))[:2] == (
         claims.Completion.DONE, skipped_to)
     assert open_claims(store, [0]) == []
