@@ -23,7 +23,10 @@ Recipe, per subscriber and shard (paths in casque.znodes):
   created after the cursor was read starts at or above that cursor, and one deleted after
   the claims were read only leaves the offset lower than it could be, which the next
   completion corrects. Every completion writes the offset (version checked), so completions
-  are serialised and none leaves the offset behind a range completed concurrently.
+  are serialised and none leaves the offset behind a range completed concurrently. A holder
+  that knows the offset is still at its range's start, and that nothing can be open above
+  the range but its own next one (the cursor unmoved since its claim, or the next range its
+  own), completes without the reads, in one multi that checks what it knows.
 - Batches below the head that no read returns have expired: the cursor moves over them with
   nothing claimed, and the offset with it (the same rule, in the same multi), since no
   range of them will ever complete to move it.
