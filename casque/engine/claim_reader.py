@@ -24,10 +24,11 @@ from typing import Any, Protocol
 from kazoo.client import KazooClient
 
 from casque.backends import zk
-from casque.engine import claims
+from casque.engine import claims, completion
 from casque.engine.acks import BatchMarks
 from casque.engine.batches import Batch
-from casque.engine.claims import ClaimRecord, Completion, OffsetSeen
+from casque.engine.claims import ClaimRecord
+from casque.engine.completion import Completion, OffsetSeen
 from casque.engine.clock import BackendClock
 from casque.engine.deadletters import addressed_elsewhere
 from casque.engine.keylocks import KeyLocks, key_hash
@@ -137,7 +138,7 @@ class ClaimReader:
         self.held_at_load = 0
         # The shard's cursor as this member's claim left it (None for a range taken over):
         # while it and the offset are still as the member knows them, the range completes in
-        # one request (claims.complete).
+        # one request (casque.engine.completion).
         self.cursor_after_claim: claims.Cursor | None = None
 
     # --- what the consumer needs of a source of deliveries ------------------------------------
@@ -317,17 +318,21 @@ class ClaimReader:
             while not self._dropped:
                 await self.sharing.consumer.acks.flush()
                 try:
-                    if self.state.locks is not None and self.record.keys:
+                    known = offset_known(self.sharing, self.shard)
+                    next_held = self._next_held()
+                    alone = completion.may_complete_alone(self.record, known, self.cursor_after_claim, next_held)
+                    if self.state.locks is not None and self.record.keys and not alone:
                         # Free the range's keys with one plain write first: the completion
                         # below reads three znodes and contends with every other completion
-                        # for the shard's offset, and other members' keys wait for it.
+                        # for the shard's offset, and other members' keys wait for it (one
+                        # that needs no reads frees them as soon, deleting the claim).
                         await self._write_keys(frozenset())
                         if self._dropped:
                             return
                     async with self._zk:
-                        outcome, offset, seen = await claims.complete(
-                            self.sharing.client, self.sharing.paths, self.record,
-                            offset_known(self.sharing, self.shard), self.cursor_after_claim, self._next_held())
+                        outcome, offset, seen = await completion.complete(
+                            self.sharing.client, self.sharing.paths, self.record, known, self.cursor_after_claim,
+                            next_held)
                     self.sharing.zk_writes += 1
                     if seen is not None:
                         saw_offset(self.sharing, self.shard, seen)

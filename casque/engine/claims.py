@@ -26,7 +26,8 @@ Recipe, per subscriber and shard (paths in casque.znodes):
   are serialised and none leaves the offset behind a range completed concurrently. A holder
   that knows the offset is still at its range's start, and that nothing can be open above
   the range but its own next one (the cursor unmoved since its claim, or the next range its
-  own), completes without the reads, in one multi that checks what it knows.
+  own), completes without the reads, in one multi that checks what it knows
+  (casque.engine.completion).
 - Batches below the head that no read returns have expired: the cursor moves over them with
   nothing claimed, and the offset with it (the same rule, in the same multi), since no
   range of them will ever complete to move it.
@@ -69,8 +70,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any
 
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
@@ -94,15 +94,6 @@ class ShardLeased(BackendUnavailable):
 @dataclass(frozen=True)
 class Cursor:
     next: int
-    epoch: int
-    version: int
-
-
-@dataclass(frozen=True)
-class OffsetSeen:
-    """The shard's offset znode as a member read or wrote it: its batch, epoch and version."""
-
-    offset: int
     epoch: int
     version: int
 
@@ -138,13 +129,6 @@ class ClaimRecord:
         if self.wake_ms:
             fields["wake"] = self.wake_ms
         return json.dumps(fields).encode()
-
-
-class Completion(Enum):
-    DONE = "done"  # the claim is gone and the offset covers what it allows
-    LOST = "lost"  # another member took the claim over (or it was removed): nothing written
-    MOOT = "moot"  # a seek moved the shard to another epoch: the range no longer counts
-    ENDED = "ended"  # a member in leased delivery holds the shard: the claim is deleted, the offset left alone
 
 
 # A backlog of up to this many messages is claimed whole, not split over the group's members:
@@ -236,10 +220,10 @@ async def claim_range(
     (another member moved it first)."""
     record = ClaimRecord(shard, cursor.epoch, cursor.next, end, member, until_ms, 0, keys, session)
     transaction = client.transaction()
-    _assert_unleased(transaction, paths, shard)
+    assert_unleased(transaction, paths, shard)
     transaction.set_data(paths.cursor(shard), encode_offset(end, cursor.epoch), cursor.version)
     transaction.create(f"{paths.claims(shard)}/{record.name}", record.data())
-    results = _past_lease_check(await zk.call(transaction.commit_async), shard)
+    results = past_lease_check(await zk.call(transaction.commit_async), shard)
     cursor_result, claim_result = results
     if isinstance(cursor_result, BadVersionError):
         return None, await read_cursor(client, paths, shard)
@@ -251,7 +235,7 @@ async def claim_range(
     if isinstance(claim_result, NoNodeError):
         await ensure_dirs(client, paths, shard)
         return None, await read_cursor(client, paths, shard)
-    _raise_failure(results, "claiming batches")
+    raise_failure(results, "claiming batches")
     return record, Cursor(end, cursor.epoch, int(cursor_result.version))
 
 
@@ -268,7 +252,7 @@ async def skip_range(client: KazooClient, paths: SubscriberPaths, cursor: Cursor
         data, offset_stat = await zk.call(client.get_async, paths.offset(shard))
         offset, epoch = decode_offset(data)
         transaction = client.transaction()
-        _assert_unleased(transaction, paths, shard)
+        assert_unleased(transaction, paths, shard)
         transaction.set_data(paths.cursor(shard), encode_offset(end, cursor.epoch), cursor.version)
         if epoch == cursor.epoch:
             starts = [int(n.partition("-")[2]) for n in await list_claims(client, paths, shard)
@@ -276,12 +260,12 @@ async def skip_range(client: KazooClient, paths: SubscriberPaths, cursor: Cursor
             target = max(offset, min([*starts, end]))
             if target > offset:
                 transaction.set_data(paths.offset(shard), encode_offset(target, epoch), offset_stat.version)
-        results = _past_lease_check(await zk.call(transaction.commit_async), shard)
+        results = past_lease_check(await zk.call(transaction.commit_async), shard)
         if isinstance(results[0], BadVersionError):
             return False
         if len(results) > 1 and isinstance(results[1], BadVersionError):
             continue  # a completion or a seek wrote the offset first: read it again
-        _raise_failure(results, "skipping expired batches")
+        raise_failure(results, "skipping expired batches")
         return True
 
 
@@ -348,104 +332,6 @@ async def delete_claim(client: KazooClient, paths: SubscriberPaths, shard: int, 
         pass
 
 
-class Completed(NamedTuple):
-    outcome: Completion
-    offset: int  # the offset written (DONE), else as read
-    seen: OffsetSeen | None  # the offset znode as a DONE left it, for the holder's next completion
-
-
-async def complete(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord, seen: OffsetSeen | None = None,
-                   cursor: Cursor | None = None, next_held: bool = False) -> Completed:
-    """Delete a finished claim and move the offset as far as the open claims allow.
-
-    What the holder knows may spare the reads (`_complete_alone`): `seen`, the offset as it
-    last read or wrote it; `cursor`, the cursor as this range's claim left it; `next_held`,
-    whether it holds the range that starts where this one ends. Otherwise, or when the shard
-    moved on since, the offset, the cursor and the claims are read first."""
-    if seen is not None:
-        alone = await _complete_alone(client, paths, record, seen, cursor, next_held)
-        if alone is not None:
-            return alone
-    while True:
-        data, offset_stat = await zk.call(client.get_async, paths.offset(record.shard))
-        offset, epoch = decode_offset(data)
-        if epoch != record.epoch:
-            if await still_held(client, paths, record):
-                await delete_claim(client, paths, record.shard, record.name)
-            return Completed(Completion.MOOT, offset, None)
-        cursor_now = await read_cursor(client, paths, record.shard)
-        names = await list_claims(client, paths, record.shard)
-        starts = [int(n.partition("-")[2]) for n in names if n != record.name and n.startswith(f"{epoch}-")]
-        bound = cursor_now.next if cursor_now is not None and cursor_now.epoch == epoch else record.end
-        target = max(offset, min([*starts, bound]))
-        transaction = client.transaction()
-        _assert_unleased(transaction, paths, record.shard)
-        transaction.delete(f"{paths.claims(record.shard)}/{record.name}", record.version)
-        transaction.set_data(paths.offset(record.shard), encode_offset(target, epoch), offset_stat.version)
-        try:
-            results = _past_lease_check(await zk.call(transaction.commit_async), record.shard)
-        except ShardLeased:
-            return Completed(await _end_under_lease(client, paths, record), offset, None)
-        claim_result, offset_result = results
-        if isinstance(claim_result, (BadVersionError, NoNodeError)):
-            return Completed(Completion.LOST, offset, None)
-        if isinstance(offset_result, BadVersionError):
-            continue  # another completion or a seek came first: read again
-        _raise_failure(results, "completing a claim")
-        return Completed(Completion.DONE, target, OffsetSeen(target, epoch, int(offset_result.version)))
-
-
-async def _complete_alone(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord, seen: OffsetSeen,
-                          cursor: Cursor | None, next_held: bool) -> Completed | None:
-    """Complete the range in one multi, without reading, when the offset is still at the
-    range's start (version `seen`) and either the holder holds the range that starts at this
-    one's end, or the cursor is still where this range's claim left it, at its end (version
-    `cursor`). No claim of the epoch below the offset can be open (every completion leaves
-    the offset at or below each open start), so the offset belongs at this range's end: the
-    next range starts there, or, with the cursor unmoved, nothing was claimed since. That is
-    where `complete` would put it after its three reads.
-
-    The next range cannot have gone meanwhile without the offset's version changing: its
-    completion would have written the offset (held back at this range's start), a seek
-    writes every offset, and a lease, which ends claims, fails the multi's first check.
-    None when the shard is not so (nothing written): the caller reads and judges as usual.
-    At a trickle, where ranges are a message or two, this saves three of a completion's four
-    requests."""
-    if seen.epoch != record.epoch or seen.offset != record.start:
-        return None
-    unmoved = cursor is not None and cursor.epoch == record.epoch and cursor.next == record.end
-    if not (next_held or unmoved):
-        return None
-    transaction = client.transaction()
-    _assert_unleased(transaction, paths, record.shard)
-    transaction.delete(f"{paths.claims(record.shard)}/{record.name}", record.version)
-    transaction.set_data(paths.offset(record.shard), encode_offset(record.end, record.epoch), seen.version)
-    if not next_held and cursor is not None:
-        transaction.check(paths.cursor(record.shard), cursor.version)
-    try:
-        results = _past_lease_check(await zk.call(transaction.commit_async), record.shard)
-    except ShardLeased:
-        return Completed(await _end_under_lease(client, paths, record), seen.offset, None)
-    if isinstance(results[0], (BadVersionError, NoNodeError)):
-        return Completed(Completion.LOST, seen.offset, None)
-    if any(isinstance(result, Exception) for result in results):
-        return None  # the offset or the cursor moved since (or a seek came)
-    return Completed(Completion.DONE, record.end, OffsetSeen(record.end, record.epoch, int(results[1].version)))
-
-
-async def _end_under_lease(client: KazooClient, paths: SubscriberPaths, record: ClaimRecord) -> Completion:
-    """A finished range of a shard a member in leased delivery now holds: `end_sharing` may
-    have deleted claims above it already, so moving the offset past the range (to the next
-    claim still open, or the cursor) could pass ranges whose messages nobody acked. The
-    offset stays; the leased reader reads it after every claim is gone and finds this
-    range's acks in their rows. Deleting the claim now spares it the wait for its time."""
-    try:
-        await zk.call(client.delete_async, f"{paths.claims(record.shard)}/{record.name}", record.version)
-    except (BadVersionError, NoNodeError):
-        return Completion.LOST
-    return Completion.ENDED
-
-
 async def end_sharing(client: KazooClient, paths: SubscriberPaths, shard: int, now_ms: Callable[[], int],
                       skew_ms: int) -> int:
     """End shared delivery of `shard`: called by a member in leased delivery once it holds the
@@ -481,14 +367,14 @@ async def end_sharing(client: KazooClient, paths: SubscriberPaths, shard: int, n
     return len(names)
 
 
-def _assert_unleased(transaction: TransactionRequest, paths: SubscriberPaths, shard: int) -> None:
+def assert_unleased(transaction: TransactionRequest, paths: SubscriberPaths, shard: int) -> None:
     """The first two operations of a multi that must not run while the shard has a lease."""
     transaction.create(paths.lease(shard), b"")
     transaction.delete(paths.lease(shard))
 
 
-def _past_lease_check(results: list[Any], shard: int) -> list[Any]:
-    """The results of a multi begun with `_assert_unleased`, without its two; raises
+def past_lease_check(results: list[Any], shard: int) -> list[Any]:
+    """The results of a multi begun with `assert_unleased`, without its two; raises
     ShardLeased if the lease existed."""
     if isinstance(results[0], NodeExistsError):
         raise ShardLeased(f"shard {shard} is read by a member in leased delivery: no batches are claimed from it "
@@ -498,7 +384,7 @@ def _past_lease_check(results: list[Any], shard: int) -> list[Any]:
     return results[2:]
 
 
-def _raise_failure(results: list[object], what: str) -> None:
+def raise_failure(results: list[object], what: str) -> None:
     failures = [r for r in results if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
     if failures:
         raise BackendUnavailable(f"ZooKeeper refused {what}: {failures[0]!r}")

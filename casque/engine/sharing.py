@@ -32,11 +32,11 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from casque.backends import zk
-from casque.engine import claims, gaps
+from casque.engine import claims, completion, gaps
 from casque.engine.batches import Batch
 from casque.engine.claim_reader import (DEMAND_SECONDS, ClaimReader, headroom, load_claim_reader, registration_of,
                                         session_of, vouches)
-from casque.engine.claims import ClaimRecord, Cursor, OffsetSeen
+from casque.engine.claims import ClaimRecord, Cursor
 from casque.engine.clock import clock_of
 from casque.engine.foreign_ranges import ForeignRanges
 from casque.engine.heads import WatchedHeads
@@ -84,7 +84,7 @@ class SharedDelivery:
         self.paths = consumer.paths
         self.shards = list(shards)
         self.claims: dict[int, list[ClaimReader]] = {}
-        self.offsets_seen: dict[int, tuple[int | None, OffsetSeen]] = {}
+        self.offsets_seen: dict[int, tuple[int | None, completion.OffsetSeen]] = {}
         self.last_demand = float("-inf")
         self.zk_writes = 0
         self.claims_taken = 0

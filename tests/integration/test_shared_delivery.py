@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import pytest
 
-from casque.engine import catalog, claims
+from casque.engine import catalog, claims, completion
 from casque.engine.claim_reader import ClaimReader
 from casque.engine.consumer import Consumer
 from casque.engine.foreign_ranges import ForeignRanges
@@ -943,14 +943,14 @@ async def test_a_range_completed_while_a_leased_member_ends_the_claims_does_not_
     ending = asyncio.create_task(claims.end_sharing(store.zk, paths, 0, lambda: int(time.time() * 1000), 0))
     await until("the released claim is ended", lambda: f"0/{released.name}" not in open_claims(store, [0]))
 
-    outcome = (await claims.complete(store.zk, paths, finished)).outcome
+    outcome = (await completion.complete(store.zk, paths, finished)).outcome
     now = await claims.read_claim(store.zk, paths, 0, still_in_use.name)
     assert now is not None and await claims.rewrite(store.zk, paths, now, now.member, 0) is not None
     await ending
 
     offset, _ = decode_offset(store.zk.get(paths.offset(0))[0])
     assert offset <= released.start, f"the offset moved to {offset}, over the released range at {released.start}"
-    assert outcome is claims.Completion.ENDED
+    assert outcome is completion.Completion.ENDED
     assert open_claims(store, [0]) == []
 
 
@@ -972,9 +972,9 @@ async def claimed(store: Store, *members: str) -> list[tuple[claims.ClaimRecord,
     return made
 
 
-def offset_seen(store: Store) -> claims.OffsetSeen:
+def offset_seen(store: Store) -> completion.OffsetSeen:
     data, stat = store.zk.get(store.paths(QUEUE).subscriber(SUBSCRIBER).offset(0))
-    return claims.OffsetSeen(*decode_offset(data), stat.version)
+    return completion.OffsetSeen(*decode_offset(data), stat.version)
 
 
 @pytest.fixture
@@ -1000,7 +1000,8 @@ async def test_a_range_alone_on_its_shard_completes_in_one_request(store: Store,
     ((record, cursor),) = await claimed(store, "alone")
     seen = offset_seen(store)
     zk_requests.clear()
-    assert (await claims.complete(store.zk, paths, record, seen, cursor))[:2] == (claims.Completion.DONE, record.end)
+    done = await completion.complete(store.zk, paths, record, seen, cursor)
+    assert done[:2] == (completion.Completion.DONE, record.end)
     assert zk_requests == ["commit_async"]
     assert offset_seen(store).offset == record.end and open_claims(store, [0]) == []
 
@@ -1016,12 +1017,12 @@ async def test_ranges_claimed_back_to_back_by_one_member_complete_in_one_request
     paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
     (first, after_first), (second, after_second) = await claimed(store, "one", "one")
     zk_requests.clear()
-    outcome, offset, seen = await claims.complete(store.zk, paths, first, offset_seen(store), after_first,
+    outcome, offset, seen = await completion.complete(store.zk, paths, first, offset_seen(store), after_first,
                                                   next_held=True)
-    assert (outcome, offset) == (claims.Completion.DONE, second.start) and seen == offset_seen(store)
+    assert (outcome, offset) == (completion.Completion.DONE, second.start) and seen == offset_seen(store)
     assert seen is not None
-    assert (await claims.complete(store.zk, paths, second, seen, after_second))[:2] == (
-        claims.Completion.DONE, second.end)
+    assert (await completion.complete(store.zk, paths, second, seen, after_second))[:2] == (
+        completion.Completion.DONE, second.end)
     assert zk_requests == ["commit_async", "commit_async"]
 
     # Held, as the member believes, but completed meanwhile by a taker (which wrote the
@@ -1030,9 +1031,9 @@ async def test_ranges_claimed_back_to_back_by_one_member_complete_in_one_request
     seen = offset_seen(store)
     taken = await claims.rewrite(store.zk, paths, fourth, "taker", int(time.time() * 1000) + 60_000)
     assert taken is not None
-    assert (await claims.complete(store.zk, paths, taken))[:2] == (claims.Completion.DONE, third.start)
-    assert (await claims.complete(store.zk, paths, third, seen, None, next_held=True))[:2] == (
-        claims.Completion.DONE, after_fourth.next)
+    assert (await completion.complete(store.zk, paths, taken))[:2] == (completion.Completion.DONE, third.start)
+    assert (await completion.complete(store.zk, paths, third, seen, None, next_held=True))[:2] == (
+        completion.Completion.DONE, after_fourth.next)
 
 
 async def test_a_range_completed_after_the_shard_moved_on_is_judged_on_what_is_there_now(store: Store) -> None:
@@ -1044,32 +1045,33 @@ async def test_a_range_completed_after_the_shard_moved_on_is_judged_on_what_is_t
     start = offset_seen(store)
 
     # A range open below: the offset stays at its start.
-    assert (await claims.complete(store.zk, paths, second, start, after_second))[:2] == (
-        claims.Completion.DONE, first.start)
+    assert (await completion.complete(store.zk, paths, second, start, after_second))[:2] == (
+        completion.Completion.DONE, first.start)
     # Another range claimed after this one and still open (the cursor moved since this
     # claim): the offset stops at that range's start.
     (second, after_second), = await claimed(store, "b")
-    assert (await claims.complete(store.zk, paths, first, offset_seen(store), after_first))[:2] == (
-        claims.Completion.DONE, second.start)
+    assert (await completion.complete(store.zk, paths, first, offset_seen(store), after_first))[:2] == (
+        completion.Completion.DONE, second.start)
 
     # The offset written by another completion since it was seen (its value the same, its
     # version new): read again, and the offset moves up to the cursor.
     stale = offset_seen(store)
     store.zk.set(paths.offset(0), store.zk.get(paths.offset(0))[0])
-    assert (await claims.complete(store.zk, paths, second, stale, after_second))[:2] == (
-        claims.Completion.DONE, second.end)
+    assert (await completion.complete(store.zk, paths, second, stale, after_second))[:2] == (
+        completion.Completion.DONE, second.end)
 
     # Taken over by another member since: lost, and nothing moves.
     ((third, after_third),) = await claimed(store, "c")
     seen = offset_seen(store)
     taken = await claims.rewrite(store.zk, paths, third, "taker", int(time.time() * 1000) + 60_000)
     assert taken is not None
-    assert (await claims.complete(store.zk, paths, third, seen, after_third))[:2] == (claims.Completion.LOST, third.start)
+    lost = await completion.complete(store.zk, paths, third, seen, after_third)
+    assert lost[:2] == (completion.Completion.LOST, third.start)
     assert offset_seen(store) == seen
 
     # The cursor moved over expired batches while the range was open: the offset follows it.
     skipped_to = after_third.next + 5
     assert await claims.skip_range(store.zk, paths, after_third, 0, skipped_to)
-    assert (await claims.complete(store.zk, paths, taken, offset_seen(store), after_third))[:2] == (
-        claims.Completion.DONE, skipped_to)
+    assert (await completion.complete(store.zk, paths, taken, offset_seen(store), after_third))[:2] == (
+        completion.Completion.DONE, skipped_to)
     assert open_claims(store, [0]) == []
