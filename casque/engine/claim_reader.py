@@ -356,7 +356,6 @@ class ClaimReader:
         finally:
             self._completing = None
 
-
     def _next_held(self) -> bool:
         """Whether this member holds the range that starts where this one ends."""
         return any(other.record.start == self.record.end and other.epoch == self.epoch and other.current
