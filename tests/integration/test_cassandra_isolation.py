@@ -56,7 +56,7 @@ from casque.sidecar.app import create_app
 from casque.sidecar.config import SidecarSettings
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
-from tests.fixtures.stack import chroot_on
+from tests.fixtures.stack import chroot_on, login_for_clean_up
 from tests.fixtures.waiting import wait_for
 from tests.integration.test_operator import Operator, casque_crds, create, delete, get, queue, wait_ready  # noqa: F401
 from tests.integration.test_transport_security import secure_settings
@@ -81,8 +81,7 @@ def installation(secure_stack: Stack) -> Iterator[Settings]:
         settings = secure_settings(secure_stack, keyspace, chrooted, cassandra_isolation="keyspace",
                                    derivation_key=SecretStr(secrets.token_urlsafe(32)))
         yield settings
-        # A new login can take longer than the driver's 5 s on a loaded machine: asked again.
-        admin = wait_for("a login for the clean-up", lambda: opened(settings), timeout=120)
+        admin = login_for_clean_up(settings)
         try:
             for namespace in (A, B):
                 role = tenancy.cassandra_role(settings, namespace)
@@ -92,13 +91,6 @@ def installation(secure_stack: Stack) -> Iterator[Settings]:
             admin.session.execute(f"DROP KEYSPACE IF EXISTS {keyspace}", timeout=SCHEMA_CHANGE_TIMEOUT_SECONDS)
         finally:
             admin.close()
-
-
-def opened(settings: Settings) -> Store | None:
-    try:
-        return Store.open(settings)
-    except BackendUnavailable:  # the driver's connect timed out
-        return None
 
 
 @pytest.fixture

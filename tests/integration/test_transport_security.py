@@ -41,7 +41,7 @@ from casque.sidecar.config import SidecarSettings
 from casque.specs import QueueSpec, SubscriberSpec
 from casque.store import Store
 from tests.fixtures.proxy import Proxy
-from tests.fixtures.stack import chroot_on, drop_keyspace
+from tests.fixtures.stack import chroot_on, drop_keyspace, login_for_clean_up
 from tests.fixtures.waiting import wait_for
 
 QUEUE = QueueRef("default", "payments")
@@ -80,7 +80,7 @@ def secure_zk_hosts(secure_stack: Stack) -> Iterator[str]:
 def settings(secure_stack: Stack, secure_zk_hosts: str) -> Iterator[Settings]:
     keyspace = f"t_{uuid.uuid4().hex[:16]}"
     yield secure_settings(secure_stack, keyspace, secure_zk_hosts)
-    admin = Store.open(secure_settings(secure_stack, keyspace, secure_zk_hosts))
+    admin = login_for_clean_up(secure_settings(secure_stack, keyspace, secure_zk_hosts))
     try:
         drop_keyspace(admin.session, keyspace)
     finally:
