@@ -86,8 +86,8 @@ async def reconcile_and_report(context: OperatorContext, body: kopf.Body, patch:
                     kopf.info(body, reason="Applied", message=f"Secret {tenancy.CASSANDRA_SECRET} written "
                               f"(the namespace's Cassandra role, keyspace {role.keyspace})")
         except InvalidSpec as error:  # a malformed quota annotation on the Namespace
-            return reconcile.failed(resource, Failure(failures.INVALID_QUOTA, str(error),
-                                                      context.options.quota_retry_seconds, error), now)
+            return reconcile.failed(resource, Failure(failures.INVALID_QUOTA, str(error), failures.QUOTA_RETRY_SECONDS,
+                                                      error), now)
         except ApiException as error:
             message = f"preparing namespace {resource.namespace}: Kubernetes API answered {error.status} {error.reason}"
             return reconcile.failed(resource, Failure("NamespaceNotPrepared", message, NAMESPACE_RETRY_SECONDS, error), now)
