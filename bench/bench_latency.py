@@ -48,7 +48,8 @@ from casque.store import Store
 
 import latency_floor
 from bench_sidecar import start_sidecar, wait_ready
-from benchlib import Figure, arguments, drop_scratch, parse, repeat_async, report, scratch_settings, sidecar_url
+from benchlib import (Figure, arguments, cpu_seconds, drop_scratch, parse, repeat_async, report, scratch_settings,
+                      sidecar_url)
 from keepalive import KeepAliveClient
 
 MODES = {"leased": ("leased", False), "shared": ("shared", False), "ordered": ("shared", True)}
@@ -266,7 +267,9 @@ async def measure_mode(setting: Setting, run: int, mode: str, floor: dict[str, f
                 await publish_phase(http, queue.name, consumers, Phase("warm", WARM_UP), 50, args.keys)
                 for rate, count in counts(args).items():
                     phase = Phase(f"r{rate}", count)
+                    cpu_before = cpu_seconds(p.pid for p in processes)
                     await publish_phase(http, queue.name, consumers, phase, rate, args.keys)
+                    figures[f"{mode}_{rate}_cpu"] = (cpu_seconds(p.pid for p in processes) - cpu_before) / count * 1000
                     p50, p90, p99 = quantiles(phase.latencies())
                     figures |= {f"{mode}_{rate}_p50": p50, f"{mode}_{rate}_p90": p90, f"{mode}_{rate}_p99": p99,
                                 f"{mode}_{rate}_p50_floor": p50 / floor[f"floor_{rate}_p50"],
@@ -318,7 +321,8 @@ def figure_list(rates: list[int]) -> list[Figure]:
             listed += [Figure(f"{mode}_{rate}_p50", f"  {mode}: publish -> first delivery p50", "ms"),
                        Figure(f"{mode}_{rate}_p90", "    p90", "ms"), Figure(f"{mode}_{rate}_p99", "    p99", "ms"),
                        Figure(f"{mode}_{rate}_p50_floor", "    p50 / floor's p50", "x"),
-                       Figure(f"{mode}_{rate}_p99_floor", "    p99 / floor's p99", "x")]
+                       Figure(f"{mode}_{rate}_p99_floor", "    p99 / floor's p99", "x"),
+                       Figure(f"{mode}_{rate}_cpu", "    CPU of the consuming sidecars per message", "ms")]
             if mode != "leased":
                 listed.append(Figure(f"{mode}_{rate}_of_leased", "    p50 / leased p50 (goal <= 1.5)", "x"))
         listed += [Figure(f"ordered_{rate}_handoff_p50", "  ordered: ack -> next of the key, when it waited, p50",

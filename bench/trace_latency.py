@@ -28,7 +28,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from casque.engine import catalog, claim_reader, claims, delivering, gaps, heads, keylocks, sharing, shard_reader
+from casque.engine import catalog, claim_reader, claims, completion, delivering, gaps, heads, keylocks, sharing
+from casque.engine import shard_reader
 from casque.engine import shard_writer
 from casque.engine.acking import AckTaker
 from casque.engine.batches import Log
@@ -64,7 +65,7 @@ STEPS: list[tuple[Any, str, str]] = [
     (AckTaker, "ack_many", "ack answered (durable)"),
     (keylocks.KeyLocks, "release", "ordered: key released"),
     (claim_reader.ClaimReader, "_complete_loop", "shared: range completion loop ended"),
-    (claims, "complete", "shared: range completed (ZooKeeper)"),
+    (completion, "complete", "shared: range completed (ZooKeeper)"),
 ]
 
 

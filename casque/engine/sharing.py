@@ -36,6 +36,7 @@ from casque.engine import claims, completion, gaps
 from casque.engine.batches import Batch
 from casque.engine.claim_reader import (DEMAND_SECONDS, ClaimReader, headroom, load_claim_reader, registration_of,
                                         session_of, vouches)
+from casque.engine.claim_turns import ClaimTurns
 from casque.engine.claims import ClaimRecord, Cursor
 from casque.engine.clock import clock_of
 from casque.engine.foreign_ranges import ForeignRanges
@@ -60,9 +61,8 @@ ORDERED_CLAIM_MESSAGES = 32
 # A member claims more while fewer than this many messages are ready (loaded, not handed out) here.
 CLAIM_LOW_WATER = 64
 # ... and only while its app asked for messages within DEMAND_SECONDS: an idle member hoards nothing.
-# ... and while it holds (loaded, in flight included) fewer messages and payload bytes than
-# these over all its ranges: an app that receives and never acks cannot make it read the
-# whole backlog into memory (a sidecar's container has 256 MiB).
+# ... and while it holds (loaded, in flight included) fewer messages and bytes than these: an app that
+# receives and never acks cannot make it read the whole backlog into memory (a sidecar has 256 MiB).
 MAX_LOADED_MESSAGES = 4000
 MAX_LOADED_BYTES = 16 * 1024 * 1024
 # With nothing to claim, look again this often (claims of others lapse without a watch firing).
@@ -113,6 +113,8 @@ class SharedDelivery:
         # Each shard's head as its watch last reported it, or as found past it and repaired here.
         self.heads = WatchedHeads(self.client, consumer.store.paths(consumer.queue).head, self.head_changed,
                                   lambda: not self._stopped)
+        self.turns = ClaimTurns(consumer.member_id, consumer.group_members,
+                                lambda seconds: asyncio.get_running_loop().call_later(seconds, self._want.set))
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -147,8 +149,8 @@ class SharedDelivery:
         self.space_freed()
 
     def vouched_for(self, deliveries: list[Delivery]) -> bool:
-        """Whether every delivery's range is still provably ours, now that its deliveries are
-        recorded: then no member can take it over without finding them in the ack rows."""
+        """Whether every delivery's range is still provably ours, its deliveries recorded: no
+        member can take it over without finding them in the ack rows."""
         return all((reader := self.source_for(d.message.position)) is not None and reader.vouched
                    for d in deliveries)
 
@@ -204,25 +206,22 @@ class SharedDelivery:
                 and sum(r.state.loaded_bytes for r in sources) < MAX_LOADED_BYTES)
 
     def _wake_scan_due(self) -> bool:
-        """Whether to look for ranges due to wake (their messages due for the dead-letter
-        queue) while the app asks for nothing: at most every WAKE_SCAN_SECONDS, and not while
-        stepped back or holding as much as a member may."""
+        """Whether to look for ranges due to wake (messages due for the dead-letter queue) with no
+        app asking: at most every WAKE_SCAN_SECONDS, not stepped back nor holding all it may."""
         if self.stepped_back or time.monotonic() - self._woken_scan_at < WAKE_SCAN_SECONDS:
             return False
         return self._below_caps()
 
     def ready_messages(self) -> int:
-        """Messages loaded here that the app could have: not in flight and, with ordered keys,
-        not held back behind other members' ranges as the last receive found them. Counting
-        those stopped a member claiming while all it held waited for the others."""
+        """Messages loaded here the app could have: not in flight nor (ordered keys) held back behind
+        others' ranges as the last receive found (else a member stopped claiming while it waited)."""
         return sum(max(0, r.state.loaded_messages - r.state.in_flight - r.state.held_by_others)
                    for r in self.sources())
 
     def demand(self) -> None:
         """The app asked for messages: claim more if few are ready here."""
         self.last_demand = time.monotonic()
-        if self.ready_messages() < CLAIM_LOW_WATER:
-            self._want.set()
+        self.space_freed()
 
     def space_freed(self) -> None:
         if time.monotonic() - self.last_demand < DEMAND_SECONDS and self.ready_messages() < CLAIM_LOW_WATER:
@@ -296,8 +295,8 @@ class SharedDelivery:
                 return reader
         return None
 
-    async def _cursor(self, shard: int) -> Cursor:
-        cursor = self._cursors.get(shard)
+    async def _cursor(self, shard: int, read: bool = False) -> Cursor:
+        cursor = None if read else self._cursors.get(shard)
         if cursor is None:
             cursor = await claims.ensure_cursor(self.client, self.paths, shard)
             self._cursors[shard] = cursor
@@ -336,6 +335,11 @@ class SharedDelivery:
             if not batches or batches[0].header.batch != cursor.next:
                 if cursor.next > head and not self.heads.probe_due(shard):
                     return None
+                if cursor.next <= head:  # fresh batches: this member's turn, or another's (claim_turns)
+                    taking = await self.turns.cursor_to_claim(shard, head, cursor, lambda: self._cursor(shard, True))
+                    if taking is None or taking.next > head:
+                        return None
+                    cursor = taking
                 batches = await self.consumer.log.read_from(shard, cursor.next)
                 self.consumer.counters.batch_reads += 1
                 if batches and batches[-1].header.batch > head:
@@ -352,7 +356,8 @@ class SharedDelivery:
             missing = await gaps.prove_read(self.consumer.log, shard, cursor.next, batches)
             taken: list[Batch] = []
             count = 0
-            target = self._claim_target(sum(len(b.messages) for b in batches))
+            target = claims.claim_target(sum(len(b.messages) for b in batches), len(self.consumer.group_members()),
+                                         ORDERED_CLAIM_MESSAGES if self.ordered else CLAIM_MESSAGES)
             for batch in batches:
                 taken.append(batch)
                 count += len(batch.messages)
@@ -377,11 +382,6 @@ class SharedDelivery:
             self.claims_taken += 1
             return await self._reader(record, registration, taken, now)
         return None
-
-    def _claim_target(self, available: int) -> int:
-        """Messages to claim (claims.claim_target), at most CLAIM_MESSAGES (ORDERED_... with ordered keys)."""
-        most = ORDERED_CLAIM_MESSAGES if self.ordered else CLAIM_MESSAGES
-        return claims.claim_target(available, len(self.consumer.group_members()), most)
 
     async def _skip_expired(self, shard: int, cursor: Cursor, head: int) -> None:
         """Batches from the cursor up to the head were not read: move the cursor to the next

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import pytest
 
-from casque.engine import catalog, claims, completion
+from casque.engine import catalog, claim_turns, claims, completion, heads
 from casque.engine.claim_reader import ClaimReader
 from casque.engine.consumer import Consumer
 from casque.engine.foreign_ranges import ForeignRanges
@@ -1075,3 +1075,71 @@ async def test_a_range_completed_after_the_shard_moved_on_is_judged_on_what_is_t
     assert (await completion.complete(store.zk, paths, taken, offset_seen(store), after_third))[:2] == (
         completion.Completion.DONE, skipped_to)
     assert open_claims(store, [0]) == []
+
+
+@pytest.fixture
+def races_lost(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The member of every claim of a fresh range refused because another member claimed first."""
+    lost: list[str] = []
+    claim_range = claims.claim_range
+
+    async def counted(*args: Any) -> tuple[claims.ClaimRecord | None, claims.Cursor | None]:
+        record, now = await claim_range(*args)
+        if record is None and now != args[3]:  # not a first claim that made the claims' znode
+            lost.append(args[5])
+        return record, now
+
+    monkeypatch.setattr(claims, "claim_range", counted)
+    return lost
+
+
+async def trickle(store: Store, members: list[Consumer], count: int, group: int) -> dict[str, list[Consumer]]:
+    """`count` messages published one at a time, each once the one before was acked, to
+    members that receive and ack as apps do (in a group of `group`); who received what."""
+    await until("the members see the group", lambda: all(len(m.group_members()) == group for m in members))
+    received: dict[str, list[Consumer]] = {}
+    acked: set[str] = set()
+    stop = asyncio.Event()
+    apps = [asyncio.create_task(work(m, received, stop, acked)) for m in members]
+    publisher = Publisher(store, QUEUE, catalog.read_queue(store, QUEUE))
+    try:
+        for i in range(count):
+            (result,) = await publisher.publish([OutgoingMessage(f"trickle-{i}".encode())])
+            await publisher.flush_heads()
+            await until(f"trickle-{i} acked", lambda: result.message_id in acked)
+    finally:
+        stop.set()
+        await asyncio.gather(*apps)
+    return received
+
+
+async def test_members_take_turns_with_a_trickle_and_lose_no_race_for_it(
+    store: Store, consumers: list[Consumer], races_lost: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each new batch wakes every member; the one whose turn it is claims it and the others
+    leave it (all went after it from the same cursor, and all but one lost the race)."""
+    monkeypatch.setattr(claim_turns, "TURN_WAIT_SECONDS", 3600.0)  # no turn runs out here
+    # A member whose head watch is late may find the batch by looking past the head, which
+    # claims without asking whose turn it is; no looking past the head here.
+    monkeypatch.setattr(heads, "PAST_HEAD_PROBE_SECONDS", 3600.0)
+    setup(store, shards=1)
+    a, b = await start(consumers, store), await start(consumers, store)
+    received = await trickle(store, [a, b], 20, group=2)
+    assert len(received) == 20 and all(len(who) == 1 for who in received.values())
+    assert races_lost == []
+    assert {who[0].member_id for who in received.values()} == {a.member_id, b.member_id}
+
+
+async def test_a_member_whose_app_asks_for_nothing_costs_the_others_one_wait_for_its_turns(
+    store: Store, consumers: list[Consumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B leaves A's first turn to A, finds its batch still there when the wait runs out, claims
+    it, and takes A's turns at once from then on."""
+    monkeypatch.setattr(claim_turns, "ABSENT_SECONDS", 3600.0)
+    setup(store, shards=1)
+    await start(consumers, store)  # A: its app asks for nothing
+    b = await start(consumers, store)
+    assert b._sharing is not None
+    received = await trickle(store, [b], 20, group=2)
+    assert len(received) == 20 and all(who == [b] for who in received.values())
+    assert b._sharing.turns.absences == 1 and b._sharing.turns.waits == 1
