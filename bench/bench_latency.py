@@ -2,7 +2,7 @@
 beside the drivers' floor measured in the same run.
 
     python bench/bench_latency.py [--seconds 8] [--rates 10,100,1000] [--keys 20] [--shards 2]
-        [--runs 3] [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
+        [--hogs 0] [--runs 3] [--json] [--smoke] [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 Runs on the local stack (`casque dev up`) in a keyspace of its own, dropped at the end. This
 process is the apps: one publisher and the consumers. It publishes through a sidecar of its
@@ -25,7 +25,9 @@ The floor (latency_floor.py) is the same schedule through the drivers alone: a c
 write, a ZooKeeper write, a watch firing and a read, nothing else. Each mode's p50 and p99
 are also given as ratios to the floor's at the same rate, measured in the same run. Before
 each mode's rates, a few messages warm it up (connections, the publisher of the queue, the
-members' first claims); they are not counted.
+members' first claims); they are not counted. Each mode's rows give the CPU its two consuming
+sidecars used per message (utime + stime from /proc). `--hogs 2` runs two busy processes
+beside it all: the figures of a machine loaded by other work, to set beside a quiet run's.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from casque.store import Store
 
 import latency_floor
 from bench_sidecar import start_sidecar, wait_ready
-from benchlib import (Figure, arguments, cpu_seconds, drop_scratch, parse, repeat_async, report, scratch_settings,
-                      sidecar_url)
+from benchlib import (Figure, arguments, cpu_hogs, cpu_seconds, drop_scratch, parse, repeat_async, report,
+                      scratch_settings, sidecar_url)
 from keepalive import KeepAliveClient
 
 MODES = {"leased": ("leased", False), "shared": ("shared", False), "ordered": ("shared", True)}
@@ -342,6 +344,7 @@ async def main() -> None:
     parser.add_argument("--rates", default="10,100,1000", help="publishes a second, comma-separated")
     parser.add_argument("--keys", type=int, default=20)
     parser.add_argument("--burst", type=int, default=200, help="messages of one key published in one call")
+    parser.add_argument("--hogs", type=int, default=0, help="busy processes beside the whole run (a loaded machine)")
     args = parse(parser, smoke_messages=0)
     args.rates = [int(rate) for rate in args.rates.split(",")]
     if args.smoke:
@@ -350,6 +353,7 @@ async def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="casque-bench-latency-"))
     store = Store.open(settings)
     publisher = None
+    hogs = cpu_hogs(args.hogs)
     try:
         catalog.ensure_installation(store)
         log = logs / "publisher.log"
@@ -360,12 +364,13 @@ async def main() -> None:
         setting = Setting(args, settings, store, url, logs)
         samples = await repeat_async(args.runs, lambda run: once(setting, run))
     finally:
-        if publisher is not None:
-            stop(publisher)
+        for process in [publisher, *hogs] if publisher is not None else hogs:
+            stop(process)
         drop_scratch(store, settings)
         store.close()
     report("latency", args, {"seconds per rate": args.seconds, "keys": args.keys, "shards": args.shards,
-                             "sidecars per subscriber": SIDECARS_PER_MODE, "loops per sidecar": LOOPS_PER_SIDECAR},
+                             "sidecars per subscriber": SIDECARS_PER_MODE, "loops per sidecar": LOOPS_PER_SIDECAR,
+                             "CPU hogs": args.hogs},
            figure_list(args.rates), samples)
 
 

@@ -58,6 +58,11 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return total
 
 
+def cpu_hogs(count: int) -> list[subprocess.Popen[bytes]]:
+    """`count` busy processes, each taking a core if it can: a machine loaded by other work."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
 def thread_cpu_seconds(pid: int) -> dict[int, float]:
     """Each live thread's user + system CPU time so far, by its thread id."""
     found: dict[int, float] = {}

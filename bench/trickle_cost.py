@@ -1,12 +1,12 @@
 """What one message costs when messages come one at a time: CPU seconds and backend requests
 per message, by delivery mode, in the engine alone.
 
-    python bench/trickle_cost.py [--modes leased,shared,ordered] [--rate 50] [--messages 1000]
+    python bench/trickle_cost.py [--modes leased,shared,ordered] [--rate 50] [--messages 1000] [--members 1]
         [--cassandra 127.0.0.1:9042] [--zookeeper 127.0.0.1:2181]
 
 First the floor of one request: a prepared INSERT at a time, back to back, CPU per request.
-Then one process runs a publisher and one member of a subscriber (two receive loops that ack at
-once) on a two-shard queue, in a keyspace of its own, dropped at the end. It publishes one
+Then one process runs a publisher and `--members` members of a subscriber (each of two receive
+loops that ack at once) on a two-shard queue, in a keyspace of its own, dropped at the end. It publishes one
 message per call at `--rate`, waits until every one was received, and prints for each mode:
 this process's CPU per message by thread (from /proc), the whole machine's busy CPU per
 message (Cassandra and ZooKeeper included, when nothing else runs), the publish -> receive
@@ -162,11 +162,12 @@ async def measure(store: Store, requests: Requests, mode: str, args: argparse.Na
         queue=queue.name, start_position="earliest", visibility_timeout_seconds=30, delivery=delivery,
         ordered_keys=ordered))
     publisher = Publisher(store, queue, catalog.read_queue(store, queue))
-    consumer = Consumer(store, queue, "app")
-    await consumer.start()
+    consumers = [Consumer(store, queue, "app") for _ in range(args.members)]
+    for consumer in consumers:
+        await consumer.start()
     received: dict[bytes, float] = {}
     stop = asyncio.Event()
-    loops = [asyncio.create_task(receive_loop(consumer, received, stop)) for _ in range(LOOPS)]
+    loops = [asyncio.create_task(receive_loop(consumer, received, stop)) for consumer in consumers for _ in range(LOOPS)]
     try:
         for i in range(WARM_UP):
             await publisher.publish([OutgoingMessage(f"warm-{i}".encode(), key=f"k{i % 20}")])
@@ -189,7 +190,8 @@ async def measure(store: Store, requests: Requests, mode: str, args: argparse.Na
     finally:
         stop.set()
         await asyncio.gather(*loops)
-        await consumer.stop()
+        for consumer in consumers:
+            await consumer.stop()
         await publisher.flush_heads()
     report(mode, args, sent, received, threads_before, threads_after, machine_after - machine_before, requests)
 
@@ -218,6 +220,7 @@ async def main() -> None:
     parser.add_argument("--modes", default="leased,shared,ordered")
     parser.add_argument("--rate", type=float, default=50.0, help="messages published a second, one per call")
     parser.add_argument("--messages", type=int, default=1000)
+    parser.add_argument("--members", type=int, default=1, help="members of the subscriber, each of two receive loops")
     parser.add_argument("--cassandra", default="127.0.0.1:9042")
     parser.add_argument("--zookeeper", default="127.0.0.1:2181")
     args = parser.parse_args()
