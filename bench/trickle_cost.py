@@ -6,10 +6,10 @@ per message, by delivery mode, in the engine alone.
 
 First the floor of one request: a prepared INSERT at a time, back to back, CPU per request.
 Then one process runs a publisher and `--members` members of a subscriber (each of two receive
-loops that ack at once) on a two-shard queue, in a keyspace of its own, dropped at the end. It publishes one
-message per call at `--rate`, waits until every one was received, and prints for each mode:
-this process's CPU per message by thread (from /proc), the whole machine's busy CPU per
-message (Cassandra and ZooKeeper included, when nothing else runs), the publish -> receive
+loops that ack at once) on a two-shard queue, in a keyspace of its own, dropped at the end. It
+publishes one message per call at `--rate`, waits until every one was received, and prints for
+each mode: this process's CPU per message by thread (from /proc), the whole machine's busy CPU
+per message (Cassandra and ZooKeeper included, when nothing else runs), the publish -> receive
 p50 and p90, and each kind of Cassandra statement and ZooKeeper request per message.
 
 At a trickle nothing is shared between messages: each request costs the drivers a round
@@ -167,7 +167,8 @@ async def measure(store: Store, requests: Requests, mode: str, args: argparse.Na
         await consumer.start()
     received: dict[bytes, float] = {}
     stop = asyncio.Event()
-    loops = [asyncio.create_task(receive_loop(consumer, received, stop)) for consumer in consumers for _ in range(LOOPS)]
+    loops = [asyncio.create_task(receive_loop(consumer, received, stop))
+             for consumer in consumers for _ in range(LOOPS)]
     try:
         for i in range(WARM_UP):
             await publisher.publish([OutgoingMessage(f"warm-{i}".encode(), key=f"k{i % 20}")])
