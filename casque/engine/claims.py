@@ -212,6 +212,17 @@ async def ensure_cursor(client: KazooClient, paths: SubscriberPaths, shard: int)
         return Cursor(offset, epoch, stat.version)
 
 
+async def current_cursor(client: KazooClient, paths: SubscriberPaths, shard: int, known: Cursor | None) -> Cursor:
+    """The shard's cursor as it is now. One read when one of the same epoch is `known` here:
+    claiming from a cursor left behind the offset claims only batches the range's reader
+    finds done, and a completion never moves the offset back. Else `ensure_cursor`."""
+    if known is not None:
+        cursor = await read_cursor(client, paths, shard)
+        if cursor is not None and cursor.epoch == known.epoch:
+            return cursor
+    return await ensure_cursor(client, paths, shard)
+
+
 async def claim_range(
     client: KazooClient, paths: SubscriberPaths, shard: int, cursor: Cursor, end: int, member: str, until_ms: int,
     keys: frozenset[int] = frozenset(), session: int = 0,

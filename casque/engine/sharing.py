@@ -296,9 +296,9 @@ class SharedDelivery:
         return None
 
     async def _cursor(self, shard: int, read: bool = False) -> Cursor:
-        cursor = None if read else self._cursors.get(shard)
-        if cursor is None:
-            cursor = await claims.ensure_cursor(self.client, self.paths, shard)
+        cursor = self._cursors.get(shard)
+        if cursor is None or read:
+            cursor = await claims.current_cursor(self.client, self.paths, shard, cursor)
             self._cursors[shard] = cursor
             self._epochs[shard] = cursor.epoch
         return cursor

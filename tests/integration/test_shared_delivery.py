@@ -9,6 +9,7 @@ offset moves over the completed prefix only; a seek replays in a new epoch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, cast
@@ -1143,3 +1144,22 @@ async def test_a_member_whose_app_asks_for_nothing_costs_the_others_one_wait_for
     received = await trickle(store, [b], 20, group=2)
     assert len(received) == 20 and all(who == [b] for who in received.values())
     assert b._sharing.turns.absences == 1 and b._sharing.turns.waits == 1
+
+
+async def test_the_cursor_read_again_while_one_of_its_epoch_is_known_takes_one_request(
+    store: Store, zk_requests: list[str]
+) -> None:
+    setup(store, shards=1)
+    paths = store.paths(QUEUE).subscriber(SUBSCRIBER)
+    known = await claims.ensure_cursor(store.zk, paths, 0)
+    ((_, moved),) = await claimed(store, "other")  # another member claimed since
+    zk_requests.clear()
+    assert await claims.current_cursor(store.zk, paths, 0, known) == moved
+    assert zk_requests == ["get_async"]
+    # None known, or one of another epoch (a seek not seen here): the offset is read too.
+    zk_requests.clear()
+    assert await claims.current_cursor(store.zk, paths, 0, None) == moved
+    assert zk_requests == ["get_async", "get_async"]
+    zk_requests.clear()
+    assert await claims.current_cursor(store.zk, paths, 0, dataclasses.replace(known, epoch=known.epoch + 1)) == moved
+    assert zk_requests == ["get_async"] * 3
