@@ -60,6 +60,8 @@ class ClaimTurns:
         self._absent_until: dict[str, float] = {}
         # Shards whose cursor as known here may be behind: this member held off while others claimed.
         self._stale: set[int] = set()
+        # The head each shard had when this member last judged whose turn it was.
+        self._judged_at: dict[int, int] = {}
         self.waits = 0
         self.absences = 0
 
@@ -67,6 +69,12 @@ class ClaimTurns:
                               read_cursor: Callable[[], Awaitable[Cursor]]) -> Cursor | None:
         """The cursor to claim the shard's batches up to `head` from (read again if this member
         held off since it last read it), or None while another member's turn lasts."""
+        last = self._judged_at.get(shard)
+        self._judged_at[shard] = head
+        if last is None or head > last + 1:
+            # Heads this member never judged (a watch that reported two changes as one) may
+            # have been other members' turns, claimed meanwhile.
+            self._stale.add(shard)
         if self.hold_off(shard, head, cursor.next):
             self._stale.add(shard)
             return None

@@ -124,5 +124,25 @@ def test_the_cursor_is_read_again_before_claiming_after_holding_off() -> None:
     assert reads == []
     assert asyncio.run(turns.cursor_to_claim(0, mine, stale, read_cursor)) == Cursor(other + 1, 0, 5)
     assert reads == [1]
-    assert asyncio.run(turns.cursor_to_claim(0, mine, Cursor(other + 1, 0, 5), read_cursor)) == Cursor(other + 1, 0, 5)
-    assert reads == [1]  # read once: known since
+    known = Cursor(mine + 1, 0, 6)  # this member's own claim left it there
+    assert asyncio.run(turns.cursor_to_claim(0, mine + 1, known, read_cursor)) in (None, known)
+    assert reads == [1]  # the next head after one judged here: nobody else's turn came between
+
+
+def test_the_cursor_is_read_again_first_and_after_heads_this_member_never_judged() -> None:
+    turns, _ = turns_of("m-a", Clock(), ["m-a"])
+    reads: list[int] = []
+
+    async def read_cursor() -> Cursor:
+        reads.append(1)
+        return Cursor(9, 0, 9)
+
+    def judge(head: int) -> None:
+        asyncio.run(turns.cursor_to_claim(0, head, Cursor(head, 0, 1), read_cursor))
+
+    judge(5)
+    assert len(reads) == 1  # the cursor known may be from long ago
+    judge(6)
+    assert len(reads) == 1  # the next head: nobody's turn came between
+    judge(8)
+    assert len(reads) == 2  # head 7 was never judged here: it may have been another's turn
