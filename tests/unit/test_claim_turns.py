@@ -68,13 +68,19 @@ def test_a_member_alone_or_not_yet_seen_in_the_group_never_holds_off() -> None:
     assert not any(unseen.hold_off(0, head, head) for head in range(20))
 
 
-def test_a_wait_that_ran_out_with_its_batches_unclaimed_marks_their_member_absent_for_a_while() -> None:
-    clock = Clock()
+def wait_out_m_b(clock: Clock) -> tuple[ClaimTurns, list[float], int]:
+    """m-a, having left one of m-b's turns to it until the wait ran out."""
     turns, wakes = turns_of("m-a", clock)
     head = head_of_turn("m-b")
     assert turns.hold_off(0, head, head)
     clock.now += TURN_WAIT_SECONDS
     assert not turns.hold_off(0, head, head)  # m-b had its time
+    return turns, wakes, head
+
+
+def test_a_wait_that_ran_out_with_its_batches_unclaimed_marks_their_member_absent_for_a_while() -> None:
+    clock = Clock()
+    turns, wakes, head = wait_out_m_b(clock)
     turns.settle(0, head)  # the cursor read again: still at m-b's batch
     assert turns.absences == 1
     later = next(h for h in range(head + 1, 1000) if turn_of(MEMBERS, 0, h) == "m-b")
@@ -85,12 +91,7 @@ def test_a_wait_that_ran_out_with_its_batches_unclaimed_marks_their_member_absen
 
 
 def test_a_wait_whose_batches_were_claimed_marks_nobody_absent() -> None:
-    clock = Clock()
-    turns, _ = turns_of("m-a", clock)
-    head = head_of_turn("m-b")
-    assert turns.hold_off(0, head, head)
-    clock.now += TURN_WAIT_SECONDS
-    assert not turns.hold_off(0, head, head)
+    turns, _, head = wait_out_m_b(Clock())
     turns.settle(0, head + 1)  # m-b claimed them
     assert turns.absences == 0
     assert turns.hold_off(0, head, head)  # its next turn is waited for again
